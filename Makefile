@@ -1,0 +1,38 @@
+# anelab: two entry points on a fresh machine — `make reproduce` and `make test`.
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: reproduce test lab install clean benchmarks
+
+$(PY):
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=/path/to/python3.11 ...'"; exit 2; }
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m ipykernel install --sys-prefix --name anelab --display-name "anelab (.venv)" >/dev/null
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+## Reproduce the studies and figures (the main job).
+reproduce: $(STAMP)
+	$(PY) -m anelab reproduce
+
+## Run the test suite (CI calls this).
+test: $(STAMP)
+	$(PY) -m pytest -n 2 -q
+
+## Open the notebooks in JupyterLab with the project's kernel.
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab notebooks/
+
+## Performance benchmarks (ratios measured in one run; not part of the tests).
+benchmarks: $(STAMP)
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf build .pytest_cache

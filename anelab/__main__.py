@@ -1,0 +1,3 @@
+from anelab.cli import main
+
+raise SystemExit(main())
