@@ -42,6 +42,128 @@ def _register(name, add_fn, run_fn):
 
 
 # >>> section: core (export / inspect / evaluate / verify / reproduce)
+def _add_export(sub):
+    p = sub.add_parser("export", help="export full-attention layers as multifunction Core ML sidecars")
+    p.add_argument("checkpoint", help="Hugging Face-style model directory (config.json + safetensors)")
+    p.add_argument("--chunk", type=int, required=True, help="chunk width C (rows per call)")
+    p.add_argument("--histories", type=_int_list, required=True, help="comma-separated histories, multiples of C (e.g. 0,C,2C)")
+    p.add_argument("--layers", type=_int_list, default=None, help="full-attention layers to export (default: all)")
+    p.add_argument("--graph", default="dense", help="graph form (dense)")
+    p.add_argument("--out", required=True, help="output directory for layer_<L>.mlpackage")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+
+
+def _run_export(args):
+    from anelab import coreml_runtime
+    from anelab.export import export_sidecars
+
+    runtime = coreml_runtime.default_runtime()
+    results = export_sidecars(args.checkpoint, args.out, args.chunk, args.histories, args.layers,
+                              graph=args.graph, runtime=runtime)
+    summary = [{"package": str(r.package), "layer": r.metadata.layer, "functions": r.metadata.functions,
+                "coverage": r.metadata.coverage, "weight_bytes": r.weight_bytes,
+                "single_function_weight_bytes": r.metadata.single_function_weight_bytes,
+                "aneCompileVerified": r.metadata.ane_verified, "reason": r.metadata.ane_reason} for r in results]
+    if args.json:
+        _print_json(summary)
+    else:
+        for s in summary:
+            print(f"{s['package']}: functions {','.join(s['functions'])}; coverage {s['coverage']}; "
+                  f"weights {s['weight_bytes']:,} B ({s['weight_bytes'] / max(1, s['single_function_weight_bytes']):.3f}x one function)")
+        if results and not results[0].metadata.ane_verified:
+            print(f"aneCompileVerified: false — {results[0].metadata.ane_reason}")
+    return 0
+
+
+def _add_inspect(sub):
+    p = sub.add_parser("inspect", help="functions, shapes, op counts, weight bytes and metadata of a saved package")
+    p.add_argument("package")
+    p.add_argument("--json", action="store_true")
+
+
+def _run_inspect(args):
+    from anelab.inspect import inspect_package
+
+    info = inspect_package(args.package)
+    if args.json:
+        _print_json(info)
+    else:
+        from anelab.inspect import format_inspection
+
+        print(format_inspection(info))
+    return 0
+
+
+def _add_evaluate(sub):
+    p = sub.add_parser("evaluate", help="run one function of a saved package with NumPy (any OS)")
+    p.add_argument("package")
+    p.add_argument("--function", required=True, help="function name, h<history>")
+    p.add_argument("--inputs", required=True, help=".npz with arrays named like the function's inputs")
+    p.add_argument("--out", required=True, help=".npz to write the outputs to")
+    p.add_argument("--fp32", action="store_true", help="evaluate in fp32 (no fp16 storage emulation)")
+
+
+def _run_evaluate(args):
+    import numpy as np
+
+    from anelab.mil_eval import SavedPackage, evaluate
+    from anelab.records import atomic_write_bytes
+
+    pkg = SavedPackage(args.package)
+    pkg.function(args.function)
+    try:
+        with np.load(args.inputs, allow_pickle=False) as npz:
+            inputs = {k: npz[k] for k in npz.files}
+    except FileNotFoundError:
+        raise AnelabInputError(f"{args.inputs}: no such file; give an .npz of the function's inputs") from None
+    except (ValueError, OSError) as e:
+        raise AnelabInputError(f"{args.inputs}: not a readable .npz ({type(e).__name__}); write it with numpy.savez") from None
+    outputs = evaluate(pkg, args.function, inputs, fp16=not args.fp32)
+    import io
+
+    buf = io.BytesIO()
+    np.savez(buf, **outputs)
+    atomic_write_bytes(args.out, buf.getvalue())
+    print(f"{args.out}: " + ", ".join(f"{k} {list(v.shape)} {v.dtype}" for k, v in outputs.items()))
+    return 0
+
+
+def _add_verify(sub):
+    p = sub.add_parser("verify", help="check a saved package against the NumPy reference, with negative controls")
+    p.add_argument("package")
+    p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the one the package records)")
+    p.add_argument("--fp32", action="store_true", help="evaluate the package in fp32 instead of emulating fp16 storage")
+    p.add_argument("--json", action="store_true")
+
+
+def _run_verify(args):
+    from anelab.verify import verify_package
+
+    report = verify_package(args.package, args.checkpoint, fp16=not args.fp32)
+    if args.json:
+        _print_json(report.to_dict())
+    else:
+        print(report.table())
+    return 0 if report.passed else 1
+
+
+def _add_reproduce(sub):
+    p = sub.add_parser("reproduce", help="the main job: export + verify the default sidecar, run the study notebooks, write figures")
+    p.add_argument("--quick", action="store_true", help="small parameters (what the tests run)")
+    p.add_argument("--build", default="build", help="build directory (default: build)")
+
+
+def _run_reproduce(args):
+    from anelab.reproduce import reproduce
+
+    return reproduce(quick=args.quick, build=args.build)
+
+
+_register("export", _add_export, _run_export)
+_register("inspect", _add_inspect, _run_inspect)
+_register("evaluate", _add_evaluate, _run_evaluate)
+_register("verify", _add_verify, _run_verify)
+_register("reproduce", _add_reproduce, _run_reproduce)
 # <<< section: core
 
 # >>> section: runtime (doctor)
@@ -51,6 +173,39 @@ def _register(name, add_fn, run_fn):
 # <<< section: plan
 
 # >>> section: gather (size / probe)
+def _add_size(sub):
+    p = sub.add_parser("size", help="bytes of a gather graph's gathered keys against the dense score matrix")
+    p.add_argument("--heads", type=int, required=True, help="query heads")
+    p.add_argument("--head-dim", type=int, required=True)
+    p.add_argument("--chunk", type=int, required=True, help="query rows per chunk")
+    p.add_argument("--total", type=int, required=True, help="keys per row: history + chunk")
+    p.add_argument("--budget", type=int, required=True, help="keys gathered per row")
+    p.add_argument("--kv-heads", type=int, default=None, help="gather once per KV head (default: per query head)")
+    p.add_argument("--json", action="store_true", help="print the sizing as JSON")
+
+
+def _run_size(args):
+    from anelab.gather import GB, GatherSizing
+
+    s = GatherSizing(args.heads, args.head_dim, args.chunk, args.total, args.budget, kv_heads=args.kv_heads)
+    d = s.to_dict()
+    if args.json:
+        _print_json(d)
+        return 0
+    rows = [
+        ("dense scores", list(s.dense_score_shape), s.dense_score_bytes),
+        ("gathered keys", list(s.gather_key_shape), s.gather_key_bytes),
+        ("gathered values", list(s.gather_key_shape), s.gather_value_bytes),
+    ]
+    print(f"{'tensor':<16} {'shape':<26} {'bytes':>16} {'GB':>10}")
+    for name, shape, nbytes in rows:
+        print(f"{name:<16} {str(shape):<26} {nbytes:>16,} {nbytes / GB:>10.2f}")
+    print(f"gathered keys / dense scores: {s.ratio:.2f}x (GB = 1e9 bytes)")
+    print(f"gathered keys are smaller than dense scores only for budget <= {d['crossover_budget']}")
+    return 0
+
+
+_register("size", _add_size, _run_size)
 # <<< section: gather
 
 
@@ -74,6 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     except AnelabInputError as e:
         print(f"anelab: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except RuntimeError as e:
+        if type(e).__name__ != "AneGateError":
+            raise
+        print(f"anelab: export refused: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        return 0
     except KeyboardInterrupt:
         print("anelab: interrupted", file=sys.stderr)
         return 130

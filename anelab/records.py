@@ -217,3 +217,18 @@ def read_records(directory: str | os.PathLike, kind: str | None = None) -> list[
         if kind is None or record["kind"] == kind:
             out.append({**record, "_file": path.name})
     return out
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write bytes via a temporary file in the same directory and rename into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path

@@ -1,0 +1,291 @@
+"""Sidecar export: checkpoint layer -> ``layer_<L>.mlpackage`` (multifunction, one ``h<H>`` per history).
+
+Each history is converted on its own (fp16 mlprogram, macOS 15 / iOS 18), then the variants are
+merged with ``save_multifunction`` (which stores shared weights once) and the package metadata is
+written back (the merge drops ``user_defined_metadata``). Everything happens in a temporary
+directory next to the destination; the finished package is renamed into place, so an interrupted
+export never leaves a half package at the final path.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from anelab import __version__
+from anelab.checkpoint import load_checkpoint
+from anelab.errors import AnelabInputError
+from anelab.geometry import coverage, validate_chunk_and_histories
+from anelab.graph import SidecarShape, build_dense_program, coremltools_modules, quiet_coremltools
+
+FORMAT_VERSION = 1
+WEIGHTS_RELATIVE = Path("Data/com.apple.CoreML/weights/weight.bin")
+OFF_MAC_REASON = "not verified: the Core ML runtime is unavailable on this machine (needs macOS 15+); run the export on a Mac"
+
+# metadata keys (Core ML user-defined metadata is str -> str; structured values are JSON)
+META = {
+    "format": "anelab.format",
+    "source": "anelab.source",
+    "layer": "anelab.layer",
+    "geometry": "anelab.geometry",
+    "chunk": "anelab.chunk",
+    "histories": "anelab.histories",
+    "coverage": "anelab.coverage",
+    "graph": "anelab.graph",
+    "weights": "anelab.weights",
+    "single_function_weight_bytes": "anelab.singleFunctionWeightBytes",
+    "selection_folded": "selectionFolded",
+    "selection_indexer": "selectionIndexer",
+    "ane_verified": "aneCompileVerified",
+    "ane_reason": "aneCompileVerifiedReason",
+    "ane_evidence": "aneEvidence",
+    "coremltools": "anelab.coremltoolsVersion",
+    "anelab": "anelab.version",
+    "exported_at": "anelab.exportedAt",
+}
+
+
+def function_name(history: int) -> str:
+    return f"h{history}"
+
+
+def history_of(function: str) -> int:
+    if not (function.startswith("h") and function[1:].isdigit()):
+        raise AnelabInputError(f"function name {function!r} is not of the form h<history>")
+    return int(function[1:])
+
+
+@dataclass
+class SidecarMetadata:
+    """What a sidecar package records about itself (parsed from its user-defined metadata)."""
+
+    format_version: int
+    source: str
+    layer: int
+    geometry: dict
+    chunk: int
+    histories: list[int]
+    coverage: int
+    graph: str = "dense"
+    weights: str = "fp16"
+    single_function_weight_bytes: int = 0
+    selection_folded: bool = False
+    selection_indexer: dict | None = None
+    ane_verified: bool = False
+    ane_reason: str = ""
+    ane_evidence: dict = field(default_factory=dict)
+    coremltools: str = ""
+    anelab: str = ""
+    exported_at: str = ""
+
+    @property
+    def functions(self) -> list[str]:
+        return [function_name(h) for h in self.histories]
+
+    def to_strings(self) -> dict[str, str]:
+        def enc(v):
+            if isinstance(v, bool):
+                return "true" if v else "false"
+            if isinstance(v, (dict, list)) or v is None:
+                return json.dumps(v, sort_keys=True) if not isinstance(v, list) or not all(isinstance(x, int) for x in v) else ",".join(map(str, v))
+            return str(v)
+
+        return {
+            META["format"]: str(self.format_version), META["source"]: self.source, META["layer"]: str(self.layer),
+            META["geometry"]: json.dumps(self.geometry, sort_keys=True), META["chunk"]: str(self.chunk),
+            META["histories"]: ",".join(map(str, self.histories)), META["coverage"]: str(self.coverage),
+            META["graph"]: self.graph, META["weights"]: self.weights,
+            META["single_function_weight_bytes"]: str(self.single_function_weight_bytes),
+            META["selection_folded"]: enc(self.selection_folded),
+            META["selection_indexer"]: json.dumps(self.selection_indexer, sort_keys=True),
+            META["ane_verified"]: enc(self.ane_verified), META["ane_reason"]: self.ane_reason,
+            META["ane_evidence"]: json.dumps(self.ane_evidence, sort_keys=True),
+            META["coremltools"]: self.coremltools, META["anelab"]: self.anelab, META["exported_at"]: self.exported_at,
+        }
+
+    @classmethod
+    def from_strings(cls, meta: dict[str, str], where: str) -> "SidecarMetadata":
+        def get(key, parse=str, required=True, default=None):
+            raw = meta.get(META[key])
+            if raw is None or raw == "":
+                if required:
+                    raise AnelabInputError(f"{where}: sidecar metadata lacks '{META[key]}'; re-export it with 'anelab export'")
+                return default
+            try:
+                return parse(raw)
+            except (ValueError, json.JSONDecodeError):
+                raise AnelabInputError(f"{where}: sidecar metadata '{META[key]}' is malformed ({raw[:60]!r}); re-export it") from None
+
+        def boolean(s):
+            if s not in ("true", "false"):
+                raise ValueError(s)
+            return s == "true"
+
+        return cls(
+            format_version=get("format", int), source=get("source"), layer=get("layer", int),
+            geometry=get("geometry", json.loads), chunk=get("chunk", int),
+            histories=get("histories", lambda s: [int(x) for x in s.split(",")]), coverage=get("coverage", int),
+            graph=get("graph", required=False, default="dense"), weights=get("weights", required=False, default="fp16"),
+            single_function_weight_bytes=get("single_function_weight_bytes", int, required=False, default=0),
+            selection_folded=get("selection_folded", boolean), selection_indexer=get("selection_indexer", json.loads, required=False),
+            ane_verified=get("ane_verified", boolean), ane_reason=get("ane_reason", required=False, default=""),
+            ane_evidence=get("ane_evidence", json.loads, required=False, default={}) or {},
+            coremltools=get("coremltools", required=False, default=""), anelab=get("anelab", required=False, default=""),
+            exported_at=get("exported_at", required=False, default=""),
+        )
+
+
+def require_package(path: str | os.PathLike) -> Path:
+    """Refuse a path that is not a saved .mlpackage directory."""
+    path = Path(path)
+    if not path.exists():
+        raise AnelabInputError(f"{path}: no such package; give the path of a .mlpackage written by 'anelab export'")
+    if not path.is_dir() or not (path / "Manifest.json").is_file():
+        raise AnelabInputError(f"{path}: not an .mlpackage (no Manifest.json); give the path of a .mlpackage directory")
+    return path
+
+
+def read_raw_metadata(pkg: str | os.PathLike) -> dict[str, str]:
+    ct, _, _ = coremltools_modules()
+    pkg = require_package(pkg)
+    try:
+        spec = ct.utils.load_spec(str(pkg))
+    except Exception as e:  # corrupt protobuf etc.
+        raise AnelabInputError(f"{pkg}: cannot read the package's model spec ({type(e).__name__}); re-export it") from None
+    return dict(spec.description.metadata.userDefined)
+
+
+def read_sidecar_metadata(pkg: str | os.PathLike) -> SidecarMetadata:
+    """Parse a sidecar package's metadata; refuse a missing or malformed one (one line)."""
+    return SidecarMetadata.from_strings(read_raw_metadata(pkg), str(pkg))
+
+
+def write_package_metadata(pkg: Path, dest: Path, meta: dict[str, str]) -> None:
+    """Re-open ``pkg`` without loading it, set its user-defined metadata, save it at ``dest``."""
+    ct, _, _ = coremltools_modules()
+    with quiet_coremltools():
+        model = ct.models.MLModel(str(pkg), skip_model_load=True)
+        model.user_defined_metadata.update(meta)
+        model.save(str(dest))
+
+
+def weight_bytes(pkg: str | os.PathLike) -> int:
+    path = Path(pkg) / WEIGHTS_RELATIVE
+    return path.stat().st_size if path.exists() else 0
+
+
+def convert_program(prog, dest: Path) -> Path:
+    """Convert a MIL program to an fp16 mlprogram for macOS 15 / iOS 18 and save it (no load)."""
+    ct, _, _ = coremltools_modules()
+    with quiet_coremltools():
+        model = ct.convert(
+            prog, convert_to="mlprogram", minimum_deployment_target=ct.target.macOS15,
+            compute_precision=ct.precision.FLOAT16, skip_model_load=True,
+        )
+        model.save(str(dest))
+    return dest
+
+
+def merge_functions(variants: dict[str, Path], dest: Path, default: str) -> Path:
+    """Merge single-function packages into one multifunction package (weights stored once)."""
+    ct, _, _ = coremltools_modules()
+    desc = ct.utils.MultiFunctionDescriptor()
+    for name, path in variants.items():
+        desc.add_function(str(path), src_function_name="main", target_function_name=name)
+    desc.default_function_name = default
+    with quiet_coremltools():
+        ct.utils.save_multifunction(desc, str(dest))
+    return dest
+
+
+def _replace_dir(src: Path, dest: Path) -> None:
+    """Move a finished package into place; an existing package is swapped out, then removed."""
+    if dest.exists():
+        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+        os.replace(dest, old)
+        os.replace(src, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dest)
+
+
+@dataclass
+class ExportResult:
+    package: Path
+    metadata: SidecarMetadata
+    weight_bytes: int
+
+
+def export_layer(checkpoint, layer: int, chunk: int, histories: list[int], out_dir: str | os.PathLike, *,
+                 graph: str = "dense", runtime=None, progress=None) -> ExportResult:
+    """Export one full-attention layer as ``out_dir/layer_<L>.mlpackage``.
+
+    ``runtime``: an ``anelab.coreml_runtime`` implementation for the ANE gate; ``None`` (or an
+    unavailable runtime) records ``aneCompileVerified: false`` with the reason.
+    """
+    histories = validate_chunk_and_histories(chunk, list(histories))
+    if graph != "dense":
+        raise AnelabInputError(f"unknown --graph {graph!r}; supported: dense")
+    weights = checkpoint.layer(layer)
+    geometry = checkpoint.geometry
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dest = out_dir / f"layer_{layer}.mlpackage"
+    work = Path(tempfile.mkdtemp(prefix=f".layer_{layer}.", dir=out_dir))
+    try:
+        variants: dict[str, Path] = {}
+        for h in histories:
+            prog = build_dense_program(geometry, weights, SidecarShape(chunk=chunk, history=h))
+            variants[function_name(h)] = convert_program(prog, work / f"{function_name(h)}.mlpackage")
+            if progress is not None:
+                progress.update(1)
+        single_bytes = weight_bytes(next(iter(variants.values())))
+        evidence, verified, reason = {}, False, OFF_MAC_REASON
+        gated = runtime is not None and runtime.available()
+        if gated:  # the three-layer ANE gate (macOS): markers + assignment per variant, before the merge
+            from anelab import gate
+
+            evidence = gate.check_variants(runtime, variants)
+        merged = merge_functions(variants, work / "merged.mlpackage", function_name(histories[0]))
+        if gated:  # ... then every function of the merged package must load under its name
+            gate.check_merged_loads(runtime, merged, list(variants))
+            verified, reason = True, gate.VERIFIED_REASON
+        meta = SidecarMetadata(
+            format_version=FORMAT_VERSION, source=str(checkpoint.path), layer=layer, geometry=geometry.to_dict(),
+            chunk=chunk, histories=histories, coverage=coverage(histories, chunk), graph=graph, weights="fp16",
+            single_function_weight_bytes=single_bytes, selection_folded=False, selection_indexer=None,
+            ane_verified=verified, ane_reason=reason, ane_evidence=evidence,
+            coremltools=coremltools_modules()[0].__version__, anelab=__version__,
+            exported_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        )
+        final = work / f"layer_{layer}.mlpackage"
+        write_package_metadata(merged, final, meta.to_strings())
+        _replace_dir(final, dest)
+        return ExportResult(package=dest, metadata=meta, weight_bytes=weight_bytes(dest))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def export_sidecars(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, chunk: int, histories: list[int],
+                    layers: list[int] | None = None, *, graph: str = "dense", runtime=None) -> list[ExportResult]:
+    """Export ``layer_<L>.mlpackage`` for each requested full-attention layer (default: all)."""
+    checkpoint = load_checkpoint(checkpoint_dir)
+    histories = validate_chunk_and_histories(chunk, list(histories))
+    full = list(checkpoint.geometry.full_attention_layers)
+    layers = full if layers is None else list(layers)
+    for layer in layers:
+        if layer not in full:
+            raise AnelabInputError(f"layer {layer} is not a full-attention layer; full-attention layers: {','.join(map(str, full))}")
+    results = []
+    with tqdm(total=len(layers) * len(histories), desc="export functions", unit="fn") as bar:
+        for layer in layers:
+            bar.set_postfix_str(f"layer {layer}")
+            results.append(export_layer(checkpoint, layer, chunk, histories, out_dir, graph=graph, runtime=runtime, progress=bar))
+    return results

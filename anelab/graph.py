@@ -1,0 +1,175 @@
+"""MIL graph builders for one full-attention layer's sidecar function.
+
+Every builder returns a MIL ``Program`` whose single function ``main`` serves one chunk of width C
+that starts at absolute position H (the history length):
+
+Inputs (fp16):
+  hidden     [C, D]        post-input-norm hidden rows of the chunk
+  k_history  [H, Hkv, d]   token-major K cache (normed and rotated), absent when H == 0
+  v_history  [H, Hkv, d]   token-major V cache, absent when H == 0
+  mask       [C, H + C]    additive mask (0 = attend, -30000 = drop); arbitrary, not causal by contract
+Outputs (fp16):
+  attn_out   [C, D]        attention branch output after o_proj
+  k_chunk    [Hkv, C, d]   the chunk's K in cache layout (normed and rotated)
+  v_chunk    [Hkv, C, d]   the chunk's V in cache layout
+
+The graph is written independently of ``anelab.reference`` (which is the NumPy check on it).
+RoPE for positions H..H+C-1 is built by angle addition from two tables shared by every history
+(cos/sin of i*theta for i < C) and a per-history rotation (cos/sin of H*theta, a few bytes), so the
+weights of a multifunction package stay shared across its functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from dataclasses import dataclass
+
+import numpy as np
+
+from anelab.checkpoint import AttentionWeights
+from anelab.geometry import AttentionGeometry
+
+INPUT_NAMES = ("hidden", "k_history", "v_history", "mask")
+OUTPUT_NAMES = ("attn_out", "k_chunk", "v_chunk")
+# RMSNorm in fp16: x is divided by its per-row max |x| (floored) before squaring, so x*x cannot
+# overflow fp16's 65504 whatever the activation scale.
+RMS_SCALE_FLOOR = 2.0**-10
+
+
+@contextlib.contextmanager
+def quiet_coremltools():
+    """Silence coremltools' import warnings and pass progress bars (they go to stderr)."""
+    with contextlib.redirect_stderr(io.StringIO()):
+        yield
+
+
+def coremltools_modules():
+    """(ct, mb, types) imported quietly."""
+    with quiet_coremltools():
+        import coremltools as ct
+        from coremltools.converters.mil import Builder as mb
+        from coremltools.converters.mil.mil import types
+    return ct, mb, types
+
+
+@dataclass(frozen=True)
+class SidecarShape:
+    """Static shape of one sidecar function: chunk width C and history H (= chunk start)."""
+
+    chunk: int
+    history: int
+
+    @property
+    def total(self) -> int:
+        return self.history + self.chunk
+
+
+def _rope_tables(geometry: AttentionGeometry, chunk: int, history: int):
+    """cos/sin of i*theta_j for i < chunk ([chunk, 1, rot/2]) and of history*theta_j ([1, 1, rot/2]),
+    computed in float64 and stored as fp16."""
+    rot = geometry.rotary_dim
+    inv_freq = 1.0 / (geometry.rope_theta ** (np.arange(0, rot, 2, dtype=np.float64) / rot))
+    offsets = np.arange(chunk, dtype=np.float64)[:, None] * inv_freq[None, :]
+    start = float(history) * inv_freq
+    as16 = lambda a: a.astype(np.float16)  # noqa: E731
+    return (
+        as16(np.cos(offsets))[:, None, :], as16(np.sin(offsets))[:, None, :],
+        as16(np.cos(start))[None, None, :], as16(np.sin(start))[None, None, :],
+    )
+
+
+def _rms_norm(mb, x, weight: np.ndarray, eps: float, name: str):
+    """Per-head RMSNorm over the last axis of x [..., d], overflow-safe in fp16."""
+    peak = mb.reduce_max(x=mb.abs(x=x), axes=[-1], keep_dims=True)
+    peak = mb.maximum(x=peak, y=np.float16(RMS_SCALE_FLOOR))
+    scaled = mb.real_div(x=x, y=peak)
+    mean_sq = mb.reduce_mean(x=mb.mul(x=scaled, y=scaled), axes=[-1], keep_dims=True)
+    # x / sqrt(mean(x^2) + eps) == scaled / sqrt(mean(scaled^2) + eps / peak^2)
+    eps_scaled = mb.real_div(x=np.float16(eps) if eps >= 6e-8 else np.float16(6e-8), y=mb.mul(x=peak, y=peak))
+    inv_rms = mb.rsqrt(x=mb.add(x=mean_sq, y=eps_scaled), epsilon=np.float16(1e-7))
+    return mb.mul(x=mb.mul(x=scaled, y=inv_rms), y=weight.astype(np.float16), name=name)
+
+
+def _rope(mb, x, cos, sin, geometry: AttentionGeometry, name: str):
+    """Rotate the first rotary_dim dims of each head of x [C, heads, d] (rotate_half pairing)."""
+    d, rot = geometry.head_dim, geometry.rotary_dim
+    half = rot // 2
+    x1 = mb.slice_by_index(x=x, begin=[0, 0, 0], end=[0, 0, half], end_mask=[True, True, False])
+    x2 = mb.slice_by_index(x=x, begin=[0, 0, half], end=[0, 0, rot], end_mask=[True, True, False])
+    r1 = mb.sub(x=mb.mul(x=x1, y=cos), y=mb.mul(x=x2, y=sin))
+    r2 = mb.add(x=mb.mul(x=x2, y=cos), y=mb.mul(x=x1, y=sin))
+    parts = [r1, r2]
+    if rot < d:
+        parts.append(mb.slice_by_index(x=x, begin=[0, 0, rot], end=[0, 0, d], end_mask=[True, True, True]))
+    return mb.concat(values=parts, axis=-1, name=name)
+
+
+def _linear(mb, x, weight: np.ndarray, bias: np.ndarray | None, name: str):
+    kw = {"bias": bias.astype(np.float16)} if bias is not None else {}
+    return mb.linear(x=x, weight=weight.astype(np.float16), name=name, **kw)
+
+
+def build_dense_program(geometry: AttentionGeometry, weights: AttentionWeights, shape: SidecarShape):
+    """The dense per-history sidecar function: scores all H + C keys, masks by the input mask.
+
+    Returns a MIL Program (opset iOS18) with inputs/outputs as in the module docstring.
+    """
+    ct, mb, types = coremltools_modules()
+    g = geometry
+    C, H = shape.chunk, shape.history
+    Hq, Hkv, d, D = g.num_heads, g.num_kv_heads, g.head_dim, g.hidden_size
+    specs = [mb.TensorSpec(shape=(C, D), dtype=types.fp16)]
+    if H > 0:
+        specs += [mb.TensorSpec(shape=(H, Hkv, d), dtype=types.fp16) for _ in range(2)]
+    specs.append(mb.TensorSpec(shape=(C, H + C), dtype=types.fp16))
+    cos_i, sin_i, cos_h, sin_h = _rope_tables(g, C, H)
+
+    def body(hidden, k_history, v_history, mask):
+        q = _linear(mb, hidden, weights.q_proj, weights.q_bias, "q_proj")
+        gate = None
+        if g.is_gated:  # per head: d query rows, then d gate rows
+            q = mb.reshape(x=q, shape=[C, Hq, 2 * d])
+            q, gate = mb.split(x=q, num_splits=2, axis=-1)
+        else:
+            q = mb.reshape(x=q, shape=[C, Hq, d])
+        k = mb.reshape(x=_linear(mb, hidden, weights.k_proj, weights.k_bias, "k_proj"), shape=[C, Hkv, d])
+        v = mb.reshape(x=_linear(mb, hidden, weights.v_proj, weights.v_bias, "v_proj"), shape=[C, Hkv, d])
+        if g.has_qk_norm:
+            q = _rms_norm(mb, q, weights.q_norm, g.rms_norm_eps, "q_normed")
+            k = _rms_norm(mb, k, weights.k_norm, g.rms_norm_eps, "k_normed")
+        # positions H + i: cos((H+i)t) = cos(it)cos(Ht) - sin(it)sin(Ht), sin likewise
+        cos = mb.sub(x=mb.mul(x=cos_i, y=cos_h), y=mb.mul(x=sin_i, y=sin_h), name="rope_cos")
+        sin = mb.add(x=mb.mul(x=sin_i, y=cos_h), y=mb.mul(x=cos_i, y=sin_h), name="rope_sin")
+        q = _rope(mb, q, cos, sin, g, "q_rotated")
+        k = _rope(mb, k, cos, sin, g, "k_rotated")
+        k_chunk = mb.transpose(x=k, perm=[1, 0, 2], name="k_chunk")  # [Hkv, C, d]
+        v_chunk = mb.transpose(x=v, perm=[1, 0, 2], name="v_chunk")
+        if H > 0:
+            keys = mb.concat(values=[mb.transpose(x=k_history, perm=[1, 0, 2]), k_chunk], axis=1)  # [Hkv, T, d]
+            values = mb.concat(values=[mb.transpose(x=v_history, perm=[1, 0, 2]), v_chunk], axis=1)
+        else:
+            keys, values = k_chunk, v_chunk
+        # GQA without repeating K/V: query heads of one KV head are stacked along the row axis
+        q = mb.mul(x=q, y=np.float16(1.0 / np.sqrt(d)))
+        q = mb.reshape(x=mb.transpose(x=q, perm=[1, 0, 2]), shape=[Hkv, g.group_size * C, d])
+        scores = mb.matmul(x=q, y=keys, transpose_y=True)  # [Hkv, group*C, T]
+        scores = mb.reshape(x=scores, shape=[Hkv, g.group_size, C, H + C])
+        probs = mb.softmax(x=mb.add(x=scores, y=mask), axis=-1)
+        context = mb.matmul(x=probs, y=mb.expand_dims(x=values, axes=[1]))  # [Hkv, group, C, d]
+        context = mb.transpose(x=mb.reshape(x=context, shape=[Hq, C, d]), perm=[1, 0, 2])  # [C, Hq, d]
+        if gate is not None:
+            context = mb.mul(x=context, y=mb.sigmoid(x=gate))
+        context = mb.reshape(x=context, shape=[C, Hq * d])
+        attn_out = _linear(mb, context, weights.o_proj, weights.o_bias, "attn_out")
+        return attn_out, k_chunk, v_chunk
+
+    if H > 0:
+        @mb.program(input_specs=specs, opset_version=ct.target.iOS18)
+        def prog(hidden, k_history, v_history, mask):
+            return body(hidden, k_history, v_history, mask)
+    else:
+        @mb.program(input_specs=specs, opset_version=ct.target.iOS18)
+        def prog(hidden, mask):
+            return body(hidden, None, None, mask)
+    return prog

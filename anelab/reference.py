@@ -1,0 +1,408 @@
+"""Independent NumPy reference of one full-attention block for a prefill chunk.
+
+This is the truth the Core ML graph is checked against. It follows the Hugging Face transformers
+conventions (``models/llama``, ``models/qwen3``, ``models/qwen3_next`` modeling files):
+
+- RoPE: ``inv_freq = 1 / theta ** (arange(0, rotary_dim, 2) / rotary_dim)``; cos/sin are
+  ``cat(freqs, freqs)``; ``rotate_half`` pairs dim ``i`` with dim ``i + rotary_dim / 2``
+  (``cat(-x2, x1)``). Partial rotary: only the first ``rotary_dim`` dims of each head rotate, the
+  rest pass through unchanged.
+- qwen3 / qwen3_next: per-head RMSNorm over head_dim on q and k, *before* RoPE. The weights are the
+  effective multipliers (zero-centred checkpoints already converted to ``1 + w`` by the loader).
+- qwen3_next: ``q_proj`` output is viewed ``[T, heads, 2 * head_dim]``; the first head_dim of each
+  head is the query, the second the gate; the attention output ``[T, heads * head_dim]`` (before
+  ``o_proj``) is multiplied elementwise by ``sigmoid(gate)`` reshaped the same way.
+- Scores are scaled by ``1 / sqrt(head_dim)``; GQA: query head ``h`` reads KV head
+  ``h // group_size``.
+
+Shapes: D = hidden_size, Hq = num_heads, Hkv = num_kv_heads, d = head_dim, C = chunk rows,
+H = history keys (positions 0 .. H-1, already in the cache), T = H + C (the coverage of the chunk).
+
+Two sibling forms compute the same block:
+
+- ``attention_block``: dense — materialises the score matrix ``[Hq, C, T]`` and takes a plain
+  softmax per row. Fastest in NumPy; memory grows with chunk x coverage.
+- ``attention_block_tiled``: FlashAttention-style online softmax (running max, running sum,
+  rescaled accumulator) over query tiles and key tiles. Peak memory holds one
+  ``[Hq, query_tile, key_tile]`` score tile, never a ``[Hq, C, T]`` array. Recommended for long
+  coverage (e.g. 4096 x 12,288 x 24 heads would need 4.8 GB of fp32 scores in the dense form).
+
+Rope angles are computed in float64 and then cast to the working precision (transformers computes
+them in float32, which at position ~12k carries ~1e-3 rad angle error; float64 is the exact math).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from anelab.checkpoint import AttentionWeights
+from anelab.errors import AnelabInputError
+from anelab.geometry import AttentionGeometry
+from anelab.masks import MASKED
+
+PRECISIONS = {"fp32": np.float32, "fp64": np.float64}
+DEFAULT_QUERY_TILE = 256
+DEFAULT_KEY_TILE = 1024
+# A mask value at or below this drops the key (masks.MASKED = -30000: exp underflows to exactly 0).
+_DROPPED = float(MASKED)
+
+
+@dataclass
+class Projection:
+    """Per-head projections of T tokens.
+
+    q     [T, Hq, d]   normed (qwen3*) and rotated, not scaled
+    k     [T, Hkv, d]  normed (qwen3*) and rotated
+    v     [T, Hkv, d]
+    gate  [T, Hq, d] pre-sigmoid (qwen3_next) or None
+    """
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    gate: np.ndarray | None
+
+
+@dataclass
+class BlockOutput:
+    """What one chunk's block returns (dtype of the precision).
+
+    attn_out  [C, D]        o_proj output (the residual is added by the caller)
+    k_chunk   [Hkv, C, d]   the chunk's keys, normed and rotated: what the cache appends
+    v_chunk   [Hkv, C, d]
+    """
+
+    attn_out: np.ndarray
+    k_chunk: np.ndarray
+    v_chunk: np.ndarray
+
+
+# -- validation ----------------------------------------------------------------------------------
+
+
+def _dtype(precision: str) -> type:
+    if precision not in PRECISIONS:
+        raise AnelabInputError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return PRECISIONS[precision]
+
+
+def _expect_shape(name: str, array: np.ndarray, expected: tuple[int, ...]) -> None:
+    actual = tuple(np.shape(array))
+    if actual != tuple(expected):
+        raise AnelabInputError(f"{name} must have shape {list(expected)}, got {list(actual)}")
+
+
+def _check_weights(weights: AttentionWeights, geometry: AttentionGeometry) -> None:
+    g = geometry
+    _expect_shape("weights.q_proj", weights.q_proj, (g.q_out_features, g.hidden_size))
+    _expect_shape("weights.k_proj", weights.k_proj, (g.kv_out_features, g.hidden_size))
+    _expect_shape("weights.v_proj", weights.v_proj, (g.kv_out_features, g.hidden_size))
+    _expect_shape("weights.o_proj", weights.o_proj, (g.hidden_size, g.attn_features))
+    for name, size in (("q_bias", g.q_out_features), ("k_bias", g.kv_out_features),
+                       ("v_bias", g.kv_out_features), ("o_bias", g.hidden_size)):
+        if getattr(weights, name) is not None:
+            _expect_shape(f"weights.{name}", getattr(weights, name), (size,))
+    for name in ("q_norm", "k_norm"):
+        w = getattr(weights, name)
+        if g.has_qk_norm and w is None:
+            raise AnelabInputError(f"variant {g.variant} needs weights.{name} [{g.head_dim}]; load it from the checkpoint")
+        if w is not None:
+            _expect_shape(f"weights.{name}", w, (g.head_dim,))
+
+
+def _check_hidden(name: str, hidden: np.ndarray, geometry: AttentionGeometry) -> int:
+    if np.ndim(hidden) != 2 or np.shape(hidden)[1] != geometry.hidden_size:
+        raise AnelabInputError(f"{name} must have shape [tokens, {geometry.hidden_size}], got {list(np.shape(hidden))}")
+    return int(np.shape(hidden)[0])
+
+
+# -- building blocks -----------------------------------------------------------------------------
+
+
+def rope_cos_sin(positions: np.ndarray, geometry: AttentionGeometry, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin tables for absolute ``positions`` [T] -> (cos [T, rotary_dim], sin [T, rotary_dim]).
+
+    ``cat(freqs, freqs)`` layout: columns j and j + rotary_dim/2 share frequency
+    ``theta ** (-2j / rotary_dim)``.
+    """
+    positions = np.asarray(positions)
+    if positions.ndim != 1:
+        raise AnelabInputError(f"positions must be 1-D [T], got shape {list(positions.shape)}")
+    if positions.size and (not np.issubdtype(positions.dtype, np.integer) or positions.min() < 0):
+        raise AnelabInputError("positions must be non-negative integers (absolute token positions)")
+    rot = geometry.rotary_dim
+    inv_freq = 1.0 / (float(geometry.rope_theta) ** (np.arange(0, rot, 2, dtype=np.float64) / rot))
+    freqs = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # [T, rot/2]
+    emb = np.concatenate([freqs, freqs], axis=-1)  # [T, rot]
+    return np.cos(emb).astype(dtype), np.sin(emb).astype(dtype)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate the first rotary_dim dims of every head; the remaining dims pass through.
+
+    x [T, heads, d]; cos, sin [T, rotary_dim] -> new array [T, heads, d].
+    ``x_rot * cos + rotate_half(x_rot) * sin`` with ``rotate_half(x) = cat(-x2, x1)``.
+    """
+    rot = cos.shape[-1]
+    half = rot // 2
+    out = x.copy()
+    c = cos[:, None, :]
+    s = sin[:, None, :]
+    x1 = x[..., :half]
+    x2 = x[..., half:rot]
+    out[..., :half] = x1 * c[..., :half] - x2 * s[..., :half]
+    out[..., half:rot] = x2 * c[..., half:] + x1 * s[..., half:]
+    return out
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis: ``x / sqrt(mean(x^2) + eps) * weight``. x [..., d], weight [d]."""
+    mean_sq = np.einsum("...i,...i->...", x, x) / x.shape[-1]  # no [.., d] temporary for x**2
+    inv = 1.0 / np.sqrt(mean_sq + eps)
+    out = x * inv[..., None].astype(x.dtype, copy=False)
+    out *= weight
+    return out
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    # 0.5 * (1 + tanh(x / 2)) == 1 / (1 + exp(-x)), without overflow for large negative x.
+    out = np.tanh(x * 0.5)
+    out += 1.0
+    out *= 0.5
+    return out
+
+
+def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, dtype) -> np.ndarray:
+    """x [T, in] @ w[out, in].T (+ b) -> [T, out] in dtype."""
+    y = x @ w.astype(dtype, copy=False).T
+    if b is not None:
+        y += b.astype(dtype, copy=False)
+    return y
+
+
+def _project_q(hidden, positions, weights, geometry, dtype):
+    """-> q [T, Hq, d] normed+rotated, gate [T, Hq, d] contiguous or None."""
+    g = geometry
+    t = hidden.shape[0]
+    raw = _linear(hidden, weights.q_proj, weights.q_bias, dtype)
+    gate = None
+    if g.is_gated:
+        per_head = raw.reshape(t, g.num_heads, 2 * g.head_dim)  # query first, then gate, per head
+        q = per_head[..., : g.head_dim]
+        gate = np.ascontiguousarray(per_head[..., g.head_dim:])
+    else:
+        q = raw.reshape(t, g.num_heads, g.head_dim)
+    if g.has_qk_norm:
+        q = rms_norm(q, weights.q_norm.astype(dtype, copy=False), g.rms_norm_eps)
+    cos, sin = rope_cos_sin(positions, g, dtype)
+    return apply_rope(q, cos, sin), gate
+
+
+def _project_kv(hidden, positions, weights, geometry, dtype):
+    """-> k [T, Hkv, d] normed+rotated, v [T, Hkv, d]."""
+    g = geometry
+    t = hidden.shape[0]
+    k = _linear(hidden, weights.k_proj, weights.k_bias, dtype).reshape(t, g.num_kv_heads, g.head_dim)
+    v = _linear(hidden, weights.v_proj, weights.v_bias, dtype).reshape(t, g.num_kv_heads, g.head_dim)
+    if g.has_qk_norm:
+        k = rms_norm(k, weights.k_norm.astype(dtype, copy=False), g.rms_norm_eps)
+    cos, sin = rope_cos_sin(positions, g, dtype)
+    return apply_rope(k, cos, sin), v
+
+
+def project(hidden: np.ndarray, positions: np.ndarray, weights: AttentionWeights, geometry: AttentionGeometry,
+            precision: str = "fp32") -> Projection:
+    """Project hidden [T, D] at absolute positions [T] to per-head q, k, v (and gate)."""
+    dtype = _dtype(precision)
+    _check_weights(weights, geometry)
+    t = _check_hidden("hidden", hidden, geometry)
+    positions = np.asarray(positions)
+    _expect_shape("positions", positions, (t,))
+    hidden = np.asarray(hidden).astype(dtype, copy=False)
+    q, gate = _project_q(hidden, positions, weights, geometry, dtype)
+    k, v = _project_kv(hidden, positions, weights, geometry, dtype)
+    return Projection(q=q, k=k, v=v, gate=gate)
+
+
+def history_kv(hidden_history: np.ndarray, weights: AttentionWeights, geometry: AttentionGeometry,
+               precision: str = "fp32") -> tuple[np.ndarray, np.ndarray]:
+    """The cache contents for a history: hidden_history [H, D] at positions 0 .. H-1 ->
+    (k_history [H, Hkv, d] normed+rotated, v_history [H, Hkv, d]), token-major."""
+    dtype = _dtype(precision)
+    _check_weights(weights, geometry)
+    h = _check_hidden("hidden_history", hidden_history, geometry)
+    hidden_history = np.asarray(hidden_history).astype(dtype, copy=False)
+    return _project_kv(hidden_history, np.arange(h), weights, geometry, dtype)
+
+
+def _gate_and_output(attn: np.ndarray, gate: np.ndarray | None, weights: AttentionWeights, dtype) -> np.ndarray:
+    """attn [T, Hq, d] (softmax-weighted V per head), gate [T, Hq, d] | None -> o_proj output [T, D]."""
+    t = attn.shape[0]
+    if gate is not None:
+        attn *= _sigmoid(gate)
+    return _linear(attn.reshape(t, -1), weights.o_proj, weights.o_bias, dtype)
+
+
+# -- the block -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Prepared:
+    hidden: np.ndarray    # [C, D] dtype
+    positions: np.ndarray  # [C] absolute positions of the chunk rows
+    k_all: np.ndarray     # [Hkv, T, d] history keys then chunk keys
+    v_all: np.ndarray     # [Hkv, T, d]
+    k_chunk: np.ndarray   # [Hkv, C, d] (view into k_all)
+    v_chunk: np.ndarray   # [Hkv, C, d]
+    mask: np.ndarray      # [C, T] additive, as given (cast per use)
+    dtype: type
+
+
+def _prepare(hidden, k_history, v_history, mask, weights, geometry, start, precision) -> _Prepared:
+    g = geometry
+    dtype = _dtype(precision)
+    _check_weights(weights, g)
+    c = _check_hidden("hidden", hidden, g)
+    if c == 0:
+        raise AnelabInputError("hidden has no rows; a chunk needs at least one token")
+    if np.ndim(k_history) != 3:
+        raise AnelabInputError(f"k_history must have shape [H, {g.num_kv_heads}, {g.head_dim}], got {list(np.shape(k_history))}")
+    h = int(np.shape(k_history)[0])
+    _expect_shape("k_history", k_history, (h, g.num_kv_heads, g.head_dim))
+    _expect_shape("v_history", v_history, (h, g.num_kv_heads, g.head_dim))
+    _expect_shape("mask", mask, (c, h + c))
+    mask = np.asarray(mask)
+    if not np.all(np.isfinite(mask)):
+        raise AnelabInputError("mask must be finite; drop keys with masks.MASKED (-30000), not -inf")
+    if start is None:
+        start = h
+    if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
+        raise AnelabInputError(f"start must be a non-negative integer position, got {start!r}")
+    hidden = np.asarray(hidden).astype(dtype, copy=False)
+    positions = int(start) + np.arange(c)
+    k_new, v_new = _project_kv(hidden, positions, weights, g, dtype)
+    # Head-major K and V over the whole coverage, so each KV head is one contiguous [T, d] matrix.
+    k_all = np.empty((g.num_kv_heads, h + c, g.head_dim), dtype)
+    v_all = np.empty_like(k_all)
+    k_all[:, :h] = np.asarray(k_history).transpose(1, 0, 2)
+    v_all[:, :h] = np.asarray(v_history).transpose(1, 0, 2)
+    k_all[:, h:] = k_new.transpose(1, 0, 2)
+    v_all[:, h:] = v_new.transpose(1, 0, 2)
+    return _Prepared(hidden, positions, k_all, v_all, k_all[:, h:], v_all[:, h:], mask, dtype)
+
+
+def _grouped_queries(q: np.ndarray, geometry: AttentionGeometry, scale: float) -> np.ndarray:
+    """q [R, Hq, d] -> scaled [Hkv, group * R, d]: query head h = kv * group + j sits in block kv."""
+    g = geometry
+    r = q.shape[0]
+    grouped = q.reshape(r, g.num_kv_heads, g.group_size, g.head_dim).transpose(1, 2, 0, 3)
+    out = np.ascontiguousarray(grouped).reshape(g.num_kv_heads, g.group_size * r, g.head_dim)
+    out *= scale
+    return out
+
+
+def _ungroup(out: np.ndarray, geometry: AttentionGeometry, rows: int) -> np.ndarray:
+    """[Hkv, group * R, d] -> [R, Hq, d] (contiguous)."""
+    g = geometry
+    per_head = out.reshape(g.num_kv_heads, g.group_size, rows, g.head_dim).transpose(2, 0, 1, 3)
+    return np.ascontiguousarray(per_head).reshape(rows, g.num_heads, g.head_dim)
+
+
+def attention_block(hidden: np.ndarray, k_history: np.ndarray, v_history: np.ndarray, mask: np.ndarray,
+                    weights: AttentionWeights, geometry: AttentionGeometry, *, start: int | None = None,
+                    precision: str = "fp32") -> BlockOutput:
+    """Dense reference of the block for one chunk.
+
+    hidden     [C, D]          the chunk's (already normed) hidden states
+    k_history  [H, Hkv, d]     cached keys at positions 0 .. H-1 (normed+rotated), token-major
+    v_history  [H, Hkv, d]
+    mask       [C, H + C]      additive: 0 attend, masks.MASKED drop (any finite values allowed)
+    start      absolute position of the chunk's first row (default H; H+1 builds a wrong-RoPE control)
+
+    Materialises scores [Hkv, group * C, H + C] (= [Hq, C, T]) — GQA by grouping query heads
+    against each KV head instead of repeating K. A fully masked row stays finite: the softmax
+    subtracts the row max, so a constant MASKED shift cancels and the row attends as if unmasked.
+    """
+    p = _prepare(hidden, k_history, v_history, mask, weights, geometry, start, precision)
+    g = geometry
+    c = p.hidden.shape[0]
+    q, gate = _project_q(p.hidden, p.positions, weights, g, p.dtype)
+    qg = _grouped_queries(q, g, 1.0 / np.sqrt(g.head_dim))  # scale folded into q (C*Hq*d work, not C*T*Hq)
+    del q
+    scores = np.matmul(qg, p.k_all.transpose(0, 2, 1))  # [Hkv, group*C, T]
+    del qg
+    t = scores.shape[-1]
+    view = scores.reshape(g.num_kv_heads, g.group_size, c, t)
+    view += p.mask.astype(p.dtype, copy=False)  # broadcast over heads
+    row_max = scores.max(axis=-1, keepdims=True)
+    scores -= row_max
+    np.exp(scores, out=scores)
+    row_sum = scores.sum(axis=-1, keepdims=True)
+    out = np.matmul(scores, p.v_all)  # [Hkv, group*C, d]
+    del scores
+    out /= row_sum
+    attn = _ungroup(out, g, c)
+    return BlockOutput(_gate_and_output(attn, gate, weights, p.dtype), np.ascontiguousarray(p.k_chunk),
+                       np.ascontiguousarray(p.v_chunk))
+
+
+def attention_block_tiled(hidden: np.ndarray, k_history: np.ndarray, v_history: np.ndarray, mask: np.ndarray,
+                          weights: AttentionWeights, geometry: AttentionGeometry, *, start: int | None = None,
+                          precision: str = "fp32", query_tile: int = DEFAULT_QUERY_TILE,
+                          key_tile: int = DEFAULT_KEY_TILE) -> BlockOutput:
+    """Tiled reference of the block (same arguments and result as ``attention_block``).
+
+    For each query tile (``query_tile`` chunk rows, projected on the fly) and each key tile
+    (``key_tile`` positions of the coverage), one score tile [Hkv, group * q_tile, k_tile] updates
+    a running row max ``m``, running sum ``l`` and a rescaled accumulator ``acc`` [Hkv, group*q_tile, d]
+    (online softmax, Dao et al. 2022). Peak memory: inputs, K/V [Hkv, T, d], the output [C, D] and
+    per-tile arrays — never [Hq, C, T].
+
+    A key tile whose mask is entirely dropped (<= masks.MASKED) is skipped when every row of the
+    query tile has some visible key: its weights are exp(-30000 + ...) == 0 exactly, as in the dense
+    form. Rows with no visible key visit every tile, so they match the dense form (finite).
+    """
+    for name, value in (("query_tile", query_tile), ("key_tile", key_tile)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+            raise AnelabInputError(f"{name} must be a positive integer, got {value!r}")
+    p = _prepare(hidden, k_history, v_history, mask, weights, geometry, start, precision)
+    g = geometry
+    dtype = p.dtype
+    c = p.hidden.shape[0]
+    t = p.k_all.shape[1]
+    scale = 1.0 / np.sqrt(g.head_dim)
+    attn_out = np.empty((c, g.hidden_size), dtype)
+    for q0 in range(0, c, query_tile):
+        q1 = min(q0 + query_tile, c)
+        rows = q1 - q0
+        q, gate = _project_q(p.hidden[q0:q1], p.positions[q0:q1], weights, g, dtype)
+        qg = _grouped_queries(q, g, scale)  # [Hkv, group*rows, d]
+        del q
+        mask_rows = p.mask[q0:q1]
+        every_row_sees_a_key = bool(np.all(np.any(mask_rows > _DROPPED, axis=1)))
+        m = np.full((g.num_kv_heads, g.group_size * rows, 1), -np.inf, dtype)
+        l = np.zeros_like(m)
+        acc = np.zeros((g.num_kv_heads, g.group_size * rows, g.head_dim), dtype)
+        for k0 in range(0, t, key_tile):
+            k1 = min(k0 + key_tile, t)
+            mask_tile = mask_rows[:, k0:k1]
+            if every_row_sees_a_key and not np.any(mask_tile > _DROPPED):
+                continue
+            s = np.matmul(qg, p.k_all[:, k0:k1].transpose(0, 2, 1))  # [Hkv, group*rows, k_tile]
+            s_per_group = s.reshape(g.num_kv_heads, g.group_size, rows, k1 - k0)
+            s_per_group += mask_tile.astype(dtype, copy=False)  # broadcast over heads
+            m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
+            alpha = np.exp(m - m_new)  # rescales what was accumulated under the old max; exp(-inf) = 0
+            s -= m_new
+            np.exp(s, out=s)
+            l *= alpha
+            l += s.sum(axis=-1, keepdims=True)
+            acc *= alpha
+            acc += np.matmul(s, p.v_all[:, k0:k1])
+            m = m_new
+            del s
+        acc /= l
+        attn_out[q0:q1] = _gate_and_output(_ungroup(acc, g, rows), gate, weights, dtype)
+    return BlockOutput(attn_out, np.ascontiguousarray(p.k_chunk), np.ascontiguousarray(p.v_chunk))

@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny Hugging Face-style checkpoints written once per test session.
+
+``tiny_checkpoint(variant="qwen3_next", dtype="F32", shards=1)`` returns the directory of a small
+checkpoint (config.json + safetensors) for one attention variant. Shapes are tiny so tests stay
+fast; for qwen3 / qwen3_next, heads * head_dim (64) differs from hidden_size (48) so a transposed
+projection fails loudly. Variants: ``llama``, ``qwen3``, ``qwen3_next`` and ``qwen2`` (the llama
+variant with q/k/v biases).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from anelab.checkpoint import random_attention_weights, write_checkpoint
+from anelab.geometry import AttentionGeometry
+
+TINY_SEED = 7
+TINY_GEOMETRIES = {
+    "llama": AttentionGeometry(
+        variant="llama", hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+        rope_theta=10000.0, num_layers=2, full_attention_layers=(0, 1),
+    ),
+    "qwen2": AttentionGeometry(
+        variant="llama", hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+        rope_theta=1_000_000.0, num_layers=2, full_attention_layers=(0, 1),
+        has_qkv_bias=True, has_o_bias=False,
+    ),
+    "qwen3": AttentionGeometry(
+        variant="qwen3", hidden_size=48, num_heads=4, num_kv_heads=2, head_dim=16,
+        rope_theta=1_000_000.0, num_layers=2, full_attention_layers=(0, 1),
+    ),
+    "qwen3_next": AttentionGeometry(
+        variant="qwen3_next", hidden_size=48, num_heads=4, num_kv_heads=2, head_dim=16,
+        rope_theta=10_000_000.0, partial_rotary_factor=0.25, num_layers=4, full_attention_layers=(1, 3),
+    ),
+}
+TINY_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_next": "qwen3_next"}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """Factory: ``tiny_checkpoint(variant, dtype, shards) -> Path`` (cached per arguments)."""
+    made = {}
+
+    def make(variant: str = "qwen3_next", dtype: str = "F32", shards: int = 1):
+        key = (variant, dtype, shards)
+        if key not in made:
+            geometry = TINY_GEOMETRIES[variant]
+            weights = {i: random_attention_weights(geometry, i, TINY_SEED) for i in geometry.full_attention_layers}
+            root = tmp_path_factory.mktemp(f"ckpt-{variant}-{dtype}-{shards}")
+            made[key] = write_checkpoint(root / "model", geometry, weights, dtype=dtype, shards=shards,
+                                         model_type=TINY_MODEL_TYPES[variant])
+        return made[key]
+
+    return make
