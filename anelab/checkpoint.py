@@ -48,8 +48,6 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit on th
 _LEGACY_LAYER_TYPES = {"attention": "full_attention", "mamba": "linear_attention"}
 # RoPE types whose inverse frequencies equal the plain formula (mrope with text-only positions).
 _PLAIN_ROPE_TYPES = (None, "default", "mrope")
-# Parameter names inside ``…layers.{L}.self_attn.``; the AttentionWeights field each one fills.
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 @dataclass

@@ -24,7 +24,7 @@ def _int_list(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip() != ""]
     except ValueError:
-        raise AnelabInputError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _print_json(obj) -> None:
@@ -167,9 +167,137 @@ _register("reproduce", _add_reproduce, _run_reproduce)
 # <<< section: core
 
 # >>> section: runtime (doctor)
+def _add_doctor(sub):
+    p = sub.add_parser("doctor", help="is the Core ML runtime available here, versions, which studies run fresh vs replay")
+    p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+
+
+def _run_doctor(args):
+    from anelab.doctor import diagnose, format_report
+
+    report = diagnose()
+    if args.json:
+        _print_json(report)
+    else:
+        print(format_report(report))
+    return 0
+
+
+_register("doctor", _add_doctor, _run_doctor)
 # <<< section: runtime
 
 # >>> section: plan
+def _float_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip() != ""]
+    except ValueError:
+        raise AnelabInputError(f"expected comma-separated seconds, got {text!r}") from None
+
+
+def _add_plan(sub):
+    p = sub.add_parser("plan", help="chunks, variants, setup and the ANE-vs-GPU decision for one prompt")
+    p.add_argument("--family", help="a recorded family (see --list-families); supplies geometry and fitted costs")
+    p.add_argument("--prompt-tokens", type=int, help="prompt length in tokens")
+    p.add_argument("--chunk", type=int, help="prefill chunk = sidecar width (default with a family: 4096)")
+    p.add_argument("--histories", type=_int_list, help="sidecar functions on hand, e.g. 0,4096 (default: what the prompt needs)")
+    p.add_argument("--max-history", type=int, help="histories 0, chunk, ..., MAX_HISTORY (coverage = MAX_HISTORY + chunk)")
+    p.add_argument("--layers", type=int, help="number of layers")
+    p.add_argument("--full-attention-layers", type=_int_list, help="indices of the full-attention layers, e.g. 3,7,11")
+    p.add_argument("--heads", type=int, help="query heads of a full-attention layer")
+    p.add_argument("--kv-heads", type=int)
+    p.add_argument("--head-dim", type=int)
+    p.add_argument("--sparse-budget", type=int, help="keys per query on the GPU's sparse path (omit: dense)")
+    p.add_argument("--load-seconds", type=_float_list, help="per-variant load: one value, or one per history")
+    p.add_argument("--gpu-attention-seconds", type=float, help="one layer's GPU attention, full chunk at history 0")
+    p.add_argument("--ane-attention-seconds", type=float, help="one layer's ANE attention, full chunk at history 0")
+    p.add_argument("--non-attention-seconds", type=float, help="the rest of this prompt's prefill")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--list-families", action="store_true", help="list the families, what is recorded and unknown")
+    p.add_argument("--fit-report", action="store_true", help="predicted vs recorded ratio of every recorded A/B row")
+
+
+def _print_family_table(rows):
+    for f in rows:
+        g, facts = f["geometry"], f["facts"]
+
+        def fact(key, value):
+            return f"{value if value is not None else '?'} ({facts[key]['status']})"
+
+        cap = "unknown" if f["max_history"] is None else f"{f['max_history']} (coverage {f['coverage_cap']:,}, recorded)"
+        print(f"{f['name']:<26} {f['label']}")
+        print(f"  layers {fact('num_layers', g['num_layers'])}; full-attention "
+              f"{fact('full_attention_layers', len(g['full_attention_layers']))} at {','.join(map(str, g['full_attention_layers']))}")
+        print(f"  heads {fact('num_heads', g['num_heads'])}; kv heads {fact('num_kv_heads', g['num_kv_heads'])}; "
+              f"head_dim {fact('head_dim', g['head_dim'])}; sparse budget "
+              f"{fact('sparse_budget', g['sparse_budget'] or 'dense')}; max history {cap}")
+        print(f"  records: {', '.join(f['records'])}")
+        print(f"  unknown: {'; '.join(f['unknown'])}")
+
+
+def _print_fit_report(rows, fit, loads):
+    print(f"{'family':<26} {'record':<27} {'tokens':>6} {'chunk':>5} {'recorded':>8} "
+          f"{'in-sample':>9} {'err':>6} {'LOO':>6} {'err':>6} {'plan':>6} {'err':>6}")
+    for r in rows:
+        print(f"{r['family']:<26} {r['record']:<27} {r['prompt_tokens']:>6} {r['chunk']:>5} {r['recorded_ratio']:>7.2f}x "
+              f"{r['in_sample_ratio']:>8.2f}x {r['in_sample_error']:>+6.1%} {r['leave_one_out_ratio']:>5.2f}x "
+              f"{r['leave_one_out_error']:>+6.1%} {r['plan_ratio']:>5.2f}x {r['plan_error']:>+6.1%}")
+    print(f"rates: ANE {fit['ane_seconds_per_entry']:.3g} s/entry (recorded h0), dense GPU "
+          f"{fit['gpu_dense_seconds_per_entry']:.3g}, sparse GPU {fit['gpu_sparse_seconds_per_entry']:.3g} s/entry (fitted); "
+          f"dense setup {fit['dense_setup_seconds_per_variant']:.3g} s/variant (fitted)")
+    print(f"load = {fit['load_power_coef']:.3g} s x (score arena / GB) ^ {fit['load_power_exp']:.3g}: "
+          + ", ".join(f"h{x['history']} {x['recorded_seconds']:.1f} s recorded, {x['power_fit_seconds']:.1f} s fit" for x in loads))
+
+
+def _print_plan(d):
+    name = d["family"] or "custom geometry"
+    print(f"{name}: prompt {d['prompt_tokens']:,} tokens, chunk {d['chunk']:,}, histories "
+          f"{','.join(map(str, d['histories']))} (coverage {d['coverage']:,}; needed {d['coverage_needed']:,}; "
+          f"{'fits' if d['fits'] else 'does not fit'})")
+    print(f"{'chunk':>5} {'start':>7} {'tokens':>7}  device  function")
+    for c in d["chunks"]:
+        print(f"{c['index']:>5} {c['start']:>7,} {c['tokens']:>7,}  {c['device']:<6}  "
+              f"{'h' + str(c['history']) if c['device'] == 'ane' else '-'}")
+    n_fa = len(d["geometry"]["full_attention_layers"])
+    loads = ", ".join(f"h{h} {v['seconds']:.2f} s ({v['source']})" for h, v in d["load_seconds"].items())
+    print(f"variants visited: {d['variants_visited']} ({n_fa} full-attention layers x "
+          f"{len(d['load_seconds'])} histories){'; loads ' + loads if loads else ''}")
+    print(f"GPU arm: non-attention {d['non_attention_seconds']:.1f} s + attention {d['gpu_attention_seconds']:.1f} s "
+          f"= {d['gpu_prefill_seconds']:.1f} s")
+    print(f"ANE arm: {d['ane_prefill_seconds']:.1f} s (setup {d['setup_seconds']:.1f} s, ANE attention "
+          f"{d['ane_attention_seconds']:.1f} s, attention saved {d['attention_saved_seconds']:.1f} s)")
+    print(f"predicted ratio {d['predicted_ratio']:.2f}x (GPU / ANE)")
+    print(f"decision: {d['decision']} — {d['reason']}")
+
+
+def _run_plan(args):
+    from anelab import plan as planner
+
+    if args.list_families:
+        rows = planner.family_table()
+        _print_json(rows) if args.json else _print_family_table(rows)
+        return 0
+    if args.fit_report:
+        rows, fit, loads = planner.predicted_vs_recorded(), planner.fit_costs().to_dict(), planner.load_fit_report()
+        if args.json:
+            fit.pop("rows")
+            _print_json({"rows": rows, "fit": fit, "loads": loads})
+        else:
+            _print_fit_report(rows, fit, loads)
+        return 0
+    if args.prompt_tokens is None:
+        raise AnelabInputError("anelab plan: pass --prompt-tokens N (or --list-families / --fit-report)")
+    result = planner.plan(
+        args.prompt_tokens, family=args.family, chunk=args.chunk, histories=args.histories,
+        max_history=args.max_history, num_layers=args.layers, full_attention_layers=args.full_attention_layers,
+        num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim, sparse_budget=args.sparse_budget,
+        load_seconds=args.load_seconds, gpu_attention_seconds=args.gpu_attention_seconds,
+        ane_attention_seconds=args.ane_attention_seconds, non_attention_seconds=args.non_attention_seconds,
+    ).to_dict()
+    _print_json(result) if args.json else _print_plan(result)
+    return 0
+
+
+_register("plan", _add_plan, _run_plan)
 # <<< section: plan
 
 # >>> section: gather (size / probe)

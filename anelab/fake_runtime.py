@@ -47,6 +47,7 @@ class FakeFunction:
     load_stderr:   text written to fd 2 during ``load`` (e.g. an ANE refusal marker), the load still returning.
     plan_stderr:   text written to fd 2 during ``compute_plan_assignment``.
     load_error:    when set, ``load`` raises ``RuntimeLoadError`` with this text.
+    unloadable_units: compute-units settings under which ``load`` raises (e.g. {"cpu_and_ne"}).
     assignment:    operations per preferred device: neural_engine, gpu, cpu (and optionally unreported);
                    total is derived. ``None`` means the plan reports nothing (a non-default function).
     cold_load_s / warm_load_s: seconds the clock advances on the first / a later load.
@@ -57,6 +58,7 @@ class FakeFunction:
     load_stderr: str = ""
     plan_stderr: str = ""
     load_error: str | None = None
+    unloadable_units: frozenset[str] = frozenset()
     assignment: dict[str, int] | None = field(default_factory=lambda: {"neural_engine": 64, "gpu": 0, "cpu": 109})
     cold_load_s: float = 6.0
     warm_load_s: float = 1.0
@@ -110,6 +112,8 @@ class FakeRuntime(CoreMLRuntime):
         self._loaded_before.add(key)
         if f.load_error is not None:
             raise RuntimeLoadError(f"{pkg}: function {name} does not load: {f.load_error}")
+        if compute_units in f.unloadable_units:
+            raise RuntimeLoadError(f"{pkg}: function {name} does not load under {compute_units}")
         self.loads.append((str(pkg), name, compute_units))
         return {"package": str(pkg), "function": name, "compute_units": compute_units}
 

@@ -3,7 +3,8 @@
 ``round_to_fp16(x)`` rounds float32 values in place to the nearest fp16-representable value
 (round-to-nearest-even, fp16 subnormals included, overflow to +-inf) while keeping the float32
 dtype, so BLAS and ufuncs keep working in fp32 between roundings. It is equivalent to
-``x.astype(np.float16).astype(np.float32)`` (tested bit for bit) but several times faster: the
+``x.astype(np.float16).astype(np.float32)`` (tested bit for bit on every nonzero result; a result
+of zero may lose its sign, which no op here can observe) but several times faster: the
 rounding constant 1.5 * 2**(e + 13) is built from each value's exponent (clamped at fp16's smallest
 normal exponent), and ``(x + c) - c`` then drops exactly the bits fp16 cannot hold.
 """

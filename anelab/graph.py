@@ -14,8 +14,8 @@ Outputs (fp16):
   v_chunk    [Hkv, C, d]   the chunk's V in cache layout
 
 The graph is written independently of ``anelab.reference`` (which is the NumPy check on it).
-RoPE for positions H..H+C-1 is built by angle addition from two tables shared by every history
-(cos/sin of i*theta for i < C) and a per-history rotation (cos/sin of H*theta, a few bytes), so the
+RoPE for positions H..H+C-1 is two rotations: by i*theta from tables shared by every history
+(cos/sin of i*theta for i < C), then by H*theta (a per-history vector of a few bytes), so the
 weights of a multifunction package stay shared across its functions.
 """
 
@@ -138,11 +138,14 @@ def build_dense_program(geometry: AttentionGeometry, weights: AttentionWeights, 
         if g.has_qk_norm:
             q = _rms_norm(mb, q, weights.q_norm, g.rms_norm_eps, "q_normed")
             k = _rms_norm(mb, k, weights.k_norm, g.rms_norm_eps, "k_normed")
-        # positions H + i: cos((H+i)t) = cos(it)cos(Ht) - sin(it)sin(Ht), sin likewise
-        cos = mb.sub(x=mb.mul(x=cos_i, y=cos_h), y=mb.mul(x=sin_i, y=sin_h), name="rope_cos")
-        sin = mb.add(x=mb.mul(x=sin_i, y=cos_h), y=mb.mul(x=cos_i, y=sin_h), name="rope_sin")
-        q = _rope(mb, q, cos, sin, g, "q_rotated")
-        k = _rope(mb, k, cos, sin, g, "k_rotated")
+        # positions H + i: rotate by i*theta (tables shared by every history), then by H*theta
+        # (a per-history vector of rot/2 values). Rotating activations twice — not multiplying the
+        # tables — keeps the const-folding pass from baking a per-history [C, rot/2] table.
+        q = _rope(mb, q, cos_i, sin_i, g, "q_rotated" if H == 0 else "q_rotated_i")
+        k = _rope(mb, k, cos_i, sin_i, g, "k_rotated" if H == 0 else "k_rotated_i")
+        if H > 0:
+            q = _rope(mb, q, cos_h, sin_h, g, "q_rotated")
+            k = _rope(mb, k, cos_h, sin_h, g, "k_rotated")
         k_chunk = mb.transpose(x=k, perm=[1, 0, 2], name="k_chunk")  # [Hkv, C, d]
         v_chunk = mb.transpose(x=v, perm=[1, 0, 2], name="v_chunk")
         if H > 0:

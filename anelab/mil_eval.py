@@ -15,17 +15,21 @@ each intermediate is freed after its last use.
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from anelab.errors import AnelabInputError
 from anelab.export import require_package
 from anelab.fp16 import clip_overflow, round_to_fp16
 from anelab.graph import coremltools_modules, quiet_coremltools
 
-QUERY_TILE_ELEMENTS = 1 << 21   # fp32 score elements per tile (8 MiB): tile rows = this // keys
+QUERY_TILE_ELEMENTS = 1 << 19   # fp32 score elements per tile (2 MiB): tile rows = this // keys
+MAX_WORKERS = 8                 # attention-core tiles run on up to this many threads (capped by cores)
 
 
 @dataclass
@@ -343,31 +347,42 @@ def _attention_core(it: _Interpreter, core: _AttentionCore) -> np.ndarray:
     v_b = np.broadcast_to(v, (B, G, T, d_out) if v.ndim == 4 else (B, T, d_out))
     out = np.empty((B, G, C, d_out), dtype=np.float32)
     tile = max(1, min(C, QUERY_TILE_ELEMENTS // max(T, 1)))
-    scores = np.empty((tile, T), dtype=np.float32)
-    scratch = np.empty(tile * T, dtype=np.int32)
     rounding = it.fp16
-    for b in range(B):
-        kt = np.ascontiguousarray(k[b].T)
-        for g in range(G):
-            vb = v_b[b, g] if v_b.ndim == 4 else v_b[b]
-            for r0 in range(0, C, tile):
-                r1 = min(C, r0 + tile)
-                s = scores[: r1 - r0]
-                np.matmul(q[b, g * C + r0: g * C + r1], kt, out=s)
-                np.add(s, mask_full[b, g, r0:r1], out=s)
-                if rounding:
-                    round_to_fp16(s, scratch[: s.size])
-                row_max = s.max(axis=1, keepdims=True)
-                if rounding and np.abs(row_max).max() > 65519.99:  # a row past fp16's range: store as +-inf
-                    clip_overflow(s)
-                    row_max = s.max(axis=1, keepdims=True)
-                np.subtract(s, row_max, out=s)
-                np.exp(s, out=s)
-                total = s.sum(axis=1, keepdims=True)
-                np.multiply(s, 1.0 / total, out=s)
-                if rounding:
-                    round_to_fp16(s, scratch[: s.size])
-                np.matmul(s, vb, out=out[b, g, r0:r1])
+    k_t = [np.ascontiguousarray(k[b].T) for b in range(B)]  # [d, T] per batch, shared by the workers
+    work = [(b, g, r0) for b in range(B) for g in range(G) for r0 in range(0, C, tile)]
+    local = threading.local()
+
+    def run(item):
+        b, g, r0 = item
+        if not hasattr(local, "scores"):
+            local.scores = np.empty((tile, T), dtype=np.float32)
+            local.scratch = np.empty(tile * T, dtype=np.int32)
+        r1 = min(C, r0 + tile)
+        s = local.scores[: r1 - r0]
+        np.matmul(q[b, g * C + r0: g * C + r1], k_t[b], out=s)
+        np.add(s, mask_full[b, g, r0:r1], out=s)
+        if rounding:
+            round_to_fp16(s, local.scratch[: s.size])
+        row_max = s.max(axis=1, keepdims=True)
+        if rounding and np.abs(row_max).max() > 65519.99:  # a row past fp16's range: store as +-inf
+            clip_overflow(s)
+            row_max = s.max(axis=1, keepdims=True)
+        np.subtract(s, row_max, out=s)
+        np.exp(s, out=s)
+        total = s.sum(axis=1, keepdims=True)
+        np.multiply(s, 1.0 / total, out=s)
+        if rounding:
+            round_to_fp16(s, local.scratch[: s.size])
+        vb = v_b[b, g] if v_b.ndim == 4 else v_b[b]
+        np.matmul(s, vb, out=out[b, g, r0:r1])
+
+    workers = min(len(work), os.cpu_count() or 1, MAX_WORKERS)
+    if workers <= 1:
+        for item in work:
+            run(item)
+    else:  # ufuncs and BLAS release the GIL: one single-threaded BLAS per worker, no oversubscription
+        with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(workers) as pool:
+            list(pool.map(run, work))
     return out.reshape(out_shape)
 
 

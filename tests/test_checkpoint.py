@@ -500,3 +500,16 @@ def test_conftest_factory_serves_every_variant(tiny_checkpoint):
         ckpt = load_checkpoint(tiny_checkpoint(variant))
         assert ckpt.model_type == TINY_MODEL_TYPES[variant]
         assert ckpt.geometry == TINY_GEOMETRIES[variant]
+
+
+def test_multi_token_prediction_stack_is_not_the_model(tiny_checkpoint, tmp_path):
+    """Qwen3-Next checkpoints also hold mtp.layers.0.self_attn.*; the decoder stack is model.layers."""
+    src = tiny_checkpoint("qwen3_next", "F32")
+    directory = copy_checkpoint(src, tmp_path / "c")
+    tensors = st.load_file(str(src / "model.safetensors"))
+    tensors.update({k.replace("model.layers.1.", "mtp.layers.0."): np.zeros_like(v)
+                    for k, v in tensors.items() if ".layers.1." in k})
+    st.save_file(tensors, str(directory / "model.safetensors"))
+    ckpt = load_checkpoint(directory)
+    assert ckpt.prefix == "model."
+    np.testing.assert_array_equal(ckpt.layer(1).q_proj, tensors["model.layers.1.self_attn.q_proj.weight"])
