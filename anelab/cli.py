@@ -48,7 +48,9 @@ def _add_export(sub):
     p.add_argument("--chunk", type=int, required=True, help="chunk width C (rows per call)")
     p.add_argument("--histories", type=_int_list, required=True, help="comma-separated histories, multiples of C (e.g. 0,C,2C)")
     p.add_argument("--layers", type=_int_list, default=None, help="full-attention layers to export (default: all)")
-    p.add_argument("--graph", default="dense", help="graph form (dense)")
+    p.add_argument("--graph", default="dense", help="graph form: dense | tiled (online softmax over key tiles)")
+    p.add_argument("--tile", type=int, default=None, help="tiled graph: key positions per tile, a divisor of the chunk (default: the chunk)")
+    p.add_argument("--weights", default="fp16", help="projection weights: fp16 | int8 | palettize4 | int4-block")
     p.add_argument("--out", required=True, help="output directory for layer_<L>.mlpackage")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
 
@@ -59,7 +61,7 @@ def _run_export(args):
 
     runtime = coreml_runtime.default_runtime()
     results = export_sidecars(args.checkpoint, args.out, args.chunk, args.histories, args.layers,
-                              graph=args.graph, runtime=runtime)
+                              graph=args.graph, key_tile=args.tile, weights_mode=args.weights, runtime=runtime)
     summary = [{"package": str(r.package), "layer": r.metadata.layer, "functions": r.metadata.functions,
                 "coverage": r.metadata.coverage, "weight_bytes": r.weight_bytes,
                 "single_function_weight_bytes": r.metadata.single_function_weight_bytes,
@@ -334,6 +336,44 @@ def _run_size(args):
 
 
 _register("size", _add_size, _run_size)
+
+
+def _add_probe(sub):
+    p = sub.add_parser("probe", help="build, save and evaluate the dense-masked and gather attention probes at one chunk")
+    p.add_argument("--chunk", type=int, required=True, help="query rows of the probe (e.g. 32, 64)")
+    p.add_argument("--repeats", type=int, default=3, help="timed NumPy evaluations per graph (default 3)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
+    p.add_argument("--history", type=int, default=None, help="keys before the chunk (default 3 x chunk)")
+    p.add_argument("--kept-blocks", type=int, default=4, help="indexer blocks kept per row (default 4)")
+    p.add_argument("--compress-ratio", type=int, default=4, help="keys per indexer block (default 4)")
+    p.add_argument("--out", default=None, help="keep the saved probe packages in this directory")
+    p.add_argument("--records", default=None, help="write a measured record (kind gather_probe_numpy) into this directory")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def _run_probe(args):
+    from anelab.gather import probe, probe_record, probe_table
+
+    results = probe(args.chunk, heads=args.heads, head_dim=args.head_dim, history=args.history,
+                    kept_blocks=args.kept_blocks, compress_ratio=args.compress_ratio, repeats=args.repeats,
+                    out_dir=args.out)
+    written = None
+    if args.records:
+        from anelab.records import write_record
+
+        written = write_record(args.records, probe_record(results, args.repeats))
+    if args.json:
+        _print_json({"rows": [r.to_dict() for r in results], "record": str(written) if written else None,
+                     "timing": "numpy_eval_* are NumPy evaluations of the saved programs on this machine, not ANE times"})
+    else:
+        print(probe_table(results))
+        if written:
+            print(f"record written to {written}")
+    return 0 if all(r.agrees for r in results) else 1
+
+
+_register("probe", _add_probe, _run_probe)
 # <<< section: gather
 
 

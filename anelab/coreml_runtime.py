@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import io
 import os
 import platform
 import shutil
@@ -99,6 +100,7 @@ class CoreMLRuntime(abc.ABC):
     """Load, predict and compute-plan queries for sidecar packages."""
 
     name = "abstract"
+    load_description = "abstract"  # what one load() does, recorded with load timings
 
     @abc.abstractmethod
     def available(self) -> bool:
@@ -151,10 +153,7 @@ def _macos_version() -> tuple[int, ...]:
 
 def _import_native() -> None:
     """Import coremltools' native module (raises ImportError/OSError when it is not there)."""
-    import contextlib as _cl
-    import io
-
-    with _cl.redirect_stderr(io.StringIO()):  # coremltools prints its own warnings on import
+    with contextlib.redirect_stderr(io.StringIO()):  # coremltools prints its own warnings on import
         import coremltools.libcoremlpython  # noqa: F401
 
 
@@ -166,6 +165,8 @@ class MacRuntime(CoreMLRuntime):
     """
 
     name = "coreml"
+    load_description = ("coremltools MLModel(.mlpackage, compute_units, function_name): "
+                        "compiles the package to .mlmodelc, then loads the function")
 
     def __init__(self, *, platform_name: str | None = None,
                  macos_version: Callable[[], tuple[int, ...]] | None = None,
@@ -212,10 +213,7 @@ class MacRuntime(CoreMLRuntime):
 
     @staticmethod
     def _ct():
-        import contextlib as _cl
-        import io
-
-        with _cl.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stderr(io.StringIO()):
             import coremltools as ct
         return ct
 

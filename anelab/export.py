@@ -23,7 +23,9 @@ from anelab import __version__
 from anelab.checkpoint import load_checkpoint
 from anelab.errors import AnelabInputError
 from anelab.geometry import coverage, validate_chunk_and_histories
-from anelab.graph import SidecarShape, build_dense_program, coremltools_modules, quiet_coremltools
+from anelab.graph import (SidecarShape, build_dense_program, build_tiled_program, coremltools_modules, quiet_coremltools,
+                           validate_key_tile)
+from anelab.quantize import compress_package, validate_weights_mode
 
 FORMAT_VERSION = 1
 WEIGHTS_RELATIVE = Path("Data/com.apple.CoreML/weights/weight.bin")
@@ -50,6 +52,9 @@ META = {
     "anelab": "anelab.version",
     "exported_at": "anelab.exportedAt",
 }
+
+
+KEY_TILE_META = "anelab.keyTile"  # tiled graph only: key positions per tile
 
 
 def function_name(history: int) -> str:
@@ -224,17 +229,27 @@ class ExportResult:
 
 
 def export_layer(checkpoint, layer: int, chunk: int, histories: list[int], out_dir: str | os.PathLike, *,
-                 graph: str = "dense", runtime=None, progress=None) -> ExportResult:
+                 graph: str = "dense", key_tile: int | None = None, weights_mode: str = "fp16",
+                 runtime=None, progress=None) -> ExportResult:
     """Export one full-attention layer as ``out_dir/layer_<L>.mlpackage``.
+
+    ``graph``: ``dense`` (scores all keys at once) or ``tiled`` (online softmax over key tiles of
+    ``key_tile`` positions, a divisor of the chunk; default: the chunk). ``weights_mode``: see
+    ``anelab.quantize`` — each function's package is compressed before the merge.
 
     ``runtime``: an ``anelab.coreml_runtime`` implementation for the ANE gate; ``None`` (or an
     unavailable runtime) records ``aneCompileVerified: false`` with the reason.
     """
     histories = validate_chunk_and_histories(chunk, list(histories))
-    if graph != "dense":
-        raise AnelabInputError(f"unknown --graph {graph!r}; supported: dense")
+    if graph not in ("dense", "tiled"):
+        raise AnelabInputError(f"unknown --graph {graph!r}; supported: dense, tiled")
+    if graph == "tiled":
+        key_tile = validate_key_tile(chunk if key_tile is None else key_tile, chunk)
+    elif key_tile is not None:
+        raise AnelabInputError("--tile applies to --graph tiled only; drop --tile or add --graph tiled")
     weights = checkpoint.layer(layer)
     geometry = checkpoint.geometry
+    validate_weights_mode(weights_mode, geometry)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     dest = out_dir / f"layer_{layer}.mlpackage"
@@ -242,8 +257,13 @@ def export_layer(checkpoint, layer: int, chunk: int, histories: list[int], out_d
     try:
         variants: dict[str, Path] = {}
         for h in histories:
-            prog = build_dense_program(geometry, weights, SidecarShape(chunk=chunk, history=h))
-            variants[function_name(h)] = convert_program(prog, work / f"{function_name(h)}.mlpackage")
+            shape = SidecarShape(chunk=chunk, history=h)
+            prog = (build_tiled_program(geometry, weights, shape, key_tile) if graph == "tiled"
+                    else build_dense_program(geometry, weights, shape))
+            path = convert_program(prog, work / f"{function_name(h)}.mlpackage")
+            if weights_mode != "fp16":  # before the merge: coremltools cannot compress a multifunction package
+                path = compress_package(path, work / f"{function_name(h)}.{weights_mode}.mlpackage", weights_mode)
+            variants[function_name(h)] = path
             if progress is not None:
                 progress.update(1)
         single_bytes = weight_bytes(next(iter(variants.values())))
@@ -259,14 +279,17 @@ def export_layer(checkpoint, layer: int, chunk: int, histories: list[int], out_d
             verified, reason = True, gate.VERIFIED_REASON
         meta = SidecarMetadata(
             format_version=FORMAT_VERSION, source=str(checkpoint.path), layer=layer, geometry=geometry.to_dict(),
-            chunk=chunk, histories=histories, coverage=coverage(histories, chunk), graph=graph, weights="fp16",
+            chunk=chunk, histories=histories, coverage=coverage(histories, chunk), graph=graph, weights=weights_mode,
             single_function_weight_bytes=single_bytes, selection_folded=False, selection_indexer=None,
             ane_verified=verified, ane_reason=reason, ane_evidence=evidence,
             coremltools=coremltools_modules()[0].__version__, anelab=__version__,
             exported_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         )
         final = work / f"layer_{layer}.mlpackage"
-        write_package_metadata(merged, final, meta.to_strings())
+        strings = meta.to_strings()
+        if graph == "tiled":
+            strings[KEY_TILE_META] = str(key_tile)
+        write_package_metadata(merged, final, strings)
         _replace_dir(final, dest)
         return ExportResult(package=dest, metadata=meta, weight_bytes=weight_bytes(dest))
     finally:
@@ -274,7 +297,8 @@ def export_layer(checkpoint, layer: int, chunk: int, histories: list[int], out_d
 
 
 def export_sidecars(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, chunk: int, histories: list[int],
-                    layers: list[int] | None = None, *, graph: str = "dense", runtime=None) -> list[ExportResult]:
+                    layers: list[int] | None = None, *, graph: str = "dense", key_tile: int | None = None,
+                    weights_mode: str = "fp16", runtime=None) -> list[ExportResult]:
     """Export ``layer_<L>.mlpackage`` for each requested full-attention layer (default: all)."""
     checkpoint = load_checkpoint(checkpoint_dir)
     histories = validate_chunk_and_histories(chunk, list(histories))
@@ -287,5 +311,6 @@ def export_sidecars(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLik
     with tqdm(total=len(layers) * len(histories), desc="export functions", unit="fn") as bar:
         for layer in layers:
             bar.set_postfix_str(f"layer {layer}")
-            results.append(export_layer(checkpoint, layer, chunk, histories, out_dir, graph=graph, runtime=runtime, progress=bar))
+            results.append(export_layer(checkpoint, layer, chunk, histories, out_dir, graph=graph, key_tile=key_tile,
+                                        weights_mode=weights_mode, runtime=runtime, progress=bar))
     return results

@@ -46,6 +46,7 @@ class FakeFunction:
 
     load_stderr:   text written to fd 2 during ``load`` (e.g. an ANE refusal marker), the load still returning.
     plan_stderr:   text written to fd 2 during ``compute_plan_assignment``.
+    plan_error:    when set, ``compute_plan_assignment`` raises ``RuntimeError`` with this text.
     load_error:    when set, ``load`` raises ``RuntimeLoadError`` with this text.
     unloadable_units: compute-units settings under which ``load`` raises (e.g. {"cpu_and_ne"}).
     assignment:    operations per preferred device: neural_engine, gpu, cpu (and optionally unreported);
@@ -57,6 +58,7 @@ class FakeFunction:
 
     load_stderr: str = ""
     plan_stderr: str = ""
+    plan_error: str | None = None
     load_error: str | None = None
     unloadable_units: frozenset[str] = frozenset()
     assignment: dict[str, int] | None = field(default_factory=lambda: {"neural_engine": 64, "gpu": 0, "cpu": 109})
@@ -71,6 +73,7 @@ class FakeRuntime(CoreMLRuntime):
     """``CoreMLRuntime`` driven by a script; records every call in ``calls`` and every load in ``loads``."""
 
     name = "fake"
+    load_description = "scripted fake load (FakeClock seconds)"
 
     def __init__(self, functions: dict[str, FakeFunction] | None = None, *, default: FakeFunction | None = None,
                  available: bool = True, reason: str = "fake runtime switched off", clock: FakeClock | None = None):
@@ -132,6 +135,8 @@ class FakeRuntime(CoreMLRuntime):
         self.calls.append(("compute_plan", str(pkg), name, compute_units))
         f = self.script(name)
         self._emit(f.plan_stderr)
+        if f.plan_error is not None:
+            raise RuntimeError(f.plan_error)
         counts = {key: 0 for key in ASSIGNMENT_KEYS}
         for key, value in (f.assignment or {}).items():
             if key not in counts or key == "total":

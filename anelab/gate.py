@@ -114,8 +114,17 @@ def _load_watched(runtime: CoreMLRuntime, pkg: Path, function: str | None, name:
             failure = None
         except RuntimeLoadError as e:
             handle, failure = None, e
-        assignment = runtime.compute_plan_assignment(pkg, GATE_COMPUTE_UNITS) if plan and failure is None else None
+        assignment = None
+        if plan and failure is None:
+            try:
+                assignment = runtime.compute_plan_assignment(pkg, GATE_COMPUTE_UNITS)
+            except Exception as e:  # the framework's refusal to build a plan is a gate failure, named
+                failure = e
     del handle
+    if failure is not None and plan and not isinstance(failure, RuntimeLoadError):
+        raise AneGateError(f"ANE gate: the compute plan of {label} could not be read ({type(failure).__name__}: "
+                           f"{failure}); the sidecar is not exported", function=name,
+                           stderr_text=captured.text) from failure
     if failure is not None:
         raise AneGateError(f"ANE gate: {label} does not load ({failure}); the sidecar is not exported",
                            function=name, stderr_text=captured.text) from failure

@@ -176,3 +176,120 @@ def build_dense_program(geometry: AttentionGeometry, weights: AttentionWeights, 
         def prog(hidden, mask):
             return body(hidden, None, None, mask)
     return prog
+
+
+# ---- tiled (flash) attention ---------------------------------------------------------------------
+
+def validate_key_tile(key_tile: int, chunk: int) -> int:
+    """A key tile must be a positive divisor of the chunk (so no tile straddles history and chunk)."""
+    from anelab.errors import AnelabInputError
+
+    if isinstance(key_tile, bool) or not isinstance(key_tile, (int, np.integer)) or key_tile <= 0:
+        raise AnelabInputError(f"--tile must be a positive integer, got {key_tile!r}")
+    if chunk % key_tile:
+        divisors = [t for t in range(1, chunk + 1) if chunk % t == 0]
+        raise AnelabInputError(f"--tile {key_tile} does not divide the chunk {chunk}; use a divisor such as {divisors[-2] if len(divisors) > 1 else 1}")
+    return int(key_tile)
+
+
+def _project_chunk(mb, g: AttentionGeometry, weights: AttentionWeights, hidden, C: int, H: int):
+    """Projections, QK-norm and RoPE of one chunk (same math as the dense graph).
+
+    Returns (q [Hkv, group*C, d] scaled by 1/sqrt(d), gate [C, Hq, d] or None,
+    k_chunk [Hkv, C, d], v_chunk [Hkv, C, d]).
+    """
+    Hq, Hkv, d = g.num_heads, g.num_kv_heads, g.head_dim
+    cos_i, sin_i, cos_h, sin_h = _rope_tables(g, C, H)
+    q = _linear(mb, hidden, weights.q_proj, weights.q_bias, "q_proj")
+    gate = None
+    if g.is_gated:  # per head: d query rows, then d gate rows
+        q, gate = mb.split(x=mb.reshape(x=q, shape=[C, Hq, 2 * d]), num_splits=2, axis=-1)
+    else:
+        q = mb.reshape(x=q, shape=[C, Hq, d])
+    k = mb.reshape(x=_linear(mb, hidden, weights.k_proj, weights.k_bias, "k_proj"), shape=[C, Hkv, d])
+    v = mb.reshape(x=_linear(mb, hidden, weights.v_proj, weights.v_bias, "v_proj"), shape=[C, Hkv, d])
+    if g.has_qk_norm:
+        q = _rms_norm(mb, q, weights.q_norm, g.rms_norm_eps, "q_normed")
+        k = _rms_norm(mb, k, weights.k_norm, g.rms_norm_eps, "k_normed")
+    q = _rope(mb, q, cos_i, sin_i, g, "q_rotated" if H == 0 else "q_rotated_i")
+    k = _rope(mb, k, cos_i, sin_i, g, "k_rotated" if H == 0 else "k_rotated_i")
+    if H > 0:
+        q = _rope(mb, q, cos_h, sin_h, g, "q_rotated")
+        k = _rope(mb, k, cos_h, sin_h, g, "k_rotated")
+    k_chunk = mb.transpose(x=k, perm=[1, 0, 2], name="k_chunk")
+    v_chunk = mb.transpose(x=v, perm=[1, 0, 2], name="v_chunk")
+    q = mb.mul(x=q, y=np.float16(1.0 / np.sqrt(d)))
+    q = mb.reshape(x=mb.transpose(x=q, perm=[1, 0, 2]), shape=[Hkv, g.group_size * C, d])
+    return q, gate, k_chunk, v_chunk
+
+
+def _key_tile(mb, history, chunk_kv, H: int, k0: int, k1: int, d: int):
+    """Keys (or values) at positions k0..k1-1 as [Hkv, k1 - k0, d]: sliced from the token-major
+    history [H, Hkv, d] then transposed (the whole history is never transposed), or from the
+    chunk's [Hkv, C, d]."""
+    if k1 <= H:
+        rows = mb.slice_by_index(x=history, begin=[k0, 0, 0], end=[k1, 0, d], end_mask=[False, True, True])
+        return mb.transpose(x=rows, perm=[1, 0, 2])
+    return mb.slice_by_index(x=chunk_kv, begin=[0, k0 - H, 0], end=[0, k1 - H, d], end_mask=[True, False, True])
+
+
+def build_tiled_program(geometry: AttentionGeometry, weights: AttentionWeights, shape: SidecarShape, key_tile: int):
+    """The tiled (flash-attention) sidecar function: same inputs and outputs as the dense graph.
+
+    Keys are visited in tiles of ``key_tile`` positions (a divisor of the chunk). Per tile, the
+    scores s [Hkv, group, C, key_tile] (+ the mask's columns) update a running row max
+    m [Hkv, group, C, 1], a running sum l (same shape) and an accumulator acc [Hkv, group, C, d]
+    rescaled by exp(m_old - m_new) (online softmax, Dao et al. 2022); acc / l is the context.
+    No op holds a [heads, C, H + C] score tensor: the largest score op is [Hq, C, key_tile].
+    """
+    ct, mb, types = coremltools_modules()
+    g = geometry
+    C, H = shape.chunk, shape.history
+    key_tile = validate_key_tile(key_tile, C)
+    Hq, Hkv, d, D, G = g.num_heads, g.num_kv_heads, g.head_dim, g.hidden_size, g.group_size
+    T = H + C
+    specs = [mb.TensorSpec(shape=(C, D), dtype=types.fp16)]
+    if H > 0:
+        specs += [mb.TensorSpec(shape=(H, Hkv, d), dtype=types.fp16) for _ in range(2)]
+    specs.append(mb.TensorSpec(shape=(C, T), dtype=types.fp16))
+
+    def body(hidden, k_history, v_history, mask):
+        q, gate, k_chunk, v_chunk = _project_chunk(mb, g, weights, hidden, C, H)
+        m = l = acc = None
+        for j, k0 in enumerate(range(0, T, key_tile)):
+            k1 = k0 + key_tile
+            keys = _key_tile(mb, k_history, k_chunk, H, k0, k1, d)            # [Hkv, tile, d]
+            values = _key_tile(mb, v_history, v_chunk, H, k0, k1, d)
+            s = mb.matmul(x=q, y=keys, transpose_y=True)                       # [Hkv, G*C, tile]
+            s = mb.reshape(x=s, shape=[Hkv, G, C, key_tile])
+            mask_cols = mb.slice_by_index(x=mask, begin=[0, k0], end=[C, k1], end_mask=[True, False])
+            s = mb.add(x=s, y=mask_cols, name=f"scores_tile{j}")
+            tile_max = mb.reduce_max(x=s, axes=[-1], keep_dims=True)          # [Hkv, G, C, 1]
+            m_new = tile_max if m is None else mb.maximum(x=m, y=tile_max)
+            p = mb.exp(x=mb.sub(x=s, y=m_new))                                 # exp(s - m_new) <= 1
+            p_sum = mb.reduce_sum(x=p, axes=[-1], keep_dims=True)
+            pv = mb.matmul(x=p, y=mb.expand_dims(x=values, axes=[1]))         # [Hkv, G, C, d]
+            if m is None:
+                l, acc = p_sum, pv
+            else:  # what was accumulated under the old max is rescaled to the new one
+                alpha = mb.exp(x=mb.sub(x=m, y=m_new))
+                l = mb.add(x=mb.mul(x=l, y=alpha), y=p_sum)
+                acc = mb.add(x=mb.mul(x=acc, y=alpha), y=pv)
+            m = m_new
+        context = mb.real_div(x=acc, y=l)                                       # [Hkv, G, C, d]
+        context = mb.transpose(x=mb.reshape(x=context, shape=[Hq, C, d]), perm=[1, 0, 2])  # [C, Hq, d]
+        if gate is not None:
+            context = mb.mul(x=context, y=mb.sigmoid(x=gate))
+        context = mb.reshape(x=context, shape=[C, Hq * d])
+        attn_out = _linear(mb, context, weights.o_proj, weights.o_bias, "attn_out")
+        return attn_out, k_chunk, v_chunk
+
+    if H > 0:
+        @mb.program(input_specs=specs, opset_version=ct.target.iOS18)
+        def prog(hidden, k_history, v_history, mask):
+            return body(hidden, k_history, v_history, mask)
+    else:
+        @mb.program(input_specs=specs, opset_version=ct.target.iOS18)
+        def prog(hidden, mask):
+            return body(hidden, None, None, mask)
+    return prog

@@ -28,6 +28,10 @@ from anelab.export import require_package
 from anelab.fp16 import clip_overflow, round_to_fp16
 from anelab.graph import coremltools_modules, quiet_coremltools
 
+# ops that only move or select values: with fp16 inputs their outputs are fp16-exact already
+VALUE_PRESERVING_OPS = frozenset({"reshape", "transpose", "concat", "split", "slice_by_index", "expand_dims",
+                                  "squeeze", "tile", "gather", "gather_along_axis", "identity", "maximum", "minimum", "abs",
+                                  "reduce_max", "reduce_min", "select"})
 QUERY_TILE_ELEMENTS = 1 << 19   # fp32 score elements per tile (2 MiB): tile rows = this // keys
 MAX_WORKERS = 8                 # attention-core tiles run on up to this many threads (capped by cores)
 
@@ -198,12 +202,14 @@ class _Interpreter:
         val = self.value(var)
         return val.item() if isinstance(val, np.ndarray) and val.ndim == 0 else val
 
-    def store(self, var, arr: np.ndarray) -> None:
+    def store(self, var, arr: np.ndarray, exact: bool = False) -> None:
+        """Keep an op's result; fp16 results are rounded to fp16 unless ``exact`` (the op only moved
+        values that were already fp16)."""
         arr = np.asarray(arr)
         dtype = _numpy_dtype(var)
         if arr.dtype != dtype:
             arr = arr.astype(dtype)
-        if self.fp16 and _is_fp16(var):
+        if self.fp16 and _is_fp16(var) and not exact:
             if not arr.flags.writeable or not arr.flags.c_contiguous or _shares_env(arr, self.env):
                 arr = np.array(arr, dtype=np.float32, copy=True)
             clip_overflow(round_to_fp16(arr))
@@ -241,8 +247,9 @@ class _Interpreter:
             results = kernel(self, op)
             if not isinstance(results, (list, tuple)):
                 results = [results]
+            exact = op.op_type in VALUE_PRESERVING_OPS and all(_is_fp16(v) for v in _input_vars(op) if v.name in self.env)
             for var, arr in zip(op.outputs, results):
-                self.store(var, arr)
+                self.store(var, arr, exact=exact)
             self.release(op)
         out = {}
         for var, sig in zip(self.fn.outputs, info.outputs):
@@ -562,4 +569,64 @@ _KERNELS = {
     "identity": _unary(lambda x: x),
 }
 
+SUPPORTED_OPS = tuple(sorted(_KERNELS))
+
+
+# ---- compressed-weight kernels (iOS 18 constexpr ops; anelab.quantize) -----------------------------
+
+def _block_expand(small: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Repeat a per-block array [n0, n1, ...] to ``shape`` (block size = shape[i] / n_i per axis)."""
+    out = small
+    for axis, (n, full) in enumerate(zip(small.shape, shape)):
+        if full % n:
+            raise AnelabInputError(f"MIL evaluation: block count {n} does not divide dimension {full}; the package is malformed")
+        out = np.repeat(out, full // n, axis=axis)
+    return out
+
+
+def _k_constexpr_blockwise_shift_scale(it, op):
+    """output = scale * (data - offset), scale/offset repeated over their blocks (iOS 18)."""
+    data = it.value(op.inputs["data"]).astype(np.float32)
+    scale = it.value(op.inputs["scale"]).astype(np.float32)
+    if scale.ndim != data.ndim:
+        raise AnelabInputError("MIL evaluation: constexpr_blockwise_shift_scale scale rank differs from data rank")
+    if "offset" in op.inputs:
+        data = data - _block_expand(it.value(op.inputs["offset"]).astype(np.float32), data.shape)
+    return data * _block_expand(scale, data.shape)
+
+
+def _k_constexpr_lut_to_dense(it, op):
+    """output[i...] = lut[block(i...), indices[i...]] for scalar palettes (lut [*blocks, entries, 1])."""
+    indices = it.value(op.inputs["indices"]).astype(np.int64)
+    lut = it.value(op.inputs["lut"]).astype(np.float32)
+    if lut.ndim != indices.ndim + 2:
+        raise AnelabInputError("MIL evaluation: constexpr_lut_to_dense lut rank must be indices rank + 2")
+    if lut.shape[-1] != 1:
+        raise AnelabInputError("MIL evaluation: vector palettization (lut vector size > 1) is not supported")
+    blocks = lut.shape[:-2]
+    grid = np.meshgrid(*[np.arange(s) // (s // n) for s, n in zip(indices.shape, blocks)], indexing="ij")
+    return lut[(*grid, indices, np.zeros_like(indices))]
+
+
+def _k_constexpr_affine_dequantize(it, op):
+    """iOS 16 form: (quantized_data - zero_point) * scale along ``axis``."""
+    data = it.value(op.inputs["quantized_data"]).astype(np.float32)
+    zero = np.asarray(it.value(op.inputs["zero_point"]), dtype=np.float32)
+    scale = np.asarray(it.value(op.inputs["scale"]), dtype=np.float32)
+    axis = int(it.param(op, "axis"))
+    shape = [1] * data.ndim
+    if scale.ndim == 1 and scale.size > 1:
+        shape[axis] = scale.size
+        scale = scale.reshape(shape)
+    if zero.ndim == 1 and zero.size > 1:
+        shape[axis] = zero.size
+        zero = zero.reshape(shape)
+    return (data - zero) * scale
+
+
+_KERNELS.update({
+    "constexpr_blockwise_shift_scale": _k_constexpr_blockwise_shift_scale,
+    "constexpr_lut_to_dense": _k_constexpr_lut_to_dense,
+    "constexpr_affine_dequantize": _k_constexpr_affine_dequantize,
+})
 SUPPORTED_OPS = tuple(sorted(_KERNELS))

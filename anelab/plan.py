@@ -44,6 +44,17 @@ Where costs come from (:func:`fit_costs`, reading the records in ``data/``):
 
 :func:`predicted_vs_recorded` reports how well that recovers each recorded ratio, in-sample and
 leave-one-out.
+
+What the fit says that the seed does not (read these before trusting a decomposition):
+
+- The dense per-variant setup fits below zero and is pinned at 0: the dense A/B rows leave no room
+  for the ~0.5 s per layer-chunk the runtime's note gives the 35B (the 35B keeps its note).
+- Qwen 3.8's recorded ANE arm (273.5 s) holds the 244 s of loads only if its non-attention prefill
+  is ~5 s, so the fit puts ~186 s of its GPU prefill into sparse attention (a gather rate 3.4x the
+  dense GPU rate per score entry). Either the GPU's gather path is that slow, or the recorded ANE
+  arm hides part of the loads; the seed does not say which. The verdict does not depend on it:
+  the setup alone exceeds the whole GPU prefill.
+- Weight precision moves only non-attention: 4-bit and 8-bit of one model share attention rates.
 """
 
 from __future__ import annotations
@@ -286,8 +297,9 @@ def _qwen38(bits: int) -> Family:
             "sparse_budget": (RECORDED, "seed: 2,051 visible keys per query (QSA indexer)"),
         },
         max_history=8192,
-        records=("v5.5-ane-matrix-3.json",) * (bits == 4) + (f"v5.6-ane-38-{bits}bit.json", "seed-38-variant-loads.json",
-                                                            "seed-38-h0-ane-vs-cpu.json", "seed-op-assignment-counts.json"),
+        records=(("v5.5-ane-matrix-3.json",) if bits == 4 else ()) + (
+            f"v5.6-ane-38-{bits}bit.json", "seed-38-variant-loads.json", "seed-38-h0-ane-vs-cpu.json",
+            "seed-op-assignment-counts.json"),
         unknown=("number of layers (assumed 48)", "kv heads",
                  "split of the GPU prefill into sparse attention and non-attention (fitted)",
                  "which precision's sidecar the load times were measured on (the sidecar is fp16 either way)"),
@@ -359,10 +371,17 @@ class CostFit:
     dense_setup_seconds_per_variant: float
     load_power_coef: float
     load_power_exp: float
-    recorded_loads: dict            # history -> seconds (Qwen 3.8, chunk 4,096, 24 heads)
+    recorded_loads: dict            # history -> seconds (Qwen 3.8) at recorded_load_chunk, recorded_load_heads
+    recorded_load_chunk: int
+    recorded_load_heads: int
     non_attention_seconds: dict     # family -> seconds at REFERENCE_TOKENS
     non_attention_clamped: tuple    # families whose fitted non-attention was negative, set to 0
     rows: tuple                     # ABRow used
+
+    def recorded_load_model(self) -> LoadModel:
+        """Qwen 3.8's recorded loads where they apply, the power law in score-arena bytes elsewhere."""
+        return LoadModel(self.recorded_loads, self.recorded_load_chunk, self.recorded_load_heads,
+                         power_coef=self.load_power_coef, power_exp=self.load_power_exp, source=RECORDED)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -481,7 +500,7 @@ def _fit(records: list[dict], exclude_ane: tuple[str, str] | None = None) -> Cos
                 n = 0.0
             non_attention[name] = n
     return CostFit(float(ane_rate), float(g_dense), float(g_sparse), float(s_dense), coef, exp, by_history,
-                   non_attention, tuple(clamped), tuple(rows))
+                   chunk_l, heads_l, non_attention, tuple(clamped), tuple(rows))
 
 
 @functools.lru_cache(maxsize=8)
@@ -524,8 +543,7 @@ class PlanCosts:
 
 def _family_costs(family: Family, prompt_tokens: int, fit: CostFit) -> PlanCosts:
     if family.sparse:
-        load = LoadModel(fit.recorded_loads, REFERENCE_CHUNK, 24, power_coef=fit.load_power_coef,
-                         power_exp=fit.load_power_exp, source=RECORDED)
+        load = fit.recorded_load_model()
         load_source = "recorded per history (seed-38-variant-loads.json); power fit elsewhere"
     elif family.setup_note_seconds is not None:
         load = LoadModel(flat=family.setup_note_seconds, source=RECORDED)
@@ -542,7 +560,8 @@ def _family_costs(family: Family, prompt_tokens: int, fit: CostFit) -> PlanCosts
             "gpu_attention": ("fitted sparse rate (Qwen 3.8 A/B rows)" if family.sparse else "fitted dense rate (A/B rows)"),
             "ane_attention": "recorded h0 prediction of Qwen 3.8 (0.43 s), per score entry",
             "load": load_source,
-            "non_attention": f"fitted at {REFERENCE_TOKENS:,} tokens, scaled linearly to the prompt",
+            "non_attention": f"fitted at {REFERENCE_TOKENS:,} tokens, scaled linearly to the prompt"
+                             + ("; the fit was negative and is clamped to 0" if family.name in fit.non_attention_clamped else ""),
         },
     )
 
@@ -776,9 +795,7 @@ def _reason(decision, prompt_tokens, chunk, fits, needed, coverage, setup, saved
 def _predicted_ane(row: ABRow, fit: CostFit) -> tuple[float, bool]:
     """ANE-arm seconds for a recorded row given its measured GPU seconds; True if non-attention clamped."""
     family = FAMILIES[row.family]
-    recorded_load = LoadModel(fit.recorded_loads, REFERENCE_CHUNK, 24, power_coef=fit.load_power_coef,
-                              power_exp=fit.load_power_exp, source=RECORDED)
-    x = _row_terms(row, recorded_load)
+    x = _row_terms(row, fit.recorded_load_model())
     gpu_rate = fit.gpu_sparse_seconds_per_entry if family.sparse else fit.gpu_dense_seconds_per_entry
     setup = x.fixed_setup if x.fixed_setup is not None else fit.dense_setup_seconds_per_variant * x.variants
     n = row.gpu_seconds - gpu_rate * x.gpu_entries

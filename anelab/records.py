@@ -199,6 +199,8 @@ def read_record(path: str | os.PathLike) -> dict:
         record = json.loads(path.read_text())
     except FileNotFoundError:
         raise AnelabInputError(f"{path}: no such record file") from None
+    except (IsADirectoryError, UnicodeDecodeError):
+        raise AnelabInputError(f"{path}: not a record file (a record is one UTF-8 JSON file)") from None
     except json.JSONDecodeError as e:
         raise AnelabInputError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
     return validate_record(record, str(path))

@@ -20,8 +20,9 @@ H = history keys (positions 0 .. H-1, already in the cache), T = H + C (the cove
 
 Two sibling forms compute the same block:
 
-- ``attention_block``: dense — materialises the score matrix ``[Hq, C, T]`` and takes a plain
-  softmax per row. Fastest in NumPy; memory grows with chunk x coverage.
+- ``attention_block``: dense — each row's plain softmax over all T keys at once (scores for
+  ``query_block`` rows at a time, ``[Hq, query_block, T]``). The fastest form in NumPy; its score
+  buffer grows with the coverage T.
 - ``attention_block_tiled``: FlashAttention-style online softmax (running max, running sum,
   rescaled accumulator) over query tiles and key tiles. Peak memory holds one
   ``[Hq, query_tile, key_tile]`` score tile, never a ``[Hq, C, T]`` array. Recommended for long
@@ -45,6 +46,7 @@ from anelab.masks import MASKED
 PRECISIONS = {"fp32": np.float32, "fp64": np.float64}
 DEFAULT_QUERY_TILE = 256
 DEFAULT_KEY_TILE = 1024
+DENSE_QUERY_BLOCK = 128  # chunk rows per dense score buffer [Hq, rows, T]
 # A mask value at or below this drops the key (masks.MASKED = -30000: exp underflows to exactly 0).
 _DROPPED = float(MASKED)
 
@@ -107,7 +109,8 @@ def _check_weights(weights: AttentionWeights, geometry: AttentionGeometry) -> No
     for name in ("q_norm", "k_norm"):
         w = getattr(weights, name)
         if g.has_qk_norm and w is None:
-            raise AnelabInputError(f"variant {g.variant} needs weights.{name} [{g.head_dim}]; load it from the checkpoint")
+            raise AnelabInputError(
+                f"variant {g.variant} needs weights.{name} [{g.head_dim}]; load it from the checkpoint")
         if w is not None:
             _expect_shape(f"weights.{name}", w, (g.head_dim,))
 
@@ -268,7 +271,8 @@ def _prepare(hidden, k_history, v_history, mask, weights, geometry, start, preci
     if c == 0:
         raise AnelabInputError("hidden has no rows; a chunk needs at least one token")
     if np.ndim(k_history) != 3:
-        raise AnelabInputError(f"k_history must have shape [H, {g.num_kv_heads}, {g.head_dim}], got {list(np.shape(k_history))}")
+        raise AnelabInputError(
+            f"k_history must have shape [H, {g.num_kv_heads}, {g.head_dim}], got {list(np.shape(k_history))}")
     h = int(np.shape(k_history)[0])
     _expect_shape("k_history", k_history, (h, g.num_kv_heads, g.head_dim))
     _expect_shape("v_history", v_history, (h, g.num_kv_heads, g.head_dim))
@@ -294,26 +298,49 @@ def _prepare(hidden, k_history, v_history, mask, weights, geometry, start, preci
 
 
 def _grouped_queries(q: np.ndarray, geometry: AttentionGeometry, scale: float) -> np.ndarray:
-    """q [R, Hq, d] -> scaled [Hkv, group * R, d]: query head h = kv * group + j sits in block kv."""
+    """q [R, Hq, d] -> scaled, contiguous [Hkv, group, R, d]: query head h = kv * group + j."""
     g = geometry
     r = q.shape[0]
-    grouped = q.reshape(r, g.num_kv_heads, g.group_size, g.head_dim).transpose(1, 2, 0, 3)
-    out = np.ascontiguousarray(grouped).reshape(g.num_kv_heads, g.group_size * r, g.head_dim)
-    out *= scale
-    return out
+    grouped = np.ascontiguousarray(q.reshape(r, g.num_kv_heads, g.group_size, g.head_dim).transpose(1, 2, 0, 3))
+    grouped *= scale
+    return grouped
 
 
-def _ungroup(out: np.ndarray, geometry: AttentionGeometry, rows: int) -> np.ndarray:
-    """[Hkv, group * R, d] -> [R, Hq, d] (contiguous)."""
+def _ungroup(out: np.ndarray, geometry: AttentionGeometry) -> np.ndarray:
+    """[Hkv, group, R, d] -> [R, Hq, d] (contiguous)."""
     g = geometry
-    per_head = out.reshape(g.num_kv_heads, g.group_size, rows, g.head_dim).transpose(2, 0, 1, 3)
-    return np.ascontiguousarray(per_head).reshape(rows, g.num_heads, g.head_dim)
+    rows = out.shape[2]
+    return np.ascontiguousarray(out.transpose(2, 0, 1, 3)).reshape(rows, g.num_heads, g.head_dim)
+
+
+def _scores(q_rows: np.ndarray, k_all: np.ndarray, k0: int, k1: int, buffer: np.ndarray) -> np.ndarray:
+    """Scores of query rows against keys k0..k1, written into (the front of) a reused buffer.
+
+    q_rows [Hkv, group, R, d] -> [Hkv, group * R, k1 - k0]. Reusing one buffer avoids faulting in
+    fresh pages for every block.
+    """
+    hkv, group, rows, d = q_rows.shape
+    s = buffer[: hkv * group * rows * (k1 - k0)].reshape(hkv, group * rows, k1 - k0)
+    np.matmul(np.ascontiguousarray(q_rows).reshape(hkv, group * rows, d), k_all[:, k0:k1].transpose(0, 2, 1), out=s)
+    return s
+
+
+def _add_mask(s: np.ndarray, mask_tile: np.ndarray, group: int) -> None:
+    """s [Hkv, group * R, K] += mask_tile [R, K], broadcast over every head."""
+    hkv, _, keys = s.shape
+    per_head = s.reshape(hkv, group, mask_tile.shape[0], keys)
+    per_head += mask_tile.astype(s.dtype, copy=False)
+
+
+def _check_tile(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise AnelabInputError(f"{name} must be a positive integer, got {value!r}")
 
 
 def attention_block(hidden: np.ndarray, k_history: np.ndarray, v_history: np.ndarray, mask: np.ndarray,
                     weights: AttentionWeights, geometry: AttentionGeometry, *, start: int | None = None,
-                    precision: str = "fp32") -> BlockOutput:
-    """Dense reference of the block for one chunk.
+                    precision: str = "fp32", query_block: int = DENSE_QUERY_BLOCK) -> BlockOutput:
+    """Dense reference of the block for one chunk: every row's softmax over all T keys at once.
 
     hidden     [C, D]          the chunk's (already normed) hidden states
     k_history  [H, Hkv, d]     cached keys at positions 0 .. H-1 (normed+rotated), token-major
@@ -321,31 +348,35 @@ def attention_block(hidden: np.ndarray, k_history: np.ndarray, v_history: np.nda
     mask       [C, H + C]      additive: 0 attend, masks.MASKED drop (any finite values allowed)
     start      absolute position of the chunk's first row (default H; H+1 builds a wrong-RoPE control)
 
-    Materialises scores [Hkv, group * C, H + C] (= [Hq, C, T]) — GQA by grouping query heads
-    against each KV head instead of repeating K. A fully masked row stays finite: the softmax
-    subtracts the row max, so a constant MASKED shift cancels and the row attends as if unmasked.
+    Scores [Hkv, group * rows, T] — GQA by grouping query heads against each KV head instead of
+    repeating K — are computed ``query_block`` chunk rows at a time into one reused buffer (the
+    math is the plain two-pass softmax; blocking only keeps the buffer hot and avoids faulting in
+    a fresh [Hq, C, T] array). A fully masked row stays finite: the softmax subtracts the row max,
+    so a constant MASKED shift cancels and the row attends as if unmasked.
     """
+    _check_tile("query_block", query_block)
     p = _prepare(hidden, k_history, v_history, mask, weights, geometry, start, precision)
     g = geometry
     c = p.hidden.shape[0]
+    t = p.k_all.shape[1]
     q, gate = _project_q(p.hidden, p.positions, weights, g, p.dtype)
     qg = _grouped_queries(q, g, 1.0 / np.sqrt(g.head_dim))  # scale folded into q (C*Hq*d work, not C*T*Hq)
     del q
-    scores = np.matmul(qg, p.k_all.transpose(0, 2, 1))  # [Hkv, group*C, T]
-    del qg
-    t = scores.shape[-1]
-    view = scores.reshape(g.num_kv_heads, g.group_size, c, t)
-    view += p.mask.astype(p.dtype, copy=False)  # broadcast over heads
-    row_max = scores.max(axis=-1, keepdims=True)
-    scores -= row_max
-    np.exp(scores, out=scores)
-    row_sum = scores.sum(axis=-1, keepdims=True)
-    out = np.matmul(scores, p.v_all)  # [Hkv, group*C, d]
-    del scores
-    out /= row_sum
-    attn = _ungroup(out, g, c)
-    return BlockOutput(_gate_and_output(attn, gate, weights, p.dtype), np.ascontiguousarray(p.k_chunk),
-                       np.ascontiguousarray(p.v_chunk))
+    out = np.empty_like(qg)  # [Hkv, group, C, d]
+    buffer = np.empty(g.num_heads * min(query_block, c) * t, p.dtype)
+    for c0 in range(0, c, query_block):
+        c1 = min(c0 + query_block, c)
+        s = _scores(qg[:, :, c0:c1], p.k_all, 0, t, buffer)  # [Hkv, group*rows, T]
+        _add_mask(s, p.mask[c0:c1], g.group_size)
+        s -= s.max(axis=-1, keepdims=True)
+        np.exp(s, out=s)
+        row_sum = s.sum(axis=-1, keepdims=True)
+        rows_out = np.matmul(s, p.v_all)  # [Hkv, group*rows, d]
+        rows_out /= row_sum
+        out[:, :, c0:c1] = rows_out.reshape(g.num_kv_heads, g.group_size, c1 - c0, g.head_dim)
+    del buffer, qg
+    attn_out = _gate_and_output(_ungroup(out, g), gate, weights, p.dtype)
+    return BlockOutput(attn_out, np.ascontiguousarray(p.k_chunk), np.ascontiguousarray(p.v_chunk))
 
 
 def attention_block_tiled(hidden: np.ndarray, k_history: np.ndarray, v_history: np.ndarray, mask: np.ndarray,
@@ -364,9 +395,8 @@ def attention_block_tiled(hidden: np.ndarray, k_history: np.ndarray, v_history: 
     query tile has some visible key: its weights are exp(-30000 + ...) == 0 exactly, as in the dense
     form. Rows with no visible key visit every tile, so they match the dense form (finite).
     """
-    for name, value in (("query_tile", query_tile), ("key_tile", key_tile)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-            raise AnelabInputError(f"{name} must be a positive integer, got {value!r}")
+    _check_tile("query_tile", query_tile)
+    _check_tile("key_tile", key_tile)
     p = _prepare(hidden, k_history, v_history, mask, weights, geometry, start, precision)
     g = geometry
     dtype = p.dtype
@@ -374,25 +404,25 @@ def attention_block_tiled(hidden: np.ndarray, k_history: np.ndarray, v_history: 
     t = p.k_all.shape[1]
     scale = 1.0 / np.sqrt(g.head_dim)
     attn_out = np.empty((c, g.hidden_size), dtype)
+    buffer = np.empty(g.num_heads * min(query_tile, c) * min(key_tile, t), dtype)
     for q0 in range(0, c, query_tile):
         q1 = min(q0 + query_tile, c)
         rows = q1 - q0
         q, gate = _project_q(p.hidden[q0:q1], p.positions[q0:q1], weights, g, dtype)
-        qg = _grouped_queries(q, g, scale)  # [Hkv, group*rows, d]
+        qg = _grouped_queries(q, g, scale)  # [Hkv, group, rows, d]
         del q
         mask_rows = p.mask[q0:q1]
         every_row_sees_a_key = bool(np.all(np.any(mask_rows > _DROPPED, axis=1)))
-        m = np.full((g.num_kv_heads, g.group_size * rows, 1), -np.inf, dtype)
-        l = np.zeros_like(m)
-        acc = np.zeros((g.num_kv_heads, g.group_size * rows, g.head_dim), dtype)
+        m = np.full((g.num_kv_heads, g.group_size * rows, 1), -np.inf, dtype)  # running row max
+        l = np.zeros_like(m)  # running sum of exp(score - m)
+        acc = np.zeros((g.num_kv_heads, g.group_size * rows, g.head_dim), dtype)  # running sum of exp(...) V
         for k0 in range(0, t, key_tile):
             k1 = min(k0 + key_tile, t)
             mask_tile = mask_rows[:, k0:k1]
             if every_row_sees_a_key and not np.any(mask_tile > _DROPPED):
                 continue
-            s = np.matmul(qg, p.k_all[:, k0:k1].transpose(0, 2, 1))  # [Hkv, group*rows, k_tile]
-            s_per_group = s.reshape(g.num_kv_heads, g.group_size, rows, k1 - k0)
-            s_per_group += mask_tile.astype(dtype, copy=False)  # broadcast over heads
+            s = _scores(qg, p.k_all, k0, k1, buffer)  # [Hkv, group*rows, k_tile]
+            _add_mask(s, mask_tile, g.group_size)
             m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
             alpha = np.exp(m - m_new)  # rescales what was accumulated under the old max; exp(-inf) = 0
             s -= m_new
@@ -402,7 +432,7 @@ def attention_block_tiled(hidden: np.ndarray, k_history: np.ndarray, v_history: 
             acc *= alpha
             acc += np.matmul(s, p.v_all[:, k0:k1])
             m = m_new
-            del s
         acc /= l
-        attn_out[q0:q1] = _gate_and_output(_ungroup(acc, g, rows), gate, weights, dtype)
+        per_head = _ungroup(acc.reshape(g.num_kv_heads, g.group_size, rows, g.head_dim), g)
+        attn_out[q0:q1] = _gate_and_output(per_head, gate, weights, dtype)
     return BlockOutput(attn_out, np.ascontiguousarray(p.k_chunk), np.ascontiguousarray(p.v_chunk))

@@ -98,7 +98,7 @@ class Sidecar:
         return function_name(start)
 
     def _refuse_dense_past_window(self, keys_seen: int) -> None:
-        if self.sparse_indexed and self.selection is None and keys_seen > self.dense_exact_window + 1:
+        if self.sparse_indexed and self.selection is None and keys_seen > self.dense_exact_window:
             raise AnelabInputError(
                 f"{self.package}: refusing to attend densely: rows see up to {keys_seen} keys, past the dense-exact "
                 f"window of {self.dense_exact_window}, and no selection was given; pass the indexer's selection "

@@ -126,7 +126,8 @@ def time_load(runtime: CoreMLRuntime, pkg: str | os.PathLike, function: str, com
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)
     parameters = {"package": pkg.name, "function": function, "compute_units": compute_units,
-                  "cold": bool(cold), "warmup": int(warmup), "repeats": int(repeats), "runtime": runtime.name}
+                  "cold": bool(cold), "warmup": int(warmup), "repeats": int(repeats), "runtime": runtime.name,
+                  "load": runtime.load_description}
     return _finish("load_timing", parameters, stats.to_dict(), [COLD_LOAD_CAVEAT] if cold else [], out_dir)
 
 
@@ -155,7 +156,8 @@ def time_compositions(runtime: CoreMLRuntime, packages: dict[str, str | os.PathL
         results[label] = {**record["results"], "package": Path(pkg).name}
         unknown = record["unknown"]
     parameters = {"function": function, "compute_units": compute_units, "cold": bool(cold), "warmup": int(warmup),
-                  "repeats": int(repeats), "compositions": list(packages), "runtime": runtime.name}
+                  "repeats": int(repeats), "compositions": list(packages), "runtime": runtime.name,
+                  "load": runtime.load_description}
     return _finish("composition_load_timing", parameters, results, unknown, out_dir)
 
 

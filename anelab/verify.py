@@ -14,6 +14,12 @@ verification reports itself vacuous and fails:
   graph with the wrong RoPE positions could not pass;
 - ``mask reaches graph``: the *package* is fed a mask that drops a random half of each row's
   visible keys, so a graph that ignored its mask input could not pass.
+
+Compressed weights (``--weights int8|palettize4|int4-block``): the reference above uses the
+package's own dequantized projections (``anelab.quantize.dequantized_weights``), so the graph is
+still held to the fp16 threshold; one more comparison per function measures the package against
+the reference with the checkpoint's (fp16-exact) weights, bounded by ``quantize.ERROR_BOUNDS[mode]``
+— a wrong scale or lookup table lands above it.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ class Comparison:
     rows: int
     errors: dict[str, float]
     control: bool = False
+    bound: float | None = None  # this comparison's own threshold (compressed weights vs fp16 weights)
 
     @property
     def worst(self) -> float:
@@ -67,7 +74,7 @@ class Comparison:
         """A comparison passes when under the threshold; a control when clearly above it."""
         if self.control:
             return self.worst > RELATIVE_ERROR_THRESHOLD
-        return self.worst <= RELATIVE_ERROR_THRESHOLD
+        return self.worst <= (RELATIVE_ERROR_THRESHOLD if self.bound is None else self.bound)
 
 
 @dataclass
@@ -153,8 +160,13 @@ def verify_package(package: str | os.PathLike, checkpoint_dir: str | os.PathLike
     report = VerifyReport(str(package), str(source), meta.layer, RELATIVE_ERROR_THRESHOLD,
                           "NumPy evaluation of the saved MIL program (" + ("fp16 storage emulated" if fp16 else "fp32") + ")")
     C, D = meta.chunk, geometry.hidden_size
+    checkpoint_weights = weights
     for name in tqdm(names, desc="verify functions", unit="fn"):
         H = history_of(name)
+        if meta.weights != "fp16":
+            from anelab import quantize
+
+            weights = quantize.dequantized_weights(saved, name, checkpoint_weights)
         rng = np.random.default_rng([seed, H])
         hidden_history = rng.standard_normal((H, D)).astype(np.float16)
         k_hist, v_hist = reference.history_kv(hidden_history.astype(np.float64), weights, geometry, "fp64")
@@ -189,4 +201,9 @@ def verify_package(package: str | os.PathLike, checkpoint_dir: str | os.PathLike
         dropped = run_package(hidden, drop_half_mask(mask, rng))
         report.comparisons.append(Comparison(name, "control: mask reaches graph", C,
                                              _errors(dropped, ref, C, ("attn_out",)), control=True))
+        if meta.weights != "fp16":  # what the compression costs, against the checkpoint's weights
+            fp16_ref = reference.attention_block(hidden.astype(np.float64), k_hist.astype(np.float64), v_hist.astype(np.float64),
+                                                 mask.astype(np.float64), checkpoint_weights, geometry, precision="fp64")
+            report.comparisons.append(Comparison(name, f"{meta.weights} vs fp16 w. (<={quantize.ERROR_BOUNDS[meta.weights]:g})", C, _errors(out, fp16_ref, C),
+                                                 bound=quantize.ERROR_BOUNDS[meta.weights]))
     return report

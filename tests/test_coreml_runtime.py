@@ -8,12 +8,15 @@ import ctypes.util
 import io
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from anelab.cli import main
+from anelab.cli import build_parser, main
 from anelab.coreml_runtime import (
     COMPUTE_UNITS,
     MacRuntime,
@@ -186,3 +189,84 @@ def test_doctor_text_report(capsys):
     for name in STUDY_NAMES:
         assert name in out
     assert "numpy" in out and "coremltools" in out
+
+
+# ---- the Mac runbook matches the CLI and the API ----------------------------------------------------
+
+RUNBOOK = Path(__file__).resolve().parents[1] / "docs" / "mac-runbook.md"
+
+
+def _fenced_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", RUNBOOK.read_text(), flags=re.S)
+
+
+def _runbook_commands() -> list[list[str]]:
+    commands = []
+    for block in _fenced_blocks("sh"):
+        for line in block.splitlines():
+            if line.startswith(".venv/bin/anelab "):
+                commands.append(shlex.split(line.replace('"$CKPT"', "/tmp/ckpt"))[1:])
+    return commands
+
+
+def test_every_runbook_command_parses_with_the_real_cli():
+    commands = _runbook_commands()
+    used = {argv[0] for argv in commands}
+    assert {"doctor", "export", "inspect", "verify", "evaluate"} <= used
+    parser = build_parser()
+    for argv in commands:
+        parser.parse_args(argv)  # raises AnelabInputError on an unknown command or flag
+    export = next(a for a in commands if a[0] == "export")
+    assert parser.parse_args(export).histories == [0, 4096, 8192]
+
+
+def test_a_wrong_flag_in_the_runbook_would_be_caught():
+    # negative control for the test above: the seed's exporter flag does not exist in anelab
+    with pytest.raises(AnelabInputError, match="max-history"):
+        build_parser().parse_args(["export", "/tmp/ckpt", "--chunk", "4096", "--histories", "0", "--max-history", "8192",
+                                   "--out", "x"])
+
+
+def test_runbook_timing_script_runs_and_writes_records(tiny_checkpoint, tmp_path, monkeypatch):
+    from anelab import coreml_runtime
+    from anelab.checkpoint import load_checkpoint
+    from anelab.export import export_layer
+    from anelab.records import read_records
+
+    # the script's package, made small: layer 3 of the tiny hybrid checkpoint, chunk 4
+    export_layer(load_checkpoint(tiny_checkpoint("qwen3_next")), 3, 4, [0, 4], tmp_path / "sidecars")
+    monkeypatch.chdir(tmp_path)
+    fake = FakeRuntime()
+    monkeypatch.setattr(coreml_runtime, "default_runtime", lambda: fake)
+    timing_script = _fenced_blocks("python")[0]
+    exec(compile(timing_script, str(RUNBOOK), "exec"), {"__name__": "runbook"})
+    kinds = sorted(r["kind"] for r in read_records(tmp_path / "records" / "mac"))
+    assert kinds == ["load_timing"] * 4 + ["predict_timing"]  # h0, h4 x cold, warm; predict of h0
+
+
+def test_runbook_composition_script_calls_the_real_signatures(monkeypatch):
+    import inspect
+
+    from anelab import checkpoint, export, timing
+
+    seen = {}
+
+    def stub(module, name):
+        real = getattr(module, name)
+
+        def call(*args, **kwargs):
+            inspect.signature(real).bind(*args, **kwargs)  # TypeError if the runbook's call is wrong
+            seen[name] = (args, kwargs)
+
+        monkeypatch.setattr(module, name, call)
+
+    stub(checkpoint, "load_checkpoint")
+    stub(export, "export_layer")
+    stub(timing, "time_compositions")
+    from anelab import coreml_runtime
+
+    monkeypatch.setattr(coreml_runtime, "default_runtime", lambda: FakeRuntime())
+    script = _fenced_blocks("python")[1]
+    exec(compile(script, str(RUNBOOK), "exec"), {"CKPT_DIR": "/tmp/ckpt", "UNLOADABLE_HISTORY": 12288})
+    assert set(seen) == {"load_checkpoint", "export_layer", "time_compositions"}
+    assert seen["export_layer"][1] == {"runtime": None}

@@ -133,6 +133,12 @@ def test_gpu_preference_is_not_the_neural_engine(tmp_path):
         check_variants(runtime, _variants(tmp_path))
 
 
+def test_a_compute_plan_that_cannot_be_read_is_refused_naming_the_variant(tmp_path):
+    runtime = FakeRuntime({"h4096": FakeFunction(plan_error="Failed to build the model execution plan")})
+    with pytest.raises(AneGateError, match=r"compute plan of variant h4096 could not be read .*execution plan"):
+        check_variants(runtime, _variants(tmp_path))
+
+
 def test_the_assignment_is_asked_per_variant_package(tmp_path):
     runtime = FakeRuntime()
     variants = _variants(tmp_path)

@@ -237,6 +237,9 @@ def test_block_matches_naive_fp64(name):
     assert got.k_chunk.shape == (g.num_kv_heads, c, g.head_dim)
     expected, k_new, v_new = naive_block(chunk, k_hist, v_hist, mask, w, g)
     assert rel_err(got.attn_out, expected) < FP64_TOL
+    for query_block in (1, 2, 3):  # dense score buffer reused over row blocks, incl. a ragged last block
+        blocked = attention_block(chunk, k_hist, v_hist, mask, w, g, precision="fp64", query_block=query_block)
+        assert rel_err(blocked.attn_out, expected) < FP64_TOL
     assert rel_err(got.k_chunk, k_new.transpose(1, 0, 2)) < FP64_TOL
     assert rel_err(got.v_chunk, v_new.transpose(1, 0, 2)) < FP64_TOL
     # Negative control: the naive block under a different mask is far from the reference output.
@@ -273,6 +276,8 @@ def test_tiled_matches_dense(name, precision, tol):
     chunk = hidden_states(c, g, seed=6)
     for mask in (causal(c, h), random_mask(c, h, seed=7, fully_masked_rows=(2,))):
         dense = attention_block(chunk, k_hist, v_hist, mask, w, g, precision=precision)
+        dense_blocked = attention_block(chunk, k_hist, v_hist, mask, w, g, precision=precision, query_block=4)
+        assert rel_err(dense_blocked.attn_out, dense.attn_out) < tol
         for qt, kt in TILE_SIZES:
             tiled = attention_block_tiled(chunk, k_hist, v_hist, mask, w, g, precision=precision,
                                           query_tile=qt, key_tile=kt)
@@ -427,6 +432,8 @@ def test_bad_inputs_raise_with_expected_and_actual():
         attention_block(chunk, k_hist, v_hist, bad_mask, w, g)
     with pytest.raises(AnelabInputError, match="query_tile"):
         attention_block_tiled(chunk, k_hist, v_hist, causal(c, h), w, g, query_tile=0)
+    with pytest.raises(AnelabInputError, match="query_block"):
+        attention_block(chunk, k_hist, v_hist, causal(c, h), w, g, query_block=1.5)
     no_norm = make_weights(g)
     no_norm.q_norm = None
     with pytest.raises(AnelabInputError, match="q_norm"):
