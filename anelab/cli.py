@@ -46,11 +46,15 @@ def _add_export(sub):
     p = sub.add_parser("export", help="export full-attention layers as multifunction Core ML sidecars")
     p.add_argument("checkpoint", help="Hugging Face-style model directory (config.json + safetensors)")
     p.add_argument("--chunk", type=int, required=True, help="chunk width C (rows per call)")
-    p.add_argument("--histories", type=_int_list, required=True, help="comma-separated histories, multiples of C (e.g. 0,C,2C)")
+    p.add_argument("--histories", type=_int_list, default=None,
+                   help="comma-separated histories, multiples of C (e.g. 0,C,2C); required unless --graph stateful --capacity N")
     p.add_argument("--layers", type=_int_list, default=None, help="full-attention layers to export (default: all)")
-    p.add_argument("--graph", default="dense", help="graph form: dense | tiled (online softmax over key tiles)")
+    p.add_argument("--graph", default="dense",
+                   help="graph form: dense | tiled (online softmax over key tiles) | stateful (K/V as Core ML state)")
     p.add_argument("--tile", type=int, default=None, help="tiled graph: key positions per tile, a divisor of the chunk (default: the chunk)")
     p.add_argument("--weights", default="fp16", help="projection weights: fp16 | int8 | palettize4 | int4-block")
+    p.add_argument("--capacity", type=int, default=None, help="stateful graph: cache slots per state (default: the histories' coverage)")
+    p.add_argument("--decode", action="store_true", help="stateful graph: add a decode function c1 sharing the state and weights")
     p.add_argument("--out", required=True, help="output directory for layer_<L>.mlpackage")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
 
@@ -59,10 +63,13 @@ def _run_export(args):
     from anelab import coreml_runtime
     from anelab.export import export_sidecars
 
+    if args.histories is None and args.graph != "stateful":
+        raise AnelabInputError("export: --histories is required (e.g. --histories 0,C,2C); only --graph stateful --capacity N goes without")
     runtime = coreml_runtime.default_runtime()
     results = export_sidecars(args.checkpoint, args.out, args.chunk, args.histories, args.layers,
-                              graph=args.graph, key_tile=args.tile, weights_mode=args.weights, runtime=runtime)
-    summary = [{"package": str(r.package), "layer": r.metadata.layer, "functions": r.metadata.functions,
+                              graph=args.graph, key_tile=args.tile, weights_mode=args.weights,
+                              capacity=args.capacity, decode=args.decode, runtime=runtime)
+    summary = [{"package": str(r.package), "layer": r.metadata.layer, "functions": r.functions or r.metadata.functions,
                 "coverage": r.metadata.coverage, "weight_bytes": r.weight_bytes,
                 "single_function_weight_bytes": r.metadata.single_function_weight_bytes,
                 "aneCompileVerified": r.metadata.ane_verified, "reason": r.metadata.ane_reason} for r in results]

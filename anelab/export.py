@@ -1,5 +1,10 @@
 """Sidecar export: checkpoint layer -> ``layer_<L>.mlpackage`` (multifunction, one ``h<H>`` per history).
 
+Graph forms (``--graph``): ``dense`` and ``tiled`` export one function ``h<H>`` per history;
+``stateful`` exports one function ``c<C>`` per chunk width (plus ``c1`` with ``--decode``) whose K/V
+cache is Core ML state. ``--weights`` compresses each function's package (``anelab.quantize``)
+before the merge.
+
 Each history is converted on its own (fp16 mlprogram, macOS 15 / iOS 18), then the variants are
 merged with ``save_multifunction`` (which stores shared weights once) and the package metadata is
 written back (the merge drops ``user_defined_metadata``). Everything happens in a temporary
@@ -23,8 +28,8 @@ from anelab import __version__
 from anelab.checkpoint import load_checkpoint
 from anelab.errors import AnelabInputError
 from anelab.geometry import coverage, validate_chunk_and_histories
-from anelab.graph import (SidecarShape, build_dense_program, build_tiled_program, coremltools_modules, quiet_coremltools,
-                           validate_key_tile)
+from anelab.graph import (SidecarShape, build_dense_program, build_stateful_program, build_tiled_program, coremltools_modules,
+                           quiet_coremltools, stateful_function_name, validate_key_tile)
 from anelab.quantize import compress_package, validate_weights_mode
 
 FORMAT_VERSION = 1
@@ -55,6 +60,13 @@ META = {
 
 
 KEY_TILE_META = "anelab.keyTile"  # tiled graph only: key positions per tile
+# stateful graph only: cache slots per state, and the function names (c<width>); its ``histories``
+# are the chunk starts 0, C, ... of a C-chunked prefill that fills the cache, and coverage = capacity
+STATE_CAPACITY_META = "anelab.stateCapacity"
+STATE_FUNCTIONS_META = "anelab.stateFunctions"
+GRAPHS = ("dense", "tiled", "stateful")
+# coremltools' int16 pass casts the stateful graph's RoPE gather positions to int16: positions must stay < 2**15
+MAX_STATE_CAPACITY = 2**15
 
 
 def function_name(history: int) -> str:
@@ -221,49 +233,91 @@ def _replace_dir(src: Path, dest: Path) -> None:
         os.replace(src, dest)
 
 
+def validate_graph_options(graph: str, key_tile: int | None, weights_mode: str, chunk: int, geometry, *,
+                           capacity: int | None = None, decode: bool = False) -> int | None:
+    """Check --graph / --tile / --capacity / --decode / --weights together; return the key tile
+    (tiled graph) or None."""
+    if chunk <= 0:
+        raise AnelabInputError(f"--chunk must be a positive integer, got {chunk}")
+    if graph not in GRAPHS:
+        raise AnelabInputError(f"unknown --graph {graph!r}; supported: {', '.join(GRAPHS)}")
+    if graph == "tiled":
+        key_tile = validate_key_tile(chunk if key_tile is None else key_tile, chunk)
+    elif key_tile is not None:
+        raise AnelabInputError("--tile applies to --graph tiled only; drop --tile or add --graph tiled")
+    if graph != "stateful" and (capacity is not None or decode):
+        raise AnelabInputError("--capacity / --decode apply to --graph stateful only; drop them or add --graph stateful")
+    validate_weights_mode(weights_mode, geometry)
+    return key_tile
+
+
+def validate_state_capacity(capacity: int | None, chunk: int, histories: list[int] | None) -> int:
+    """The stateful graph's cache slots: given, or the coverage of ``histories``; never smaller than
+    that coverage, a multiple of the chunk, at most MAX_STATE_CAPACITY."""
+    if chunk <= 0:
+        raise AnelabInputError(f"--chunk must be a positive integer, got {chunk}")
+    cover = coverage(validate_chunk_and_histories(chunk, list(histories)), chunk) if histories else None
+    if capacity is None:
+        if cover is None:
+            raise AnelabInputError("--graph stateful needs --capacity N (cache slots per state) or --histories to derive it")
+        capacity = cover
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+        raise AnelabInputError(f"--capacity must be a positive integer, got {capacity!r}")
+    if cover is not None and capacity < cover:
+        raise AnelabInputError(f"state capacity {capacity} is smaller than the coverage {cover}; use --capacity {cover} or more")
+    if capacity % chunk:
+        raise AnelabInputError(f"state capacity {capacity} is not a multiple of the chunk {chunk}; use --capacity {-(-capacity // chunk) * chunk}")
+    if capacity > MAX_STATE_CAPACITY:
+        raise AnelabInputError(f"state capacity {capacity} exceeds {MAX_STATE_CAPACITY} (Core ML casts RoPE positions to int16); use a smaller --capacity")
+    return capacity
+
+
 @dataclass
 class ExportResult:
     package: Path
     metadata: SidecarMetadata
     weight_bytes: int
+    functions: list[str] = field(default_factory=list)  # the package's function names (h<H>, or c<C> when stateful)
 
 
 def export_layer(checkpoint, layer: int, chunk: int, histories: list[int], out_dir: str | os.PathLike, *,
                  graph: str = "dense", key_tile: int | None = None, weights_mode: str = "fp16",
-                 runtime=None, progress=None) -> ExportResult:
+                 capacity: int | None = None, decode: bool = False, runtime=None, progress=None) -> ExportResult:
     """Export one full-attention layer as ``out_dir/layer_<L>.mlpackage``.
 
     ``graph``: ``dense`` (scores all keys at once) or ``tiled`` (online softmax over key tiles of
     ``key_tile`` positions, a divisor of the chunk; default: the chunk). ``weights_mode``: see
     ``anelab.quantize`` — each function's package is compressed before the merge.
+    ``stateful``: K/V kept as Core ML state of ``capacity`` slots (default: the coverage of
+    ``histories``), one function ``c<C>`` (plus ``c1`` with ``decode``) instead of one per history.
 
     ``runtime``: an ``anelab.coreml_runtime`` implementation for the ANE gate; ``None`` (or an
     unavailable runtime) records ``aneCompileVerified: false`` with the reason.
     """
-    histories = validate_chunk_and_histories(chunk, list(histories))
-    if graph not in ("dense", "tiled"):
-        raise AnelabInputError(f"unknown --graph {graph!r}; supported: dense, tiled")
-    if graph == "tiled":
-        key_tile = validate_key_tile(chunk if key_tile is None else key_tile, chunk)
-    elif key_tile is not None:
-        raise AnelabInputError("--tile applies to --graph tiled only; drop --tile or add --graph tiled")
+    key_tile = validate_graph_options(graph, key_tile, weights_mode, chunk, checkpoint.geometry, capacity=capacity, decode=decode)
     weights = checkpoint.layer(layer)
     geometry = checkpoint.geometry
-    validate_weights_mode(weights_mode, geometry)
+    if graph == "stateful":
+        capacity = validate_state_capacity(capacity, chunk, histories)
+        histories = list(range(0, capacity, chunk))  # the chunk starts of a prefill that fills the cache
+        widths = [chunk] + ([1] if decode and chunk != 1 else [])
+        builds = {stateful_function_name(w): (lambda w=w: build_stateful_program(geometry, weights, w, capacity)) for w in widths}
+    else:
+        histories = validate_chunk_and_histories(chunk, list(histories))
+        build = (lambda s: build_tiled_program(geometry, weights, s, key_tile)) if graph == "tiled" else \
+            (lambda s: build_dense_program(geometry, weights, s))
+        builds = {function_name(h): (lambda h=h: build(SidecarShape(chunk=chunk, history=h))) for h in histories}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     dest = out_dir / f"layer_{layer}.mlpackage"
     work = Path(tempfile.mkdtemp(prefix=f".layer_{layer}.", dir=out_dir))
     try:
         variants: dict[str, Path] = {}
-        for h in histories:
-            shape = SidecarShape(chunk=chunk, history=h)
-            prog = (build_tiled_program(geometry, weights, shape, key_tile) if graph == "tiled"
-                    else build_dense_program(geometry, weights, shape))
-            path = convert_program(prog, work / f"{function_name(h)}.mlpackage")
+        for name, build_program in builds.items():
+            path = convert_program(build_program(), work / f"{name}.mlpackage")
             if weights_mode != "fp16":  # before the merge: coremltools cannot compress a multifunction package
-                path = compress_package(path, work / f"{function_name(h)}.{weights_mode}.mlpackage", weights_mode)
-            variants[function_name(h)] = path
+                path = compress_package(path, work / f"{name}.{weights_mode}.mlpackage", weights_mode)
+            variants[name] = path
             if progress is not None:
                 progress.update(1)
         single_bytes = weight_bytes(next(iter(variants.values())))
@@ -273,7 +327,7 @@ def export_layer(checkpoint, layer: int, chunk: int, histories: list[int], out_d
             from anelab import gate
 
             evidence = gate.check_variants(runtime, variants)
-        merged = merge_functions(variants, work / "merged.mlpackage", function_name(histories[0]))
+        merged = merge_functions(variants, work / "merged.mlpackage", next(iter(variants)))
         if gated:  # ... then every function of the merged package must load under its name
             gate.check_merged_loads(runtime, merged, list(variants))
             verified, reason = True, gate.VERIFIED_REASON
@@ -289,28 +343,39 @@ def export_layer(checkpoint, layer: int, chunk: int, histories: list[int], out_d
         strings = meta.to_strings()
         if graph == "tiled":
             strings[KEY_TILE_META] = str(key_tile)
+        if graph == "stateful":
+            strings[STATE_CAPACITY_META] = str(capacity)
+            strings[STATE_FUNCTIONS_META] = ",".join(variants)
         write_package_metadata(merged, final, strings)
         _replace_dir(final, dest)
-        return ExportResult(package=dest, metadata=meta, weight_bytes=weight_bytes(dest))
+        return ExportResult(package=dest, metadata=meta, weight_bytes=weight_bytes(dest), functions=list(variants))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 def export_sidecars(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, chunk: int, histories: list[int],
                     layers: list[int] | None = None, *, graph: str = "dense", key_tile: int | None = None,
-                    weights_mode: str = "fp16", runtime=None) -> list[ExportResult]:
+                    weights_mode: str = "fp16", capacity: int | None = None, decode: bool = False,
+                    runtime=None) -> list[ExportResult]:
     """Export ``layer_<L>.mlpackage`` for each requested full-attention layer (default: all)."""
     checkpoint = load_checkpoint(checkpoint_dir)
-    histories = validate_chunk_and_histories(chunk, list(histories))
+    validate_graph_options(graph, key_tile, weights_mode, chunk, checkpoint.geometry, capacity=capacity, decode=decode)
+    if graph == "stateful":
+        validate_state_capacity(capacity, chunk, histories)
+        functions = 1 + (1 if decode and chunk != 1 else 0)
+    else:
+        histories = validate_chunk_and_histories(chunk, list(histories))
+        functions = len(histories)
     full = list(checkpoint.geometry.full_attention_layers)
     layers = full if layers is None else list(layers)
     for layer in layers:
         if layer not in full:
             raise AnelabInputError(f"layer {layer} is not a full-attention layer; full-attention layers: {','.join(map(str, full))}")
     results = []
-    with tqdm(total=len(layers) * len(histories), desc="export functions", unit="fn") as bar:
+    with tqdm(total=len(layers) * functions, desc="export functions", unit="fn") as bar:
         for layer in layers:
             bar.set_postfix_str(f"layer {layer}")
             results.append(export_layer(checkpoint, layer, chunk, histories, out_dir, graph=graph, key_tile=key_tile,
-                                        weights_mode=weights_mode, runtime=runtime, progress=bar))
+                                        weights_mode=weights_mode, capacity=capacity, decode=decode,
+                                        runtime=runtime, progress=bar))
     return results

@@ -45,6 +45,11 @@ STYLE = {
     "svg.hashsalt": SVG_HASH_SALT,
     "svg.fonttype": "path",
     "path.simplify": True,
+    "figure.constrained_layout.use": True,
+}
+LABEL_PLACES = {  # loc -> (x, y, ha, va) in axes coordinates
+    "lower left": (0.01, 0.02, "left", "bottom"), "lower right": (0.99, 0.02, "right", "bottom"),
+    "upper left": (0.01, 0.98, "left", "top"), "upper right": (0.99, 0.98, "right", "top"),
 }
 RECORDED_COLOUR = "#8a4b00"
 MEASURED_COLOUR = "#1f4e79"
@@ -87,14 +92,16 @@ def _check_name(name: str) -> str:
 
 @contextlib.contextmanager
 def _locked(directory: Path):
-    """Serialise manifest updates from concurrent writers (an advisory lock file beside it)."""
+    """Serialise manifest updates from concurrent writers (an advisory lock on the directory itself,
+    so no lock file is left beside the figures)."""
     directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / f".{MANIFEST}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 def read_manifest(figures_dir: str | os.PathLike = "figures") -> dict:
@@ -188,23 +195,31 @@ def provenance_text(records: list[dict] | None = None) -> str:
     return "\n".join(lines)
 
 
-def label_recorded(ax, record: dict, *, loc: str = "bottom") -> str:
-    """Draw ``provenance_line(record)`` visibly inside ``ax`` (bottom or top edge); returns the text."""
+def label_recorded(ax, record: dict, *, loc: str = "lower left") -> str:
+    """Draw ``provenance_line(record)`` visibly inside ``ax`` (a corner, ``LABEL_PLACES``); returns the text."""
     return label_provenance(ax, provenance_line(record), recorded=record.get("origin") == "recorded", loc=loc)
 
 
-def label_provenance(ax, text: str, *, recorded: bool, loc: str = "bottom") -> str:
+def label_provenance(ax, text: str, *, recorded: bool, loc: str = "lower left") -> str:
     """Draw a provenance note inside ``ax``; recorded data in a warm colour, fresh in blue."""
-    if loc not in ("bottom", "top"):
-        raise AnelabInputError(f"label location {loc!r}: use 'bottom' or 'top'")
-    y, va = (0.02, "bottom") if loc == "bottom" else (0.98, "top")
-    ax.text(0.01, y, text, transform=ax.transAxes, ha="left", va=va, fontsize=7,
-            color=RECORDED_COLOUR if recorded else MEASURED_COLOUR,
-            bbox={"boxstyle": "round,pad=0.25", "facecolor": "white", "alpha": 0.85,
-                  "edgecolor": RECORDED_COLOUR if recorded else MEASURED_COLOUR})
+    if loc not in LABEL_PLACES:
+        raise AnelabInputError(f"label location {loc!r}: use one of {', '.join(LABEL_PLACES)}")
+    x, y, ha, va = LABEL_PLACES[loc]
+    colour = RECORDED_COLOUR if recorded else MEASURED_COLOUR
+    note = ax.text(x, y, text, transform=ax.transAxes, ha=ha, va=va, fontsize=7, zorder=10, color=colour,
+                   bbox={"boxstyle": "round,pad=0.25", "facecolor": "white", "alpha": 0.85, "edgecolor": colour})
+    note.set_in_layout(False)  # a long note must not squeeze the axes
     return text
 
 
-def label_measured(ax, *, loc: str = "bottom") -> str:
+def label_measured(ax, *, loc: str = "lower left") -> str:
     """Draw ``measured here: <this machine>`` inside ``ax``."""
     return label_provenance(ax, measured_here_text(), recorded=False, loc=loc)
+
+
+def label_figure(fig, records: list[dict] | None = None) -> str:
+    """Provenance of a multi-panel figure as its (small, coloured) suptitle: ``provenance_text``."""
+    text = provenance_text(records)
+    recorded = bool(records) and all(r.get("origin") == "recorded" for r in records)
+    fig.suptitle(text, fontsize=7, color=RECORDED_COLOUR if recorded else MEASURED_COLOUR)
+    return text

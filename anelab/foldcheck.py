@@ -263,8 +263,10 @@ def budget_point(case: FoldCase, kept_blocks: int, compress_ratio: int, *, proje
 
 
 def budget_sweep(case: FoldCase, kept_blocks: list[int], compress_ratio: int, *, progress: bool = True) -> list[BudgetPoint]:
-    """``budget_point`` for each kept_blocks value, all against the widest budget's output."""
-    from tqdm.auto import tqdm
+    """``budget_point`` for each kept_blocks value, all against the widest budget's output.
+
+    Progress goes to stderr as plain text (``tqdm.std``), which an executed notebook keeps readable."""
+    from tqdm.std import tqdm
 
     baseline = _baseline(case, compress_ratio)
     projection = vocab_projection(case.geometry.hidden_size, seed=case.seed)

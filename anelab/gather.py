@@ -217,8 +217,8 @@ def sizing_table(
 # Both return out [heads, C, d]. The converter's ``common::add_int16_cast`` pass narrows gather
 # indices to 16 bits when the gathered axis has <= 32,767 positions; ``index_narrowing`` finds those
 # casts in the saved program and ``check_index_range`` refuses a program whose narrowed indices could
-# wrap. (Two separate gathers of k and v made coremltools 9.0 pick uint16 for the second one, a
-# dtype anelab.mil_eval does not evaluate; the single gather keeps the indices int16.)
+# wrap. (k and v are concatenated so that one gather, on one index path, serves both: with two
+# gathers coremltools 9.0 narrowed the first one's indices to int16 and the second one's to uint16.)
 
 import os  # noqa: E402  (probe section: imports kept beside the code that uses them)
 import shutil  # noqa: E402
@@ -562,21 +562,28 @@ def probe_record(results: list[ProbeResult], repeats: int) -> dict:
 
 
 def measure_probes_on_runtime(runtime, results: list[ProbeResult], inputs: ProbeInputs, out_dir: Path, *,
-                              compute_units: str = "cpu_and_ne", repeats: int = 3) -> list[dict]:
+                              compute_units: str = "cpu_and_ne", repeats: int = 3, clock=None) -> list[dict]:
     """On a Mac: ANE op assignment, load and predict time of each saved probe (``anelab.timing``).
 
     results must keep their packages (``probe(..., out_dir=...)``). Returns one dict per probe:
     {"graph", "chunk", "assignment", "load", "predict"} — a predict that fails is recorded as
-    {"error": ...}, like the seed's chunk-64 gather.
+    {"error": ...}, like the seed's chunk-64 gather. clock: ``anelab.timing``'s clock (default
+    ``time.perf_counter``; tests pass a fake runtime's clock). Each timing record is also written to
+    ``out_dir``.
     """
+    import time
+
     from anelab import timing
 
     runtime.require_available()
+    clock = time.perf_counter if clock is None else clock
     rows = []
     for r in results:
         assignment = runtime.compute_plan_assignment(r.package, compute_units)
-        load = timing.time_load(runtime, r.package, None, compute_units, cold=True, repeats=repeats)
-        predict = timing.time_predict(runtime, r.package, None, inputs.for_graph(r.graph), [compute_units], repeats=repeats)
+        load = timing.time_load(runtime, r.package, None, compute_units, cold=True, repeats=repeats, clock=clock,
+                                out_dir=out_dir)
+        predict = timing.time_predict(runtime, r.package, None, inputs.for_graph(r.graph), [compute_units],
+                                      repeats=repeats, clock=clock, out_dir=out_dir)
         rows.append({"graph": r.graph, "chunk": r.shape.chunk, "assignment": assignment,
                      "load": load["results"], "predict": predict["results"][compute_units]})
     return rows

@@ -14,6 +14,10 @@ Outputs (fp16):
   v_chunk    [Hkv, C, d]   the chunk's V in cache layout
 
 The graph is written independently of ``anelab.reference`` (which is the NumPy check on it).
+Builders: ``build_dense_program`` (scores all H + C keys at once), ``build_tiled_program`` (same
+contract; online softmax over key tiles) and ``build_stateful_program`` (a different contract: K/V
+live in Core ML state, see its docstring).
+
 RoPE for positions H..H+C-1 is two rotations: by i*theta from tables shared by every history
 (cos/sin of i*theta for i < C), then by H*theta (a per-history vector of a few bytes), so the
 weights of a multifunction package stay shared across its functions.
@@ -192,14 +196,23 @@ def validate_key_tile(key_tile: int, chunk: int) -> int:
     return int(key_tile)
 
 
-def _project_chunk(mb, g: AttentionGeometry, weights: AttentionWeights, hidden, C: int, H: int):
-    """Projections, QK-norm and RoPE of one chunk (same math as the dense graph).
+def _static_rotation(mb, g: AttentionGeometry, C: int, H: int):
+    """RoPE for positions H..H+C-1 known at export time: by i*theta, then by H*theta (as the dense graph)."""
+    cos_i, sin_i, cos_h, sin_h = _rope_tables(g, C, H)
+
+    def rotate(x, name):
+        x = _rope(mb, x, cos_i, sin_i, g, name if H == 0 else f"{name}_i")
+        return _rope(mb, x, cos_h, sin_h, g, name) if H > 0 else x
+    return rotate
+
+
+def _project_chunk(mb, g: AttentionGeometry, weights: AttentionWeights, hidden, C: int, rotate):
+    """Projections, QK-norm and RoPE (``rotate(x [C, heads, d], name)``) of one chunk, as the dense graph.
 
     Returns (q [Hkv, group*C, d] scaled by 1/sqrt(d), gate [C, Hq, d] or None,
     k_chunk [Hkv, C, d], v_chunk [Hkv, C, d]).
     """
     Hq, Hkv, d = g.num_heads, g.num_kv_heads, g.head_dim
-    cos_i, sin_i, cos_h, sin_h = _rope_tables(g, C, H)
     q = _linear(mb, hidden, weights.q_proj, weights.q_bias, "q_proj")
     gate = None
     if g.is_gated:  # per head: d query rows, then d gate rows
@@ -211,11 +224,7 @@ def _project_chunk(mb, g: AttentionGeometry, weights: AttentionWeights, hidden, 
     if g.has_qk_norm:
         q = _rms_norm(mb, q, weights.q_norm, g.rms_norm_eps, "q_normed")
         k = _rms_norm(mb, k, weights.k_norm, g.rms_norm_eps, "k_normed")
-    q = _rope(mb, q, cos_i, sin_i, g, "q_rotated" if H == 0 else "q_rotated_i")
-    k = _rope(mb, k, cos_i, sin_i, g, "k_rotated" if H == 0 else "k_rotated_i")
-    if H > 0:
-        q = _rope(mb, q, cos_h, sin_h, g, "q_rotated")
-        k = _rope(mb, k, cos_h, sin_h, g, "k_rotated")
+    q, k = rotate(q, "q_rotated"), rotate(k, "k_rotated")
     k_chunk = mb.transpose(x=k, perm=[1, 0, 2], name="k_chunk")
     v_chunk = mb.transpose(x=v, perm=[1, 0, 2], name="v_chunk")
     q = mb.mul(x=q, y=np.float16(1.0 / np.sqrt(d)))
@@ -254,7 +263,7 @@ def build_tiled_program(geometry: AttentionGeometry, weights: AttentionWeights, 
     specs.append(mb.TensorSpec(shape=(C, T), dtype=types.fp16))
 
     def body(hidden, k_history, v_history, mask):
-        q, gate, k_chunk, v_chunk = _project_chunk(mb, g, weights, hidden, C, H)
+        q, gate, k_chunk, v_chunk = _project_chunk(mb, g, weights, hidden, C, _static_rotation(mb, g, C, H))
         m = l = acc = None
         for j, k0 in enumerate(range(0, T, key_tile)):
             k1 = k0 + key_tile
@@ -292,4 +301,81 @@ def build_tiled_program(geometry: AttentionGeometry, weights: AttentionWeights, 
         @mb.program(input_specs=specs, opset_version=ct.target.iOS18)
         def prog(hidden, mask):
             return body(hidden, None, None, mask)
+    return prog
+
+
+# ---- stateful (KV cache as Core ML state) ------------------------------------------------------------
+
+STATE_NAMES = ("k_cache", "v_cache")
+
+
+def stateful_function_name(chunk: int) -> str:
+    return f"c{chunk}"
+
+
+def _rope_position_tables(geometry: AttentionGeometry, capacity: int):
+    """cos/sin of p*theta_j for every cache position p < capacity, [capacity, rot/2], float64 -> fp16."""
+    rot = geometry.rotary_dim
+    inv_freq = 1.0 / (geometry.rope_theta ** (np.arange(0, rot, 2, dtype=np.float64) / rot))
+    angles = np.arange(capacity, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(angles).astype(np.float16), np.sin(angles).astype(np.float16)
+
+
+def _cache_for_attention(mb, state, updated):
+    """The cache the attention reads after this chunk's update: the ``slice_update`` result itself.
+
+    Not a second ``read_state``: coremltools' ``common::remove_redundant_ops`` merges a second
+    ``read_state`` of the same state with the first, so it would silently read the cache as it was
+    *before* the update (tests/test_stateful.py swaps this function to show verification catches it).
+    """
+    return updated
+
+
+def build_stateful_program(geometry: AttentionGeometry, weights: AttentionWeights, chunk: int, capacity: int):
+    """The stateful sidecar function for chunks of width ``chunk`` (1 = decode).
+
+    States (fp16): k_cache, v_cache [Hkv, capacity, d] — cache layout, normed and rotated K.
+    Inputs: hidden [C, D] fp16; start [1] int32 (the chunk's first absolute position; the caller
+    guarantees start + C <= capacity); mask [C, capacity] fp16 additive (0 = attend, -30000 = drop:
+    slots not yet filled must be dropped by the caller).
+    Output: attn_out [C, D] fp16.
+
+    The chunk's K/V are written at [start, start + C) with ``slice_update`` and the state updated;
+    attention then scores every cache slot ([Hq, C, capacity]) and relies on the mask for the
+    filled prefix. RoPE uses position tables [capacity, rot/2] gathered at start + i.
+    """
+    ct, mb, types = coremltools_modules()
+    g = geometry
+    C, N = chunk, capacity
+    Hq, Hkv, d, D, G = g.num_heads, g.num_kv_heads, g.head_dim, g.hidden_size, g.group_size
+    cos_table, sin_table = _rope_position_tables(g, N)
+    specs = [mb.StateTensorSpec(shape=(Hkv, N, d), dtype=types.fp16) for _ in STATE_NAMES]
+    specs += [mb.TensorSpec(shape=(C, D), dtype=types.fp16), mb.TensorSpec(shape=(1,), dtype=types.int32),
+              mb.TensorSpec(shape=(C, N), dtype=types.fp16)]
+
+    @mb.program(input_specs=specs, opset_version=ct.target.iOS18)
+    def prog(k_cache, v_cache, hidden, start, mask):
+        positions = mb.add(x=start, y=np.arange(C, dtype=np.int32))                 # [C]
+        cos = mb.expand_dims(x=mb.gather(x=cos_table, indices=positions, axis=0), axes=[1])  # [C, 1, rot/2]
+        sin = mb.expand_dims(x=mb.gather(x=sin_table, indices=positions, axis=0), axes=[1])
+        q, gate, k_chunk, v_chunk = _project_chunk(mb, g, weights, hidden, C, lambda x, name: _rope(mb, x, cos, sin, g, name))
+        zero = np.zeros(1, np.int32)
+        begin = mb.concat(values=[zero, start, zero], axis=0)
+        end = mb.concat(values=[np.array([Hkv], np.int32), mb.add(x=start, y=np.int32(C)), np.array([d], np.int32)], axis=0)
+        caches = []
+        for state, new in ((k_cache, k_chunk), (v_cache, v_chunk)):
+            updated = mb.slice_update(x=mb.read_state(input=state), update=new, begin=begin, end=end)  # [Hkv, N, d]
+            mb.coreml_update_state(state=state, value=updated)
+            caches.append(_cache_for_attention(mb, state, updated))
+        keys, values = caches
+        scores = mb.matmul(x=q, y=keys, transpose_y=True)                              # [Hkv, G*C, N]
+        scores = mb.reshape(x=scores, shape=[Hkv, G, C, N])
+        probs = mb.softmax(x=mb.add(x=scores, y=mask), axis=-1)
+        context = mb.matmul(x=probs, y=mb.expand_dims(x=values, axes=[1]))             # [Hkv, G, C, d]
+        context = mb.transpose(x=mb.reshape(x=context, shape=[Hq, C, d]), perm=[1, 0, 2])  # [C, Hq, d]
+        if gate is not None:
+            context = mb.mul(x=context, y=mb.sigmoid(x=gate))
+        context = mb.reshape(x=context, shape=[C, Hq * d])
+        return _linear(mb, context, weights.o_proj, weights.o_bias, "attn_out")
+
     return prog

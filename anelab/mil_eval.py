@@ -171,6 +171,11 @@ def evaluate(package: SavedPackage | str | os.PathLike, function: str, inputs: d
     """
     pkg = package if isinstance(package, SavedPackage) else SavedPackage(package)
     info = pkg.function(function)
+    if state_signatures(pkg, function):
+        raise AnelabInputError(
+            f"{function} is stateful (its KV cache lives in Core ML state); evaluate it with "
+            "anelab.mil_eval.evaluate_with_state, or check it with 'anelab verify'"
+        )
     pkg.check_inputs(function, inputs)
     return _Interpreter(pkg, pkg.mil_function(function), fp16).run(inputs, info)
 
@@ -629,4 +634,117 @@ _KERNELS.update({
     "constexpr_lut_to_dense": _k_constexpr_lut_to_dense,
     "constexpr_affine_dequantize": _k_constexpr_affine_dequantize,
 })
+SUPPORTED_OPS = tuple(sorted(_KERNELS))
+
+
+# ---- state (iOS 18 stateful programs; anelab.graph.build_stateful_program) -------------------------
+# A state is a function input whose value the interpreter keeps in its environment like any other;
+# ``coreml_update_state`` overwrites it there (later ``read_state`` ops see the new value) and
+# records it in ``updated_states`` so ``evaluate_with_state`` can hand it to the next call.
+
+def _k_read_state(it, op):
+    return np.array(it.value(op.inputs["input"]), dtype=np.float32, copy=True)
+
+
+def _k_coreml_update_state(it, op):
+    state, value = op.inputs["state"], np.array(it.value(op.inputs["value"]), copy=True)
+    it.env[state.name] = value
+    it.__dict__.setdefault("updated_states", {})[state.name] = value
+    return value
+
+
+def _k_slice_update(it, op):
+    x = np.array(it.value(op.inputs["x"]), copy=True)
+    update = it.value(op.inputs["update"])
+    rank = x.ndim
+    begin = np.atleast_1d(it.value(op.inputs["begin"])).astype(np.int64)
+    end = np.atleast_1d(it.value(op.inputs["end"])).astype(np.int64)
+    stride = np.atleast_1d(it.param(op, "stride", np.ones(rank, np.int32)))
+    bm = np.atleast_1d(it.param(op, "begin_mask", np.zeros(rank, bool)))
+    em = np.atleast_1d(it.param(op, "end_mask", np.zeros(rank, bool)))
+    sq = np.atleast_1d(it.param(op, "squeeze_mask", np.zeros(rank, bool)))
+    index = []
+    for i in range(rank):
+        start = 0 if bm[i] else int(begin[i])
+        stop = x.shape[i] if em[i] else int(end[i])
+        if sq[i]:
+            index.append(start)
+            continue
+        if not (0 <= start <= x.shape[i] and 0 <= stop <= x.shape[i]):
+            raise AnelabInputError(f"MIL evaluation: slice_update [{start}, {stop}) is outside axis {i} of size {x.shape[i]}")
+        index.append(slice(start, stop, int(stride[i])))
+    target = x[tuple(index)]
+    if target.shape != tuple(update.shape):
+        raise AnelabInputError(f"MIL evaluation: slice_update writes {list(update.shape)} into a {list(target.shape)} slice")
+    x[tuple(index)] = update
+    return x
+
+
+_KERNELS.update({
+    "read_state": _k_read_state,
+    "coreml_update_state": _k_coreml_update_state,
+    "slice_update": _k_slice_update,
+})
+SUPPORTED_OPS = tuple(sorted(_KERNELS))
+
+
+def state_signatures(package: SavedPackage, function: str) -> dict[str, TensorSignature]:
+    """The states of one function (name -> shape/dtype), from its saved program."""
+    _, _, types = coremltools_modules()
+    package.function(function)
+    out = {}
+    for name, var in package.mil_function(function).inputs.items():
+        if types.is_state(var.sym_type):
+            tensor = var.sym_type.wrapped_type()
+            dtype = "float16" if tensor.get_primitive() == types.fp16 else "float32"
+            out[name] = TensorSignature(name, tuple(int(s) for s in tensor.get_shape()), dtype)
+    return out
+
+
+def evaluate_with_state(package: SavedPackage | str | os.PathLike, function: str, inputs: dict[str, np.ndarray],
+                        state: dict[str, np.ndarray], *, fp16: bool = True) -> dict[str, np.ndarray]:
+    """Run one function of a saved stateful package; ``state`` (name -> array, e.g. from
+    ``new_state``) is read and replaced in place by the values the call leaves in it."""
+    pkg = package if isinstance(package, SavedPackage) else SavedPackage(package)
+    info = pkg.function(function)
+    pkg.check_inputs(function, inputs)
+    states = state_signatures(pkg, function)
+    for name, sig in states.items():
+        if name not in state:
+            raise AnelabInputError(f"state {name!r} of {function} is missing; create it with new_state()")
+        if tuple(state[name].shape) != sig.shape:
+            raise AnelabInputError(f"state {name!r} of {function} has shape {list(state[name].shape)}; expected {list(sig.shape)}")
+    it = _Interpreter(pkg, pkg.mil_function(function), fp16)
+    out = it.run({**inputs, **{n: state[n] for n in states}}, info)
+    for name, value in getattr(it, "updated_states", {}).items():
+        state[name] = value.astype(np.float16) if (fp16 and states[name].dtype == "float16") else np.array(value, dtype=np.float32)
+    return out
+
+
+def new_state(package: SavedPackage | str | os.PathLike, function: str) -> dict[str, np.ndarray]:
+    """Zero-filled states for ``function`` (as ``MLModel.make_state()`` gives a fresh state)."""
+    pkg = package if isinstance(package, SavedPackage) else SavedPackage(package)
+    return {n: np.zeros(s.shape, dtype=s.dtype) for n, s in state_signatures(pkg, function).items()}
+
+
+# coremltools' int16 pass casts gather indices to int16 / uint16 (e.g. the stateful graph's RoPE
+# positions); those casts are exact only inside the type's range, so out-of-range values are refused.
+_NARROW_INTS = {"int16": (-2**15, 2**15 - 1), "uint16": (0, 2**16 - 1), "int8": (-2**7, 2**7 - 1), "uint8": (0, 2**8 - 1)}
+_cast_base = _KERNELS["cast"]
+
+
+def _k_cast_narrow(it, op):
+    dtype = it.param(op, "dtype")
+    return _cast_checked(it, op, dtype) if dtype in _NARROW_INTS else _cast_base(it, op)
+
+
+def _cast_checked(it, op, dtype):
+    x = it.value(op.inputs["x"])
+    lo, hi = _NARROW_INTS[dtype]
+    if x.size and (np.min(x) < lo or np.max(x) > hi):
+        raise AnelabInputError(f"MIL evaluation: cast of values in [{np.min(x)}, {np.max(x)}] to {dtype} would wrap ({op.name})")
+    return np.trunc(x).astype(np.int32)
+
+
+_KERNELS["cast"] = _k_cast_narrow
 SUPPORTED_OPS = tuple(sorted(_KERNELS))

@@ -77,11 +77,19 @@ def parameter_cells(nb: dict) -> list[dict]:
     return [c for c in nb["cells"] if "parameters" in (c.get("metadata", {}).get("tags") or [])]
 
 
-def declared_parameters(path: str | os.PathLike) -> list[str]:
-    """Names assigned at the top level of the notebook's ``parameters`` cell (papermill's view)."""
-    import papermill
+def declared_parameters(path: str | os.PathLike) -> dict[str, dict]:
+    """Top-level assignments of the notebook's ``parameters`` cell, as papermill reads them:
+    {name: {"type": inferred type name, "default": source text, "help": trailing comment}}."""
+    from papermill.translators import PythonTranslator
 
-    return list(papermill.inspect_notebook(str(path)).keys())
+    cells = parameter_cells(read_notebook(path))
+    if len(cells) != 1:
+        raise AnelabInputError(f"{Path(path).name}: needs exactly one cell tagged 'parameters', found {len(cells)}")
+    cell = dict(cells[0])
+    if isinstance(cell.get("source"), list):
+        cell["source"] = "".join(cell["source"])
+    return {p.name: {"type": p.inferred_type_name, "default": p.default, "help": p.help}
+            for p in PythonTranslator.inspect(cell)}
 
 
 def output_problems(nb: dict) -> list[str]:
@@ -183,9 +191,6 @@ def run_notebook(path: str | os.PathLike, *, quick: bool, build: str | os.PathLi
     from papermill.exceptions import PapermillExecutionError
 
     path = Path(path).resolve()
-    nb = read_notebook(path)
-    if len(parameter_cells(nb)) != 1:
-        raise AnelabInputError(f"{path.name}: needs exactly one cell tagged 'parameters', found {len(parameter_cells(nb))}")
     declared = declared_parameters(path)
     if "quick" not in declared:
         raise AnelabInputError(f"{path.name}: its parameters cell must declare 'quick: bool = False'")
@@ -199,7 +204,7 @@ def run_notebook(path: str | os.PathLike, *, quick: bool, build: str | os.PathLi
     error = ""
     try:
         papermill.execute_notebook(
-            str(path), str(executed), parameters=params, kernel_name=kernel or kernel_name(),
+            str(path), str(executed), parameters=params, kernel_name=kernel or kernel_name(), language="python",
             cwd=str(REPO_ROOT), progress_bar=False, log_output=False, execution_timeout=timeout,
             request_save_on_cell_execute=False,
         )

@@ -143,6 +143,8 @@ def verify_package(package: str | os.PathLike, checkpoint_dir: str | os.PathLike
                    seed: int = 0, fp16: bool = True, functions: list[str] | None = None) -> VerifyReport:
     """Verify every function of a saved sidecar against the reference (see module docstring)."""
     meta = read_sidecar_metadata(package)
+    if meta.graph == "stateful":  # one function per chunk width, K/V in Core ML state
+        return verify_stateful_package(package, checkpoint_dir, seed=seed, fp16=fp16)
     source = Path(checkpoint_dir) if checkpoint_dir is not None else Path(meta.source)
     if not (source / "config.json").is_file():
         raise AnelabInputError(
@@ -206,4 +208,134 @@ def verify_package(package: str | os.PathLike, checkpoint_dir: str | os.PathLike
                                                  mask.astype(np.float64), checkpoint_weights, geometry, precision="fp64")
             report.comparisons.append(Comparison(name, f"{meta.weights} vs fp16 w. (<={quantize.ERROR_BOUNDS[meta.weights]:g})", C, _errors(out, fp16_ref, C),
                                                  bound=quantize.ERROR_BOUNDS[meta.weights]))
+    return report
+
+
+# ---- stateful sidecars (--graph stateful) -----------------------------------------------------------
+# The package is driven like a Core ML stateful prefill: a prompt is fed C rows per call to c<C>
+# (then decode rows one at a time to c1, when the package has it), the state carried from call to
+# call; the attn_out rows and the final cache are compared with the reference over the whole prompt.
+# Negative controls: rope offset +1 and mask reaches graph (as above), and "state carried": the same
+# calls, each with a fresh (zero) state, must fail — so a graph that ignored its cache could not pass.
+
+DECODE_STEPS = 2  # decode rows run after the prefill when the package has a c1 function
+
+
+def stateful_mask(rows: int, start: int, capacity: int) -> np.ndarray:
+    """Additive mask [rows, capacity] for a call at ``start``: causal over the filled prefix
+    (slots < start + rows), every later cache slot dropped."""
+    mask = np.full((rows, capacity), MASKED, dtype=np.float16)
+    mask[:, : start + rows] = causal(rows, start)
+    return mask
+
+
+def run_stateful(saved: SavedPackage, hidden: np.ndarray, chunk: int, capacity: int, *, decode_steps: int = 0,
+                 masks=None, fresh_state_each_call: bool = False, fp16: bool = True) -> tuple[np.ndarray, dict]:
+    """Feed ``hidden`` [P, D] through a saved stateful package: (P - decode_steps) / chunk calls of
+    c<chunk>, then ``decode_steps`` calls of c1, carrying the state. Returns (attn_out [P, D], final state).
+
+    ``masks(rows, start) -> [rows, capacity]`` overrides ``stateful_mask``. Refuses a call whose
+    chunk would run past the state capacity (one line).
+    """
+    from anelab.graph import stateful_function_name
+    from anelab.mil_eval import evaluate_with_state, new_state
+
+    prefill = hidden.shape[0] - decode_steps
+    if prefill < 0 or prefill % chunk:
+        raise AnelabInputError(f"prompt of {hidden.shape[0]} rows with {decode_steps} decode steps is not whole chunks of {chunk}; pad the prompt")
+    calls = [(stateful_function_name(chunk), s, chunk) for s in range(0, prefill, chunk)]
+    calls += [(stateful_function_name(1), prefill + i, 1) for i in range(decode_steps)]
+    masks = masks or (lambda rows, start: stateful_mask(rows, start, capacity))
+    first = calls[0][0] if calls else stateful_function_name(chunk)
+    state = new_state(saved, first)
+    outs = []
+    for function, start, rows in calls:
+        if start + rows > capacity:
+            raise AnelabInputError(f"chunk start {start} + {rows} rows is past the state capacity {capacity}; export with a larger --capacity")
+        if fresh_state_each_call:
+            state = new_state(saved, function)
+        inputs = {"hidden": np.ascontiguousarray(hidden[start:start + rows]), "start": np.array([start], np.int32),
+                  "mask": masks(rows, start)}
+        outs.append(evaluate_with_state(saved, function, inputs, state, fp16=fp16)["attn_out"])
+    return (np.concatenate(outs) if outs else np.zeros((0, hidden.shape[1]), np.float16)), state
+
+
+def verify_stateful_package(package: str | os.PathLike, checkpoint_dir: str | os.PathLike | None = None, *,
+                            seed: int = 0, fp16: bool = True) -> VerifyReport:
+    """Verify a stateful sidecar over a multi-chunk prompt (see the comment above)."""
+    from anelab.export import STATE_CAPACITY_META, STATE_FUNCTIONS_META, read_raw_metadata
+    from anelab.graph import STATE_NAMES
+
+    meta = read_sidecar_metadata(package)
+    raw = read_raw_metadata(package)
+    try:
+        capacity = int(raw[STATE_CAPACITY_META])
+        functions = raw[STATE_FUNCTIONS_META].split(",")
+    except (KeyError, ValueError):
+        raise AnelabInputError(f"{package}: stateful sidecar metadata lacks '{STATE_CAPACITY_META}'; re-export it with 'anelab export'") from None
+    source = Path(checkpoint_dir) if checkpoint_dir is not None else Path(meta.source)
+    if not (source / "config.json").is_file():
+        raise AnelabInputError(f"checkpoint {source} (recorded in the package) has no config.json; pass --checkpoint DIR")
+    checkpoint = load_checkpoint(source)
+    geometry = checkpoint.geometry
+    if geometry.to_dict() != meta.geometry:
+        raise AnelabInputError(f"checkpoint {source} has a different geometry than the package records; pass the checkpoint it was exported from")
+    saved = SavedPackage(package)
+    for name in functions:
+        saved.function(name)
+    checkpoint_weights = checkpoint.layer(meta.layer)
+    weights = checkpoint_weights
+    if meta.weights != "fp16":
+        from anelab import quantize
+
+        weights = quantize.dequantized_weights(saved, functions[0], checkpoint_weights)
+    C = meta.chunk
+    decode_steps = DECODE_STEPS if ("c1" in functions and C != 1) else 0
+    prefill = ((capacity - decode_steps) // C) * C
+    if prefill == 0:
+        raise AnelabInputError(f"state capacity {capacity} leaves no room for a chunk of {C} and {decode_steps} decode steps; re-export with a larger --capacity")
+    P = prefill + decode_steps
+    label = "+".join(functions)
+    report = VerifyReport(str(package), str(source), meta.layer, RELATIVE_ERROR_THRESHOLD,
+                          "NumPy evaluation of the saved MIL program, state carried between calls ("
+                          + ("fp16 storage emulated" if fp16 else "fp32") + ")")
+    rng = np.random.default_rng([seed, P])
+    hidden = rng.standard_normal((P, geometry.hidden_size)).astype(np.float16)
+    empty = np.zeros((0, geometry.num_kv_heads, geometry.head_dim))
+
+    def reference_over_prompt(w, start=None):
+        return reference.attention_block(hidden.astype(np.float64), empty, empty, causal(P, 0).astype(np.float64),
+                                         w, geometry, start=start, precision="fp64")
+
+    def cache_errors(out, state, ref):
+        """attn_out rows, and the whole final cache vs the reference K/V padded with zeros."""
+        errs = {"attn_out": relative_error(out, ref.attn_out)}
+        for column, name, expected in (("k_chunk", STATE_NAMES[0], ref.k_chunk), ("v_chunk", STATE_NAMES[1], ref.v_chunk)):
+            full = np.zeros(state[name].shape)
+            full[:, :P] = expected
+            errs[column] = relative_error(state[name], full)
+        return errs
+
+    steps = tqdm(total=4 + (meta.weights != "fp16"), desc="verify stateful", unit="run")
+    out, state = run_stateful(saved, hidden, C, capacity, decode_steps=decode_steps, fp16=fp16)
+    ref = reference_over_prompt(weights)
+    report.comparisons.append(Comparison(label, f"prompt {prefill}+{decode_steps} rows", P, cache_errors(out, state, ref)))
+    steps.update()
+    wrong_rope = reference_over_prompt(weights, start=1)
+    errs = cache_errors(out, state, wrong_rope)
+    report.comparisons.append(Comparison(label, "control: rope offset +1", P, {k: errs[k] for k in ("attn_out", "k_chunk")}, control=True))
+    steps.update()
+    dropped, _ = run_stateful(saved, hidden, C, capacity, decode_steps=decode_steps, fp16=fp16,
+                              masks=lambda rows, start: drop_half_mask(stateful_mask(rows, start, capacity), rng))
+    report.comparisons.append(Comparison(label, "control: mask reaches graph", P, {"attn_out": relative_error(dropped, ref.attn_out)}, control=True))
+    steps.update()
+    forgetful, _ = run_stateful(saved, hidden, C, capacity, decode_steps=decode_steps, fp16=fp16, fresh_state_each_call=True)
+    report.comparisons.append(Comparison(label, "control: state carried", P, {"attn_out": relative_error(forgetful, ref.attn_out)}, control=True))
+    steps.update()
+    if meta.weights != "fp16":
+        fp16_ref = reference_over_prompt(checkpoint_weights)
+        report.comparisons.append(Comparison(label, f"{meta.weights} vs fp16 w. (<={quantize.ERROR_BOUNDS[meta.weights]:g})", P,
+                                             cache_errors(out, state, fp16_ref), bound=quantize.ERROR_BOUNDS[meta.weights]))
+        steps.update()
+    steps.close()
     return report

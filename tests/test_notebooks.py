@@ -1,0 +1,140 @@
+"""Every study notebook: committed without outputs, one ``parameters`` cell with ``quick``, and a
+successful quick run through papermill (discovered from notebooks/, so new notebooks are covered).
+Plus the runner itself: a failing or hanging notebook is reported as failed, never as a pass."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from anelab import notebooks
+from anelab.errors import AnelabInputError
+
+NOTEBOOKS = notebooks.discover_notebooks()
+IDS = [p.name for p in NOTEBOOKS]
+QUICK_TIMEOUT = 120  # seconds per cell
+NBSTRIPOUT = Path(sys.executable).parent / "nbstripout"
+
+
+def _snapshot(directory: Path) -> dict:
+    if not directory.exists():
+        return {}
+    return {str(p.relative_to(directory)): p.stat().st_mtime_ns for p in directory.rglob("*")}
+
+
+def _tiny_notebook(path: Path, body: str, parameters: str | None = "quick: bool = False") -> Path:
+    nb = nbformat.v4.new_notebook()
+    if parameters is not None:
+        cell = nbformat.v4.new_code_cell(parameters)
+        cell.metadata["tags"] = ["parameters"]
+        nb.cells.append(cell)
+    nb.cells.append(nbformat.v4.new_code_cell(body))
+    nbformat.write(nb, str(path))
+    return path
+
+
+def test_the_studies_are_discovered_in_order():
+    names = [p.name for p in NOTEBOOKS]
+    assert {"02_mask_fold.ipynb", "03_gather_sizing.ipynb"} <= set(names)
+    assert names == sorted(names)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_notebook_is_committed_without_outputs(path):
+    nb = notebooks.read_notebook(path)
+    assert notebooks.output_problems(nb) == []
+    verify = subprocess.run([str(NBSTRIPOUT), "--verify", str(path)], capture_output=True, text=True)
+    assert verify.returncode == 0, f"{path.name} is not stripped; run: .venv/bin/nbstripout {path}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_notebook_has_one_parameters_cell_with_quick(path):
+    nb = notebooks.read_notebook(path)
+    assert len(notebooks.parameter_cells(nb)) == 1
+    declared = notebooks.declared_parameters(path)
+    assert declared["quick"]["default"] == "False"
+    assert declared["quick"]["type"] == "bool"
+    assert all(p["help"] for p in declared.values()), "every parameter needs a trailing comment"
+
+
+def test_output_checks_catch_an_executed_notebook(tmp_path):
+    """Negative control for the two checks above: a notebook with an output fails both."""
+    path = tmp_path / "dirty.ipynb"
+    nb = nbformat.read(str(NOTEBOOKS[0]), as_version=4)
+    code = next(c for c in nb.cells if c.cell_type == "code")
+    code.outputs = [nbformat.v4.new_output("stream", text="hello\n")]
+    code.execution_count = 3
+    nbformat.write(nb, str(path))
+    problems = notebooks.output_problems(notebooks.read_notebook(path))
+    assert any("outputs" in p for p in problems) and any("execution count" in p for p in problems)
+    assert subprocess.run([str(NBSTRIPOUT), "--verify", str(path)], capture_output=True).returncode != 0
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_notebook_runs_in_quick_mode(path, tmp_path):
+    watched = [notebooks.REPO_ROOT / "figures", notebooks.REPO_ROOT / "data" / "measured"]
+    before = [_snapshot(d) for d in watched]
+    run = notebooks.run_notebook(path, quick=True, build=tmp_path, timeout=QUICK_TIMEOUT)
+    assert run.ok, run.line()
+    assert run.executed.is_file() and run.html is not None and run.html.is_file()
+    assert run.parameters["quick"] is True
+    assert [_snapshot(d) for d in watched] == before, "a quick run wrote into the repository"
+    manifest = tmp_path / "figures" / "MANIFEST.json"
+    if manifest.exists():
+        import hashlib
+
+        for name, entry in json.loads(manifest.read_text())["figures"].items():
+            assert entry["notebook"] == path.name
+            for fmt, f in entry["files"].items():
+                assert hashlib.sha256((tmp_path / "figures" / f["path"]).read_bytes()).hexdigest() == f["sha256"]
+
+
+def test_run_all_reports_a_failing_notebook(tmp_path, capsys):
+    good = _tiny_notebook(tmp_path / "01_good.ipynb", "print('fine', quick)")
+    bad = _tiny_notebook(tmp_path / "02_bad.ipynb", "raise ValueError('boom')")
+    assert notebooks.run_all_notebooks(quick=True, build=tmp_path / "build", notebooks=[good, bad], timeout=60) is False
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "01_good.ipynb: ok" in text
+    assert "02_bad.ipynb: FAILED" in text and "ValueError" in text and "boom" in text
+    assert (tmp_path / "build" / "notebooks" / "02_bad.ipynb").is_file()  # the executed copy shows where it failed
+    assert notebooks.run_all_notebooks(quick=True, build=tmp_path / "build", notebooks=[good], timeout=60) is True
+
+
+def test_a_cell_past_the_timeout_fails_the_run(tmp_path):
+    slow = _tiny_notebook(tmp_path / "slow.ipynb", "import time\ntime.sleep(60)")
+    run = notebooks.run_notebook(slow, quick=True, build=tmp_path / "build", timeout=2, html=False)
+    assert not run.ok
+    assert run.seconds < 50
+    assert "timed out" in run.error.lower() or "timeout" in run.error.lower()
+
+
+def test_notebook_structure_is_refused_before_running(tmp_path):
+    none = _tiny_notebook(tmp_path / "none.ipynb", "pass", parameters=None)
+    with pytest.raises(AnelabInputError, match="exactly one cell tagged 'parameters'"):
+        notebooks.run_notebook(none, quick=True, build=tmp_path)
+    no_quick = _tiny_notebook(tmp_path / "noquick.ipynb", "pass", parameters="seed: int = 0")
+    with pytest.raises(AnelabInputError, match="quick"):
+        notebooks.run_notebook(no_quick, quick=True, build=tmp_path)
+    (tmp_path / "broken.ipynb").write_text("{")
+    with pytest.raises(AnelabInputError, match="not valid notebook JSON"):
+        notebooks.run_notebook(tmp_path / "broken.ipynb", quick=True, build=tmp_path)
+
+
+def test_run_parameters_keep_quick_runs_out_of_the_repository(tmp_path):
+    quick = notebooks.run_parameters(True, tmp_path)
+    assert all(Path(quick[k]).is_relative_to(tmp_path.resolve()) for k in ("figures_dir", "records_dir", "build_dir"))
+    full = notebooks.run_parameters(False, tmp_path)
+    assert Path(full["figures_dir"]) == notebooks.REPO_ROOT / "figures"
+    assert Path(full["records_dir"]) == notebooks.REPO_ROOT / "data" / "measured"
+    assert notebooks.repo_path("figures") == notebooks.REPO_ROOT / "figures"
+    assert notebooks.repo_path(tmp_path) == tmp_path
+
+
+def test_kernel_runs_this_interpreter():
+    assert notebooks.kernel_name() in (notebooks.ANELAB_KERNEL, notebooks.FALLBACK_KERNEL)
