@@ -57,6 +57,10 @@ def _add_export(sub):
     p.add_argument("--decode", action="store_true", help="stateful graph: add a decode function c1 sharing the state and weights")
     p.add_argument("--out", required=True, help="output directory for layer_<L>.mlpackage")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.add_argument("--selection-kept-blocks", type=int, default=None,
+                   help="sparse-indexed model: the indexer's kept blocks per query (records selectionFolded: true)")
+    p.add_argument("--selection-compress-ratio", type=int, default=None,
+                   help="sparse-indexed model: keys per indexer block")
 
 
 def _run_export(args):
@@ -65,14 +69,18 @@ def _run_export(args):
 
     if args.histories is None and args.graph != "stateful":
         raise AnelabInputError("export: --histories is required (e.g. --histories 0,C,2C); only --graph stateful --capacity N goes without")
+    selection = None
+    if args.selection_kept_blocks is not None or args.selection_compress_ratio is not None:
+        selection = {"kept_blocks": args.selection_kept_blocks, "compress_ratio": args.selection_compress_ratio}
     runtime = coreml_runtime.default_runtime()
     results = export_sidecars(args.checkpoint, args.out, args.chunk, args.histories, args.layers,
                               graph=args.graph, key_tile=args.tile, weights_mode=args.weights,
-                              capacity=args.capacity, decode=args.decode, runtime=runtime)
+                              capacity=args.capacity, decode=args.decode, selection=selection, runtime=runtime)
     summary = [{"package": str(r.package), "layer": r.metadata.layer, "functions": r.functions or r.metadata.functions,
                 "coverage": r.metadata.coverage, "weight_bytes": r.weight_bytes,
                 "single_function_weight_bytes": r.metadata.single_function_weight_bytes,
-                "aneCompileVerified": r.metadata.ane_verified, "reason": r.metadata.ane_reason} for r in results]
+                "aneCompileVerified": r.metadata.ane_verified, "reason": r.metadata.ane_reason,
+                "selectionFolded": r.metadata.selection_folded} for r in results]
     if args.json:
         _print_json(summary)
     else:

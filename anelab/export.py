@@ -272,6 +272,22 @@ def validate_state_capacity(capacity: int | None, chunk: int, histories: list[in
     return capacity
 
 
+def selection_indexer_metadata(selection: dict, graph: str) -> dict:
+    """Validate a sparse indexer's parameters and return what the package records about it."""
+    from anelab.masks import dense_exact_window
+
+    try:
+        kept, ratio = int(selection["kept_blocks"]), int(selection["compress_ratio"])
+    except (KeyError, TypeError, ValueError):
+        raise AnelabInputError("a sparse indexer needs both --selection-kept-blocks and --selection-compress-ratio") from None
+    if kept <= 0 or ratio <= 0:
+        raise AnelabInputError(f"--selection-kept-blocks and --selection-compress-ratio must be positive, got {kept} and {ratio}")
+    if graph == "stateful":
+        raise AnelabInputError("the selection contract is supported for --graph dense or tiled; drop --graph stateful")
+    return {"kept_blocks": kept, "compress_ratio": ratio, "dense_exact_window": dense_exact_window(kept, ratio),
+            "masked_value": -30000.0}
+
+
 @dataclass
 class ExportResult:
     package: Path
@@ -282,8 +298,13 @@ class ExportResult:
 
 def export_layer(checkpoint, layer: int, chunk: int, histories: list[int], out_dir: str | os.PathLike, *,
                  graph: str = "dense", key_tile: int | None = None, weights_mode: str = "fp16",
-                 capacity: int | None = None, decode: bool = False, runtime=None, progress=None) -> ExportResult:
+                 capacity: int | None = None, decode: bool = False, selection: dict | None = None,
+                 runtime=None, progress=None) -> ExportResult:
     """Export one full-attention layer as ``out_dir/layer_<L>.mlpackage``.
+
+    ``selection``: for a sparse-indexed model, ``{"kept_blocks": K, "compress_ratio": R}`` of its
+    indexer. The package then records the contract ``selectionFolded: true`` and the indexer
+    parameters: the runtime must fold the indexer's selection into the mask (the graph is the same).
 
     ``graph``: ``dense`` (scores all keys at once) or ``tiled`` (online softmax over key tiles of
     ``key_tile`` positions, a divisor of the chunk; default: the chunk). ``weights_mode``: see
@@ -334,7 +355,8 @@ def export_layer(checkpoint, layer: int, chunk: int, histories: list[int], out_d
         meta = SidecarMetadata(
             format_version=FORMAT_VERSION, source=str(checkpoint.path), layer=layer, geometry=geometry.to_dict(),
             chunk=chunk, histories=histories, coverage=coverage(histories, chunk), graph=graph, weights=weights_mode,
-            single_function_weight_bytes=single_bytes, selection_folded=False, selection_indexer=None,
+            single_function_weight_bytes=single_bytes, selection_folded=selection is not None,
+            selection_indexer=selection_indexer_metadata(selection, graph) if selection is not None else None,
             ane_verified=verified, ane_reason=reason, ane_evidence=evidence,
             coremltools=coremltools_modules()[0].__version__, anelab=__version__,
             exported_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -356,8 +378,10 @@ def export_layer(checkpoint, layer: int, chunk: int, histories: list[int], out_d
 def export_sidecars(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, chunk: int, histories: list[int],
                     layers: list[int] | None = None, *, graph: str = "dense", key_tile: int | None = None,
                     weights_mode: str = "fp16", capacity: int | None = None, decode: bool = False,
-                    runtime=None) -> list[ExportResult]:
+                    selection: dict | None = None, runtime=None) -> list[ExportResult]:
     """Export ``layer_<L>.mlpackage`` for each requested full-attention layer (default: all)."""
+    if selection is not None:
+        selection_indexer_metadata(selection, graph)
     checkpoint = load_checkpoint(checkpoint_dir)
     validate_graph_options(graph, key_tile, weights_mode, chunk, checkpoint.geometry, capacity=capacity, decode=decode)
     if graph == "stateful":
@@ -377,5 +401,5 @@ def export_sidecars(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLik
             bar.set_postfix_str(f"layer {layer}")
             results.append(export_layer(checkpoint, layer, chunk, histories, out_dir, graph=graph, key_tile=key_tile,
                                         weights_mode=weights_mode, capacity=capacity, decode=decode,
-                                        runtime=runtime, progress=bar))
+                                        selection=selection, runtime=runtime, progress=bar))
     return results

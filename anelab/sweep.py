@@ -106,8 +106,9 @@ def chunk_sweep(geometry: AttentionGeometry, prompt_tokens: int, chunks: Sequenc
       visits; ``stateful_setup_seconds``: L x the load of one function with the stateful arena
       (the decode function's arena, Hq x 1 x coverage, is added when ``decode``). Both use the
       planner's recorded load model, which was fitted on dense variants; ``setup_sources`` names
-      where each number came from and ``setup_extrapolated`` is True when an arena lies outside
-      the recorded loads' arena range (then the power law is an extrapolation).
+      where each number came from; ``dense_setup_extrapolated`` / ``stateful_setup_extrapolated``
+      are True when one of that design's arenas lies outside the recorded loads' arena range (then
+      the power law is an extrapolation).
       ``load_floor_seconds``: when given, every load is priced at least this much (the power law
       falls towards zero for small arenas; a recorded small-graph load is a floor to compare with),
       and ``setup_sources`` then includes ``"floor"`` where it applied.
@@ -170,7 +171,8 @@ def chunk_sweep(geometry: AttentionGeometry, prompt_tokens: int, chunks: Sequenc
             "dense_setup_seconds": n_layers * sum(s for s, _ in dense_loads),
             "stateful_setup_seconds": n_layers * sum(s for s, _ in stateful_load),
             "setup_sources": sorted({src for _, src in dense_loads + stateful_load}),
-            "setup_extrapolated": any(not lo <= a <= hi for a in dense_arenas + stateful_arenas),
+            "dense_setup_extrapolated": any(not lo <= a <= hi for a in dense_arenas),
+            "stateful_setup_extrapolated": any(not lo <= a <= hi for a in stateful_arenas),
         })
     return rows
 

@@ -73,7 +73,7 @@ class Comparison:
     def passed(self) -> bool:
         """A comparison passes when under the threshold; a control when clearly above it."""
         if self.control:
-            return self.worst > RELATIVE_ERROR_THRESHOLD
+            return self.worst > (RELATIVE_ERROR_THRESHOLD if self.bound is None else self.bound)
         return self.worst <= (RELATIVE_ERROR_THRESHOLD if self.bound is None else self.bound)
 
 
@@ -208,7 +208,34 @@ def verify_package(package: str | os.PathLike, checkpoint_dir: str | os.PathLike
                                                  mask.astype(np.float64), checkpoint_weights, geometry, precision="fp64")
             report.comparisons.append(Comparison(name, f"{meta.weights} vs fp16 w. (<={quantize.ERROR_BOUNDS[meta.weights]:g})", C, _errors(out, fp16_ref, C),
                                                  bound=quantize.ERROR_BOUNDS[meta.weights]))
+    if meta.selection_folded:
+        report.comparisons.extend(fold_comparisons(saved, source, meta, seed=seed))
     return report
+
+
+def fold_comparisons(saved: SavedPackage, checkpoint_dir, meta, *, seed: int = 0) -> list[Comparison]:
+    """The fold check a sidecar recording ``selectionFolded: true`` gets automatically.
+
+    On its longest history, a synthetic QSA-shaped selection (scored from the real q/k, with the
+    recorded compress ratio and at most a quarter of each row's blocks kept) is folded into the mask:
+    the package must match the reference under it, the causal-only mask must not, and the selection
+    must move the reference enough that the check could fail (else it is vacuous).
+    """
+    from anelab import foldcheck
+
+    indexer = meta.selection_indexer or {}
+    ratio = int(indexer.get("compress_ratio", 4))
+    case = foldcheck.make_case(saved, checkpoint_dir, history=max(meta.histories), seed=seed)
+    visible_blocks = (case.history + 1) // ratio
+    kept = max(1, min(int(indexer.get("kept_blocks", 1)), visible_blocks // 4))
+    check = foldcheck.fold_check(case, foldcheck.selection_for(case, kept, ratio, seed=seed), strict=False)
+    fn, rows = case.function, case.chunk
+    return [
+        Comparison(fn, f"fold: {kept} blocks x {ratio} kept", rows, {"attn_out": check.fold_error}),
+        Comparison(fn, "control: causal-only mask", rows, {"attn_out": check.causal_off}, control=True),
+        Comparison(fn, "control: selection moves ref.", rows, {"attn_out": check.moved}, control=True,
+                   bound=foldcheck.MIN_MOVE_OVER_THRESHOLD * RELATIVE_ERROR_THRESHOLD),
+    ]
 
 
 # ---- stateful sidecars (--graph stateful) -----------------------------------------------------------

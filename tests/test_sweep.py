@@ -111,7 +111,7 @@ def test_setup_prices_each_visited_function_with_the_recorded_load_fit():
         stateful = n_layers * a * (HAND_STATEFUL_ARENA[chunk] / 1e9) ** b
         assert rows[chunk]["dense_setup_seconds"] == pytest.approx(dense, rel=1e-9)
         assert rows[chunk]["stateful_setup_seconds"] == pytest.approx(stateful, rel=1e-9)
-        assert rows[chunk]["setup_extrapolated"]          # bytes, against recorded GB arenas
+        assert rows[chunk]["dense_setup_extrapolated"] and rows[chunk]["stateful_setup_extrapolated"]  # bytes vs GB
     # negative control: pricing one history too few (C=4: h0, h4 only) is detectably different
     assert rows[4]["dense_setup_seconds"] != pytest.approx(n_layers * sum(a * (x / 1e9) ** b for x in [64, 128]), rel=1e-6)
 
@@ -143,9 +143,12 @@ def test_seed_geometry_reproduces_the_seeds_variants_and_setup():
     assert row["dense_setup_seconds"] == pytest.approx(12 * (6.7 + 13.6))
     assert row["dense_setup_seconds"] == pytest.approx(245, abs=2)
     assert row["dense_arena_bytes"] == 24 * 4096 * 8192 * 2
-    assert row["setup_sources"] == ["recorded"] and not row["setup_extrapolated"]
+    assert row["setup_sources"] == ["recorded"]
+    assert not row["dense_setup_extrapolated"] and not row["stateful_setup_extrapolated"]
     # the stateful function's arena (24 x 4,096 x 8,192) is h4096's: priced at its recorded 13.6 s per layer
     assert row["stateful_setup_seconds"] == pytest.approx(12 * 13.6)
+    # below the recorded arenas (chunk 2,048: 24 x 2,048 x 2,048 x 2 = 0.2 GB at h0) the fit extrapolates
+    assert sweep.chunk_sweep(g, 4333, (2048,), data_dir=DATA)[0]["dense_setup_extrapolated"]
     # negative control: one chunk more (a prompt past 8,192) visits h8192 too — 37.5 s more per layer
     longer = sweep.chunk_sweep(g, 8193, (4096,), data_dir=DATA)[0]
     assert longer["dense_setup_seconds"] == pytest.approx(12 * (6.7 + 13.6 + 37.5))
