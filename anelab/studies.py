@@ -25,6 +25,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -36,7 +37,6 @@ from anelab.coreml_runtime import CoreMLRuntime, check_compute_units
 from anelab.errors import AnelabInputError
 from anelab.plan import (
     DATA_DIR,
-    FAMILIES,
     REFERENCE_CHUNK,
     REFERENCE_TOKENS,
     PrefillPlan,
@@ -366,11 +366,12 @@ def block_inputs(geometry, chunk: int, history: int, seed: int = 0) -> dict[str,
 
 def time_attention_ab(runtime: CoreMLRuntime, pkg: str | os.PathLike, geometry, *, chunk: int,
                       histories: Sequence[int], compute_units: Sequence[str] = AB_COMPUTE_UNITS, warmup: int = 1,
-                      repeats: int = 3, seed: int = 0, out_dir: str | os.PathLike | None = None) -> list[dict]:
+                      repeats: int = 3, seed: int = 0, clock: Callable[[], float] = time.perf_counter,
+                      out_dir: str | os.PathLike | None = None) -> list[dict]:
     """One ``predict_timing`` record per function ``h<history>`` of ``pkg``, each over ``compute_units``.
 
     A function at history H serves the last full chunk of a prompt of H + chunk tokens. Records go
-    to ``out_dir`` (see :func:`anelab.timing.time_predict`).
+    to ``out_dir`` (see :func:`anelab.timing.time_predict`); ``clock`` is injectable for tests.
     """
     from anelab.timing import time_predict
 
@@ -379,7 +380,7 @@ def time_attention_ab(runtime: CoreMLRuntime, pkg: str | os.PathLike, geometry, 
     for h in tqdm(list(histories), desc="attention A/B", unit="fn"):
         inputs = block_inputs(geometry, chunk, int(h), seed)
         records.append(time_predict(runtime, pkg, f"h{int(h)}", inputs, units, warmup=warmup, repeats=repeats,
-                                    out_dir=out_dir))
+                                    clock=clock, out_dir=out_dir))
     return records
 
 

@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
+from anelab import plan as planner
 from anelab.errors import AnelabInputError
 from anelab.geometry import FP16_BYTES, AttentionGeometry
 
@@ -113,10 +114,9 @@ def chunk_sweep(geometry: AttentionGeometry, prompt_tokens: int, chunks: Sequenc
       falls towards zero for small arenas; a recorded small-graph load is a floor to compare with),
       and ``setup_sources`` then includes ``"floor"`` where it applied.
     """
-    from anelab import plan as planner
-
     chunks = _check_sweep_args(prompt_tokens, chunks, key_tile)
-    if load_floor_seconds is not None and (isinstance(load_floor_seconds, bool) or not load_floor_seconds >= 0):
+    if load_floor_seconds is not None and (isinstance(load_floor_seconds, bool) or not isinstance(load_floor_seconds, (int, float))
+                                           or not load_floor_seconds >= 0):
         raise AnelabInputError(f"the load floor must be a non-negative number of seconds, got {load_floor_seconds!r}")
     g = geometry
     P = int(prompt_tokens)

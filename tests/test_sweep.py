@@ -162,6 +162,7 @@ def test_seed_geometry_reproduces_the_seeds_variants_and_setup():
     (dict(key_tile=3), "does not divide the chunk 4"),
     (dict(key_tile=0), "--tile"),
     (dict(load_floor_seconds=-1.0), "load floor"),
+    (dict(load_floor_seconds="0.1"), "load floor"),
 ])
 def test_bad_input_is_refused_with_one_line(args, match):
     kwargs = dict(prompt_tokens=PROMPT, chunks=(4, 8), key_tile=2) | args
