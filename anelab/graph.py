@@ -114,63 +114,17 @@ def _linear(mb, x, weight: np.ndarray, bias: np.ndarray | None, name: str):
     return mb.linear(x=x, weight=weight.astype(np.float16), name=name, **kw)
 
 
-def build_dense_program(geometry: AttentionGeometry, weights: AttentionWeights, shape: SidecarShape):
-    """The dense per-history sidecar function: scores all H + C keys, masks by the input mask.
-
-    Returns a MIL Program (opset iOS18) with inputs/outputs as in the module docstring.
-    """
-    ct, mb, types = coremltools_modules()
-    g = geometry
-    C, H = shape.chunk, shape.history
-    Hq, Hkv, d, D = g.num_heads, g.num_kv_heads, g.head_dim, g.hidden_size
-    specs = [mb.TensorSpec(shape=(C, D), dtype=types.fp16)]
+def _per_history_specs(mb, types, g: AttentionGeometry, C: int, H: int):
+    """Input specs of a per-history function: hidden [C, D], (k_history, v_history [H, Hkv, d]), mask [C, H + C]."""
+    specs = [mb.TensorSpec(shape=(C, g.hidden_size), dtype=types.fp16)]
     if H > 0:
-        specs += [mb.TensorSpec(shape=(H, Hkv, d), dtype=types.fp16) for _ in range(2)]
+        specs += [mb.TensorSpec(shape=(H, g.num_kv_heads, g.head_dim), dtype=types.fp16) for _ in range(2)]
     specs.append(mb.TensorSpec(shape=(C, H + C), dtype=types.fp16))
-    cos_i, sin_i, cos_h, sin_h = _rope_tables(g, C, H)
+    return specs
 
-    def body(hidden, k_history, v_history, mask):
-        q = _linear(mb, hidden, weights.q_proj, weights.q_bias, "q_proj")
-        gate = None
-        if g.is_gated:  # per head: d query rows, then d gate rows
-            q = mb.reshape(x=q, shape=[C, Hq, 2 * d])
-            q, gate = mb.split(x=q, num_splits=2, axis=-1)
-        else:
-            q = mb.reshape(x=q, shape=[C, Hq, d])
-        k = mb.reshape(x=_linear(mb, hidden, weights.k_proj, weights.k_bias, "k_proj"), shape=[C, Hkv, d])
-        v = mb.reshape(x=_linear(mb, hidden, weights.v_proj, weights.v_bias, "v_proj"), shape=[C, Hkv, d])
-        if g.has_qk_norm:
-            q = _rms_norm(mb, q, weights.q_norm, g.rms_norm_eps, "q_normed")
-            k = _rms_norm(mb, k, weights.k_norm, g.rms_norm_eps, "k_normed")
-        # positions H + i: rotate by i*theta (tables shared by every history), then by H*theta
-        # (a per-history vector of rot/2 values). Rotating activations twice — not multiplying the
-        # tables — keeps the const-folding pass from baking a per-history [C, rot/2] table.
-        q = _rope(mb, q, cos_i, sin_i, g, "q_rotated" if H == 0 else "q_rotated_i")
-        k = _rope(mb, k, cos_i, sin_i, g, "k_rotated" if H == 0 else "k_rotated_i")
-        if H > 0:
-            q = _rope(mb, q, cos_h, sin_h, g, "q_rotated")
-            k = _rope(mb, k, cos_h, sin_h, g, "k_rotated")
-        k_chunk = mb.transpose(x=k, perm=[1, 0, 2], name="k_chunk")  # [Hkv, C, d]
-        v_chunk = mb.transpose(x=v, perm=[1, 0, 2], name="v_chunk")
-        if H > 0:
-            keys = mb.concat(values=[mb.transpose(x=k_history, perm=[1, 0, 2]), k_chunk], axis=1)  # [Hkv, T, d]
-            values = mb.concat(values=[mb.transpose(x=v_history, perm=[1, 0, 2]), v_chunk], axis=1)
-        else:
-            keys, values = k_chunk, v_chunk
-        # GQA without repeating K/V: query heads of one KV head are stacked along the row axis
-        q = mb.mul(x=q, y=np.float16(1.0 / np.sqrt(d)))
-        q = mb.reshape(x=mb.transpose(x=q, perm=[1, 0, 2]), shape=[Hkv, g.group_size * C, d])
-        scores = mb.matmul(x=q, y=keys, transpose_y=True)  # [Hkv, group*C, T]
-        scores = mb.reshape(x=scores, shape=[Hkv, g.group_size, C, H + C])
-        probs = mb.softmax(x=mb.add(x=scores, y=mask), axis=-1)
-        context = mb.matmul(x=probs, y=mb.expand_dims(x=values, axes=[1]))  # [Hkv, group, C, d]
-        context = mb.transpose(x=mb.reshape(x=context, shape=[Hq, C, d]), perm=[1, 0, 2])  # [C, Hq, d]
-        if gate is not None:
-            context = mb.mul(x=context, y=mb.sigmoid(x=gate))
-        context = mb.reshape(x=context, shape=[C, Hq * d])
-        attn_out = _linear(mb, context, weights.o_proj, weights.o_bias, "attn_out")
-        return attn_out, k_chunk, v_chunk
 
+def _per_history_program(ct, mb, specs, body, H: int):
+    """Wrap ``body(hidden, k_history, v_history, mask)`` as a MIL program (no history inputs in h0)."""
     if H > 0:
         @mb.program(input_specs=specs, opset_version=ct.target.iOS18)
         def prog(hidden, k_history, v_history, mask):
@@ -182,7 +136,42 @@ def build_dense_program(geometry: AttentionGeometry, weights: AttentionWeights, 
     return prog
 
 
-# ---- tiled (flash) attention ---------------------------------------------------------------------
+def _attention_output(mb, g: AttentionGeometry, weights: AttentionWeights, context, gate, C: int):
+    """context [Hkv, group, C, d] -> (gated) [C, Hq*d] -> o_proj -> attn_out [C, D]."""
+    Hq, d = g.num_heads, g.head_dim
+    context = mb.transpose(x=mb.reshape(x=context, shape=[Hq, C, d]), perm=[1, 0, 2])  # [C, Hq, d]
+    if gate is not None:
+        context = mb.mul(x=context, y=mb.sigmoid(x=gate))
+    context = mb.reshape(x=context, shape=[C, Hq * d])
+    return _linear(mb, context, weights.o_proj, weights.o_bias, "attn_out")
+
+
+def build_dense_program(geometry: AttentionGeometry, weights: AttentionWeights, shape: SidecarShape):
+    """The dense per-history sidecar function: scores all H + C keys, masks by the input mask.
+
+    Returns a MIL Program (opset iOS18) with inputs/outputs as in the module docstring.
+    """
+    ct, mb, types = coremltools_modules()
+    g = geometry
+    C, H = shape.chunk, shape.history
+    Hkv = g.num_kv_heads
+
+    def body(hidden, k_history, v_history, mask):
+        # q [Hkv, group*C, d]: GQA without repeating K/V — query heads of one KV head stacked by row
+        q, gate, k_chunk, v_chunk = _project_chunk(mb, g, weights, hidden, C, _static_rotation(mb, g, C, H))
+        if H > 0:
+            keys = mb.concat(values=[mb.transpose(x=k_history, perm=[1, 0, 2]), k_chunk], axis=1)  # [Hkv, T, d]
+            values = mb.concat(values=[mb.transpose(x=v_history, perm=[1, 0, 2]), v_chunk], axis=1)
+        else:
+            keys, values = k_chunk, v_chunk
+        scores = mb.matmul(x=q, y=keys, transpose_y=True)  # [Hkv, group*C, T]
+        scores = mb.reshape(x=scores, shape=[Hkv, g.group_size, C, H + C])
+        probs = mb.softmax(x=mb.add(x=scores, y=mask), axis=-1)
+        context = mb.matmul(x=probs, y=mb.expand_dims(x=values, axes=[1]))  # [Hkv, group, C, d]
+        return _attention_output(mb, g, weights, context, gate, C), k_chunk, v_chunk
+
+    return _per_history_program(ct, mb, _per_history_specs(mb, types, g, C, H), body, H)
+
 
 def validate_key_tile(key_tile: int, chunk: int) -> int:
     """A key tile must be a positive divisor of the chunk (so no tile straddles history and chunk)."""
@@ -255,12 +244,8 @@ def build_tiled_program(geometry: AttentionGeometry, weights: AttentionWeights, 
     g = geometry
     C, H = shape.chunk, shape.history
     key_tile = validate_key_tile(key_tile, C)
-    Hq, Hkv, d, D, G = g.num_heads, g.num_kv_heads, g.head_dim, g.hidden_size, g.group_size
+    Hkv, d, G = g.num_kv_heads, g.head_dim, g.group_size
     T = H + C
-    specs = [mb.TensorSpec(shape=(C, D), dtype=types.fp16)]
-    if H > 0:
-        specs += [mb.TensorSpec(shape=(H, Hkv, d), dtype=types.fp16) for _ in range(2)]
-    specs.append(mb.TensorSpec(shape=(C, T), dtype=types.fp16))
 
     def body(hidden, k_history, v_history, mask):
         q, gate, k_chunk, v_chunk = _project_chunk(mb, g, weights, hidden, C, _static_rotation(mb, g, C, H))
@@ -286,22 +271,9 @@ def build_tiled_program(geometry: AttentionGeometry, weights: AttentionWeights, 
                 acc = mb.add(x=mb.mul(x=acc, y=alpha), y=pv)
             m = m_new
         context = mb.real_div(x=acc, y=l)                                       # [Hkv, G, C, d]
-        context = mb.transpose(x=mb.reshape(x=context, shape=[Hq, C, d]), perm=[1, 0, 2])  # [C, Hq, d]
-        if gate is not None:
-            context = mb.mul(x=context, y=mb.sigmoid(x=gate))
-        context = mb.reshape(x=context, shape=[C, Hq * d])
-        attn_out = _linear(mb, context, weights.o_proj, weights.o_bias, "attn_out")
-        return attn_out, k_chunk, v_chunk
+        return _attention_output(mb, g, weights, context, gate, C), k_chunk, v_chunk
 
-    if H > 0:
-        @mb.program(input_specs=specs, opset_version=ct.target.iOS18)
-        def prog(hidden, k_history, v_history, mask):
-            return body(hidden, k_history, v_history, mask)
-    else:
-        @mb.program(input_specs=specs, opset_version=ct.target.iOS18)
-        def prog(hidden, mask):
-            return body(hidden, None, None, mask)
-    return prog
+    return _per_history_program(ct, mb, _per_history_specs(mb, types, g, C, H), body, H)
 
 
 # ---- stateful (KV cache as Core ML state) ------------------------------------------------------------

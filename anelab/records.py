@@ -143,31 +143,9 @@ def validate_record(record: object, where: str) -> dict:
     return record
 
 
-def atomic_write_text(path: Path, text: str, *, overwrite: bool = True) -> Path:
-    """Write ``text`` to ``path`` via a temporary file and rename (never a half-written file).
-
-    With ``overwrite=False`` an existing ``path`` is refused (the new file is linked into place,
-    which fails if the name is taken, so two writers cannot both win).
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        if overwrite:
-            os.replace(tmp, path)
-        else:
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                raise AnelabInputError(f"{path} already exists; records are never overwritten — write a new record") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+def atomic_write_text(path: str | os.PathLike, text: str, *, overwrite: bool = True) -> Path:
+    """Write ``text`` to ``path`` atomically (see ``atomic_write_bytes``)."""
+    return atomic_write_bytes(path, text.encode("utf-8"), overwrite=overwrite)
 
 
 def write_record(directory: str | os.PathLike, record: dict, *, name: str | None = None) -> Path:
@@ -221,15 +199,28 @@ def read_records(directory: str | os.PathLike, kind: str | None = None) -> list[
     return out
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write bytes via a temporary file in the same directory and rename into place."""
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, overwrite: bool = True) -> Path:
+    """Write ``data`` to ``path`` via a temporary file in the same directory and rename, so a reader
+    never sees a half-written file.
+
+    With ``overwrite=False`` an existing ``path`` is refused (the new file is linked into place,
+    which fails if the name is taken, so two writers cannot both win).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.replace(tmp, path)
+            f.flush()
+            os.fsync(f.fileno())
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise AnelabInputError(f"{path} already exists; records are never overwritten — write a new record") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -22,7 +22,7 @@ def export_and_verify_default(build: Path, quick: bool) -> tuple[bool, str]:
     chunk = QUICK_CHUNK if quick else DEFAULT_CHUNK
     histories = [0, chunk] if quick else [0, chunk, 2 * chunk]
     results = export_sidecars(checkpoint, build / "sidecars", chunk, histories)
-    lines = [f"# anelab: default sidecar export and verification", "",
+    lines = ["# anelab: default sidecar export and verification", "",
              f"checkpoint: {checkpoint}", f"chunk {chunk}, histories {histories}", ""]
     passed = True
     for r in results:

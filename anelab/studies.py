@@ -192,11 +192,12 @@ def break_even(family: str | None = None, *, max_tokens: int | None = None, chun
         if fam is None:
             raise AnelabInputError("pass chunk= (the sidecar's width) or a family")
         chunk = REFERENCE_CHUNK
+    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk <= 0:
+        raise AnelabInputError(f"chunk must be a positive integer, got {chunk}")
     if max_tokens is None:
         max_tokens = (fam.max_history + chunk) if fam is not None and fam.max_history is not None else 8 * chunk
-    for name, value in (("max_tokens", max_tokens), ("chunk", chunk)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-            raise AnelabInputError(f"{name} must be a positive integer, got {value}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens <= 0:
+        raise AnelabInputError(f"max_tokens must be a positive integer, got {max_tokens}")
     calls = 0
 
     def wins(n: int) -> bool:

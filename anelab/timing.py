@@ -186,7 +186,6 @@ def time_predict(runtime: CoreMLRuntime, pkg: str | os.PathLike, function: str, 
         stats = measure(lambda: runtime.predict(handle, inputs), warmup=warmup, repeats=repeats, clock=clock,
                         desc=f"predict {function} {unit}")
         results[unit] = stats.to_dict()
-        del handle
     shapes = {name: list(getattr(value, "shape", ())) for name, value in inputs.items()}
     parameters = {"package": pkg.name, "function": function, "compute_units": units, "warmup": int(warmup),
                   "repeats": int(repeats), "input_shapes": shapes, "runtime": runtime.name}
