@@ -312,6 +312,6 @@ def test_memory_vs_functions_record(swept, tmp_path):
 
 def test_load_memory_isolated_reports_a_missing_runtime(tmp_path):
     if default_runtime().available():
-        pytest.skip("this Mac has the runtime; the refusal path is for machines without it")
+        pytest.skip("macOS with the Core ML runtime: the refusal path is for machines without it")
     with pytest.raises(AnelabInputError, match="Core ML runtime is unavailable"):
         load_memory_isolated(_package(tmp_path), ["h0"])
