@@ -461,21 +461,35 @@ def _k_split(it, op):
     return [np.ascontiguousarray(p) for p in parts]
 
 
-def _k_slice_by_index(it, op):
-    x = it.value(op.inputs["x"])
-    rank = x.ndim
-    begin = np.atleast_1d(it.param(op, "begin"))
-    end = np.atleast_1d(it.param(op, "end"))
+def _slice_index(it, op, shape: tuple[int, ...], *, name: str = "slice") -> tuple:
+    """The NumPy index of a slice_by_index / slice_update op (begin, end, stride and the three masks).
+
+    With ``name="slice_update"`` bounds must lie inside the axis (a write cannot wrap or clip)."""
+    rank = len(shape)
+    begin = np.atleast_1d(it.param(op, "begin")).astype(np.int64)
+    end = np.atleast_1d(it.param(op, "end")).astype(np.int64)
     stride = np.atleast_1d(it.param(op, "stride", np.ones(rank, np.int32)))
     bm = np.atleast_1d(it.param(op, "begin_mask", np.zeros(rank, bool)))
     em = np.atleast_1d(it.param(op, "end_mask", np.zeros(rank, bool)))
     sq = np.atleast_1d(it.param(op, "squeeze_mask", np.zeros(rank, bool)))
+    strict = name == "slice_update"
     index = []
     for i in range(rank):
-        start = None if bm[i] else int(begin[i])
-        stop = None if em[i] else int(end[i])
-        index.append(int(begin[i]) if sq[i] else slice(start, stop, int(stride[i])))
-    return np.ascontiguousarray(x[tuple(index)])
+        if sq[i]:
+            index.append(int(begin[i]))
+            continue
+        start = (0 if strict else None) if bm[i] else int(begin[i])
+        stop = (shape[i] if strict else None) if em[i] else int(end[i])
+        if strict and not (0 <= start <= shape[i] and 0 <= stop <= shape[i]):
+            raise AnelabInputError(f"MIL evaluation: slice_update [{start}, {stop}) is outside axis {i} of size {shape[i]}")
+        index.append(slice(start, stop, int(stride[i])))
+    return tuple(index)
+
+
+def _k_slice_by_index(it, op):
+    x = it.value(op.inputs["x"])
+    index = _slice_index(it, op, x.shape)
+    return np.ascontiguousarray(x[index])
 
 
 def _k_softmax(it, op):
@@ -655,27 +669,11 @@ def _k_coreml_update_state(it, op):
 def _k_slice_update(it, op):
     x = np.array(it.value(op.inputs["x"]), copy=True)
     update = it.value(op.inputs["update"])
-    rank = x.ndim
-    begin = np.atleast_1d(it.value(op.inputs["begin"])).astype(np.int64)
-    end = np.atleast_1d(it.value(op.inputs["end"])).astype(np.int64)
-    stride = np.atleast_1d(it.param(op, "stride", np.ones(rank, np.int32)))
-    bm = np.atleast_1d(it.param(op, "begin_mask", np.zeros(rank, bool)))
-    em = np.atleast_1d(it.param(op, "end_mask", np.zeros(rank, bool)))
-    sq = np.atleast_1d(it.param(op, "squeeze_mask", np.zeros(rank, bool)))
-    index = []
-    for i in range(rank):
-        start = 0 if bm[i] else int(begin[i])
-        stop = x.shape[i] if em[i] else int(end[i])
-        if sq[i]:
-            index.append(start)
-            continue
-        if not (0 <= start <= x.shape[i] and 0 <= stop <= x.shape[i]):
-            raise AnelabInputError(f"MIL evaluation: slice_update [{start}, {stop}) is outside axis {i} of size {x.shape[i]}")
-        index.append(slice(start, stop, int(stride[i])))
-    target = x[tuple(index)]
+    index = _slice_index(it, op, x.shape, name="slice_update")
+    target = x[index]
     if target.shape != tuple(update.shape):
         raise AnelabInputError(f"MIL evaluation: slice_update writes {list(update.shape)} into a {list(target.shape)} slice")
-    x[tuple(index)] = update
+    x[index] = update
     return x
 
 

@@ -22,7 +22,6 @@ the run fails), leaves the executed copy in ``<build>/notebooks/`` and an HTML e
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from anelab.errors import AnelabInputError
+from anelab.records import read_json_file
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
@@ -61,12 +61,7 @@ def repo_path(path: str | os.PathLike) -> Path:
 def read_notebook(path: str | os.PathLike) -> dict:
     """A notebook's JSON (refused with a one-line message if it is not a readable notebook)."""
     path = Path(path)
-    try:
-        nb = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise AnelabInputError(f"{path}: no such notebook") from None
-    except json.JSONDecodeError as e:
-        raise AnelabInputError(f"{path}: not valid notebook JSON ({e.msg} at line {e.lineno})") from None
+    nb = read_json_file(path, "notebook")
     if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):
         raise AnelabInputError(f"{path}: not a notebook (no 'cells' list)")
     return nb

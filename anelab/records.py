@@ -170,18 +170,23 @@ def write_record(directory: str | os.PathLike, record: dict, *, name: str | None
     raise AnelabInputError(f"no free record name in {directory}")  # pragma: no cover
 
 
-def read_record(path: str | os.PathLike) -> dict:
-    """Read and validate one record; refuse a malformed one naming the file and field."""
+def read_json_file(path: str | os.PathLike, what: str = "JSON file"):
+    """Parse one UTF-8 JSON file; a missing, unreadable or invalid one is refused in one line."""
     path = Path(path)
     try:
-        record = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except FileNotFoundError:
-        raise AnelabInputError(f"{path}: no such record file") from None
+        raise AnelabInputError(f"{path}: no such {what}") from None
     except (IsADirectoryError, UnicodeDecodeError):
-        raise AnelabInputError(f"{path}: not a record file (a record is one UTF-8 JSON file)") from None
+        raise AnelabInputError(f"{path}: not a {what} (expected one UTF-8 JSON file)") from None
     except json.JSONDecodeError as e:
-        raise AnelabInputError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    return validate_record(record, str(path))
+        kind = "" if what.endswith("file") else f"{what} "  # "not valid notebook JSON", "not valid JSON"
+        raise AnelabInputError(f"{path}: not valid {kind}JSON ({e.msg} at line {e.lineno})") from None
+
+
+def read_record(path: str | os.PathLike) -> dict:
+    """Read and validate one record; refuse a malformed one naming the file and field."""
+    return validate_record(read_json_file(path, "record file"), str(path))
 
 
 def read_records(directory: str | os.PathLike, kind: str | None = None) -> list[dict]:
