@@ -22,8 +22,10 @@ install: $(STAMP)
 reproduce: $(STAMP)
 	$(PY) -m anelab reproduce
 
-## Run the test suite (CI calls this).
+## Run the linter and the test suite (CI calls this).
 test: $(STAMP)
+	$(PY) -m ruff check anelab tests benchmarks
+	$(PY) -m ruff format --check anelab tests benchmarks
 	$(PY) -m pytest -n 2 -q
 
 ## Open the notebooks in JupyterLab with the project's kernel.

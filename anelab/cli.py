@@ -46,47 +46,96 @@ def _add_export(sub):
     p = sub.add_parser("export", help="export full-attention layers as multifunction Core ML sidecars")
     p.add_argument("checkpoint", help="Hugging Face-style model directory (config.json + safetensors)")
     p.add_argument("--chunk", type=int, required=True, help="chunk width C (rows per call)")
-    p.add_argument("--histories", type=_int_list, default=None,
-                   help="comma-separated histories, multiples of C (e.g. 0,C,2C); required unless --graph stateful --capacity N")
+    p.add_argument(
+        "--histories",
+        type=_int_list,
+        default=None,
+        help="comma-separated histories, multiples of C (e.g. 0,C,2C); required unless --graph stateful --capacity N",
+    )
     p.add_argument("--layers", type=_int_list, default=None, help="full-attention layers to export (default: all)")
-    p.add_argument("--graph", default="dense",
-                   help="graph form: dense | tiled (online softmax over key tiles) | stateful (K/V as Core ML state)")
-    p.add_argument("--tile", type=int, default=None, help="tiled graph: key positions per tile, a divisor of the chunk (default: the chunk)")
+    p.add_argument(
+        "--graph",
+        default="dense",
+        help="graph form: dense | tiled (online softmax over key tiles) | stateful (K/V as Core ML state)",
+    )
+    p.add_argument(
+        "--tile",
+        type=int,
+        default=None,
+        help="tiled graph: key positions per tile, a divisor of the chunk (default: the chunk)",
+    )
     p.add_argument("--weights", default="fp16", help="projection weights: fp16 | int8 | palettize4 | int4-block")
-    p.add_argument("--capacity", type=int, default=None, help="stateful graph: cache slots per state (default: the histories' coverage)")
-    p.add_argument("--decode", action="store_true", help="stateful graph: add a decode function c1 sharing the state and weights")
+    p.add_argument(
+        "--capacity",
+        type=int,
+        default=None,
+        help="stateful graph: cache slots per state (default: the histories' coverage)",
+    )
+    p.add_argument(
+        "--decode", action="store_true", help="stateful graph: add a decode function c1 sharing the state and weights"
+    )
     p.add_argument("--out", required=True, help="output directory for layer_<L>.mlpackage")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
-    p.add_argument("--selection-kept-blocks", type=int, default=None,
-                   help="sparse-indexed model: the indexer's kept blocks per query (records selectionFolded: true)")
-    p.add_argument("--selection-compress-ratio", type=int, default=None,
-                   help="sparse-indexed model: keys per indexer block")
+    p.add_argument(
+        "--selection-kept-blocks",
+        type=int,
+        default=None,
+        help="sparse-indexed model: the indexer's kept blocks per query (records selectionFolded: true)",
+    )
+    p.add_argument(
+        "--selection-compress-ratio", type=int, default=None, help="sparse-indexed model: keys per indexer block"
+    )
 
 
 def _run_export(args):
-    from anelab import coreml_runtime
-    from anelab.export import export_sidecars
+    from anelab.runtime.gate import AneGate
+    from anelab.runtime.mac import default_runtime
+    from anelab.sidecar.export import export_sidecars
 
     if args.histories is None and args.graph != "stateful":
-        raise AnelabInputError("export: --histories is required (e.g. --histories 0,C,2C); only --graph stateful --capacity N goes without")
+        raise AnelabInputError(
+            "export: --histories is required (e.g. --histories 0,C,2C); only --graph stateful --capacity N goes without"
+        )
     selection = None
     if args.selection_kept_blocks is not None or args.selection_compress_ratio is not None:
         selection = {"kept_blocks": args.selection_kept_blocks, "compress_ratio": args.selection_compress_ratio}
-    runtime = coreml_runtime.default_runtime()
-    results = export_sidecars(args.checkpoint, args.out, args.chunk, args.histories, args.layers,
-                              graph=args.graph, key_tile=args.tile, weights_mode=args.weights,
-                              capacity=args.capacity, decode=args.decode, selection=selection, runtime=runtime)
-    summary = [{"package": str(r.package), "layer": r.metadata.layer, "functions": r.functions or r.metadata.functions,
-                "coverage": r.metadata.coverage, "weight_bytes": r.weight_bytes,
-                "single_function_weight_bytes": r.metadata.single_function_weight_bytes,
-                "aneCompileVerified": r.metadata.ane_verified, "reason": r.metadata.ane_reason,
-                "selectionFolded": r.metadata.selection_folded} for r in results]
+    gate = AneGate.for_runtime(default_runtime())
+    results = export_sidecars(
+        args.checkpoint,
+        args.out,
+        args.chunk,
+        args.histories,
+        args.layers,
+        graph=args.graph,
+        key_tile=args.tile,
+        weights_mode=args.weights,
+        capacity=args.capacity,
+        decode=args.decode,
+        selection=selection,
+        gate=gate,
+    )
+    summary = [
+        {
+            "package": str(r.package),
+            "layer": r.metadata.layer,
+            "functions": r.functions or r.metadata.functions,
+            "coverage": r.metadata.coverage,
+            "weight_bytes": r.weight_bytes,
+            "single_function_weight_bytes": r.metadata.single_function_weight_bytes,
+            "aneCompileVerified": r.metadata.ane_verified,
+            "reason": r.metadata.ane_reason,
+            "selectionFolded": r.metadata.selection_folded,
+        }
+        for r in results
+    ]
     if args.json:
         _print_json(summary)
     else:
         for s in summary:
-            print(f"{s['package']}: functions {','.join(s['functions'])}; coverage {s['coverage']}; "
-                  f"weights {s['weight_bytes']:,} B ({s['weight_bytes'] / max(1, s['single_function_weight_bytes']):.3f}x one function)")
+            print(
+                f"{s['package']}: functions {','.join(s['functions'])}; coverage {s['coverage']}; "
+                f"weights {s['weight_bytes']:,} B ({s['weight_bytes'] / max(1, s['single_function_weight_bytes']):.3f}x one function)"
+            )
         if results and not results[0].metadata.ane_verified:
             print(f"aneCompileVerified: false — {results[0].metadata.ane_reason}")
     return 0
@@ -99,13 +148,13 @@ def _add_inspect(sub):
 
 
 def _run_inspect(args):
-    from anelab.inspect import inspect_package
+    from anelab.sidecar.inspection import inspect_package
 
     info = inspect_package(args.package)
     if args.json:
         _print_json(info)
     else:
-        from anelab.inspect import format_inspection
+        from anelab.sidecar.inspection import format_inspection
 
         print(format_inspection(info))
     return 0
@@ -123,8 +172,8 @@ def _add_evaluate(sub):
 def _run_evaluate(args):
     import numpy as np
 
-    from anelab.mil_eval import SavedPackage, evaluate
     from anelab.records import atomic_write_bytes
+    from anelab.sidecar.evaluate import SavedPackage, evaluate
 
     pkg = SavedPackage(args.package)
     pkg.function(args.function)
@@ -134,7 +183,9 @@ def _run_evaluate(args):
     except FileNotFoundError:
         raise AnelabInputError(f"{args.inputs}: no such file; give an .npz of the function's inputs") from None
     except (ValueError, OSError) as e:
-        raise AnelabInputError(f"{args.inputs}: not a readable .npz ({type(e).__name__}); write it with numpy.savez") from None
+        raise AnelabInputError(
+            f"{args.inputs}: not a readable .npz ({type(e).__name__}); write it with numpy.savez"
+        ) from None
     outputs = evaluate(pkg, args.function, inputs, fp16=not args.fp32)
     import io
 
@@ -154,7 +205,7 @@ def _add_verify(sub):
 
 
 def _run_verify(args):
-    from anelab.verify import verify_package
+    from anelab.sidecar.verify import verify_package
 
     report = verify_package(args.package, args.checkpoint, fp16=not args.fp32)
     if args.json:
@@ -165,13 +216,15 @@ def _run_verify(args):
 
 
 def _add_reproduce(sub):
-    p = sub.add_parser("reproduce", help="the main job: export + verify the default sidecar, run the study notebooks, write figures")
+    p = sub.add_parser(
+        "reproduce", help="the main job: export + verify the default sidecar, run the study notebooks, write figures"
+    )
     p.add_argument("--quick", action="store_true", help="small parameters (what the tests run)")
     p.add_argument("--build", default="build", help="build directory (default: build)")
 
 
 def _run_reproduce(args):
-    from anelab.reproduce import reproduce
+    from anelab.studies.reproduce import reproduce
 
     return reproduce(quick=args.quick, build=args.build)
 
@@ -183,14 +236,17 @@ _register("verify", _add_verify, _run_verify)
 _register("reproduce", _add_reproduce, _run_reproduce)
 # <<< section: core
 
+
 # >>> section: runtime (doctor)
 def _add_doctor(sub):
-    p = sub.add_parser("doctor", help="is the Core ML runtime available here, versions, which studies run fresh vs replay")
+    p = sub.add_parser(
+        "doctor", help="is the Core ML runtime available here, versions, which studies run fresh vs replay"
+    )
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
 
 
 def _run_doctor(args):
-    from anelab.doctor import diagnose, format_report
+    from anelab.runtime.doctor import diagnose, format_report
 
     report = diagnose()
     if args.json:
@@ -202,6 +258,7 @@ def _run_doctor(args):
 
 _register("doctor", _add_doctor, _run_doctor)
 # <<< section: runtime
+
 
 # >>> section: plan
 def _float_list(text: str) -> list[float]:
@@ -216,8 +273,12 @@ def _add_plan(sub):
     p.add_argument("--family", help="a recorded family (see --list-families); supplies geometry and fitted costs")
     p.add_argument("--prompt-tokens", type=int, help="prompt length in tokens")
     p.add_argument("--chunk", type=int, help="prefill chunk = sidecar width (default with a family: 4096)")
-    p.add_argument("--histories", type=_int_list, help="sidecar functions on hand, e.g. 0,4096 (default: what the prompt needs)")
-    p.add_argument("--max-history", type=int, help="histories 0, chunk, ..., MAX_HISTORY (coverage = MAX_HISTORY + chunk)")
+    p.add_argument(
+        "--histories", type=_int_list, help="sidecar functions on hand, e.g. 0,4096 (default: what the prompt needs)"
+    )
+    p.add_argument(
+        "--max-history", type=int, help="histories 0, chunk, ..., MAX_HISTORY (coverage = MAX_HISTORY + chunk)"
+    )
     p.add_argument("--layers", type=int, help="number of layers")
     p.add_argument("--full-attention-layers", type=_int_list, help="indices of the full-attention layers, e.g. 3,7,11")
     p.add_argument("--heads", type=int, help="query heads of a full-attention layer")
@@ -240,54 +301,80 @@ def _print_family_table(rows):
         def fact(key, value):
             return f"{value if value is not None else '?'} ({facts[key]['status']})"
 
-        cap = "unknown" if f["max_history"] is None else f"{f['max_history']} (coverage {f['coverage_cap']:,}, recorded)"
+        cap = (
+            "unknown" if f["max_history"] is None else f"{f['max_history']} (coverage {f['coverage_cap']:,}, recorded)"
+        )
         print(f"{f['name']:<26} {f['label']}")
-        print(f"  layers {fact('num_layers', g['num_layers'])}; full-attention "
-              f"{fact('full_attention_layers', len(g['full_attention_layers']))} at {','.join(map(str, g['full_attention_layers']))}")
-        print(f"  heads {fact('num_heads', g['num_heads'])}; kv heads {fact('num_kv_heads', g['num_kv_heads'])}; "
-              f"head_dim {fact('head_dim', g['head_dim'])}; sparse budget "
-              f"{fact('sparse_budget', g['sparse_budget'] or 'dense')}; max history {cap}")
+        print(
+            f"  layers {fact('num_layers', g['num_layers'])}; full-attention "
+            f"{fact('full_attention_layers', len(g['full_attention_layers']))} at {','.join(map(str, g['full_attention_layers']))}"
+        )
+        print(
+            f"  heads {fact('num_heads', g['num_heads'])}; kv heads {fact('num_kv_heads', g['num_kv_heads'])}; "
+            f"head_dim {fact('head_dim', g['head_dim'])}; sparse budget "
+            f"{fact('sparse_budget', g['sparse_budget'] or 'dense')}; max history {cap}"
+        )
         print(f"  records: {', '.join(f['records'])}")
         print(f"  unknown: {'; '.join(f['unknown'])}")
 
 
 def _print_fit_report(rows, fit, loads):
-    print(f"{'family':<26} {'record':<27} {'tokens':>6} {'chunk':>5} {'recorded':>8} "
-          f"{'in-sample':>9} {'err':>6} {'LOO':>6} {'err':>6} {'plan':>6} {'err':>6}")
+    print(
+        f"{'family':<26} {'record':<27} {'tokens':>6} {'chunk':>5} {'recorded':>8} "
+        f"{'in-sample':>9} {'err':>6} {'LOO':>6} {'err':>6} {'plan':>6} {'err':>6}"
+    )
     for r in rows:
-        print(f"{r['family']:<26} {r['record']:<27} {r['prompt_tokens']:>6} {r['chunk']:>5} {r['recorded_ratio']:>7.2f}x "
-              f"{r['in_sample_ratio']:>8.2f}x {r['in_sample_error']:>+6.1%} {r['leave_one_out_ratio']:>5.2f}x "
-              f"{r['leave_one_out_error']:>+6.1%} {r['plan_ratio']:>5.2f}x {r['plan_error']:>+6.1%}")
-    print(f"rates: ANE {fit['ane_seconds_per_entry']:.3g} s/entry (recorded h0), dense GPU "
-          f"{fit['gpu_dense_seconds_per_entry']:.3g}, sparse GPU {fit['gpu_sparse_seconds_per_entry']:.3g} s/entry (fitted); "
-          f"dense setup {fit['dense_setup_seconds_per_variant']:.3g} s/variant (fitted)")
-    print(f"load = {fit['load_power_coef']:.3g} s x (score arena / GB) ^ {fit['load_power_exp']:.3g}: "
-          + ", ".join(f"h{x['history']} {x['recorded_seconds']:.1f} s recorded, {x['power_fit_seconds']:.1f} s fit" for x in loads))
+        print(
+            f"{r['family']:<26} {r['record']:<27} {r['prompt_tokens']:>6} {r['chunk']:>5} {r['recorded_ratio']:>7.2f}x "
+            f"{r['in_sample_ratio']:>8.2f}x {r['in_sample_error']:>+6.1%} {r['leave_one_out_ratio']:>5.2f}x "
+            f"{r['leave_one_out_error']:>+6.1%} {r['plan_ratio']:>5.2f}x {r['plan_error']:>+6.1%}"
+        )
+    print(
+        f"rates: ANE {fit['ane_seconds_per_entry']:.3g} s/entry (recorded h0), dense GPU "
+        f"{fit['gpu_dense_seconds_per_entry']:.3g}, sparse GPU {fit['gpu_sparse_seconds_per_entry']:.3g} s/entry (fitted); "
+        f"dense setup {fit['dense_setup_seconds_per_variant']:.3g} s/variant (fitted)"
+    )
+    print(
+        f"load = {fit['load_power_coef']:.3g} s x (score arena / GB) ^ {fit['load_power_exp']:.3g}: "
+        + ", ".join(
+            f"h{x['history']} {x['recorded_seconds']:.1f} s recorded, {x['power_fit_seconds']:.1f} s fit" for x in loads
+        )
+    )
 
 
 def _print_plan(d):
     name = d["family"] or "custom geometry"
-    print(f"{name}: prompt {d['prompt_tokens']:,} tokens, chunk {d['chunk']:,}, histories "
-          f"{','.join(map(str, d['histories']))} (coverage {d['coverage']:,}; needed {d['coverage_needed']:,}; "
-          f"{'fits' if d['fits'] else 'does not fit'})")
+    print(
+        f"{name}: prompt {d['prompt_tokens']:,} tokens, chunk {d['chunk']:,}, histories "
+        f"{','.join(map(str, d['histories']))} (coverage {d['coverage']:,}; needed {d['coverage_needed']:,}; "
+        f"{'fits' if d['fits'] else 'does not fit'})"
+    )
     print(f"{'chunk':>5} {'start':>7} {'tokens':>7}  device  function")
     for c in d["chunks"]:
-        print(f"{c['index']:>5} {c['start']:>7,} {c['tokens']:>7,}  {c['device']:<6}  "
-              f"{'h' + str(c['history']) if c['device'] == 'ane' else '-'}")
+        print(
+            f"{c['index']:>5} {c['start']:>7,} {c['tokens']:>7,}  {c['device']:<6}  "
+            f"{'h' + str(c['history']) if c['device'] == 'ane' else '-'}"
+        )
     n_fa = len(d["geometry"]["full_attention_layers"])
     loads = ", ".join(f"h{h} {v['seconds']:.2f} s ({v['source']})" for h, v in d["load_seconds"].items())
-    print(f"variants visited: {d['variants_visited']} ({n_fa} full-attention layers x "
-          f"{len(d['load_seconds'])} histories){'; loads ' + loads if loads else ''}")
-    print(f"GPU arm: non-attention {d['non_attention_seconds']:.1f} s + attention {d['gpu_attention_seconds']:.1f} s "
-          f"= {d['gpu_prefill_seconds']:.1f} s")
-    print(f"ANE arm: {d['ane_prefill_seconds']:.1f} s (setup {d['setup_seconds']:.1f} s, ANE attention "
-          f"{d['ane_attention_seconds']:.1f} s, attention saved {d['attention_saved_seconds']:.1f} s)")
+    print(
+        f"variants visited: {d['variants_visited']} ({n_fa} full-attention layers x "
+        f"{len(d['load_seconds'])} histories){'; loads ' + loads if loads else ''}"
+    )
+    print(
+        f"GPU arm: non-attention {d['non_attention_seconds']:.1f} s + attention {d['gpu_attention_seconds']:.1f} s "
+        f"= {d['gpu_prefill_seconds']:.1f} s"
+    )
+    print(
+        f"ANE arm: {d['ane_prefill_seconds']:.1f} s (setup {d['setup_seconds']:.1f} s, ANE attention "
+        f"{d['ane_attention_seconds']:.1f} s, attention saved {d['attention_saved_seconds']:.1f} s)"
+    )
     print(f"predicted ratio {d['predicted_ratio']:.2f}x (GPU / ANE)")
     print(f"decision: {d['decision']} — {d['reason']}")
 
 
 def _run_plan(args):
-    from anelab import plan as planner
+    from anelab.studies import planner
 
     if args.list_families:
         rows = planner.family_table()
@@ -304,11 +391,21 @@ def _run_plan(args):
     if args.prompt_tokens is None:
         raise AnelabInputError("anelab plan: pass --prompt-tokens N (or --list-families / --fit-report)")
     result = planner.plan(
-        args.prompt_tokens, family=args.family, chunk=args.chunk, histories=args.histories,
-        max_history=args.max_history, num_layers=args.layers, full_attention_layers=args.full_attention_layers,
-        num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim, sparse_budget=args.sparse_budget,
-        load_seconds=args.load_seconds, gpu_attention_seconds=args.gpu_attention_seconds,
-        ane_attention_seconds=args.ane_attention_seconds, non_attention_seconds=args.non_attention_seconds,
+        args.prompt_tokens,
+        family=args.family,
+        chunk=args.chunk,
+        histories=args.histories,
+        max_history=args.max_history,
+        num_layers=args.layers,
+        full_attention_layers=args.full_attention_layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        sparse_budget=args.sparse_budget,
+        load_seconds=args.load_seconds,
+        gpu_attention_seconds=args.gpu_attention_seconds,
+        ane_attention_seconds=args.ane_attention_seconds,
+        non_attention_seconds=args.non_attention_seconds,
     ).to_dict()
     _print_json(result) if args.json else _print_plan(result)
     return 0
@@ -316,6 +413,7 @@ def _run_plan(args):
 
 _register("plan", _add_plan, _run_plan)
 # <<< section: plan
+
 
 # >>> section: gather (size / probe)
 def _add_size(sub):
@@ -330,7 +428,8 @@ def _add_size(sub):
 
 
 def _run_size(args):
-    from anelab.gather import GB, GatherSizing
+    from anelab.geometry import GB
+    from anelab.studies.gather_sizing import GatherSizing
 
     s = GatherSizing(args.heads, args.head_dim, args.chunk, args.total, args.budget, kv_heads=args.kv_heads)
     d = s.to_dict()
@@ -354,7 +453,9 @@ _register("size", _add_size, _run_size)
 
 
 def _add_probe(sub):
-    p = sub.add_parser("probe", help="build, save and evaluate the dense-masked and gather attention probes at one chunk")
+    p = sub.add_parser(
+        "probe", help="build, save and evaluate the dense-masked and gather attention probes at one chunk"
+    )
     p.add_argument("--chunk", type=int, required=True, help="query rows of the probe (e.g. 32, 64)")
     p.add_argument("--repeats", type=int, default=3, help="timed NumPy evaluations per graph (default 3)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
@@ -363,24 +464,38 @@ def _add_probe(sub):
     p.add_argument("--kept-blocks", type=int, default=4, help="indexer blocks kept per row (default 4)")
     p.add_argument("--compress-ratio", type=int, default=4, help="keys per indexer block (default 4)")
     p.add_argument("--out", default=None, help="keep the saved probe packages in this directory")
-    p.add_argument("--records", default=None, help="write a measured record (kind gather_probe_numpy) into this directory")
+    p.add_argument(
+        "--records", default=None, help="write a measured record (kind gather_probe_numpy) into this directory"
+    )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
 def _run_probe(args):
-    from anelab.gather import probe, probe_record, probe_table
+    from anelab.studies.gather_probe import probe, probe_record, probe_table
 
-    results = probe(args.chunk, heads=args.heads, head_dim=args.head_dim, history=args.history,
-                    kept_blocks=args.kept_blocks, compress_ratio=args.compress_ratio, repeats=args.repeats,
-                    out_dir=args.out)
+    results = probe(
+        args.chunk,
+        heads=args.heads,
+        head_dim=args.head_dim,
+        history=args.history,
+        kept_blocks=args.kept_blocks,
+        compress_ratio=args.compress_ratio,
+        repeats=args.repeats,
+        out_dir=args.out,
+    )
     written = None
     if args.records:
         from anelab.records import write_record
 
         written = write_record(args.records, probe_record(results, args.repeats))
     if args.json:
-        _print_json({"rows": [r.to_dict() for r in results], "record": str(written) if written else None,
-                     "timing": "numpy_eval_* are NumPy evaluations of the saved programs on this machine, not ANE times"})
+        _print_json(
+            {
+                "rows": [r.to_dict() for r in results],
+                "record": str(written) if written else None,
+                "timing": "numpy_eval_* are NumPy evaluations of the saved programs on this machine, not ANE times",
+            }
+        )
     else:
         print(probe_table(results))
         if written:

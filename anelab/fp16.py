@@ -15,8 +15,8 @@ import numpy as np
 
 FP16_MAX = 65504.0
 _EXP_MASK = np.int32(0x7F800000)
-_MIN_NORMAL_EXP = np.int32((127 - 14) << 23)     # fp16's smallest normal exponent, 2**-14
-_SHIFT = np.int32((13 << 23) | 0x00400000)       # * 2**13, and the 1.5 mantissa
+_MIN_NORMAL_EXP = np.int32((127 - 14) << 23)  # fp16's smallest normal exponent, 2**-14
+_SHIFT = np.int32((13 << 23) | 0x00400000)  # * 2**13, and the 1.5 mantissa
 
 
 def round_to_fp16(x: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:

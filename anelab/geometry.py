@@ -18,6 +18,7 @@ from anelab.errors import AnelabInputError
 ATTENTION_VARIANTS = ("llama", "qwen3", "qwen3_next")
 FP16_BYTES = 2
 FP32_BYTES = 4
+GB = 10**9  # decimal gigabyte: sizes in the seeds are quoted in GB = 1e9 bytes
 
 
 @dataclass(frozen=True)
@@ -52,12 +53,12 @@ class AttentionGeometry:
         if not 0.0 < self.partial_rotary_factor <= 1.0:
             raise AnelabInputError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
         if self.rotary_dim % 2:
-            raise AnelabInputError(
-                f"rotary dim head_dim*partial_rotary_factor = {self.rotary_dim} must be even"
-            )
+            raise AnelabInputError(f"rotary dim head_dim*partial_rotary_factor = {self.rotary_dim} must be even")
         bad = [layer for layer in self.full_attention_layers if not 0 <= layer < self.num_layers]
         if bad or not self.full_attention_layers:
-            raise AnelabInputError(f"full-attention layers {list(self.full_attention_layers)} must be within 0..{self.num_layers - 1}")
+            raise AnelabInputError(
+                f"full-attention layers {list(self.full_attention_layers)} must be within 0..{self.num_layers - 1}"
+            )
 
     # -- derived shapes -------------------------------------------------------------------------
     @property
@@ -115,7 +116,7 @@ class AttentionGeometry:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "AttentionGeometry":
+    def from_dict(cls, d: dict) -> AttentionGeometry:
         d = dict(d)
         d["full_attention_layers"] = tuple(d.get("full_attention_layers", (0,)))
         return cls(**d)
@@ -137,5 +138,14 @@ def validate_chunk_and_histories(chunk: int, histories: list[int]) -> list[int]:
         raise AnelabInputError(f"duplicate histories {dup}; list each history once")
     for h in histories:
         if h < 0 or h % chunk:
-            raise AnelabInputError(f"history {h} is not a non-negative multiple of the chunk {chunk}; use 0,{chunk},{2 * chunk},...")
+            raise AnelabInputError(
+                f"history {h} is not a non-negative multiple of the chunk {chunk}; use 0,{chunk},{2 * chunk},..."
+            )
     return sorted(histories)
+
+
+def chunk_starts(prompt_tokens: int, chunk: int) -> list[int]:
+    """Start position (history) of each chunk of a prompt: 0, C, 2C, ... < prompt_tokens."""
+    if prompt_tokens < 1:
+        raise AnelabInputError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
+    return list(range(0, int(prompt_tokens), int(chunk)))

@@ -50,9 +50,7 @@ def dense_exact_window(kept_blocks: int, compress_ratio: int) -> int:
     """
     kept_blocks, compress_ratio = int(kept_blocks), int(compress_ratio)
     if kept_blocks < 1 or compress_ratio < 1:
-        raise AnelabInputError(
-            f"kept_blocks ({kept_blocks}) and compress_ratio ({compress_ratio}) must both be >= 1"
-        )
+        raise AnelabInputError(f"kept_blocks ({kept_blocks}) and compress_ratio ({compress_ratio}) must both be >= 1")
     return kept_blocks * compress_ratio + (compress_ratio - 1)
 
 

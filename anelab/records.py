@@ -32,15 +32,29 @@ import tempfile
 from pathlib import Path
 
 from anelab.errors import AnelabInputError
+from anelab.paths import REPO_ROOT
 
 SCHEMA_VERSION = 1
 ORIGINS = ("measured", "recorded")
 PROVENANCE_FIELDS = (
-    "machine_model", "chip", "os_version", "python", "coremltools", "numpy", "anelab", "git_revision", "date",
+    "machine_model",
+    "chip",
+    "os_version",
+    "python",
+    "coremltools",
+    "numpy",
+    "anelab",
+    "git_revision",
+    "date",
 )
 REQUIRED_FIELDS = {
-    "schema_version": int, "kind": str, "origin": str, "provenance": dict,
-    "parameters": dict, "results": dict, "unknown": list,
+    "schema_version": int,
+    "kind": str,
+    "origin": str,
+    "provenance": dict,
+    "parameters": dict,
+    "results": dict,
+    "unknown": list,
 }
 
 
@@ -66,7 +80,7 @@ def machine_description() -> dict:
 
 
 def git_revision() -> str:
-    here = Path(__file__).resolve().parent
+    here = REPO_ROOT
     rev = _run(["git", "-C", str(here), "rev-parse", "--short=12", "HEAD"])
     if rev and _run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"]):
         rev += "+dirty"
@@ -92,14 +106,21 @@ def provenance() -> dict:
         numpy=numpy.__version__,
         anelab=anelab.__version__,
         git_revision=git_revision(),
-        date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        date=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     )
     return prov
 
 
-def make_record(kind: str, parameters: dict, results: dict, *, origin: str = "measured",
-                provenance_override: dict | None = None, source: dict | None = None,
-                unknown: list[str] | None = None) -> dict:
+def make_record(
+    kind: str,
+    parameters: dict,
+    results: dict,
+    *,
+    origin: str = "measured",
+    provenance_override: dict | None = None,
+    source: dict | None = None,
+    unknown: list[str] | None = None,
+) -> dict:
     """Assemble a record dict (validated). Fresh measurements take this machine's provenance."""
     record = {
         "schema_version": SCHEMA_VERSION,
@@ -161,7 +182,7 @@ def write_record(directory: str | os.PathLike, record: dict, *, name: str | None
         if not name.endswith(".json"):
             raise AnelabInputError(f"record name {name!r} must end in .json")
         return atomic_write_text(directory / name, text, overwrite=False)
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     for n in range(1, 10_000):
         try:
             return atomic_write_text(directory / f"{record['kind']}-{stamp}-{n}.json", text, overwrite=False)
@@ -225,7 +246,9 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, overwrite: bool 
             try:
                 os.link(tmp, path)
             except FileExistsError:
-                raise AnelabInputError(f"{path} already exists; records are never overwritten — write a new record") from None
+                raise AnelabInputError(
+                    f"{path} already exists; records are never overwritten — write a new record"
+                ) from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

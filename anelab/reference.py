@@ -38,10 +38,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from anelab.checkpoint import AttentionWeights
 from anelab.errors import AnelabInputError
 from anelab.geometry import AttentionGeometry
 from anelab.masks import MASKED
+from anelab.weights import AttentionWeights
 
 PRECISIONS = {"fp32": np.float32, "fp64": np.float64}
 DEFAULT_QUERY_TILE = 256
@@ -102,15 +102,20 @@ def _check_weights(weights: AttentionWeights, geometry: AttentionGeometry) -> No
     _expect_shape("weights.k_proj", weights.k_proj, (g.kv_out_features, g.hidden_size))
     _expect_shape("weights.v_proj", weights.v_proj, (g.kv_out_features, g.hidden_size))
     _expect_shape("weights.o_proj", weights.o_proj, (g.hidden_size, g.attn_features))
-    for name, size in (("q_bias", g.q_out_features), ("k_bias", g.kv_out_features),
-                       ("v_bias", g.kv_out_features), ("o_bias", g.hidden_size)):
+    for name, size in (
+        ("q_bias", g.q_out_features),
+        ("k_bias", g.kv_out_features),
+        ("v_bias", g.kv_out_features),
+        ("o_bias", g.hidden_size),
+    ):
         if getattr(weights, name) is not None:
             _expect_shape(f"weights.{name}", getattr(weights, name), (size,))
     for name in ("q_norm", "k_norm"):
         w = getattr(weights, name)
         if g.has_qk_norm and w is None:
             raise AnelabInputError(
-                f"variant {g.variant} needs weights.{name} [{g.head_dim}]; load it from the checkpoint")
+                f"variant {g.variant} needs weights.{name} [{g.head_dim}]; load it from the checkpoint"
+            )
         if w is not None:
             _expect_shape(f"weights.{name}", w, (g.head_dim,))
 
@@ -194,7 +199,7 @@ def _project_q(hidden, positions, weights, geometry, dtype):
     if g.is_gated:
         per_head = raw.reshape(t, g.num_heads, 2 * g.head_dim)  # query first, then gate, per head
         q = per_head[..., : g.head_dim]
-        gate = np.ascontiguousarray(per_head[..., g.head_dim:])
+        gate = np.ascontiguousarray(per_head[..., g.head_dim :])
     else:
         q = raw.reshape(t, g.num_heads, g.head_dim)
     if g.has_qk_norm:
@@ -215,8 +220,13 @@ def _project_kv(hidden, positions, weights, geometry, dtype):
     return apply_rope(k, cos, sin), v
 
 
-def project(hidden: np.ndarray, positions: np.ndarray, weights: AttentionWeights, geometry: AttentionGeometry,
-            precision: str = "fp32") -> Projection:
+def project(
+    hidden: np.ndarray,
+    positions: np.ndarray,
+    weights: AttentionWeights,
+    geometry: AttentionGeometry,
+    precision: str = "fp32",
+) -> Projection:
     """Project hidden [T, D] at absolute positions [T] to per-head q, k, v (and gate)."""
     dtype = _dtype(precision)
     _check_weights(weights, geometry)
@@ -229,8 +239,9 @@ def project(hidden: np.ndarray, positions: np.ndarray, weights: AttentionWeights
     return Projection(q=q, k=k, v=v, gate=gate)
 
 
-def history_kv(hidden_history: np.ndarray, weights: AttentionWeights, geometry: AttentionGeometry,
-               precision: str = "fp32") -> tuple[np.ndarray, np.ndarray]:
+def history_kv(
+    hidden_history: np.ndarray, weights: AttentionWeights, geometry: AttentionGeometry, precision: str = "fp32"
+) -> tuple[np.ndarray, np.ndarray]:
     """The cache contents for a history: hidden_history [H, D] at positions 0 .. H-1 ->
     (k_history [H, Hkv, d] normed+rotated, v_history [H, Hkv, d]), token-major."""
     dtype = _dtype(precision)
@@ -253,13 +264,13 @@ def _gate_and_output(attn: np.ndarray, gate: np.ndarray | None, weights: Attenti
 
 @dataclass
 class _Prepared:
-    hidden: np.ndarray    # [C, D] dtype
+    hidden: np.ndarray  # [C, D] dtype
     positions: np.ndarray  # [C] absolute positions of the chunk rows
-    k_all: np.ndarray     # [Hkv, T, d] history keys then chunk keys
-    v_all: np.ndarray     # [Hkv, T, d]
-    k_chunk: np.ndarray   # [Hkv, C, d] (view into k_all)
-    v_chunk: np.ndarray   # [Hkv, C, d]
-    mask: np.ndarray      # [C, T] additive, as given (cast per use)
+    k_all: np.ndarray  # [Hkv, T, d] history keys then chunk keys
+    v_all: np.ndarray  # [Hkv, T, d]
+    k_chunk: np.ndarray  # [Hkv, C, d] (view into k_all)
+    v_chunk: np.ndarray  # [Hkv, C, d]
+    mask: np.ndarray  # [C, T] additive, as given (cast per use)
     dtype: type
 
 
@@ -272,7 +283,8 @@ def _prepare(hidden, k_history, v_history, mask, weights, geometry, start, preci
         raise AnelabInputError("hidden has no rows; a chunk needs at least one token")
     if np.ndim(k_history) != 3:
         raise AnelabInputError(
-            f"k_history must have shape [H, {g.num_kv_heads}, {g.head_dim}], got {list(np.shape(k_history))}")
+            f"k_history must have shape [H, {g.num_kv_heads}, {g.head_dim}], got {list(np.shape(k_history))}"
+        )
     h = int(np.shape(k_history)[0])
     _expect_shape("k_history", k_history, (h, g.num_kv_heads, g.head_dim))
     _expect_shape("v_history", v_history, (h, g.num_kv_heads, g.head_dim))
@@ -337,9 +349,18 @@ def _check_tile(name: str, value) -> None:
         raise AnelabInputError(f"{name} must be a positive integer, got {value!r}")
 
 
-def attention_block(hidden: np.ndarray, k_history: np.ndarray, v_history: np.ndarray, mask: np.ndarray,
-                    weights: AttentionWeights, geometry: AttentionGeometry, *, start: int | None = None,
-                    precision: str = "fp32", query_block: int = DENSE_QUERY_BLOCK) -> BlockOutput:
+def attention_block(
+    hidden: np.ndarray,
+    k_history: np.ndarray,
+    v_history: np.ndarray,
+    mask: np.ndarray,
+    weights: AttentionWeights,
+    geometry: AttentionGeometry,
+    *,
+    start: int | None = None,
+    precision: str = "fp32",
+    query_block: int = DENSE_QUERY_BLOCK,
+) -> BlockOutput:
     """Dense reference of the block for one chunk: every row's softmax over all T keys at once.
 
     hidden     [C, D]          the chunk's (already normed) hidden states
@@ -379,10 +400,19 @@ def attention_block(hidden: np.ndarray, k_history: np.ndarray, v_history: np.nda
     return BlockOutput(attn_out, np.ascontiguousarray(p.k_chunk), np.ascontiguousarray(p.v_chunk))
 
 
-def attention_block_tiled(hidden: np.ndarray, k_history: np.ndarray, v_history: np.ndarray, mask: np.ndarray,
-                          weights: AttentionWeights, geometry: AttentionGeometry, *, start: int | None = None,
-                          precision: str = "fp32", query_tile: int = DEFAULT_QUERY_TILE,
-                          key_tile: int = DEFAULT_KEY_TILE) -> BlockOutput:
+def attention_block_tiled(
+    hidden: np.ndarray,
+    k_history: np.ndarray,
+    v_history: np.ndarray,
+    mask: np.ndarray,
+    weights: AttentionWeights,
+    geometry: AttentionGeometry,
+    *,
+    start: int | None = None,
+    precision: str = "fp32",
+    query_tile: int = DEFAULT_QUERY_TILE,
+    key_tile: int = DEFAULT_KEY_TILE,
+) -> BlockOutput:
     """Tiled reference of the block (same arguments and result as ``attention_block``).
 
     For each query tile (``query_tile`` chunk rows, projected on the fly) and each key tile

@@ -108,7 +108,9 @@ def block_scores_qk(q: np.ndarray, k: np.ndarray, compress_ratio: int) -> np.nda
     """
     q, k = np.asarray(q), np.asarray(k)
     if q.ndim != 3 or k.ndim != 3:
-        raise AnelabInputError(f"q must be [chunk, heads, head_dim] and k [keys, kv_heads, head_dim]; got {q.shape} and {k.shape}")
+        raise AnelabInputError(
+            f"q must be [chunk, heads, head_dim] and k [keys, kv_heads, head_dim]; got {q.shape} and {k.shape}"
+        )
     chunk, heads, head_dim = q.shape
     keys, kv_heads, k_dim = k.shape
     if k_dim != head_dim or heads % kv_heads:
@@ -131,7 +133,9 @@ def block_scores_random(chunk: int, n_blocks: int, seed: int) -> np.ndarray:
     return np.random.default_rng(int(seed)).random((int(chunk), int(n_blocks)), dtype=np.float32)
 
 
-def select_blocks(block_scores: np.ndarray, start: int, kept_blocks: int, compress_ratio: int) -> tuple[np.ndarray, np.ndarray]:
+def select_blocks(
+    block_scores: np.ndarray, start: int, kept_blocks: int, compress_ratio: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Top-``kept_blocks`` complete blocks per row plus the incomplete tail, as a compacted selection.
 
     block_scores: float [C, n_blocks] with n_blocks >= (start + C) // compress_ratio; row i
@@ -202,7 +206,9 @@ def select(
     _check_block_params(kept_blocks, compress_ratio, start)
     q, k = np.asarray(q), np.asarray(k)
     if q.ndim != 3 or k.ndim != 3:
-        raise AnelabInputError(f"q must be [chunk, heads, head_dim] and k [keys, kv_heads, head_dim]; got {q.shape} and {k.shape}")
+        raise AnelabInputError(
+            f"q must be [chunk, heads, head_dim] and k [keys, kv_heads, head_dim]; got {q.shape} and {k.shape}"
+        )
     if k.shape[0] != int(start) + q.shape[0]:
         raise AnelabInputError(
             f"k has {k.shape[0]} keys; a chunk of {q.shape[0]} rows at start {start} needs start + chunk = {int(start) + q.shape[0]}"

@@ -35,14 +35,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from anelab.checkpoint import random_attention_weights  # noqa: E402
 from anelab.geometry import FP32_BYTES, AttentionGeometry  # noqa: E402
 from anelab.masks import causal  # noqa: E402
 from anelab.reference import attention_block, attention_block_tiled  # noqa: E402
+from anelab.weights import random_attention_weights
 
 SPEED_GEOMETRY = AttentionGeometry("llama", hidden_size=2048, num_heads=16, num_kv_heads=4, head_dim=128)
-MEMORY_GEOMETRY = AttentionGeometry("qwen3_next", hidden_size=3072, num_heads=24, num_kv_heads=4, head_dim=256,
-                                    partial_rotary_factor=0.25)
+MEMORY_GEOMETRY = AttentionGeometry(
+    "qwen3_next", hidden_size=3072, num_heads=24, num_kv_heads=4, head_dim=256, partial_rotary_factor=0.25
+)
 FULL = {"gemm": 4096, "chunk": 4096, "history": 4096, "mem_chunk": 4096, "mem_coverage": 12288}
 QUICK = {"gemm": 1024, "chunk": 512, "history": 512, "mem_chunk": 512, "mem_coverage": 1536}
 SPEED_TARGET = 2.0
@@ -92,14 +93,23 @@ def speed(sizes: dict) -> None:
     rate = max(rate_before, rate_after)  # the faster rate gives the stricter (larger) ratio
     floor = flops / (rate * 1e9)
     agree = float(np.max(np.abs(tiled.attn_out - dense.attn_out)) / np.max(np.abs(dense.attn_out)))
-    print("(a) speed — fp32, geometry", json.dumps({k: getattr(g, k) for k in
-                                                   ("variant", "hidden_size", "num_heads", "num_kv_heads", "head_dim")}))
-    print(f"    NumPy fp32 GEMM rate ([{sizes['gemm']}x{sizes['gemm']}] @ [{sizes['gemm']}x{sizes['gemm'] // 2}], best of 3): {rate_before:.1f} GFLOP/s before, "
-          f"{rate_after:.1f} after the block runs; the floor uses {rate:.1f}")
+    print(
+        "(a) speed — fp32, geometry",
+        json.dumps({k: getattr(g, k) for k in ("variant", "hidden_size", "num_heads", "num_kv_heads", "head_dim")}),
+    )
+    print(
+        f"    NumPy fp32 GEMM rate ([{sizes['gemm']}x{sizes['gemm']}] @ [{sizes['gemm']}x{sizes['gemm'] // 2}], best of 3): "
+        f"{rate_before:.1f} GFLOP/s before, "
+        f"{rate_after:.1f} after the block runs; the floor uses {rate:.1f}"
+    )
     print(f"    block FLOPs at chunk {chunk}, history {history}: {flops / 1e9:.1f} GFLOP -> GEMM floor {floor:.3f} s")
-    print(f"    dense reference: {dense_s:.3f} s warm (first run {dense_runs[0]:.3f} s) = {dense_s / floor:.2f}x the floor "
-          f"(target <= {SPEED_TARGET:g}x)")
-    print(f"    tiled reference: {tiled_s:.3f} s = {tiled_s / floor:.2f}x the floor (dense vs tiled max rel diff {agree:.1e})")
+    print(
+        f"    dense reference: {dense_s:.3f} s warm (first run {dense_runs[0]:.3f} s) = {dense_s / floor:.2f}x the floor "
+        f"(target <= {SPEED_TARGET:g}x)"
+    )
+    print(
+        f"    tiled reference: {tiled_s:.3f} s = {tiled_s / floor:.2f}x the floor (dense vs tiled max rel diff {agree:.1e})"
+    )
 
 
 def _proc_status_bytes(field: str) -> int:
@@ -124,24 +134,42 @@ def memory_child(chunk: int, coverage: int) -> None:
     seconds = time.perf_counter() - t0
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    print(json.dumps({"tracemalloc_peak_bytes": peak, "rss_growth_bytes": _proc_status_bytes("VmHWM") - rss_before,
-                      "rss_before_bytes": rss_before, "seconds": seconds}))
+    print(
+        json.dumps(
+            {
+                "tracemalloc_peak_bytes": peak,
+                "rss_growth_bytes": _proc_status_bytes("VmHWM") - rss_before,
+                "rss_before_bytes": rss_before,
+                "seconds": seconds,
+            }
+        )
+    )
 
 
 def memory(sizes: dict) -> None:
     g = MEMORY_GEOMETRY
     chunk, coverage = sizes["mem_chunk"], sizes["mem_coverage"]
-    proc = subprocess.run([sys.executable, __file__, "--memory-child", str(chunk), str(coverage)],
-                          capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--memory-child", str(chunk), str(coverage)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     m = json.loads(proc.stdout.strip().splitlines()[-1])
     dense_bytes = g.score_arena_bytes(chunk, coverage - chunk, dtype_bytes=FP32_BYTES)
-    print(f"(b) memory — tiled fp32, {g.variant}, chunk {chunk} x coverage {coverage} x {g.num_heads} heads x head_dim {g.head_dim} "
-          f"(hidden {g.hidden_size}, {g.num_kv_heads} KV heads), fresh subprocess, {m['seconds']:.1f} s")
+    print(
+        f"(b) memory — tiled fp32, {g.variant}, chunk {chunk} x coverage {coverage} x {g.num_heads} heads x head_dim {g.head_dim} "
+        f"(hidden {g.hidden_size}, {g.num_kv_heads} KV heads), fresh subprocess, {m['seconds']:.1f} s"
+    )
     print(f"    dense fp32 score matrix [heads, chunk, coverage]: {dense_bytes / 2**20:.0f} MiB")
-    for name, key in (("tracemalloc peak during the call", "tracemalloc_peak_bytes"),
-                      ("peak RSS growth across the call", "rss_growth_bytes")):
-        print(f"    {name}: {m[key] / 2**20:.0f} MiB = 1/{dense_bytes / max(m[key], 1):.1f} of the dense scores "
-              f"(target <= 1/{1 / MEMORY_TARGET:g})")
+    for name, key in (
+        ("tracemalloc peak during the call", "tracemalloc_peak_bytes"),
+        ("peak RSS growth across the call", "rss_growth_bytes"),
+    ):
+        print(
+            f"    {name}: {m[key] / 2**20:.0f} MiB = 1/{dense_bytes / max(m[key], 1):.1f} of the dense scores "
+            f"(target <= 1/{1 / MEMORY_TARGET:g})"
+        )
     print(f"    (process RSS before the call, inputs + weights: {m['rss_before_bytes'] / 2**20:.0f} MiB)")
 
 

@@ -19,22 +19,35 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-REALISTIC = dict(hidden_size=2048, num_heads=16, num_kv_heads=4, head_dim=128, chunks=[64, 256, 1024], histories=[0, 1024, 4096])
+REALISTIC = dict(
+    hidden_size=2048, num_heads=16, num_kv_heads=4, head_dim=128, chunks=[64, 256, 1024], histories=[0, 1024, 4096]
+)
 QUICK = dict(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, chunks=[32, 64], histories=[0, 256])
 
 
 def _geometry(p: dict):
     from anelab.geometry import AttentionGeometry
 
-    return AttentionGeometry(variant="llama", hidden_size=p["hidden_size"], num_heads=p["num_heads"], num_kv_heads=p["num_kv_heads"],
-                             head_dim=p["head_dim"], rope_theta=1_000_000.0, num_layers=1, full_attention_layers=(0,))
+    return AttentionGeometry(
+        variant="llama",
+        hidden_size=p["hidden_size"],
+        num_heads=p["num_heads"],
+        num_kv_heads=p["num_kv_heads"],
+        head_dim=p["head_dim"],
+        rope_theta=1_000_000.0,
+        num_layers=1,
+        full_attention_layers=(0,),
+    )
 
 
 def largest_intermediates(p: dict, key_tile: int, work: Path) -> list[dict]:
-    from anelab.checkpoint import random_attention_weights
-    from anelab.export import convert_program
-    from anelab.graph import SidecarShape, build_dense_program, build_stateful_program, build_tiled_program
-    from anelab.mil_eval import SavedPackage
+    from anelab.sidecar.evaluate import SavedPackage
+    from anelab.sidecar.export import convert_program
+    from anelab.sidecar.graphs.common import SidecarShape
+    from anelab.sidecar.graphs.dense import build_dense_program
+    from anelab.sidecar.graphs.stateful import build_stateful_program
+    from anelab.sidecar.graphs.tiled import build_tiled_program
+    from anelab.weights import random_attention_weights
 
     g = _geometry(p)
     w = random_attention_weights(g, 0, seed=0)
@@ -43,8 +56,11 @@ def largest_intermediates(p: dict, key_tile: int, work: Path) -> list[dict]:
     for c, h in tqdm(points, desc="dense vs tiled", unit="shape"):
         tile = min(key_tile, c)
         row = {"chunk": c, "history": h, "tile": tile, "scores": 2 * g.num_heads * c * (h + c)}
-        for name, build in (("dense", lambda s: build_dense_program(g, w, s)), ("tiled", lambda s: build_tiled_program(g, w, s, tile)),
-                            ("stateful", lambda s: build_stateful_program(g, w, s.chunk, s.total))):
+        for name, build in (
+            ("dense", lambda s: build_dense_program(g, w, s)),
+            ("tiled", lambda s: build_tiled_program(g, w, s, tile)),
+            ("stateful", lambda s: build_stateful_program(g, w, s.chunk, s.total)),
+        ):
             pkg = convert_program(build(SidecarShape(chunk=c, history=h)), work / f"{name}-{c}-{h}.mlpackage")
             row[name] = SavedPackage(pkg).functions["main"].largest_intermediate_bytes
         rows.append(row)
@@ -52,10 +68,11 @@ def largest_intermediates(p: dict, key_tile: int, work: Path) -> list[dict]:
 
 
 def weight_modes(p: dict, work: Path) -> list[dict]:
-    from anelab import verify
-    from anelab.checkpoint import random_attention_weights, write_checkpoint
-    from anelab.export import export_sidecars
-    from anelab.quantize import WEIGHT_MODES
+    from anelab.hf.checkpoint import write_checkpoint
+    from anelab.sidecar import verify
+    from anelab.sidecar.export import export_sidecars
+    from anelab.sidecar.quantize import WEIGHT_MODES
+    from anelab.weights import random_attention_weights
 
     g = _geometry(p)
     ckpt = write_checkpoint(work / "model", g, {0: random_attention_weights(g, 0, seed=0)}, model_type="llama")
@@ -64,9 +81,17 @@ def weight_modes(p: dict, work: Path) -> list[dict]:
     for mode in WEIGHT_MODES:
         [r] = export_sidecars(ckpt, work / mode, chunk, [0, chunk], [0], weights_mode=mode)
         report = verify.verify_package(r.package, ckpt)
-        cost = [c for c in report.comparisons if c.bound is not None] or [c for c in report.comparisons if not c.control]
-        rows.append({"mode": mode, "bytes": r.weight_bytes, "attn_out": max(c.errors["attn_out"] for c in cost),
-                     "passed": report.passed})
+        cost = [c for c in report.comparisons if c.bound is not None] or [
+            c for c in report.comparisons if not c.control
+        ]
+        rows.append(
+            {
+                "mode": mode,
+                "bytes": r.weight_bytes,
+                "attn_out": max(c.errors["attn_out"] for c in cost),
+                "passed": report.passed,
+            }
+        )
     return rows
 
 
@@ -79,16 +104,23 @@ def main() -> None:
     print(f"geometry: D={p['hidden_size']} Hq={p['num_heads']} Hkv={p['num_kv_heads']} d={p['head_dim']}")
     with tempfile.TemporaryDirectory(prefix="bench_tiled.") as tmp:
         rows = largest_intermediates(p, args.tile, Path(tmp))
-        print(f"\n{'C':>5} {'H':>6} {'tile':>5} {'fp16 scores B':>14} {'dense largest B':>16} {'tiled largest B':>16} "
-              f"{'dense/tiled':>11} {'stateful largest B':>19}")
+        print(
+            f"\n{'C':>5} {'H':>6} {'tile':>5} {'fp16 scores B':>14} {'dense largest B':>16} {'tiled largest B':>16} "
+            f"{'dense/tiled':>11} {'stateful largest B':>19}"
+        )
         for r in rows:
-            print(f"{r['chunk']:>5} {r['history']:>6} {r['tile']:>5} {r['scores']:>14,} {r['dense']:>16,} {r['tiled']:>16,} "
-                  f"{r['dense'] / r['tiled']:>11.1f} {r['stateful']:>19,}")
+            print(
+                f"{r['chunk']:>5} {r['history']:>6} {r['tile']:>5} {r['scores']:>14,} {r['dense']:>16,} {r['tiled']:>16,} "
+                f"{r['dense'] / r['tiled']:>11.1f} {r['stateful']:>19,}"
+            )
         rows = weight_modes(p, Path(tmp))
         fp16 = rows[0]["bytes"]
         print(f"\n{'weights':<11} {'package B':>10} {'vs fp16':>8} {'attn_out rel. error vs fp16 weights':>36} verify")
         for r in rows:
-            print(f"{r['mode']:<11} {r['bytes']:>10,} {r['bytes'] / fp16:>8.3f} {r['attn_out']:>36.2e} {'PASSED' if r['passed'] else 'FAILED'}")
+            print(
+                f"{r['mode']:<11} {r['bytes']:>10,} {r['bytes'] / fp16:>8.3f} {r['attn_out']:>36.2e} "
+                f"{'PASSED' if r['passed'] else 'FAILED'}"
+            )
         print("(fp16 row: error of the fp16 package itself — fp16 storage only)")
 
 

@@ -11,27 +11,54 @@ from __future__ import annotations
 
 import pytest
 
-from anelab.checkpoint import random_attention_weights, write_checkpoint
 from anelab.geometry import AttentionGeometry
+from anelab.hf.checkpoint import write_checkpoint
+from anelab.weights import random_attention_weights
 
 TINY_SEED = 7
 TINY_GEOMETRIES = {
     "llama": AttentionGeometry(
-        variant="llama", hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
-        rope_theta=10000.0, num_layers=2, full_attention_layers=(0, 1),
+        variant="llama",
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        num_layers=2,
+        full_attention_layers=(0, 1),
     ),
     "qwen2": AttentionGeometry(
-        variant="llama", hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
-        rope_theta=1_000_000.0, num_layers=2, full_attention_layers=(0, 1),
-        has_qkv_bias=True, has_o_bias=False,
+        variant="llama",
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=1_000_000.0,
+        num_layers=2,
+        full_attention_layers=(0, 1),
+        has_qkv_bias=True,
+        has_o_bias=False,
     ),
     "qwen3": AttentionGeometry(
-        variant="qwen3", hidden_size=48, num_heads=4, num_kv_heads=2, head_dim=16,
-        rope_theta=1_000_000.0, num_layers=2, full_attention_layers=(0, 1),
+        variant="qwen3",
+        hidden_size=48,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=1_000_000.0,
+        num_layers=2,
+        full_attention_layers=(0, 1),
     ),
     "qwen3_next": AttentionGeometry(
-        variant="qwen3_next", hidden_size=48, num_heads=4, num_kv_heads=2, head_dim=16,
-        rope_theta=10_000_000.0, partial_rotary_factor=0.25, num_layers=4, full_attention_layers=(1, 3),
+        variant="qwen3_next",
+        hidden_size=48,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10_000_000.0,
+        partial_rotary_factor=0.25,
+        num_layers=4,
+        full_attention_layers=(1, 3),
     ),
 }
 TINY_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_next": "qwen3_next"}
@@ -48,8 +75,9 @@ def tiny_checkpoint(tmp_path_factory):
             geometry = TINY_GEOMETRIES[variant]
             weights = {i: random_attention_weights(geometry, i, TINY_SEED) for i in geometry.full_attention_layers}
             root = tmp_path_factory.mktemp(f"ckpt-{variant}-{dtype}-{shards}")
-            made[key] = write_checkpoint(root / "model", geometry, weights, dtype=dtype, shards=shards,
-                                         model_type=TINY_MODEL_TYPES[variant])
+            made[key] = write_checkpoint(
+                root / "model", geometry, weights, dtype=dtype, shards=shards, model_type=TINY_MODEL_TYPES[variant]
+            )
         return made[key]
 
     return make

@@ -19,21 +19,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy as st
+from conftest import TINY_GEOMETRIES, TINY_MODEL_TYPES, TINY_SEED
 
-from anelab.checkpoint import (
-    DEFAULT_CHECKPOINT,
-    AttentionWeights,
-    default_checkpoint_dir,
-    full_attention_layers,
-    geometry_from_config,
-    load_checkpoint,
-    make_default_checkpoint,
-    random_attention_weights,
-    write_checkpoint,
-)
 from anelab.errors import AnelabInputError
 from anelab.geometry import AttentionGeometry
-from conftest import TINY_GEOMETRIES, TINY_MODEL_TYPES, TINY_SEED
+from anelab.hf.checkpoint import load_checkpoint, write_checkpoint
+from anelab.hf.config import full_attention_layers, geometry_from_config
+from anelab.hf.default import DEFAULT_CHECKPOINT, default_checkpoint_dir, make_default_checkpoint
+from anelab.weights import AttentionWeights, random_attention_weights
 
 VARIANTS = ("llama", "qwen2", "qwen3", "qwen3_next")
 DTYPES = ("F32", "F16", "BF16")
@@ -104,6 +97,7 @@ def edit_config(directory: Path, **changes) -> None:
 
 # ---- round trips -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_round_trip_matches_independent_quantisation(tiny_checkpoint, variant, dtype):
@@ -159,12 +153,27 @@ def test_reads_files_written_by_reference_safetensors_library(tmp_path):
     k = rng.standard_normal((16, 32)).astype(np.float16)
     v = rng.standard_normal((16, 32)).astype(np.float16)
     o = rng.standard_normal((32, 32)).astype(np.float16)
-    st.save_file({"model.layers.0.self_attn.q_proj.weight": q, "model.layers.0.self_attn.k_proj.weight": k,
-                  "model.layers.0.self_attn.v_proj.weight": v, "model.layers.0.self_attn.o_proj.weight": o},
-                 str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "num_hidden_layers": 1, "rope_theta": 500000.0}))
+    st.save_file(
+        {
+            "model.layers.0.self_attn.q_proj.weight": q,
+            "model.layers.0.self_attn.k_proj.weight": k,
+            "model.layers.0.self_attn.v_proj.weight": v,
+            "model.layers.0.self_attn.o_proj.weight": o,
+        },
+        str(tmp_path / "model.safetensors"),
+    )
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 32,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "num_hidden_layers": 1,
+                "rope_theta": 500000.0,
+            }
+        )
+    )
     ckpt = load_checkpoint(tmp_path)
     assert ckpt.geometry.head_dim == 8  # hidden // heads when config.json has no head_dim
     assert ckpt.geometry.rope_theta == 500000.0
@@ -181,11 +190,11 @@ def test_bf16_bits_hand_checked(tmp_path):
     pattern = np.tile(bits, 4 * 4 * 4 // 4)
     d = tmp_path / "read"
     d.mkdir()
-    tensors = {f"model.layers.0.self_attn.{p}_proj.weight": ("BF16", (8, 8), pattern[:64].tobytes())
-               for p in "qkvo"}
+    tensors = {f"model.layers.0.self_attn.{p}_proj.weight": ("BF16", (8, 8), pattern[:64].tobytes()) for p in "qkvo"}
     raw_safetensors(d / "model.safetensors", tensors)
-    (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2,
-                                               "num_hidden_layers": 1}))
+    (d / "config.json").write_text(
+        json.dumps({"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1})
+    )
     w = load_checkpoint(d).layer(0)
     np.testing.assert_array_equal(w.q_proj.reshape(-1), np.tile(values, 16))
 
@@ -200,6 +209,7 @@ def test_bf16_bits_hand_checked(tmp_path):
 
 # ---- sharding and laziness ---------------------------------------------------------------------
 
+
 def test_sharded_checkpoint_loads_same_values(tiny_checkpoint):
     single = load_checkpoint(tiny_checkpoint("qwen3_next", "F16", 1))
     sharded_dir = tiny_checkpoint("qwen3_next", "F16", 3)
@@ -208,7 +218,8 @@ def test_sharded_checkpoint_loads_same_values(tiny_checkpoint):
     assert files == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     assert sorted(set(index["weight_map"].values())) == files
     assert index["metadata"]["total_size"] == sum(
-        (p.stat().st_size - 8 - struct.unpack("<Q", p.read_bytes()[:8])[0]) for p in sharded_dir.glob("*.safetensors"))
+        (p.stat().st_size - 8 - struct.unpack("<Q", p.read_bytes()[:8])[0]) for p in sharded_dir.glob("*.safetensors")
+    )
     sharded = load_checkpoint(sharded_dir)
     assert sharded.geometry == single.geometry
     for layer in (1, 3):
@@ -230,7 +241,9 @@ def test_sharded_loading_is_lazy(tiny_checkpoint, tmp_path):
     assert {f for n, f in index.items() if ".layers.1." in n} == {"model-00001-of-00002.safetensors"}
     (directory / second).unlink()
     ckpt = load_checkpoint(directory)
-    expected = expected_loaded(random_attention_weights(TINY_GEOMETRIES["qwen3_next"], 1, TINY_SEED), "qwen3_next", "F32")
+    expected = expected_loaded(
+        random_attention_weights(TINY_GEOMETRIES["qwen3_next"], 1, TINY_SEED), "qwen3_next", "F32"
+    )
     np.testing.assert_array_equal(ckpt.layer(1).k_proj, expected["k_proj"])
     with pytest.raises(AnelabInputError, match=second):
         ckpt.layer(3)
@@ -238,23 +251,48 @@ def test_sharded_loading_is_lazy(tiny_checkpoint, tmp_path):
 
 # ---- config conventions ------------------------------------------------------------------------
 
+
 def hybrid_config(**extra) -> dict:
-    return {"model_type": "qwen3_next", "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1,
-            "head_dim": 16, "num_hidden_layers": 8, **extra}
+    return {
+        "model_type": "qwen3_next",
+        "hidden_size": 32,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "num_hidden_layers": 8,
+        **extra,
+    }
 
 
-@pytest.mark.parametrize("config, layers", [
-    # full_attention_interval N: full attention where (i + 1) % N == 0 (hand-computed)
-    (hybrid_config(full_attention_interval=4), (3, 7)),
-    (hybrid_config(full_attention_interval=2, num_hidden_layers=6), (1, 3, 5)),
-    (hybrid_config(), (3, 7)),  # transformers' default interval is 4
-    (hybrid_config(layer_types=["linear_attention", "full_attention"] + ["linear_attention"] * 5 + ["full_attention"]),
-     (1, 7)),
-    (hybrid_config(layer_types=["attention", "mamba"] * 4), (0, 2, 4, 6)),  # legacy names
-    ({"model_type": "llama", "hidden_size": 32, "num_attention_heads": 2, "num_hidden_layers": 3}, (0, 1, 2)),
-    ({"model_type": "qwen3", "hidden_size": 32, "num_attention_heads": 2, "num_hidden_layers": 4,
-      "use_sliding_window": True, "sliding_window": 128, "max_window_layers": 2}, (0, 1)),
-])
+@pytest.mark.parametrize(
+    "config, layers",
+    [
+        # full_attention_interval N: full attention where (i + 1) % N == 0 (hand-computed)
+        (hybrid_config(full_attention_interval=4), (3, 7)),
+        (hybrid_config(full_attention_interval=2, num_hidden_layers=6), (1, 3, 5)),
+        (hybrid_config(), (3, 7)),  # transformers' default interval is 4
+        (
+            hybrid_config(
+                layer_types=["linear_attention", "full_attention"] + ["linear_attention"] * 5 + ["full_attention"]
+            ),
+            (1, 7),
+        ),
+        (hybrid_config(layer_types=["attention", "mamba"] * 4), (0, 2, 4, 6)),  # legacy names
+        ({"model_type": "llama", "hidden_size": 32, "num_attention_heads": 2, "num_hidden_layers": 3}, (0, 1, 2)),
+        (
+            {
+                "model_type": "qwen3",
+                "hidden_size": 32,
+                "num_attention_heads": 2,
+                "num_hidden_layers": 4,
+                "use_sliding_window": True,
+                "sliding_window": 128,
+                "max_window_layers": 2,
+            },
+            (0, 1),
+        ),
+    ],
+)
 def test_full_attention_layers(config, layers):
     assert full_attention_layers(config) == layers
 
@@ -269,11 +307,21 @@ def test_qwen3_5_nested_text_config_and_rope_parameters():
     config = {
         "model_type": "qwen3_5",
         "text_config": {
-            "model_type": "qwen3_5_text", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "head_dim": 32, "num_hidden_layers": 4, "rms_norm_eps": 1e-5,
+            "model_type": "qwen3_5_text",
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "num_hidden_layers": 4,
+            "rms_norm_eps": 1e-5,
             "layer_types": ["linear_attention"] * 3 + ["full_attention"],
-            "rope_parameters": {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5,
-                                "mrope_section": [4, 2, 2], "mrope_interleaved": True},
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 5e6,
+                "partial_rotary_factor": 0.5,
+                "mrope_section": [4, 2, 2],
+                "mrope_interleaved": True,
+            },
         },
     }
     g = geometry_from_config(config)
@@ -284,35 +332,70 @@ def test_qwen3_5_nested_text_config_and_rope_parameters():
 
 def test_transformers_defaults_for_missing_keys():
     # Qwen3-Next: head_dim 256 and partial_rotary_factor 0.25 when absent (configuration_qwen3_next.py)
-    g = geometry_from_config({"model_type": "qwen3_next", "hidden_size": 64, "num_attention_heads": 2,
-                              "num_hidden_layers": 4})
+    g = geometry_from_config(
+        {"model_type": "qwen3_next", "hidden_size": 64, "num_attention_heads": 2, "num_hidden_layers": 4}
+    )
     assert (g.head_dim, g.partial_rotary_factor, g.num_kv_heads, g.rope_theta) == (256, 0.25, 2, 10000.0)
     # Qwen2: q/k/v biases always, no o bias, no q/k norm -> llama variant
-    g = geometry_from_config({"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4,
-                              "num_key_value_heads": 2, "num_hidden_layers": 1})
+    g = geometry_from_config(
+        {
+            "model_type": "qwen2",
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_hidden_layers": 1,
+        }
+    )
     assert (g.variant, g.has_qkv_bias, g.has_o_bias, g.head_dim) == ("llama", True, False, 16)
-    g = geometry_from_config({"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4,
-                              "num_hidden_layers": 1, "attention_bias": True})
+    g = geometry_from_config(
+        {
+            "model_type": "qwen2",
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 1,
+            "attention_bias": True,
+        }
+    )
     assert (g.has_qkv_bias, g.has_o_bias) == (True, False)  # Qwen2 ignores attention_bias
     # attention_bias covers q/k/v and o for llama / qwen3 / qwen3_next
-    g = geometry_from_config({"model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4, "head_dim": 16,
-                              "num_hidden_layers": 1, "attention_bias": True})
+    g = geometry_from_config(
+        {
+            "model_type": "qwen3",
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "head_dim": 16,
+            "num_hidden_layers": 1,
+            "attention_bias": True,
+        }
+    )
     assert (g.variant, g.has_qkv_bias, g.has_o_bias) == ("qwen3", True, True)
     # rope_scaling dict (older configs) holding the plain type still reads rope_theta from the top level
-    g = geometry_from_config({"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 4,
-                              "num_hidden_layers": 1, "rope_theta": 1e6, "rope_scaling": {"type": "default"}})
+    g = geometry_from_config(
+        {
+            "model_type": "mistral",
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 1,
+            "rope_theta": 1e6,
+            "rope_scaling": {"type": "default"},
+        }
+    )
     assert (g.variant, g.rope_theta) == ("llama", 1e6)
 
 
 def test_zero_centred_norm_depends_on_variant(tmp_path):
     """The same stored norm 0.5 is the multiplier 0.5 for qwen3 and 1.5 for qwen3_next."""
+
     def write(directory: Path, model_type: str, gated: bool):
         directory.mkdir()
         d, hq, hkv, dim = 8, 2, 1, 8
         f32 = lambda shape, v: np.full(shape, v, dtype="<f4").tobytes()  # noqa: E731
         tensors = {
-            "model.layers.0.self_attn.q_proj.weight": ("F32", (hq * dim * (2 if gated else 1), d),
-                                                       f32((hq * dim * (2 if gated else 1), d), 0.01)),
+            "model.layers.0.self_attn.q_proj.weight": (
+                "F32",
+                (hq * dim * (2 if gated else 1), d),
+                f32((hq * dim * (2 if gated else 1), d), 0.01),
+            ),
             "model.layers.0.self_attn.k_proj.weight": ("F32", (hkv * dim, d), f32((hkv * dim, d), 0.02)),
             "model.layers.0.self_attn.v_proj.weight": ("F32", (hkv * dim, d), f32((hkv * dim, d), 0.03)),
             "model.layers.0.self_attn.o_proj.weight": ("F32", (d, hq * dim), f32((d, hq * dim), 0.04)),
@@ -320,8 +403,14 @@ def test_zero_centred_norm_depends_on_variant(tmp_path):
             "model.layers.0.self_attn.k_norm.weight": ("F32", (dim,), f32((dim,), -0.25)),
         }
         raw_safetensors(directory / "model.safetensors", tensors)
-        config = {"model_type": model_type, "hidden_size": d, "num_attention_heads": hq, "num_key_value_heads": hkv,
-                  "head_dim": dim, "num_hidden_layers": 1}
+        config = {
+            "model_type": model_type,
+            "hidden_size": d,
+            "num_attention_heads": hq,
+            "num_key_value_heads": hkv,
+            "head_dim": dim,
+            "num_hidden_layers": 1,
+        }
         if gated:
             config["layer_types"] = ["full_attention"]
         (directory / "config.json").write_text(json.dumps(config))
@@ -336,6 +425,7 @@ def test_zero_centred_norm_depends_on_variant(tmp_path):
 
 
 # ---- refusals ----------------------------------------------------------------------------------
+
 
 def refusal(fn, *args) -> str:
     with pytest.raises(AnelabInputError) as info:
@@ -453,6 +543,7 @@ def test_writer_refusals(tmp_path):
 
 # ---- the embedded default checkpoint -----------------------------------------------------------
 
+
 def test_default_checkpoint_is_deterministic(tmp_path):
     a = make_default_checkpoint(tmp_path / "a")
     b = make_default_checkpoint(tmp_path / "b")
@@ -507,8 +598,13 @@ def test_multi_token_prediction_stack_is_not_the_model(tiny_checkpoint, tmp_path
     src = tiny_checkpoint("qwen3_next", "F32")
     directory = copy_checkpoint(src, tmp_path / "c")
     tensors = st.load_file(str(src / "model.safetensors"))
-    tensors.update({k.replace("model.layers.1.", "mtp.layers.0."): np.zeros_like(v)
-                    for k, v in tensors.items() if ".layers.1." in k})
+    tensors.update(
+        {
+            k.replace("model.layers.1.", "mtp.layers.0."): np.zeros_like(v)
+            for k, v in tensors.items()
+            if ".layers.1." in k
+        }
+    )
     st.save_file(tensors, str(directory / "model.safetensors"))
     ckpt = load_checkpoint(directory)
     assert ckpt.prefix == "model."

@@ -8,11 +8,10 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import TINY_GEOMETRIES
 
 from anelab.cli import main
 from anelab.masks import causal
-
-from conftest import TINY_GEOMETRIES
 
 CHUNK = 8
 
@@ -36,7 +35,10 @@ def _one_line_error(capsys, *argv, match: str):
 def package(tiny_checkpoint, tmp_path_factory):
     ckpt = tiny_checkpoint("qwen3_next")
     out = tmp_path_factory.mktemp("cli-export")
-    assert main(["export", str(ckpt), "--chunk", str(CHUNK), "--histories", "0,8", "--layers", "3", "--out", str(out)]) == 0
+    assert (
+        main(["export", str(ckpt), "--chunk", str(CHUNK), "--histories", "0,8", "--layers", "3", "--out", str(out)])
+        == 0
+    )
     return ckpt, out / "layer_3.mlpackage"
 
 
@@ -54,17 +56,41 @@ def test_export_inspect_evaluate_verify(package, capsys, tmp_path):
 
     g = TINY_GEOMETRIES["qwen3_next"]
     rng = np.random.default_rng(0)
-    inputs = {"hidden": rng.standard_normal((CHUNK, g.hidden_size)).astype(np.float16),
-              "k_history": rng.standard_normal((8, 2, 16)).astype(np.float16),
-              "v_history": rng.standard_normal((8, 2, 16)).astype(np.float16), "mask": causal(CHUNK, 8)}
+    inputs = {
+        "hidden": rng.standard_normal((CHUNK, g.hidden_size)).astype(np.float16),
+        "k_history": rng.standard_normal((8, 2, 16)).astype(np.float16),
+        "v_history": rng.standard_normal((8, 2, 16)).astype(np.float16),
+        "mask": causal(CHUNK, 8),
+    }
     np.savez(tmp_path / "in.npz", **inputs)
-    code, out, _ = _run(capsys, "evaluate", str(pkg), "--function", "h8", "--inputs", str(tmp_path / "in.npz"), "--out", str(tmp_path / "out.npz"))
+    code, out, _ = _run(
+        capsys,
+        "evaluate",
+        str(pkg),
+        "--function",
+        "h8",
+        "--inputs",
+        str(tmp_path / "in.npz"),
+        "--out",
+        str(tmp_path / "out.npz"),
+    )
     assert code == 0
     with np.load(tmp_path / "out.npz") as res:
         assert set(res.files) == {"attn_out", "k_chunk", "v_chunk"}
         assert res["attn_out"].shape == (CHUNK, g.hidden_size) and res["attn_out"].dtype == np.float16
         fp16_out = res["attn_out"].astype(np.float32)
-    code, _, _ = _run(capsys, "evaluate", str(pkg), "--function", "h8", "--inputs", str(tmp_path / "in.npz"), "--out", str(tmp_path / "o32.npz"), "--fp32")
+    code, _, _ = _run(
+        capsys,
+        "evaluate",
+        str(pkg),
+        "--function",
+        "h8",
+        "--inputs",
+        str(tmp_path / "in.npz"),
+        "--out",
+        str(tmp_path / "o32.npz"),
+        "--fp32",
+    )
     with np.load(tmp_path / "o32.npz") as res:
         assert res["attn_out"].dtype == np.float32
         diff = np.abs(res["attn_out"] - fp16_out).max()
@@ -84,20 +110,33 @@ def test_bad_paths(package, capsys, tmp_path):
     (tmp_path / "plain").mkdir()
     _one_line_error(capsys, "inspect", str(tmp_path / "plain"), match="not an .mlpackage")
     _one_line_error(capsys, "verify", str(tmp_path / "plain"), match="not an .mlpackage")
-    _one_line_error(capsys, "export", str(tmp_path / "plain"), "--chunk", "8", "--histories", "0", "--out", str(tmp_path / "o"),
-                    match="config.json")
+    _one_line_error(
+        capsys,
+        "export",
+        str(tmp_path / "plain"),
+        "--chunk",
+        "8",
+        "--histories",
+        "0",
+        "--out",
+        str(tmp_path / "o"),
+        match="config.json",
+    )
     _one_line_error(capsys, "verify", str(pkg), "--checkpoint", str(tmp_path / "plain"), match="config.json")
 
 
-@pytest.mark.parametrize("args, match", [
-    (["--chunk", "8", "--histories", "0", "--layers", "0"], "not a full-attention layer"),
-    (["--chunk", "0", "--histories", "0"], "positive"),
-    (["--chunk", "-8", "--histories", "0"], "positive"),
-    (["--chunk", "8", "--histories", "0,12"], "multiple of the chunk"),
-    (["--chunk", "8", "--histories", "0,8,8"], "duplicate histories"),
-    (["--chunk", "8", "--histories", "0,x"], "comma-separated integers"),
-    (["--histories", "0"], "--chunk"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--chunk", "8", "--histories", "0", "--layers", "0"], "not a full-attention layer"),
+        (["--chunk", "0", "--histories", "0"], "positive"),
+        (["--chunk", "-8", "--histories", "0"], "positive"),
+        (["--chunk", "8", "--histories", "0,12"], "multiple of the chunk"),
+        (["--chunk", "8", "--histories", "0,8,8"], "duplicate histories"),
+        (["--chunk", "8", "--histories", "0,x"], "comma-separated integers"),
+        (["--histories", "0"], "--chunk"),
+    ],
+)
 def test_export_refusals(tiny_checkpoint, capsys, tmp_path, args, match):
     ckpt = tiny_checkpoint("qwen3_next")
     _one_line_error(capsys, "export", str(ckpt), *args, "--out", str(tmp_path / "o"), match=match)
@@ -115,24 +154,66 @@ def test_evaluate_refusals(package, capsys, tmp_path):
     }
     for name, (arrays, match) in cases.items():
         np.savez(tmp_path / f"{name}.npz", **arrays)
-        _one_line_error(capsys, "evaluate", str(pkg), "--function", "h0", "--inputs", str(tmp_path / f"{name}.npz"),
-                        "--out", str(tmp_path / "o.npz"), match=match)
+        _one_line_error(
+            capsys,
+            "evaluate",
+            str(pkg),
+            "--function",
+            "h0",
+            "--inputs",
+            str(tmp_path / f"{name}.npz"),
+            "--out",
+            str(tmp_path / "o.npz"),
+            match=match,
+        )
     np.savez(tmp_path / "good.npz", **good)
-    _one_line_error(capsys, "evaluate", str(pkg), "--function", "h4096", "--inputs", str(tmp_path / "good.npz"),
-                    "--out", str(tmp_path / "o.npz"), match="no function 'h4096'")
-    _one_line_error(capsys, "evaluate", str(pkg), "--function", "h0", "--inputs", str(tmp_path / "absent.npz"),
-                    "--out", str(tmp_path / "o.npz"), match="no such file")
+    _one_line_error(
+        capsys,
+        "evaluate",
+        str(pkg),
+        "--function",
+        "h4096",
+        "--inputs",
+        str(tmp_path / "good.npz"),
+        "--out",
+        str(tmp_path / "o.npz"),
+        match="no function 'h4096'",
+    )
+    _one_line_error(
+        capsys,
+        "evaluate",
+        str(pkg),
+        "--function",
+        "h0",
+        "--inputs",
+        str(tmp_path / "absent.npz"),
+        "--out",
+        str(tmp_path / "o.npz"),
+        match="no such file",
+    )
     (tmp_path / "junk.npz").write_text("not a zip")
-    _one_line_error(capsys, "evaluate", str(pkg), "--function", "h0", "--inputs", str(tmp_path / "junk.npz"),
-                    "--out", str(tmp_path / "o.npz"), match="not a readable .npz")
+    _one_line_error(
+        capsys,
+        "evaluate",
+        str(pkg),
+        "--function",
+        "h0",
+        "--inputs",
+        str(tmp_path / "junk.npz"),
+        "--out",
+        str(tmp_path / "o.npz"),
+        match="not a readable .npz",
+    )
     assert not (tmp_path / "o.npz").exists()
 
 
 def test_console_script_exit_code_and_single_line(tmp_path):
     """Through a real process: exit status 2 and no traceback."""
-    proc = subprocess.run([sys.executable, "-m", "anelab", "inspect", str(tmp_path / "missing.mlpackage")],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "anelab", "inspect", str(tmp_path / "missing.mlpackage")], capture_output=True, text=True
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert [l for l in proc.stderr.splitlines() if l.startswith("anelab:")] == [
-        f"anelab: error: {tmp_path / 'missing.mlpackage'}: no such package; give the path of a .mlpackage written by 'anelab export'"]
+        f"anelab: error: {tmp_path / 'missing.mlpackage'}: no such package; give the path of a .mlpackage written by 'anelab export'"
+    ]

@@ -17,17 +17,11 @@ from pathlib import Path
 import pytest
 
 from anelab.cli import build_parser, main
-from anelab.coreml_runtime import (
-    COMPUTE_UNITS,
-    MacRuntime,
-    RuntimeUnavailableError,
-    capture_native_stderr,
-    check_compute_units,
-    default_runtime,
-)
-from anelab.doctor import STUDIES, diagnose
 from anelab.errors import AnelabInputError
-from anelab.fake_runtime import FakeRuntime
+from anelab.runtime.doctor import STUDIES, diagnose
+from anelab.runtime.fake import FakeRuntime
+from anelab.runtime.interface import COMPUTE_UNITS, RuntimeUnavailableError, capture_native_stderr, check_compute_units
+from anelab.runtime.mac import MacRuntime, default_runtime
 
 ALL_UNITS = ["all", "cpu_and_gpu", "cpu_and_ne", "cpu_only"]
 STUDY_NAMES = ["dense_offload", "mask_fold", "gather_sizing", "setup_cost", "tiled_stateful"]
@@ -223,21 +217,23 @@ def test_every_runbook_command_parses_with_the_real_cli():
 def test_a_wrong_flag_in_the_runbook_would_be_caught():
     # negative control for the test above: the seed's exporter flag does not exist in anelab
     with pytest.raises(AnelabInputError, match="max-history"):
-        build_parser().parse_args(["export", "/tmp/ckpt", "--chunk", "4096", "--histories", "0", "--max-history", "8192",
-                                   "--out", "x"])
+        build_parser().parse_args(
+            ["export", "/tmp/ckpt", "--chunk", "4096", "--histories", "0", "--max-history", "8192", "--out", "x"]
+        )
 
 
 def test_runbook_timing_script_runs_and_writes_records(tiny_checkpoint, tmp_path, monkeypatch):
-    from anelab import coreml_runtime
-    from anelab.checkpoint import load_checkpoint
-    from anelab.export import export_layer
+
+    from anelab.hf.checkpoint import load_checkpoint
     from anelab.records import read_records
+    from anelab.runtime import mac as mac_runtime
+    from anelab.sidecar.export import export_layer
 
     # the script's package, made small: layer 3 of the tiny hybrid checkpoint, chunk 4
     export_layer(load_checkpoint(tiny_checkpoint("qwen3_next")), 3, 4, [0, 4], tmp_path / "sidecars")
     monkeypatch.chdir(tmp_path)
     fake = FakeRuntime()
-    monkeypatch.setattr(coreml_runtime, "default_runtime", lambda: fake)
+    monkeypatch.setattr(mac_runtime, "default_runtime", lambda: fake)
     timing_script = _fenced_blocks("python")[0]
     exec(compile(timing_script, str(RUNBOOK), "exec"), {"__name__": "runbook"})
     kinds = sorted(r["kind"] for r in read_records(tmp_path / "records" / "mac"))
@@ -247,7 +243,10 @@ def test_runbook_timing_script_runs_and_writes_records(tiny_checkpoint, tmp_path
 def test_runbook_composition_script_calls_the_real_signatures(monkeypatch):
     import inspect
 
-    from anelab import checkpoint, export, timing
+    from anelab.hf import checkpoint
+    from anelab.runtime import mac as mac_runtime
+    from anelab.runtime import timing
+    from anelab.sidecar import export
 
     seen = {}
 
@@ -263,10 +262,9 @@ def test_runbook_composition_script_calls_the_real_signatures(monkeypatch):
     stub(checkpoint, "load_checkpoint")
     stub(export, "export_layer")
     stub(timing, "time_compositions")
-    from anelab import coreml_runtime
 
-    monkeypatch.setattr(coreml_runtime, "default_runtime", lambda: FakeRuntime())
+    monkeypatch.setattr(mac_runtime, "default_runtime", lambda: FakeRuntime())
     script = _fenced_blocks("python")[1]
     exec(compile(script, str(RUNBOOK), "exec"), {"CKPT_DIR": "/tmp/ckpt", "UNLOADABLE_HISTORY": 12288})
     assert set(seen) == {"load_checkpoint", "export_layer", "time_compositions"}
-    assert seen["export_layer"][1] == {"runtime": None}
+    assert seen["export_layer"][1] == {"gate": None}

@@ -45,13 +45,25 @@ SEED_GATHER = [  # chunk, graph, ANE ops, load s, predict s
 SEED_GATHER_PREDICT_RATIO = 5.70
 SEED_GATHER_LOAD_RATIOS = {32: 1.4, 64: 20}
 SEED_OPS_TOTAL = 173
-SEED_MACHINE = {"machine_model": "Mac15,3", "chip": "Apple M3", "memory": "24 GB", "os_version": "macOS 27.0",
-                "coremltools": "9.0"}
+SEED_MACHINE = {
+    "machine_model": "Mac15,3",
+    "chip": "Apple M3",
+    "memory": "24 GB",
+    "os_version": "macOS 27.0",
+    "coremltools": "9.0",
+}
 
 EXPECTED_FILES = {
-    "v5.5-ane-matrix-3.json", "ane-chunk1024-2b-4bit.json", "v5.6-ane-38-4bit.json", "v5.6-ane-38-8bit.json",
-    "seed-38-variant-loads.json", "seed-38-package-composition-loads.json", "seed-38-h0-ane-vs-cpu.json",
-    "seed-35b-setup-note.json", "ane-gather-probe.json", "seed-op-assignment-counts.json",
+    "v5.5-ane-matrix-3.json",
+    "ane-chunk1024-2b-4bit.json",
+    "v5.6-ane-38-4bit.json",
+    "v5.6-ane-38-8bit.json",
+    "seed-38-variant-loads.json",
+    "seed-38-package-composition-loads.json",
+    "seed-38-h0-ane-vs-cpu.json",
+    "seed-35b-setup-note.json",
+    "ane-gather-probe.json",
+    "seed-op-assignment-counts.json",
     "seed-qsa-fold-correctness.json",
 }
 
@@ -132,7 +144,10 @@ def test_matrix_comparison_catches_a_changed_number():
 def test_chunk1024_and_qwen38_rows_equal_the_seed():
     family, tokens, chunk, gpu, ane, ratio = SEED_CHUNK1024
     rec = load("ane-chunk1024-2b-4bit.json")
-    assert (rec["parameters"]["workload"]["prompt_tokens_approx"], rec["parameters"]["workload"]["chunk"]) == (tokens, chunk)
+    assert (rec["parameters"]["workload"]["prompt_tokens_approx"], rec["parameters"]["workload"]["chunk"]) == (
+        tokens,
+        chunk,
+    )
     assert ab_rows(rec) == {family: (gpu, ane, ratio)}
     for bits, expected in SEED_38.items():
         rec = load(f"v5.6-ane-38-{bits}bit.json")
@@ -181,7 +196,9 @@ def test_package_composition_loads_and_h0_prediction_equal_the_seed():
 
 def test_gather_probe_equals_the_seed_and_its_ratios_fit_the_rounding():
     rec = load("ane-gather-probe.json")
-    rows = [(r["chunk"], r["graph"], r["ane_ops"], r["load_seconds"], r["predict_seconds"]) for r in rec["results"]["rows"]]
+    rows = [
+        (r["chunk"], r["graph"], r["ane_ops"], r["load_seconds"], r["predict_seconds"]) for r in rec["results"]["rows"]
+    ]
     assert rows == SEED_GATHER
     assert rec["results"]["rows"][1]["predict_over_dense"] == SEED_GATHER_PREDICT_RATIO
     assert rec["results"]["rows"][3]["predict"] == "fails"
@@ -222,4 +239,6 @@ def test_fold_correctness_equals_the_seed():
     assert rows[2]["result"] == "textually identical"
     assert (rows[3]["apart_percent_min"], rows[3]["apart_percent_max"]) == (13.6, 17.8)
     assert (rows[4]["l3_after_moved_percent"], rows[4]["logits_moved_percent"]) == (10.2, 69)
-    assert load("seed-qsa-fold-correctness.json")["results"]["layer_diff"] == {"dense_2b_ane_vs_gpu_l3_after_percent": 0.94}
+    assert load("seed-qsa-fold-correctness.json")["results"]["layer_diff"] == {
+        "dense_2b_ane_vs_gpu_l3_after_percent": 0.94
+    }

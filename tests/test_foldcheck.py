@@ -11,16 +11,37 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from anelab import foldcheck, reference
+from anelab import reference
 from anelab.errors import AnelabInputError
 from anelab.masks import causal
 from anelab.records import validate_record
 from anelab.selection import Selection
-from anelab.verify import RELATIVE_ERROR_THRESHOLD, relative_error
+from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
+from anelab.sidecar.foldcheck import (
+    MIN_MOVE_OVER_THRESHOLD,
+    FoldCase,
+    VacuousFoldCheck,
+    fold_check,
+    make_case,
+    run_package,
+    selection_for,
+)
+from anelab.studies.mask_fold import (
+    budget_sweep,
+    edge_kept_blocks,
+    export_fold_sidecar,
+    greedy_agreement,
+    greedy_comparison,
+    greedy_tokens,
+    study_record,
+    study_width,
+    sweep_kept_blocks,
+    widest_kept_blocks,
+)
 
 WIDTHS = (8, 16)
-LONG = 15                          # the long-history function: h<15 x chunk>
-KEPT_BLOCKS, RATIO = 2, 4          # dense-exact window 11 keys; rows of h<C> see C+1 .. 2C keys
+LONG = 15  # the long-history function: h<15 x chunk>
+KEPT_BLOCKS, RATIO = 2, 4  # dense-exact window 11 keys; rows of h<C> see C+1 .. 2C keys
 
 
 @pytest.fixture(scope="module")
@@ -30,21 +51,21 @@ def cases(tiny_checkpoint, tmp_path_factory):
     result = {}
     for chunk in WIDTHS:
         # h<15 chunks> as well: a long history, where one dropped key barely moves the output
-        pkg = foldcheck.export_fold_sidecar(ckpt, out / f"c{chunk}", chunk, histories=[0, chunk, LONG * chunk])
-        result[chunk] = foldcheck.make_case(pkg, ckpt, history=chunk, seed=3)
-        result["long", chunk] = foldcheck.make_case(pkg, ckpt, history=LONG * chunk, seed=3)
+        pkg = export_fold_sidecar(ckpt, out / f"c{chunk}", chunk, histories=[0, chunk, LONG * chunk])
+        result[chunk] = make_case(pkg, ckpt, history=chunk, seed=3)
+        result["long", chunk] = make_case(pkg, ckpt, history=LONG * chunk, seed=3)
     return result
 
 
-def selected_attention_by_rows(case: foldcheck.FoldCase, selection: Selection) -> np.ndarray:
+def selected_attention_by_rows(case: FoldCase, selection: Selection) -> np.ndarray:
     """attn_out [C, D] of the selected attention, one row and one head at a time (float64)."""
     g, w = case.geometry, case.weights
     rows = np.concatenate([np.zeros((case.history, g.hidden_size)), case.hidden.astype(np.float64)])
     # the history's K/V are what the package gets (fp16-rounded); recompute the chunk's own
     proj = reference.project(rows, np.arange(case.total), w, g, "fp64")
-    k = np.concatenate([case.k_history.astype(np.float64), proj.k[case.history:]])
-    v = np.concatenate([case.v_history.astype(np.float64), proj.v[case.history:]])
-    q, gate = proj.q[case.history:], proj.gate[case.history:]
+    k = np.concatenate([case.k_history.astype(np.float64), proj.k[case.history :]])
+    v = np.concatenate([case.v_history.astype(np.float64), proj.v[case.history :]])
+    q, gate = proj.q[case.history :], proj.gate[case.history :]
     out = np.zeros((case.chunk, g.num_heads, g.head_dim))
     for i in range(case.chunk):
         kept = selection.keep_indices[i, : selection.keep_counts[i]]
@@ -60,10 +81,10 @@ def selected_attention_by_rows(case: foldcheck.FoldCase, selection: Selection) -
 @pytest.mark.parametrize("chunk", WIDTHS)
 def test_fold_check_passes_at_both_widths(cases, chunk):
     case = cases[chunk]
-    sel = foldcheck.selection_for(case, KEPT_BLOCKS, RATIO)
+    sel = selection_for(case, KEPT_BLOCKS, RATIO)
     visible = case.history + np.arange(case.chunk) + 1
     assert np.mean(sel.keep_counts < visible) >= 0.5  # most rows drop keys: the check is about a real selection
-    check = foldcheck.fold_check(case, sel)
+    check = fold_check(case, sel)
     assert check.passed and not check.vacuous
     assert check.fold_error < RELATIVE_ERROR_THRESHOLD
     assert check.causal_off > 10 * RELATIVE_ERROR_THRESHOLD
@@ -72,11 +93,11 @@ def test_fold_check_passes_at_both_widths(cases, chunk):
 
 def test_package_under_fold_matches_row_by_row_selected_attention(cases):
     case = cases[16]
-    sel = foldcheck.selection_for(case, KEPT_BLOCKS, RATIO)
-    package = foldcheck.run_package(case, sel.mask())
+    sel = selection_for(case, KEPT_BLOCKS, RATIO)
+    package = run_package(case, sel.mask())
     assert relative_error(package, selected_attention_by_rows(case, sel)) < RELATIVE_ERROR_THRESHOLD
     # negative control: the row-by-row truth of a different selection does not match
-    other = foldcheck.selection_for(case, KEPT_BLOCKS, RATIO, score="random", seed=5)
+    other = selection_for(case, KEPT_BLOCKS, RATIO, score="random", seed=5)
     assert not np.array_equal(other.keep_indices, sel.keep_indices)
     assert relative_error(package, selected_attention_by_rows(case, other)) > RELATIVE_ERROR_THRESHOLD
 
@@ -84,24 +105,24 @@ def test_package_under_fold_matches_row_by_row_selected_attention(cases):
 @pytest.mark.parametrize("wrong", ["causal", "random selection", "window one block narrower"])
 def test_fold_check_fails_when_the_package_gets_a_wrong_mask(cases, wrong):
     case = cases[16]
-    sel = foldcheck.selection_for(case, KEPT_BLOCKS + 1, RATIO)
+    sel = selection_for(case, KEPT_BLOCKS + 1, RATIO)
     masks = {
         "causal": causal(case.chunk, case.history),
-        "random selection": foldcheck.selection_for(case, KEPT_BLOCKS + 1, RATIO, score="random", seed=9).mask(),
-        "window one block narrower": foldcheck.selection_for(case, KEPT_BLOCKS, RATIO).mask(),
+        "random selection": selection_for(case, KEPT_BLOCKS + 1, RATIO, score="random", seed=9).mask(),
+        "window one block narrower": selection_for(case, KEPT_BLOCKS, RATIO).mask(),
     }
-    check = foldcheck.fold_check(case, sel, package_mask=masks[wrong], strict=False)
+    check = fold_check(case, sel, package_mask=masks[wrong], strict=False)
     assert not check.passed
     assert check.fold_error > RELATIVE_ERROR_THRESHOLD
 
 
 def test_selection_keeping_every_key_is_vacuous(cases):
     case = cases[8]
-    everything = foldcheck.selection_for(case, foldcheck.widest_kept_blocks(case, RATIO), RATIO)
+    everything = selection_for(case, widest_kept_blocks(case, RATIO), RATIO)
     assert np.array_equal(everything.mask(), causal(case.chunk, case.history))
-    with pytest.raises(foldcheck.VacuousFoldCheck, match="vacuous"):
-        foldcheck.fold_check(case, everything)
-    check = foldcheck.fold_check(case, everything, strict=False)
+    with pytest.raises(VacuousFoldCheck, match="vacuous"):
+        fold_check(case, everything)
+    check = fold_check(case, everything, strict=False)
     assert check.vacuous and not check.passed and check.moved == 0.0
 
 
@@ -119,17 +140,17 @@ def test_selection_dropping_one_key_is_vacuous(cases):
         keep[i, : visible.size] = visible
         counts[i] = visible.size
     barely = Selection(keep, counts, kept_blocks=budget, compress_ratio=1, start=H)
-    check = foldcheck.fold_check(case, barely, strict=False)
-    assert 0 < check.moved < foldcheck.MIN_MOVE_OVER_THRESHOLD * RELATIVE_ERROR_THRESHOLD
+    check = fold_check(case, barely, strict=False)
+    assert 0 < check.moved < MIN_MOVE_OVER_THRESHOLD * RELATIVE_ERROR_THRESHOLD
     assert check.vacuous and not check.passed
-    with pytest.raises(foldcheck.VacuousFoldCheck):
-        foldcheck.fold_check(case, barely)
+    with pytest.raises(VacuousFoldCheck):
+        fold_check(case, barely)
 
 
 def test_budget_sweep_moves_the_raw_output(cases):
     case = cases[16]
-    widest = foldcheck.widest_kept_blocks(case, RATIO)
-    points = foldcheck.budget_sweep(case, [widest, widest // 2, 2, 1], RATIO, progress=False)
+    widest = widest_kept_blocks(case, RATIO)
+    points = budget_sweep(case, [widest, widest // 2, 2, 1], RATIO, progress=False)
     assert points[0].package_moved == 0.0 and points[0].reference_moved == 0.0
     moved = [p.package_moved for p in points]
     assert moved == sorted(moved)  # fewer kept keys, further from the every-key output
@@ -142,41 +163,41 @@ def test_budget_sweep_moves_the_raw_output(cases):
 def test_greedy_tokens_and_agreement_hand_computed():
     projection = np.eye(3)
     attn_out = np.array([[1.0, 0.0, 0.0], [0.0, 0.0, 2.0]])
-    assert foldcheck.greedy_tokens(np.zeros((2, 3)), attn_out, projection).tolist() == [0, 2]
+    assert greedy_tokens(np.zeros((2, 3)), attn_out, projection).tolist() == [0, 2]
     residual = np.array([[0.0, 5.0, 0.0], [0.0, 0.0, 0.0]])
-    assert foldcheck.greedy_tokens(residual, attn_out, projection).tolist() == [1, 2]
-    assert foldcheck.greedy_agreement(np.array([0, 1, 2]), np.array([0, 1, 1])) == pytest.approx(2 / 3)
+    assert greedy_tokens(residual, attn_out, projection).tolist() == [1, 2]
+    assert greedy_agreement(np.array([0, 1, 2]), np.array([0, 1, 1])) == pytest.approx(2 / 3)
     with pytest.raises(AnelabInputError):
-        foldcheck.greedy_agreement(np.array([0, 1]), np.array([0, 1, 2]))
+        greedy_agreement(np.array([0, 1]), np.array([0, 1, 2]))
 
 
 def test_greedy_check_agrees_with_the_wrong_mask_while_the_raw_output_differs(cases):
     """The seed's lesson: near the dense-exact window every greedy token agrees, yet attn_out is off."""
     case = cases[16]
-    edge = foldcheck.selection_for(case, foldcheck.edge_kept_blocks(case.total, RATIO), RATIO)
-    check = foldcheck.fold_check(case, edge)
-    greedy = foldcheck.greedy_comparison(case, edge)
+    edge = selection_for(case, edge_kept_blocks(case.total, RATIO), RATIO)
+    check = fold_check(case, edge)
+    greedy = greedy_comparison(case, edge)
     assert greedy.identical_tokens and greedy.greedy_agreement == 1.0
     assert greedy.attn_out_diff > RELATIVE_ERROR_THRESHOLD
     assert greedy.attn_out_diff > 10 * check.fold_error
     # and the comparison can tell arms apart when the difference is large (it is not constant 1.0)
-    far = foldcheck.greedy_comparison(case, foldcheck.selection_for(case, 1, RATIO))
+    far = greedy_comparison(case, selection_for(case, 1, RATIO))
     assert far.greedy_agreement < 1.0
 
 
 def test_sweep_points_hand_computed():
     # 64 keys / 4 = 16 blocks: 16, 15, 14, 16 - 16//4 = 12, then halving to 8 kept keys: 8, 4, 2
-    assert foldcheck.sweep_kept_blocks(64, 4) == [16, 15, 14, 12, 8, 4, 2]
-    assert foldcheck.edge_kept_blocks(64, 4, 0.875) == 14
+    assert sweep_kept_blocks(64, 4) == [16, 15, 14, 12, 8, 4, 2]
+    assert edge_kept_blocks(64, 4, 0.875) == 14
     with pytest.raises(AnelabInputError):
-        foldcheck.edge_kept_blocks(64, 4, 1.5)
+        edge_kept_blocks(64, 4, 1.5)
 
 
 def test_study_width_and_record(tiny_checkpoint, tmp_path):
-    study = foldcheck.study_width(tiny_checkpoint("qwen3_next"), tmp_path, 8, kept_blocks=KEPT_BLOCKS, compress_ratio=RATIO)
+    study = study_width(tiny_checkpoint("qwen3_next"), tmp_path, 8, kept_blocks=KEPT_BLOCKS, compress_ratio=RATIO)
     assert study.check.passed and not study.control.passed
     assert "vacuous" in study.vacuous_message
-    record = foldcheck.study_record([study], {"widths": [8]})
+    record = study_record([study], {"widths": [8]})
     validate_record(record, "test")
     assert record["kind"] == "mask_fold" and record["origin"] == "measured"
     assert record["results"]["widths"]["8"]["check"]["passed"] is True
@@ -184,8 +205,8 @@ def test_study_width_and_record(tiny_checkpoint, tmp_path):
 
 def test_mismatched_selection_is_refused(cases):
     case = cases[8]
-    other_start = foldcheck.selection_for(cases[16], KEPT_BLOCKS, RATIO)
+    other_start = selection_for(cases[16], KEPT_BLOCKS, RATIO)
     with pytest.raises(AnelabInputError, match="selection is for start"):
-        foldcheck.fold_check(case, other_start)
+        fold_check(case, other_start)
     with pytest.raises(AnelabInputError, match="no function h3"):
-        foldcheck.make_case(case.saved, case.saved.path, history=3)
+        make_case(case.saved, case.saved.path, history=3)

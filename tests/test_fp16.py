@@ -8,8 +8,26 @@ from anelab.fp16 import round_to_fp16, to_fp16_precision
 def _edge_and_random():
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(200_000) * np.exp(rng.uniform(-25, 12, 200_000))).astype(np.float32)
-    edges = [0.0, -0.0, 65504.0, 65519.0, 65520.0, -70000.0, 1e-8, 2.0**-24, 2.0**-25, 3 * 2.0**-26,
-             2.0**-14, 2.0**-14 * (1 + 2.0**-11), 1 + 2.0**-11, 1 + 3 * 2.0**-11, 1e30, -1e38, np.inf, -np.inf]
+    edges = [
+        0.0,
+        -0.0,
+        65504.0,
+        65519.0,
+        65520.0,
+        -70000.0,
+        1e-8,
+        2.0**-24,
+        2.0**-25,
+        3 * 2.0**-26,
+        2.0**-14,
+        2.0**-14 * (1 + 2.0**-11),
+        1 + 2.0**-11,
+        1 + 3 * 2.0**-11,
+        1e30,
+        -1e38,
+        np.inf,
+        -np.inf,
+    ]
     return np.concatenate([np.array(edges, np.float32), x])
 
 

@@ -6,22 +6,27 @@ from pathlib import Path
 
 import pytest
 
-from anelab.checkpoint import load_checkpoint
-from anelab.coreml_runtime import MacRuntime, RuntimeUnavailableError
-from anelab.export import OFF_MAC_REASON, export_layer, read_sidecar_metadata
-from anelab.fake_runtime import FakeFunction, FakeRuntime
-from anelab.gate import (
+from anelab.hf.checkpoint import load_checkpoint
+from anelab.runtime.fake import FakeFunction, FakeRuntime
+from anelab.runtime.gate import (
     ANE_REFUSAL_MARKERS,
     VERIFIED_REASON,
+    AneGate,
     AneGateError,
     check_merged_loads,
     check_variants,
     find_refusal_markers,
 )
+from anelab.runtime.interface import RuntimeUnavailableError
+from anelab.runtime.mac import MacRuntime
+from anelab.sidecar.export import OFF_MAC_REASON, export_layer
+from anelab.sidecar.format import read_sidecar_metadata
 
 # Lines as Core ML printed them in the reports each marker cites (abridged paths).
 DOCUMENTED_LINES = {
-    "ANECCompile() FAILED": "MILCompilerForANE error: failed to compile ANE model using ANEF. Error=_ANECompiler : ANECCompile() FAILED (11)",
+    "ANECCompile() FAILED": (
+        "MILCompilerForANE error: failed to compile ANE model using ANEF. Error=_ANECompiler : ANECCompile() FAILED (11)"
+    ),
     "MILCompilerForANE error": "E5RT: MILCompilerForANE error: failed to compile ANE model using ANEF.",
     "MILCompileForANE error": "E5RT: MILCompileForANE error: failed to compile ANE model using ANEF.",
     "E5RT encountered an STL exception": "E5RT encountered an STL exception. msg = something else",
@@ -36,7 +41,10 @@ BENIGN = (
     "Failed to load _MLModelAssetProxy: no module named libcoremlpython\n"
     "compiling model... done\n"
 )
-MARKER = "E5RT encountered an STL exception. msg = MILCompilerForANE error: failed to compile ANE model using ANEF. Error=_ANECompiler : ANECCompile() FAILED.\n"
+MARKER = (
+    "E5RT encountered an STL exception. msg = MILCompilerForANE error: failed to compile ANE model using ANEF. "
+    "Error=_ANECompiler : ANECCompile() FAILED.\n"
+)
 HEALTHY = {"neural_engine": 64, "gpu": 0, "cpu": 109}  # the seed's healthy range: 64-74 of 173
 
 
@@ -111,7 +119,11 @@ def test_variant_with_none_of_its_operations_on_the_ane_is_refused_with_counts(t
 def test_one_operation_on_the_ane_is_enough(tmp_path):
     # boundary control: the gate fails on zero, not on "few"
     runtime = FakeRuntime({"h8192": FakeFunction(assignment={"neural_engine": 1, "gpu": 0, "cpu": 172})})
-    assert check_variants(runtime, _variants(tmp_path))["h8192"] == {"ane_ops": 1, "total_ops": 173, "stderr_markers": []}
+    assert check_variants(runtime, _variants(tmp_path))["h8192"] == {
+        "ane_ops": 1,
+        "total_ops": 173,
+        "stderr_markers": [],
+    }
 
 
 def test_variant_that_reports_nothing_is_refused(tmp_path):
@@ -151,7 +163,9 @@ def test_the_assignment_is_asked_per_variant_package(tmp_path):
 
 
 def test_variant_that_does_not_load_is_refused_naming_it(tmp_path):
-    runtime = FakeRuntime({"h4096": FakeFunction(load_error="Failed to build the model execution plan (error code: 14)")})
+    runtime = FakeRuntime(
+        {"h4096": FakeFunction(load_error="Failed to build the model execution plan (error code: 14)")}
+    )
     with pytest.raises(AneGateError, match=r"variant h4096 does not load .*execution plan"):
         check_variants(runtime, _variants(tmp_path))
 
@@ -177,10 +191,12 @@ def test_marker_during_a_merged_load_is_refused(tmp_path):
 
 
 def test_healthy_variants_give_the_evidence(tmp_path):
-    runtime = FakeRuntime({
-        "h0": FakeFunction(assignment={"neural_engine": 74, "gpu": 0, "cpu": 99}),
-        "h4096": FakeFunction(assignment={"neural_engine": 64, "gpu": 9, "cpu": 100}),
-    })
+    runtime = FakeRuntime(
+        {
+            "h0": FakeFunction(assignment={"neural_engine": 74, "gpu": 0, "cpu": 99}),
+            "h4096": FakeFunction(assignment={"neural_engine": 64, "gpu": 9, "cpu": 100}),
+        }
+    )
     assert check_variants(runtime, _variants(tmp_path, ("h0", "h4096"))) == {
         "h0": {"ane_ops": 74, "total_ops": 173, "stderr_markers": []},
         "h4096": {"ane_ops": 64, "total_ops": 173, "stderr_markers": []},
@@ -201,11 +217,13 @@ def checkpoint(tiny_checkpoint):
 
 
 def test_export_with_a_healthy_runtime_records_verified_with_evidence(checkpoint, tmp_path):
-    runtime = FakeRuntime({
-        "h0": FakeFunction(assignment={"neural_engine": 12, "gpu": 0, "cpu": 5}),
-        "h4": FakeFunction(assignment={"neural_engine": 10, "gpu": 1, "cpu": 6}),
-    })
-    result = export_layer(checkpoint, 0, 4, [0, 4], tmp_path / "out", runtime=runtime)
+    runtime = FakeRuntime(
+        {
+            "h0": FakeFunction(assignment={"neural_engine": 12, "gpu": 0, "cpu": 5}),
+            "h4": FakeFunction(assignment={"neural_engine": 10, "gpu": 1, "cpu": 6}),
+        }
+    )
+    result = export_layer(checkpoint, 0, 4, [0, 4], tmp_path / "out", gate=AneGate.for_runtime(runtime))
     meta = read_sidecar_metadata(result.package)  # read back from the saved package
     assert meta.ane_verified is True and meta.ane_reason == VERIFIED_REASON
     assert meta.ane_evidence == {
@@ -224,7 +242,7 @@ def test_export_refused_by_the_gate_leaves_no_package(checkpoint, tmp_path):
     out = tmp_path / "out"
     runtime = FakeRuntime({"h4": FakeFunction(load_stderr=MARKER)})
     with pytest.raises(AneGateError, match=r"variant h4 .*ANECCompile\(\) FAILED"):
-        export_layer(checkpoint, 0, 4, [0, 4], out, runtime=runtime)
+        export_layer(checkpoint, 0, 4, [0, 4], out, gate=AneGate.for_runtime(runtime))
     assert list(out.iterdir()) == []  # no package, no half-written temporary directory
 
 
@@ -239,13 +257,16 @@ def test_export_refused_after_the_merge_names_the_function(checkpoint, tmp_path)
 
     runtime.load = load
     with pytest.raises(AneGateError, match="function h4 of the merged package does not load"):
-        export_layer(checkpoint, 0, 4, [0, 4], tmp_path / "out", runtime=runtime)
+        export_layer(checkpoint, 0, 4, [0, 4], tmp_path / "out", gate=AneGate.for_runtime(runtime))
 
 
-@pytest.mark.parametrize("runtime", [None, FakeRuntime(available=False), MacRuntime(platform_name="linux")],
-                         ids=["no-runtime", "unavailable-fake", "mac-runtime-off-mac"])
+@pytest.mark.parametrize(
+    "runtime",
+    [None, FakeRuntime(available=False), MacRuntime(platform_name="linux")],
+    ids=["no-runtime", "unavailable-fake", "mac-runtime-off-mac"],
+)
 def test_export_without_the_runtime_records_not_verified_with_the_reason(checkpoint, tmp_path, runtime):
-    result = export_layer(checkpoint, 0, 4, [0, 4], tmp_path / "out", runtime=runtime)
+    result = export_layer(checkpoint, 0, 4, [0, 4], tmp_path / "out", gate=AneGate.for_runtime(runtime))
     meta = read_sidecar_metadata(result.package)
     assert meta.ane_verified is False and meta.ane_reason == OFF_MAC_REASON and meta.ane_evidence == {}
     if isinstance(runtime, FakeRuntime):

@@ -6,7 +6,7 @@ import pytest
 
 from anelab.cli import main
 from anelab.errors import AnelabInputError
-from anelab.gather import GatherSizing, crossover_budget, crossover_total, size, sizing_table
+from anelab.studies.gather_sizing import GatherSizing, crossover_budget, crossover_total, size, sizing_table
 
 # "The gather graph: sized, rejected" (ANE prefill research seed): Qwen 3.8-like geometry
 SEED = dict(heads=24, head_dim=256, chunk=4096, total=8192, budget=2051)

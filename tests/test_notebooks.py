@@ -12,8 +12,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from anelab import notebooks
+from anelab import paths
 from anelab.errors import AnelabInputError
+from anelab.studies import notebooks
 
 NOTEBOOKS = notebooks.discover_notebooks()
 IDS = [p.name for p in NOTEBOOKS]
@@ -77,7 +78,7 @@ def test_output_checks_catch_an_executed_notebook(tmp_path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_notebook_runs_in_quick_mode(path, tmp_path):
-    watched = [notebooks.REPO_ROOT / "figures", notebooks.REPO_ROOT / "data" / "measured"]
+    watched = [paths.FIGURES_DIR, paths.MEASURED_DIR]
     before = [_snapshot(d) for d in watched]
     run = notebooks.run_notebook(path, quick=True, build=tmp_path, timeout=QUICK_TIMEOUT)
     assert run.ok, run.line()
@@ -130,9 +131,9 @@ def test_run_parameters_keep_quick_runs_out_of_the_repository(tmp_path):
     quick = notebooks.run_parameters(True, tmp_path)
     assert all(Path(quick[k]).is_relative_to(tmp_path.resolve()) for k in ("figures_dir", "records_dir", "build_dir"))
     full = notebooks.run_parameters(False, tmp_path)
-    assert Path(full["figures_dir"]) == notebooks.REPO_ROOT / "figures"
-    assert Path(full["records_dir"]) == notebooks.REPO_ROOT / "data" / "measured"
-    assert notebooks.repo_path("figures") == notebooks.REPO_ROOT / "figures"
+    assert Path(full["figures_dir"]) == paths.FIGURES_DIR
+    assert Path(full["records_dir"]) == paths.MEASURED_DIR
+    assert notebooks.repo_path("figures") == paths.FIGURES_DIR
     assert notebooks.repo_path(tmp_path) == tmp_path
 
 

@@ -10,35 +10,55 @@ import pytest
 
 from anelab.cli import main
 from anelab.errors import AnelabInputError
-from anelab.plan import FAMILIES, chunk_schedule, fit_load_power, plan, predicted_vs_recorded
+from anelab.studies.planner.catalogue import FAMILIES, chunk_schedule
+from anelab.studies.planner.fit import fit_load_power
+from anelab.studies.planner.plan import plan, predicted_vs_recorded
 
-DENSE_FAMILIES = ["qwen3.5-2b-4bit", "qwen3.5-2b-8bit", "qwen3.5-4b-4bit", "qwen3.5-4b-8bit",
-                  "qwen3.5-9b-4bit", "qwen3.5-9b-8bit", "agentworld-35b-a3b-4bit"]
+DENSE_FAMILIES = [
+    "qwen3.5-2b-4bit",
+    "qwen3.5-2b-8bit",
+    "qwen3.5-4b-4bit",
+    "qwen3.5-4b-8bit",
+    "qwen3.5-9b-4bit",
+    "qwen3.5-9b-8bit",
+    "agentworld-35b-a3b-4bit",
+]
 SPARSE_FAMILIES = ["qwen3.8-125b-a6b-4bit", "qwen3.8-125b-a6b-8bit"]
 SEED_TOKENS, SEED_CHUNK = 4333, 4096
-SEED_SETUP_38 = 245.0          # "24 variant loads ~ 245 s"
-SEED_GPU_PREFILL_38 = 185.0    # "against a ~185 s GPU prefill"
+SEED_SETUP_38 = 245.0  # "24 variant loads ~ 245 s"
+SEED_GPU_PREFILL_38 = 185.0  # "against a ~185 s GPU prefill"
 SEED_GPU_38_RECORDED = (175.1, 197.5)  # v5.5 matrix and v5.6 record, same model
 SEED_LOADS_38 = {0: 6.7, 4096: 13.6, 8192: 37.5}
 SEED_38_ROWS = {4: (197.5, 273.5), 8: (428.3, 491.8)}
 SEED_H0_ANE = 0.43
-SEED_RATIOS = {("qwen3.5-2b-4bit", 4096): 1.38, ("qwen3.5-2b-4bit", 1024): 1.30, ("qwen3.5-2b-8bit", 4096): 1.14,
-               ("qwen3.5-4b-4bit", 4096): 1.38, ("qwen3.5-4b-8bit", 4096): 1.26, ("qwen3.5-9b-4bit", 4096): 1.25,
-               ("qwen3.5-9b-8bit", 4096): 1.13, ("agentworld-35b-a3b-4bit", 4096): 1.68,
-               ("qwen3.8-125b-a6b-4bit", 4096): 0.72, ("qwen3.8-125b-a6b-8bit", 4096): 0.87}
-IN_SAMPLE_TOLERANCE = 0.10     # relative ratio error the fit must reach on every recorded row
+SEED_RATIOS = {
+    ("qwen3.5-2b-4bit", 4096): 1.38,
+    ("qwen3.5-2b-4bit", 1024): 1.30,
+    ("qwen3.5-2b-8bit", 4096): 1.14,
+    ("qwen3.5-4b-4bit", 4096): 1.38,
+    ("qwen3.5-4b-8bit", 4096): 1.26,
+    ("qwen3.5-9b-4bit", 4096): 1.25,
+    ("qwen3.5-9b-8bit", 4096): 1.13,
+    ("agentworld-35b-a3b-4bit", 4096): 1.68,
+    ("qwen3.8-125b-a6b-4bit", 4096): 0.72,
+    ("qwen3.8-125b-a6b-8bit", 4096): 0.87,
+}
+IN_SAMPLE_TOLERANCE = 0.10  # relative ratio error the fit must reach on every recorded row
 CUSTOM = dict(chunk=4096, num_layers=4, full_attention_layers=[1, 3], num_heads=8)
 FLAG_COSTS = dict(load_seconds=1.0, gpu_attention_seconds=2.0, ane_attention_seconds=0.5, non_attention_seconds=10.0)
 
 
 # ---- chunks and variants ----------------------------------------------------------------------
-@pytest.mark.parametrize("tokens, chunk, starts, sizes, device", [
-    (4333, 4096, [0, 4096], [4096, 237], "ane"),
-    (2500, 1024, [0, 1024, 2048], [1024, 1024, 452], "ane"),
-    (8192, 4096, [0, 4096], [4096, 4096], "ane"),
-    (4096, 4096, [0], [4096], "ane"),       # one full chunk: offloaded
-    (4095, 4096, [0], [4095], "gpu"),       # one partial chunk: a short prompt stays on the GPU
-])
+@pytest.mark.parametrize(
+    "tokens, chunk, starts, sizes, device",
+    [
+        (4333, 4096, [0, 4096], [4096, 237], "ane"),
+        (2500, 1024, [0, 1024, 2048], [1024, 1024, 452], "ane"),
+        (8192, 4096, [0, 4096], [4096, 4096], "ane"),
+        (4096, 4096, [0], [4096], "ane"),  # one full chunk: offloaded
+        (4095, 4096, [0], [4095], "gpu"),  # one partial chunk: a short prompt stays on the GPU
+    ],
+)
 def test_chunk_schedule(tokens, chunk, starts, sizes, device):
     chunks = chunk_schedule(tokens, chunk)
     assert [c.start for c in chunks] == starts
@@ -123,8 +143,11 @@ def test_qwen38_fit_by_hand():
     assert p.ane_attention_seconds == pytest.approx(ane_attention)
     assert p.gpu_attention_seconds == pytest.approx(sparse_attention)
     # non-attention: mean residual of the family's three recorded arms at this workload
-    residuals = [SEED_GPU_38_RECORDED[0] - sparse_attention, SEED_GPU_38_RECORDED[1] - sparse_attention,
-                 SEED_38_ROWS[4][1] - ane_attention - setup]
+    residuals = [
+        SEED_GPU_38_RECORDED[0] - sparse_attention,
+        SEED_GPU_38_RECORDED[1] - sparse_attention,
+        SEED_38_ROWS[4][1] - ane_attention - setup,
+    ]
     assert p.non_attention_seconds == pytest.approx(sum(residuals) / 3)
 
 
@@ -165,6 +188,7 @@ def test_predicted_vs_recorded_covers_every_recorded_ratio():
 
 def test_load_power_fit():
     import math
+
     xs = [math.log(24 * 4096 * (h + 4096) * 2 / 1e9) for h in SEED_LOADS_38]
     ys = [math.log(s) for s in SEED_LOADS_38.values()]
     mx, my = sum(xs) / 3, sum(ys) / 3
@@ -202,19 +226,35 @@ def test_cli_text_and_fit_report(capsys):
     assert "ane-chunk1024-2b-4bit.json" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--family", "qwen3.8-125b-a6b-4bit", "--prompt-tokens", "13000"], "coverage 16,384"),
-    (["--family", "qwen3.8-125b-a6b-4bit", "--prompt-tokens", "4333", "--max-history", "12288"], "cap 8192"),
-    (["--family", "qwen9", "--prompt-tokens", "4333"], "known: qwen3.5-2b-4bit"),
-    (["--family", "qwen3.5-2b-4bit", "--prompt-tokens", "0"], "--prompt-tokens must be a positive"),
-    (["--family", "qwen3.5-2b-4bit", "--prompt-tokens", "-5"], "--prompt-tokens must be a positive"),
-    (["--family", "qwen3.5-2b-4bit", "--prompt-tokens", "100", "--chunk", "0"], "--chunk must be a positive"),
-    (["--family", "qwen3.5-2b-4bit", "--prompt-tokens", "100", "--heads", "-8"], "--heads must be a positive"),
-    (["--family", "qwen3.5-2b-4bit", "--prompt-tokens", "5000", "--load-seconds", "-1"], "--load-seconds"),
-    (["--prompt-tokens", "5000", "--chunk", "4096", "--layers", "4", "--full-attention-layers", "1,3", "--heads", "8"],
-     "--load-seconds"),
-    (["--family", "qwen3.5-2b-4bit", "--prompt-tokens", "9000", "--max-history", "4096"], "needs coverage 12,288"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--family", "qwen3.8-125b-a6b-4bit", "--prompt-tokens", "13000"], "coverage 16,384"),
+        (["--family", "qwen3.8-125b-a6b-4bit", "--prompt-tokens", "4333", "--max-history", "12288"], "cap 8192"),
+        (["--family", "qwen9", "--prompt-tokens", "4333"], "known: qwen3.5-2b-4bit"),
+        (["--family", "qwen3.5-2b-4bit", "--prompt-tokens", "0"], "--prompt-tokens must be a positive"),
+        (["--family", "qwen3.5-2b-4bit", "--prompt-tokens", "-5"], "--prompt-tokens must be a positive"),
+        (["--family", "qwen3.5-2b-4bit", "--prompt-tokens", "100", "--chunk", "0"], "--chunk must be a positive"),
+        (["--family", "qwen3.5-2b-4bit", "--prompt-tokens", "100", "--heads", "-8"], "--heads must be a positive"),
+        (["--family", "qwen3.5-2b-4bit", "--prompt-tokens", "5000", "--load-seconds", "-1"], "--load-seconds"),
+        (
+            [
+                "--prompt-tokens",
+                "5000",
+                "--chunk",
+                "4096",
+                "--layers",
+                "4",
+                "--full-attention-layers",
+                "1,3",
+                "--heads",
+                "8",
+            ],
+            "--load-seconds",
+        ),
+        (["--family", "qwen3.5-2b-4bit", "--prompt-tokens", "9000", "--max-history", "4096"], "needs coverage 12,288"),
+    ],
+)
 def test_cli_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err

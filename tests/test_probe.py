@@ -11,16 +11,16 @@ import json
 import numpy as np
 import pytest
 
-from anelab import gather
 from anelab.cli import main
 from anelab.errors import AnelabInputError
-from anelab.fake_runtime import FakeFunction, FakeRuntime
 from anelab.masks import dense_exact_window
 from anelab.records import read_records
-from anelab.verify import RELATIVE_ERROR_THRESHOLD, relative_error
+from anelab.runtime.fake import FakeFunction, FakeRuntime
+from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
+from anelab.studies import gather_probe as gather
 
-HEADS, HEAD_DIM, CHUNK, HISTORY = 2, 16, 8, 24      # total 32 keys
-KEPT_BLOCKS, RATIO = 2, 4                           # budget 11
+HEADS, HEAD_DIM, CHUNK, HISTORY = 2, 16, 8, 24  # total 32 keys
+KEPT_BLOCKS, RATIO = 2, 4  # budget 11
 
 
 def masked_softmax_attention(q, k, v, keep_indices, keep_counts):
@@ -63,15 +63,16 @@ def test_saved_probe_agrees_with_numpy_and_control_fails(probes, graph):
     assert r.agrees
     assert len(r.numpy_eval_seconds) == 2 and all(t > 0 for t in r.numpy_eval_seconds)
     # evaluate the saved package again here and compare with this file's truth
-    from anelab.mil_eval import evaluate
+    from anelab.sidecar.evaluate import evaluate
 
     sel = inputs.selection
     out = evaluate(r.package, "main", inputs.for_graph(graph))["out"]
     truth = masked_softmax_attention(inputs.q, inputs.k, inputs.v, sel.keep_indices, sel.keep_counts)
     assert relative_error(out, truth) < RELATIVE_ERROR_THRESHOLD
     # negative control: shifting every kept index by one key is caught
-    shifted = np.where(np.arange(shape.budget)[None, :] < sel.keep_counts[:, None],
-                       np.maximum(sel.keep_indices - 1, 0), 0).astype(np.int32)
+    shifted = np.where(
+        np.arange(shape.budget)[None, :] < sel.keep_counts[:, None], np.maximum(sel.keep_indices - 1, 0), 0
+    ).astype(np.int32)
     if graph == "gather":
         wrong = evaluate(r.package, "main", {**inputs.for_graph(graph), "keep_indices": shifted})["out"]
         assert relative_error(wrong, truth) > RELATIVE_ERROR_THRESHOLD
@@ -102,20 +103,31 @@ def test_converter_narrows_small_gather_indices_to_int16(probes):
 
 def test_positions_past_int16_are_gathered_correctly(tmp_path):
     """At 40,002 keys the converter keeps int32 indices, and keys past 32,767 come back right."""
-    results = gather.probe(2, heads=1, head_dim=8, history=40000, kept_blocks=2, compress_ratio=4, repeats=1,
-                           out_dir=tmp_path, graphs=("gather",))
+    results = gather.probe(
+        2,
+        heads=1,
+        head_dim=8,
+        history=40000,
+        kept_blocks=2,
+        compress_ratio=4,
+        repeats=1,
+        out_dir=tmp_path,
+        graphs=("gather",),
+    )
     r = results[0]
     assert r.shape.total == 40002 and r.index_narrowing == []
     assert r.agrees and r.relative_error < RELATIVE_ERROR_THRESHOLD
 
 
 def _explicit_int16_program(total: int):
-    from anelab.graph import coremltools_modules
+    from anelab.sidecar.coremltools_import import coremltools_modules
 
     ct, mb, types = coremltools_modules()
 
-    @mb.program(input_specs=[mb.TensorSpec((1, total, 4), types.fp16), mb.TensorSpec((2, 3), types.int32)],
-                opset_version=ct.target.iOS18)
+    @mb.program(
+        input_specs=[mb.TensorSpec((1, total, 4), types.fp16), mb.TensorSpec((2, 3), types.int32)],
+        opset_version=ct.target.iOS18,
+    )
     def prog(k, idx):
         return mb.gather(x=k, indices=mb.cast(x=idx, dtype="int16"), axis=1, name="out")
 
@@ -123,8 +135,8 @@ def _explicit_int16_program(total: int):
 
 
 def test_narrowed_indices_past_32767_are_refused(tmp_path):
-    from anelab.export import convert_program
-    from anelab.mil_eval import SavedPackage
+    from anelab.sidecar.evaluate import SavedPackage
+    from anelab.sidecar.export import convert_program
 
     wide = SavedPackage(convert_program(_explicit_int16_program(40000), tmp_path / "wide.mlpackage"))
     narrowing = gather.index_narrowing(wide)
@@ -147,8 +159,22 @@ def test_probe_shape_and_inputs_validation():
 
 
 def test_cli_probe_json_and_record(tmp_path, capsys):
-    rc = main(["probe", "--chunk", "8", "--repeats", "1", "--heads", "2", "--head-dim", "16",
-               "--json", "--records", str(tmp_path)])
+    rc = main(
+        [
+            "probe",
+            "--chunk",
+            "8",
+            "--repeats",
+            "1",
+            "--heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--json",
+            "--records",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert [r["graph"] for r in out["rows"]] == ["dense", "gather"]
@@ -166,9 +192,12 @@ def test_cli_probe_bad_input(capsys):
 
 def test_measure_probes_on_runtime_with_fake(probes, tmp_path):
     shape, inputs, results = probes
-    runtime = FakeRuntime(default=FakeFunction(assignment={"neural_engine": 9, "gpu": 0, "cpu": 1}, predict_default_s=0.25))
-    rows = gather.measure_probes_on_runtime(runtime, list(results.values()), inputs, tmp_path, repeats=2,
-                                            clock=runtime.clock)
+    runtime = FakeRuntime(
+        default=FakeFunction(assignment={"neural_engine": 9, "gpu": 0, "cpu": 1}, predict_default_s=0.25)
+    )
+    rows = gather.measure_probes_on_runtime(
+        runtime, list(results.values()), inputs, tmp_path, repeats=2, clock=runtime.clock
+    )
     assert [r["graph"] for r in rows] == ["dense", "gather"]
     assert rows[1]["assignment"]["neural_engine"] == 9
     assert rows[1]["predict"]["median_s"] == pytest.approx(0.25)

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import TINY_GEOMETRIES
 
-from anelab import mil_eval, quantize, verify
-from anelab.checkpoint import load_checkpoint
 from anelab.cli import main
 from anelab.errors import AnelabInputError
-from anelab.export import export_sidecars, read_sidecar_metadata, weight_bytes
-from anelab.mil_eval import SavedPackage
-
-from conftest import TINY_GEOMETRIES
+from anelab.hf.checkpoint import load_checkpoint
+from anelab.sidecar import kernels, quantize
+from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD
+from anelab.sidecar.evaluate import SavedPackage
+from anelab.sidecar.export import export_sidecars
+from anelab.sidecar.format import read_sidecar_metadata, weight_bytes
+from anelab.sidecar.verify import verify_package
 
 CHUNK = 8
 HISTORIES = [0, 8]
@@ -26,7 +28,9 @@ def packages(tiny_checkpoint, tmp_path_factory):
     ckpt = tiny_checkpoint("llama")
     out = {}
     for mode in MODES:
-        [r] = export_sidecars(ckpt, tmp_path_factory.mktemp(f"weights-{mode}"), CHUNK, HISTORIES, [LAYER], weights_mode=mode)
+        [r] = export_sidecars(
+            ckpt, tmp_path_factory.mktemp(f"weights-{mode}"), CHUNK, HISTORIES, [LAYER], weights_mode=mode
+        )
         out[mode] = r
     return ckpt, out
 
@@ -34,10 +38,11 @@ def packages(tiny_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reports(packages):
     ckpt, results = packages
-    return {mode: verify.verify_package(r.package, ckpt) for mode, r in results.items()}
+    return {mode: verify_package(r.package, ckpt) for mode, r in results.items()}
 
 
 # ---- kernels against hand-computed values --------------------------------------------------------
+
 
 class _Stub:
     """Just enough of the interpreter and an op for one kernel call on plain arrays."""
@@ -54,14 +59,15 @@ class _Stub:
 
 def test_blockwise_shift_scale_kernel_hand_example():
     data = np.array([[1, 2, 3, 4], [5, 6, 7, 8]], np.int8)
-    scale = np.array([[0.5, 2.0], [1.0, 0.25]], np.float16)   # blocks of [1, 2]
+    scale = np.array([[0.5, 2.0], [1.0, 0.25]], np.float16)  # blocks of [1, 2]
     offset = np.array([[1, 0], [0, 4]], np.int8)
     op = _Stub(data=data, scale=scale, offset=offset)
-    got = mil_eval._KERNELS["constexpr_blockwise_shift_scale"](op, op)
+    got = kernels.KERNELS["constexpr_blockwise_shift_scale"](op, op)
     np.testing.assert_array_equal(got, [[0.0, 0.5, 6.0, 8.0], [5.0, 6.0, 0.75, 1.0]])
     op = _Stub(data=data, scale=scale)
-    np.testing.assert_array_equal(mil_eval._KERNELS["constexpr_blockwise_shift_scale"](op, op),
-                                  [[0.5, 1.0, 6.0, 8.0], [5.0, 6.0, 1.75, 2.0]])
+    np.testing.assert_array_equal(
+        kernels.KERNELS["constexpr_blockwise_shift_scale"](op, op), [[0.5, 1.0, 6.0, 8.0], [5.0, 6.0, 1.75, 2.0]]
+    )
 
 
 def test_lut_to_dense_kernel_hand_example():
@@ -69,11 +75,12 @@ def test_lut_to_dense_kernel_hand_example():
     indices = np.array([2, 3, 3, 0, 1, 0, 3, 0, 2, 1, 0, 3], np.uint8).reshape(6, 2)
     lut = np.array([1, 5, 9, 13, 2, 10, 18, 26], np.float16).reshape(2, 1, 4, 1)
     op = _Stub(indices=indices, lut=lut)
-    got = mil_eval._KERNELS["constexpr_lut_to_dense"](op, op)
+    got = kernels.KERNELS["constexpr_lut_to_dense"](op, op)
     np.testing.assert_array_equal(got, [[9, 13], [13, 1], [5, 1], [26, 2], [18, 10], [2, 26]])
 
 
 # ---- saved packages ----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("mode", MODES[1:])
 def test_compressed_package_verifies_and_its_error_is_bounded(packages, reports, mode):
@@ -89,7 +96,7 @@ def test_compressed_package_verifies_and_its_error_is_bounded(packages, reports,
         # compression costs more than fp16 storage, and stays under the documented bound
         assert 2 * fp16_worst < c.errors["attn_out"] <= quantize.ERROR_BOUNDS[mode]
     # the graph itself (reference with the package's dequantized weights) is held to fp16 tolerance
-    assert all(c.worst <= verify.RELATIVE_ERROR_THRESHOLD for c in report.comparisons if not c.control and c.bound is None)
+    assert all(c.worst <= RELATIVE_ERROR_THRESHOLD for c in report.comparisons if not c.control and c.bound is None)
 
 
 def test_dequantized_weights_follow_each_modes_definition(packages):
@@ -111,10 +118,10 @@ def test_dequantized_weights_follow_each_modes_definition(packages):
             if mode == "palettize4":
                 g = quantize.PALETTE_GROUP_SIZE
                 for r0 in range(0, ref.shape[0], g):
-                    entries = np.unique(got[r0:r0 + g])
+                    entries = np.unique(got[r0 : r0 + g])
                     assert len(entries) <= 16, (name, r0, len(entries))
-                    nearest = np.abs(ref[r0:r0 + g, :, None] - entries[None, None, :]).min(axis=-1)
-                    assert np.all(np.abs(got[r0:r0 + g] - ref[r0:r0 + g]) <= nearest + ulp[r0:r0 + g]), (name, r0)
+                    nearest = np.abs(ref[r0 : r0 + g, :, None] - entries[None, None, :]).min(axis=-1)
+                    assert np.all(np.abs(got[r0 : r0 + g] - ref[r0 : r0 + g]) <= nearest + ulp[r0 : r0 + g]), (name, r0)
                 continue
             if mode == "int8":
                 step = np.abs(ref).max(axis=1, keepdims=True) / 127
@@ -152,15 +159,18 @@ def test_weights_are_stored_once_and_smaller(packages):
     assert results["int4-block"].weight_bytes < 0.4 * fp16_bytes
 
 
-@pytest.mark.parametrize("mode,kernel,wrong", [
-    ("palettize4", "constexpr_lut_to_dense", lambda op: {"lut": np.asarray(op.inputs["lut"].val)[..., ::-1, :]}),
-    ("int8", "constexpr_blockwise_shift_scale", lambda op: {"scale": np.asarray(op.inputs["scale"].val) * 1.1}),
-])
+@pytest.mark.parametrize(
+    "mode,kernel,wrong",
+    [
+        ("palettize4", "constexpr_lut_to_dense", lambda op: {"lut": np.asarray(op.inputs["lut"].val)[..., ::-1, :]}),
+        ("int8", "constexpr_blockwise_shift_scale", lambda op: {"scale": np.asarray(op.inputs["scale"].val) * 1.1}),
+    ],
+)
 def test_wrong_table_or_scale_is_caught(packages, monkeypatch, mode, kernel, wrong):
     """Negative control: decompressing with a reversed LUT or scales 10 % off fails the bound
     against the fp16 weights, even though the graph still matches its own (wrong) weights."""
     ckpt, results = packages
-    real = mil_eval._KERNELS[kernel]
+    real = kernels.KERNELS[kernel]
 
     def corrupted(it, op):
         replaced = wrong(op)
@@ -177,8 +187,8 @@ def test_wrong_table_or_scale_is_caught(packages, monkeypatch, mode, kernel, wro
 
         return real(_It(), op)
 
-    monkeypatch.setitem(mil_eval._KERNELS, kernel, corrupted)
-    report = verify.verify_package(results[mode].package, ckpt)
+    monkeypatch.setitem(kernels.KERNELS, kernel, corrupted)
+    report = verify_package(results[mode].package, ckpt)
     assert not report.passed and not report.vacuous
     cost = [c for c in report.comparisons if c.bound is not None]
     # (a reversed LUT negates every projection: q.k and o(v) keep their sign, so attn_out alone can
@@ -196,7 +206,9 @@ def test_bad_weight_modes_are_refused(tiny_checkpoint, tmp_path, capsys):
         quantize.validate_weights_mode("palettize4", TINY_GEOMETRIES["llama"], target="macOS14")
     assert quantize.validate_weights_mode("int8", g, target="macOS14") == "int8"
     ckpt = tiny_checkpoint("qwen3")
-    code = main(["export", str(ckpt), "--chunk", "8", "--histories", "0", "--weights", "int4-block", "--out", str(tmp_path)])
+    code = main(
+        ["export", str(ckpt), "--chunk", "8", "--histories", "0", "--weights", "int4-block", "--out", str(tmp_path)]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "int4-block" in err[0], err
     assert not any(tmp_path.glob("*.mlpackage"))

@@ -23,16 +23,29 @@ from anelab.records import (
 
 # the seed's machine, written out by hand
 M3 = {
-    "machine_model": "Mac15,3", "chip": "Apple M3", "os_version": "macOS 27.0", "python": "3.11",
-    "coremltools": "9.0", "numpy": "2.3.5", "anelab": "0.1.0", "git_revision": "unknown", "date": "unknown",
+    "machine_model": "Mac15,3",
+    "chip": "Apple M3",
+    "os_version": "macOS 27.0",
+    "python": "3.11",
+    "coremltools": "9.0",
+    "numpy": "2.3.5",
+    "anelab": "0.1.0",
+    "git_revision": "unknown",
+    "date": "unknown",
 }
 SOURCE = {"document": "ane-prefill-research.txt", "record": "v5.6-ane-38-4bit.json"}
 
 
 def _record(**overrides) -> dict:
-    record = make_record("prefill_seconds", {"model": "qwen3.8-125b-a6b-4bit", "prompt_tokens": 4333},
-                         {"gpu_s": 197.5, "ane_s": 273.5}, origin="recorded", provenance_override=M3, source=SOURCE,
-                         unknown=["per-layer breakdown"])
+    record = make_record(
+        "prefill_seconds",
+        {"model": "qwen3.8-125b-a6b-4bit", "prompt_tokens": 4333},
+        {"gpu_s": 197.5, "ane_s": 273.5},
+        origin="recorded",
+        provenance_override=M3,
+        source=SOURCE,
+        unknown=["per-layer breakdown"],
+    )
     record.update(overrides)
     return record
 
@@ -124,16 +137,19 @@ def _mutations():
     def drop(field):
         def f(r):
             del r[field]
+
         return f
 
     def setter(field, value):
         def f(r):
             r[field] = value
+
         return f
 
     def drop_provenance(field):
         def f(r):
             del r["provenance"][field]
+
         return f
 
     return {

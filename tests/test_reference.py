@@ -13,7 +13,6 @@ import math
 import numpy as np
 import pytest
 
-from anelab.checkpoint import AttentionWeights
 from anelab.errors import AnelabInputError
 from anelab.geometry import AttentionGeometry
 from anelab.masks import MASKED, causal
@@ -27,6 +26,7 @@ from anelab.reference import (
     project,
     rope_cos_sin,
 )
+from anelab.weights import AttentionWeights
 
 FP64_TOL = 1e-10
 FP32_TOL = 1e-5
@@ -37,11 +37,28 @@ TILE_SIZES = [(1, 1), (2, 3), (3, 5), (4, 7), (5, 16), (64, 64)]
 # Small geometries, one per variant (hidden 24, 4 query heads over 2 KV heads).
 GEOMETRIES = {
     "llama": AttentionGeometry("llama", hidden_size=24, num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=500.0),
-    "llama_bias": AttentionGeometry("llama", hidden_size=24, num_heads=4, num_kv_heads=2, head_dim=8,
-                                    rope_theta=500.0, has_qkv_bias=True, has_o_bias=True),
+    "llama_bias": AttentionGeometry(
+        "llama",
+        hidden_size=24,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rope_theta=500.0,
+        has_qkv_bias=True,
+        has_o_bias=True,
+    ),
     "qwen3": AttentionGeometry("qwen3", hidden_size=24, num_heads=4, num_kv_heads=1, head_dim=8, rope_theta=500.0),
-    "qwen3_next": AttentionGeometry("qwen3_next", hidden_size=24, num_heads=4, num_kv_heads=2, head_dim=16,
-                                    rope_theta=500.0, partial_rotary_factor=0.25, has_qkv_bias=True, has_o_bias=True),
+    "qwen3_next": AttentionGeometry(
+        "qwen3_next",
+        hidden_size=24,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=500.0,
+        partial_rotary_factor=0.25,
+        has_qkv_bias=True,
+        has_o_bias=True,
+    ),
 }
 
 
@@ -104,9 +121,9 @@ def naive_heads(x_row: np.ndarray, w: np.ndarray, b, heads: int, d: int, stride:
     out = []
     for h in range(heads):
         r0 = h * stride + offset
-        y = w[r0:r0 + d].astype(np.float64) @ x_row
+        y = w[r0 : r0 + d].astype(np.float64) @ x_row
         if b is not None:
-            y = y + b[r0:r0 + d]
+            y = y + b[r0 : r0 + d]
         out.append(y)
     return out
 
@@ -151,7 +168,7 @@ def naive_block(hidden, k_history, v_history, mask, w: AttentionWeights, g: Atte
             o = sum(weights[j] * values[j, kv] for j in range(len(keys)))
             if g.is_gated:
                 o = o / (1.0 + np.exp(-gates[h]))
-            attn[i, h * d:(h + 1) * d] = o
+            attn[i, h * d : (h + 1) * d] = o
     out = attn @ w.o_proj.astype(np.float64).T
     if w.o_bias is not None:
         out = out + w.o_bias
@@ -180,12 +197,14 @@ def test_rope_hand_computed_rotate_half_pairing():
     eye = np.eye(4)[:, None, :]  # 4 tokens-worth of basis vectors, all at position 3
     cos4, sin4 = np.repeat(cos, 4, 0), np.repeat(sin, 4, 0)
     out = apply_rope(eye, cos4, sin4)[:, 0]
-    expected = np.array([
-        [math.cos(3), 0, math.sin(3), 0],
-        [0, math.cos(0.3), 0, math.sin(0.3)],
-        [-math.sin(3), 0, math.cos(3), 0],
-        [0, -math.sin(0.3), 0, math.cos(0.3)],
-    ])
+    expected = np.array(
+        [
+            [math.cos(3), 0, math.sin(3), 0],
+            [0, math.cos(0.3), 0, math.sin(0.3)],
+            [-math.sin(3), 0, math.cos(3), 0],
+            [0, -math.sin(0.3), 0, math.cos(0.3)],
+        ]
+    )
     np.testing.assert_allclose(out, expected, atol=1e-15)
     # Negative control: interleaved pairing (0,1),(2,3) would put e0's sine on dim 1, not dim 2.
     assert abs(out[0, 1]) < 1e-15 and abs(out[0, 2] - math.sin(3)) < 1e-15
@@ -279,14 +298,16 @@ def test_tiled_matches_dense(name, precision, tol):
         dense_blocked = attention_block(chunk, k_hist, v_hist, mask, w, g, precision=precision, query_block=4)
         assert rel_err(dense_blocked.attn_out, dense.attn_out) < tol
         for qt, kt in TILE_SIZES:
-            tiled = attention_block_tiled(chunk, k_hist, v_hist, mask, w, g, precision=precision,
-                                          query_tile=qt, key_tile=kt)
+            tiled = attention_block_tiled(
+                chunk, k_hist, v_hist, mask, w, g, precision=precision, query_tile=qt, key_tile=kt
+            )
             assert tiled.attn_out.dtype == PRECISIONS[precision]
             assert rel_err(tiled.attn_out, dense.attn_out) < tol, (qt, kt)
             np.testing.assert_array_equal(tiled.k_chunk, dense.k_chunk)
     # Negative control: the tiled form with a wrong start differs from the dense output.
-    wrong = attention_block_tiled(chunk, k_hist, v_hist, causal(c, h), w, g, precision=precision,
-                                  start=h + 1, query_tile=4, key_tile=5)
+    wrong = attention_block_tiled(
+        chunk, k_hist, v_hist, causal(c, h), w, g, precision=precision, start=h + 1, query_tile=4, key_tile=5
+    )
     right = attention_block(chunk, k_hist, v_hist, causal(c, h), w, g, precision=precision)
     assert rel_err(wrong.attn_out, right.attn_out) > NEGATIVE_CONTROL_MIN
 
@@ -315,8 +336,11 @@ def test_fully_masked_row_is_finite_and_shift_invariant(form, precision):
     chunk = hidden_states(c, g, seed=9)
     mask = causal(c, h).copy()
     mask[3] = MASKED
-    run = attention_block if form == "dense" else (
-        lambda *a, **k: attention_block_tiled(*a, query_tile=2, key_tile=3, **k))
+    run = (
+        attention_block
+        if form == "dense"
+        else (lambda *a, **k: attention_block_tiled(*a, query_tile=2, key_tile=3, **k))
+    )
     out = run(chunk, k_hist, v_hist, mask, w, g, precision=precision).attn_out
     assert np.all(np.isfinite(out))
     # A constant -30000 on every key of a row cancels in the softmax: row 3 equals that row with no
@@ -340,8 +364,11 @@ def test_masked_key_gets_zero_weight(form):
     chunk = hidden_states(c, g, seed=11)
     mask = causal(c, h).copy()
     mask[:, 4] = MASKED  # history key 4 dropped for every row
-    run = attention_block if form == "dense" else (
-        lambda *a, **k: attention_block_tiled(*a, query_tile=2, key_tile=4, **k))
+    run = (
+        attention_block
+        if form == "dense"
+        else (lambda *a, **k: attention_block_tiled(*a, query_tile=2, key_tile=4, **k))
+    )
     base = run(chunk, k_hist, v_hist, mask, w, g, precision="fp64").attn_out
     poked = v_hist.copy()
     poked[4] += 100.0
@@ -384,12 +411,12 @@ def test_chunked_prefill_equals_one_pass(name):
     for i in range(n_chunks):
         h = i * chunk
         k_hist, v_hist = history_kv(x[:h], w, g, precision="fp64")
-        part = attention_block(x[h:h + chunk], k_hist, v_hist, causal(chunk, h), w, g, precision="fp64")
-        assert rel_err(part.attn_out, whole.attn_out[h:h + chunk]) < FP64_TOL
-        np.testing.assert_allclose(part.k_chunk, whole.k_chunk[:, h:h + chunk], rtol=0, atol=1e-12)
+        part = attention_block(x[h : h + chunk], k_hist, v_hist, causal(chunk, h), w, g, precision="fp64")
+        assert rel_err(part.attn_out, whole.attn_out[h : h + chunk]) < FP64_TOL
+        np.testing.assert_allclose(part.k_chunk, whole.k_chunk[:, h : h + chunk], rtol=0, atol=1e-12)
     # Negative control: the last chunk against a history built from the wrong tokens.
     h = (n_chunks - 1) * chunk
-    k_bad, v_bad = history_kv(x[1:h + 1], w, g, precision="fp64")
+    k_bad, v_bad = history_kv(x[1 : h + 1], w, g, precision="fp64")
     bad = attention_block(x[h:], k_bad, v_bad, causal(chunk, h), w, g, precision="fp64")
     assert rel_err(bad.attn_out, whole.attn_out[h:]) > NEGATIVE_CONTROL_MIN
 

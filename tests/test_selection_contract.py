@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from anelab import foldcheck, verify
 from anelab.cli import main
 from anelab.errors import AnelabInputError
-from anelab.export import export_sidecars, read_sidecar_metadata
 from anelab.masks import dense_exact_window
+from anelab.sidecar import foldcheck
+from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD
+from anelab.sidecar.export import export_sidecars
+from anelab.sidecar.format import read_sidecar_metadata
+from anelab.sidecar.verify import verify_package
 
 CHUNK = 16
 
@@ -17,8 +20,9 @@ CHUNK = 16
 @pytest.fixture(scope="module")
 def folded(tiny_checkpoint, tmp_path_factory):
     ckpt = tiny_checkpoint("qwen3")
-    [r] = export_sidecars(ckpt, tmp_path_factory.mktemp("folded"), CHUNK, [0, 32], [0],
-                          selection={"kept_blocks": 2, "compress_ratio": 4})
+    [r] = export_sidecars(
+        ckpt, tmp_path_factory.mktemp("folded"), CHUNK, [0, 32], [0], selection={"kept_blocks": 2, "compress_ratio": 4}
+    )
     return ckpt, r.package
 
 
@@ -32,12 +36,14 @@ def test_contract_is_recorded(folded):
 
 def test_verify_runs_the_fold_check_for_a_folded_sidecar(folded):
     ckpt, pkg = folded
-    report = verify.verify_package(pkg, ckpt)
-    fold = [c for c in report.comparisons if c.case.startswith("fold:") or "causal-only" in c.case or "moves ref" in c.case]
+    report = verify_package(pkg, ckpt)
+    fold = [
+        c for c in report.comparisons if c.case.startswith("fold:") or "causal-only" in c.case or "moves ref" in c.case
+    ]
     assert len(fold) == 3 and all(c.function == "h32" for c in fold)
     assert report.passed, report.table()
     [main_check] = [c for c in fold if not c.control]
-    assert main_check.worst < verify.RELATIVE_ERROR_THRESHOLD
+    assert main_check.worst < RELATIVE_ERROR_THRESHOLD
 
 
 def test_fold_check_turns_vacuous_when_the_selection_keeps_everything(folded, monkeypatch):
@@ -45,12 +51,12 @@ def test_fold_check_turns_vacuous_when_the_selection_keeps_everything(folded, mo
     real = foldcheck.selection_for
     # a selection that keeps every visible block equals the causal mask: the check must not pass
     monkeypatch.setattr(foldcheck, "selection_for", lambda case, kept, ratio, **kw: real(case, 10_000, ratio, **kw))
-    report = verify.verify_package(pkg, ckpt, functions=["h0"])
+    report = verify_package(pkg, ckpt, functions=["h0"])
     assert not report.passed and report.vacuous
 
 
 def test_loader_refuses_sparse_model_without_contract(tiny_checkpoint, tmp_path):
-    from anelab.sidecar import open_sidecar
+    from anelab.runtime.open import open_sidecar
 
     [plain] = export_sidecars(tiny_checkpoint("qwen3"), tmp_path, CHUNK, [0], [0])
     with pytest.raises(AnelabInputError, match="selectionFolded"):
@@ -58,8 +64,22 @@ def test_loader_refuses_sparse_model_without_contract(tiny_checkpoint, tmp_path)
 
 
 def test_export_refuses_half_an_indexer(tiny_checkpoint, tmp_path, capsys):
-    code = main(["export", str(tiny_checkpoint("qwen3")), "--chunk", "16", "--histories", "0", "--layers", "0",
-                 "--selection-kept-blocks", "2", "--out", str(tmp_path)])
+    code = main(
+        [
+            "export",
+            str(tiny_checkpoint("qwen3")),
+            "--chunk",
+            "16",
+            "--histories",
+            "0",
+            "--layers",
+            "0",
+            "--selection-kept-blocks",
+            "2",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--selection-compress-ratio" in err[0]
     assert dense_exact_window(512, 4) == 2051

@@ -8,13 +8,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from anelab.checkpoint import load_checkpoint
-from anelab.coreml_runtime import RuntimeUnavailableError
 from anelab.errors import AnelabInputError
-from anelab.export import export_layer, read_sidecar_metadata, write_package_metadata
-from anelab.fake_runtime import FakeRuntime
+from anelab.geometry import chunk_starts
+from anelab.hf.checkpoint import load_checkpoint
+from anelab.runtime.fake import FakeRuntime
+from anelab.runtime.interface import RuntimeUnavailableError
+from anelab.runtime.open import open_sidecar
 from anelab.selection import Selection
-from anelab.sidecar import chunk_starts, open_sidecar
+from anelab.sidecar.export import export_layer
+from anelab.sidecar.format import read_sidecar_metadata, write_package_metadata
 
 CHUNK = 4
 HISTORIES = [0, 4, 8]  # coverage 8 + 4 = 12 tokens
@@ -91,15 +93,23 @@ def test_different_chunk_width_is_refused_naming_both(packages):
 
 def test_prompt_beyond_coverage_is_refused_naming_coverage_and_need(packages):
     # 13 tokens: chunks start at 0, 4, 8, 12 -> history 12 needed, coverage 16; the package covers 12
-    message = _refused(FakeRuntime(), "covers 12 tokens", packages["verified"], compute_units="cpu_and_ne",
-                       chunk=CHUNK, prompt_tokens=13)
+    message = _refused(
+        FakeRuntime(),
+        "covers 12 tokens",
+        packages["verified"],
+        compute_units="cpu_and_ne",
+        chunk=CHUNK,
+        prompt_tokens=13,
+    )
     assert "histories up to 12" in message and "coverage 16" in message and "missing 12" in message
 
 
 def test_prompt_at_coverage_is_served(packages):
     # boundary control for the refusal above: 12 tokens fit exactly
     runtime = FakeRuntime()
-    sidecar = open_sidecar(packages["verified"], compute_units="cpu_and_ne", chunk=CHUNK, prompt_tokens=12, runtime=runtime)
+    sidecar = open_sidecar(
+        packages["verified"], compute_units="cpu_and_ne", chunk=CHUNK, prompt_tokens=12, runtime=runtime
+    )
     assert [sidecar.function_for(s) for s in chunk_starts(12, CHUNK)] == ["h0", "h4", "h8"]
     assert runtime.calls == []
 
@@ -122,8 +132,14 @@ def test_chunk_starts_are_hand_checked():
 
 
 def test_sparse_model_without_the_fold_contract_is_refused(packages):
-    message = _refused(FakeRuntime(), "selectionFolded", packages["sparse_unfolded"], compute_units="cpu_and_ne",
-                       chunk=CHUNK, sparse_indexed=True)
+    message = _refused(
+        FakeRuntime(),
+        "selectionFolded",
+        packages["sparse_unfolded"],
+        compute_units="cpu_and_ne",
+        chunk=CHUNK,
+        sparse_indexed=True,
+    )
     assert "sparse-indexed" in message
 
 
@@ -133,20 +149,39 @@ def test_dense_model_does_not_need_the_fold_contract(packages):
 
 
 def test_folded_package_without_indexer_parameters_is_refused(packages):
-    _refused(FakeRuntime(), "kept_blocks", packages["folded_no_indexer"], compute_units="cpu_and_ne", chunk=CHUNK,
-             sparse_indexed=True)
+    _refused(
+        FakeRuntime(),
+        "kept_blocks",
+        packages["folded_no_indexer"],
+        compute_units="cpu_and_ne",
+        chunk=CHUNK,
+        sparse_indexed=True,
+    )
 
 
 def test_chunk_past_the_dense_exact_window_without_a_selection_refuses_to_attend_densely(packages):
-    message = _refused(FakeRuntime(), "refusing to attend densely", packages["sparse_folded"], compute_units="cpu_and_ne",
-                       chunk=CHUNK, sparse_indexed=True, prompt_tokens=WINDOW + 1)
+    message = _refused(
+        FakeRuntime(),
+        "refusing to attend densely",
+        packages["sparse_folded"],
+        compute_units="cpu_and_ne",
+        chunk=CHUNK,
+        sparse_indexed=True,
+        prompt_tokens=WINDOW + 1,
+    )
     assert f"window of {WINDOW}" in message and f"up to {WINDOW + 1} keys" in message
 
 
 def test_prompt_inside_the_dense_exact_window_attends_densely(packages):
     # 5 tokens: the last row sees 5 keys = the window, where the causal mask equals the selection
-    sidecar = open_sidecar(packages["sparse_folded"], compute_units="cpu_and_ne", chunk=CHUNK, sparse_indexed=True,
-                           prompt_tokens=WINDOW, runtime=FakeRuntime())
+    sidecar = open_sidecar(
+        packages["sparse_folded"],
+        compute_units="cpu_and_ne",
+        chunk=CHUNK,
+        sparse_indexed=True,
+        prompt_tokens=WINDOW,
+        runtime=FakeRuntime(),
+    )
     assert sidecar.dense_exact_window == WINDOW
     assert sidecar.function_for(4, valid_rows=1) == "h4"
     with pytest.raises(AnelabInputError, match="refusing to attend densely"):
@@ -159,20 +194,35 @@ def test_prompt_inside_the_dense_exact_window_attends_densely(packages):
 def _selection(kept_blocks: int) -> Selection:
     rows = CHUNK
     keep = np.zeros((rows, 2), dtype=np.int32)
-    return Selection(keep_indices=keep, keep_counts=np.ones(rows, dtype=np.int32), kept_blocks=kept_blocks,
-                     compress_ratio=2, start=8)
+    return Selection(
+        keep_indices=keep, keep_counts=np.ones(rows, dtype=np.int32), kept_blocks=kept_blocks, compress_ratio=2, start=8
+    )
 
 
 def test_a_selection_lets_chunks_past_the_window_run(packages):
     runtime = FakeRuntime()
-    sidecar = open_sidecar(packages["sparse_folded"], compute_units="cpu_and_ne", chunk=CHUNK, sparse_indexed=True,
-                           prompt_tokens=12, selection=_selection(2), runtime=runtime)
+    sidecar = open_sidecar(
+        packages["sparse_folded"],
+        compute_units="cpu_and_ne",
+        chunk=CHUNK,
+        sparse_indexed=True,
+        prompt_tokens=12,
+        selection=_selection(2),
+        runtime=runtime,
+    )
     assert sidecar.function_for(8) == "h8" and runtime.calls == []
 
 
 def test_a_selection_from_another_indexer_is_refused(packages):
-    _refused(FakeRuntime(), "kept_blocks is 3", packages["sparse_folded"], compute_units="cpu_and_ne", chunk=CHUNK,
-             sparse_indexed=True, selection=_selection(3))
+    _refused(
+        FakeRuntime(),
+        "kept_blocks is 3",
+        packages["sparse_folded"],
+        compute_units="cpu_and_ne",
+        chunk=CHUNK,
+        sparse_indexed=True,
+        selection=_selection(3),
+    )
 
 
 # ---- lazy loading ------------------------------------------------------------------------------------

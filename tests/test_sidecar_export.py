@@ -6,16 +6,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from anelab import export as export_mod
-from anelab import mil_eval, reference, verify
-from anelab.checkpoint import load_checkpoint, random_attention_weights, write_checkpoint
-from anelab.errors import AnelabInputError
-from anelab.export import export_sidecars, read_sidecar_metadata, weight_bytes
-from anelab.masks import causal
-from anelab.mil_eval import SavedPackage, evaluate
-
 from conftest import TINY_GEOMETRIES
+
+from anelab import reference
+from anelab.errors import AnelabInputError
+from anelab.hf.checkpoint import load_checkpoint, write_checkpoint
+from anelab.masks import causal
+from anelab.sidecar import evaluate as evaluate_module
+from anelab.sidecar import export as export_module
+from anelab.sidecar import verify as verify_module
+from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
+from anelab.sidecar.evaluate import SavedPackage, evaluate
+from anelab.sidecar.export import export_sidecars
+from anelab.sidecar.format import read_sidecar_metadata, weight_bytes
+from anelab.sidecar.verify import verify_package
+from anelab.weights import random_attention_weights
 
 CHUNK = 8
 HISTORIES = [0, 8, 16]
@@ -37,33 +42,39 @@ def exported(tiny_checkpoint, tmp_path_factory):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_saved_package_matches_reference_for_every_function(exported, variant):
     ckpt, pkg = exported[variant]
-    report = verify.verify_package(pkg, ckpt)
+    report = verify_package(pkg, ckpt)
     assert report.passed, report.table()
     functions = {c.function for c in report.comparisons}
     assert functions == {f"h{h}" for h in HISTORIES}
     ordinary = [c for c in report.comparisons if not c.control]
-    assert all(c.worst < verify.RELATIVE_ERROR_THRESHOLD for c in ordinary)
+    assert all(c.worst < RELATIVE_ERROR_THRESHOLD for c in ordinary)
     # fp16 storage must actually cost something: the errors are fp16-sized, not exactly zero
     assert all(c.worst > 1e-5 for c in ordinary)
-    assert all(c.worst > 10 * verify.RELATIVE_ERROR_THRESHOLD for c in report.comparisons if c.control)
+    assert all(c.worst > 10 * RELATIVE_ERROR_THRESHOLD for c in report.comparisons if c.control)
 
 
 def test_package_from_a_different_checkpoint_fails_verification(exported, tiny_checkpoint, tmp_path):
     """Negative control for the whole chain: same geometry, other weights -> FAIL."""
     ckpt, pkg = exported["qwen3_next"]
     g = TINY_GEOMETRIES["qwen3_next"]
-    other = write_checkpoint(tmp_path / "other", g, {i: random_attention_weights(g, i, seed=99) for i in g.full_attention_layers},
-                             model_type="qwen3_next")
-    report = verify.verify_package(pkg, other)
+    other = write_checkpoint(
+        tmp_path / "other",
+        g,
+        {i: random_attention_weights(g, i, seed=99) for i in g.full_attention_layers},
+        model_type="qwen3_next",
+    )
+    report = verify_package(pkg, other)
     assert not report.passed
     assert not report.vacuous
-    assert all(c.worst > verify.RELATIVE_ERROR_THRESHOLD for c in report.comparisons if not c.control)
+    assert all(c.worst > RELATIVE_ERROR_THRESHOLD for c in report.comparisons if not c.control)
 
 
 def test_a_control_that_does_not_fail_makes_verification_vacuous(exported, monkeypatch):
     ckpt, pkg = exported["qwen3"]
-    monkeypatch.setattr(verify, "drop_half_mask", lambda mask, rng: mask.copy())  # a control that changes nothing
-    report = verify.verify_package(pkg, ckpt, functions=["h8"])
+    monkeypatch.setattr(
+        verify_module, "drop_half_mask", lambda mask, rng: mask.copy()
+    )  # a control that changes nothing
+    report = verify_package(pkg, ckpt, functions=["h8"])
     assert report.vacuous and not report.passed
     assert "vacuous" in report.table()
 
@@ -89,10 +100,16 @@ def test_signatures_and_default_function(exported):
     h0, h16 = saved.function("h0"), saved.function("h16")
     assert [s.name for s in h0.inputs] == ["hidden", "mask"]
     assert {s.name: s.shape for s in h16.inputs} == {
-        "hidden": (CHUNK, g.hidden_size), "k_history": (16, g.num_kv_heads, g.head_dim),
-        "v_history": (16, g.num_kv_heads, g.head_dim), "mask": (CHUNK, 16 + CHUNK)}
+        "hidden": (CHUNK, g.hidden_size),
+        "k_history": (16, g.num_kv_heads, g.head_dim),
+        "v_history": (16, g.num_kv_heads, g.head_dim),
+        "mask": (CHUNK, 16 + CHUNK),
+    }
     assert {s.name: s.shape for s in h16.outputs} == {
-        "attn_out": (CHUNK, g.hidden_size), "k_chunk": (g.num_kv_heads, CHUNK, g.head_dim), "v_chunk": (g.num_kv_heads, CHUNK, g.head_dim)}
+        "attn_out": (CHUNK, g.hidden_size),
+        "k_chunk": (g.num_kv_heads, CHUNK, g.head_dim),
+        "v_chunk": (g.num_kv_heads, CHUNK, g.head_dim),
+    }
     assert all(s.dtype == "float16" for s in h16.inputs + h16.outputs)
 
 
@@ -117,12 +134,21 @@ def test_partial_chunk_equals_reference_on_the_real_rows_alone(exported):
     hidden = np.zeros((CHUNK, g.hidden_size), np.float16)
     hidden[:n] = rng.standard_normal((n, g.hidden_size))
     hidden[n:] = 50.0  # loud padding: must be invisible to the real rows
-    out = evaluate(pkg, "h8", {"hidden": hidden, "k_history": kh, "v_history": vh, "mask": causal(CHUNK, H, valid_rows=n)})
+    out = evaluate(
+        pkg, "h8", {"hidden": hidden, "k_history": kh, "v_history": vh, "mask": causal(CHUNK, H, valid_rows=n)}
+    )
     # reference over only the n real rows, with history H and a causal [n, H + n] mask
-    ref = reference.attention_block(hidden[:n].astype(np.float64), kh.astype(np.float64), vh.astype(np.float64),
-                                    causal(n, H).astype(np.float64), w, g, precision="fp64")
-    assert verify.relative_error(out["attn_out"][:n], ref.attn_out) < verify.RELATIVE_ERROR_THRESHOLD
-    assert verify.relative_error(out["k_chunk"][:, :n], ref.k_chunk) < verify.RELATIVE_ERROR_THRESHOLD
+    ref = reference.attention_block(
+        hidden[:n].astype(np.float64),
+        kh.astype(np.float64),
+        vh.astype(np.float64),
+        causal(n, H).astype(np.float64),
+        w,
+        g,
+        precision="fp64",
+    )
+    assert relative_error(out["attn_out"][:n], ref.attn_out) < RELATIVE_ERROR_THRESHOLD
+    assert relative_error(out["k_chunk"][:, :n], ref.k_chunk) < RELATIVE_ERROR_THRESHOLD
     assert np.isfinite(out["attn_out"]).all()
 
 
@@ -131,23 +157,27 @@ def test_fused_attention_core_equals_op_by_op(exported, monkeypatch):
     saved = SavedPackage(pkg)
     rng = np.random.default_rng(0)
     g = TINY_GEOMETRIES["qwen3_next"]
-    inputs = {"hidden": rng.standard_normal((CHUNK, g.hidden_size)).astype(np.float16),
-              "k_history": rng.standard_normal((16, g.num_kv_heads, g.head_dim)).astype(np.float16),
-              "v_history": rng.standard_normal((16, g.num_kv_heads, g.head_dim)).astype(np.float16),
-              "mask": causal(CHUNK, 16)}
+    inputs = {
+        "hidden": rng.standard_normal((CHUNK, g.hidden_size)).astype(np.float16),
+        "k_history": rng.standard_normal((16, g.num_kv_heads, g.head_dim)).astype(np.float16),
+        "v_history": rng.standard_normal((16, g.num_kv_heads, g.head_dim)).astype(np.float16),
+        "mask": causal(CHUNK, 16),
+    }
     fused_cores = []
-    real_find = mil_eval._find_attention_cores
-    monkeypatch.setattr(mil_eval, "_find_attention_cores", lambda ops, uses: fused_cores.append(1) or real_find(ops, uses))
+    real_find = evaluate_module._find_attention_cores
+    monkeypatch.setattr(
+        evaluate_module, "_find_attention_cores", lambda ops, uses: fused_cores.append(1) or real_find(ops, uses)
+    )
     fused = evaluate(saved, "h16", inputs, fp16=False)
-    monkeypatch.setattr(mil_eval, "_find_attention_cores", lambda ops, uses: {})
+    monkeypatch.setattr(evaluate_module, "_find_attention_cores", lambda ops, uses: {})
     plain = evaluate(saved, "h16", inputs, fp16=False)
     assert fused_cores
     for name in plain:
         np.testing.assert_allclose(fused[name], plain[name], rtol=1e-5, atol=1e-5)
     # a wrong mask through the fused path must not match
-    monkeypatch.setattr(mil_eval, "_find_attention_cores", real_find)
+    monkeypatch.setattr(evaluate_module, "_find_attention_cores", real_find)
     wrong = evaluate(saved, "h16", {**inputs, "mask": causal(CHUNK, 16)[:, ::-1].copy()}, fp16=False)
-    assert verify.relative_error(wrong["attn_out"], plain["attn_out"]) > 0.05
+    assert relative_error(wrong["attn_out"], plain["attn_out"]) > 0.05
 
 
 def test_evaluate_refuses_bad_inputs(exported):
@@ -171,7 +201,7 @@ def test_interrupted_export_leaves_no_package(tiny_checkpoint, tmp_path, monkeyp
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(export_mod, "merge_functions", boom)
+    monkeypatch.setattr(export_module, "merge_functions", boom)
     with pytest.raises(KeyboardInterrupt):
         export_sidecars(ckpt, tmp_path, CHUNK, [0, 8], [0])
     assert list(tmp_path.iterdir()) == []  # neither a half package nor the temporary directory

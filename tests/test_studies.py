@@ -12,43 +12,60 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from anelab.checkpoint import load_checkpoint
-from anelab.coreml_runtime import RuntimeUnavailableError, default_runtime
 from anelab.errors import AnelabInputError
-from anelab.export import read_sidecar_metadata
-from anelab.fake_runtime import FakeClock, FakeFunction, FakeRuntime
+from anelab.hf.checkpoint import load_checkpoint
 from anelab.masks import MASKED
-from anelab.plan import plan
 from anelab.records import read_record
-from anelab.studies import (
+from anelab.runtime.fake import FakeClock, FakeFunction, FakeRuntime
+from anelab.runtime.interface import RuntimeUnavailableError
+from anelab.runtime.mac import default_runtime
+from anelab.sidecar.format import read_sidecar_metadata
+from anelab.studies.dense_offload import (
     ab_table,
     amdahl_ratio,
     block_inputs,
-    break_even,
-    break_even_setup,
-    compact_provenance,
-    describe_plan,
-    export_function_sweep,
-    load_memory_isolated,
-    measure_load_memory,
-    memory_vs_functions,
     offload_shares,
-    package_size,
-    package_size_record,
     ratio_sweep,
     recorded_ab_rows,
     time_attention_ab,
 )
+from anelab.studies.planner.plan import plan
+from anelab.studies.provenance import compact_provenance, describe_plan
+from anelab.studies.setup_cost import (
+    break_even,
+    break_even_setup,
+    export_function_sweep,
+    load_memory_isolated,
+    measure_load_memory,
+    memory_vs_functions,
+    package_size,
+    package_size_record,
+)
 
 SEED_TOKENS = 4333
-SEED_LOADS_38 = (6.7, 13.6, 37.5)             # h0, h4096, h8192 on Qwen 3.8
-SEED_RATIOS = {"qwen3.5-2b-4bit": 1.38, "qwen3.5-2b-8bit": 1.14, "qwen3.5-4b-4bit": 1.38, "qwen3.5-4b-8bit": 1.26,
-               "qwen3.5-9b-4bit": 1.25, "qwen3.5-9b-8bit": 1.13, "agentworld-35b-a3b-4bit": 1.68,
-               "qwen3.8-125b-a6b-4bit": 0.72, "qwen3.8-125b-a6b-8bit": 0.87}
+SEED_LOADS_38 = (6.7, 13.6, 37.5)  # h0, h4096, h8192 on Qwen 3.8
+SEED_RATIOS = {
+    "qwen3.5-2b-4bit": 1.38,
+    "qwen3.5-2b-8bit": 1.14,
+    "qwen3.5-4b-4bit": 1.38,
+    "qwen3.5-4b-8bit": 1.26,
+    "qwen3.5-9b-4bit": 1.25,
+    "qwen3.5-9b-8bit": 1.13,
+    "agentworld-35b-a3b-4bit": 1.68,
+    "qwen3.8-125b-a6b-4bit": 0.72,
+    "qwen3.8-125b-a6b-8bit": 0.87,
+}
 # A one-layer, one-head model at chunk 4 with rates of 1 (GPU) and 0.25 (ANE) s per score entry:
 # gpu/ane_attention_seconds are for one full chunk at history 0 = 1 x 4 x 4 = 16 entries.
-HAND = dict(chunk=4, num_layers=1, full_attention_layers=[0], num_heads=1, gpu_attention_seconds=16.0,
-            ane_attention_seconds=4.0, non_attention_seconds=0.0)
+HAND = dict(
+    chunk=4,
+    num_layers=1,
+    full_attention_layers=[0],
+    num_heads=1,
+    gpu_attention_seconds=16.0,
+    ane_attention_seconds=4.0,
+    non_attention_seconds=0.0,
+)
 MAX_SEARCH_PLANS = 200  # the bisection must need far fewer planner calls than one per prompt length
 
 
@@ -79,12 +96,15 @@ def test_break_even_by_hand():
     assert cheap.win_intervals == ((4, 12),) and cheap.wins_from == 4
 
 
-@pytest.mark.parametrize("family, max_tokens, plan_args", [
-    (None, 160, dict(HAND, chunk=16, gpu_attention_seconds=256.0, ane_attention_seconds=64.0, load_seconds=150.0)),
-    ("qwen3.8-125b-a6b-4bit", 12288, {}),
-    ("qwen3.8-125b-a6b-4bit", 12288, dict(max_history=8192, load_seconds=[0.6 * s for s in SEED_LOADS_38])),
-    ("qwen3.5-2b-4bit", 16384, dict(load_seconds=4.0)),
-])
+@pytest.mark.parametrize(
+    "family, max_tokens, plan_args",
+    [
+        (None, 160, dict(HAND, chunk=16, gpu_attention_seconds=256.0, ane_attention_seconds=64.0, load_seconds=150.0)),
+        ("qwen3.8-125b-a6b-4bit", 12288, {}),
+        ("qwen3.8-125b-a6b-4bit", 12288, dict(max_history=8192, load_seconds=[0.6 * s for s in SEED_LOADS_38])),
+        ("qwen3.5-2b-4bit", 16384, dict(load_seconds=4.0)),
+    ],
+)
 def test_break_even_matches_planning_every_prompt(family, max_tokens, plan_args):
     b = break_even(family, max_tokens=max_tokens, **plan_args)
     expected = brute_force_intervals(family, max_tokens, **{"chunk": b.chunk, **plan_args})
@@ -101,12 +121,12 @@ def test_break_even_brute_force_control():
 
 def test_break_even_reproduces_the_seeds_verdicts():
     loses = break_even("qwen3.8-125b-a6b-4bit")
-    assert loses.searched_up_to == 12288                      # the recorded cap: max-history 8192 + chunk
+    assert loses.searched_up_to == 12288  # the recorded cap: max-history 8192 + chunk
     assert not any(lo <= SEED_TOKENS <= hi for lo, hi in loses.win_intervals)  # 0.72x: stays on the GPU
     assert loses.wins_from is None
     wins = break_even("qwen3.5-2b-4bit", max_tokens=8192)
-    assert any(lo <= SEED_TOKENS <= hi for lo, hi in wins.win_intervals)       # 1.38x: offload
-    assert wins.first_win == 4096                             # a shorter prompt is one partial chunk
+    assert any(lo <= SEED_TOKENS <= hi for lo, hi in wins.win_intervals)  # 1.38x: offload
+    assert wins.first_win == 4096  # a shorter prompt is one partial chunk
 
 
 def test_break_even_setup_is_the_tie():
@@ -119,11 +139,14 @@ def test_break_even_setup_is_the_tie():
     assert break_even_setup(plan(2000, family="qwen3.8-125b-a6b-4bit")) is None  # nothing offloaded
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    (dict(max_tokens=0, chunk=4), "max_tokens"),
-    (dict(max_tokens=10), "chunk"),
-    (dict(family="qwen9", max_tokens=10), "unknown family"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(max_tokens=0, chunk=4), "max_tokens"),
+        (dict(max_tokens=10), "chunk"),
+        (dict(family="qwen9", max_tokens=10), "unknown family"),
+    ],
+)
 def test_break_even_bad_input(kwargs, needle):
     with pytest.raises(AnelabInputError, match=needle):
         break_even(**kwargs)
@@ -145,7 +168,10 @@ def test_offload_shares():
     assert set(shares) == set(SEED_RATIOS)
     assert {f: s["recorded_ratio"] for f, s in shares.items()} == SEED_RATIOS
     # the seed's counts: "the 35B offloads 10 of 40 layers, the dense 2B only 6 of 24"
-    assert (shares["agentworld-35b-a3b-4bit"]["full_attention_layers"], shares["agentworld-35b-a3b-4bit"]["layers"]) == (10, 40)
+    assert (
+        shares["agentworld-35b-a3b-4bit"]["full_attention_layers"],
+        shares["agentworld-35b-a3b-4bit"]["layers"],
+    ) == (10, 40)
     assert (shares["qwen3.5-2b-4bit"]["full_attention_layers"], shares["qwen3.5-2b-4bit"]["layers"]) == (6, 24)
     assert {s["layer_share"] for s in shares.values()} == {0.25}
     for s in shares.values():  # the shares and the speed-up recompose the planner's ratio (setup included in k)
@@ -156,17 +182,22 @@ def test_offload_shares():
     # negative control: without the setup, the 35B's offloaded part would look faster than it is
     s = shares["agentworld-35b-a3b-4bit"]
     p = plan(SEED_TOKENS, family=s["family"])
-    assert amdahl_ratio(s["time_share"], p.gpu_attention_seconds / p.ane_attention_seconds) > s["predicted_ratio"] * 1.05
+    assert (
+        amdahl_ratio(s["time_share"], p.gpu_attention_seconds / p.ane_attention_seconds) > s["predicted_ratio"] * 1.05
+    )
 
 
 def test_recorded_ab_rows():
     rows = recorded_ab_rows()
     assert len(rows) == 11  # 8 rows of v5.5 (one GPU-only), the chunk-1024 point, two v5.6 rows
     narrow = [r for r in rows if r["chunk"] == 1024]
-    assert [(r["gpu_seconds"], r["ane_seconds"], r["ratio"], r["prompt_tokens"]) for r in narrow] == [(23.33, 17.88, 1.30, 2500)]
+    assert [(r["gpu_seconds"], r["ane_seconds"], r["ratio"], r["prompt_tokens"]) for r in narrow] == [
+        (23.33, 17.88, 1.30, 2500)
+    ]
     gpu_only = [r for r in rows if r["ane_seconds"] is None]
     assert [(r["family"], r["gpu_seconds"], r["record"]) for r in gpu_only] == [
-        ("qwen3.8-125b-a6b-4bit", 175.1, "v5.5-ane-matrix-3.json")]
+        ("qwen3.8-125b-a6b-4bit", 175.1, "v5.5-ane-matrix-3.json")
+    ]
     assert {r["bits"] for r in rows} == {4, 8}
 
 
@@ -192,11 +223,16 @@ def test_compact_provenance():
     recs = [{"origin": "recorded", "provenance": prov, "_file": f"{name}.json"} for name in ("a" * 30, "b" * 30, "c")]
     assert compact_provenance(recs) == (
         "recorded on Mac15,3 (M3), macOS 27.0 — replayed, not measured here\n"
-        f"source: {'a' * 30}.json,\n{'b' * 30}.json, c.json")
-    here = {"origin": "measured", "provenance": {"machine_model": "Linux x86_64", "chip": "x86_64", "os_version": "Linux 6"},
-            "_file": "m.json"}
+        f"source: {'a' * 30}.json,\n{'b' * 30}.json, c.json"
+    )
+    here = {
+        "origin": "measured",
+        "provenance": {"machine_model": "Linux x86_64", "chip": "x86_64", "os_version": "Linux 6"},
+        "_file": "m.json",
+    }
     assert compact_provenance([here], planner=True) == (
-        "measured here: Linux x86_64 (x86_64), Linux 6\nsource: m.json\nlines: planner (anelab.plan) fitted on these records")
+        "measured here: Linux x86_64 (x86_64), Linux 6\nsource: m.json\nlines: planner (anelab.plan) fitted on these records"
+    )
     with pytest.raises(AnelabInputError):
         compact_provenance([{**here, "origin": "guessed"}])
 
@@ -217,7 +253,9 @@ def test_package_size_of_a_handmade_package(tmp_path):
 def swept(tiny_checkpoint, tmp_path_factory):
     """Packages of the tiny checkpoint's layer 1 with 1 and 2 functions (chunk 8)."""
     checkpoint = tiny_checkpoint("qwen3_next", "F32")
-    return checkpoint, export_function_sweep(checkpoint, tmp_path_factory.mktemp("sweep"), layer=1, chunk=8, counts=[2, 1])
+    return checkpoint, export_function_sweep(
+        checkpoint, tmp_path_factory.mktemp("sweep"), layer=1, chunk=8, counts=[2, 1]
+    )
 
 
 def test_export_function_sweep_stores_weights_once(swept, tmp_path):
@@ -268,11 +306,13 @@ def test_time_attention_ab_and_table(tiny_checkpoint, tmp_path):
     fast_ne = FakeFunction(predict_s={"cpu_and_gpu": 0.020, "cpu_and_ne": 0.005})
     no_ne = FakeFunction(predict_s={"cpu_and_gpu": 0.030}, unloadable_units=frozenset({"cpu_and_ne"}))
     runtime = FakeRuntime({"h0": fast_ne, "h8": no_ne}, clock=clock)
-    records = time_attention_ab(runtime, _package(tmp_path), g, chunk=8, histories=[0, 8], repeats=2, clock=clock,
-                                out_dir=tmp_path / "records")
+    records = time_attention_ab(
+        runtime, _package(tmp_path), g, chunk=8, histories=[0, 8], repeats=2, clock=clock, out_dir=tmp_path / "records"
+    )
     assert [r["parameters"]["input_shapes"] for r in records] == [
         {"hidden": [8, 48], "mask": [8, 8]},
-        {"hidden": [8, 48], "mask": [8, 16], "k_history": [8, 2, 16], "v_history": [8, 2, 16]}]
+        {"hidden": [8, 48], "mask": [8, 16], "k_history": [8, 2, 16], "v_history": [8, 2, 16]},
+    ]
     assert all((tmp_path / "records" / r["_file"]).is_file() for r in records)
     table = ab_table(records)
     assert [(r["function"], r["prompt_tokens"]) for r in table] == [("h0", 8), ("h8", 16)]
@@ -286,9 +326,13 @@ def test_time_attention_ab_and_table(tiny_checkpoint, tmp_path):
 def test_measure_load_memory_with_a_scripted_rss(tmp_path):
     readings = iter([1000, 1500, 1800])
     result = measure_load_memory(FakeRuntime(), _package(tmp_path), ["h0", "h8"], rss=lambda: next(readings))
-    assert result == {"rss_before_bytes": 1000, "loads": [
-        {"function": "h0", "rss_bytes": 1500, "delta_bytes": 500},
-        {"function": "h8", "rss_bytes": 1800, "delta_bytes": 800}]}
+    assert result == {
+        "rss_before_bytes": 1000,
+        "loads": [
+            {"function": "h0", "rss_bytes": 1500, "delta_bytes": 500},
+            {"function": "h8", "rss_bytes": 1800, "delta_bytes": 800},
+        ],
+    }
     with pytest.raises(RuntimeUnavailableError):
         measure_load_memory(FakeRuntime(available=False), _package(tmp_path, "b.mlpackage"), ["h0"], rss=lambda: 0)
 
@@ -299,14 +343,20 @@ def test_memory_vs_functions_record(swept, tmp_path):
 
     def fake_measure(pkg, functions, *, compute_units):
         seen.append((Path(pkg).parent.name, list(functions), compute_units))
-        return {"rss_before_bytes": 0, "loads": [{"function": f, "rss_bytes": 10 * (i + 1), "delta_bytes": 10 * (i + 1)}
-                                                 for i, f in enumerate(functions)]}
+        return {
+            "rss_before_bytes": 0,
+            "loads": [
+                {"function": f, "rss_bytes": 10 * (i + 1), "delta_bytes": 10 * (i + 1)} for i, f in enumerate(functions)
+            ],
+        }
 
     record = memory_vs_functions(packages, measure=fake_measure, out_dir=tmp_path)
     assert seen == [("n1", ["h0"], "cpu_and_ne"), ("n2", ["h0", "h8"], "cpu_and_ne")]
     rows = read_record(tmp_path / record["_file"])["results"]["rows"]
     assert [(r["functions"], r["first_function_delta_bytes"], r["all_functions_delta_bytes"]) for r in rows] == [
-        (1, 10, 10), (2, 10, 20)]
+        (1, 10, 10),
+        (2, 10, 20),
+    ]
     assert record["origin"] == "measured" and record["parameters"]["isolated"] is False
 
 

@@ -6,16 +6,18 @@ import json
 
 import numpy as np
 import pytest
+from conftest import TINY_GEOMETRIES
 
-from anelab import graph, verify
 from anelab.cli import main
 from anelab.errors import AnelabInputError
-from anelab.export import KEY_TILE_META, export_sidecars, read_raw_metadata, read_sidecar_metadata
-from anelab.inspect import inspect_package
 from anelab.masks import causal
-from anelab.mil_eval import SavedPackage, evaluate
-
-from conftest import TINY_GEOMETRIES
+from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
+from anelab.sidecar.evaluate import SavedPackage, evaluate
+from anelab.sidecar.export import export_sidecars
+from anelab.sidecar.format import KEY_TILE_META, read_raw_metadata, read_sidecar_metadata
+from anelab.sidecar.graphs import common as graph_common
+from anelab.sidecar.inspection import inspect_package
+from anelab.sidecar.verify import verify_package
 
 CHUNK = 8
 HISTORIES = [0, 8, 16]
@@ -33,14 +35,42 @@ def packages(tiny_checkpoint, tmp_path_factory):
     out = {}
     ckpt = tiny_checkpoint("llama")
     where = tmp_path_factory.mktemp("tiled-llama")
-    assert main(["export", str(ckpt), "--chunk", str(CHUNK), "--histories", ",".join(map(str, HISTORIES)),
-                 "--layers", str(_layer("llama")), "--graph", "tiled", "--tile", str(KEY_TILES["llama"]), "--out", str(where)]) == 0
+    assert (
+        main(
+            [
+                "export",
+                str(ckpt),
+                "--chunk",
+                str(CHUNK),
+                "--histories",
+                ",".join(map(str, HISTORIES)),
+                "--layers",
+                str(_layer("llama")),
+                "--graph",
+                "tiled",
+                "--tile",
+                str(KEY_TILES["llama"]),
+                "--out",
+                str(where),
+            ]
+        )
+        == 0
+    )
     out["llama"] = (ckpt, where / f"layer_{_layer('llama')}.mlpackage")
     ckpt = tiny_checkpoint("qwen3_next")
-    [r] = export_sidecars(ckpt, tmp_path_factory.mktemp("tiled-qwen3_next"), CHUNK, HISTORIES, [_layer("qwen3_next")],
-                          graph="tiled", key_tile=KEY_TILES["qwen3_next"])
+    [r] = export_sidecars(
+        ckpt,
+        tmp_path_factory.mktemp("tiled-qwen3_next"),
+        CHUNK,
+        HISTORIES,
+        [_layer("qwen3_next")],
+        graph="tiled",
+        key_tile=KEY_TILES["qwen3_next"],
+    )
     out["qwen3_next"] = (ckpt, r.package)
-    [r] = export_sidecars(tiny_checkpoint("llama"), tmp_path_factory.mktemp("dense-llama"), CHUNK, HISTORIES, [_layer("llama")])
+    [r] = export_sidecars(
+        tiny_checkpoint("llama"), tmp_path_factory.mktemp("dense-llama"), CHUNK, HISTORIES, [_layer("llama")]
+    )
     out["dense_llama"] = (tiny_checkpoint("llama"), r.package)
     return out
 
@@ -51,12 +81,12 @@ def test_tiled_package_passes_verification_from_disk(packages, variant):
     meta = read_sidecar_metadata(pkg)
     assert meta.graph == "tiled" and meta.weights == "fp16"
     assert read_raw_metadata(pkg)[KEY_TILE_META] == str(KEY_TILES[variant])
-    report = verify.verify_package(pkg, ckpt)
+    report = verify_package(pkg, ckpt)
     assert report.passed, report.table()
     assert {c.function for c in report.comparisons} == {f"h{h}" for h in HISTORIES}
     ordinary = [c for c in report.comparisons if not c.control]
-    assert all(1e-5 < c.worst < verify.RELATIVE_ERROR_THRESHOLD for c in ordinary)
-    assert all(c.worst > 10 * verify.RELATIVE_ERROR_THRESHOLD for c in report.comparisons if c.control)
+    assert all(1e-5 < c.worst < RELATIVE_ERROR_THRESHOLD for c in ordinary)
+    assert all(c.worst > 10 * RELATIVE_ERROR_THRESHOLD for c in report.comparisons if c.control)
 
 
 def test_tiled_graph_holds_no_full_score_tensor(packages):
@@ -67,8 +97,13 @@ def test_tiled_graph_holds_no_full_score_tensor(packages):
 
     def ops_with_all_keys(pkg):
         fn = SavedPackage(pkg).mil_function("h16")
-        return [op.op_type for op in fn.operations if op.op_type != "const"
-                for out in op.outputs if getattr(out, "shape", None) and T in tuple(out.shape)]
+        return [
+            op.op_type
+            for op in fn.operations
+            if op.op_type != "const"
+            for out in op.outputs
+            if getattr(out, "shape", None) and T in tuple(out.shape)
+        ]
 
     assert ops_with_all_keys(tiled) == []
     assert "matmul" in ops_with_all_keys(dense) and "softmax" in ops_with_all_keys(dense)
@@ -84,21 +119,23 @@ def test_tiled_and_dense_packages_agree_in_fp32(packages):
     different mask moves the tiled result (so agreement is not trivial)."""
     g = TINY_GEOMETRIES["llama"]
     rng = np.random.default_rng(5)
-    inputs = {"hidden": rng.standard_normal((CHUNK, g.hidden_size)).astype(np.float16),
-              "k_history": rng.standard_normal((16, g.num_kv_heads, g.head_dim)).astype(np.float16),
-              "v_history": rng.standard_normal((16, g.num_kv_heads, g.head_dim)).astype(np.float16),
-              "mask": causal(CHUNK, 16)}
+    inputs = {
+        "hidden": rng.standard_normal((CHUNK, g.hidden_size)).astype(np.float16),
+        "k_history": rng.standard_normal((16, g.num_kv_heads, g.head_dim)).astype(np.float16),
+        "v_history": rng.standard_normal((16, g.num_kv_heads, g.head_dim)).astype(np.float16),
+        "mask": causal(CHUNK, 16),
+    }
     tiled = evaluate(packages["llama"][1], "h16", inputs, fp16=False)
     dense = evaluate(packages["dense_llama"][1], "h16", inputs, fp16=False)
     for name in dense:
-        assert verify.relative_error(tiled[name], dense[name]) < 1e-5, name
+        assert relative_error(tiled[name], dense[name]) < 1e-5, name
     # keys at the start of the history hidden by the mask: tiles that are fully masked must not count
     masked = inputs["mask"].copy()
     masked[:, :4] = -30000
     moved = evaluate(packages["llama"][1], "h16", {**inputs, "mask": masked}, fp16=False)
     ref_moved = evaluate(packages["dense_llama"][1], "h16", {**inputs, "mask": masked}, fp16=False)
-    assert verify.relative_error(moved["attn_out"], tiled["attn_out"]) > 0.01
-    assert verify.relative_error(moved["attn_out"], ref_moved["attn_out"]) < 1e-5
+    assert relative_error(moved["attn_out"], tiled["attn_out"]) > 0.01
+    assert relative_error(moved["attn_out"], ref_moved["attn_out"]) < 1e-5
 
 
 def test_largest_intermediate_is_reported_per_function(packages, capsys):
@@ -119,17 +156,17 @@ def test_tiled_graph_with_wrong_rope_fails_verification(tiny_checkpoint, tmp_pat
     """A tiled graph built with history-rotation tables one position late must fail. It fails twice:
     its outputs miss the reference, and the 'rope offset +1' control — the reference one position
     late — now *matches* it, so the report also calls itself vacuous."""
-    real = graph._rope_tables
-    monkeypatch.setattr(graph, "_rope_tables", lambda g, chunk, history: real(g, chunk, history + 1))
+    real = graph_common.rope_tables
+    monkeypatch.setattr(graph_common, "rope_tables", lambda g, chunk, history: real(g, chunk, history + 1))
     ckpt = tiny_checkpoint("llama")
     [r] = export_sidecars(ckpt, tmp_path, CHUNK, [8], [_layer("llama")], graph="tiled", key_tile=4)
-    report = verify.verify_package(r.package, ckpt)
+    report = verify_package(r.package, ckpt)
     assert not report.passed
     full = [c for c in report.comparisons if c.case == "full chunk"]
     rope_control = [c for c in report.comparisons if c.case == "control: rope offset +1"]
-    assert report.vacuous and rope_control[0].worst < verify.RELATIVE_ERROR_THRESHOLD
-    assert full and full[0].errors["attn_out"] > verify.RELATIVE_ERROR_THRESHOLD
-    assert full[0].errors["k_chunk"] > verify.RELATIVE_ERROR_THRESHOLD
+    assert report.vacuous and rope_control[0].worst < RELATIVE_ERROR_THRESHOLD
+    assert full and full[0].errors["attn_out"] > RELATIVE_ERROR_THRESHOLD
+    assert full[0].errors["k_chunk"] > RELATIVE_ERROR_THRESHOLD
 
 
 def test_bad_tile_is_refused(tiny_checkpoint, tmp_path, capsys):
@@ -142,7 +179,22 @@ def test_bad_tile_is_refused(tiny_checkpoint, tmp_path, capsys):
         export_sidecars(ckpt, tmp_path, CHUNK, [0], [0], graph="dense", key_tile=4)
     with pytest.raises(AnelabInputError, match="unknown --graph"):
         export_sidecars(ckpt, tmp_path, CHUNK, [0], [0], graph="flash")
-    code = main(["export", str(ckpt), "--chunk", "8", "--histories", "0", "--graph", "tiled", "--tile", "5", "--out", str(tmp_path)])
+    code = main(
+        [
+            "export",
+            str(ckpt),
+            "--chunk",
+            "8",
+            "--histories",
+            "0",
+            "--graph",
+            "tiled",
+            "--tile",
+            "5",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "does not divide the chunk" in err[0]
     assert not any(tmp_path.glob("*.mlpackage"))

@@ -7,22 +7,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from anelab.coreml_runtime import RuntimeUnavailableError
 from anelab.errors import AnelabInputError
-from anelab.fake_runtime import FakeClock, FakeFunction, FakeRuntime
 from anelab.records import read_record, read_records
-from anelab.timing import (
-    COLD_LOAD_CAVEAT,
-    TimingStats,
-    measure,
-    time_compositions,
-    time_load,
-    time_predict,
-)
+from anelab.runtime.fake import FakeClock, FakeFunction, FakeRuntime
+from anelab.runtime.interface import RuntimeUnavailableError
+from anelab.runtime.timing import COLD_LOAD_CAVEAT, TimingStats, measure, time_compositions, time_load, time_predict
 
 # the seed's Qwen 3.8 geometry: h0 loads in 6.7 s cold; h0 predicts in 0.43 s on the ANE, 0.65 s on the CPU
-H0 = FakeFunction(cold_load_s=6.7, warm_load_s=0.25, predict_s={"cpu_and_ne": 0.43, "cpu_only": 0.65},
-                  predict_default_s=0.5)
+H0 = FakeFunction(
+    cold_load_s=6.7, warm_load_s=0.25, predict_s={"cpu_and_ne": 0.43, "cpu_only": 0.65}, predict_default_s=0.5
+)
 
 
 def _package(tmp_path: Path, name: str = "layer_3.mlpackage") -> Path:
@@ -81,8 +75,17 @@ def test_measure_refuses_bad_counts(warmup, repeats, match):
 def test_cold_load_loads_a_fresh_copy_each_time(tmp_path):
     runtime = FakeRuntime({"h0": H0})
     pkg = _package(tmp_path)
-    record = time_load(runtime, pkg, "h0", "cpu_and_ne", cold=True, warmup=1, repeats=3, clock=runtime.clock,
-                       out_dir=tmp_path / "records")
+    record = time_load(
+        runtime,
+        pkg,
+        "h0",
+        "cpu_and_ne",
+        cold=True,
+        warmup=1,
+        repeats=3,
+        clock=runtime.clock,
+        out_dir=tmp_path / "records",
+    )
     assert record["results"]["samples_s"] == pytest.approx([6.7, 6.7, 6.7], rel=1e-12)
     paths = {c[1] for c in runtime.calls if c[0] == "load"}
     assert len(paths) == 4 and str(pkg) not in paths  # warm-up + 3 repeats, each from its own copy
@@ -92,8 +95,9 @@ def test_cold_load_loads_a_fresh_copy_each_time(tmp_path):
 
 def test_warm_load_reuses_the_path_after_the_warmup(tmp_path):
     runtime = FakeRuntime({"h0": H0})
-    record = time_load(runtime, _package(tmp_path), "h0", "cpu_and_ne", cold=False, warmup=1, repeats=3,
-                       clock=runtime.clock)
+    record = time_load(
+        runtime, _package(tmp_path), "h0", "cpu_and_ne", cold=False, warmup=1, repeats=3, clock=runtime.clock
+    )
     assert record["results"]["median_s"] == pytest.approx(0.25, rel=1e-12)
     assert record["results"]["max_s"] == pytest.approx(0.25, rel=1e-12)  # the 6.7 s cold load was the warm-up
 
@@ -106,9 +110,16 @@ def test_load_record_is_written_and_reads_back(tmp_path):
     assert [f.name for f in files] == [record["_file"]] and record["_file"].startswith("load_timing-")
     saved = read_record(files[0])
     assert saved["origin"] == "measured" and saved["kind"] == "load_timing"
-    assert saved["parameters"] == {"package": "layer_3.mlpackage", "function": "h0", "compute_units": "cpu_and_ne",
-                                   "cold": True, "warmup": 1, "repeats": 2, "runtime": "fake",
-                                   "load": FakeRuntime.load_description}
+    assert saved["parameters"] == {
+        "package": "layer_3.mlpackage",
+        "function": "h0",
+        "compute_units": "cpu_and_ne",
+        "cold": True,
+        "warmup": 1,
+        "repeats": 2,
+        "runtime": "fake",
+        "load": FakeRuntime.load_description,
+    }
     assert saved["results"]["median_s"] == pytest.approx(6.7, rel=1e-12)
 
 
@@ -134,7 +145,9 @@ def test_timing_refuses_an_unavailable_runtime(tmp_path):
 
 def test_compositions_time_the_same_function_from_each_package(tmp_path):
     runtime = FakeRuntime({"h0": H0})
-    packages = {label: _package(tmp_path, f"{label}.mlpackage") for label in ("alone", "beside_h4096", "beside_unloadable")}
+    packages = {
+        label: _package(tmp_path, f"{label}.mlpackage") for label in ("alone", "beside_h4096", "beside_unloadable")
+    }
     record = time_compositions(runtime, packages, "h0", repeats=2, clock=runtime.clock, out_dir=tmp_path / "records")
     assert list(record["results"]) == ["alone", "beside_h4096", "beside_unloadable"]
     for label, result in record["results"].items():
@@ -158,8 +171,17 @@ def test_composition_the_function_cannot_load_from_is_refused_naming_it(tmp_path
 def test_predict_per_compute_units_setting(tmp_path):
     runtime = FakeRuntime({"h0": H0})
     inputs = {"hidden": np.zeros((4, 64), np.float16), "mask": np.zeros((4, 4), np.float16)}
-    record = time_predict(runtime, _package(tmp_path), "h0", inputs, ["cpu_only", "cpu_and_ne", "all"], warmup=1,
-                          repeats=3, clock=runtime.clock, out_dir=tmp_path / "records")
+    record = time_predict(
+        runtime,
+        _package(tmp_path),
+        "h0",
+        inputs,
+        ["cpu_only", "cpu_and_ne", "all"],
+        warmup=1,
+        repeats=3,
+        clock=runtime.clock,
+        out_dir=tmp_path / "records",
+    )
     medians = {unit: r["median_s"] for unit, r in record["results"].items()}
     assert medians == pytest.approx({"cpu_only": 0.65, "cpu_and_ne": 0.43, "all": 0.5}, rel=1e-9)
     assert record["parameters"]["input_shapes"] == {"hidden": [4, 64], "mask": [4, 4]}
@@ -170,8 +192,9 @@ def test_predict_per_compute_units_setting(tmp_path):
 
 def test_a_setting_that_does_not_load_is_recorded_not_fatal(tmp_path):
     runtime = FakeRuntime({"h0": FakeFunction(unloadable_units=frozenset({"cpu_and_ne"}))})
-    record = time_predict(runtime, _package(tmp_path), "h0", {}, ["cpu_and_ne", "cpu_only"], repeats=1,
-                          clock=runtime.clock)
+    record = time_predict(
+        runtime, _package(tmp_path), "h0", {}, ["cpu_and_ne", "cpu_only"], repeats=1, clock=runtime.clock
+    )
     assert "does not load under cpu_and_ne" in record["results"]["cpu_and_ne"]["error"]
     assert record["results"]["cpu_only"]["median_s"] == pytest.approx(0.5, rel=1e-12)
 

@@ -1,0 +1,51 @@
+"""The embedded default checkpoint ``anelab-tiny-hybrid``: deterministic, generated on first use."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from anelab.errors import AnelabInputError
+from anelab.geometry import AttentionGeometry
+from anelab.hf.checkpoint import write_checkpoint
+from anelab.hf.config import CONFIG_FILE
+from anelab.paths import CHECKPOINTS_DIR
+from anelab.weights import random_attention_weights
+
+DEFAULT_CHECKPOINT = "anelab-tiny-hybrid"
+
+
+def default_geometry() -> AttentionGeometry:
+    """The embedded default model: a small qwen3_next-style hybrid (full attention at 3 and 7)."""
+    return AttentionGeometry(
+        variant="qwen3_next",
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        rope_theta=10_000_000.0,
+        partial_rotary_factor=0.25,
+        rms_norm_eps=1e-6,
+        num_layers=8,
+        full_attention_layers=(3, 7),
+    )
+
+
+def make_default_checkpoint(directory: str | os.PathLike, seed: int = 0) -> Path:
+    """Write the default checkpoint (BF16, full_attention_interval 4); same bytes for a seed."""
+    g = default_geometry()
+    weights = {layer: random_attention_weights(g, layer, seed) for layer in g.full_attention_layers}
+    return write_checkpoint(directory, g, weights, dtype="BF16", shards=1, model_type="qwen3_next")
+
+
+def default_checkpoint_dir(root: str | os.PathLike = CHECKPOINTS_DIR) -> Path:
+    """``root/anelab-tiny-hybrid``, generated on first use (a relative root is relative to the cwd)."""
+    directory = Path(root) / DEFAULT_CHECKPOINT
+    if (directory / CONFIG_FILE).is_file():
+        return directory
+    try:
+        return make_default_checkpoint(directory)
+    except (AnelabInputError, OSError):
+        if (directory / CONFIG_FILE).is_file():  # another process generated it meanwhile
+            return directory
+        raise

@@ -1,0 +1,103 @@
+"""``anelab doctor``: what this machine can do — the Core ML runtime, versions, fresh vs replayed studies.
+
+Every study has parts that run anywhere (numerics, sizing, the planner, replay of recorded data)
+and parts that need the Core ML runtime on a Mac (loads, predictions, the compute plan). Off-Mac
+the latter are replayed from the records in ``data/``, labelled as recorded.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+
+from anelab.records import machine_description
+from anelab.runtime.interface import CoreMLRuntime
+from anelab.runtime.mac import default_runtime
+
+# study -> (notebook, part that runs anywhere, part that needs the Core ML runtime)
+STUDIES: dict[str, tuple[str, str, str]] = {
+    "dense_offload": (
+        "notebooks/01_dense_offload.ipynb",
+        "planner sweeps (offload share, prompt length) over the recorded GPU/ANE matrix",
+        "attention-block predict per compute-units setting (CPU+GPU vs CPU+Neural Engine)",
+    ),
+    "mask_fold": (
+        "notebooks/02_mask_fold.ipynb",
+        "fold numerics: saved graph vs NumPy reference under folded, causal and swept masks",
+        "the same graph run by Core ML on the Neural Engine",
+    ),
+    "gather_sizing": (
+        "notebooks/03_gather_sizing.ipynb",
+        "dense vs gather sizing, probe graphs evaluated from disk",
+        "probe load/predict timing and ANE operation counts",
+    ),
+    "setup_cost": (
+        "notebooks/04_setup_cost.ipynb",
+        "fit of recorded load times against score-arena bytes, break-even prompt lengths",
+        "cold/warm loads and package compositions through anelab.timing",
+    ),
+    "tiled_stateful": (
+        "notebooks/05_tiled_stateful.ipynb",
+        "tiled and stateful graphs verified from disk, largest intermediates, quantization error",
+        "load and predict per chunk size and compute-units setting",
+    ),
+}
+
+
+def _version(module: str) -> str:
+    try:
+        if module == "coremltools":
+            import contextlib
+            import io
+
+            with contextlib.redirect_stderr(io.StringIO()):
+                import coremltools as mod
+        else:
+            mod = __import__(module)
+        return str(mod.__version__)
+    except Exception as e:  # report, don't crash the doctor
+        return f"unavailable ({type(e).__name__})"
+
+
+def diagnose(runtime: CoreMLRuntime | None = None) -> dict:
+    """This machine's capabilities as a dict (what ``anelab doctor --json`` prints)."""
+    import anelab
+
+    runtime = runtime if runtime is not None else default_runtime()
+    available = runtime.available()
+    studies = {}
+    for name, (notebook, anywhere, needs_runtime) in STUDIES.items():
+        studies[name] = {
+            "notebook": notebook,
+            "mode": "fresh" if available else "replay",
+            "runs_here": [anywhere, needs_runtime] if available else [anywhere],  # measured fresh here
+            "replayed_here": [] if available else [needs_runtime],
+        }
+    return {
+        "runtime": {"name": runtime.name, "available": available, "reason": runtime.unavailable_reason()},
+        "machine": machine_description(),
+        "python": platform.python_version(),
+        "python_executable": sys.executable,
+        "versions": {"anelab": anelab.__version__, "coremltools": _version("coremltools"), "numpy": _version("numpy")},
+        "studies": studies,
+    }
+
+
+def format_report(report: dict) -> str:
+    """The human-readable doctor report."""
+    rt, m, v = report["runtime"], report["machine"], report["versions"]
+    lines = [
+        f"Core ML runtime: {'available' if rt['available'] else 'unavailable'}"
+        + ("" if rt["available"] else f" — {rt['reason']}"),
+        f"machine:         {m['machine_model']}, chip {m['chip']}, {m['os_version']}",
+        f"python:          {report['python']} ({report['python_executable']})",
+        f"versions:        anelab {v['anelab']}, coremltools {v['coremltools']}, numpy {v['numpy']}",
+        "studies:",
+    ]
+    for name, s in report["studies"].items():
+        lines.append(f"  {name:<15} {s['mode']:<7} {s['notebook']}")
+        for part in s["runs_here"]:
+            lines.append(f"      runs here: {part}")
+        for part in s["replayed_here"]:
+            lines.append(f"      replayed:  {part} (recorded data in data/; measuring it needs the Core ML runtime)")
+    return "\n".join(lines)

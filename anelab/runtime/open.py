@@ -1,0 +1,188 @@
+"""Opening a sidecar for use: every refusal happens before anything is loaded.
+
+A request the sidecar cannot serve must be refused up front (and fall back to the GPU path), never
+die at load time (ANE prefill research seed, "Wide coverage on this geometry"). ``open_sidecar``
+reads only the package metadata and refuses:
+
+- a package without ``aneCompileVerified: true`` when the compute units ask for the Neural Engine;
+- a chunk width different from the package's (the configured prefill chunk must equal the width);
+- a prompt that needs a history the package does not have (beyond coverage = max(histories) + chunk);
+- for a sparse-indexed model: a package without ``selectionFolded: true`` (the fold contract), and a
+  chunk past the dense-exact window with no selection ("refuses to attend densely": a causal mask
+  there attends to keys the model's indexer drops).
+
+Functions are then loaded lazily, one per chunk start, through the runtime.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from anelab.errors import AnelabInputError
+from anelab.geometry import chunk_starts
+from anelab.masks import dense_exact_window
+from anelab.runtime.interface import NEURAL_ENGINE_UNITS, CoreMLRuntime, check_compute_units
+from anelab.runtime.mac import default_runtime
+from anelab.sidecar.format import SidecarMetadata, function_name, read_sidecar_metadata
+
+
+def _indexer_window(meta: SidecarMetadata, where: str) -> int:
+    indexer = meta.selection_indexer or {}
+    try:
+        return dense_exact_window(int(indexer["kept_blocks"]), int(indexer["compress_ratio"]))
+    except (KeyError, TypeError, ValueError):
+        raise AnelabInputError(
+            f"{where}: selectionIndexer metadata lacks kept_blocks / compress_ratio; re-export the sidecar "
+            f"with the indexer parameters"
+        ) from None
+
+
+@dataclass
+class Sidecar:
+    """An opened sidecar package: metadata checked, functions loaded on first use.
+
+    ``dense_exact_window`` is set for a sparse-indexed model (keys a row may see before the causal
+    mask stops matching the indexer's selection); ``None`` for a dense model.
+    """
+
+    package: Path
+    metadata: SidecarMetadata
+    compute_units: str
+    runtime: CoreMLRuntime
+    sparse_indexed: bool = False
+    selection: Any = None
+    dense_exact_window: int | None = None
+    _handles: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def chunk(self) -> int:
+        return self.metadata.chunk
+
+    @property
+    def coverage(self) -> int:
+        return self.metadata.coverage
+
+    @property
+    def loaded(self) -> list[str]:
+        """Functions loaded so far."""
+        return list(self._handles)
+
+    def function_for(self, start: int, valid_rows: int | None = None) -> str:
+        """The function ``h<start>`` that serves the chunk starting at ``start`` (nothing is loaded).
+
+        ``valid_rows``: real rows of a partial chunk (default: a full chunk). Refuses a start that is
+        not a multiple of the chunk, a history the package lacks, and — for a sparse-indexed model
+        opened without a selection — a chunk whose rows see more keys than the dense-exact window.
+        """
+        start = int(start)
+        rows = self.chunk if valid_rows is None else int(valid_rows)
+        if not 0 < rows <= self.chunk:
+            raise AnelabInputError(f"valid_rows must be in 1..{self.chunk}, got {valid_rows}")
+        if start < 0 or start % self.chunk:
+            raise AnelabInputError(f"chunk start {start} is not a multiple of the sidecar's chunk {self.chunk}")
+        if start not in self.metadata.histories:
+            raise AnelabInputError(
+                f"{self.package}: a chunk starting at {start} needs history {start}, but the package has histories "
+                f"{','.join(map(str, self.metadata.histories))} (coverage {self.coverage} tokens); "
+                f"re-export with --histories reaching {start} or keep this prompt on the GPU"
+            )
+        self._refuse_dense_past_window(start + rows)
+        return function_name(start)
+
+    def _refuse_dense_past_window(self, keys_seen: int) -> None:
+        if self.sparse_indexed and self.selection is None and keys_seen > self.dense_exact_window:
+            raise AnelabInputError(
+                f"{self.package}: refusing to attend densely: rows see up to {keys_seen} keys, past the dense-exact "
+                f"window of {self.dense_exact_window}, and no selection was given; pass the indexer's selection "
+                f"(keep_indices / keep_counts) so it is folded into the mask"
+            )
+
+    def handle_for(self, start: int, valid_rows: int | None = None):
+        """The loaded function for the chunk at ``start`` (loaded through the runtime on first use)."""
+        name = self.function_for(start, valid_rows)
+        if name not in self._handles:
+            self._handles[name] = self.runtime.load(self.package, name, self.compute_units)
+        return self._handles[name]
+
+    def predict(self, start: int, inputs: dict, valid_rows: int | None = None) -> dict:
+        """Run the chunk at ``start``: inputs hidden [C, D], k_history / v_history [start, Hkv, d], mask [C, start + C]."""
+        return self.runtime.predict(self.handle_for(start, valid_rows), inputs)
+
+
+def open_sidecar(
+    pkg: str | os.PathLike,
+    *,
+    compute_units: str,
+    chunk: int,
+    prompt_tokens: int | None = None,
+    sparse_indexed: bool = False,
+    selection: Any = None,
+    runtime: CoreMLRuntime | None = None,
+) -> Sidecar:
+    """Check a sidecar against a request and return it unloaded; refuse (one line) what it cannot serve.
+
+    pkg:            a ``layer_<L>.mlpackage`` written by ``anelab export``.
+    compute_units:  ``cpu_only`` | ``cpu_and_gpu`` | ``cpu_and_ne`` | ``all``.
+    chunk:          the configured prefill chunk width; must equal the package's.
+    prompt_tokens:  when given, every chunk start of the prompt must have its history in the package.
+    sparse_indexed: the model chooses keys with a sparse indexer (e.g. Qwen 3.8's QSA).
+    selection:      the indexer's selection source (e.g. an ``anelab.selection.Selection``), or ``None``.
+    runtime:        a ``CoreMLRuntime`` (default: this machine's); it must be available.
+    """
+    check_compute_units(compute_units)
+    pkg = Path(pkg)
+    meta = read_sidecar_metadata(pkg)
+    if compute_units in NEURAL_ENGINE_UNITS and not meta.ane_verified:
+        raise AnelabInputError(
+            f"{pkg}: not verified for the Neural Engine (aneCompileVerified is false: {meta.ane_reason or 'no reason recorded'}); "
+            f"re-export it on a Mac so the ANE gate runs, or use compute units cpu_only / cpu_and_gpu"
+        )
+    if int(chunk) != meta.chunk:
+        raise AnelabInputError(
+            f"{pkg}: the prefill chunk is {chunk} but the sidecar's width is {meta.chunk}; configure chunk {meta.chunk} "
+            f"or export a sidecar with --chunk {chunk}"
+        )
+    window = None
+    if sparse_indexed:
+        if not meta.selection_folded:
+            raise AnelabInputError(
+                f"{pkg}: the model is sparse-indexed but the sidecar does not record selectionFolded: true "
+                f"(the contract that its mask carries the indexer's selection); re-export it for the sparse-indexed model"
+            )
+        window = _indexer_window(meta, str(pkg))
+        indexer = meta.selection_indexer
+        for name in ("kept_blocks", "compress_ratio"):
+            given = getattr(selection, name, None)
+            if given is not None and int(given) != int(indexer[name]):
+                raise AnelabInputError(
+                    f"{pkg}: the selection's {name} is {given} but the sidecar records {indexer[name]}; "
+                    f"use the indexer the sidecar was exported for"
+                )
+    sidecar = Sidecar(
+        package=pkg,
+        metadata=meta,
+        compute_units=compute_units,
+        runtime=None,  # type: ignore[arg-type]
+        sparse_indexed=sparse_indexed,
+        selection=selection,
+        dense_exact_window=window,
+    )
+    if prompt_tokens is not None:
+        starts = chunk_starts(int(prompt_tokens), meta.chunk)
+        missing = [h for h in starts if h not in meta.histories]
+        if missing:
+            raise AnelabInputError(
+                f"{pkg}: a {prompt_tokens}-token prompt needs histories up to {starts[-1]} (coverage {starts[-1] + meta.chunk}), "
+                f"but the package covers {meta.coverage} tokens (histories {','.join(map(str, meta.histories))}; "
+                f"missing {','.join(map(str, missing))}); keep this prompt on the GPU or re-export with more --histories"
+            )
+        last_rows = int(prompt_tokens) - starts[-1]
+        for start in starts:
+            sidecar.function_for(start, last_rows if start == starts[-1] else None)
+    runtime = runtime if runtime is not None else default_runtime()
+    runtime.require_available()
+    sidecar.runtime = runtime
+    return sidecar

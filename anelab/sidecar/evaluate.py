@@ -1,0 +1,488 @@
+"""Evaluate a saved package's MIL program with NumPy, on any OS.
+
+The package is read back from disk (``milproto.load``), never taken from the builder's memory.
+Each op is executed by a NumPy kernel in float32; with ``fp16=True`` (the default) every fp16
+tensor the program stores is rounded to fp16 precision (``anelab.fp16``), as storing it would.
+
+The attention core — ``matmul(Q, K^T) -> [reshape] -> add(mask) -> softmax -> matmul(., V)`` — is
+recognised and evaluated in query tiles: the scores of one (batch, group, query tile) live in a
+small float32 buffer, so neither a [heads, C, T] score matrix nor its softmax is materialised and
+the big matmuls run in BLAS. Rounding points are the same as op-by-op, except that the score
+matmul and mask add round once (as a fused matmul+add does). Everything else runs op by op, and
+each intermediate is freed after its last use.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from anelab.errors import AnelabInputError
+from anelab.fp16 import clip_overflow, round_to_fp16
+from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools
+from anelab.sidecar.format import require_package
+from anelab.sidecar.kernels import KERNELS
+
+# ops that only move or select values: with fp16 inputs their outputs are fp16-exact already
+VALUE_PRESERVING_OPS = frozenset(
+    {
+        "reshape",
+        "transpose",
+        "concat",
+        "split",
+        "slice_by_index",
+        "expand_dims",
+        "squeeze",
+        "tile",
+        "gather",
+        "gather_along_axis",
+        "identity",
+        "maximum",
+        "minimum",
+        "abs",
+        "reduce_max",
+        "reduce_min",
+        "select",
+    }
+)
+
+
+QUERY_TILE_ELEMENTS = 1 << 19  # fp32 score elements per tile (2 MiB): tile rows = this // keys
+
+
+MAX_WORKERS = 8  # attention-core tiles run on up to this many threads (capped by cores)
+
+
+@dataclass
+class TensorSignature:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # numpy dtype name, e.g. "float16"
+
+    def to_dict(self) -> dict:
+        return {"shape": list(self.shape), "dtype": self.dtype}
+
+
+@dataclass
+class FunctionInfo:
+    name: str
+    inputs: list[TensorSignature]
+    outputs: list[TensorSignature]
+    op_counts: dict[str, int] = field(default_factory=dict)
+    largest_intermediate_bytes: int = 0
+
+
+_ML_DTYPES = {65552: "float16", 65568: "float32", 131104: "int32", 65600: "float64", 131080: "int8"}
+
+
+def _signature(feature) -> TensorSignature:
+    arr = feature.type.multiArrayType
+    return TensorSignature(
+        feature.name, tuple(int(s) for s in arr.shape), _ML_DTYPES.get(arr.dataType, str(arr.dataType))
+    )
+
+
+def _numpy_dtype(var) -> np.dtype:
+    _, _, types = coremltools_modules()
+    t = var.dtype
+    if t == types.fp16 or t == types.fp32 or t == types.fp64:
+        return np.dtype(np.float32)
+    if t == types.bool:
+        return np.dtype(bool)
+    return np.dtype(np.int32)
+
+
+def _is_fp16(var) -> bool:
+    _, _, types = coremltools_modules()
+    return var.dtype == types.fp16
+
+
+def var_bytes(var) -> int:
+    _, _, types = coremltools_modules()
+    shape = getattr(var, "shape", None)
+    if shape is None or any(not isinstance(s, (int, np.integer)) for s in shape):
+        return 0
+    width = types.nbits_from_type(var.dtype) // 8 if hasattr(types, "nbits_from_type") else 2
+    return int(np.prod(shape, dtype=np.int64)) * max(width, 1)
+
+
+class SavedPackage:
+    """A saved .mlpackage read back from disk: its spec, MIL program and function signatures."""
+
+    def __init__(self, path: str | os.PathLike):
+        ct, _, _ = coremltools_modules()
+        from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
+
+        self.path = require_package(path)
+        try:
+            self.spec = ct.utils.load_spec(str(self.path))
+        except Exception as e:
+            raise AnelabInputError(
+                f"{self.path}: cannot read the package's model spec ({type(e).__name__}); re-export it"
+            ) from None
+        if self.spec.WhichOneof("Type") != "mlProgram":
+            raise AnelabInputError(f"{self.path}: not an ML program package; anelab evaluates mlprogram sidecars only")
+        weights_dir = self.path / "Data/com.apple.CoreML/weights"
+        with quiet_coremltools():
+            self.program = milproto_load(self.spec, self.spec.specificationVersion, str(weights_dir))
+        desc = self.spec.description
+        self.functions: dict[str, FunctionInfo] = {}
+        if len(desc.functions):
+            for f in desc.functions:
+                self.functions[f.name] = FunctionInfo(
+                    f.name, [_signature(i) for i in f.input], [_signature(o) for o in f.output]
+                )
+            self.default_function = desc.defaultFunctionName or next(iter(self.functions))
+        else:
+            self.functions["main"] = FunctionInfo(
+                "main", [_signature(i) for i in desc.input], [_signature(o) for o in desc.output]
+            )
+            self.default_function = "main"
+        for name, info in self.functions.items():
+            ops = self.mil_function(name).operations
+            counts: dict[str, int] = {}
+            largest = 0
+            for op in ops:
+                if op.op_type == "const":
+                    continue
+                counts[op.op_type] = counts.get(op.op_type, 0) + 1
+                for out in op.outputs:
+                    largest = max(largest, var_bytes(out))
+            info.op_counts = dict(sorted(counts.items()))
+            info.largest_intermediate_bytes = largest
+        self._const_cache: dict[int, np.ndarray] = {}
+
+    def mil_function(self, name: str):
+        key = name if name in self.program.functions else "main"
+        return self.program.functions[key]
+
+    def function(self, name: str) -> FunctionInfo:
+        if name not in self.functions:
+            raise AnelabInputError(f"{self.path.name} has no function {name!r}; it has: {', '.join(self.functions)}")
+        return self.functions[name]
+
+    def const_value(self, var) -> np.ndarray:
+        """A const var's value as float32/int32/bool NumPy array (cached per package)."""
+        key = id(var)
+        if key not in self._const_cache:
+            val = np.asarray(var.val)
+            if val.dtype.kind == "f":
+                val = val.astype(np.float32)
+            elif val.dtype.kind in "iu":
+                val = val.astype(np.int32) if val.dtype.itemsize <= 4 else val.astype(np.int64)
+            self._const_cache[key] = val
+        return self._const_cache[key]
+
+    def check_inputs(self, function: str, inputs: dict[str, np.ndarray]) -> None:
+        """Refuse missing inputs, wrong shapes or dtypes (one line naming the input)."""
+        info = self.function(function)
+        for sig in info.inputs:
+            if sig.name not in inputs:
+                raise AnelabInputError(
+                    f"input {sig.name!r} of {function} is missing; expected {sig.dtype} {list(sig.shape)}"
+                )
+            arr = inputs[sig.name]
+            if tuple(arr.shape) != sig.shape:
+                raise AnelabInputError(
+                    f"input {sig.name!r} of {function} has shape {list(arr.shape)}; expected {list(sig.shape)}"
+                )
+            if arr.dtype != np.dtype(sig.dtype):
+                raise AnelabInputError(f"input {sig.name!r} of {function} has dtype {arr.dtype}; expected {sig.dtype}")
+
+
+def evaluate(
+    package: SavedPackage | str | os.PathLike, function: str, inputs: dict[str, np.ndarray], *, fp16: bool = True
+) -> dict[str, np.ndarray]:
+    """Run one function of a saved package on NumPy inputs; returns outputs by name.
+
+    Inputs must match the function's signature exactly (names, shapes, dtypes — fp16 for sidecars).
+    Outputs are returned as float16 when the program's outputs are fp16 (``fp16=True``) and as
+    float32 when evaluated with ``fp16=False`` (no rounding anywhere).
+    """
+    pkg = package if isinstance(package, SavedPackage) else SavedPackage(package)
+    info = pkg.function(function)
+    if state_signatures(pkg, function):
+        raise AnelabInputError(
+            f"{function} is stateful (its KV cache lives in Core ML state); evaluate it with "
+            "anelab.mil_eval.evaluate_with_state, or check it with 'anelab verify'"
+        )
+    pkg.check_inputs(function, inputs)
+    return Interpreter(pkg, pkg.mil_function(function), fp16).run(inputs, info)
+
+
+class Interpreter:
+    def __init__(self, pkg: SavedPackage, fn, fp16: bool):
+        self.pkg, self.fn, self.fp16 = pkg, fn, fp16
+        self.env: dict[str, np.ndarray] = {}
+        self.uses: dict[str, int] = {}
+        for op in fn.operations:
+            for v in _input_vars(op):
+                self.uses[v.name] = self.uses.get(v.name, 0) + 1
+        for v in fn.outputs:
+            self.uses[v.name] = self.uses.get(v.name, 0) + 1
+
+    def value(self, var) -> np.ndarray:
+        if var.name in self.env:
+            return self.env[var.name]
+        if var.op is not None and var.op.op_type == "const" or var.val is not None:
+            return self.pkg.const_value(var)
+        raise AnelabInputError(f"MIL evaluation: value of {var.name!r} is not available (unsupported graph)")
+
+    def param(self, op, name, default=None):
+        var = op.inputs.get(name)
+        if var is None:
+            return default
+        val = self.value(var)
+        return val.item() if isinstance(val, np.ndarray) and val.ndim == 0 else val
+
+    def store(self, var, arr: np.ndarray, exact: bool = False) -> None:
+        """Keep an op's result; fp16 results are rounded to fp16 unless ``exact`` (the op only moved
+        values that were already fp16)."""
+        arr = np.asarray(arr)
+        dtype = _numpy_dtype(var)
+        if arr.dtype != dtype:
+            arr = arr.astype(dtype)
+        if self.fp16 and _is_fp16(var) and not exact:
+            if not arr.flags.writeable or not arr.flags.c_contiguous or _shares_env(arr, self.env):
+                arr = np.array(arr, dtype=np.float32, copy=True)
+            clip_overflow(round_to_fp16(arr))
+        self.env[var.name] = arr
+
+    def release(self, op) -> None:
+        for v in _input_vars(op):
+            n = self.uses.get(v.name)
+            if n is None:
+                continue
+            self.uses[v.name] = n - 1
+            if n - 1 == 0 and v.name in self.env:
+                del self.env[v.name]
+
+    def run(self, inputs: dict[str, np.ndarray], info: FunctionInfo) -> dict[str, np.ndarray]:
+        for name, var in self.fn.inputs.items():
+            self.env[name] = np.asarray(
+                inputs[name], dtype=np.float32 if inputs[name].dtype.kind == "f" else inputs[name].dtype
+            )
+        ops = list(self.fn.operations)
+        fused = _find_attention_cores(ops, self.uses)
+        skip = {id(o) for core in fused.values() for o in core.ops[:-1]}
+        for op in ops:
+            if op.op_type == "const" or id(op) in skip:
+                continue
+            core = fused.get(id(op))
+            if core is not None:
+                self.store(op.outputs[0], _attention_core(self, core))
+                for o in core.ops:
+                    self.release(o)
+                continue
+            kernel = KERNELS.get(op.op_type)
+            if kernel is None:
+                raise AnelabInputError(
+                    f"MIL evaluation does not support op {op.op_type!r} (in {op.name}); supported: {', '.join(sorted(KERNELS))}"
+                )
+            results = kernel(self, op)
+            if not isinstance(results, (list, tuple)):
+                results = [results]
+            exact = op.op_type in VALUE_PRESERVING_OPS and all(
+                _is_fp16(v) for v in _input_vars(op) if v.name in self.env
+            )
+            for var, arr in zip(op.outputs, results):
+                self.store(var, arr, exact=exact)
+            self.release(op)
+        out = {}
+        for var, sig in zip(self.fn.outputs, info.outputs):
+            arr = self.env[var.name]
+            out[sig.name] = (
+                arr.astype(np.float16) if (self.fp16 and sig.dtype == "float16") else np.array(arr, dtype=np.float32)
+            )
+        return out
+
+
+def _shares_env(arr: np.ndarray, env: dict) -> bool:
+    base = arr.base if arr.base is not None else arr
+    return any((v is base) or (v.base is not None and v.base is base) for v in env.values())
+
+
+def _input_vars(op):
+    out = []
+    for v in op.inputs.values():
+        if isinstance(v, (list, tuple)):
+            out.extend(v)
+        else:
+            out.append(v)
+    return out
+
+
+@dataclass
+class _AttentionCore:
+    ops: list  # [matmul_qk, (reshape), add, softmax, matmul_pv]
+    qk: object
+    reshape: object
+    add: object
+    softmax: object
+    pv: object
+
+
+def _find_attention_cores(ops, uses) -> dict[int, _AttentionCore]:
+    """Map id(final matmul) -> the core it closes, for every recognisable attention core."""
+    producer = {}
+    for op in ops:
+        for v in op.outputs:
+            producer[v.name] = op
+    consumers: dict[str, list] = {}
+    for op in ops:
+        for v in _input_vars(op):
+            consumers.setdefault(v.name, []).append(op)
+    cores = {}
+    for sm in ops:
+        if sm.op_type != "softmax":
+            continue
+        axis = sm.inputs["axis"].val
+        rank = len(sm.outputs[0].shape)
+        if axis not in (-1, rank - 1):
+            continue
+        add = producer.get(sm.inputs["x"].name)
+        if add is None or add.op_type != "add" or uses.get(add.outputs[0].name) != 1:
+            continue
+        # scores is x, mask is y (or the other way round)
+        for s_name, m_name in (("x", "y"), ("y", "x")):
+            src = producer.get(add.inputs[s_name].name)
+            reshape = None
+            if src is not None and src.op_type == "reshape" and uses.get(src.outputs[0].name) == 1:
+                reshape, src = src, producer.get(src.inputs["x"].name)
+            if src is None or src.op_type != "matmul" or uses.get(src.outputs[0].name) != 1:
+                continue
+            if bool(src.inputs["transpose_x"].val) or not bool(src.inputs["transpose_y"].val):
+                continue
+            users = consumers.get(sm.outputs[0].name, [])
+            if len(users) != 1 or users[0].op_type != "matmul" or users[0].inputs["x"] is not sm.outputs[0]:
+                continue
+            pv = users[0]
+            if bool(pv.inputs["transpose_x"].val) or bool(pv.inputs["transpose_y"].val):
+                continue
+            qk_shape, sc_shape = src.outputs[0].shape, sm.outputs[0].shape
+            q_shape, k_shape = src.inputs["x"].shape, src.inputs["y"].shape
+            if len(qk_shape) != 3 or len(q_shape) != 3 or len(k_shape) != 3 or q_shape[0] != k_shape[0]:
+                continue
+            if len(sc_shape) not in (3, 4) or sc_shape[-1] != qk_shape[-1] or sc_shape[0] != qk_shape[0]:
+                continue
+            if len(sc_shape) == 4 and sc_shape[1] * sc_shape[2] != qk_shape[1]:
+                continue
+            cores[id(pv)] = _AttentionCore(
+                [o for o in (src, reshape, add, sm, pv) if o is not None], src, reshape, add, sm, pv
+            )
+            cores[id(pv)].mask_name = m_name
+            cores[id(pv)].score_name = s_name
+            break
+    return cores
+
+
+def _attention_core(it: Interpreter, core: _AttentionCore) -> np.ndarray:
+    """softmax(Q K^T + mask) V evaluated per (batch, group, query tile), fp16 rounding emulated."""
+    q = it.value(core.qk.inputs["x"])  # [B, R, d]   (R = G*C rows)
+    k = it.value(core.qk.inputs["y"])  # [B, T, d]
+    mask = it.value(core.add.inputs[core.mask_name])
+    v = it.value(core.pv.inputs["y"])  # broadcastable to [B, (G,) T, d]
+    sc_shape = tuple(core.softmax.outputs[0].shape)
+    B, R, T = core.qk.outputs[0].shape
+    G, C = (sc_shape[1], sc_shape[2]) if len(sc_shape) == 4 else (1, R)
+    mask_full = np.broadcast_to(mask, sc_shape)
+    if len(sc_shape) == 3:
+        mask_full = mask_full[:, None]  # [B, 1, C, T]
+    out_shape = tuple(core.pv.outputs[0].shape)
+    d_out = out_shape[-1]
+    v_b = np.broadcast_to(v, (B, G, T, d_out) if v.ndim == 4 else (B, T, d_out))
+    out = np.empty((B, G, C, d_out), dtype=np.float32)
+    tile = max(1, min(C, QUERY_TILE_ELEMENTS // max(T, 1)))
+    rounding = it.fp16
+    k_t = [np.ascontiguousarray(k[b].T) for b in range(B)]  # [d, T] per batch, shared by the workers
+    work = [(b, g, r0) for b in range(B) for g in range(G) for r0 in range(0, C, tile)]
+    local = threading.local()
+
+    def run(item):
+        b, g, r0 = item
+        if not hasattr(local, "scores"):
+            local.scores = np.empty((tile, T), dtype=np.float32)
+            local.scratch = np.empty(tile * T, dtype=np.int32)
+        r1 = min(C, r0 + tile)
+        s = local.scores[: r1 - r0]
+        np.matmul(q[b, g * C + r0 : g * C + r1], k_t[b], out=s)
+        np.add(s, mask_full[b, g, r0:r1], out=s)
+        if rounding:
+            round_to_fp16(s, local.scratch[: s.size])
+        row_max = s.max(axis=1, keepdims=True)
+        if rounding and np.abs(row_max).max() > 65519.99:  # a row past fp16's range: store as +-inf
+            clip_overflow(s)
+            row_max = s.max(axis=1, keepdims=True)
+        np.subtract(s, row_max, out=s)
+        np.exp(s, out=s)
+        total = s.sum(axis=1, keepdims=True)
+        np.multiply(s, 1.0 / total, out=s)
+        if rounding:
+            round_to_fp16(s, local.scratch[: s.size])
+        vb = v_b[b, g] if v_b.ndim == 4 else v_b[b]
+        np.matmul(s, vb, out=out[b, g, r0:r1])
+
+    workers = min(len(work), os.cpu_count() or 1, MAX_WORKERS)
+    if workers <= 1:
+        for item in work:
+            run(item)
+    else:  # ufuncs and BLAS release the GIL: one single-threaded BLAS per worker, no oversubscription
+        with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(workers) as pool:
+            list(pool.map(run, work))
+    return out.reshape(out_shape)
+
+
+def state_signatures(package: SavedPackage, function: str) -> dict[str, TensorSignature]:
+    """The states of one function (name -> shape/dtype), from its saved program."""
+    _, _, types = coremltools_modules()
+    package.function(function)
+    out = {}
+    for name, var in package.mil_function(function).inputs.items():
+        if types.is_state(var.sym_type):
+            tensor = var.sym_type.wrapped_type()
+            dtype = "float16" if tensor.get_primitive() == types.fp16 else "float32"
+            out[name] = TensorSignature(name, tuple(int(s) for s in tensor.get_shape()), dtype)
+    return out
+
+
+def evaluate_with_state(
+    package: SavedPackage | str | os.PathLike,
+    function: str,
+    inputs: dict[str, np.ndarray],
+    state: dict[str, np.ndarray],
+    *,
+    fp16: bool = True,
+) -> dict[str, np.ndarray]:
+    """Run one function of a saved stateful package; ``state`` (name -> array, e.g. from
+    ``new_state``) is read and replaced in place by the values the call leaves in it."""
+    pkg = package if isinstance(package, SavedPackage) else SavedPackage(package)
+    info = pkg.function(function)
+    pkg.check_inputs(function, inputs)
+    states = state_signatures(pkg, function)
+    for name, sig in states.items():
+        if name not in state:
+            raise AnelabInputError(f"state {name!r} of {function} is missing; create it with new_state()")
+        if tuple(state[name].shape) != sig.shape:
+            raise AnelabInputError(
+                f"state {name!r} of {function} has shape {list(state[name].shape)}; expected {list(sig.shape)}"
+            )
+    it = Interpreter(pkg, pkg.mil_function(function), fp16)
+    out = it.run({**inputs, **{n: state[n] for n in states}}, info)
+    for name, value in getattr(it, "updated_states", {}).items():
+        state[name] = (
+            value.astype(np.float16)
+            if (fp16 and states[name].dtype == "float16")
+            else np.array(value, dtype=np.float32)
+        )
+    return out
+
+
+def new_state(package: SavedPackage | str | os.PathLike, function: str) -> dict[str, np.ndarray]:
+    """Zero-filled states for ``function`` (as ``MLModel.make_state()`` gives a fresh state)."""
+    pkg = package if isinstance(package, SavedPackage) else SavedPackage(package)
+    return {n: np.zeros(s.shape, dtype=s.dtype) for n, s in state_signatures(pkg, function).items()}

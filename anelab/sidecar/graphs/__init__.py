@@ -1,0 +1,1 @@
+"""Sidecar graph designs as siblings: ``dense``, ``tiled`` and ``stateful`` (shared blocks in ``common``)."""

@@ -1,0 +1,304 @@
+"""NumPy kernels for the MIL ops a sidecar uses: one public table, ``KERNELS``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from anelab.errors import AnelabInputError
+
+
+def _k_linear(it, op):
+    x = it.value(op.inputs["x"])
+    w = it.value(op.inputs["weight"])
+    y = x @ w.T
+    if "bias" in op.inputs:
+        y += it.value(op.inputs["bias"])
+    return y
+
+
+def _k_matmul(it, op):
+    x, y = it.value(op.inputs["x"]), it.value(op.inputs["y"])
+    if it.param(op, "transpose_x", False):
+        x = np.swapaxes(x, -1, -2)
+    if it.param(op, "transpose_y", False):
+        y = np.swapaxes(y, -1, -2)
+    return np.matmul(x, y)
+
+
+def _binary(fn):
+    return lambda it, op: fn(it.value(op.inputs["x"]), it.value(op.inputs["y"]))
+
+
+def _unary(fn):
+    return lambda it, op: fn(it.value(op.inputs["x"]))
+
+
+def _axes(it, op):
+    axes = it.param(op, "axes")
+    return None if axes is None else tuple(int(a) for a in np.atleast_1d(axes))
+
+
+def _reduce(fn):
+    def kernel(it, op):
+        return fn(it.value(op.inputs["x"]), axis=_axes(it, op), keepdims=bool(it.param(op, "keep_dims", False)))
+
+    return kernel
+
+
+def _k_reshape(it, op):
+    shape = [int(s) for s in np.atleast_1d(it.param(op, "shape"))]
+    return it.value(op.inputs["x"]).reshape(shape)
+
+
+def _k_transpose(it, op):
+    return np.ascontiguousarray(np.transpose(it.value(op.inputs["x"]), [int(p) for p in it.param(op, "perm")]))
+
+
+def _k_concat(it, op):
+    return np.concatenate([it.value(v) for v in op.inputs["values"]], axis=int(it.param(op, "axis")))
+
+
+def _k_split(it, op):
+    x = it.value(op.inputs["x"])
+    axis = int(it.param(op, "axis"))
+    sizes = it.param(op, "split_sizes")
+    if sizes is not None:
+        idx = np.cumsum(np.atleast_1d(sizes))[:-1]
+        parts = np.split(x, idx, axis=axis)
+    else:
+        parts = np.split(x, int(it.param(op, "num_splits")), axis=axis)
+    return [np.ascontiguousarray(p) for p in parts]
+
+
+def _slice_index(it, op, shape: tuple[int, ...], *, name: str = "slice") -> tuple:
+    """The NumPy index of a slice_by_index / slice_update op (begin, end, stride and the three masks).
+
+    With ``name="slice_update"`` bounds must lie inside the axis (a write cannot wrap or clip)."""
+    rank = len(shape)
+    begin = np.atleast_1d(it.param(op, "begin")).astype(np.int64)
+    end = np.atleast_1d(it.param(op, "end")).astype(np.int64)
+    stride = np.atleast_1d(it.param(op, "stride", np.ones(rank, np.int32)))
+    bm = np.atleast_1d(it.param(op, "begin_mask", np.zeros(rank, bool)))
+    em = np.atleast_1d(it.param(op, "end_mask", np.zeros(rank, bool)))
+    sq = np.atleast_1d(it.param(op, "squeeze_mask", np.zeros(rank, bool)))
+    strict = name == "slice_update"
+    index = []
+    for i in range(rank):
+        if sq[i]:
+            index.append(int(begin[i]))
+            continue
+        start = (0 if strict else None) if bm[i] else int(begin[i])
+        stop = (shape[i] if strict else None) if em[i] else int(end[i])
+        if strict and not (0 <= start <= shape[i] and 0 <= stop <= shape[i]):
+            raise AnelabInputError(
+                f"MIL evaluation: slice_update [{start}, {stop}) is outside axis {i} of size {shape[i]}"
+            )
+        index.append(slice(start, stop, int(stride[i])))
+    return tuple(index)
+
+
+def _k_slice_by_index(it, op):
+    x = it.value(op.inputs["x"])
+    index = _slice_index(it, op, x.shape)
+    return np.ascontiguousarray(x[index])
+
+
+def _k_softmax(it, op):
+    x = np.array(it.value(op.inputs["x"]), dtype=np.float32, copy=True)
+    axis = int(it.param(op, "axis"))
+    x -= x.max(axis=axis, keepdims=True)
+    np.exp(x, out=x)
+    x /= x.sum(axis=axis, keepdims=True)
+    return x
+
+
+def _k_expand_dims(it, op):
+    x = it.value(op.inputs["x"])
+    for a in sorted(int(a) for a in np.atleast_1d(it.param(op, "axes"))):
+        x = np.expand_dims(x, a if a >= 0 else x.ndim + 1 + a)
+    return x
+
+
+def _k_squeeze(it, op):
+    axes = _axes(it, op)
+    return np.squeeze(it.value(op.inputs["x"]), axis=axes)
+
+
+def _k_rsqrt(it, op):
+    x = it.value(op.inputs["x"])
+    return 1.0 / np.sqrt(x + np.float32(it.param(op, "epsilon", 1e-12)))
+
+
+# coremltools' int16 pass casts gather indices to int16 / uint16 (e.g. the stateful graph's RoPE
+# positions); those casts are exact only inside the type's range, so out-of-range values are refused.
+NARROW_INTS = {
+    "int16": (-(2**15), 2**15 - 1),
+    "uint16": (0, 2**16 - 1),
+    "int8": (-(2**7), 2**7 - 1),
+    "uint8": (0, 2**8 - 1),
+}
+_CAST_TYPES = {"fp16": np.float32, "fp32": np.float32, "int32": np.int32, "bool": bool}
+
+
+def _k_cast(it, op):
+    """fp16/fp32 stay float32 (fp16 storage is emulated by the interpreter); a narrowing integer
+    cast is refused when a value falls outside the narrow type (it would wrap on the device)."""
+    dtype = it.param(op, "dtype")
+    x = it.value(op.inputs["x"])
+    if dtype in NARROW_INTS:
+        lo, hi = NARROW_INTS[dtype]
+        if x.size and (np.min(x) < lo or np.max(x) > hi):
+            raise AnelabInputError(
+                f"MIL evaluation: cast of values in [{np.min(x)}, {np.max(x)}] to {dtype} would wrap ({op.name})"
+            )
+        return np.trunc(x).astype(np.int32)
+    return x.astype(_CAST_TYPES[dtype])
+
+
+def _k_gather(it, op):
+    x = it.value(op.inputs["x"])
+    idx = it.value(op.inputs["indices"]).astype(np.int64)
+    axis = int(it.param(op, "axis", 0))
+    return np.take(x, idx, axis=axis)
+
+
+def _k_tile(it, op):
+    return np.tile(it.value(op.inputs["x"]), [int(r) for r in it.param(op, "reps")])
+
+
+def _k_select(it, op):
+    return np.where(it.value(op.inputs["cond"]).astype(bool), it.value(op.inputs["a"]), it.value(op.inputs["b"]))
+
+
+def _k_clip(it, op):
+    return np.clip(it.value(op.inputs["x"]), it.param(op, "alpha"), it.param(op, "beta"))
+
+
+def _block_expand(small: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Repeat a per-block array [n0, n1, ...] to ``shape`` (block size = shape[i] / n_i per axis)."""
+    out = small
+    for axis, (n, full) in enumerate(zip(small.shape, shape)):
+        if full % n:
+            raise AnelabInputError(
+                f"MIL evaluation: block count {n} does not divide dimension {full}; the package is malformed"
+            )
+        out = np.repeat(out, full // n, axis=axis)
+    return out
+
+
+def _k_constexpr_blockwise_shift_scale(it, op):
+    """output = scale * (data - offset), scale/offset repeated over their blocks (iOS 18)."""
+    data = it.value(op.inputs["data"]).astype(np.float32)
+    scale = it.value(op.inputs["scale"]).astype(np.float32)
+    if scale.ndim != data.ndim:
+        raise AnelabInputError("MIL evaluation: constexpr_blockwise_shift_scale scale rank differs from data rank")
+    if "offset" in op.inputs:
+        data = data - _block_expand(it.value(op.inputs["offset"]).astype(np.float32), data.shape)
+    return data * _block_expand(scale, data.shape)
+
+
+def _k_constexpr_lut_to_dense(it, op):
+    """output[i...] = lut[block(i...), indices[i...]] for scalar palettes (lut [*blocks, entries, 1])."""
+    indices = it.value(op.inputs["indices"]).astype(np.int64)
+    lut = it.value(op.inputs["lut"]).astype(np.float32)
+    if lut.ndim != indices.ndim + 2:
+        raise AnelabInputError("MIL evaluation: constexpr_lut_to_dense lut rank must be indices rank + 2")
+    if lut.shape[-1] != 1:
+        raise AnelabInputError("MIL evaluation: vector palettization (lut vector size > 1) is not supported")
+    blocks = lut.shape[:-2]
+    grid = np.meshgrid(*[np.arange(s) // (s // n) for s, n in zip(indices.shape, blocks)], indexing="ij")
+    return lut[(*grid, indices, np.zeros_like(indices))]
+
+
+def _k_constexpr_affine_dequantize(it, op):
+    """iOS 16 form: (quantized_data - zero_point) * scale along ``axis``."""
+    data = it.value(op.inputs["quantized_data"]).astype(np.float32)
+    zero = np.asarray(it.value(op.inputs["zero_point"]), dtype=np.float32)
+    scale = np.asarray(it.value(op.inputs["scale"]), dtype=np.float32)
+    axis = int(it.param(op, "axis"))
+    shape = [1] * data.ndim
+    if scale.ndim == 1 and scale.size > 1:
+        shape[axis] = scale.size
+        scale = scale.reshape(shape)
+    if zero.ndim == 1 and zero.size > 1:
+        shape[axis] = zero.size
+        zero = zero.reshape(shape)
+    return (data - zero) * scale
+
+
+def _k_read_state(it, op):
+    return np.array(it.value(op.inputs["input"]), dtype=np.float32, copy=True)
+
+
+def _k_coreml_update_state(it, op):
+    state, value = op.inputs["state"], np.array(it.value(op.inputs["value"]), copy=True)
+    it.env[state.name] = value
+    it.__dict__.setdefault("updated_states", {})[state.name] = value
+    return value
+
+
+def _k_slice_update(it, op):
+    x = np.array(it.value(op.inputs["x"]), copy=True)
+    update = it.value(op.inputs["update"])
+    index = _slice_index(it, op, x.shape, name="slice_update")
+    target = x[index]
+    if target.shape != tuple(update.shape):
+        raise AnelabInputError(
+            f"MIL evaluation: slice_update writes {list(update.shape)} into a {list(target.shape)} slice"
+        )
+    x[index] = update
+    return x
+
+
+KERNELS = {  # MIL op name -> kernel(interpreter, op) -> float32/int32 array
+    "linear": _k_linear,
+    "matmul": _k_matmul,
+    "add": _binary(np.add),
+    "sub": _binary(np.subtract),
+    "mul": _binary(np.multiply),
+    "real_div": _binary(np.divide),
+    "maximum": _binary(np.maximum),
+    "minimum": _binary(np.minimum),
+    "pow": _binary(np.power),
+    "greater": _binary(np.greater),
+    "less": _binary(np.less),
+    "less_equal": _binary(np.less_equal),
+    "greater_equal": _binary(np.greater_equal),
+    "equal": _binary(np.equal),
+    "abs": _unary(np.abs),
+    "exp": _unary(np.exp),
+    "sqrt": _unary(np.sqrt),
+    "square": _unary(np.square),
+    "sigmoid": _unary(lambda x: 1.0 / (1.0 + np.exp(-x))),
+    "silu": _unary(lambda x: x / (1.0 + np.exp(-x))),
+    "inverse": lambda it, op: 1.0 / (it.value(op.inputs["x"]) + np.float32(it.param(op, "epsilon", 1e-4))),
+    "rsqrt": _k_rsqrt,
+    "reduce_max": _reduce(np.max),
+    "reduce_min": _reduce(np.min),
+    "reduce_mean": _reduce(np.mean),
+    "reduce_sum": _reduce(np.sum),
+    "reshape": _k_reshape,
+    "transpose": _k_transpose,
+    "concat": _k_concat,
+    "split": _k_split,
+    "slice_by_index": _k_slice_by_index,
+    "softmax": _k_softmax,
+    "expand_dims": _k_expand_dims,
+    "squeeze": _k_squeeze,
+    "cast": _k_cast,
+    "gather": _k_gather,
+    "gather_along_axis": lambda it, op: np.take_along_axis(
+        it.value(op.inputs["x"]), it.value(op.inputs["indices"]).astype(np.int64), axis=int(it.param(op, "axis", 0))
+    ),
+    "tile": _k_tile,
+    "select": _k_select,
+    "clip": _k_clip,
+    "identity": _unary(lambda x: x),
+    "constexpr_blockwise_shift_scale": _k_constexpr_blockwise_shift_scale,
+    "constexpr_lut_to_dense": _k_constexpr_lut_to_dense,
+    "constexpr_affine_dequantize": _k_constexpr_affine_dequantize,
+    "read_state": _k_read_state,
+    "coreml_update_state": _k_coreml_update_state,
+    "slice_update": _k_slice_update,
+}
+SUPPORTED_OPS = tuple(sorted(KERNELS))

@@ -1,0 +1,140 @@
+"""The prompt driver: a whole prompt prefilled chunk by chunk through a saved package (and its reference)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from anelab.errors import AnelabInputError
+from anelab.masks import MASKED, causal
+from anelab.sidecar.evaluate import SavedPackage
+
+DECODE_STEPS = 2  # decode rows run after the prefill when the package has a c1 function
+
+
+def stateful_mask(rows: int, start: int, capacity: int) -> np.ndarray:
+    """Additive mask [rows, capacity] for a call at ``start``: causal over the filled prefix
+    (slots < start + rows), every later cache slot dropped."""
+    mask = np.full((rows, capacity), MASKED, dtype=np.float16)
+    mask[:, : start + rows] = causal(rows, start)
+    return mask
+
+
+def run_stateful(
+    saved: SavedPackage,
+    hidden: np.ndarray,
+    chunk: int,
+    capacity: int,
+    *,
+    decode_steps: int = 0,
+    masks=None,
+    fresh_state_each_call: bool = False,
+    fp16: bool = True,
+) -> tuple[np.ndarray, dict]:
+    """Feed ``hidden`` [P, D] through a saved stateful package: (P - decode_steps) / chunk calls of
+    c<chunk>, then ``decode_steps`` calls of c1, carrying the state. Returns (attn_out [P, D], final state).
+
+    ``masks(rows, start) -> [rows, capacity]`` overrides ``stateful_mask``. Refuses a call whose
+    chunk would run past the state capacity (one line).
+    """
+    from anelab.sidecar.evaluate import evaluate_with_state, new_state
+    from anelab.sidecar.format import stateful_function_name
+
+    prefill = hidden.shape[0] - decode_steps
+    if prefill < 0 or prefill % chunk:
+        raise AnelabInputError(
+            f"prompt of {hidden.shape[0]} rows with {decode_steps} decode steps is not whole chunks of {chunk}; pad the prompt"
+        )
+    calls = [(stateful_function_name(chunk), s, chunk) for s in range(0, prefill, chunk)]
+    calls += [(stateful_function_name(1), prefill + i, 1) for i in range(decode_steps)]
+    masks = masks or (lambda rows, start: stateful_mask(rows, start, capacity))
+    first = calls[0][0] if calls else stateful_function_name(chunk)
+    state = new_state(saved, first)
+    outs = []
+    for function, start, rows in calls:
+        if start + rows > capacity:
+            raise AnelabInputError(
+                f"chunk start {start} + {rows} rows is past the state capacity {capacity}; export with a larger --capacity"
+            )
+        if fresh_state_each_call:
+            state = new_state(saved, function)
+        inputs = {
+            "hidden": np.ascontiguousarray(hidden[start : start + rows]),
+            "start": np.array([start], np.int32),
+            "mask": masks(rows, start),
+        }
+        outs.append(evaluate_with_state(saved, function, inputs, state, fp16=fp16)["attn_out"])
+    return (np.concatenate(outs) if outs else np.zeros((0, hidden.shape[1]), np.float16)), state
+
+
+# ---- measured here: a whole prompt through a saved package (NumPy) -----------------------------------
+def prefill_prompt(package: str | os.PathLike, hidden: np.ndarray, *, fp16: bool = True, saved=None) -> np.ndarray:
+    """Run a prompt's hidden rows [P, D] (fp16) through a saved sidecar of any design; returns attn_out [P, D].
+
+    The prompt is padded with zero rows to whole chunks (padded rows come after every real row, so
+    no real row sees them). dense / tiled: one call of ``h<s>`` per chunk start s, the K/V history
+    [s, Hkv, d] built from the earlier calls' k_chunk / v_chunk outputs, causal mask. stateful:
+    ``anelab.verify.run_stateful`` with the state carried between calls. ``saved``: an already
+    opened ``SavedPackage`` of ``package`` (reading it is not part of a prefill).
+    """
+    from anelab.masks import causal
+    from anelab.sidecar.evaluate import SavedPackage, evaluate
+    from anelab.sidecar.format import STATE_CAPACITY_META, read_raw_metadata, read_sidecar_metadata
+
+    meta = read_sidecar_metadata(package)
+    saved = saved if saved is not None else SavedPackage(package)
+    hidden = np.asarray(hidden, dtype=np.float16)
+    if hidden.ndim != 2 or hidden.shape[1] != meta.geometry["hidden_size"]:
+        raise AnelabInputError(f"hidden must be [P, {meta.geometry['hidden_size']}], got {list(hidden.shape)}")
+    C, P = meta.chunk, hidden.shape[0]
+    calls = -(-P // C)
+    padded = np.zeros((calls * C, hidden.shape[1]), np.float16)
+    padded[:P] = hidden
+    if meta.graph == "stateful":
+        pass
+
+        capacity = int(read_raw_metadata(package)[STATE_CAPACITY_META])
+        if calls * C > capacity:
+            raise AnelabInputError(
+                f"prompt of {P} tokens needs {calls * C} cache slots; the package has {capacity}; re-export with --capacity {calls * C}"
+            )
+        out, _ = run_stateful(saved, padded, C, capacity, fp16=fp16)
+        return out[:P]
+    missing = [s for s in range(0, calls * C, C) if s not in meta.histories]
+    if missing:
+        raise AnelabInputError(
+            f"prompt of {P} tokens needs functions h{missing[0]}..h{missing[-1]}; export histories up to {calls * C - C}"
+        )
+    outs, k_hist, v_hist = [], [], []
+    for s in range(0, calls * C, C):
+        inputs = {"hidden": padded[s : s + C], "mask": causal(C, s)}
+        if s > 0:
+            inputs["k_history"] = np.ascontiguousarray(np.concatenate(k_hist, axis=0))
+            inputs["v_history"] = np.ascontiguousarray(np.concatenate(v_hist, axis=0))
+        result = evaluate(saved, f"h{s}", inputs, fp16=fp16)
+        outs.append(result["attn_out"])
+        k_hist.append(np.transpose(result["k_chunk"], (1, 0, 2)).astype(np.float16))  # [Hkv, C, d] -> [C, Hkv, d]
+        v_hist.append(np.transpose(result["v_chunk"], (1, 0, 2)).astype(np.float16))
+    return np.concatenate(outs)[:P]
+
+
+def prompt_reference(checkpoint_dir: str | os.PathLike, layer: int, hidden: np.ndarray) -> np.ndarray:
+    """attn_out [P, D] of the whole prompt from ``anelab.reference`` in float64 (causal, from position 0)."""
+    from anelab import reference
+    from anelab.hf.checkpoint import load_checkpoint
+    from anelab.masks import causal
+
+    ckpt = load_checkpoint(checkpoint_dir)
+    g = ckpt.geometry
+    P = hidden.shape[0]
+    empty = np.zeros((0, g.num_kv_heads, g.head_dim))
+    return reference.attention_block(
+        np.asarray(hidden, np.float64),
+        empty,
+        empty,
+        causal(P, 0).astype(np.float64),
+        ckpt.layer(layer),
+        g,
+        precision="fp64",
+    ).attn_out

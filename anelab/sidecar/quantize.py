@@ -1,0 +1,204 @@
+"""Weight compression of a sidecar's projections: ``fp16`` (none), ``int8``, ``palettize4``, ``int4-block``.
+
+Each single-function package is compressed with ``coremltools.optimize.coreml`` before the
+multifunction merge (coremltools refuses to compress a multifunction package). Only the weights
+of the four ``linear`` ops (q/k/v/o projections, [out_features, in_features]) are compressed —
+RoPE tables, norm weights and biases stay fp16.
+
+Modes (all valid for the exporter's target, macOS 15 / iOS 18):
+
+- ``int8``: linear symmetric int8, one scale per output channel -> ``constexpr_blockwise_shift_scale``.
+- ``palettize4``: a 16-entry fp16 lookup table per group of ``PALETTE_GROUP_SIZE`` output channels,
+  fitted by ``kmeans_lut`` (1-D k-means in NumPy, passed as coremltools' ``custom`` LUT function:
+  its own ``kmeans`` mode needs scikit-learn) -> ``constexpr_lut_to_dense``. Grouped LUTs need iOS 18.
+- ``int4-block``: linear symmetric int4, one scale per ``INT4_BLOCK_SIZE`` input columns of each
+  output row -> ``constexpr_blockwise_shift_scale``. Block-wise int4 needs iOS 18.
+
+``ERROR_BOUNDS`` documents how far each mode may move the outputs away from the fp16-weight
+reference (relative error, ||out - ref|| / ||ref||); ``anelab.verify`` checks it per function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import numpy as np
+
+from anelab.errors import AnelabInputError
+from anelab.geometry import AttentionGeometry
+from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools
+from anelab.weights import AttentionWeights
+
+WEIGHT_MODES = ("fp16", "int8", "palettize4", "int4-block")
+
+
+INT4_BLOCK_SIZE = 32  # input columns sharing one int4 scale
+
+
+PALETTE_GROUP_SIZE = 16  # output channels sharing one 4-bit lookup table
+
+
+PALETTE_ENTRIES = 16  # 4 bits
+
+
+KMEANS_ITERATIONS = 25
+
+
+# the iOS opset each mode first appears in (macOS 15 == iOS 18)
+MINIMUM_IOS = {"fp16": 16, "int8": 16, "palettize4": 18, "int4-block": 18}
+
+
+DEPLOYMENT_TARGETS = {"iOS16": 16, "iOS17": 17, "iOS18": 18, "macOS13": 16, "macOS14": 17, "macOS15": 18}
+
+
+# Documented bounds on the relative error (worst of attn_out, k_chunk, v_chunk) vs the reference with
+# the checkpoint's weights, for N(0, 1/fan_in) random weights. Measured on the tiny test layers
+# (chunk 8): int8 0.8-1.0e-2, int4-block 0.13-0.17, palettize4 0.14-0.21; at D=256 / chunk 32 (bench):
+# int8 1.3e-2, int4-block 0.18, palettize4 0.19. A sanity bound, not a quality claim for real weights.
+ERROR_BOUNDS = {"fp16": 1e-2, "int8": 3e-2, "palettize4": 0.3, "int4-block": 0.3}
+
+
+# the linear ops of the sidecar graph (output names) and the AttentionWeights field each holds
+PROJECTIONS = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "attn_out": "o_proj"}
+
+
+def validate_weights_mode(mode: str, geometry: AttentionGeometry, target: str = "macOS15") -> str:
+    """Refuse an unknown mode, one the deployment target lacks, or a projection the mode would
+    silently skip (coremltools leaves a weight uncompressed when its block/group does not divide it)."""
+    if mode not in WEIGHT_MODES:
+        raise AnelabInputError(f"unknown --weights {mode!r}; supported: {'|'.join(WEIGHT_MODES)}")
+    if target not in DEPLOYMENT_TARGETS:
+        raise AnelabInputError(f"unknown deployment target {target!r}; supported: {', '.join(DEPLOYMENT_TARGETS)}")
+    if DEPLOYMENT_TARGETS[target] < MINIMUM_IOS[mode]:
+        raise AnelabInputError(
+            f"--weights {mode} needs iOS {MINIMUM_IOS[mode]} / macOS {MINIMUM_IOS[mode] - 3}+, not {target}; use int8 or fp16"
+        )
+    g = geometry
+    q_rows = g.num_heads * g.head_dim * (2 if g.is_gated else 1)
+    shapes = {
+        "q_proj": (q_rows, g.hidden_size),
+        "k_proj": (g.num_kv_heads * g.head_dim, g.hidden_size),
+        "v_proj": (g.num_kv_heads * g.head_dim, g.hidden_size),
+        "o_proj": (g.hidden_size, g.num_heads * g.head_dim),
+    }
+    for name, (rows, cols) in shapes.items():
+        if mode == "int4-block" and cols % INT4_BLOCK_SIZE:
+            raise AnelabInputError(
+                f"--weights int4-block: {name} has {cols} input columns, not a multiple of the block "
+                f"{INT4_BLOCK_SIZE}; use int8 or palettize4"
+            )
+        if mode == "palettize4" and rows % PALETTE_GROUP_SIZE:
+            raise AnelabInputError(
+                f"--weights palettize4: {name} has {rows} output channels, not a multiple of the group {PALETTE_GROUP_SIZE}; use int8"
+            )
+    return mode
+
+
+def _optimization(mode: str):
+    """(compress function, OptimizationConfig) applying ``mode`` to linear weights only."""
+    with quiet_coremltools():
+        import coremltools.optimize.coreml as cto
+    if mode == "int8":
+        op = cto.OpLinearQuantizerConfig(
+            mode="linear_symmetric", dtype="int8", granularity="per_channel", weight_threshold=0
+        )
+        fn = cto.linear_quantize_weights
+    elif mode == "int4-block":
+        op = cto.OpLinearQuantizerConfig(
+            mode="linear_symmetric",
+            dtype="int4",
+            granularity="per_block",
+            block_size=INT4_BLOCK_SIZE,
+            weight_threshold=0,
+        )
+        fn = cto.linear_quantize_weights
+    elif mode == "palettize4":
+        op = cto.OpPalettizerConfig(
+            mode="custom",
+            lut_function=kmeans_lut,
+            granularity="per_grouped_channel",
+            group_size=PALETTE_GROUP_SIZE,
+            weight_threshold=0,
+        )
+        fn = cto.palettize_weights
+    else:
+        raise AnelabInputError(f"--weights {mode} is not a compression mode; supported: int8|palettize4|int4-block")
+    # global_config None: consts feeding any other op type (RoPE tables, norms) stay fp16
+    return fn, cto.OptimizationConfig(op_type_configs={"linear": op})
+
+
+def kmeans_lut(values: np.ndarray, entries: int = PALETTE_ENTRIES, iterations: int = KMEANS_ITERATIONS):
+    """1-D k-means (Lloyd) of ``values`` (any shape) into ``entries`` centroids.
+
+    Starts from the values' quantiles at (i + 0.5) / entries, then alternates nearest-centroid
+    assignment (binary search on the midpoints of the sorted centroids) and centroid = mean of its
+    values; an empty cluster keeps its centroid. Deterministic. Returns (lut [entries] in the
+    values' dtype, indices [values.size] uint8 of the nearest entry of the *stored* lut).
+    """
+    flat = np.asarray(values, dtype=np.float64).ravel()
+    centroids = np.quantile(flat, (np.arange(entries) + 0.5) / entries)
+    for _ in range(iterations):
+        centroids = np.sort(centroids)
+        assign = np.searchsorted((centroids[1:] + centroids[:-1]) / 2, flat)
+        sums = np.bincount(assign, weights=flat, minlength=entries)
+        counts = np.bincount(assign, minlength=entries)
+        centroids = np.where(counts > 0, sums / np.maximum(counts, 1), centroids)
+    lut = np.sort(centroids).astype(np.asarray(values).dtype)
+    stored = lut.astype(np.float64)
+    indices = np.searchsorted((stored[1:] + stored[:-1]) / 2, flat).astype(np.uint8)
+    return lut, indices
+
+
+def compress_package(src: str | os.PathLike, dest: str | os.PathLike, mode: str) -> Path:
+    """Compress the projection weights of a single-function package ``src`` into ``dest``."""
+    ct, _, _ = coremltools_modules()
+    fn, config = _optimization(mode)
+    with quiet_coremltools():
+        model = ct.models.MLModel(str(src), skip_model_load=True)
+        compressed = fn(model, config)
+        compressed.save(str(dest))
+    return Path(dest)
+
+
+def dequantized_weights(saved, function: str, weights: AttentionWeights) -> AttentionWeights:
+    """``weights`` with its four projection matrices replaced by the ones the saved package
+    holds for ``function`` (decompressed from its constexpr ops by ``anelab.mil_eval``'s kernels).
+
+    ``saved``: an ``anelab.mil_eval.SavedPackage``. A projection stored uncompressed is read as is.
+    Refuses a package whose linear ops do not carry the four projections.
+    """
+    from anelab.sidecar.evaluate import Interpreter
+    from anelab.sidecar.kernels import KERNELS
+
+    fn = saved.mil_function(function)
+    it = Interpreter(saved, fn, fp16=True)
+    found = {}
+    for op in fn.operations:
+        if op.op_type != "linear" or op.outputs[0].name not in PROJECTIONS:
+            continue
+        var = op.inputs["weight"]
+        producer = var.op
+        if producer is not None and producer.op_type.startswith("constexpr_"):
+            kernel = KERNELS.get(producer.op_type)
+            if kernel is None:
+                raise AnelabInputError(
+                    f"{saved.path.name}: weight op {producer.op_type!r} is not supported by anelab's evaluator"
+                )
+            value = kernel(it, producer)
+        else:
+            value = saved.const_value(var)
+        found[PROJECTIONS[op.outputs[0].name]] = np.asarray(value, dtype=np.float32)
+    missing = sorted(set(PROJECTIONS.values()) - set(found))
+    if missing:
+        raise AnelabInputError(
+            f"{saved.path.name}:{function} lacks the projections {missing}; re-export it with 'anelab export'"
+        )
+    for name, value in found.items():
+        if value.shape != getattr(weights, name).shape:
+            raise AnelabInputError(
+                f"{saved.path.name}:{function} holds {name} of shape {list(value.shape)}, "
+                f"the checkpoint {list(getattr(weights, name).shape)}; pass the checkpoint it was exported from"
+            )
+    return dataclasses.replace(weights, **found)

@@ -1,0 +1,36 @@
+"""The cost planner: predicts the offload win before anything is built.
+
+``catalogue`` (recorded model families, plan geometry), ``fit`` (per-token costs and the load model
+fitted on the seeds' records), ``plan`` (one prompt's schedule, setup and verdict).
+"""
+
+from anelab.studies.planner.catalogue import (
+    FAMILIES,
+    REFERENCE_CHUNK,
+    REFERENCE_TOKENS,
+    Family,
+    PlanGeometry,
+    every_fourth,
+    family_table,
+    get_family,
+)
+from anelab.studies.planner.fit import CostFit, LoadModel, fit_costs, load_fit_report
+from anelab.studies.planner.plan import PrefillPlan, plan, predicted_vs_recorded
+
+__all__ = [
+    "FAMILIES",
+    "REFERENCE_CHUNK",
+    "REFERENCE_TOKENS",
+    "every_fourth",
+    "CostFit",
+    "Family",
+    "LoadModel",
+    "PlanGeometry",
+    "PrefillPlan",
+    "family_table",
+    "fit_costs",
+    "get_family",
+    "load_fit_report",
+    "plan",
+    "predicted_vs_recorded",
+]

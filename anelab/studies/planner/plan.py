@@ -1,0 +1,506 @@
+"""Plan a prefill: which chunks the ANE runs, which sidecar variants load, and whether it pays.
+
+A prompt of ``prompt_tokens`` is cut into chunks of width ``chunk`` starting at 0, C, 2C, ...
+A chunk runs on the ANE only if it is a full chunk or a continuation of a long prompt: a prompt
+shorter than one chunk is a single partial chunk and stays on the GPU (seed, "When it runs").
+Each ANE chunk at start ``s`` calls function ``h<s>`` of every full-attention layer's sidecar,
+so it visits one ``(layer, history=s)`` variant per full-attention layer; the functions on hand
+(``histories``) give ``coverage = max(histories) + chunk``.
+
+Cost model (seconds; all terms additive)::
+
+    GPU arm = non_attention + sum over chunks, full-attention layers of gpu_attention(chunk)
+    ANE arm = non_attention + sum over ANE chunks, layers of ane_attention(chunk)
+                            + sum over GPU chunks, layers of gpu_attention(chunk)
+                            + setup,   setup = sum over visited variants of load(history)
+
+Attention time is a rate (seconds per score entry) times the score entries of one layer-chunk,
+``heads x query rows x keys``:
+
+- ANE (dense graph, padded to the sidecar's width): ``heads x chunk x (history + chunk)`` — the
+  score arena (``score_arena_bytes / 2``); a short continuation still costs a full chunk.
+- GPU, dense families: ``heads x rows x (history + rows)`` with ``rows`` the chunk's real tokens.
+- GPU, sparse-indexed families (``sparse_budget`` B, e.g. Qwen 3.8's QSA indexer, B = 2,051):
+  ``heads x rows x min(B, history + rows)`` — the GPU gathers at most B keys per query while the
+  ANE scores all of them and masks the rest (seed, "The GPU path is already sparse").
+
+The linear (projection) part of the block is folded into the rate, so a rate fitted at one
+workload is an approximation at another. ``non_attention`` scales linearly with prompt tokens from
+the family's reference workload (4,333 tokens). ``predicted_ratio = GPU arm / ANE arm`` — the
+seed's "Ratio": above 1 the ANE arm is faster, and the decision is ``"ane"``.
+
+Where costs come from (:func:`fit_costs`, reading the records in ``data/``):
+
+- ANE rate: one measured h0 prediction of Qwen 3.8 (0.43 s for 24 x 4,096 x 4,096 entries),
+  assumed to hold for every family (all are head_dim 256 here).
+- Dense GPU rate and the dense per-variant setup: one weighted least-squares fit over every dense
+  A/B row (Qwen 3.5 and the 35B, both widths); each row contributes
+  ``gpu - ane = gpu_attention - ane_attention - setup`` (non-attention cancels).
+- Sparse GPU rate: the two Qwen 3.8 rows, the same way.
+- Loads: Qwen 3.8's three recorded ``MLModel(contentsOf:)`` times where history, chunk and heads
+  match; otherwise a power law in score-arena bytes fitted on those three; the 35B's ~0.5 s per
+  layer-chunk from the runtime's note; dense Qwen 3.5: the fitted per-variant setup.
+- Non-attention: per family, the mean residual of its rows at the reference workload.
+
+:func:`predicted_vs_recorded` reports how well that recovers each recorded ratio, in-sample and
+leave-one-out.
+
+What the fit says that the seed does not (read these before trusting a decomposition):
+
+- The dense per-variant setup fits below zero and is pinned at 0: the dense A/B rows leave no room
+  for the ~0.5 s per layer-chunk the runtime's note gives the 35B (the 35B keeps its note).
+- Qwen 3.8's recorded ANE arm (273.5 s) holds the 244 s of loads only if its non-attention prefill
+  is ~5 s, so the fit puts ~186 s of its GPU prefill into sparse attention (a gather rate 3.4x the
+  dense GPU rate per score entry). Either the GPU's gather path is that slow, or the recorded ANE
+  arm hides part of the loads; the seed does not say which. The verdict does not depend on it:
+  the setup alone exceeds the whole GPU prefill.
+- Weight precision moves only non-attention: 4-bit and 8-bit of one model share attention rates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from anelab.errors import AnelabInputError
+from anelab.geometry import coverage as _coverage
+from anelab.geometry import validate_chunk_and_histories
+from anelab.paths import DATA_DIR
+from anelab.studies.planner.catalogue import (
+    FITTED,
+    FLAG,
+    RECORDED,
+    REFERENCE_CHUNK,
+    REFERENCE_TOKENS,
+    Chunk,
+    Family,
+    PlanGeometry,
+    ane_score_entries,
+    chunk_schedule,
+    get_family,
+    gpu_score_entries,
+    positive_seconds,
+    require_positive,
+)
+from anelab.studies.planner.fit import CostFit, LoadModel, cached_fit, fit_costs, predicted_ane_seconds
+
+
+# ---- costs of one plan ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanCosts:
+    """Costs the planner applies: rates per score entry, loads, non-attention seconds for the prompt."""
+
+    gpu_seconds_per_entry: float
+    ane_seconds_per_entry: float
+    load: LoadModel
+    non_attention_seconds: float
+    sources: dict
+
+
+def _family_costs(family: Family, prompt_tokens: int, fit: CostFit) -> PlanCosts:
+    if family.sparse:
+        load = fit.recorded_load_model()
+        load_source = "recorded per history (seed-38-variant-loads.json); power fit elsewhere"
+    elif family.setup_note_seconds is not None:
+        load = LoadModel(flat=family.setup_note_seconds, source=RECORDED)
+        load_source = "recorded ~0.5 s per layer-chunk (seed-35b-setup-note.json)"
+    else:
+        load = LoadModel(flat=fit.dense_setup_seconds_per_variant, source=FITTED)
+        load_source = "fitted dense per-variant setup (A/B rows)"
+    return PlanCosts(
+        gpu_seconds_per_entry=fit.gpu_sparse_seconds_per_entry if family.sparse else fit.gpu_dense_seconds_per_entry,
+        ane_seconds_per_entry=fit.ane_seconds_per_entry,
+        load=load,
+        non_attention_seconds=fit.non_attention_seconds[family.name] * prompt_tokens / REFERENCE_TOKENS,
+        sources={
+            "gpu_attention": (
+                "fitted sparse rate (Qwen 3.8 A/B rows)" if family.sparse else "fitted dense rate (A/B rows)"
+            ),
+            "ane_attention": "recorded h0 prediction of Qwen 3.8 (0.43 s), per score entry",
+            "load": load_source,
+            "non_attention": f"fitted at {REFERENCE_TOKENS:,} tokens, scaled linearly to the prompt"
+            + ("; the fit was negative and is clamped to 0" if family.name in fit.non_attention_clamped else ""),
+        },
+    )
+
+
+# ---- the plan ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PrefillPlan:
+    """The planner's answer for one prompt (see :func:`plan`). ``predicted_ratio`` = GPU / ANE arm."""
+
+    family: str | None
+    geometry: dict
+    prompt_tokens: int
+    chunk: int
+    histories: list
+    coverage: int
+    coverage_needed: int
+    fits: bool
+    chunks: list
+    variants: list
+    variants_visited: int
+    load_seconds: dict
+    setup_seconds: float
+    non_attention_seconds: float
+    gpu_attention_seconds: float
+    ane_attention_seconds: float
+    attention_saved_seconds: float
+    gpu_prefill_seconds: float
+    ane_prefill_seconds: float
+    predicted_ratio: float
+    decision: str
+    reason: str
+    keys_per_query: dict
+    cost_sources: dict
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _costs_from_flags(
+    geometry: PlanGeometry,
+    chunk: int,
+    histories: list[int],
+    load_seconds,
+    gpu_attention_seconds,
+    ane_attention_seconds,
+    non_attention_seconds,
+    base: PlanCosts | None,
+) -> PlanCosts:
+    """Override a family's costs (or supply all of them) from flags; flags are documented in :func:`plan`."""
+    given = {
+        "--load-seconds": load_seconds,
+        "--gpu-attention-seconds": gpu_attention_seconds,
+        "--ane-attention-seconds": ane_attention_seconds,
+        "--non-attention-seconds": non_attention_seconds,
+    }
+    if base is None:
+        missing = [k for k, v in given.items() if v is None]
+        if missing:
+            raise AnelabInputError(
+                f"without --family, pass {', '.join(missing)} (or choose a --family; see --list-families)"
+            )
+    sources = dict(base.sources) if base else {}
+    gpu_rate = base.gpu_seconds_per_entry if base else 0.0
+    ane_rate = base.ane_seconds_per_entry if base else 0.0
+    if gpu_attention_seconds is not None:
+        gpu_rate = positive_seconds("--gpu-attention-seconds", gpu_attention_seconds) / gpu_score_entries(
+            geometry, chunk, 0
+        )
+        sources["gpu_attention"] = "flag (one layer, full chunk at history 0; scaled by score entries)"
+    if ane_attention_seconds is not None:
+        ane_rate = positive_seconds("--ane-attention-seconds", ane_attention_seconds) / ane_score_entries(
+            geometry, chunk, 0
+        )
+        sources["ane_attention"] = "flag (one layer, full chunk at history 0; scaled by score entries)"
+    load = base.load if base else None
+    if load_seconds is not None:
+        values = [load_seconds] if isinstance(load_seconds, (int, float)) else list(load_seconds)
+        values = [positive_seconds("--load-seconds", v) for v in values]
+        if len(values) == 1:
+            load = LoadModel(flat=values[0], source=FLAG)
+        elif len(values) == len(histories):
+            load = LoadModel(dict(zip(histories, values)), chunk, geometry.num_heads, source=FLAG)
+        else:
+            raise AnelabInputError(
+                f"--load-seconds gives {len(values)} values for {len(histories)} histories; give one value, or one per history"
+            )
+        sources["load"] = "flag"
+    non_attention = base.non_attention_seconds if base else 0.0
+    if non_attention_seconds is not None:
+        non_attention = positive_seconds("--non-attention-seconds", non_attention_seconds)
+        sources["non_attention"] = "flag (seconds for this prompt)"
+    return PlanCosts(gpu_rate, ane_rate, load, non_attention, sources)
+
+
+def _histories(chunk: int, needed: list[int], histories, max_history, family: Family | None) -> tuple[list[int], str]:
+    """The histories on hand and where they came from."""
+    if histories is not None and max_history is not None:
+        raise AnelabInputError("pass --histories or --max-history, not both")
+    cap = family.max_history if family else None
+    if max_history is not None:
+        if (
+            isinstance(max_history, bool)
+            or not isinstance(max_history, (int, np.integer))
+            or max_history < 0
+            or max_history % chunk
+        ):
+            raise AnelabInputError(
+                f"--max-history must be a non-negative multiple of the chunk {chunk}, got {max_history}"
+            )
+        if cap is not None and max_history > cap:
+            raise AnelabInputError(
+                f"--max-history {max_history} exceeds {family.name}'s recorded cap {cap} (coverage {cap + chunk:,}): "
+                f"larger variants are refused at export; use --max-history {cap}"
+            )
+        return list(range(0, max_history + 1, chunk)), "max-history"
+    if histories is not None:
+        hs = validate_chunk_and_histories(chunk, list(histories))
+        if cap is not None and max(hs) > cap:
+            raise AnelabInputError(
+                f"history {max(hs)} exceeds {family.name}'s recorded cap {cap}; drop it from --histories"
+            )
+        return hs, "histories"
+    top = max(needed) if needed else 0
+    if cap is not None and top > cap:
+        return list(range(0, cap + 1, chunk)), "family cap"
+    return list(range(0, top + 1, chunk)), "default"
+
+
+def plan(
+    prompt_tokens: int,
+    *,
+    family: str | None = None,
+    chunk: int | None = None,
+    histories: Sequence[int] | None = None,
+    max_history: int | None = None,
+    num_layers: int | None = None,
+    full_attention_layers: Sequence[int] | None = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    sparse_budget: int | None = None,
+    load_seconds: float | Sequence[float] | None = None,
+    gpu_attention_seconds: float | None = None,
+    ane_attention_seconds: float | None = None,
+    non_attention_seconds: float | None = None,
+    allow_past_coverage: bool = False,
+    data_dir: str | Path | None = None,
+) -> PrefillPlan:
+    """Plan the prefill of one prompt and decide ANE offload vs GPU.
+
+    ``family`` supplies geometry and fitted costs (see :data:`FAMILIES`); any geometry or cost
+    argument overrides it, and without a family all of them are needed. Cost arguments:
+    ``load_seconds`` — one value for every variant, or one per history; ``gpu_attention_seconds``
+    / ``ane_attention_seconds`` — one full-attention layer's attention for a full chunk at history
+    0 (other layer-chunks scale with their score entries); ``non_attention_seconds`` — the rest of
+    this prompt's prefill. ``histories`` defaults to the multiples of ``chunk`` the prompt needs
+    (capped at the family's recorded ``max_history``). A prompt past coverage raises
+    :class:`AnelabInputError` naming the coverage needed, unless ``allow_past_coverage`` (then the
+    plan says ``fits=False`` and stays on the GPU).
+    """
+    fam = get_family(family) if family is not None else None
+    chunk = REFERENCE_CHUNK if chunk is None and fam is not None else chunk
+    if chunk is None:
+        raise AnelabInputError("pass --chunk (the sidecar's width) or a --family")
+    require_positive("--prompt-tokens", prompt_tokens)
+    require_positive("--chunk", chunk)
+
+    base_g = fam.geometry if fam else None
+    if base_g is None:
+        missing = [
+            f
+            for f, v in (
+                ("--layers", num_layers),
+                ("--full-attention-layers", full_attention_layers),
+                ("--heads", num_heads),
+            )
+            if v is None
+        ]
+        if missing:
+            raise AnelabInputError(
+                f"without --family, pass {', '.join(missing)} (or choose a --family; see --list-families)"
+            )
+    geometry = PlanGeometry(
+        num_layers if num_layers is not None else base_g.num_layers,
+        tuple(full_attention_layers) if full_attention_layers is not None else base_g.full_attention_layers,
+        num_heads if num_heads is not None else base_g.num_heads,
+        num_kv_heads if num_kv_heads is not None else (base_g.num_kv_heads if base_g and num_heads is None else None),
+        head_dim if head_dim is not None else (base_g.head_dim if base_g else None),
+        sparse_budget if sparse_budget is not None else (base_g.sparse_budget if base_g else None),
+    )
+
+    schedule = chunk_schedule(prompt_tokens, chunk)
+    ane_chunks = [c for c in schedule if c.device == "ane"]
+    needed = [c.history for c in ane_chunks]
+    hs, hs_source = _histories(chunk, needed, histories, max_history, fam)
+    coverage = _coverage(hs, chunk)
+    coverage_needed = (max(needed) + chunk) if needed else 0
+    missing_h = sorted(set(needed) - set(hs))
+    fits = not missing_h
+    if not fits and not allow_past_coverage:
+        where = (
+            f"; {fam.name}'s recorded cap is --max-history {fam.max_history} (coverage {fam.max_history + chunk:,}), "
+            f"so this prompt must stay on the GPU"
+            if fam and fam.max_history is not None and max(needed) > fam.max_history
+            else f"; use --max-history {max(needed)}"
+        )
+        raise AnelabInputError(
+            f"prompt of {prompt_tokens:,} tokens is past coverage {coverage:,}: it needs coverage {coverage_needed:,} "
+            f"(histories {', '.join(str(h) for h in missing_h)} missing){where}"
+        )
+    if not fits:
+        ane_chunks = []
+        schedule = [Chunk(c.index, c.start, c.tokens, "gpu") for c in schedule]
+
+    fit = fit_costs(data_dir) if fam is not None else None
+    base_costs = _family_costs(fam, prompt_tokens, fit) if fam is not None else None
+    costs = _costs_from_flags(
+        geometry,
+        chunk,
+        hs,
+        load_seconds,
+        gpu_attention_seconds,
+        ane_attention_seconds,
+        non_attention_seconds,
+        base_costs,
+    )
+
+    layers = geometry.full_attention_layers
+    n_fa = len(layers)
+    gpu_attn_all = (
+        sum(costs.gpu_seconds_per_entry * gpu_score_entries(geometry, c.tokens, c.history) for c in schedule) * n_fa
+    )
+    gpu_attn_offloaded = (
+        sum(costs.gpu_seconds_per_entry * gpu_score_entries(geometry, c.tokens, c.history) for c in ane_chunks) * n_fa
+    )
+    ane_attn = (
+        sum(costs.ane_seconds_per_entry * ane_score_entries(geometry, chunk, c.history) for c in ane_chunks) * n_fa
+    )
+    load_by_history = {}
+    for c in ane_chunks:
+        seconds, source = costs.load.seconds(geometry, chunk, c.history)
+        load_by_history[str(c.history)] = {
+            "seconds": seconds,
+            "source": source,
+            "score_arena_bytes": geometry.score_arena_bytes(chunk, c.history),
+        }
+    setup = n_fa * sum(v["seconds"] for v in load_by_history.values())
+    variants = [[layer, c.history] for layer in layers for c in ane_chunks]
+
+    n = costs.non_attention_seconds
+    gpu_total = n + gpu_attn_all
+    ane_total = n + gpu_attn_all - gpu_attn_offloaded + ane_attn + setup
+    if ane_total <= 0:
+        raise AnelabInputError("every cost is zero; pass non-zero --gpu-attention-seconds or --non-attention-seconds")
+    ratio = gpu_total / ane_total
+    saved = gpu_attn_offloaded - ane_attn
+    keys = {"gpu": None, "ane": None}
+    if ane_chunks:
+        top = max(c.history for c in ane_chunks) + chunk
+        keys = {"ane": top, "gpu": min(geometry.sparse_budget, top) if geometry.sparse_budget else top}
+    decision = "ane" if ane_chunks and ratio > 1.0 else "gpu"
+    reason = _reason(
+        decision,
+        prompt_tokens,
+        chunk,
+        fits,
+        coverage_needed,
+        coverage,
+        setup,
+        saved,
+        gpu_total,
+        gpu_attn_offloaded,
+        ane_attn,
+        len(variants),
+        keys,
+        geometry,
+    )
+    return PrefillPlan(
+        family=fam.name if fam else None,
+        geometry=geometry.to_dict(),
+        prompt_tokens=prompt_tokens,
+        chunk=chunk,
+        histories=hs,
+        coverage=coverage,
+        coverage_needed=coverage_needed,
+        fits=fits,
+        chunks=[{**asdict(c), "history": c.history} for c in schedule],
+        variants=variants,
+        variants_visited=len(variants),
+        load_seconds=load_by_history,
+        setup_seconds=setup,
+        non_attention_seconds=n,
+        gpu_attention_seconds=gpu_attn_all,
+        ane_attention_seconds=ane_attn,
+        attention_saved_seconds=saved,
+        gpu_prefill_seconds=gpu_total,
+        ane_prefill_seconds=ane_total,
+        predicted_ratio=ratio,
+        decision=decision,
+        reason=reason,
+        keys_per_query=keys,
+        cost_sources={**costs.sources, "histories": hs_source},
+    )
+
+
+def _reason(
+    decision,
+    prompt_tokens,
+    chunk,
+    fits,
+    needed,
+    coverage,
+    setup,
+    saved,
+    gpu_total,
+    gpu_attn,
+    ane_attn,
+    n_variants,
+    keys,
+    geometry,
+) -> str:
+    """One line naming the dominant term of the decision."""
+    if not fits:
+        return f"prompt past coverage: needs {needed:,}, the histories give {coverage:,}; it stays on the GPU"
+    if n_variants == 0:
+        return f"short prompt: {prompt_tokens:,} tokens is one partial chunk of {chunk:,}, which stays on the GPU"
+    sparse_note = ""
+    if geometry.sparse_budget is not None and keys["ane"] > keys["gpu"]:
+        sparse_note = (
+            f"sparse GPU path: the ANE scores {keys['ane'] / keys['gpu']:.1f}x the keys per query "
+            f"({keys['ane']:,} vs {keys['gpu']:,})"
+        )
+    if decision == "ane":
+        text = f"attention time saved {saved:.0f} s exceeds setup {setup:.0f} s ({n_variants} variant loads)"
+        return text + (f"; {sparse_note}" if sparse_note else "")
+    if saved <= 0:
+        head = f"ANE attention {ane_attn:.0f} s is no faster than the GPU's {gpu_attn:.0f} s"
+        return f"{sparse_note}: {head}" if sparse_note else head
+    text = f"setup {setup:.0f} s ({n_variants} variant loads) exceeds attention time saved {saved:.0f} s"
+    if setup > gpu_total:
+        text += f" and the whole GPU prefill {gpu_total:.0f} s"
+    return text + (f"; {sparse_note}" if sparse_note else "")
+
+
+def predicted_vs_recorded(data_dir: str | Path | None = None) -> list[dict]:
+    """Each recorded ratio against the model's prediction, three ways.
+
+    - ``in_sample``: the fit uses every row (this one included); the prediction takes the row's
+      measured GPU seconds as given and predicts its ANE seconds.
+    - ``leave_one_out``: the same, with the row's ANE time held out of the fit.
+    - ``plan``: what :func:`plan` says for the family at the row's prompt and chunk (non-attention
+      from the family fit, scaled by tokens) — no measured time of the row as input.
+    Errors are (predicted - recorded) / recorded.
+    """
+    directory = str(Path(data_dir or DATA_DIR).resolve())
+    fit = cached_fit(directory, None)
+    out = []
+    for row in fit.rows:
+        if row.ane_seconds is None:
+            continue
+        pred_in, clamped_in = predicted_ane_seconds(row, fit)
+        pred_loo, clamped_loo = predicted_ane_seconds(row, cached_fit(directory, (row.record, row.family)))
+        planned = plan(row.prompt_tokens, family=row.family, chunk=row.chunk, data_dir=directory).predicted_ratio
+        r_in, r_loo = row.gpu_seconds / pred_in, row.gpu_seconds / pred_loo
+        out.append(
+            {
+                "family": row.family,
+                "record": row.record,
+                "prompt_tokens": row.prompt_tokens,
+                "chunk": row.chunk,
+                "recorded_ratio": row.ratio,
+                "in_sample_ratio": r_in,
+                "in_sample_error": (r_in - row.ratio) / row.ratio,
+                "leave_one_out_ratio": r_loo,
+                "leave_one_out_error": (r_loo - row.ratio) / row.ratio,
+                "plan_ratio": planned,
+                "plan_error": (planned - row.ratio) / row.ratio,
+                "non_attention_clamped": clamped_in or clamped_loo,
+            }
+        )
+    return out

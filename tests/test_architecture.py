@@ -1,0 +1,98 @@
+"""The folder tree is the architecture: imports point one way (core <- hf <- sidecar <- runtime <-
+studies <- cli), no module imports another's private name, every module states its job."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "anelab"
+LAYERS = ("core", "hf", "sidecar", "runtime", "studies", "cli")
+
+
+def module_name(path: Path, root: Path = PACKAGE) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> str:
+    """The layer of an ``anelab`` module: its first sub-package, or core for top-level modules."""
+    parts = module.split(".")
+    if len(parts) >= 2 and parts[1] in ("hf", "sidecar", "runtime", "studies"):
+        return parts[1]
+    if parts[1:2] in (["cli"], ["__main__"]):
+        return "cli"
+    return "core"
+
+
+def anelab_imports(path: Path, root: Path = PACKAGE) -> list[tuple[int, str, list[str]]]:
+    """Every import of an anelab module in a file, module-level or inside functions:
+    (line, imported module, imported names)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.level == 0
+            and node.module.split(".")[0] == "anelab"
+        ):
+            names = [a.name for a in node.names]
+            # ``from anelab.studies import planner``: a sub-module import names the sub-module
+            stems = [(n, root.parent / f"{node.module}.{n}".replace(".", "/")) for n in names]
+            sub = [f"{node.module}.{n}" for n, stem in stems if stem.is_dir() or stem.with_suffix(".py").is_file()]
+            for target in sub or [node.module]:
+                found.append((node.lineno, target, names))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "anelab":
+                    found.append((node.lineno, alias.name, []))
+    return found
+
+
+def violations(root: Path = PACKAGE) -> list[str]:
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        me = module_name(path, root)
+        mine = LAYERS.index(layer_of(me))
+        for line, target, names in anelab_imports(path, root):
+            if target == "anelab":
+                continue  # the package's __version__
+            theirs = LAYERS.index(layer_of(target))
+            if theirs > mine:
+                bad.append(
+                    f"{path.relative_to(root.parent)}:{line}: {layer_of(me)} imports {layer_of(target)} ({target})"
+                )
+            for name in names:
+                if name.startswith("_") and not name.startswith("__") and target != me:
+                    bad.append(f"{path.relative_to(root.parent)}:{line}: imports private name {name} from {target}")
+    return bad
+
+
+def test_imports_point_one_way_and_no_private_names_cross_modules():
+    assert violations() == []
+
+
+def test_a_backward_import_is_caught(tmp_path):
+    """Negative control: the same walk over a copy where the graph module imports a study."""
+    import shutil
+
+    copy = tmp_path / "anelab"
+    shutil.copytree(PACKAGE, copy)
+    graph = copy / "sidecar" / "graphs" / "dense.py"
+    graph.write_text(graph.read_text() + "\n\ndef _late():\n    from anelab.studies.planner import plan  # noqa\n")
+    private = copy / "studies" / "chunk_sweep.py"
+    private.write_text(private.read_text() + "\nfrom anelab.sidecar.evaluate import _signature  # noqa\n")
+    found = violations(copy)
+    assert any("sidecar imports studies" in v and "dense.py" in v for v in found), found
+    assert any("private name _signature" in v for v in found), found
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_every_module_states_its_job_in_its_first_docstring_line(path):
+    if path.name == "__main__.py":
+        return
+    doc = ast.get_docstring(ast.parse(path.read_text()))
+    assert doc and doc.splitlines()[0].strip(), f"{path} has no one-line docstring stating its job"
