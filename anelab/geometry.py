@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from anelab.errors import AnelabInputError
 
 ATTENTION_VARIANTS = ("llama", "qwen3", "qwen3_next")
@@ -93,14 +95,39 @@ class AttentionGeometry:
         """Columns of o_proj.weight."""
         return self.num_heads * self.head_dim
 
-    def weight_parameter_count(self) -> int:
-        """Weights of one block (projections and norms), excluding biases."""
-        n = self.hidden_size * (self.q_out_features + 2 * self.kv_out_features) + self.attn_features * self.hidden_size
-        return n + (2 * self.head_dim if self.has_qk_norm else 0)
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every parameter of the block, by its Hugging Face name after ``self_attn.``.
+
+        q_proj.weight [q_out, D], k_proj/v_proj.weight [Hkv*d, D], o_proj.weight [D, Hq*d]; biases
+        [out] where the geometry has them; q_norm/k_norm.weight [d] for per-head q/k norms.
+        """
+        shapes = {
+            "q_proj.weight": (self.q_out_features, self.hidden_size),
+            "k_proj.weight": (self.kv_out_features, self.hidden_size),
+            "v_proj.weight": (self.kv_out_features, self.hidden_size),
+            "o_proj.weight": (self.hidden_size, self.attn_features),
+        }
+        if self.has_qkv_bias:
+            shapes.update(
+                {
+                    "q_proj.bias": (self.q_out_features,),
+                    "k_proj.bias": (self.kv_out_features,),
+                    "v_proj.bias": (self.kv_out_features,),
+                }
+            )
+        if self.has_o_bias:
+            shapes["o_proj.bias"] = (self.hidden_size,)
+        if self.has_qk_norm:
+            shapes.update({"q_norm.weight": (self.head_dim,), "k_norm.weight": (self.head_dim,)})
+        return shapes
+
+    def parameter_count(self) -> int:
+        """Parameters of one block: projections, q/k norms and biases (what a sidecar stores)."""
+        return sum(int(np.prod(shape)) for shape in self.parameter_shapes().values())
 
     def score_arena_bytes(self, chunk: int, history: int, dtype_bytes: int = FP16_BYTES) -> int:
         """Bytes of the dense score matrix [heads, chunk, history + chunk]."""
-        return self.num_heads * chunk * (history + chunk) * dtype_bytes
+        return score_arena_bytes(self.num_heads, chunk, history, dtype_bytes)
 
     def block_flops(self, chunk: int, history: int) -> int:
         """Multiply-add FLOPs (2 per MAC) of the block for one chunk: projections + QK^T + PV."""
@@ -120,6 +147,12 @@ class AttentionGeometry:
         d = dict(d)
         d["full_attention_layers"] = tuple(d.get("full_attention_layers", (0,)))
         return cls(**d)
+
+
+def score_arena_bytes(heads: int, chunk: int, history: int, dtype_bytes: int = FP16_BYTES) -> int:
+    """Bytes of one function's dense score matrix [heads, chunk, history + chunk] (the working set
+    that the seed found the load time to track)."""
+    return int(heads) * int(chunk) * (int(history) + int(chunk)) * int(dtype_bytes)
 
 
 def coverage(histories: list[int] | tuple[int, ...], chunk: int) -> int:
@@ -145,7 +178,11 @@ def validate_chunk_and_histories(chunk: int, histories: list[int]) -> list[int]:
 
 
 def chunk_starts(prompt_tokens: int, chunk: int) -> list[int]:
-    """Start position (history) of each chunk of a prompt: 0, C, 2C, ... < prompt_tokens."""
-    if prompt_tokens < 1:
-        raise AnelabInputError(f"prompt_tokens must be >= 1, got {prompt_tokens}")
+    """Start position (history) of each chunk of a prompt: 0, C, 2C, ... < prompt_tokens.
+
+    The last chunk may be partial (prompt_tokens - start < C real rows)."""
+    if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, (int, np.integer)) or prompt_tokens < 1:
+        raise AnelabInputError(f"--prompt-tokens must be a positive integer, got {prompt_tokens!r}")
+    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
+        raise AnelabInputError(f"--chunk must be a positive integer, got {chunk!r}")
     return list(range(0, int(prompt_tokens), int(chunk)))

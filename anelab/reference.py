@@ -41,7 +41,7 @@ import numpy as np
 from anelab.errors import AnelabInputError
 from anelab.geometry import AttentionGeometry
 from anelab.masks import MASKED
-from anelab.weights import AttentionWeights
+from anelab.weights import WEIGHT_FIELDS, AttentionWeights
 
 PRECISIONS = {"fp32": np.float32, "fp64": np.float64}
 DEFAULT_QUERY_TILE = 256
@@ -97,27 +97,15 @@ def _expect_shape(name: str, array: np.ndarray, expected: tuple[int, ...]) -> No
 
 
 def _check_weights(weights: AttentionWeights, geometry: AttentionGeometry) -> None:
-    g = geometry
-    _expect_shape("weights.q_proj", weights.q_proj, (g.q_out_features, g.hidden_size))
-    _expect_shape("weights.k_proj", weights.k_proj, (g.kv_out_features, g.hidden_size))
-    _expect_shape("weights.v_proj", weights.v_proj, (g.kv_out_features, g.hidden_size))
-    _expect_shape("weights.o_proj", weights.o_proj, (g.hidden_size, g.attn_features))
-    for name, size in (
-        ("q_bias", g.q_out_features),
-        ("k_bias", g.kv_out_features),
-        ("v_bias", g.kv_out_features),
-        ("o_bias", g.hidden_size),
-    ):
-        if getattr(weights, name) is not None:
-            _expect_shape(f"weights.{name}", getattr(weights, name), (size,))
-    for name in ("q_norm", "k_norm"):
-        w = getattr(weights, name)
-        if g.has_qk_norm and w is None:
+    """Every parameter the geometry needs is present with its shape (``geometry.parameter_shapes``)."""
+    for hf_name, shape in geometry.parameter_shapes().items():
+        name = WEIGHT_FIELDS[hf_name]
+        value = getattr(weights, name)
+        if value is None:
             raise AnelabInputError(
-                f"variant {g.variant} needs weights.{name} [{g.head_dim}]; load it from the checkpoint"
+                f"{geometry.variant} block needs weights.{name} {list(shape)}; load it from the checkpoint"
             )
-        if w is not None:
-            _expect_shape(f"weights.{name}", w, (g.head_dim,))
+        _expect_shape(f"weights.{name}", value, shape)
 
 
 def _check_hidden(name: str, hidden: np.ndarray, geometry: AttentionGeometry) -> int:

@@ -41,32 +41,40 @@ class AttentionWeights:
     o_bias: np.ndarray | None = None
 
 
+# AttentionWeights field of each Hugging Face parameter name (after ``self_attn.``)
+WEIGHT_FIELDS = {
+    "q_proj.weight": "q_proj",
+    "k_proj.weight": "k_proj",
+    "v_proj.weight": "v_proj",
+    "o_proj.weight": "o_proj",
+    "q_norm.weight": "q_norm",
+    "k_norm.weight": "k_norm",
+    "q_proj.bias": "q_bias",
+    "k_proj.bias": "k_bias",
+    "v_proj.bias": "v_bias",
+    "o_proj.bias": "o_bias",
+}
+
+
 def random_attention_weights(geometry: AttentionGeometry, layer: int, seed: int) -> AttentionWeights:
     """Deterministic random weights for one layer (stream keyed by (seed, layer)).
 
     Projections ~ N(0, 1/fan_in), so a unit-variance input gives unit-variance outputs; biases
-    ~ N(0, 0.1^2); q/k norm multipliers ~ 1 + N(0, 0.1^2).
+    ~ N(0, 0.1^2); q/k norm multipliers ~ 1 + N(0, 0.1^2). Shapes from ``geometry.parameter_shapes``;
+    parameters are drawn in the order of ``WEIGHT_FIELDS`` (the stream, and so the default
+    checkpoint's bytes, depend on it).
     """
-    g = geometry
     rng = np.random.default_rng([int(seed), int(layer)])
-
-    def normal(shape, scale):
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-    w = AttentionWeights(
-        layer=layer,
-        q_proj=normal((g.q_out_features, g.hidden_size), g.hidden_size**-0.5),
-        k_proj=normal((g.kv_out_features, g.hidden_size), g.hidden_size**-0.5),
-        v_proj=normal((g.kv_out_features, g.hidden_size), g.hidden_size**-0.5),
-        o_proj=normal((g.hidden_size, g.attn_features), g.attn_features**-0.5),
-    )
-    if g.has_qk_norm:
-        w.q_norm = np.float32(1.0) + normal((g.head_dim,), 0.1)
-        w.k_norm = np.float32(1.0) + normal((g.head_dim,), 0.1)
-    if g.has_qkv_bias:
-        w.q_bias = normal((g.q_out_features,), 0.1)
-        w.k_bias = normal((g.kv_out_features,), 0.1)
-        w.v_bias = normal((g.kv_out_features,), 0.1)
-    if g.has_o_bias:
-        w.o_bias = normal((g.hidden_size,), 0.1)
-    return w
+    shapes = geometry.parameter_shapes()
+    values = {}
+    for hf_name, name in WEIGHT_FIELDS.items():
+        if hf_name not in shapes:
+            continue
+        shape = shapes[hf_name]
+        if hf_name.endswith("proj.weight"):
+            values[name] = (rng.standard_normal(shape) * shape[1] ** -0.5).astype(np.float32)
+        elif hf_name.endswith("norm.weight"):
+            values[name] = np.float32(1.0) + (rng.standard_normal(shape) * 0.1).astype(np.float32)
+        else:
+            values[name] = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+    return AttentionWeights(layer=layer, **values)

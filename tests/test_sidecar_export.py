@@ -117,7 +117,7 @@ def test_weights_are_stored_once(exported, tmp_path):
     ckpt, pkg = exported["qwen3"]
     meta = read_sidecar_metadata(pkg)
     one = meta.single_function_weight_bytes
-    params = TINY_GEOMETRIES["qwen3"].weight_parameter_count()
+    params = TINY_GEOMETRIES["qwen3"].parameter_count()
     assert one >= 2 * params  # fp16 weights are in the blob
     assert weight_bytes(pkg) <= 1.05 * one
 

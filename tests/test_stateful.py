@@ -59,6 +59,7 @@ def test_multi_chunk_prompt_with_decode_passes_verification(package):
         meta.graph == "stateful"
         and meta.coverage == CAPACITY
         and read_raw_metadata(pkg)[STATE_CAPACITY_META] == str(CAPACITY)
+        and read_sidecar_metadata(pkg).state_capacity == CAPACITY
     )
     saved = SavedPackage(pkg)
     assert list(saved.functions) == ["c8", "c1"]

@@ -17,6 +17,7 @@ import pytest
 
 from anelab.errors import AnelabInputError
 from anelab.geometry import AttentionGeometry
+from anelab.hf.checkpoint import load_checkpoint
 from anelab.records import read_record
 from anelab.sidecar.prompt import prefill_prompt, prompt_reference
 from anelab.studies.chunk_sweep import (
@@ -301,7 +302,7 @@ def test_whole_prompt_through_each_saved_design_matches_the_reference(designs, d
     ckpt, exports = designs
     rng = np.random.default_rng(3)
     hidden = rng.standard_normal((P_MEASURED, 64)).astype(np.float16)
-    expected = prompt_reference(ckpt, 0, hidden)
+    expected = prompt_reference(hidden, load_checkpoint(ckpt).layer(0), load_checkpoint(ckpt).geometry).attn_out
     out = prefill_prompt(exports[design].package, hidden)
     assert out.shape == (P_MEASURED, 64)
     err = np.linalg.norm(out.astype(np.float64) - expected) / np.linalg.norm(expected)
@@ -326,7 +327,7 @@ def test_prefill_refuses_a_prompt_past_the_exported_functions(designs):
 def test_numpy_prefill_record_is_written_as_measured(designs, tmp_path):
     ckpt, exports = designs
     hidden = np.random.default_rng(4).standard_normal((P_MEASURED, 64)).astype(np.float16)
-    expected = prompt_reference(ckpt, 0, hidden)
+    expected = prompt_reference(hidden, load_checkpoint(ckpt).layer(0), load_checkpoint(ckpt).geometry).attn_out
     ticks = iter(range(100))
     timing = time_numpy_prefill(
         exports["stateful"].package, hidden, expected, repeats=2, clock=lambda: float(next(ticks))

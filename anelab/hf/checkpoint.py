@@ -95,29 +95,6 @@ class Checkpoint:
             )
             raise AnelabInputError(f"layer {index} is {kind}, not full attention; full-attention layers: {full}")
 
-    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Shape of each parameter (name after ``self_attn.``) this geometry needs."""
-        g = self.geometry
-        shapes = {
-            "q_proj.weight": (g.q_out_features, g.hidden_size),
-            "k_proj.weight": (g.kv_out_features, g.hidden_size),
-            "v_proj.weight": (g.kv_out_features, g.hidden_size),
-            "o_proj.weight": (g.hidden_size, g.attn_features),
-        }
-        if g.has_qkv_bias:
-            shapes.update(
-                {
-                    "q_proj.bias": (g.q_out_features,),
-                    "k_proj.bias": (g.kv_out_features,),
-                    "v_proj.bias": (g.kv_out_features,),
-                }
-            )
-        if g.has_o_bias:
-            shapes["o_proj.bias"] = (g.hidden_size,)
-        if g.has_qk_norm:
-            shapes.update({"q_norm.weight": (g.head_dim,), "k_norm.weight": (g.head_dim,)})
-        return shapes
-
     def layer(self, index: int) -> AttentionWeights:
         """One full-attention layer's weights (float32; q/k norms as the effective multiplier).
 
@@ -126,7 +103,7 @@ class Checkpoint:
         """
         self._check_layer(index)
         index = int(index)
-        expected = self.expected_shapes()
+        expected = self.geometry.parameter_shapes()
         for param in ("q_proj.bias", "k_proj.bias", "v_proj.bias", "o_proj.bias"):
             name = self.tensor_name(index, param)
             if param not in expected and name in self.weight_map:

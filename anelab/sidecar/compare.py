@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+
+from anelab import reference
+from anelab.errors import AnelabInputError
+from anelab.geometry import AttentionGeometry
+from anelab.hf.checkpoint import Checkpoint, load_checkpoint
+from anelab.hf.config import CONFIG_FILE
+from anelab.sidecar.evaluate import SavedPackage, evaluate
+from anelab.sidecar.format import SidecarMetadata, history_of
+from anelab.weights import AttentionWeights
 
 # fp16 storage gives ~1e-3 relative error on this block (measured: see the closing note of issue 2);
 # 1 % leaves room for long rows while every negative control lands well above it.
@@ -45,3 +56,100 @@ class Comparison:
         if self.control:
             return self.worst > (RELATIVE_ERROR_THRESHOLD if self.bound is None else self.bound)
         return self.worst <= (RELATIVE_ERROR_THRESHOLD if self.bound is None else self.bound)
+
+
+# ---- the checkpoint a package came from, and one function's inputs run both ways -----------------
+
+
+def load_matching_checkpoint(meta: SidecarMetadata, checkpoint_dir: str | os.PathLike | None = None) -> Checkpoint:
+    """The checkpoint a package was exported from: ``checkpoint_dir``, else the path the package
+    records; refused (one line) when it is missing or its geometry differs from the package's."""
+    source = Path(checkpoint_dir) if checkpoint_dir is not None else Path(meta.source)
+    if not (source / CONFIG_FILE).is_file():
+        raise AnelabInputError(
+            f"checkpoint {source} (recorded in the package) has no {CONFIG_FILE}; pass --checkpoint DIR"
+        )
+    checkpoint = load_checkpoint(source)
+    if checkpoint.geometry.to_dict() != meta.geometry:
+        raise AnelabInputError(
+            f"checkpoint {source} has a different geometry than the package records; pass the checkpoint it was exported from"
+        )
+    return checkpoint
+
+
+@dataclass
+class FunctionInputs:
+    """Inputs of one per-history function ``h<H>`` (C = chunk, D = hidden, Hkv = KV heads, d = head_dim).
+
+    hidden     [C, D]        fp16 chunk rows (absolute positions H .. H+C-1)
+    k_history  [H, Hkv, d]   fp16 cached keys (normed and rotated), v_history likewise
+    """
+
+    function: str
+    history: int
+    hidden: np.ndarray
+    k_history: np.ndarray
+    v_history: np.ndarray
+
+
+def random_function_inputs(
+    function: str, chunk: int, weights: AttentionWeights, geometry: AttentionGeometry, rng: np.random.Generator
+) -> FunctionInputs:
+    """Random history rows projected by the fp64 reference into the cache, then random chunk rows."""
+    history = history_of(function)
+    hidden_history = rng.standard_normal((history, geometry.hidden_size)).astype(np.float16)
+    k_hist, v_hist = reference.history_kv(hidden_history.astype(np.float64), weights, geometry, "fp64")
+    hidden = rng.standard_normal((chunk, geometry.hidden_size)).astype(np.float16)
+    return FunctionInputs(function, history, hidden, k_hist.astype(np.float16), v_hist.astype(np.float16))
+
+
+def run_package(
+    saved: SavedPackage,
+    inputs: FunctionInputs,
+    mask: np.ndarray,
+    *,
+    hidden: np.ndarray | None = None,
+    fp16: bool = True,
+) -> dict[str, np.ndarray]:
+    """The saved function's outputs (attn_out [C, D], k_chunk/v_chunk [Hkv, C, d]) under ``mask``
+    [C, H + C], evaluated from disk; ``hidden`` [C, D] replaces the inputs' chunk rows."""
+    feed = {"hidden": inputs.hidden if hidden is None else hidden, "mask": np.asarray(mask, dtype=np.float16)}
+    if inputs.history > 0:
+        feed.update(k_history=inputs.k_history, v_history=inputs.v_history)
+    return evaluate(saved, inputs.function, feed, fp16=fp16)
+
+
+def run_reference(
+    inputs: FunctionInputs,
+    weights: AttentionWeights,
+    geometry: AttentionGeometry,
+    mask: np.ndarray,
+    *,
+    hidden: np.ndarray | None = None,
+    start: int | None = None,
+) -> reference.BlockOutput:
+    """The fp64 reference block on the same inputs; ``start`` moves the chunk's RoPE positions
+    (a negative control), ``hidden`` [C, D] replaces the chunk rows."""
+    f64 = lambda a: np.asarray(a, dtype=np.float64)
+    return reference.attention_block(
+        f64(inputs.hidden if hidden is None else hidden),
+        f64(inputs.k_history),
+        f64(inputs.v_history),
+        f64(mask),
+        weights,
+        geometry,
+        start=start,
+        precision="fp64",
+    )
+
+
+def output_errors(out: dict, ref: reference.BlockOutput, rows: int, names=OUTPUTS) -> dict[str, float]:
+    """Relative error of each named output over the first ``rows`` chunk rows."""
+    errors = {}
+    for name in names:
+        actual, expected = np.asarray(out[name]), getattr(ref, name)
+        if name == "attn_out":
+            errors[name] = relative_error(actual[:rows], expected[:rows])
+        else:  # [Hkv, C, d]
+            errors[name] = relative_error(actual[:, :rows], expected[:, :rows])
+    return errors

@@ -12,6 +12,7 @@ import datetime as _dt
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -20,16 +21,14 @@ from tqdm.auto import tqdm
 
 from anelab import __version__
 from anelab.errors import AnelabInputError
-from anelab.geometry import coverage, validate_chunk_and_histories
+from anelab.geometry import AttentionGeometry, coverage, validate_chunk_and_histories
 from anelab.hf.checkpoint import load_checkpoint
+from anelab.masks import MASKED
 from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools
 from anelab.sidecar.format import (
     FORMAT_VERSION,
     GRAPHS,
-    KEY_TILE_META,
     MAX_STATE_CAPACITY,
-    STATE_CAPACITY_META,
-    STATE_FUNCTIONS_META,
     SidecarMetadata,
     function_name,
     stateful_function_name,
@@ -41,6 +40,7 @@ from anelab.sidecar.graphs.dense import build_dense_program
 from anelab.sidecar.graphs.stateful import build_stateful_program
 from anelab.sidecar.graphs.tiled import build_tiled_program, validate_key_tile
 from anelab.sidecar.quantize import compress_package, validate_weights_mode
+from anelab.weights import AttentionWeights
 
 OFF_MAC_REASON = (
     "not verified: the Core ML runtime is unavailable on this machine (needs macOS 15+); run the export on a Mac"
@@ -174,7 +174,7 @@ def selection_indexer_metadata(selection: dict, graph: str) -> dict:
         "kept_blocks": kept,
         "compress_ratio": ratio,
         "dense_exact_window": dense_exact_window(kept, ratio),
-        "masked_value": -30000.0,
+        "masked_value": float(MASKED),
     }
 
 
@@ -220,77 +220,105 @@ def export_layer(
     key_tile = validate_graph_options(
         graph, key_tile, weights_mode, chunk, checkpoint.geometry, capacity=capacity, decode=decode
     )
-    weights = checkpoint.layer(layer)
-    geometry = checkpoint.geometry
     if graph == "stateful":
         capacity = validate_state_capacity(capacity, chunk, histories)
         histories = list(range(0, capacity, chunk))  # the chunk starts of a prefill that fills the cache
-        widths = [chunk] + ([1] if decode and chunk != 1 else [])
-        builds = {
-            stateful_function_name(w): (lambda w=w: build_stateful_program(geometry, weights, w, capacity))
-            for w in widths
-        }
     else:
         histories = validate_chunk_and_histories(chunk, list(histories))
-        build = (
-            (lambda s: build_tiled_program(geometry, weights, s, key_tile))
-            if graph == "tiled"
-            else (lambda s: build_dense_program(geometry, weights, s))
-        )
-        builds = {function_name(h): (lambda h=h: build(SidecarShape(chunk=chunk, history=h))) for h in histories}
+    builds = function_builds(
+        checkpoint.geometry,
+        checkpoint.layer(layer),
+        graph,
+        chunk,
+        histories,
+        key_tile=key_tile,
+        capacity=capacity,
+        decode=decode,
+    )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     dest = out_dir / f"layer_{layer}.mlpackage"
     work = Path(tempfile.mkdtemp(prefix=f".layer_{layer}.", dir=out_dir))
     try:
-        variants: dict[str, Path] = {}
-        for name, build_program in builds.items():
-            path = convert_program(build_program(), work / f"{name}.mlpackage")
-            if weights_mode != "fp16":  # before the merge: coremltools cannot compress a multifunction package
-                path = compress_package(path, work / f"{name}.{weights_mode}.mlpackage", weights_mode)
-            variants[name] = path
-            if progress is not None:
-                progress.update(1)
-        single_bytes = weight_bytes(next(iter(variants.values())))
-        evidence, verified, reason = {}, False, OFF_MAC_REASON
-        if gate is not None:  # the three-layer ANE gate (macOS): markers + assignment per variant, before the merge
-            evidence = gate.check_variants(variants)
+        variants = convert_variants(builds, work, weights_mode, progress)
+        evidence = gate.check_variants(variants) if gate is not None else {}  # per variant, before the merge
         merged = merge_functions(variants, work / "merged.mlpackage", next(iter(variants)))
         if gate is not None:  # ... then every function of the merged package must load under its name
             gate.check_merged_loads(merged, list(variants))
-            verified, reason = True, gate.verified_reason
         meta = SidecarMetadata(
             format_version=FORMAT_VERSION,
             source=str(checkpoint.path),
             layer=layer,
-            geometry=geometry.to_dict(),
+            geometry=checkpoint.geometry.to_dict(),
             chunk=chunk,
             histories=histories,
             coverage=coverage(histories, chunk),
             graph=graph,
             weights=weights_mode,
-            single_function_weight_bytes=single_bytes,
+            single_function_weight_bytes=weight_bytes(next(iter(variants.values()))),
             selection_folded=selection is not None,
             selection_indexer=selection_indexer_metadata(selection, graph) if selection is not None else None,
-            ane_verified=verified,
-            ane_reason=reason,
+            ane_verified=gate is not None,
+            ane_reason=gate.verified_reason if gate is not None else OFF_MAC_REASON,
             ane_evidence=evidence,
             coremltools=coremltools_modules()[0].__version__,
             anelab=__version__,
             exported_at=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+            key_tile=key_tile if graph == "tiled" else None,
+            state_capacity=capacity if graph == "stateful" else None,
+            state_functions=list(variants) if graph == "stateful" else None,
         )
         final = work / f"layer_{layer}.mlpackage"
-        strings = meta.to_strings()
-        if graph == "tiled":
-            strings[KEY_TILE_META] = str(key_tile)
-        if graph == "stateful":
-            strings[STATE_CAPACITY_META] = str(capacity)
-            strings[STATE_FUNCTIONS_META] = ",".join(variants)
-        write_package_metadata(merged, final, strings)
+        write_package_metadata(merged, final, meta.to_strings())
         _replace_dir(final, dest)
         return ExportResult(package=dest, metadata=meta, weight_bytes=weight_bytes(dest), functions=list(variants))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def function_builds(
+    geometry: AttentionGeometry,
+    weights: AttentionWeights,
+    graph: str,
+    chunk: int,
+    histories: list[int],
+    *,
+    key_tile: int | None,
+    capacity: int | None,
+    decode: bool,
+) -> dict[str, Callable[[], object]]:
+    """Function name -> a builder of its MIL program: ``h<H>`` per history (dense, tiled), or
+    ``c<C>`` (and ``c1`` with ``decode``) for the stateful graph."""
+    if graph == "stateful":
+        widths = [chunk] + ([1] if decode and chunk != 1 else [])
+        return {
+            stateful_function_name(w): (lambda w=w: build_stateful_program(geometry, weights, w, capacity))
+            for w in widths
+        }
+    if graph == "tiled":
+        return {
+            function_name(h): (lambda h=h: build_tiled_program(geometry, weights, SidecarShape(chunk, h), key_tile))
+            for h in histories
+        }
+    return {
+        function_name(h): (lambda h=h: build_dense_program(geometry, weights, SidecarShape(chunk, h)))
+        for h in histories
+    }
+
+
+def convert_variants(
+    builds: dict[str, Callable[[], object]], work: Path, weights_mode: str, progress=None
+) -> dict[str, Path]:
+    """Convert (and compress) each function on its own into ``work/<name>.mlpackage``."""
+    variants: dict[str, Path] = {}
+    for name, build_program in builds.items():
+        path = convert_program(build_program(), work / f"{name}.mlpackage")
+        if weights_mode != "fp16":  # before the merge: coremltools cannot compress a multifunction package
+            path = compress_package(path, work / f"{name}.{weights_mode}.mlpackage", weights_mode)
+        variants[name] = path
+        if progress is not None:
+            progress.update(1)
+    return variants
 
 
 def export_sidecars(

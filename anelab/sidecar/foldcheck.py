@@ -35,11 +35,11 @@ import numpy as np
 from anelab import reference
 from anelab.errors import AnelabInputError
 from anelab.geometry import AttentionGeometry
-from anelab.hf.checkpoint import load_checkpoint
 from anelab.masks import causal
 from anelab.selection import Selection, select
-from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
-from anelab.sidecar.evaluate import SavedPackage, evaluate
+from anelab.sidecar import compare
+from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, load_matching_checkpoint, relative_error
+from anelab.sidecar.evaluate import SavedPackage
 from anelab.sidecar.format import function_name, history_of, read_sidecar_metadata
 from anelab.weights import AttentionWeights
 
@@ -74,6 +74,11 @@ class FoldCase:
     seed: int
 
     @property
+    def inputs(self) -> compare.FunctionInputs:
+        """The function's inputs as the shared runners take them."""
+        return compare.FunctionInputs(self.function, self.history, self.hidden, self.k_history, self.v_history)
+
+    @property
     def history(self) -> int:
         return history_of(self.function)
 
@@ -99,11 +104,7 @@ def make_case(
     history = max(meta.histories) if history is None else int(history)
     if history not in meta.histories:
         raise AnelabInputError(f"{saved.path.name} has no function h{history}; it has {', '.join(meta.functions)}")
-    checkpoint = load_checkpoint(checkpoint_dir)
-    if checkpoint.geometry.to_dict() != meta.geometry:
-        raise AnelabInputError(
-            f"checkpoint {checkpoint_dir} is not the one {saved.path.name} was exported from; pass that checkpoint"
-        )
+    checkpoint = load_matching_checkpoint(meta, checkpoint_dir)
     weights, geometry = checkpoint.layer(meta.layer), checkpoint.geometry
     rng = np.random.default_rng([int(seed), history, meta.chunk])
     rows = rng.standard_normal((history + meta.chunk, geometry.hidden_size)).astype(np.float16)
@@ -131,24 +132,12 @@ def selection_for(case: FoldCase, kept_blocks: int, compress_ratio: int, score: 
 
 def run_package(case: FoldCase, mask: np.ndarray) -> np.ndarray:
     """attn_out [C, D] float16 of the saved function under ``mask`` [C, T] (evaluated from disk)."""
-    inputs = {"hidden": case.hidden, "mask": np.asarray(mask, dtype=np.float16)}
-    if case.history > 0:
-        inputs.update(k_history=case.k_history, v_history=case.v_history)
-    return evaluate(case.saved, case.function, inputs)["attn_out"]
+    return compare.run_package(case.saved, case.inputs, mask)["attn_out"]
 
 
 def run_reference(case: FoldCase, mask: np.ndarray) -> np.ndarray:
     """attn_out [C, D] float64 of the reference block under ``mask`` [C, T]."""
-    f64 = lambda a: np.asarray(a, dtype=np.float64)  # noqa: E731
-    return reference.attention_block(
-        f64(case.hidden),
-        f64(case.k_history),
-        f64(case.v_history),
-        f64(mask),
-        case.weights,
-        case.geometry,
-        precision="fp64",
-    ).attn_out
+    return compare.run_reference(case.inputs, case.weights, case.geometry, mask).attn_out
 
 
 @dataclass

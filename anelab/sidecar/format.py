@@ -85,7 +85,13 @@ def history_of(function: str) -> int:
 
 @dataclass
 class SidecarMetadata:
-    """What a sidecar package records about itself (parsed from its user-defined metadata)."""
+    """Everything a sidecar package records about itself (its user-defined metadata, parsed).
+
+    ``histories`` are the chunk starts its functions serve: one ``h<H>`` function each for the dense
+    and tiled graphs; for the stateful graph the starts 0, C, ... of a prefill that fills the cache,
+    whose functions are ``state_functions`` (``c<C>``, and ``c1`` for decode) over ``state_capacity``
+    cache slots. ``key_tile``: key positions per tile of the tiled graph.
+    """
 
     format_version: int
     source: str
@@ -105,86 +111,100 @@ class SidecarMetadata:
     coremltools: str = ""
     anelab: str = ""
     exported_at: str = ""
+    key_tile: int | None = None
+    state_capacity: int | None = None
+    state_functions: list[str] | None = None
 
     @property
     def functions(self) -> list[str]:
+        """The package's function names, in the order they were merged."""
+        if self.graph == "stateful":
+            return list(self.state_functions or [])
         return [function_name(h) for h in self.histories]
 
     def to_strings(self) -> dict[str, str]:
-        def enc(v):
-            if isinstance(v, bool):
-                return "true" if v else "false"
-            if isinstance(v, (dict, list)) or v is None:
-                return (
-                    json.dumps(v, sort_keys=True)
-                    if not isinstance(v, list) or not all(isinstance(x, int) for x in v)
-                    else ",".join(map(str, v))
-                )
-            return str(v)
-
-        return {
-            META["format"]: str(self.format_version),
-            META["source"]: self.source,
-            META["layer"]: str(self.layer),
-            META["geometry"]: json.dumps(self.geometry, sort_keys=True),
-            META["chunk"]: str(self.chunk),
-            META["histories"]: ",".join(map(str, self.histories)),
-            META["coverage"]: str(self.coverage),
-            META["graph"]: self.graph,
-            META["weights"]: self.weights,
-            META["single_function_weight_bytes"]: str(self.single_function_weight_bytes),
-            META["selection_folded"]: enc(self.selection_folded),
-            META["selection_indexer"]: json.dumps(self.selection_indexer, sort_keys=True),
-            META["ane_verified"]: enc(self.ane_verified),
-            META["ane_reason"]: self.ane_reason,
-            META["ane_evidence"]: json.dumps(self.ane_evidence, sort_keys=True),
-            META["coremltools"]: self.coremltools,
-            META["anelab"]: self.anelab,
-            META["exported_at"]: self.exported_at,
-        }
+        out = {}
+        for name, (key, kind, _required) in _FIELDS.items():
+            value = getattr(self, name)
+            if value is None and kind not in ("json",):
+                continue
+            out[key] = _ENCODE[kind](value)
+        return out
 
     @classmethod
     def from_strings(cls, meta: dict[str, str], where: str) -> SidecarMetadata:
-        def get(key, parse=str, required=True, default=None):
-            raw = meta.get(META[key])
+        values = {}
+        for name, (key, kind, required) in _FIELDS.items():
+            raw = meta.get(key)
             if raw is None or raw == "":
                 if required:
                     raise AnelabInputError(
-                        f"{where}: sidecar metadata lacks '{META[key]}'; re-export it with 'anelab export'"
+                        f"{where}: sidecar metadata lacks '{key}'; re-export it with 'anelab export'"
                     )
-                return default
+                continue
             try:
-                return parse(raw)
+                values[name] = _DECODE[kind](raw)
             except (ValueError, json.JSONDecodeError):
                 raise AnelabInputError(
-                    f"{where}: sidecar metadata '{META[key]}' is malformed ({raw[:60]!r}); re-export it"
+                    f"{where}: sidecar metadata '{key}' is malformed ({raw[:60]!r}); re-export it"
                 ) from None
+        meta_obj = cls(**values)
+        if meta_obj.graph == "stateful" and (meta_obj.state_capacity is None or not meta_obj.state_functions):
+            raise AnelabInputError(
+                f"{where}: stateful sidecar metadata lacks '{STATE_CAPACITY_META}' or '{STATE_FUNCTIONS_META}'; "
+                "re-export it with 'anelab export'"
+            )
+        if meta_obj.ane_evidence is None:
+            meta_obj.ane_evidence = {}
+        return meta_obj
 
-        def boolean(s):
-            if s not in ("true", "false"):
-                raise ValueError(s)
-            return s == "true"
 
-        return cls(
-            format_version=get("format", int),
-            source=get("source"),
-            layer=get("layer", int),
-            geometry=get("geometry", json.loads),
-            chunk=get("chunk", int),
-            histories=get("histories", lambda s: [int(x) for x in s.split(",")]),
-            coverage=get("coverage", int),
-            graph=get("graph", required=False, default="dense"),
-            weights=get("weights", required=False, default="fp16"),
-            single_function_weight_bytes=get("single_function_weight_bytes", int, required=False, default=0),
-            selection_folded=get("selection_folded", boolean),
-            selection_indexer=get("selection_indexer", json.loads, required=False),
-            ane_verified=get("ane_verified", boolean),
-            ane_reason=get("ane_reason", required=False, default=""),
-            ane_evidence=get("ane_evidence", json.loads, required=False, default={}) or {},
-            coremltools=get("coremltools", required=False, default=""),
-            anelab=get("anelab", required=False, default=""),
-            exported_at=get("exported_at", required=False, default=""),
-        )
+def _boolean(text: str) -> bool:
+    if text not in ("true", "false"):
+        raise ValueError(text)
+    return text == "true"
+
+
+_ENCODE = {
+    "str": str,
+    "int": str,
+    "bool": lambda v: "true" if v else "false",
+    "json": lambda v: json.dumps(v, sort_keys=True),
+    "ints": lambda v: ",".join(map(str, v)),
+    "names": lambda v: ",".join(v),
+}
+_DECODE = {
+    "str": str,
+    "int": int,
+    "bool": _boolean,
+    "json": json.loads,
+    "ints": lambda s: [int(x) for x in s.split(",")],
+    "names": lambda s: s.split(","),
+}
+# SidecarMetadata field -> (metadata key, encoding, required when reading)
+_FIELDS = {
+    "format_version": (META["format"], "int", True),
+    "source": (META["source"], "str", True),
+    "layer": (META["layer"], "int", True),
+    "geometry": (META["geometry"], "json", True),
+    "chunk": (META["chunk"], "int", True),
+    "histories": (META["histories"], "ints", True),
+    "coverage": (META["coverage"], "int", True),
+    "graph": (META["graph"], "str", False),
+    "weights": (META["weights"], "str", False),
+    "single_function_weight_bytes": (META["single_function_weight_bytes"], "int", False),
+    "selection_folded": (META["selection_folded"], "bool", True),
+    "selection_indexer": (META["selection_indexer"], "json", False),
+    "ane_verified": (META["ane_verified"], "bool", True),
+    "ane_reason": (META["ane_reason"], "str", False),
+    "ane_evidence": (META["ane_evidence"], "json", False),
+    "coremltools": (META["coremltools"], "str", False),
+    "anelab": (META["anelab"], "str", False),
+    "exported_at": (META["exported_at"], "str", False),
+    "key_tile": (KEY_TILE_META, "int", False),
+    "state_capacity": (STATE_CAPACITY_META, "int", False),
+    "state_functions": (STATE_FUNCTIONS_META, "names", False),
+}
 
 
 def require_package(path: str | os.PathLike) -> Path:

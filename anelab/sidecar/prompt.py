@@ -6,9 +6,13 @@ import os
 
 import numpy as np
 
+from anelab import reference
 from anelab.errors import AnelabInputError
+from anelab.geometry import AttentionGeometry
 from anelab.masks import MASKED, causal
-from anelab.sidecar.evaluate import SavedPackage
+from anelab.sidecar.evaluate import SavedPackage, evaluate, evaluate_with_state, new_state
+from anelab.sidecar.format import read_sidecar_metadata, stateful_function_name
+from anelab.weights import AttentionWeights
 
 DECODE_STEPS = 2  # decode rows run after the prefill when the package has a c1 function
 
@@ -38,8 +42,6 @@ def run_stateful(
     ``masks(rows, start) -> [rows, capacity]`` overrides ``stateful_mask``. Refuses a call whose
     chunk would run past the state capacity (one line).
     """
-    from anelab.sidecar.evaluate import evaluate_with_state, new_state
-    from anelab.sidecar.format import stateful_function_name
 
     prefill = hidden.shape[0] - decode_steps
     if prefill < 0 or prefill % chunk:
@@ -78,9 +80,6 @@ def prefill_prompt(package: str | os.PathLike, hidden: np.ndarray, *, fp16: bool
     ``anelab.verify.run_stateful`` with the state carried between calls. ``saved``: an already
     opened ``SavedPackage`` of ``package`` (reading it is not part of a prefill).
     """
-    from anelab.masks import causal
-    from anelab.sidecar.evaluate import SavedPackage, evaluate
-    from anelab.sidecar.format import STATE_CAPACITY_META, read_raw_metadata, read_sidecar_metadata
 
     meta = read_sidecar_metadata(package)
     saved = saved if saved is not None else SavedPackage(package)
@@ -92,9 +91,7 @@ def prefill_prompt(package: str | os.PathLike, hidden: np.ndarray, *, fp16: bool
     padded = np.zeros((calls * C, hidden.shape[1]), np.float16)
     padded[:P] = hidden
     if meta.graph == "stateful":
-        pass
-
-        capacity = int(read_raw_metadata(package)[STATE_CAPACITY_META])
+        capacity = meta.state_capacity
         if calls * C > capacity:
             raise AnelabInputError(
                 f"prompt of {P} tokens needs {calls * C} cache slots; the package has {capacity}; re-export with --capacity {calls * C}"
@@ -119,22 +116,20 @@ def prefill_prompt(package: str | os.PathLike, hidden: np.ndarray, *, fp16: bool
     return np.concatenate(outs)[:P]
 
 
-def prompt_reference(checkpoint_dir: str | os.PathLike, layer: int, hidden: np.ndarray) -> np.ndarray:
-    """attn_out [P, D] of the whole prompt from ``anelab.reference`` in float64 (causal, from position 0)."""
-    from anelab import reference
-    from anelab.hf.checkpoint import load_checkpoint
-    from anelab.masks import causal
-
-    ckpt = load_checkpoint(checkpoint_dir)
-    g = ckpt.geometry
+def prompt_reference(
+    hidden: np.ndarray, weights: AttentionWeights, geometry: AttentionGeometry, *, start: int | None = None
+) -> reference.BlockOutput:
+    """The fp64 reference over a whole prompt's rows [P, D] from position 0 (``start`` shifts the RoPE
+    positions: a negative control), causal, no history: attn_out [P, D], k_chunk/v_chunk [Hkv, P, d]."""
     P = hidden.shape[0]
-    empty = np.zeros((0, g.num_kv_heads, g.head_dim))
+    empty = np.zeros((0, geometry.num_kv_heads, geometry.head_dim))
     return reference.attention_block(
         np.asarray(hidden, np.float64),
         empty,
         empty,
         causal(P, 0).astype(np.float64),
-        ckpt.layer(layer),
-        g,
+        weights,
+        geometry,
+        start=start,
         precision="fp64",
-    ).attn_out
+    )

@@ -26,19 +26,31 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from anelab import reference
 from anelab.errors import AnelabInputError
-from anelab.hf.checkpoint import load_checkpoint
+from anelab.geometry import AttentionGeometry
 from anelab.masks import MASKED, causal
-from anelab.sidecar.compare import OUTPUTS, RELATIVE_ERROR_THRESHOLD, Comparison, relative_error
-from anelab.sidecar.evaluate import SavedPackage, evaluate
-from anelab.sidecar.format import history_of, read_sidecar_metadata
-from anelab.sidecar.prompt import DECODE_STEPS, run_stateful, stateful_mask
+from anelab.sidecar import quantize
+from anelab.sidecar.compare import (
+    OUTPUTS,
+    RELATIVE_ERROR_THRESHOLD,
+    Comparison,
+    FunctionInputs,
+    load_matching_checkpoint,
+    output_errors,
+    random_function_inputs,
+    relative_error,
+    run_package,
+    run_reference,
+)
+from anelab.sidecar.evaluate import SavedPackage
+from anelab.sidecar.format import STATE_NAMES, history_of, read_sidecar_metadata
+from anelab.sidecar.prompt import DECODE_STEPS, prompt_reference, run_stateful, stateful_mask
+from anelab.weights import AttentionWeights
 
 
 @dataclass
@@ -88,16 +100,6 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def _errors(out: dict, ref: reference.BlockOutput, rows: int, names=OUTPUTS) -> dict[str, float]:
-    expected = {"attn_out": ref.attn_out[:rows], "k_chunk": ref.k_chunk[:, :rows], "v_chunk": ref.v_chunk[:, :rows]}
-    actual = {
-        "attn_out": out["attn_out"][:rows],
-        "k_chunk": out["k_chunk"][:, :rows],
-        "v_chunk": out["v_chunk"][:, :rows],
-    }
-    return {n: relative_error(actual[n], expected[n]) for n in names}
-
-
 def drop_half_mask(mask: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """A copy of an additive mask [C, T] with a random half of each row's visible keys dropped
     (at least one kept per row)."""
@@ -127,111 +129,88 @@ def verify_package(
     meta = read_sidecar_metadata(package)
     if meta.graph == "stateful":  # one function per chunk width, K/V in Core ML state
         return verify_stateful_package(package, checkpoint_dir, seed=seed, fp16=fp16)
-    source = Path(checkpoint_dir) if checkpoint_dir is not None else Path(meta.source)
-    if not (source / "config.json").is_file():
-        raise AnelabInputError(
-            f"checkpoint {source} (recorded in the package) has no config.json; pass --checkpoint DIR"
-        )
-    checkpoint = load_checkpoint(source)
-    weights = checkpoint.layer(meta.layer)
-    geometry = checkpoint.geometry
-    if geometry.to_dict() != meta.geometry:
-        raise AnelabInputError(
-            f"checkpoint {source} has a different geometry than the package records; pass the checkpoint it was exported from"
-        )
+    checkpoint = load_matching_checkpoint(meta, checkpoint_dir)
     saved = SavedPackage(package)
-    names = functions or [f for f in meta.functions]
+    names = functions or list(meta.functions)
     for name in names:
         saved.function(name)
     report = VerifyReport(
         str(package),
-        str(source),
+        str(checkpoint.path),
         meta.layer,
         RELATIVE_ERROR_THRESHOLD,
         "NumPy evaluation of the saved MIL program (" + ("fp16 storage emulated" if fp16 else "fp32") + ")",
     )
-    C, D = meta.chunk, geometry.hidden_size
-    checkpoint_weights = weights
+    checkpoint_weights = checkpoint.layer(meta.layer)
     for name in tqdm(names, desc="verify functions", unit="fn"):
-        H = history_of(name)
-        if meta.weights != "fp16":
-            from anelab.sidecar import quantize
-
+        weights = checkpoint_weights
+        if meta.weights != "fp16":  # the graph is checked with the weights it stores
             weights = quantize.dequantized_weights(saved, name, checkpoint_weights)
-        rng = np.random.default_rng([seed, H])
-        hidden_history = rng.standard_normal((H, D)).astype(np.float16)
-        k_hist, v_hist = reference.history_kv(hidden_history.astype(np.float64), weights, geometry, "fp64")
-        k_hist, v_hist = k_hist.astype(np.float16), v_hist.astype(np.float16)
-        hidden = rng.standard_normal((C, D)).astype(np.float16)
-
-        def run_package(hid, mask):
-            inputs = {"hidden": hid, "mask": mask}
-            if H > 0:
-                inputs.update(k_history=k_hist, v_history=v_hist)
-            return evaluate(saved, name, inputs, fp16=fp16)
-
-        def run_reference(hid, mask, start=None):
-            return reference.attention_block(
-                hid.astype(np.float64),
-                k_hist.astype(np.float64),
-                v_hist.astype(np.float64),
-                mask.astype(np.float64),
-                weights,
-                geometry,
-                start=start,
-                precision="fp64",
-            )
-
-        mask = causal(C, H)
-        out = run_package(hidden, mask)
-        ref = run_reference(hidden, mask)
-        report.comparisons.append(Comparison(name, "full chunk", C, _errors(out, ref, C)))
-        # partial chunk: n real rows, padded with zero rows; padded rows' outputs are ignored
-        n = partial_rows(C)
-        padded = hidden.copy()
-        padded[n:] = 0
-        pmask = causal(C, H, valid_rows=n)
-        report.comparisons.append(
-            Comparison(
-                name,
-                f"partial chunk ({n} of {C})",
-                n,
-                _errors(run_package(padded, pmask), run_reference(padded, pmask), n),
-            )
-        )
-        # negative controls
-        wrong_rope = run_reference(hidden, mask, start=H + 1)
-        report.comparisons.append(
-            Comparison(
-                name, "control: rope offset +1", C, _errors(out, wrong_rope, C, ("attn_out", "k_chunk")), control=True
-            )
-        )
-        dropped = run_package(hidden, drop_half_mask(mask, rng))
-        report.comparisons.append(
-            Comparison(name, "control: mask reaches graph", C, _errors(dropped, ref, C, ("attn_out",)), control=True)
-        )
-        if meta.weights != "fp16":  # what the compression costs, against the checkpoint's weights
-            fp16_ref = reference.attention_block(
-                hidden.astype(np.float64),
-                k_hist.astype(np.float64),
-                v_hist.astype(np.float64),
-                mask.astype(np.float64),
-                checkpoint_weights,
-                geometry,
-                precision="fp64",
-            )
+        rng = np.random.default_rng([seed, history_of(name)])
+        inputs = random_function_inputs(name, meta.chunk, weights, checkpoint.geometry, rng)
+        report.comparisons.extend(function_comparisons(saved, inputs, weights, checkpoint.geometry, rng, fp16=fp16))
+        if meta.weights != "fp16":
             report.comparisons.append(
-                Comparison(
-                    name,
-                    f"{meta.weights} vs fp16 w. (<={quantize.ERROR_BOUNDS[meta.weights]:g})",
-                    C,
-                    _errors(out, fp16_ref, C),
-                    bound=quantize.ERROR_BOUNDS[meta.weights],
-                )
+                compression_comparison(saved, inputs, checkpoint_weights, checkpoint.geometry, meta.weights, fp16=fp16)
             )
     if meta.selection_folded:
-        report.comparisons.extend(fold_comparisons(saved, source, meta, seed=seed))
+        report.comparisons.extend(fold_comparisons(saved, checkpoint.path, meta, seed=seed))
     return report
+
+
+def function_comparisons(
+    saved: SavedPackage,
+    inputs: FunctionInputs,
+    weights: AttentionWeights,
+    geometry: AttentionGeometry,
+    rng: np.random.Generator,
+    *,
+    fp16: bool = True,
+) -> list[Comparison]:
+    """One function at a full and a partial chunk, and its two negative controls."""
+    name, C, H = inputs.function, inputs.hidden.shape[0], inputs.history
+    mask = causal(C, H)
+    out = run_package(saved, inputs, mask, fp16=fp16)
+    ref = run_reference(inputs, weights, geometry, mask)
+    comparisons = [Comparison(name, "full chunk", C, output_errors(out, ref, C))]
+    # partial chunk: n real rows, padded with zero rows; padded rows' outputs are ignored
+    n = partial_rows(C)
+    padded = inputs.hidden.copy()
+    padded[n:] = 0
+    pmask = causal(C, H, valid_rows=n)
+    partial_out = run_package(saved, inputs, pmask, hidden=padded, fp16=fp16)
+    partial_ref = run_reference(inputs, weights, geometry, pmask, hidden=padded)
+    comparisons.append(Comparison(name, f"partial chunk ({n} of {C})", n, output_errors(partial_out, partial_ref, n)))
+    # negative controls: the reference one position late must miss; so must the package under a changed mask
+    wrong_rope = run_reference(inputs, weights, geometry, mask, start=H + 1)
+    comparisons.append(
+        Comparison(
+            name, "control: rope offset +1", C, output_errors(out, wrong_rope, C, ("attn_out", "k_chunk")), control=True
+        )
+    )
+    dropped = run_package(saved, inputs, drop_half_mask(mask, rng), fp16=fp16)
+    comparisons.append(
+        Comparison(name, "control: mask reaches graph", C, output_errors(dropped, ref, C, ("attn_out",)), control=True)
+    )
+    return comparisons
+
+
+def compression_comparison(
+    saved: SavedPackage,
+    inputs: FunctionInputs,
+    checkpoint_weights: AttentionWeights,
+    geometry: AttentionGeometry,
+    mode: str,
+    *,
+    fp16: bool = True,
+) -> Comparison:
+    """What the compression costs: the package against the reference with the checkpoint's weights."""
+    C = inputs.hidden.shape[0]
+    mask = causal(C, inputs.history)
+    out = run_package(saved, inputs, mask, fp16=fp16)
+    ref = run_reference(inputs, checkpoint_weights, geometry, mask)
+    bound = quantize.ERROR_BOUNDS[mode]
+    return Comparison(inputs.function, f"{mode} vs fp16 w. (<={bound:g})", C, output_errors(out, ref, C), bound=bound)
 
 
 def fold_comparisons(saved: SavedPackage, checkpoint_dir, meta, *, seed: int = 0) -> list[Comparison]:
@@ -268,40 +247,20 @@ def fold_comparisons(saved: SavedPackage, checkpoint_dir, meta, *, seed: int = 0
 def verify_stateful_package(
     package: str | os.PathLike, checkpoint_dir: str | os.PathLike | None = None, *, seed: int = 0, fp16: bool = True
 ) -> VerifyReport:
-    """Verify a stateful sidecar over a multi-chunk prompt (see the comment above)."""
-    from anelab.sidecar.format import STATE_CAPACITY_META, STATE_FUNCTIONS_META, STATE_NAMES, read_raw_metadata
-
+    """Verify a stateful sidecar over a multi-chunk prompt (and decode steps when it has ``c1``):
+    the attn_out rows and the whole final cache against the fp64 reference over the prompt, then
+    three controls (RoPE one position late, a changed mask, a fresh state per call)."""
     meta = read_sidecar_metadata(package)
-    raw = read_raw_metadata(package)
-    try:
-        capacity = int(raw[STATE_CAPACITY_META])
-        functions = raw[STATE_FUNCTIONS_META].split(",")
-    except (KeyError, ValueError):
-        raise AnelabInputError(
-            f"{package}: stateful sidecar metadata lacks '{STATE_CAPACITY_META}'; re-export it with 'anelab export'"
-        ) from None
-    source = Path(checkpoint_dir) if checkpoint_dir is not None else Path(meta.source)
-    if not (source / "config.json").is_file():
-        raise AnelabInputError(
-            f"checkpoint {source} (recorded in the package) has no config.json; pass --checkpoint DIR"
-        )
-    checkpoint = load_checkpoint(source)
-    geometry = checkpoint.geometry
-    if geometry.to_dict() != meta.geometry:
-        raise AnelabInputError(
-            f"checkpoint {source} has a different geometry than the package records; pass the checkpoint it was exported from"
-        )
+    checkpoint = load_matching_checkpoint(meta, checkpoint_dir)
     saved = SavedPackage(package)
-    for name in functions:
+    for name in meta.functions:
         saved.function(name)
+    geometry, capacity, C = checkpoint.geometry, meta.state_capacity, meta.chunk
     checkpoint_weights = checkpoint.layer(meta.layer)
     weights = checkpoint_weights
     if meta.weights != "fp16":
-        from anelab.sidecar import quantize
-
-        weights = quantize.dequantized_weights(saved, functions[0], checkpoint_weights)
-    C = meta.chunk
-    decode_steps = DECODE_STEPS if ("c1" in functions and C != 1) else 0
+        weights = quantize.dequantized_weights(saved, meta.functions[0], checkpoint_weights)
+    decode_steps = DECODE_STEPS if ("c1" in meta.functions and C != 1) else 0
     prefill = ((capacity - decode_steps) // C) * C
     if prefill == 0:
         raise AnelabInputError(
@@ -309,10 +268,10 @@ def verify_stateful_package(
             "re-export with a larger --capacity"
         )
     P = prefill + decode_steps
-    label = "+".join(functions)
+    label = "+".join(meta.functions)
     report = VerifyReport(
         str(package),
-        str(source),
+        str(checkpoint.path),
         meta.layer,
         RELATIVE_ERROR_THRESHOLD,
         "NumPy evaluation of the saved MIL program, state carried between calls ("
@@ -321,63 +280,30 @@ def verify_stateful_package(
     )
     rng = np.random.default_rng([seed, P])
     hidden = rng.standard_normal((P, geometry.hidden_size)).astype(np.float16)
-    empty = np.zeros((0, geometry.num_kv_heads, geometry.head_dim))
 
-    def reference_over_prompt(w, start=None):
-        return reference.attention_block(
-            hidden.astype(np.float64),
-            empty,
-            empty,
-            causal(P, 0).astype(np.float64),
-            w,
-            geometry,
-            start=start,
-            precision="fp64",
-        )
-
-    def cache_errors(out, state, ref):
-        """attn_out rows, and the whole final cache vs the reference K/V padded with zeros."""
-        errs = {"attn_out": relative_error(out, ref.attn_out)}
-        for column, name, expected in (
-            ("k_chunk", STATE_NAMES[0], ref.k_chunk),
-            ("v_chunk", STATE_NAMES[1], ref.v_chunk),
-        ):
-            full = np.zeros(state[name].shape)
-            full[:, :P] = expected
-            errs[column] = relative_error(state[name], full)
-        return errs
+    def run(**options):
+        return run_stateful(saved, hidden, C, capacity, decode_steps=decode_steps, fp16=fp16, **options)
 
     steps = tqdm(total=4 + (meta.weights != "fp16"), desc="verify stateful", unit="run")
-    out, state = run_stateful(saved, hidden, C, capacity, decode_steps=decode_steps, fp16=fp16)
-    ref = reference_over_prompt(weights)
+    out, state = run()
+    ref = prompt_reference(hidden, weights, geometry)
     report.comparisons.append(
-        Comparison(label, f"prompt {prefill}+{decode_steps} rows", P, cache_errors(out, state, ref))
+        Comparison(label, f"prompt {prefill}+{decode_steps} rows", P, stateful_errors(out, state, ref))
     )
     steps.update()
-    wrong_rope = reference_over_prompt(weights, start=1)
-    errs = cache_errors(out, state, wrong_rope)
+    errs = stateful_errors(out, state, prompt_reference(hidden, weights, geometry, start=1))
     report.comparisons.append(
         Comparison(label, "control: rope offset +1", P, {k: errs[k] for k in ("attn_out", "k_chunk")}, control=True)
     )
     steps.update()
-    dropped, _ = run_stateful(
-        saved,
-        hidden,
-        C,
-        capacity,
-        decode_steps=decode_steps,
-        fp16=fp16,
-        masks=lambda rows, start: drop_half_mask(stateful_mask(rows, start, capacity), rng),
-    )
+    dropped, _ = run(masks=lambda rows, start: drop_half_mask(stateful_mask(rows, start, capacity), rng))
     report.comparisons.append(
         Comparison(
             label, "control: mask reaches graph", P, {"attn_out": relative_error(dropped, ref.attn_out)}, control=True
         )
     )
     steps.update()
-    forgetful, _ = run_stateful(
-        saved, hidden, C, capacity, decode_steps=decode_steps, fp16=fp16, fresh_state_each_call=True
-    )
+    forgetful, _ = run(fresh_state_each_call=True)
     report.comparisons.append(
         Comparison(
             label, "control: state carried", P, {"attn_out": relative_error(forgetful, ref.attn_out)}, control=True
@@ -385,16 +311,25 @@ def verify_stateful_package(
     )
     steps.update()
     if meta.weights != "fp16":
-        fp16_ref = reference_over_prompt(checkpoint_weights)
+        bound = quantize.ERROR_BOUNDS[meta.weights]
+        fp16_ref = prompt_reference(hidden, checkpoint_weights, geometry)
         report.comparisons.append(
             Comparison(
-                label,
-                f"{meta.weights} vs fp16 w. (<={quantize.ERROR_BOUNDS[meta.weights]:g})",
-                P,
-                cache_errors(out, state, fp16_ref),
-                bound=quantize.ERROR_BOUNDS[meta.weights],
+                label, f"{meta.weights} vs fp16 w. (<={bound:g})", P, stateful_errors(out, state, fp16_ref), bound=bound
             )
         )
         steps.update()
     steps.close()
     return report
+
+
+def stateful_errors(out: np.ndarray, state: dict[str, np.ndarray], ref: reference.BlockOutput) -> dict[str, float]:
+    """attn_out rows [P, D], and the whole final cache [Hkv, capacity, d] against the reference K/V
+    [Hkv, P, d] padded with zeros (slots past the prompt must stay empty)."""
+    P = out.shape[0]
+    errs = {"attn_out": relative_error(out, ref.attn_out)}
+    for column, name, expected in (("k_chunk", STATE_NAMES[0], ref.k_chunk), ("v_chunk", STATE_NAMES[1], ref.v_chunk)):
+        full = np.zeros(state[name].shape)
+        full[:, :P] = expected
+        errs[column] = relative_error(state[name], full)
+    return errs

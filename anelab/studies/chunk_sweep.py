@@ -34,7 +34,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from anelab.errors import AnelabInputError
-from anelab.geometry import FP16_BYTES, AttentionGeometry
+from anelab.geometry import FP16_BYTES, AttentionGeometry, chunk_starts
 from anelab.sidecar.prompt import prefill_prompt, prompt_reference
 from anelab.studies import planner
 
@@ -69,17 +69,6 @@ NUMPY_EVALUATOR = "anelab.mil_eval: NumPy evaluation of the saved MIL program on
 
 
 # ---- the computed sweep -------------------------------------------------------------------------------
-def weight_parameters(geometry: AttentionGeometry) -> int:
-    """Parameters of one block's sidecar weights: q/k/v/o projections, q/k norms, and biases."""
-    g = geometry
-    n = g.weight_parameter_count()
-    if g.has_qkv_bias:
-        n += g.q_out_features + 2 * g.kv_out_features
-    if g.has_o_bias:
-        n += g.hidden_size
-    return n
-
-
 def _check_sweep_args(prompt_tokens: int, chunks: Sequence[int], key_tile: int) -> list[int]:
     if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, (int, np.integer)) or prompt_tokens <= 0:
         raise AnelabInputError(f"--prompt-tokens must be a positive integer, got {prompt_tokens!r}")
@@ -127,7 +116,7 @@ def chunk_sweep(
       multiply-add), the dense and the tiled graph alike (the tiled graph visits every key tile);
       ``stateful_score_flops``: calls x Hq x C x coverage x d x 2 x 2; ``causal_score_flops``: the
       causal minimum, Hq x d x 2 x 2 x P (P + 1) / 2 (each real row scores only keys at or before it);
-    - ``weight_bytes``: fp16 weight bytes of one package (``weight_parameters`` x 2), the same for
+    - ``weight_bytes``: fp16 weight bytes of one package (``geometry.parameter_count()`` x 2), the same for
       every design and chunk; ``weight_bytes_source`` says it is computed, not measured;
     - ``dense_setup_seconds``: L x the sum of the planner's load of each ``h<H>`` the prompt
       visits; ``stateful_setup_seconds``: L x the load of one function with the stateful arena
@@ -165,7 +154,7 @@ def chunk_sweep(
         for h in fit.recorded_loads
     ]
     lo, hi = min(recorded_arenas), max(recorded_arenas)
-    weight_bytes = weight_parameters(g) * FP16_BYTES
+    weight_bytes = g.parameter_count() * FP16_BYTES
     per_entry = g.head_dim * FLOPS_PER_MAC * SCORE_MATMULS  # FLOPs per score entry (QK^T + PV)
     rows = []
     for C in chunks:
@@ -234,13 +223,6 @@ def seed_utilization_table() -> str:
 
 
 # ---- measured here: the three designs as saved packages ----------------------------------------------
-def prompt_histories(prompt_tokens: int, chunk: int) -> list[int]:
-    """Chunk starts 0, C, ..., covering ``prompt_tokens`` (the dense/tiled functions a prompt needs)."""
-    if chunk <= 0 or prompt_tokens <= 0:
-        raise AnelabInputError(f"prompt tokens and chunk must be positive, got {prompt_tokens} and {chunk}")
-    return list(range(0, -(-prompt_tokens // chunk) * chunk, chunk))
-
-
 def export_designs(
     checkpoint_dir: str | os.PathLike,
     out_root: str | os.PathLike,
@@ -265,7 +247,7 @@ def export_designs(
     unknown = [d for d in designs if d not in DESIGNS]
     if unknown:
         raise AnelabInputError(f"unknown design {unknown[0]!r}; choose from {', '.join(DESIGNS)}")
-    histories = prompt_histories(prompt_tokens, chunk)
+    histories = chunk_starts(prompt_tokens, chunk)
     out = {}
     for design in designs:
         extra = {"key_tile": min(key_tile, chunk)} if design == "tiled" else {}
@@ -425,11 +407,12 @@ def numpy_prefill_sweep(
     from anelab.hf.checkpoint import load_checkpoint
 
     chunks = _check_sweep_args(prompt_tokens, chunks, key_tile)
-    g = load_checkpoint(checkpoint_dir).geometry
+    checkpoint = load_checkpoint(checkpoint_dir)
+    g = checkpoint.geometry
     hidden = (
         np.random.default_rng([seed, prompt_tokens]).standard_normal((prompt_tokens, g.hidden_size)).astype(np.float16)
     )
-    expected = prompt_reference(checkpoint_dir, layer, hidden)
+    expected = prompt_reference(hidden, checkpoint.layer(layer), g).attn_out
     timings = []
     with tqdm(total=len(chunks) * len(designs), desc="numpy prefill", unit="pkg") as bar:
         for C in chunks:

@@ -10,15 +10,13 @@ from pathlib import Path  # noqa: E402
 import numpy as np
 
 from anelab.errors import AnelabInputError
+from anelab.masks import MASKED
 from anelab.studies.gather_sizing import GatherSizing, positive_int
 
 PROBE_GRAPHS = ("dense", "gather")
 
 
 INDEX_LIMITS = {"int16": 2**15 - 1, "uint16": 2**16 - 1, "int8": 2**7 - 1, "uint8": 2**8 - 1}
-
-
-PROBE_MASKED = -30000.0
 
 
 @dataclass(frozen=True)
@@ -106,7 +104,7 @@ def build_gather_probe_program(shape: ProbeShape):
         scores = mb.matmul(x=q, y=keys, transpose_y=True)  # [H, C, 1, B]
         slot = np.arange(B, dtype=np.int32)[None, :]  # [1, B]
         valid = mb.less(x=slot, y=mb.expand_dims(x=keep_counts, axes=[1]))  # [C, B]: slot < keep_counts[i]
-        bias = mb.mul(x=mb.sub(x=mb.cast(x=valid, dtype="fp16"), y=np.float16(1.0)), y=np.float16(-PROBE_MASKED))
+        bias = mb.mul(x=mb.sub(x=mb.cast(x=valid, dtype="fp16"), y=np.float16(1.0)), y=np.float16(-MASKED))
         probs = mb.softmax(x=mb.add(x=scores, y=mb.expand_dims(x=bias, axes=[1])), axis=-1)
         context = mb.matmul(x=probs, y=values)  # [H, C, 1, d]
         return mb.reshape(x=context, shape=[H, C, d], name="out")

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from anelab.errors import AnelabInputError
-from anelab.geometry import FP16_BYTES
+from anelab.geometry import chunk_starts, score_arena_bytes
 
 # how each figure in a plan is known
 RECORDED, DERIVED, ASSUMED, FITTED, UNKNOWN, FLAG = "recorded", "derived", "assumed", "fitted", "unknown", "flag"
@@ -58,7 +58,7 @@ class PlanGeometry:
 
     def score_arena_bytes(self, chunk: int, history: int) -> int:
         """Bytes of the fp16 dense score matrix ``[heads, chunk, history + chunk]`` of one variant."""
-        return self.num_heads * chunk * (history + chunk) * FP16_BYTES
+        return score_arena_bytes(self.num_heads, chunk, history)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -112,7 +112,7 @@ def chunk_schedule(prompt_tokens: int, chunk: int) -> list[Chunk]:
     on_ane = prompt_tokens >= chunk  # a full first chunk; every later chunk is a continuation
     return [
         Chunk(i, start, min(chunk, prompt_tokens - start), "ane" if on_ane else "gpu")
-        for i, start in enumerate(range(0, prompt_tokens, chunk))
+        for i, start in enumerate(chunk_starts(prompt_tokens, chunk))
     ]
 
 

@@ -289,54 +289,13 @@ def plan(
         raise AnelabInputError("pass --chunk (the sidecar's width) or a --family")
     require_positive("--prompt-tokens", prompt_tokens)
     require_positive("--chunk", chunk)
-
-    base_g = fam.geometry if fam else None
-    if base_g is None:
-        missing = [
-            f
-            for f, v in (
-                ("--layers", num_layers),
-                ("--full-attention-layers", full_attention_layers),
-                ("--heads", num_heads),
-            )
-            if v is None
-        ]
-        if missing:
-            raise AnelabInputError(
-                f"without --family, pass {', '.join(missing)} (or choose a --family; see --list-families)"
-            )
-    geometry = PlanGeometry(
-        num_layers if num_layers is not None else base_g.num_layers,
-        tuple(full_attention_layers) if full_attention_layers is not None else base_g.full_attention_layers,
-        num_heads if num_heads is not None else base_g.num_heads,
-        num_kv_heads if num_kv_heads is not None else (base_g.num_kv_heads if base_g and num_heads is None else None),
-        head_dim if head_dim is not None else (base_g.head_dim if base_g else None),
-        sparse_budget if sparse_budget is not None else (base_g.sparse_budget if base_g else None),
-    )
-
+    geometry = plan_geometry(fam, num_layers, full_attention_layers, num_heads, num_kv_heads, head_dim, sparse_budget)
     schedule = chunk_schedule(prompt_tokens, chunk)
-    ane_chunks = [c for c in schedule if c.device == "ane"]
-    needed = [c.history for c in ane_chunks]
+    needed = [c.history for c in schedule if c.device == "ane"]
     hs, hs_source = _histories(chunk, needed, histories, max_history, fam)
-    coverage = _coverage(hs, chunk)
-    coverage_needed = (max(needed) + chunk) if needed else 0
-    missing_h = sorted(set(needed) - set(hs))
-    fits = not missing_h
-    if not fits and not allow_past_coverage:
-        where = (
-            f"; {fam.name}'s recorded cap is --max-history {fam.max_history} (coverage {fam.max_history + chunk:,}), "
-            f"so this prompt must stay on the GPU"
-            if fam and fam.max_history is not None and max(needed) > fam.max_history
-            else f"; use --max-history {max(needed)}"
-        )
-        raise AnelabInputError(
-            f"prompt of {prompt_tokens:,} tokens is past coverage {coverage:,}: it needs coverage {coverage_needed:,} "
-            f"(histories {', '.join(str(h) for h in missing_h)} missing){where}"
-        )
+    fits = _check_coverage(prompt_tokens, chunk, needed, hs, fam, allow_past_coverage)
     if not fits:
-        ane_chunks = []
         schedule = [Chunk(c.index, c.start, c.tokens, "gpu") for c in schedule]
-
     fit = fit_costs(data_dir) if fam is not None else None
     base_costs = _family_costs(fam, prompt_tokens, fit) if fam is not None else None
     costs = _costs_from_flags(
@@ -349,18 +308,130 @@ def plan(
         non_attention_seconds,
         base_costs,
     )
+    terms = _prefill_terms(geometry, chunk, schedule, costs)
+    coverage_needed = (max(needed) + chunk) if needed else 0
+    reason = _reason(
+        terms.decision,
+        prompt_tokens,
+        chunk,
+        fits,
+        coverage_needed,
+        _coverage(hs, chunk),
+        terms.setup,
+        terms.saved,
+        terms.gpu_total,
+        terms.gpu_offloaded,
+        terms.ane_attention,
+        len(terms.variants),
+        terms.keys,
+        geometry,
+    )
+    return PrefillPlan(
+        family=fam.name if fam else None,
+        geometry=geometry.to_dict(),
+        prompt_tokens=prompt_tokens,
+        chunk=chunk,
+        histories=hs,
+        coverage=_coverage(hs, chunk),
+        coverage_needed=coverage_needed,
+        fits=fits,
+        chunks=[{**asdict(c), "history": c.history} for c in schedule],
+        variants=terms.variants,
+        variants_visited=len(terms.variants),
+        load_seconds=terms.load_by_history,
+        setup_seconds=terms.setup,
+        non_attention_seconds=costs.non_attention_seconds,
+        gpu_attention_seconds=terms.gpu_attention,
+        ane_attention_seconds=terms.ane_attention,
+        attention_saved_seconds=terms.saved,
+        gpu_prefill_seconds=terms.gpu_total,
+        ane_prefill_seconds=terms.ane_total,
+        predicted_ratio=terms.ratio,
+        decision=terms.decision,
+        reason=reason,
+        keys_per_query=terms.keys,
+        cost_sources={**costs.sources, "histories": hs_source},
+    )
 
+
+def plan_geometry(
+    fam: Family | None,
+    num_layers: int | None,
+    full_attention_layers: Sequence[int] | None,
+    num_heads: int | None,
+    num_kv_heads: int | None,
+    head_dim: int | None,
+    sparse_budget: int | None,
+) -> PlanGeometry:
+    """The family's geometry with each given value overriding it; without a family every one of
+    layers, full-attention layers and heads is needed."""
+    base_g = fam.geometry if fam else None
+    if base_g is None:
+        flags = (("--layers", num_layers), ("--full-attention-layers", full_attention_layers), ("--heads", num_heads))
+        missing = [f for f, v in flags if v is None]
+        if missing:
+            raise AnelabInputError(
+                f"without --family, pass {', '.join(missing)} (or choose a --family; see --list-families)"
+            )
+    return PlanGeometry(
+        num_layers if num_layers is not None else base_g.num_layers,
+        tuple(full_attention_layers) if full_attention_layers is not None else base_g.full_attention_layers,
+        num_heads if num_heads is not None else base_g.num_heads,
+        num_kv_heads if num_kv_heads is not None else (base_g.num_kv_heads if base_g and num_heads is None else None),
+        head_dim if head_dim is not None else (base_g.head_dim if base_g else None),
+        sparse_budget if sparse_budget is not None else (base_g.sparse_budget if base_g else None),
+    )
+
+
+def _check_coverage(
+    prompt_tokens: int, chunk: int, needed: list[int], hs: list[int], fam: Family | None, allow_past_coverage: bool
+) -> bool:
+    """True when the histories serve every ANE chunk; a prompt past coverage is refused (naming the
+    coverage it needs) unless ``allow_past_coverage``, when it is planned on the GPU."""
+    missing_h = sorted(set(needed) - set(hs))
+    if not missing_h:
+        return True
+    if not allow_past_coverage:
+        where = (
+            f"; {fam.name}'s recorded cap is --max-history {fam.max_history} (coverage {fam.max_history + chunk:,}), "
+            f"so this prompt must stay on the GPU"
+            if fam and fam.max_history is not None and max(needed) > fam.max_history
+            else f"; use --max-history {max(needed)}"
+        )
+        raise AnelabInputError(
+            f"prompt of {prompt_tokens:,} tokens is past coverage {_coverage(hs, chunk):,}: it needs coverage "
+            f"{max(needed) + chunk:,} (histories {', '.join(str(h) for h in missing_h)} missing){where}"
+        )
+    return False
+
+
+@dataclass
+class PrefillTerms:
+    """The additive terms of both arms' prefill time (seconds) for one schedule."""
+
+    gpu_attention: float  # every chunk's full attention on the GPU
+    gpu_offloaded: float  # the part of it the ANE takes over
+    ane_attention: float
+    load_by_history: dict
+    setup: float
+    variants: list
+    gpu_total: float
+    ane_total: float
+    ratio: float
+    saved: float
+    keys: dict
+    decision: str
+
+
+def _prefill_terms(geometry: PlanGeometry, chunk: int, schedule: list[Chunk], costs: PlanCosts) -> PrefillTerms:
+    """Attention on each device, setup (one load per (layer, history) variant) and the verdict."""
+    ane_chunks = [c for c in schedule if c.device == "ane"]
     layers = geometry.full_attention_layers
     n_fa = len(layers)
-    gpu_attn_all = (
-        sum(costs.gpu_seconds_per_entry * gpu_score_entries(geometry, c.tokens, c.history) for c in schedule) * n_fa
-    )
-    gpu_attn_offloaded = (
-        sum(costs.gpu_seconds_per_entry * gpu_score_entries(geometry, c.tokens, c.history) for c in ane_chunks) * n_fa
-    )
-    ane_attn = (
-        sum(costs.ane_seconds_per_entry * ane_score_entries(geometry, chunk, c.history) for c in ane_chunks) * n_fa
-    )
+    gpu_rate, ane_rate = costs.gpu_seconds_per_entry, costs.ane_seconds_per_entry
+    gpu_all = sum(gpu_rate * gpu_score_entries(geometry, c.tokens, c.history) for c in schedule) * n_fa
+    gpu_offloaded = sum(gpu_rate * gpu_score_entries(geometry, c.tokens, c.history) for c in ane_chunks) * n_fa
+    ane_attn = sum(ane_rate * ane_score_entries(geometry, chunk, c.history) for c in ane_chunks) * n_fa
     load_by_history = {}
     for c in ane_chunks:
         seconds, source = costs.load.seconds(geometry, chunk, c.history)
@@ -370,61 +441,29 @@ def plan(
             "score_arena_bytes": geometry.score_arena_bytes(chunk, c.history),
         }
     setup = n_fa * sum(v["seconds"] for v in load_by_history.values())
-    variants = [[layer, c.history] for layer in layers for c in ane_chunks]
-
     n = costs.non_attention_seconds
-    gpu_total = n + gpu_attn_all
-    ane_total = n + gpu_attn_all - gpu_attn_offloaded + ane_attn + setup
+    gpu_total = n + gpu_all
+    ane_total = n + gpu_all - gpu_offloaded + ane_attn + setup
     if ane_total <= 0:
         raise AnelabInputError("every cost is zero; pass non-zero --gpu-attention-seconds or --non-attention-seconds")
     ratio = gpu_total / ane_total
-    saved = gpu_attn_offloaded - ane_attn
     keys = {"gpu": None, "ane": None}
     if ane_chunks:
         top = max(c.history for c in ane_chunks) + chunk
         keys = {"ane": top, "gpu": min(geometry.sparse_budget, top) if geometry.sparse_budget else top}
-    decision = "ane" if ane_chunks and ratio > 1.0 else "gpu"
-    reason = _reason(
-        decision,
-        prompt_tokens,
-        chunk,
-        fits,
-        coverage_needed,
-        coverage,
-        setup,
-        saved,
-        gpu_total,
-        gpu_attn_offloaded,
-        ane_attn,
-        len(variants),
-        keys,
-        geometry,
-    )
-    return PrefillPlan(
-        family=fam.name if fam else None,
-        geometry=geometry.to_dict(),
-        prompt_tokens=prompt_tokens,
-        chunk=chunk,
-        histories=hs,
-        coverage=coverage,
-        coverage_needed=coverage_needed,
-        fits=fits,
-        chunks=[{**asdict(c), "history": c.history} for c in schedule],
-        variants=variants,
-        variants_visited=len(variants),
-        load_seconds=load_by_history,
-        setup_seconds=setup,
-        non_attention_seconds=n,
-        gpu_attention_seconds=gpu_attn_all,
-        ane_attention_seconds=ane_attn,
-        attention_saved_seconds=saved,
-        gpu_prefill_seconds=gpu_total,
-        ane_prefill_seconds=ane_total,
-        predicted_ratio=ratio,
-        decision=decision,
-        reason=reason,
-        keys_per_query=keys,
-        cost_sources={**costs.sources, "histories": hs_source},
+    return PrefillTerms(
+        gpu_attention=gpu_all,
+        gpu_offloaded=gpu_offloaded,
+        ane_attention=ane_attn,
+        load_by_history=load_by_history,
+        setup=setup,
+        variants=[[layer, c.history] for layer in layers for c in ane_chunks],
+        gpu_total=gpu_total,
+        ane_total=ane_total,
+        ratio=ratio,
+        saved=gpu_offloaded - ane_attn,
+        keys=keys,
+        decision="ane" if ane_chunks and ratio > 1.0 else "gpu",
     )
 
 
