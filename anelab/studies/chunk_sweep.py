@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 
 from anelab.errors import AnelabInputError
 from anelab.geometry import FP16_BYTES, AttentionGeometry, chunk_starts
+from anelab.records import make_record
 from anelab.sidecar.prompt import prefill_prompt, prompt_reference
 from anelab.studies import planner
 
@@ -362,7 +363,7 @@ def numpy_prefill_record(
 ) -> dict:
     """A ``numpy_prefill_timing`` record (origin measured) of ``time_numpy_prefill`` results; written
     to ``out_dir`` when given (``_file`` then names it)."""
-    from anelab.records import make_record, write_record
+    from anelab.records import write_record
 
     if not timings:
         raise AnelabInputError("numpy_prefill_record needs at least one timing")
@@ -430,3 +431,43 @@ def numpy_prefill_sweep(
                 timings.append(time_numpy_prefill(exports[design].package, hidden, expected, repeats=repeats))
                 bar.update()
     return timings
+
+
+def design_comparison_record(
+    exports: dict[str, dict],
+    checks: dict[tuple[str, str], dict],
+    computed: dict,
+    *,
+    checkpoint: str,
+    layer: int,
+    chunk: int,
+    prompt_tokens: int,
+    key_tile: int,
+    decode: bool,
+) -> dict:
+    """The record of notebook 05's comparison: each fp16 design's package facts, every (design,
+    weights) verification summary, and the computed row at the exported chunk."""
+    facts = {d: package_facts(r.package) for d, r in exports["fp16"].items()}
+    verification = [
+        {"design": d, "weights": mode, "weight_bytes": package_facts(exports[mode][d].package)["weight_bytes"], **c}
+        for (d, mode), c in checks.items()
+    ]
+    return make_record(
+        "design_comparison",
+        {
+            "checkpoint": checkpoint,
+            "layer": layer,
+            "chunk": chunk,
+            "prompt_tokens": prompt_tokens,
+            "key_tile": min(key_tile, chunk),
+            "decode": decode,
+            "evaluator": "anelab.sidecar.verify (NumPy evaluation of the saved packages)",
+        },
+        {
+            "packages": facts,
+            "verification": verification,
+            "computed": {k: v for k, v in computed.items() if k != "weight_bytes_source"},
+        },
+        origin="measured",
+        unknown=["whether the Neural Engine accepts each design (needs the Mac gate)"],
+    )

@@ -190,12 +190,18 @@ def package_size_record(
 ) -> dict:
     """A ``package_size`` record (origin measured): the sizes of each package by its function count.
 
-    results.rows: [{functions, weight_bytes, spec_bytes, total_bytes}] in function-count order.
-    Written to ``out_dir`` when given (``_file`` then names it).
+    results.rows: [{functions, weight_bytes, spec_bytes, total_bytes}] in function-count order;
+    results.spec_bytes_per_function: the least-squares slope of the program bytes against the
+    function count (None for a single package). Written to ``out_dir`` when given (``_file`` names it).
     """
     if not packages:
         raise AnelabInputError("package_size_record needs at least one package")
     rows = [{"functions": int(n), **package_size(p)} for n, p in sorted(packages.items())]
+    per_function = (
+        float(np.polyfit([r["functions"] for r in rows], [r["spec_bytes"] for r in rows], 1)[0])
+        if len(rows) > 1
+        else None
+    )
     record = make_record(
         "package_size",
         {
@@ -204,7 +210,7 @@ def package_size_record(
             "chunk": chunk,
             "histories": "0, chunk, ..., (functions - 1) * chunk",
         },
-        {"rows": rows},
+        {"rows": rows, "spec_bytes_per_function": per_function},
         origin="measured",
         unknown=["how Core ML lays the package out once compiled (.mlmodelc), which is what loads"],
     )

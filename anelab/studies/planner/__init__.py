@@ -11,25 +11,28 @@ from anelab.studies.planner.catalogue import (
     Family,
     PlanGeometry,
     every_fourth,
+    family_attention_geometry,
     family_table,
     get_family,
 )
-from anelab.studies.planner.fit import CostFit, LoadModel, fit_costs, load_fit_report
+from anelab.studies.planner.fit import CostFit, LoadModel, fit_costs, linear_load_fit, load_fit_report
 from anelab.studies.planner.plan import PrefillPlan, plan, predicted_vs_recorded
 
 __all__ = [
     "FAMILIES",
     "REFERENCE_CHUNK",
     "REFERENCE_TOKENS",
-    "every_fourth",
     "CostFit",
     "Family",
     "LoadModel",
     "PlanGeometry",
     "PrefillPlan",
+    "every_fourth",
+    "family_attention_geometry",
     "family_table",
     "fit_costs",
     "get_family",
+    "linear_load_fit",
     "load_fit_report",
     "plan",
     "predicted_vs_recorded",

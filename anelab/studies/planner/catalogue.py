@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from anelab.errors import AnelabInputError
-from anelab.geometry import chunk_starts, score_arena_bytes
+from anelab.geometry import AttentionGeometry, chunk_starts, score_arena_bytes
 
 # how each figure in a plan is known
 RECORDED, DERIVED, ASSUMED, FITTED, UNKNOWN, FLAG = "recorded", "derived", "assumed", "fitted", "unknown", "flag"
@@ -284,3 +284,24 @@ def get_family(name: str) -> Family:
 def family_table() -> list[dict]:
     """Every family with its geometry, the status of each fact, its records and its unknowns."""
     return [f.to_dict() for f in FAMILIES.values()]
+
+
+# What the seed does not record about Qwen 3.8's full-attention layer; both move only the weight bytes
+ASSUMED_HIDDEN_SIZE = 2048
+ASSUMED_KV_HEADS = 2
+
+
+def family_attention_geometry(name: str) -> AttentionGeometry:
+    """One full-attention layer of a recorded family as an ``AttentionGeometry`` (the geometry its
+    load records were measured on): heads, head_dim and layers from the catalogue; the hidden size
+    (``ASSUMED_HIDDEN_SIZE``) and KV heads (the family's, else ``ASSUMED_KV_HEADS``) are assumed."""
+    g = get_family(name).geometry
+    return AttentionGeometry(
+        variant="qwen3_next",
+        hidden_size=ASSUMED_HIDDEN_SIZE,
+        num_heads=g.num_heads,
+        num_kv_heads=g.num_kv_heads or ASSUMED_KV_HEADS,
+        head_dim=g.head_dim,
+        num_layers=g.num_layers,
+        full_attention_layers=g.full_attention_layers,
+    )

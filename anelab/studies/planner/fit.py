@@ -263,13 +263,26 @@ def fit_costs(data_dir: str | Path | None = None) -> CostFit:
     return cached_fit(str(Path(data_dir or DATA_DIR).resolve()), None)
 
 
+def _recorded_load_points(fit: CostFit) -> tuple[np.ndarray, np.ndarray]:
+    """Qwen 3.8's recorded variant loads: score arena (bytes) and seconds, per recorded history."""
+    g = FAMILIES["qwen3.8-125b-a6b-4bit"].geometry
+    arenas = np.array([g.score_arena_bytes(REFERENCE_CHUNK, h) for h in fit.recorded_loads], dtype=float)
+    return arenas, np.array(list(fit.recorded_loads.values()))
+
+
+def linear_load_fit(data_dir: str | Path | None = None) -> tuple[float, float]:
+    """(slope s/GB, intercept s) of a straight line through the recorded loads against score arena
+    (the alternative the power law is judged against)."""
+    arenas, seconds = _recorded_load_points(fit_costs(data_dir))
+    slope, intercept = np.polyfit(arenas / GB, seconds, 1)
+    return float(slope), float(intercept)
+
+
 def load_fit_report(data_dir: str | Path | None = None) -> list[dict]:
     """Qwen 3.8's recorded loads against the power-law and a linear fit in score-arena bytes."""
     fit = fit_costs(data_dir)
-    g = FAMILIES["qwen3.8-125b-a6b-4bit"].geometry
-    arenas = np.array([g.score_arena_bytes(REFERENCE_CHUNK, h) for h in fit.recorded_loads], dtype=float)
-    seconds = np.array(list(fit.recorded_loads.values()))
-    slope, intercept = np.polyfit(arenas / GB, seconds, 1)
+    arenas, seconds = _recorded_load_points(fit)
+    slope, intercept = linear_load_fit(data_dir)
     return [
         {
             "history": h,
