@@ -11,6 +11,7 @@ import json
 import sys
 
 from anelab.errors import AnelabInputError
+from anelab.runtime.gate import AneGateError
 
 EXIT_BAD_INPUT = 2
 
@@ -90,15 +91,9 @@ def _add_export(sub):
 def _run_export(args):
     from anelab.runtime.gate import AneGate
     from anelab.runtime.mac import default_runtime
-    from anelab.sidecar.export import export_sidecars
+    from anelab.sidecar.export import export_sidecars, selection_from_flags
 
-    if args.histories is None and args.graph != "stateful":
-        raise AnelabInputError(
-            "export: --histories is required (e.g. --histories 0,C,2C); only --graph stateful --capacity N goes without"
-        )
-    selection = None
-    if args.selection_kept_blocks is not None or args.selection_compress_ratio is not None:
-        selection = {"kept_blocks": args.selection_kept_blocks, "compress_ratio": args.selection_compress_ratio}
+    selection = selection_from_flags(args.selection_kept_blocks, args.selection_compress_ratio)
     gate = AneGate.for_runtime(default_runtime())
     results = export_sidecars(
         args.checkpoint,
@@ -294,91 +289,12 @@ def _add_plan(sub):
     p.add_argument("--fit-report", action="store_true", help="predicted vs recorded ratio of every recorded A/B row")
 
 
-def _print_family_table(rows):
-    for f in rows:
-        g, facts = f["geometry"], f["facts"]
-
-        def fact(key, value):
-            return f"{value if value is not None else '?'} ({facts[key]['status']})"
-
-        cap = (
-            "unknown" if f["max_history"] is None else f"{f['max_history']} (coverage {f['coverage_cap']:,}, recorded)"
-        )
-        print(f"{f['name']:<26} {f['label']}")
-        print(
-            f"  layers {fact('num_layers', g['num_layers'])}; full-attention "
-            f"{fact('full_attention_layers', len(g['full_attention_layers']))} at {','.join(map(str, g['full_attention_layers']))}"
-        )
-        print(
-            f"  heads {fact('num_heads', g['num_heads'])}; kv heads {fact('num_kv_heads', g['num_kv_heads'])}; "
-            f"head_dim {fact('head_dim', g['head_dim'])}; sparse budget "
-            f"{fact('sparse_budget', g['sparse_budget'] or 'dense')}; max history {cap}"
-        )
-        print(f"  records: {', '.join(f['records'])}")
-        print(f"  unknown: {'; '.join(f['unknown'])}")
-
-
-def _print_fit_report(rows, fit, loads):
-    print(
-        f"{'family':<26} {'record':<27} {'tokens':>6} {'chunk':>5} {'recorded':>8} "
-        f"{'in-sample':>9} {'err':>6} {'LOO':>6} {'err':>6} {'plan':>6} {'err':>6}"
-    )
-    for r in rows:
-        print(
-            f"{r['family']:<26} {r['record']:<27} {r['prompt_tokens']:>6} {r['chunk']:>5} {r['recorded_ratio']:>7.2f}x "
-            f"{r['in_sample_ratio']:>8.2f}x {r['in_sample_error']:>+6.1%} {r['leave_one_out_ratio']:>5.2f}x "
-            f"{r['leave_one_out_error']:>+6.1%} {r['plan_ratio']:>5.2f}x {r['plan_error']:>+6.1%}"
-        )
-    print(
-        f"rates: ANE {fit['ane_seconds_per_entry']:.3g} s/entry (recorded h0), dense GPU "
-        f"{fit['gpu_dense_seconds_per_entry']:.3g}, sparse GPU {fit['gpu_sparse_seconds_per_entry']:.3g} s/entry (fitted); "
-        f"dense setup {fit['dense_setup_seconds_per_variant']:.3g} s/variant (fitted)"
-    )
-    print(
-        f"load = {fit['load_power_coef']:.3g} s x (score arena / GB) ^ {fit['load_power_exp']:.3g}: "
-        + ", ".join(
-            f"h{x['history']} {x['recorded_seconds']:.1f} s recorded, {x['power_fit_seconds']:.1f} s fit" for x in loads
-        )
-    )
-
-
-def _print_plan(d):
-    name = d["family"] or "custom geometry"
-    print(
-        f"{name}: prompt {d['prompt_tokens']:,} tokens, chunk {d['chunk']:,}, histories "
-        f"{','.join(map(str, d['histories']))} (coverage {d['coverage']:,}; needed {d['coverage_needed']:,}; "
-        f"{'fits' if d['fits'] else 'does not fit'})"
-    )
-    print(f"{'chunk':>5} {'start':>7} {'tokens':>7}  device  function")
-    for c in d["chunks"]:
-        print(
-            f"{c['index']:>5} {c['start']:>7,} {c['tokens']:>7,}  {c['device']:<6}  "
-            f"{'h' + str(c['history']) if c['device'] == 'ane' else '-'}"
-        )
-    n_fa = len(d["geometry"]["full_attention_layers"])
-    loads = ", ".join(f"h{h} {v['seconds']:.2f} s ({v['source']})" for h, v in d["load_seconds"].items())
-    print(
-        f"variants visited: {d['variants_visited']} ({n_fa} full-attention layers x "
-        f"{len(d['load_seconds'])} histories){'; loads ' + loads if loads else ''}"
-    )
-    print(
-        f"GPU arm: non-attention {d['non_attention_seconds']:.1f} s + attention {d['gpu_attention_seconds']:.1f} s "
-        f"= {d['gpu_prefill_seconds']:.1f} s"
-    )
-    print(
-        f"ANE arm: {d['ane_prefill_seconds']:.1f} s (setup {d['setup_seconds']:.1f} s, ANE attention "
-        f"{d['ane_attention_seconds']:.1f} s, attention saved {d['attention_saved_seconds']:.1f} s)"
-    )
-    print(f"predicted ratio {d['predicted_ratio']:.2f}x (GPU / ANE)")
-    print(f"decision: {d['decision']} — {d['reason']}")
-
-
 def _run_plan(args):
     from anelab.studies import planner
 
     if args.list_families:
         rows = planner.family_table()
-        _print_json(rows) if args.json else _print_family_table(rows)
+        _print_json(rows) if args.json else print(planner.format_family_table(rows))
         return 0
     if args.fit_report:
         rows, fit, loads = planner.predicted_vs_recorded(), planner.fit_costs().to_dict(), planner.load_fit_report()
@@ -386,7 +302,7 @@ def _run_plan(args):
             fit.pop("rows")
             _print_json({"rows": rows, "fit": fit, "loads": loads})
         else:
-            _print_fit_report(rows, fit, loads)
+            print(planner.format_fit_report(rows, fit, loads))
         return 0
     if args.prompt_tokens is None:
         raise AnelabInputError("anelab plan: pass --prompt-tokens N (or --list-families / --fit-report)")
@@ -407,7 +323,7 @@ def _run_plan(args):
         ane_attention_seconds=args.ane_attention_seconds,
         non_attention_seconds=args.non_attention_seconds,
     ).to_dict()
-    _print_json(result) if args.json else _print_plan(result)
+    _print_json(result) if args.json else print(planner.format_plan(result))
     return 0
 
 
@@ -527,9 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     except AnelabInputError as e:
         print(f"anelab: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except RuntimeError as e:
-        if type(e).__name__ != "AneGateError":
-            raise
+    except AneGateError as e:
         print(f"anelab: export refused: {e}", file=sys.stderr)
         return 1
     except BrokenPipeError:

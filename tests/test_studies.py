@@ -29,8 +29,9 @@ from anelab.studies.dense_offload import (
     recorded_ab_rows,
     time_attention_ab,
 )
+from anelab.studies.planner import format_plan
 from anelab.studies.planner.plan import plan
-from anelab.studies.provenance import compact_provenance, describe_plan
+from anelab.studies.provenance import compact_provenance
 from anelab.studies.setup_cost import (
     break_even,
     break_even_setup,
@@ -212,10 +213,10 @@ def test_ratio_sweep():
         ratio_sweep("qwen3.5-2b-4bit", [])
 
 
-def test_describe_plan():
-    text = describe_plan(plan(SEED_TOKENS, family="qwen3.8-125b-a6b-4bit"))
-    assert "decision: gpu" in text and "24 variant loads" in text and "4,333 tokens" in text
-    assert "decision: ane" in describe_plan(plan(SEED_TOKENS, family="qwen3.5-2b-4bit"))
+def test_format_plan():
+    text = format_plan(plan(SEED_TOKENS, family="qwen3.8-125b-a6b-4bit").to_dict())
+    assert "decision: gpu" in text and "variants visited: 24" in text and "4,333 tokens" in text
+    assert "decision: ane" in format_plan(plan(SEED_TOKENS, family="qwen3.5-2b-4bit").to_dict())
 
 
 def test_compact_provenance():

@@ -154,6 +154,14 @@ def validate_state_capacity(capacity: int | None, chunk: int, histories: list[in
     return capacity
 
 
+def selection_from_flags(kept_blocks: int | None, compress_ratio: int | None) -> dict | None:
+    """A sparse indexer's parameters from ``--selection-kept-blocks`` / ``--selection-compress-ratio``:
+    None when neither is given (a dense model); both are then required (checked on export)."""
+    if kept_blocks is None and compress_ratio is None:
+        return None
+    return {"kept_blocks": kept_blocks, "compress_ratio": compress_ratio}
+
+
 def selection_indexer_metadata(selection: dict, graph: str) -> dict:
     """Validate a sparse indexer's parameters and return what the package records about it."""
     from anelab.masks import dense_exact_window
@@ -337,6 +345,10 @@ def export_sidecars(
     gate: VariantGate | None = None,
 ) -> list[ExportResult]:
     """Export ``layer_<L>.mlpackage`` for each requested full-attention layer (default: all)."""
+    if histories is None and graph != "stateful":
+        raise AnelabInputError(
+            "export: --histories is required (e.g. --histories 0,C,2C); only --graph stateful --capacity N goes without"
+        )
     if selection is not None:
         selection_indexer_metadata(selection, graph)
     checkpoint = load_checkpoint(checkpoint_dir)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from anelab.errors import AnelabInputError
-from anelab.studies.planner.plan import PrefillPlan
 
 PLANNER_NOTE = "lines: planner (anelab.plan) fitted on these records"
 
@@ -48,18 +47,3 @@ def compact_provenance(records: Sequence[dict], *, planner: bool = False) -> str
         else:
             lines[-1] += f", {name}"
     return "\n".join(machines + lines + ([PLANNER_NOTE] if planner else []))
-
-
-def describe_plan(p: PrefillPlan) -> str:
-    """A short text of a plan for the notebooks' interactive control."""
-    head = f"{p.family or 'custom geometry'}: {p.prompt_tokens:,} tokens, chunk {p.chunk:,}"
-    return "\n".join(
-        [
-            head,
-            f"  decision: {p.decision} (predicted ratio {p.predicted_ratio:.2f}x) — {p.reason}",
-            f"  GPU arm {p.gpu_prefill_seconds:.1f} s; ANE arm {p.ane_prefill_seconds:.1f} s "
-            f"= non-attention {p.non_attention_seconds:.1f} + ANE attention {p.ane_attention_seconds:.1f} "
-            f"+ setup {p.setup_seconds:.1f} ({p.variants_visited} variant loads)"
-            + ("" if p.fits else f"; past coverage {p.coverage:,}"),
-        ]
-    )

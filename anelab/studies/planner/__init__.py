@@ -17,6 +17,7 @@ from anelab.studies.planner.catalogue import (
 )
 from anelab.studies.planner.fit import CostFit, LoadModel, fit_costs, linear_load_fit, load_fit_report
 from anelab.studies.planner.plan import PrefillPlan, plan, predicted_vs_recorded
+from anelab.studies.planner.report import format_family_table, format_fit_report, format_plan
 
 __all__ = [
     "FAMILIES",
@@ -31,6 +32,9 @@ __all__ = [
     "family_attention_geometry",
     "family_table",
     "fit_costs",
+    "format_family_table",
+    "format_fit_report",
+    "format_plan",
     "get_family",
     "linear_load_fit",
     "load_fit_report",
