@@ -34,7 +34,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from anelab.errors import AnelabInputError
-from anelab.geometry import FP16_BYTES, AttentionGeometry, chunk_starts
+from anelab.geometry import FP16_BYTES, AttentionGeometry, chunk_starts, score_arena_bytes
 from anelab.records import make_record
 from anelab.sidecar.prompt import prefill_prompt, prompt_reference
 from anelab.studies import planner
@@ -137,67 +137,78 @@ def chunk_sweep(
         or not load_floor_seconds >= 0
     ):
         raise AnelabInputError(f"the load floor must be a non-negative number of seconds, got {load_floor_seconds!r}")
-    g = geometry
-    P = int(prompt_tokens)
-    n_layers = len(g.full_attention_layers)
-    pg = planner.PlanGeometry(g.num_layers, tuple(g.full_attention_layers), g.num_heads, g.num_kv_heads, g.head_dim)
-    fit = planner.fit_costs(data_dir)
-    model = fit.recorded_load_model()
+    pricer = LoadPricer.recorded(geometry, data_dir, load_floor_seconds)
+    return [_sweep_row(geometry, int(prompt_tokens), C, min(int(key_tile), C), decode, pricer) for C in chunks]
 
-    def load(chunk: int, history: int) -> tuple[float, str]:
-        seconds, source = model.seconds(pg, chunk, history)
-        if load_floor_seconds is not None and seconds < load_floor_seconds:
-            return float(load_floor_seconds), "floor"
+
+@dataclass
+class LoadPricer:
+    """Prices one function load with the planner's recorded load model (optionally floored), and
+    knows the arena range the recorded loads cover (outside it the power law extrapolates)."""
+
+    plan_geometry: planner.PlanGeometry
+    model: planner.LoadModel
+    recorded_arena_range: tuple[int, int]
+    floor_seconds: float | None = None
+
+    @classmethod
+    def recorded(cls, geometry: AttentionGeometry, data_dir, floor_seconds: float | None) -> LoadPricer:
+        g = geometry
+        pg = planner.PlanGeometry(g.num_layers, tuple(g.full_attention_layers), g.num_heads, g.num_kv_heads, g.head_dim)
+        fit = planner.fit_costs(data_dir)
+        arenas = [score_arena_bytes(fit.recorded_load_heads, fit.recorded_load_chunk, h) for h in fit.recorded_loads]
+        return cls(pg, fit.recorded_load_model(), (min(arenas), max(arenas)), floor_seconds)
+
+    def load(self, chunk: int, history: int) -> tuple[float, str]:
+        """(seconds, source) of loading a function whose score arena is that of h<history> at ``chunk``."""
+        seconds, source = self.model.seconds(self.plan_geometry, chunk, history)
+        if self.floor_seconds is not None and seconds < self.floor_seconds:
+            return float(self.floor_seconds), "floor"
         return seconds, source
 
-    recorded_arenas = [
-        fit.recorded_load_heads * fit.recorded_load_chunk * (h + fit.recorded_load_chunk) * FP16_BYTES
-        for h in fit.recorded_loads
-    ]
-    lo, hi = min(recorded_arenas), max(recorded_arenas)
-    weight_bytes = g.parameter_count() * FP16_BYTES
+    def extrapolated(self, arenas: Sequence[int]) -> bool:
+        lo, hi = self.recorded_arena_range
+        return any(not lo <= a <= hi for a in arenas)
+
+
+def _sweep_row(g: AttentionGeometry, P: int, C: int, tile: int, decode: bool, pricer: LoadPricer) -> dict:
+    """One chunk width's row of :func:`chunk_sweep` (see its docstring for every key)."""
+    n_layers = len(g.full_attention_layers)
+    histories = chunk_starts(P, C)
+    calls, coverage = len(histories), len(histories) * C
     per_entry = g.head_dim * FLOPS_PER_MAC * SCORE_MATMULS  # FLOPs per score entry (QK^T + PV)
-    rows = []
-    for C in chunks:
-        calls = -(-P // C)
-        coverage = calls * C
-        histories = [k * C for k in range(calls)]
-        tile = min(int(key_tile), C)
-        dense_loads = [load(C, h) for h in histories]
-        stateful_arena = g.num_heads * C * coverage * FP16_BYTES
-        stateful_load = [load(C, coverage - C)]  # arena Hq x C x coverage, as h<coverage - C>
-        stateful_arenas = [stateful_arena]
-        if decode and C != 1:
-            stateful_load.append(load(1, coverage - 1))
-            stateful_arenas.append(g.num_heads * 1 * coverage * FP16_BYTES)
-        dense_arenas = [g.num_heads * C * (h + C) * FP16_BYTES for h in histories]
-        rows.append(
-            {
-                "chunk": C,
-                "calls": calls,
-                "coverage": coverage,
-                "on_ane": P >= C,
-                "dense_variants_per_layer": calls,
-                "dense_variants": n_layers * calls,
-                "stateful_functions_per_layer": 1 + (1 if decode and C != 1 else 0),
-                "stateful_functions": n_layers * (1 + (1 if decode and C != 1 else 0)),
-                "dense_arena_bytes": dense_arenas[-1],
-                "key_tile": tile,
-                "tiled_arena_bytes": g.num_heads * C * tile * FP16_BYTES,
-                "stateful_arena_bytes": stateful_arena,
-                "score_flops": sum(g.num_heads * C * (h + C) for h in histories) * per_entry,
-                "stateful_score_flops": calls * g.num_heads * C * coverage * per_entry,
-                "causal_score_flops": g.num_heads * per_entry * P * (P + 1) // 2,
-                "weight_bytes": weight_bytes,
-                "weight_bytes_source": WEIGHT_BYTES_SOURCE,
-                "dense_setup_seconds": n_layers * sum(s for s, _ in dense_loads),
-                "stateful_setup_seconds": n_layers * sum(s for s, _ in stateful_load),
-                "setup_sources": sorted({src for _, src in dense_loads + stateful_load}),
-                "dense_setup_extrapolated": any(not lo <= a <= hi for a in dense_arenas),
-                "stateful_setup_extrapolated": any(not lo <= a <= hi for a in stateful_arenas),
-            }
-        )
-    return rows
+    dense_loads = [pricer.load(C, h) for h in histories]
+    dense_arenas = [score_arena_bytes(g.num_heads, C, h) for h in histories]
+    with_decode = decode and C != 1
+    stateful_load = [pricer.load(C, coverage - C)]  # arena Hq x C x coverage, as h<coverage - C>
+    stateful_arenas = [score_arena_bytes(g.num_heads, C, coverage - C)]
+    if with_decode:
+        stateful_load.append(pricer.load(1, coverage - 1))
+        stateful_arenas.append(score_arena_bytes(g.num_heads, 1, coverage - 1))
+    return {
+        "chunk": C,
+        "calls": calls,
+        "coverage": coverage,
+        "on_ane": P >= C,
+        "dense_variants_per_layer": calls,
+        "dense_variants": n_layers * calls,
+        "stateful_functions_per_layer": 1 + with_decode,
+        "stateful_functions": n_layers * (1 + with_decode),
+        "dense_arena_bytes": dense_arenas[-1],
+        "key_tile": tile,
+        "tiled_arena_bytes": g.num_heads * C * tile * FP16_BYTES,
+        "stateful_arena_bytes": stateful_arenas[0],
+        "score_flops": sum(g.num_heads * C * (h + C) for h in histories) * per_entry,
+        "stateful_score_flops": calls * g.num_heads * C * coverage * per_entry,
+        "causal_score_flops": g.num_heads * per_entry * P * (P + 1) // 2,
+        "weight_bytes": g.parameter_count() * FP16_BYTES,
+        "weight_bytes_source": WEIGHT_BYTES_SOURCE,
+        "dense_setup_seconds": n_layers * sum(s for s, _ in dense_loads),
+        "stateful_setup_seconds": n_layers * sum(s for s, _ in stateful_load),
+        "setup_sources": sorted({src for _, src in dense_loads + stateful_load}),
+        "dense_setup_extrapolated": pricer.extrapolated(dense_arenas),
+        "stateful_setup_extrapolated": pricer.extrapolated(stateful_arenas),
+    }
 
 
 # ---- the seed's claim (not a measurement) -----------------------------------------------------------
