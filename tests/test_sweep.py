@@ -1,8 +1,8 @@
-"""The chunk-size sweep (anelab.sweep).
+"""The chunk-size sweep (anelab.studies.chunk_sweep).
 
 Expected values are derived independently: by hand for a tiny geometry (arithmetic written out
 below), from the seed's own numbers for Qwen 3.8's geometry, and — for the setup column — by
-re-fitting the recorded loads in this file rather than through anelab.plan. Each check has a
+re-fitting the recorded loads in this file rather than through anelab.studies.planner. Each check has a
 negative control: the same comparison against a sweep of a wrong input must fail.
 """
 
@@ -32,7 +32,7 @@ from anelab.studies.chunk_sweep import (
 )
 
 DATA = Path(__file__).resolve().parent.parent / "data"
-FP16_THRESHOLD = 1e-2  # anelab.verify's relative-error threshold for fp16 packages
+FP16_THRESHOLD = 1e-2  # anelab.sidecar.compare's relative-error threshold for fp16 packages
 
 # heads 2, head_dim 4, hidden 8, one KV head; full-attention layers 0 and 2 (two of three)
 TINY = AttentionGeometry(

@@ -34,7 +34,7 @@ STUDIES: dict[str, tuple[str, str, str]] = {
     "setup_cost": (
         "notebooks/04_setup_cost.ipynb",
         "fit of recorded load times against score-arena bytes, break-even prompt lengths",
-        "cold/warm loads and package compositions through anelab.timing",
+        "cold/warm loads and package compositions through anelab.runtime.timing",
     ),
     "tiled_stateful": (
         "notebooks/05_tiled_stateful.ipynb",

@@ -21,7 +21,7 @@ from anelab.runtime.interface import ASSIGNMENT_KEYS, CoreMLRuntime, RuntimeLoad
 
 
 class FakeClock:
-    """A clock for ``anelab.timing.measure``: ``clock()`` returns seconds; only ``advance`` moves it."""
+    """A clock for ``anelab.runtime.timing.measure``: ``clock()`` returns seconds; only ``advance`` moves it."""
 
     def __init__(self, start: float = 1000.0):
         self.now = float(start)

@@ -12,7 +12,7 @@
    variant that reports no operations at all. This closes the silent case: nothing printed, the
    graph on the CPU (seed: Qwen 3.8 h12288, 0 of 173 operations on the ANE).
 
-``anelab.export.export_layer`` calls ``check_variants`` before merging and ``check_merged_loads``
+``anelab.sidecar.export.export_layer`` calls ``check_variants`` before merging and ``check_merged_loads``
 after; only when both pass does it write ``aneCompileVerified: true`` with the evidence.
 """
 

@@ -209,7 +209,7 @@ def evaluate(
     if state_signatures(pkg, function):
         raise AnelabInputError(
             f"{function} is stateful (its KV cache lives in Core ML state); evaluate it with "
-            "anelab.mil_eval.evaluate_with_state, or check it with 'anelab verify'"
+            "anelab.sidecar.evaluate.evaluate_with_state, or check it with 'anelab verify'"
         )
     pkg.check_inputs(function, inputs)
     return Interpreter(pkg, pkg.mil_function(function), fp16).run(inputs, info)

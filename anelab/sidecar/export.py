@@ -218,7 +218,7 @@ def export_layer(
 
     ``graph``: ``dense`` (scores all keys at once) or ``tiled`` (online softmax over key tiles of
     ``key_tile`` positions, a divisor of the chunk; default: the chunk). ``weights_mode``: see
-    ``anelab.quantize`` — each function's package is compressed before the merge.
+    ``anelab.sidecar.quantize`` — each function's package is compressed before the merge.
     ``stateful``: K/V kept as Core ML state of ``capacity`` slots (default: the coverage of
     ``histories``), one function ``c<C>`` (plus ``c1`` with ``decode``) instead of one per history.
 

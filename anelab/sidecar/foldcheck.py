@@ -6,7 +6,7 @@ for the chunk and for the history (the history's K/V made by ``anelab.reference.
 the real projections q [C, Hq, d] and k [T, Hkv, d] the indexer scores (``reference.project``).
 A ``Selection`` (``anelab.selection.select``) folded into the mask then drives two computations:
 
-- the *package*: the saved program evaluated from disk (``anelab.mil_eval``, fp16 storage emulated);
+- the *package*: the saved program evaluated from disk (``anelab.sidecar.evaluate``, fp16 storage emulated);
 - the *reference*: ``anelab.reference.attention_block`` in float64 with the same mask.
 
 The checks (``fold_check``), on the raw attention output ``attn_out`` [C, D]:

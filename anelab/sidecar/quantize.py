@@ -15,7 +15,7 @@ Modes (all valid for the exporter's target, macOS 15 / iOS 18):
   output row -> ``constexpr_blockwise_shift_scale``. Block-wise int4 needs iOS 18.
 
 ``ERROR_BOUNDS`` documents how far each mode may move the outputs away from the fp16-weight
-reference (relative error, ||out - ref|| / ||ref||); ``anelab.verify`` checks it per function.
+reference (relative error, ||out - ref|| / ||ref||); ``anelab.sidecar.verify`` checks it per function.
 """
 
 from __future__ import annotations
@@ -164,9 +164,9 @@ def compress_package(src: str | os.PathLike, dest: str | os.PathLike, mode: str)
 
 def dequantized_weights(saved, function: str, weights: AttentionWeights) -> AttentionWeights:
     """``weights`` with its four projection matrices replaced by the ones the saved package
-    holds for ``function`` (decompressed from its constexpr ops by ``anelab.mil_eval``'s kernels).
+    holds for ``function`` (decompressed from its constexpr ops by ``anelab.sidecar.kernels``).
 
-    ``saved``: an ``anelab.mil_eval.SavedPackage``. A projection stored uncompressed is read as is.
+    ``saved``: an ``anelab.sidecar.evaluate.SavedPackage``. A projection stored uncompressed is read as is.
     Refuses a package whose linear ops do not carry the four projections.
     """
     from anelab.sidecar.evaluate import Interpreter

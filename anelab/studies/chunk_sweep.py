@@ -7,17 +7,17 @@ The designs (``--graph``), for a prompt of P tokens cut into chunks of width C:
 - ``tiled``    the same functions, with the keys visited in tiles of ``key_tile`` positions and an
                online softmax: the largest score tensor is ``[heads, C, key_tile]``;
 - ``stateful`` one function ``c<C>`` (plus ``c1`` for decode) whose K/V cache is Core ML state of
-               ``capacity`` slots; as built (``anelab.graph.build_stateful_program``) every call
+               ``capacity`` slots; as built (``anelab.sidecar.graphs.stateful.build_stateful_program``) every call
                scores all ``capacity`` slots and masks the unfilled ones: ``[heads, C, capacity]``.
 
 ``chunk_sweep`` computes, per chunk width, the numbers that follow from the geometry alone
 (calls, functions, arenas, arithmetic, fp16 weight bytes) and prices the functions each design
-loads with the planner's recorded load model (``anelab.plan``: Qwen 3.8's measured variant loads,
+loads with the planner's recorded load model (``anelab.studies.planner``: Qwen 3.8's measured variant loads,
 a power law in score-arena bytes elsewhere). Nothing in it is timed.
 
 The rest of the module measures saved packages on this machine: ``export_designs`` exports the
 three designs for one prompt, ``package_facts`` reads sizes and the largest intermediate back from
-disk, ``prefill_prompt`` runs a whole prompt through a saved package with NumPy (``anelab.mil_eval``
+disk, ``prefill_prompt`` runs a whole prompt through a saved package with NumPy (``anelab.sidecar.evaluate``
 — the CPU of this machine, not the Neural Engine), and ``numpy_prefill_record`` times that run and
 writes a record (origin ``measured``).
 """
@@ -311,7 +311,7 @@ def package_facts(package: str | os.PathLike) -> dict:
 
 
 def summarize_verification(report) -> dict:
-    """One row from an ``anelab.verify.VerifyReport``: passed, vacuous, ``graph_error`` (worst
+    """One row from an ``anelab.sidecar.verify.VerifyReport``: passed, vacuous, ``graph_error`` (worst
     non-control comparison against the reference with the package's own weights),
     ``weights_error`` (worst comparison against the checkpoint's fp16 weights; None for fp16
     packages) and ``weakest_control`` (the smallest error a negative control reached)."""
@@ -336,7 +336,7 @@ class PrefillTiming:
     chunk: int
     prompt_tokens: int
     calls: int
-    stats: object  # anelab.timing.TimingStats
+    stats: object  # anelab.runtime.timing.TimingStats
     attn_out_error: float
 
 

@@ -118,7 +118,7 @@ SWEEP_KEYS = (
 def ratio_sweep(family: str | None, prompt_tokens: Sequence[int], **plan_args) -> list[dict]:
     """The planner at each prompt length: one dict per length with ``prompt_tokens``, ``chunk`` and ``SWEEP_KEYS``.
 
-    ``plan_args`` go to :func:`anelab.plan.plan` (chunk, histories, costs, geometry overrides). A
+    ``plan_args`` go to :func:`anelab.studies.planner.plan` (chunk, histories, costs, geometry overrides). A
     prompt past coverage is not refused here: it is planned with ``allow_past_coverage`` (``fits``
     False, everything on the GPU, ratio 1).
     """
@@ -170,7 +170,7 @@ def time_attention_ab(
     """One ``predict_timing`` record per function ``h<history>`` of ``pkg``, each over ``compute_units``.
 
     A function at history H serves the last full chunk of a prompt of H + chunk tokens. Records go
-    to ``out_dir`` (see :func:`anelab.timing.time_predict`); ``clock`` is injectable for tests.
+    to ``out_dir`` (see :func:`anelab.runtime.timing.time_predict`); ``clock`` is injectable for tests.
     """
     from anelab.runtime.timing import time_predict
 

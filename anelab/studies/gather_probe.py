@@ -420,7 +420,7 @@ def probe_record(results: list[ProbeResult], repeats: int) -> dict:
             "evaluator": "anelab.mil_eval (NumPy, fp16 storage emulated)",
         },
         {"rows": [r.to_dict() for r in results]},
-        unknown=["ANE op assignment, load and predict times (need a Mac; see anelab.timing)"],
+        unknown=["ANE op assignment, load and predict times (need a Mac; see anelab.runtime.timing)"],
     )
 
 
@@ -434,11 +434,11 @@ def measure_probes_on_runtime(
     repeats: int = 3,
     clock=None,
 ) -> list[dict]:
-    """On a Mac: ANE op assignment, load and predict time of each saved probe (``anelab.timing``).
+    """On a Mac: ANE op assignment, load and predict time of each saved probe (``anelab.runtime.timing``).
 
     results must keep their packages (``probe(..., out_dir=...)``). Returns one dict per probe:
     {"graph", "chunk", "assignment", "load", "predict"} — a predict that fails is recorded as
-    {"error": ...}, like the seed's chunk-64 gather. clock: ``anelab.timing``'s clock (default
+    {"error": ...}, like the seed's chunk-64 gather. clock: ``anelab.runtime.timing``'s clock (default
     ``time.perf_counter``; tests pass a fake runtime's clock). Each timing record is also written to
     ``out_dir``.
     """

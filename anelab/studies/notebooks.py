@@ -5,7 +5,7 @@ exactly one cell tagged ``parameters``; the runner injects these parameters (eac
 notebook declares it, except ``quick``, which every notebook must declare):
 
     quick        bool  small sizes, for the tests (each quick run stays well under a minute)
-    figures_dir  str   where ``anelab.figures.save_figure`` writes PNG/SVG + MANIFEST.json
+    figures_dir  str   where ``anelab.studies.figures.save_figure`` writes PNG/SVG + MANIFEST.json
     records_dir  str   where measured records go (``anelab.records.write_record``)
     build_dir    str   scratch space for packages and other build products
 

@@ -17,7 +17,7 @@ def compact_provenance(records: Sequence[dict], *, planner: bool = False) -> str
 
     ``recorded on <model> (<chip>), <os> — replayed, not measured here`` (or ``measured here: ...``),
     then ``source: a.json, b.json``; with ``planner`` a last line says the lines are the planner's.
-    The full per-record text (``anelab.figures.provenance_text``) belongs in the manifest.
+    The full per-record text (``anelab.studies.figures.provenance_text``) belongs in the manifest.
     """
     if not records:
         raise AnelabInputError("compact_provenance needs at least one record")

@@ -65,7 +65,7 @@ def break_even(
     """Search the prompt lengths 1..``max_tokens`` for those where the planner says offload wins.
 
     ``max_tokens`` defaults to the family's coverage cap (``max_history + chunk``) or, for a family
-    without one, to 8 chunks. ``plan_args`` go to :func:`anelab.plan.plan`.
+    without one, to 8 chunks. ``plan_args`` go to :func:`anelab.studies.planner.plan`.
 
     Why a bisection per chunk count is exact: prompts with the same number of chunks
     (``(k-1)*chunk < P <= k*chunk``) visit the same variants and run the same padded ANE chunks, so
