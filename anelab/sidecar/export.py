@@ -253,28 +253,19 @@ def export_layer(
         merged = merge_functions(variants, work / "merged.mlpackage", next(iter(variants)))
         if gate is not None:  # ... then every function of the merged package must load under its name
             gate.check_merged_loads(merged, list(variants))
-        meta = SidecarMetadata(
-            format_version=FORMAT_VERSION,
-            source=str(checkpoint.path),
-            layer=layer,
-            geometry=checkpoint.geometry.to_dict(),
-            chunk=chunk,
-            histories=histories,
-            coverage=coverage(histories, chunk),
-            graph=graph,
-            weights=weights_mode,
-            single_function_weight_bytes=weight_bytes(next(iter(variants.values()))),
-            selection_folded=selection is not None,
-            selection_indexer=selection_indexer_metadata(selection, graph) if selection is not None else None,
-            ane_verified=gate is not None,
-            ane_reason=gate.verified_reason if gate is not None else OFF_MAC_REASON,
-            ane_evidence=evidence,
-            coremltools=coremltools_modules()[0].__version__,
-            anelab=__version__,
-            exported_at=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-            key_tile=key_tile if graph == "tiled" else None,
-            state_capacity=capacity if graph == "stateful" else None,
-            state_functions=list(variants) if graph == "stateful" else None,
+        meta = package_metadata(
+            checkpoint,
+            layer,
+            chunk,
+            histories,
+            graph,
+            weights_mode,
+            variants,
+            selection,
+            gate,
+            evidence,
+            key_tile=key_tile,
+            capacity=capacity,
         )
         final = work / f"layer_{layer}.mlpackage"
         write_package_metadata(merged, final, meta.to_strings())
@@ -282,6 +273,47 @@ def export_layer(
         return ExportResult(package=dest, metadata=meta, weight_bytes=weight_bytes(dest), functions=list(variants))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def package_metadata(
+    checkpoint,
+    layer: int,
+    chunk: int,
+    histories: list[int],
+    graph: str,
+    weights_mode: str,
+    variants: dict[str, Path],
+    selection: dict | None,
+    gate: VariantGate | None,
+    evidence: dict,
+    *,
+    key_tile: int | None,
+    capacity: int | None,
+) -> SidecarMetadata:
+    """What the finished package records about itself (``variants``: the converted functions)."""
+    return SidecarMetadata(
+        format_version=FORMAT_VERSION,
+        source=str(checkpoint.path),
+        layer=layer,
+        geometry=checkpoint.geometry.to_dict(),
+        chunk=chunk,
+        histories=histories,
+        coverage=coverage(histories, chunk),
+        graph=graph,
+        weights=weights_mode,
+        single_function_weight_bytes=weight_bytes(next(iter(variants.values()))),
+        selection_folded=selection is not None,
+        selection_indexer=selection_indexer_metadata(selection, graph) if selection is not None else None,
+        ane_verified=gate is not None,
+        ane_reason=gate.verified_reason if gate is not None else OFF_MAC_REASON,
+        ane_evidence=evidence,
+        coremltools=coremltools_modules()[0].__version__,
+        anelab=__version__,
+        exported_at=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        key_tile=key_tile if graph == "tiled" else None,
+        state_capacity=capacity if graph == "stateful" else None,
+        state_functions=list(variants) if graph == "stateful" else None,
+    )
 
 
 def function_builds(

@@ -310,22 +310,7 @@ def plan(
     )
     terms = _prefill_terms(geometry, chunk, schedule, costs)
     coverage_needed = (max(needed) + chunk) if needed else 0
-    reason = _reason(
-        terms.decision,
-        prompt_tokens,
-        chunk,
-        fits,
-        coverage_needed,
-        _coverage(hs, chunk),
-        terms.setup,
-        terms.saved,
-        terms.gpu_total,
-        terms.gpu_offloaded,
-        terms.ane_attention,
-        len(terms.variants),
-        terms.keys,
-        geometry,
-    )
+    reason = _reason(terms, prompt_tokens, chunk, fits, coverage_needed, _coverage(hs, chunk), geometry)
     return PrefillPlan(
         family=fam.name if fam else None,
         geometry=geometry.to_dict(),
@@ -468,22 +453,16 @@ def _prefill_terms(geometry: PlanGeometry, chunk: int, schedule: list[Chunk], co
 
 
 def _reason(
-    decision,
-    prompt_tokens,
-    chunk,
-    fits,
-    needed,
-    coverage,
-    setup,
-    saved,
-    gpu_total,
-    gpu_attn,
-    ane_attn,
-    n_variants,
-    keys,
-    geometry,
+    terms: PrefillTerms, prompt_tokens: int, chunk: int, fits: bool, needed: int, coverage: int, geometry: PlanGeometry
 ) -> str:
     """One line naming the dominant term of the decision."""
+    decision, setup, saved, keys = terms.decision, terms.setup, terms.saved, terms.keys
+    gpu_total, gpu_attn, ane_attn, n_variants = (
+        terms.gpu_total,
+        terms.gpu_offloaded,
+        terms.ane_attention,
+        len(terms.variants),
+    )
     if not fits:
         return f"prompt past coverage: needs {needed:,}, the histories give {coverage:,}; it stays on the GPU"
     if n_variants == 0:
