@@ -507,6 +507,55 @@ _register("probe", _add_probe, _run_probe)
 # <<< section: gather
 
 
+# >>> section: compare-arms
+def _add_compare_arms(sub):
+    p = sub.add_parser(
+        "compare-arms",
+        help="whole model: per-layer hidden, logits and greedy text with the attention on the sidecars vs the reference",
+    )
+    p.add_argument("checkpoint", help="model directory (config.json + safetensors), or 'default-dense' (generated)")
+    p.add_argument("--sidecars", default=None, help="directory of layer_<L>.mlpackage for every full-attention layer")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="random prompt length (fixed seed)")
+    p.add_argument("--tokens", default=None, help="token ids file (JSON list or whitespace-separated) instead")
+    p.add_argument("--decode", type=int, default=32, help="greedy tokens decoded on the reference path (default 32)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt (default 0)")
+    p.add_argument("--chunk", type=int, default=None, help="prefill chunk without sidecars (default 16)")
+    p.add_argument("--kept-blocks", type=int, default=None, help="add folded / causal-only arms: indexer kept blocks")
+    p.add_argument("--compress-ratio", type=int, default=4, help="indexer keys per block (default 4)")
+    p.add_argument("--json", action="store_true", help="print the comparison as JSON")
+
+
+def _run_compare_arms(args):
+    from anelab.studies.arms import Indexer, compare_arms, read_tokens
+
+    if (args.prompt_tokens is None) == (args.tokens is None):
+        raise AnelabInputError("anelab compare-arms: pass exactly one of --prompt-tokens N or --tokens FILE")
+    checkpoint = args.checkpoint
+    if checkpoint == "default-dense":
+        from anelab.hf.default import dense_checkpoint_dir
+
+        checkpoint = dense_checkpoint_dir()
+    report = compare_arms(
+        checkpoint,
+        args.sidecars,
+        args.prompt_tokens,
+        decode=args.decode,
+        tokens=read_tokens(args.tokens) if args.tokens else None,
+        seed=args.seed,
+        indexer=Indexer(args.kept_blocks, args.compress_ratio) if args.kept_blocks else None,
+        chunk=args.chunk,
+    )
+    if args.json:
+        _print_json(report.to_dict())
+    else:
+        print(report.table())
+    return 0
+
+
+_register("compare-arms", _add_compare_arms, _run_compare_arms)
+# <<< section: compare-arms
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="anelab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
