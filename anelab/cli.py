@@ -513,7 +513,11 @@ def _add_compare_arms(sub):
         "compare-arms",
         help="whole model: per-layer hidden, logits and greedy text with the attention on the sidecars vs the reference",
     )
-    p.add_argument("checkpoint", help="model directory (config.json + safetensors), or 'default-dense' (generated)")
+    p.add_argument(
+        "checkpoint",
+        help="model directory (config.json + safetensors), or 'default-dense': the embedded dense sibling, "
+        "generated on first use (with its sidecars, when --sidecars names a directory that does not exist)",
+    )
     p.add_argument("--sidecars", default=None, help="directory of layer_<L>.mlpackage for every full-attention layer")
     p.add_argument("--prompt-tokens", type=int, default=None, help="random prompt length (fixed seed)")
     p.add_argument("--tokens", default=None, help="token ids file (JSON list or whitespace-separated) instead")
@@ -522,28 +526,34 @@ def _add_compare_arms(sub):
     p.add_argument("--chunk", type=int, default=None, help="prefill chunk without sidecars (default 16)")
     p.add_argument("--kept-blocks", type=int, default=None, help="add folded / causal-only arms: indexer kept blocks")
     p.add_argument("--compress-ratio", type=int, default=4, help="indexer keys per block (default 4)")
+    p.add_argument(
+        "--compute-units",
+        default=None,
+        help="serve the sidecars through Core ML on a Mac (cpu_only | cpu_and_gpu | cpu_and_ne | all); "
+        "default: NumPy evaluation of the saved programs",
+    )
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
 
 
 def _run_compare_arms(args):
-    from anelab.studies.arms import Indexer, compare_arms, read_tokens
+    from anelab.studies.arms import DEFAULT_DENSE, REFERENCE_CHUNK, Indexer, compare_arms, default_dense, read_tokens
 
     if (args.prompt_tokens is None) == (args.tokens is None):
         raise AnelabInputError("anelab compare-arms: pass exactly one of --prompt-tokens N or --tokens FILE")
-    checkpoint = args.checkpoint
-    if checkpoint == "default-dense":
-        from anelab.hf.default import dense_checkpoint_dir
-
-        checkpoint = dense_checkpoint_dir()
+    checkpoint, sidecars = args.checkpoint, args.sidecars
+    if checkpoint == DEFAULT_DENSE:
+        tokens = args.prompt_tokens or read_tokens(args.tokens).size
+        checkpoint, sidecars = default_dense(sidecars, tokens, args.chunk or REFERENCE_CHUNK)
     report = compare_arms(
         checkpoint,
-        args.sidecars,
+        sidecars,
         args.prompt_tokens,
         decode=args.decode,
         tokens=read_tokens(args.tokens) if args.tokens else None,
         seed=args.seed,
         indexer=Indexer(args.kept_blocks, args.compress_ratio) if args.kept_blocks else None,
         chunk=args.chunk,
+        compute_units=args.compute_units,
     )
     if args.json:
         _print_json(report.to_dict())

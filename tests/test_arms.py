@@ -3,6 +3,7 @@ sidecar arm diverges from its layer on, mask arms separate past the indexer's wi
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -162,7 +163,10 @@ def test_bad_sidecars_are_refused_in_one_line(setup, capsys):
     if not other.exists():
         other_ckpt, _, _ = _model(root / "other-model", seed=1)
         export_sidecars(other_ckpt, other, CHUNK, [0], layers=[0])
+        twin, _, _ = _model(root / "twin" / "model", seed=2)  # same geometry and directory name, other weights
+        export_sidecars(twin, root / "twin-sidecars", CHUNK, [0, CHUNK])
     _refused(["compare-arms", *base, str(other)], capsys, "export the sidecars from this checkpoint")
+    _refused(["compare-arms", *base, str(root / "twin-sidecars")], capsys, "does not compute layer 0")
     _refused(["compare-arms", ckpt, "--prompt-tokens", "20", "--sidecars", str(good)], capsys, "lacks function h16")
     _refused(["compare-arms", ckpt, "--sidecars", str(good)], capsys, "exactly one of --prompt-tokens")
 
@@ -182,3 +186,16 @@ def test_compare_arms_without_sidecars_refuses_a_sidecar_arm(setup):
         run_arm(model, prompt, Arm("sidecar", "sidecar"), decode=1)
     report = compare_arms(model.path, None, PROMPT, decode=2, indexer=Indexer(1, 4), chunk=CHUNK)
     assert [(p.a, p.b) for p in report.pairs] == [("folded", "causal-only")]
+
+
+def test_compare_arms_on_the_embedded_dense_default(tmp_path, monkeypatch, capsys):
+    """The Done-when form: the dense sibling and its sidecars are generated on first use, and the table prints."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["compare-arms", "default-dense", "--sidecars", "sc", "--prompt-tokens", "16", "--decode", "2", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    (pair,) = out["pairs"]
+    assert (pair["a"], pair["b"]) == ("reference", "sidecar") and len(pair["layer_diffs"]) == 4
+    assert max(pair["layer_diffs"]) < NOISE and pair["greedy_agreement"] == 1.0
+    assert (tmp_path / "build" / "checkpoints" / "anelab-tiny-dense" / "config.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "sc").iterdir()) == [f"layer_{i}.mlpackage" for i in range(4)]

@@ -131,7 +131,8 @@ def open_sidecars(
 ) -> SidecarSet:
     """Check ``directory/layer_<L>.mlpackage`` for every full-attention layer against the checkpoint and prompt.
 
-    Refuses (one line): a missing directory or package, a package from another checkpoint, a stateful
+    Refuses (one line): a missing directory or package, a package from another checkpoint (recorded
+    source or geometry, or h0 not computing this checkpoint's attention on seeded rows), a stateful
     package, chunk widths that differ between packages, histories that do not reach the prompt's chunk
     starts. ``runner`` serves the calls (default ``numpy_runner``: the saved programs evaluated with NumPy).
     """
@@ -160,8 +161,28 @@ def open_sidecars(
                 f"{chunk}; re-export with --histories reaching {starts[-1]} or shorten the prompt"
             )
     sidecars = SidecarSet(directory, packages, chunk)
+    for layer in packages:
+        _check_same_weights(sidecars, layer, model)
     sidecars.runner = runner if runner is not None else numpy_runner(sidecars)
     return sidecars
+
+
+def _check_same_weights(sidecars: SidecarSet, layer: int, model: ModelCheckpoint) -> None:
+    """Refuse a package whose h0 does not compute this checkpoint's attention (seeded rows, NumPy evaluation):
+    the same geometry and directory name can still hold another model's weights."""
+    from anelab.sidecar.evaluate import evaluate
+
+    g, c = model.geometry, sidecars.chunk
+    rows = np.random.default_rng([layer, c]).standard_normal((c, g.hidden_size)).astype(np.float16)
+    mask = causal(c, 0)
+    got = evaluate(sidecars.packages[layer], function_name(0), {"hidden": rows, "mask": mask})["attn_out"]
+    empty = np.zeros((0, g.num_kv_heads, g.head_dim), np.float32)
+    want = reference.attention_block(rows, empty, empty, mask.astype(np.float32), model.attention(layer), g).attn_out
+    if relative_error(got, want) > NOISE:
+        raise AnelabInputError(
+            f"{sidecars.packages[layer]} does not compute layer {layer} of {model.path} "
+            f"(h0 is {relative_error(got, want):.0%} off its reference); export the sidecars from this checkpoint"
+        )
 
 
 def numpy_runner(sidecars: SidecarSet) -> SidecarRunner:
@@ -475,8 +496,9 @@ def compare_arms(
     tokens: np.ndarray | None = None,
     seed: int = 0,
     indexer: Indexer | None = None,
-    runner: SidecarRunner | None = None,
     chunk: int | None = None,
+    compute_units: str | None = None,
+    runtime=None,
 ) -> ArmsReport:
     """Run the arms on one prompt and compare them.
 
@@ -484,13 +506,18 @@ def compare_arms(
     and ``causal-only`` (on the sidecars when given, else on the reference). Pairs: sidecar vs
     reference, causal-only vs folded (a sparse-indexed model is a different model from the dense
     reference, so folded is not compared with reference). ``tokens`` (int [P]) overrides the seeded
-    random prompt of ``prompt_tokens`` ids.
+    random prompt of ``prompt_tokens`` ids. ``compute_units``: serve the sidecars through Core ML
+    (``runtime_runner``; ``runtime`` defaults to this machine's, refused off-Mac) instead of NumPy.
     """
     from tqdm.std import tqdm
 
     model = load_model(checkpoint)
     prompt = random_prompt(model.vocab_size, prompt_tokens or 0, seed) if tokens is None else np.asarray(tokens)
-    sidecar_set = open_sidecars(sidecars, model, prompt.size, runner) if sidecars is not None else None
+    sidecar_set = open_sidecars(sidecars, model, prompt.size) if sidecars is not None else None
+    if compute_units is not None:
+        if sidecar_set is None:
+            raise AnelabInputError("compute units apply to the sidecar arm; pass the sidecar directory too")
+        sidecar_set.runner = runtime_runner(sidecar_set, compute_units=compute_units, runtime=runtime)
     arms = [Arm("reference")]
     if sidecar_set is not None:
         arms.append(Arm("sidecar", "sidecar"))
@@ -504,6 +531,20 @@ def compare_arms(
     pairs = [compare_runs(runs[a], runs[b]) for a, b in order if a in runs and b in runs]
     used = sidecar_set.chunk if sidecar_set else (chunk or REFERENCE_CHUNK)
     return ArmsReport(model.path, prompt, decode, used, runs, pairs)
+
+
+DEFAULT_DENSE = "default-dense"  # compare-arms' name for the embedded dense sibling
+
+
+def default_dense(sidecars: str | os.PathLike | None, prompt_tokens: int, chunk: int = REFERENCE_CHUNK):
+    """The embedded dense sibling (generated on first use) and, when ``sidecars`` names a directory that
+    does not exist yet, its sidecars exported there for a ``prompt_tokens`` prompt. Returns (checkpoint, sidecars)."""
+    from anelab.hf.default import dense_checkpoint_dir
+
+    checkpoint = dense_checkpoint_dir()
+    if sidecars is not None and not Path(sidecars).exists():
+        export_arm_sidecars(checkpoint, sidecars, chunk, prompt_tokens)
+    return checkpoint, sidecars
 
 
 # ---- the study (notebook 07) ------------------------------------------------------------------------------------
