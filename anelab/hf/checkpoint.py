@@ -152,16 +152,7 @@ class Checkpoint:
                 )
         values: dict[str, np.ndarray] = {}
         for param, shape in expected.items():
-            name = self.tensor_name(index, param)
-            found = self._entry(name)
-            if found is None:
-                raise AnelabInputError(f"tensor {name} is missing from the checkpoint at {self.path}")
-            file, entry = found
-            if entry.shape != shape:
-                raise AnelabInputError(
-                    f"tensor {name} has shape {list(entry.shape)}, expected {list(shape)} from config.json"
-                )
-            values[param] = file.read(name).astype(np.float32)
+            values[param] = self.read_tensor(self.tensor_name(index, param), shape)
         for norm in ("q_norm.weight", "k_norm.weight"):
             if norm in values and self.family.zero_centred_norm:
                 # Zero-centred RMSNorm stores w and multiplies by (1 + w) (Qwen3NextRMSNorm).

@@ -40,18 +40,10 @@ def make_default_checkpoint(directory: str | os.PathLike, seed: int = 0) -> Path
 
 def default_checkpoint_dir(root: str | os.PathLike = CHECKPOINTS_DIR) -> Path:
     """``root/anelab-tiny-hybrid``, generated on first use (a relative root is relative to the cwd)."""
-    directory = Path(root) / DEFAULT_CHECKPOINT
-    if (directory / CONFIG_FILE).is_file():
-        return directory
-    try:
-        return make_default_checkpoint(directory)
-    except (AnelabInputError, OSError):
-        if (directory / CONFIG_FILE).is_file():  # another process generated it meanwhile
-            return directory
-        raise
+    return _generated(Path(root) / DEFAULT_CHECKPOINT, make_default_checkpoint)
 
 
-# ---- the dense sibling: a whole model (embeddings, norms, MLPs, tied LM head) for whole-model arms -----------
+# ---- the dense sibling: a whole model (embeddings, norms, MLPs, LM head) for whole-model arms ----------------
 DENSE_CHECKPOINT = "anelab-tiny-dense"
 DENSE_VOCAB = 512
 DENSE_INTERMEDIATE = 256
@@ -85,6 +77,7 @@ def make_dense_checkpoint(directory: str | os.PathLike, seed: int = 0) -> Path:
 
 
 def _generated(directory: Path, make) -> Path:
+    """``directory``, written by ``make(directory)`` unless it already holds a config.json."""
     if (directory / CONFIG_FILE).is_file():
         return directory
     try:

@@ -35,13 +35,14 @@ from pathlib import Path
 import numpy as np
 
 from anelab import reference
-from anelab.decoder import attention_input, embed, finish_layer, lm_logits
+from anelab.decoder import DecoderLayerWeights, attention_input, embed, finish_layer, lm_logits
 from anelab.errors import AnelabInputError
 from anelab.hf.model import ModelCheckpoint, load_model
 from anelab.masks import causal, fold_with_causal
 from anelab.selection import select
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
 from anelab.sidecar.format import function_name, read_sidecar_metadata
+from anelab.weights import AttentionWeights
 
 NOISE = RELATIVE_ERROR_THRESHOLD  # a layer differs "beyond fp16 noise" above this relative difference
 ATTENTIONS = ("reference", "sidecar")
@@ -232,8 +233,10 @@ class ArmRun:
 
 @dataclass
 class _Layer:
-    attention: object
-    weights: object
+    """One layer during a run: its weights and its K/V cache so far."""
+
+    attention: AttentionWeights
+    weights: DecoderLayerWeights
     k: list = field(default_factory=list)  # cached keys, token-major [n, Hkv, d] pieces
     v: list = field(default_factory=list)
 
