@@ -251,3 +251,27 @@ def test_unmodelled_models_are_refused_in_one_line(tmp_path, tiny_checkpoint):
               str(tmp_path / "m" / "model.safetensors"))  # fmt: skip
     with pytest.raises(AnelabInputError, match="lm_head.weight is missing"):
         load_model(tmp_path / "m").head()
+
+
+def test_the_whole_model_writer_round_trips_a_moe_model(tmp_path):
+    """anelab's writer (used for the embedded dense sibling) in transformers' names, MoE and MLP-only layers."""
+    from anelab.decoder import random_head_weights, random_layer_weights
+    from anelab.geometry import AttentionGeometry
+    from anelab.hf.model import write_model_checkpoint
+    from anelab.weights import random_attention_weights
+
+    g = AttentionGeometry("qwen3", 16, 2, 1, 8, num_layers=2, full_attention_layers=(0, 1))
+    layers = {0: random_layer_weights(0, 16, 12, 0, experts=4, top_k=2, norm_topk_prob=True)}
+    layers[1] = random_layer_weights(1, 16, 20, 0)
+    head = random_head_weights(24, 16, 0, tied=True)
+    attention = {i: random_attention_weights(g, i, 0) for i in (0, 1)}
+    path = write_model_checkpoint(tmp_path / "moe", g, attention, layers, head, model_type="qwen3_moe")
+    model = load_model(path)
+    assert (model.experts, model.top_k, model.norm_topk_prob, model.mlp_only_layers) == (4, 2, True, (1,))
+    assert model.tied and not model.checkpoint.has_tensor("lm_head.weight")
+    read = model.layer(0).mlp
+    assert isinstance(read, MoeWeights) and np.array_equal(read.router, layers[0].mlp.router)
+    assert np.array_equal(read.experts[3].down_proj, layers[0].mlp.experts[3].down_proj)
+    assert np.array_equal(model.layer(1).mlp.gate_proj, layers[1].mlp.gate_proj)
+    with pytest.raises(AnelabInputError, match="no routed experts"):
+        write_model_checkpoint(tmp_path / "bad", g, attention, layers, head, model_type="qwen3")
