@@ -423,6 +423,65 @@ _register("probe", _add_probe, _run_probe)
 # <<< section: gather
 
 
+# >>> section: compare-arms
+def _add_compare_arms(sub):
+    p = sub.add_parser(
+        "compare-arms",
+        help="whole model: per-layer hidden, logits and greedy text with the attention on the sidecars vs the reference",
+    )
+    p.add_argument(
+        "checkpoint",
+        help="model directory (config.json + safetensors), or 'default-dense': the embedded dense sibling, "
+        "generated on first use (with its sidecars, when --sidecars names a directory that does not exist)",
+    )
+    p.add_argument("--sidecars", default=None, help="directory of layer_<L>.mlpackage for every full-attention layer")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="random prompt length (fixed seed)")
+    p.add_argument("--tokens", default=None, help="token ids file (JSON list or whitespace-separated) instead")
+    p.add_argument("--decode", type=int, default=32, help="greedy tokens decoded on the reference path (default 32)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt (default 0)")
+    p.add_argument("--chunk", type=int, default=None, help="prefill chunk without sidecars (default 16)")
+    p.add_argument("--kept-blocks", type=int, default=None, help="add folded / causal-only arms: indexer kept blocks")
+    p.add_argument("--compress-ratio", type=int, default=4, help="indexer keys per block (default 4)")
+    p.add_argument(
+        "--compute-units",
+        default=None,
+        help="serve the sidecars through Core ML on a Mac (cpu_only | cpu_and_gpu | cpu_and_ne | all); "
+        "default: NumPy evaluation of the saved programs",
+    )
+    p.add_argument("--json", action="store_true", help="print the comparison as JSON")
+
+
+def _run_compare_arms(args):
+    from anelab.studies.arms import DEFAULT_DENSE, REFERENCE_CHUNK, Indexer, compare_arms, default_dense, read_tokens
+
+    if (args.prompt_tokens is None) == (args.tokens is None):
+        raise AnelabInputError("anelab compare-arms: pass exactly one of --prompt-tokens N or --tokens FILE")
+    checkpoint, sidecars = args.checkpoint, args.sidecars
+    if checkpoint == DEFAULT_DENSE:
+        tokens = args.prompt_tokens or read_tokens(args.tokens).size
+        checkpoint, sidecars = default_dense(sidecars, tokens, args.chunk or REFERENCE_CHUNK)
+    report = compare_arms(
+        checkpoint,
+        sidecars,
+        args.prompt_tokens,
+        decode=args.decode,
+        tokens=read_tokens(args.tokens) if args.tokens else None,
+        seed=args.seed,
+        indexer=Indexer(args.kept_blocks, args.compress_ratio) if args.kept_blocks else None,
+        chunk=args.chunk,
+        compute_units=args.compute_units,
+    )
+    if args.json:
+        _print_json(report.to_dict())
+    else:
+        print(report.table())
+    return 0
+
+
+_register("compare-arms", _add_compare_arms, _run_compare_arms)
+# <<< section: compare-arms
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="anelab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
