@@ -111,7 +111,7 @@ def _widest_check(record: dict) -> dict:
 
 
 def _fold_workload(record: dict) -> str:
-    p, w = record["parameters"], _widest_check(record)
+    p, w = record["parameters"], _widest_check(record)["check"]
     return (
         f"{p.get('checkpoint', '?')}, chunk {w['chunk']}, history {w['history']}, "
         f"compress ratio {p.get('compress_ratio', '?')}, seed {p.get('seed', '?')}"
