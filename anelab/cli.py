@@ -515,12 +515,14 @@ def _add_run(sub):
         "-p", dest="params", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
         help="a parameter of the notebook's parameters cell (repeatable; checked against its declared type)",
     )  # fmt: skip
-    p.add_argument("--out", default=None, help="run directory (default: runs/<study>/<run id>)")
+    p.add_argument("--out", default=None, help="run directory (default: <runs>/<study>/<run id>)")
+    p.add_argument("--runs", default=None, help="root of the run directories (default: runs/)")
     p.add_argument(
         "--publish", action="store_true", help="write figures to the committed figures/ (and HTML to build/html)"
     )
     p.add_argument("--threads", type=int, default=None, help="BLAS/OpenMP threads of the notebook's kernel")
     p.add_argument("--timeout", type=float, default=None, help="seconds any one cell may take")
+    p.add_argument("--resume", action="store_true", help="exit 0 if the run directory holds a successful run")
 
 
 def _run_run(args):
@@ -534,8 +536,15 @@ def _run_run(args):
     if args.threads is not None and args.threads < 1:
         raise AnelabInputError(f"--threads must be at least 1, got {args.threads}")
     params = notebooks.check_parameters(notebook, dict(args.params), from_text=True)
+    out = args.out or notebooks.run_directory(notebook, params, *([args.runs] if args.runs else []))
+    finished = notebooks.read_result(out)
+    if args.resume and finished is not None:
+        if finished.get("status") == "ok":
+            print(f"{out}: finished ok before; skipped (--resume)")
+            return 0
+        notebooks.clear_run_directory(out)  # a failed run runs again
     run = notebooks.run_study(
-        notebook, params, out=args.out, publish=args.publish, threads=args.threads, timeout=args.timeout
+        notebook, params, out=out, publish=args.publish, threads=args.threads, timeout=args.timeout
     )
     print(run.line())
     print(f"run directory: {run.executed.parent}")
@@ -563,7 +572,7 @@ def _run_batch(args):
     threads = batch.threads_per_run(args.jobs)
     planned = batch.plan_grid(args.grid, root)
     if args.emit_jobs:
-        for line in batch.job_commands(planned, threads=threads):
+        for line in batch.job_commands(planned, threads=threads, runs_root=args.runs):
             print(line)
         return 0
     results = batch.run_batch(planned, jobs=args.jobs, resume=args.resume, timeout=args.timeout)

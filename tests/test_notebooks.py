@@ -230,3 +230,35 @@ def test_run_bad_input_exits_2_and_writes_nothing(argv, message, tmp_path, capsy
     code, out, err = _run_cli([*argv, "--out", out_dir], capsys)
     assert code == 2 and message in err and err.count("\n") == 1 and out == ""
     assert not out_dir.exists()
+
+
+def test_publish_writes_figures_to_the_committed_folder_only_when_asked(tmp_path, monkeypatch):
+    nb = _tiny_notebook(
+        tmp_path / "fig.ipynb",
+        "from pathlib import Path\nPath(figures_dir).mkdir(parents=True, exist_ok=True)\n"
+        "(Path(figures_dir) / 'f.txt').write_text('figure')",
+        parameters='quick: bool = False  # switch\nfigures_dir: str = "figures"  # where figures go',
+    )
+    committed, repo = tmp_path / "committed_figures", tmp_path / "repo"
+    repo.mkdir()  # the kernel runs in the (patched) repository root
+    monkeypatch.setattr(notebooks, "FIGURES_DIR", committed)
+    monkeypatch.setattr(notebooks, "REPO_ROOT", repo)
+    plain = notebooks.run_study(nb, {}, out=tmp_path / "plain")
+    assert plain.ok and (tmp_path / "plain" / "figures" / "f.txt").is_file() and not committed.exists()
+    published = notebooks.run_study(nb, {}, out=tmp_path / "published", publish=True)
+    assert published.ok and (committed / "f.txt").is_file()
+    assert not (tmp_path / "published" / "figures").exists()
+    assert (repo / "build" / "html" / "fig.html").is_file()  # where make docs links the notebook
+
+
+def test_run_resume_skips_a_finished_run_and_reruns_a_failed_one(tmp_path, capsys):
+    nb = _tiny_notebook(
+        tmp_path / "flaky.ipynb", "assert n == 1", parameters="quick: bool = False  # s\nn: int = 0  # n"
+    )
+    out_dir = tmp_path / "run"
+    code, _, _ = _run_cli(["run", nb, "--out", out_dir], capsys)
+    assert code == 1 and notebooks.read_result(out_dir)["status"] == "failed"
+    code, _, _ = _run_cli(["run", nb, "-p", "n", "1", "--out", out_dir, "--resume"], capsys)
+    assert code == 0 and notebooks.read_result(out_dir)["status"] == "ok"  # the failed run ran again
+    code, out, _ = _run_cli(["run", nb, "-p", "n", "1", "--out", out_dir, "--resume"], capsys)
+    assert code == 0 and "skipped (--resume)" in out

@@ -31,7 +31,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from anelab.errors import AnelabInputError
-from anelab.paths import RUNS_DIR
+from anelab.paths import NOTEBOOK_DIR, RUNS_DIR
 from anelab.studies import notebooks
 
 STUDY_KEYS = ("fixed", "vary", "runs")
@@ -137,20 +137,26 @@ def _value_text(value) -> str:
     return repr(value) if isinstance(value, list | dict) else str(value)
 
 
-def job_command(run: PlannedRun, threads: int | None = None) -> str:
-    """``anelab run <study> -p NAME VALUE ... [--threads T]`` for one run (shell-quoted)."""
-    words = ["anelab", "run", run.study]
+def job_command(run: PlannedRun, threads: int | None = None, runs_root: str | os.PathLike | None = None) -> str:
+    """``anelab run <study> -p NAME VALUE ... --resume [--threads T]`` for one run (shell-quoted;
+    ``--resume``: a job resubmitted after it finished is skipped, a failed one runs again)."""
+    in_studies = run.notebook.parent.resolve() == NOTEBOOK_DIR.resolve()
+    words = ["anelab", "run", run.study if in_studies else str(run.notebook), "--resume"]
     for name, value in run.parameters.items():
         words += ["-p", name, _value_text(value)]
     if threads is not None:
         words += ["--threads", str(threads)]
+    if runs_root is not None:
+        words += ["--runs", str(runs_root)]
     return shlex.join(words)
 
 
-def job_commands(planned: list[PlannedRun], threads: int | None = 1) -> Iterator[str]:
+def job_commands(
+    planned: list[PlannedRun], threads: int | None = 1, runs_root: str | os.PathLike | None = None
+) -> Iterator[str]:
     """One runnable command per run (each run's directory is named on the machine that runs it)."""
     for run in planned:
-        yield job_command(run, threads)
+        yield job_command(run, threads, runs_root)
 
 
 def _execute(run: PlannedRun, threads: int, timeout: float | None) -> dict:
