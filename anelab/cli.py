@@ -554,7 +554,10 @@ def _run_run(args):
 def _add_batch(sub):
     p = sub.add_parser("batch", help="run a TOML grid of study parameters in a local process pool")
     p.add_argument("grid", help="grid file (see grids/), one table per study with fixed / vary / runs")
-    p.add_argument("--jobs", type=int, default=1, help="concurrent runs (each gets cores // jobs BLAS threads)")
+    p.add_argument(
+        "--jobs", type=int, default=None,
+        help="concurrent runs, default 1 (each gets cores // jobs BLAS threads; with --emit-jobs: --threads of each command)",
+    )  # fmt: skip
     p.add_argument("--emit-jobs", action="store_true", help="print one 'anelab run ...' command per run; run nothing")
     p.add_argument("--resume", action="store_true", help="skip runs whose directory holds a successful result")
     p.add_argument("--runs", default=None, help="root of the run directories (default: runs/)")
@@ -569,13 +572,14 @@ def _run_batch(args):
     from anelab.studies.batch_summary import write_summary
 
     root = Path(args.runs) if args.runs else RUNS_DIR
-    threads = batch.threads_per_run(args.jobs)
+    jobs = 1 if args.jobs is None else args.jobs
+    threads = batch.threads_per_run(jobs)
     planned = batch.plan_grid(args.grid, root)
-    if args.emit_jobs:
-        for line in batch.job_commands(planned, threads=threads, runs_root=args.runs):
+    if args.emit_jobs:  # --threads only when --jobs says how many run at once on the machine running them
+        for line in batch.job_commands(planned, threads=None if args.jobs is None else threads, runs_root=args.runs):
             print(line)
         return 0
-    results = batch.run_batch(planned, jobs=args.jobs, resume=args.resume, timeout=args.timeout)
+    results = batch.run_batch(planned, jobs=jobs, resume=args.resume, timeout=args.timeout)
     written = write_summary(results, root / f"batch-{Path(args.grid).stem}", Path(args.grid).stem)
     print((root / f"batch-{Path(args.grid).stem}" / "summary.md").read_text())
     for what, path in written.items():
