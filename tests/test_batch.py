@@ -220,36 +220,14 @@ def test_two_run_grid_with_two_jobs_through_papermill(tmp_path, capsys):
     assert table[1]["status"].startswith("failed: ") and table[1]["gather_over_dense_intermediate"] == ""
     assert ok_dir.name in (summary / "summary.md").read_text() and "1 of 2 runs ok, 1 failed" in out
 
-    # without --resume a finished run is never overwritten; with it the ok run is skipped
+    # without --resume a finished run is never overwritten; with it the ok run is skipped, the failed one rerun
     code, _, err = _main(["batch", grid, "--jobs", "2", "--runs", runs], capsys)
     assert code == 2 and "--resume" in err
-    before, failed_before = (ok_dir / "result.json").read_bytes(), (failed_dir / "result.json").read_bytes()
-    code, out, err = _main(["batch", grid, "--jobs", "2", "--runs", runs, "--resume"], capsys)
-    assert code == 1 and "1 finished run(s) skipped" in out + err
-    assert (ok_dir / "result.json").read_bytes() == before
-    assert (failed_dir / "result.json").read_bytes() != failed_before  # the failed run ran again
-    assert notebooks.read_result(failed_dir)["status"] == "failed"
-
-
-def test_an_emitted_command_run_elsewhere_lands_where_the_batch_resumes(tmp_path, capsys):
-    """Fan-out round trip: run one emitted command as a runner would; the batch then skips it."""
-    import nbformat
-
-    nb = nbformat.v4.new_notebook()
-    cell = nbformat.v4.new_code_cell("quick: bool = False  # switch\nn: int = 0  # a number")
-    cell.metadata["tags"] = ["parameters"]
-    nb.cells = [cell, nbformat.v4.new_code_cell("print(n)")]
-    path = tmp_path / "tiny.ipynb"
-    nbformat.write(nb, str(path))
-    grid = _grid(tmp_path, f'["{path}"]\nvary = {{ n = [1, 2] }}\n')
-    runs = tmp_path / "runs"
-    code, out, _ = _main(["batch", grid, "--jobs", "1", "--emit-jobs", "--runs", runs], capsys)
-    first = shlex.split(out.splitlines()[0])
-    assert "--resume" in first and first[first.index("--runs") + 1] == str(runs)
-    assert cli.main(first[1:]) == 0  # what `parallel` / a Slurm task would run
-    capsys.readouterr()
     planned = batch.plan_grid(grid, runs)
-    assert notebooks.read_result(planned[0].run_dir)["status"] == "ok"
-    todo, skipped = batch.pending(planned, resume=True)
-    assert skipped == [planned[0]] and todo == [planned[1]]
-    assert cli.main(first[1:]) == 0 and "skipped (--resume)" in capsys.readouterr().out  # resubmitted: skipped
+    assert batch.pending(planned, resume=True) == ([planned[1]], [planned[0]])
+    before = (ok_dir / "result.json").read_bytes()
+    only_ok = _grid(tmp_path, f"[{GATHER}]\nfixed = {{ quick = true }}\nruns = [ {{ repeats = 1 }} ]\n", "ok.toml")
+    code, out, err = _main(["batch", only_ok, "--jobs", "2", "--runs", runs, "--resume"], capsys)
+    assert code == 0 and "1 finished run(s) skipped" in out + err and "1 of 1 runs ok" in out
+    assert (ok_dir / "result.json").read_bytes() == before  # not run again
+    assert ok_dir.name in (runs / "batch-ok" / "summary.md").read_text()  # the summary still lists it
