@@ -231,3 +231,21 @@ def test_two_run_grid_with_two_jobs_through_papermill(tmp_path, capsys):
     assert code == 0 and "1 finished run(s) skipped" in out + err and "1 of 1 runs ok" in out
     assert (ok_dir / "result.json").read_bytes() == before  # not run again
     assert ok_dir.name in (runs / "batch-ok" / "summary.md").read_text()  # the summary still lists it
+
+
+def test_an_interrupted_run_directory_is_cleared_but_nothing_else_is(tmp_path):
+    interrupted = tmp_path / "interrupted"
+    (interrupted / "records").mkdir(parents=True)
+    (interrupted / "parameters.json").write_text("{}")
+    (interrupted / "records" / "stale.json").write_text("{}")
+    notebooks.clear_run_directory(interrupted)
+    assert not interrupted.exists()
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "keep.txt").write_text("mine")
+    with pytest.raises(AnelabInputError, match="not a run directory"):
+        notebooks.clear_run_directory(foreign)
+    assert (foreign / "keep.txt").is_file()
+    done = _fake_run(tmp_path, "02_mask_fold", {"seed": 0}, "ok", None)
+    with pytest.raises(AnelabInputError, match="successful run"):
+        notebooks.clear_run_directory(done)

@@ -176,7 +176,8 @@ def _execute(run: PlannedRun, threads: int, timeout: float | None) -> dict:
 def pending(planned: list[PlannedRun], resume: bool) -> tuple[list[PlannedRun], list[PlannedRun]]:
     """(runs to execute, runs skipped). With ``resume`` a run whose directory holds an ok result is
     skipped and a failed one is run again (its old directory cleared); without it, any finished run
-    directory is refused, so nothing is overwritten."""
+    directory is refused, so nothing is overwritten. A directory without a result (an interrupted
+    run) is run again either way."""
     todo, skipped = [], []
     for run in planned:
         result = notebooks.read_result(run.run_dir)
@@ -199,7 +200,7 @@ def run_batch(
     threads = threads_per_run(jobs)
     todo, skipped = pending(planned, resume)
     for run in todo:
-        if notebooks.read_result(run.run_dir) is not None:  # a failed run being retried
+        if run.run_dir.exists():  # a failed or interrupted run: start it afresh, without its stale records
             notebooks.clear_run_directory(run.run_dir)
     results = {run.run_dir: notebooks.read_result(run.run_dir) for run in skipped}
     if skipped:

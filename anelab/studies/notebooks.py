@@ -494,8 +494,12 @@ def write_result(
 
 
 def clear_run_directory(run_dir: Path) -> None:
-    """Remove a failed run's directory before it runs again (a successful run is never removed)."""
+    """Remove a failed or interrupted run's directory before it runs again. A successful run, or a
+    directory that is not a run directory (no parameters.json), is never removed."""
+    run_dir = Path(run_dir)
     result = read_result(run_dir)
     if result is not None and result.get("status") == "ok":
         raise AnelabInputError(f"{run_dir} holds a successful run; it is not removed")
-    shutil.rmtree(run_dir, ignore_errors=True)
+    if not (run_dir / PARAMETERS_FILE).is_file():
+        raise AnelabInputError(f"{run_dir} is not a run directory (no {PARAMETERS_FILE}); remove it yourself")
+    shutil.rmtree(run_dir)
