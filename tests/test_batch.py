@@ -249,3 +249,28 @@ def test_an_interrupted_run_directory_is_cleared_but_nothing_else_is(tmp_path):
     done = _fake_run(tmp_path, "02_mask_fold", {"seed": 0}, "ok", None)
     with pytest.raises(AnelabInputError, match="successful run"):
         notebooks.clear_run_directory(done)
+
+
+def test_mac_only_headlines_read_the_timing_records():
+    """Setup seconds and the A/B ratio come from records only a Mac writes (anelab.runtime.timing's format)."""
+
+    def load(function, cold, median):
+        return {
+            "kind": "load_timing",
+            "parameters": {"function": function, "cold": cold},
+            "results": {"median_s": median},
+        }
+
+    loads = [load("h0", True, 0.5), load("h64", True, 0.75), load("h0", False, 0.1)]
+    assert headline_values("04_setup_cost", loads)["setup_seconds"] == 1.25  # cold loads only, one per function
+
+    def predict(history, gpu, ne):
+        return {
+            "kind": "predict_timing",
+            "parameters": {"function": f"h{history}", "input_shapes": {"hidden": [64, 48]}},
+            "results": {"cpu_and_gpu": {"median_s": gpu}, "cpu_and_ne": {"median_s": ne}},
+        }
+
+    values = headline_values("01_dense_offload", [predict(128, 0.3, 0.1), predict(0, 0.2, 0.1)])
+    assert values == {"gpu_over_ane": pytest.approx(3.0)}  # the largest history, whatever the order
+    assert headline_values("01_dense_offload", []) == {"gpu_over_ane": None}  # Linux: no record, no number
