@@ -479,7 +479,147 @@ def _run_compare_arms(args):
 
 
 _register("compare-arms", _add_compare_arms, _run_compare_arms)
+
+
 # <<< section: compare-arms
+# >>> section: studies (run / batch / records / docs)
+def _add_run(sub):
+    p = sub.add_parser("run", help="one papermill run of a study into runs/<study>/<run id>/")
+    p.add_argument("notebook", help="study number, stem or notebook path (e.g. 02, 02_mask_fold)")
+    p.add_argument(
+        "-p", dest="params", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
+        help="a parameter of the notebook's parameters cell (repeatable; checked against its declared type)",
+    )  # fmt: skip
+    p.add_argument("--out", default=None, help="run directory (default: <runs>/<study>/<run id>)")
+    p.add_argument("--runs", default=None, help="root of the run directories (default: runs/)")
+    p.add_argument(
+        "--publish", action="store_true", help="write figures to the committed figures/ (and HTML to build/html)"
+    )
+    p.add_argument("--threads", type=int, default=None, help="BLAS/OpenMP threads of the notebook's kernel")
+    p.add_argument("--timeout", type=float, default=None, help="seconds any one cell may take")
+    p.add_argument("--resume", action="store_true", help="exit 0 if the run directory holds a successful run")
+
+
+def _run_run(args):
+    from anelab.studies import notebooks
+
+    notebook = notebooks.resolve_notebook(args.notebook)
+    names = [name for name, _ in args.params]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise AnelabInputError(f"parameter {repeated[0]} given twice; pass each -p NAME VALUE once")
+    if args.threads is not None and args.threads < 1:
+        raise AnelabInputError(f"--threads must be at least 1, got {args.threads}")
+    params = notebooks.check_parameters(notebook, dict(args.params), from_text=True)
+    out = args.out or notebooks.run_directory(notebook, params, *([args.runs] if args.runs else []))
+    finished = notebooks.read_result(out)
+    if args.resume and finished is not None:
+        if finished.get("status") == "ok":
+            print(f"{out}: finished ok before; skipped (--resume)")
+            return 0
+        notebooks.clear_run_directory(out)  # a failed run runs again
+    run = notebooks.run_study(
+        notebook, params, out=out, publish=args.publish, threads=args.threads, timeout=args.timeout
+    )
+    print(run.line())
+    print(f"run directory: {run.executed.parent}")
+    return 0 if run.ok else 1
+
+
+def _add_batch(sub):
+    p = sub.add_parser("batch", help="run a TOML grid of study parameters in a local process pool")
+    p.add_argument("grid", help="grid file (see grids/), one table per study with fixed / vary / runs")
+    p.add_argument(
+        "--jobs", type=int, default=None,
+        help="concurrent runs, default 1 (each gets cores // jobs BLAS threads; with --emit-jobs: --threads of each command)",
+    )  # fmt: skip
+    p.add_argument("--emit-jobs", action="store_true", help="print one 'anelab run ...' command per run; run nothing")
+    p.add_argument("--resume", action="store_true", help="skip runs whose directory holds a successful result")
+    p.add_argument("--runs", default=None, help="root of the run directories (default: runs/)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds any one cell may take")
+
+
+def _run_batch(args):
+    from pathlib import Path
+
+    from anelab.paths import RUNS_DIR
+    from anelab.studies import batch
+    from anelab.studies.batch_summary import write_summary
+
+    root = Path(args.runs) if args.runs else RUNS_DIR
+    jobs = 1 if args.jobs is None else args.jobs
+    threads = batch.threads_per_run(jobs)
+    planned = batch.plan_grid(args.grid, root)
+    if args.emit_jobs:  # --threads only when --jobs says how many run at once on the machine running them
+        for line in batch.job_commands(planned, threads=None if args.jobs is None else threads, runs_root=args.runs):
+            print(line)
+        return 0
+    results = batch.run_batch(planned, jobs=jobs, resume=args.resume, timeout=args.timeout)
+    written = write_summary(results, root / f"batch-{Path(args.grid).stem}", Path(args.grid).stem)
+    print((root / f"batch-{Path(args.grid).stem}" / "summary.md").read_text())
+    for what, path in written.items():
+        print(f"{what}: {path}")
+    failed = [r for r in results.values() if r.get("status") != "ok"]
+    print(f"{len(results) - len(failed)} of {len(results)} runs ok" + (f", {len(failed)} failed" if failed else ""))
+    return 1 if failed else 0
+
+
+def _add_records(sub):
+    p = sub.add_parser("records", help="list the records, or compare fresh values with the seeds' recorded ones")
+    p.add_argument("action", choices=["list", "compare"])
+    p.add_argument("--kind", default=None, help="list: only records of this kind")
+    p.add_argument("--machine", default=None, help="only records whose machine (model, chip, OS) contains this")
+    p.add_argument(
+        "--dir", dest="dirs", action="append", default=None,
+        help="records directory (repeatable; default: data/, data/measured/ and runs/*/*/records)",
+    )  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _run_records(args):
+    from anelab.studies import records_compare as rc
+
+    records = rc.gather_records(args.dirs)
+    if args.action == "list":
+        rows = rc.list_rows(rc.select(records, kind=args.kind, machine=args.machine))
+        if args.json:
+            _print_json(rows)
+            return 0
+        for r in rows:
+            print(f"{r['kind']:<24} {r['origin']:<9} {r['machine']:<44} {r['date']:<26} {r['path']}")
+        print(f"{len(rows)} records")
+        return 0
+    if args.kind is not None:
+        raise AnelabInputError("records compare: --kind applies to list; compare covers its declared quantities")
+    rows = rc.compare(records, machine=args.machine)
+    _print_json(rows) if args.json else print(rc.compare_table(rows))
+    return 0
+
+
+def _add_docs(sub):
+    p = sub.add_parser("docs", help="build the figure gallery (build/docs/index.html) from figures/MANIFEST.json")
+    p.add_argument("--figures", default=None, help="figures directory (default: the committed figures/)")
+    p.add_argument("--html", default="build/html", help="executed notebooks' HTML (default: build/html)")
+    p.add_argument("--out", default="build/docs", help="output directory (default: build/docs)")
+
+
+def _run_docs(args):
+    from anelab.paths import FIGURES_DIR
+    from anelab.studies.docs_site import build_docs
+
+    index, pages = build_docs(args.figures or FIGURES_DIR, args.html, args.out)
+    for page in pages:
+        if page.html is None:
+            print(f"{page.stem}: {page.missing}")
+    print(f"{sum(len(p.figures) for p in pages)} figures from {len(pages)} notebooks -> {index}")
+    return 0
+
+
+_register("run", _add_run, _run_run)
+_register("batch", _add_batch, _run_batch)
+_register("records", _add_records, _run_records)
+_register("docs", _add_docs, _run_docs)
+# <<< section: studies
 
 
 def build_parser() -> argparse.ArgumentParser:
