@@ -2,16 +2,18 @@
 
 Three measurements from the ANE prefill research seed ("Qwen 3.8: the ANE loses"):
 
-- ``time_load``: ``MLModel`` load of one function, cold (each repeat loads a fresh copy of the
-  package from a new path) or warm (the same path again, after a warm-up load);
+- ``time_load``: load of one function from a compiled copy of the package. Cold: every repeat
+  compiles a FRESH copy (untimed, its compile time reported apart) and times the first load of it;
+  warm: the package is compiled once and the same compiled path is loaded again after a warm-up.
 - ``time_compositions``: the same function loaded from different package compositions (alone;
   beside another history; beside a variant that cannot load) — does the load track the function's
   own specialisation or the package?;
-- ``time_predict``: one prediction per compute-units setting.
+- ``time_predict``: one prediction per compute-units setting, inputs converted once (untimed; the
+  conversion is timed apart) and a failed prediction recorded as an error, not fatal.
 
-Each returns a record (``anelab.records.make_record``, origin ``"measured"``) and writes it to
-``out_dir`` when one is given — results are never only printed. ``clock`` is injectable so tests run
-on a deterministic fake clock.
+The clock stops while the handle is still alive (a handle's release — unloading the model — is
+not part of a load). Each returns a record (``anelab.records.make_record``, origin ``"measured"``)
+and writes it to ``out_dir`` when one is given. ``clock`` is injectable so tests run on a fake clock.
 """
 
 from __future__ import annotations
@@ -30,16 +32,25 @@ from tqdm.auto import tqdm
 
 from anelab.errors import AnelabInputError
 from anelab.records import make_record, write_record
-from anelab.runtime.interface import CoreMLRuntime, RuntimeLoadError, check_compute_units
+from anelab.runtime.interface import (
+    CoreMLRuntime,
+    RuntimeLoadError,
+    RuntimePredictError,
+    check_compute_units,
+    prepare_inputs,
+)
 
 COMPUTE_UNITS_ORDER = ("cpu_only", "cpu_and_gpu", "cpu_and_ne", "all")
 
 
 # what a cold load can and cannot rule out (goes into every cold record's "unknown")
 COLD_LOAD_CAVEAT = (
-    "whether Core ML's system-wide ANE compile cache served a fresh copy of the package "
-    "(each repeat loads it from a new path, which defeats path-keyed caches only)"
+    "whether Core ML's system-wide ANE compile cache (aned) served the fresh compiled copy, and what the "
+    "process had loaded before (a cold load is the first load of a freshly compiled .mlmodelc in this process)"
 )
+
+
+WARM_LOAD_MEANING = "the next load of the same compiled .mlmodelc path, after a warm-up load of it"
 
 
 @dataclass(frozen=True)
@@ -75,18 +86,25 @@ def measure(
     clock: Callable[[], float] = time.perf_counter,
     setup: Callable[[], Any] | None = None,
     desc: str | None = None,
+    keep: Callable[[Any], None] | None = None,
 ) -> TimingStats:
     """Call ``fn`` ``warmup`` times untimed, then ``repeats`` times timed with ``clock``.
 
     ``setup``: when given, called before every call (untimed) and its result passed to ``fn``.
+    The clock is read while ``fn``'s result is still referenced, so releasing it (e.g. a model
+    handle's teardown) is never timed; ``keep`` receives each result after the clock stopped.
     """
     _check_counts(warmup, repeats)
 
     def call():
         arg = setup() if setup is not None else None
         start = clock()
-        fn(arg) if setup is not None else fn()
-        return clock() - start
+        result = fn(arg) if setup is not None else fn()
+        elapsed = clock() - start
+        if keep is not None:
+            keep(result)
+        del result  # released after the clock stopped
+        return elapsed
 
     for _ in range(int(warmup)):
         call()
@@ -104,13 +122,17 @@ def _finish(kind: str, parameters: dict, results: dict, unknown: list[str], out_
     return record
 
 
-def _fresh_copy_factory(pkg: Path, work: Path) -> Callable[[], Path]:
+def _fresh_compile_factory(runtime: CoreMLRuntime, pkg: Path, work: Path, clock, compile_s: list) -> Callable:
+    """Each call compiles ``pkg`` into a new ``.mlmodelc`` (a new path: no path-keyed cache applies)."""
     counter = iter(range(1, 1_000_000))
 
     def make() -> Path:
-        dest = work / f"copy-{next(counter)}" / pkg.name
-        shutil.copytree(pkg, dest)
-        return dest
+        dest = work / f"copy-{next(counter)}" / f"{pkg.stem}.mlmodelc"
+        dest.parent.mkdir(parents=True)
+        start = clock()
+        compiled = runtime.compile_to(pkg, dest)
+        compile_s.append(clock() - start)
+        return compiled
 
     return make
 
@@ -118,7 +140,7 @@ def _fresh_copy_factory(pkg: Path, work: Path) -> Callable[[], Path]:
 def time_load(
     runtime: CoreMLRuntime,
     pkg: str | os.PathLike,
-    function: str,
+    function: str | None,
     compute_units: str,
     *,
     cold: bool = True,
@@ -127,32 +149,47 @@ def time_load(
     clock: Callable[[], float] = time.perf_counter,
     out_dir: str | os.PathLike | None = None,
 ) -> dict:
-    """Seconds to load ``function`` of ``pkg`` (kind ``load_timing``).
+    """Seconds to load ``function`` of ``pkg`` from a compiled copy (kind ``load_timing``).
 
-    cold=True: every load (warm-ups too) is of a fresh copy at a new path; the copy is not timed.
-    cold=False: ``warmup`` loads of the same path first, then the timed loads of that path.
+    cold=True: every load (warm-ups too) is the first load of a freshly compiled copy at a new path;
+    the compile is not timed with the load (its seconds are ``results.compile``).
+    cold=False: the package's cached compiled copy; ``warmup`` loads of it, then the timed loads.
+    ``results.core_ml_load_s``: Core ML's own load durations where coremltools exposes them.
     """
+    from anelab.sidecar.format import require_package
+
     check_compute_units(compute_units)
     runtime.require_available()
-    pkg = Path(pkg)
+    pkg = require_package(pkg)
     work = Path(tempfile.mkdtemp(prefix=".anelab-load-")) if cold else None
+    compile_s: list[float] = []
+    own: list[float] = []
+
+    def keep(handle):
+        value = runtime.load_duration_s(handle)
+        if value is not None:
+            own.append(value)
+
     try:
         if cold:
             stats = measure(
-                lambda path: runtime.load(path, function, compute_units),
+                lambda path: runtime.load_path(path, function, compute_units),
                 warmup=warmup,
                 repeats=repeats,
                 clock=clock,
-                setup=_fresh_copy_factory(pkg, work),
-                desc=f"cold load {function}",
+                setup=_fresh_compile_factory(runtime, pkg, work, clock, compile_s),
+                desc=f"cold load {function or pkg.stem}",
+                keep=keep,
             )
         else:
+            compiled = runtime.compile(pkg)
             stats = measure(
-                lambda: runtime.load(pkg, function, compute_units),
+                lambda: runtime.load_path(compiled, function, compute_units),
                 warmup=warmup,
                 repeats=repeats,
                 clock=clock,
-                desc=f"warm load {function}",
+                desc=f"warm load {function or pkg.stem}",
+                keep=keep,
             )
     finally:
         if work is not None:
@@ -162,12 +199,17 @@ def time_load(
         "function": function,
         "compute_units": compute_units,
         "cold": bool(cold),
+        "meaning": "first load of a freshly compiled .mlmodelc" if cold else WARM_LOAD_MEANING,
         "warmup": int(warmup),
         "repeats": int(repeats),
         "runtime": runtime.name,
         "load": runtime.load_description,
     }
-    return _finish("load_timing", parameters, stats.to_dict(), [COLD_LOAD_CAVEAT] if cold else [], out_dir)
+    results = stats.to_dict()
+    if compile_s:
+        results["compile"] = TimingStats.of(compile_s).to_dict()
+    results["core_ml_load_s"] = own[-int(repeats) :] if own else None
+    return _finish("load_timing", parameters, results, [COLD_LOAD_CAVEAT] if cold else [], out_dir)
 
 
 def time_compositions(
@@ -187,7 +229,7 @@ def time_compositions(
     packages: label -> package, e.g. {"alone": h0-only, "beside_h4096": h0+h4096,
               "beside_unloadable": h0 + a variant that cannot load}. The function must load from each;
               one that does not is refused naming the composition.
-    Results: {label: {min_s, median_s, max_s, samples_s}}, measured in one run so they compare.
+    Results: {label: {min_s, median_s, max_s, samples_s, ...}}, measured in one run so they compare.
     """
     check_compute_units(compute_units)
     runtime.require_available()
@@ -224,13 +266,37 @@ def time_compositions(
     return _finish("composition_load_timing", parameters, results, unknown, out_dir)
 
 
+def _predict_one_setting(runtime, pkg, function, inputs, unit, *, stateful, warmup, repeats, clock) -> dict:
+    """Load (untimed), convert the inputs once (timed apart), time predict only; errors become entries."""
+    try:
+        handle = runtime.load(pkg, function, unit)
+    except RuntimeLoadError as e:
+        return {"error": " ".join(str(e).split())}
+    start = clock()
+    ready = prepare_inputs(inputs)
+    conversion_s = clock() - start
+    try:
+        state = runtime.make_state(handle) if stateful else None
+        stats = measure(
+            lambda: runtime.predict(handle, ready, state=state),
+            warmup=warmup,
+            repeats=repeats,
+            clock=clock,
+            desc=f"predict {function} {unit}",
+        )
+    except (RuntimePredictError, RuntimeError, KeyError, ValueError, TypeError) as e:
+        return {"error": f"predict: {' '.join(str(e).split())}"}
+    return {**stats.to_dict(), "input_conversion_s": conversion_s}
+
+
 def time_predict(
     runtime: CoreMLRuntime,
     pkg: str | os.PathLike,
-    function: str,
+    function: str | None,
     inputs: dict,
     compute_units_list: list[str] | tuple[str, ...] = COMPUTE_UNITS_ORDER,
     *,
+    stateful: bool = False,
     warmup: int = 1,
     repeats: int = 3,
     clock: Callable[[], float] = time.perf_counter,
@@ -238,8 +304,10 @@ def time_predict(
 ) -> dict:
     """Seconds per ``predict`` of ``function`` for each compute-units setting (kind ``predict_timing``).
 
-    The function is loaded once per setting (untimed). A setting under which it does not load is
-    recorded as ``{"error": ...}`` rather than ending the run.
+    The function is loaded once per setting (untimed, from the compiled copy). The inputs are
+    converted once as Core ML takes them (``prepare_inputs``; ``input_conversion_s``), so the timed
+    call is the prediction only. A setting under which it does not load or predict is recorded as
+    ``{"error": ...}`` rather than ending the run. ``stateful``: each setting gets a fresh state.
     inputs: name -> array, e.g. hidden [C, D], k_history / v_history [H, Hkv, d], mask [C, H + C].
     """
     units = [check_compute_units(u) for u in compute_units_list]
@@ -247,21 +315,12 @@ def time_predict(
         raise AnelabInputError("time_predict needs at least one compute-units setting")
     runtime.require_available()
     pkg = Path(pkg)
-    results = {}
-    for unit in units:
-        try:
-            handle = runtime.load(pkg, function, unit)
-        except RuntimeLoadError as e:
-            results[unit] = {"error": " ".join(str(e).split())}
-            continue
-        stats = measure(
-            lambda: runtime.predict(handle, inputs),
-            warmup=warmup,
-            repeats=repeats,
-            clock=clock,
-            desc=f"predict {function} {unit}",
+    results = {
+        unit: _predict_one_setting(
+            runtime, pkg, function, inputs, unit, stateful=stateful, warmup=warmup, repeats=repeats, clock=clock
         )
-        results[unit] = stats.to_dict()
+        for unit in units
+    }
     shapes = {name: list(getattr(value, "shape", ())) for name, value in inputs.items()}
     parameters = {
         "package": pkg.name,
@@ -271,5 +330,6 @@ def time_predict(
         "repeats": int(repeats),
         "input_shapes": shapes,
         "runtime": runtime.name,
+        "timed": "predict only; inputs converted once beforehand (input_conversion_s)",
     }
     return _finish("predict_timing", parameters, results, [], out_dir)
