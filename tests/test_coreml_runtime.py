@@ -1,4 +1,4 @@
-"""The runtime interface: fd-level stderr capture, compute-units names, off-Mac refusals, doctor."""
+"""The runtime interface: fd-level capture of fd 1 and fd 2, compute-units names, off-Mac refusals, doctor."""
 
 from __future__ import annotations
 
@@ -20,20 +20,20 @@ from anelab.cli import build_parser, main
 from anelab.errors import AnelabInputError
 from anelab.runtime.doctor import STUDIES, diagnose
 from anelab.runtime.fake import FakeRuntime
-from anelab.runtime.interface import COMPUTE_UNITS, RuntimeUnavailableError, capture_native_stderr, check_compute_units
+from anelab.runtime.interface import COMPUTE_UNITS, RuntimeUnavailableError, capture_native_output, check_compute_units
 from anelab.runtime.mac import MacRuntime, default_runtime
 
 ALL_UNITS = ["all", "cpu_and_gpu", "cpu_and_ne", "cpu_only"]
 STUDY_NAMES = ["dense_offload", "mask_fold", "gather_sizing", "setup_cost", "tiled_stateful"]
 
 
-# ---- native stderr capture -------------------------------------------------------------------------
+# ---- native output capture -------------------------------------------------------------------------
 
 
 def test_capture_sees_a_raw_fd2_write_that_sys_stderr_redirection_misses():
     sys_level = io.StringIO()
     with contextlib.redirect_stderr(sys_level):  # negative control: Python-level redirection
-        with capture_native_stderr() as captured:
+        with capture_native_output() as captured:
             os.write(2, b"E5RT: MILCompilerForANE error: raw fd write\n")
     assert "MILCompilerForANE error" in captured.text
     assert sys_level.getvalue() == ""  # sys.stderr never saw it: only fd-level capture does
@@ -42,7 +42,7 @@ def test_capture_sees_a_raw_fd2_write_that_sys_stderr_redirection_misses():
 def test_capture_sees_libc_and_child_process_writes():
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     message = b"ANECCompile() FAILED from libc\n"
-    with capture_native_stderr() as captured:
+    with capture_native_output() as captured:
         libc.write(2, message, len(message))
         subprocess.run([sys.executable, "-c", "import os; os.write(2, b'child says ANECF error\\n')"], check=True)
     assert "ANECCompile() FAILED from libc" in captured.text
@@ -51,22 +51,42 @@ def test_capture_sees_libc_and_child_process_writes():
 
 def test_capture_takes_only_the_block_and_restores_fd2(capfd):
     os.write(2, b"before\n")
-    with capture_native_stderr() as captured:
+    with capture_native_output() as captured:
         os.write(2, b"during\n")
     os.write(2, b"after\n")
-    assert captured.text == "during\n"
+    assert captured.stderr == "during\n"
     err = capfd.readouterr().err
     assert "before" in err and "after" in err and "during" not in err
 
 
 def test_capture_restores_fd2_when_the_block_raises(capfd):
     with pytest.raises(ValueError):
-        with capture_native_stderr() as captured:
+        with capture_native_output() as captured:
             os.write(2, b"inside\n")
             raise ValueError("boom")
     os.write(2, b"restored\n")
-    assert captured.text == "inside\n"
+    assert captured.stderr == "inside\n"
     assert "restored" in capfd.readouterr().err
+
+
+def test_capture_sees_fd1_too_and_keeps_the_streams_apart(capfd):
+    """Defect 6: at 6b7ba86 only fd 2 was captured; Core ML's ANE compiler also reports on stdout."""
+    with capture_native_output() as captured:
+        os.write(1, b"MILCompilerForANE error on stdout\n")
+        os.write(2, b"ANECF error on stderr\n")
+    assert captured.stdout == "MILCompilerForANE error on stdout\n"
+    assert captured.stderr == "ANECF error on stderr\n"
+    assert "MILCompilerForANE" not in capfd.readouterr().out  # taken, not passed through
+
+
+def test_capture_flushes_c_stdio_buffers_before_restoring(capfd):
+    """A C library's printf to a redirected stdout sits in stdio's buffer: without libc fflush before
+    the fds are restored, the text would land after the capture (in capfd here), not in it."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    with capture_native_output() as captured:
+        libc.printf(b"E5RT: MILCompilerForANE error via printf, no newline")
+    assert "via printf" in captured.stdout
+    assert "via printf" not in capfd.readouterr().out
 
 
 # ---- compute units ---------------------------------------------------------------------------------

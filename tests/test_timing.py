@@ -207,3 +207,65 @@ def test_predict_refuses_unknown_compute_units(tmp_path):
     with pytest.raises(AnelabInputError, match="cpu_and_gpu"):
         time_predict(runtime, _package(tmp_path), "h0", {}, ["gpu"])
     assert runtime.calls == []
+
+
+# ---- issue 11 defects 2, 3, 4 ----------------------------------------------------------------------------
+
+
+def test_measure_stops_the_clock_while_the_result_is_alive():
+    """Defect 3. At 6b7ba86 ``measure`` dropped the call's result before reading the end clock, so a
+    handle whose release takes 0.2 s timed every 0.25 s load as 0.45 s."""
+    clock = FakeClock()
+
+    class Handle:
+        def __del__(self):
+            clock.advance(0.2)  # the native destructor: unload, delete a temporary copy
+
+    def load():
+        clock.advance(0.25)
+        return Handle()
+
+    stats = measure(load, warmup=0, repeats=3, clock=clock)
+    assert stats.samples == pytest.approx((0.25, 0.25, 0.25), rel=1e-12)
+    assert clock() == pytest.approx(1000 + 3 * 0.45)  # control: the teardown did happen, untimed
+
+
+def test_warm_loads_are_loads_of_one_compiled_copy_not_recompiles(tmp_path):
+    """Defect 2. At 6b7ba86 a "warm" load was ``MLModel(<x>.mlpackage)`` again: a whole-package compile
+    into a fresh copy every time (never warm). Here the package is compiled once and the timed loads
+    read that copy: 0.25 s each, with the 4 s compile and 0.2 s teardown in no sample."""
+    runtime = FakeRuntime({"h0": H0})
+    pkg = _package(tmp_path)
+    record = time_load(runtime, pkg, "h0", "cpu_and_ne", cold=False, warmup=1, repeats=3, clock=runtime.clock)
+    assert record["results"]["samples_s"] == pytest.approx([0.25] * 3, rel=1e-12)
+    assert runtime.compiles == [str(pkg)]
+    # negative control: what loading the .mlpackage itself costs each time (compile + cold load)
+    start = runtime.clock()
+    handle = runtime.load_path(pkg, "h0", "cpu_and_ne")
+    assert runtime.clock() - start == pytest.approx(4.0 + 6.7)
+    del handle
+
+
+def test_a_failed_predict_is_recorded_and_the_run_goes_on(tmp_path):
+    """Defect 4. At 6b7ba86 ``time_predict`` caught load errors only: a predict that raised (Core ML's
+    RuntimeError, coremltools' KeyError) ended the whole run."""
+    runtime = FakeRuntime({"h0": FakeFunction(inputs={"hidden": (4, 8)}, predict_default_s=0.5)})
+    wrong = {"hidden": np.zeros((4, 9), np.float16)}
+    record = time_predict(runtime, _package(tmp_path), "h0", wrong, ["cpu_and_ne", "cpu_only"], clock=runtime.clock)
+    for unit in ("cpu_and_ne", "cpu_only"):
+        assert "not compatible with the model's feature description" in record["results"][unit]["error"]
+    right = {"hidden": np.zeros((4, 8), np.float16)}  # control: the same run with the declared shape
+    record = time_predict(runtime, _package(tmp_path, "b.mlpackage"), "h0", right, ["cpu_only"], clock=runtime.clock)
+    assert record["results"]["cpu_only"]["median_s"] == pytest.approx(0.5, rel=1e-12)
+
+
+def test_predict_timing_excludes_the_input_conversion_and_reports_it(tmp_path):
+    """Defect 10: the fp16 -> fp32 conversion happened inside the timed predict, in the caller's dict."""
+    runtime = FakeRuntime({"h0": FakeFunction(inputs={"hidden": (4, 8)}, convert_s=0.05, predict_default_s=0.5)})
+    given = {"hidden": np.zeros((4, 8), np.float16)}
+    record = time_predict(
+        runtime, _package(tmp_path), "h0", given, ["cpu_only"], warmup=0, repeats=2, clock=runtime.clock
+    )
+    result = record["results"]["cpu_only"]
+    assert result["samples_s"] == pytest.approx([0.5, 0.5], rel=1e-12)  # not 0.55 for the first call
+    assert "input_conversion_s" in result and given["hidden"].dtype == np.float16

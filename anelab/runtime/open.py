@@ -116,6 +116,11 @@ class Sidecar:
             self._handles[name] = self.runtime.load(self.package, name, self.compute_units)
         return self._handles[name]
 
+    @property
+    def state(self) -> Any:
+        """A stateful sidecar's current state (``None`` before the first predict or after ``reset_state``)."""
+        return self._state
+
     def reset_state(self) -> None:
         """A stateful sidecar: start a new prompt (a fresh state at the next predict)."""
         self._state = None
