@@ -201,13 +201,23 @@ def _add_verify(sub):
     p.add_argument("package")
     p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the one the package records)")
     p.add_argument("--fp32", action="store_true", help="evaluate the package in fp32 instead of emulating fp16 storage")
+    p.add_argument(
+        "--compute-units",
+        default=None,
+        help="on a Mac: run every case through Core ML predict (cpu_and_ne | cpu_and_gpu | cpu_only) beside NumPy",
+    )
     p.add_argument("--json", action="store_true")
 
 
 def _run_verify(args):
     from anelab.sidecar.verify import verify_package
 
-    report = verify_package(args.package, args.checkpoint, fp16=not args.fp32)
+    if args.compute_units is not None:
+        from anelab.runtime.device import verify_on_device
+
+        report = verify_on_device(args.package, args.checkpoint, compute_units=args.compute_units)
+    else:
+        report = verify_package(args.package, args.checkpoint, fp16=not args.fp32)
     if args.json:
         _print_json(report.to_dict())
     else:

@@ -185,6 +185,7 @@ class FakeRuntime(CoreMLRuntime):
         log_dir: str | os.PathLike | None = None,
         real_crashes: bool = False,
         calls_file: str | os.PathLike | None = None,
+        numerics: bool = False,
     ):
         self.functions = dict(functions or {})
         self.default = default if default is not None else FakeFunction()
@@ -197,6 +198,8 @@ class FakeRuntime(CoreMLRuntime):
         )
         self.log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="anelab-fake-log-"))
         self.real_crashes = real_crashes
+        self.numerics = numerics  # predict computes the saved program (NumPy), outputs fp32 as Core ML returns them
+        self._saved: dict = {}
         self.calls: list[tuple] = _CallList(calls_file)
         self.loads: list[tuple[str, str, str]] = []  # (package path, function, compute units)
         self.compiles: list[str] = []  # package paths compiled (cache or per .mlpackage load)
@@ -228,6 +231,7 @@ class FakeRuntime(CoreMLRuntime):
                 "log_dir": str(self.log_dir),
                 "real_crashes": True,
                 "calls_file": str(self.log_dir / "child-calls.jsonl"),
+                "numerics": self.numerics,
             },
         }
 
@@ -294,33 +298,27 @@ class FakeRuntime(CoreMLRuntime):
                 lines.append(text)
         return "\n".join(lines)
 
-    def _signature(self, name: str, package: str):
-        """(inputs, states, outputs) name -> shape, scripted or from the package's spec; None if unknown."""
+    def signature(self, pkg, function):
+        """Scripted (``FakeFunction.inputs``; fp16) or the package's spec; empty for a stand-in without one."""
+        from anelab.runtime.interface import FunctionSignature, function_signatures
+
+        name = self.function_of(pkg, function)
         f = self.script(name)
         if f.inputs is not None:
-            return f.inputs, dict(f.states or {}), dict(f.output_shapes or {})
-        from anelab.runtime.interface import function_signatures
+            fp16 = lambda d: {k: (tuple(s), "float16") for k, s in (d or {}).items()}  # noqa: E731
+            return FunctionSignature(fp16(f.inputs), fp16(f.states), fp16(f.output_shapes))
+        if not (Path(self._source(pkg)) / "Data").is_dir():  # a scripted stand-in directory without a spec
+            return FunctionSignature({}, {}, {})
+        default, sigs = function_signatures(self._source(pkg))
+        return sigs.get(name) or sigs[default]
 
-        if not (Path(package) / "Data").is_dir():  # a scripted stand-in directory without a spec
-            return None
-        try:
-            default, sigs = function_signatures(package)
-        except Exception:  # a scripted stand-in directory without a spec
-            return None
-        sig = sigs.get(name) or sigs.get(default)
-        if sig is None:
+    def _signature(self, name: str, package: str):
+        """(inputs, states, outputs) name -> shape; None when nothing is declared (no checks then)."""
+        sig = self.signature(package, name)
+        if not (sig.inputs or sig.states or sig.outputs):
             return None
         shapes = lambda d: {k: tuple(s) for k, (s, _) in d.items()}  # noqa: E731
         return shapes(sig.inputs), shapes(sig.states), shapes(sig.outputs)
-
-    def signature(self, pkg, function):
-        from anelab.runtime.interface import FunctionSignature
-
-        sig = self._signature(self.function_of(pkg, function), str(pkg))
-        if sig is None:
-            return FunctionSignature({}, {}, {})
-        as_sig = lambda d: {k: (tuple(s), "float16") for k, s in d.items()}  # noqa: E731
-        return FunctionSignature(as_sig(sig[0]), as_sig(sig[1]), as_sig(sig[2]))
 
     # compile / load -------------------------------------------------------------------------------
     def compile_to(self, pkg, dest):
@@ -404,7 +402,24 @@ class FakeRuntime(CoreMLRuntime):
         self.clock.advance(f.predict_s.get(units, f.predict_default_s))
         if f.outputs:
             return dict(f.outputs)
+        if self.numerics:
+            return self._compute(handle.package, name, inputs, state)
         return {k: np.zeros(s, np.float32) for k, s in (sig[2] if sig else {}).items()}
+
+    def _compute(self, package: str, name: str, inputs: dict, state) -> dict:
+        """What the saved program computes (NumPy), as Core ML hands it back: fp32 copies."""
+        from anelab.sidecar.evaluate import SavedPackage, evaluate, evaluate_with_state
+
+        if package not in self._saved:
+            self._saved[package] = SavedPackage(package)
+        saved = self._saved[package]
+        declared = self.signature(package, name)
+        typed = {k: np.asarray(v).astype(declared.inputs[k][1]) for k, v in inputs.items()}  # Core ML casts back
+        if state is None:
+            out = evaluate(saved, name, typed)
+        else:
+            out = evaluate_with_state(saved, name, typed, state)
+        return {k: np.asarray(v, dtype=np.float32) for k, v in out.items()}
 
     @staticmethod
     def _check(name, inputs, state, expected, states, _outputs) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -122,10 +123,21 @@ def verify_package(
     seed: int = 0,
     fp16: bool = True,
     functions: list[str] | None = None,
+    evaluator: Evaluator | None = None,
 ) -> VerifyReport:
-    """Verify every function of a saved sidecar against the reference (see module docstring)."""
+    """Verify every function of a saved sidecar against the reference (see module docstring).
+
+    ``evaluator``: runs the package's functions instead of the NumPy evaluation (see ``Evaluator``;
+    e.g. Core ML on a Mac). Every case then also reports the evaluator against the NumPy evaluation
+    of the same package and the NumPy evaluation against the reference.
+    """
     meta = read_sidecar_metadata(package)
     if meta.graph == "stateful":  # one function per chunk width, K/V in Core ML state
+        if evaluator is not None:
+            raise AnelabInputError(
+                f"{package}: verifying a stateful sidecar through {evaluator.name} is not supported yet; "
+                "run 'anelab verify' without --compute-units (NumPy evaluation, state carried)"
+            )
         return verify_stateful_package(package, checkpoint_dir, seed=seed, fp16=fp16)
     source = Path(checkpoint_dir) if checkpoint_dir is not None else Path(meta.source)
     if not (source / "config.json").is_file():
@@ -148,7 +160,9 @@ def verify_package(
         str(source),
         meta.layer,
         RELATIVE_ERROR_THRESHOLD,
-        "NumPy evaluation of the saved MIL program (" + ("fp16 storage emulated" if fp16 else "fp32") + ")",
+        "NumPy evaluation of the saved MIL program (" + ("fp16 storage emulated" if fp16 else "fp32") + ")"
+        if evaluator is None
+        else f"{evaluator.name}, beside the NumPy evaluation",
     )
     C, D = meta.chunk, geometry.hidden_size
     checkpoint_weights = weights
@@ -164,11 +178,13 @@ def verify_package(
         k_hist, v_hist = k_hist.astype(np.float16), v_hist.astype(np.float16)
         hidden = rng.standard_normal((C, D)).astype(np.float16)
 
-        def run_package(hid, mask):
+        def run_package(hid, mask, numpy=False):
             inputs = {"hidden": hid, "mask": mask}
             if H > 0:
                 inputs.update(k_history=k_hist, v_history=v_hist)
-            return evaluate(saved, name, inputs, fp16=fp16)
+            if evaluator is None or numpy:
+                return evaluate(saved, name, inputs, fp16=fp16)
+            return evaluator(name, inputs)
 
         def run_reference(hid, mask, start=None):
             return reference.attention_block(
@@ -186,19 +202,18 @@ def verify_package(
         out = run_package(hidden, mask)
         ref = run_reference(hidden, mask)
         report.comparisons.append(Comparison(name, "full chunk", C, _errors(out, ref, C)))
+        if evaluator is not None:
+            report.comparisons += cross_checks(name, "full chunk", C, out, run_package(hidden, mask, numpy=True), ref)
         # partial chunk: n real rows, padded with zero rows; padded rows' outputs are ignored
         n = partial_rows(C)
         padded = hidden.copy()
         padded[n:] = 0
         pmask = causal(C, H, valid_rows=n)
-        report.comparisons.append(
-            Comparison(
-                name,
-                f"partial chunk ({n} of {C})",
-                n,
-                _errors(run_package(padded, pmask), run_reference(padded, pmask), n),
-            )
-        )
+        partial, pref = run_package(padded, pmask), run_reference(padded, pmask)
+        report.comparisons.append(Comparison(name, f"partial chunk ({n} of {C})", n, _errors(partial, pref, n)))
+        if evaluator is not None:
+            numpy_partial = run_package(padded, pmask, numpy=True)
+            report.comparisons += cross_checks(name, f"partial ({n} of {C})", n, partial, numpy_partial, pref)
         # negative controls
         wrong_rope = run_reference(hidden, mask, start=H + 1)
         report.comparisons.append(
@@ -232,6 +247,27 @@ def verify_package(
     if meta.selection_folded:
         report.comparisons.extend(fold_comparisons(saved, source, meta, seed=seed))
     return report
+
+
+class Evaluator(Protocol):
+    """Runs one function of the package being verified (the seam for Core ML on a Mac; the default is
+    ``anelab.sidecar.evaluate.evaluate``): ``evaluator(function, inputs, state=None) -> outputs``,
+    inputs and outputs name -> array as in the package's signature. ``name`` labels the report."""
+
+    name: str
+
+    def __call__(self, function: str, inputs: dict, state=None) -> dict: ...
+
+
+def cross_checks(function: str, case: str, rows: int, device: dict, numpy_out: dict, ref) -> list[Comparison]:
+    """The evaluator against the NumPy evaluation of the same package, and NumPy against the reference."""
+    names = [o for o in OUTPUTS if o in device and o in numpy_out]
+    cut = {"attn_out": lambda a: a[:rows], "k_chunk": lambda a: a[:, :rows], "v_chunk": lambda a: a[:, :rows]}
+    versus_numpy = {o: relative_error(cut[o](device[o]), cut[o](numpy_out[o])) for o in names}
+    return [
+        Comparison(function, f"{case}: device vs NumPy", rows, versus_numpy),
+        Comparison(function, f"{case}: NumPy vs ref.", rows, _errors(numpy_out, ref, rows)),
+    ]
 
 
 def fold_comparisons(saved: SavedPackage, checkpoint_dir, meta, *, seed: int = 0) -> list[Comparison]:
