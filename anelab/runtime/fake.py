@@ -413,6 +413,7 @@ class FakeRuntime(CoreMLRuntime):
         if package not in self._saved:
             self._saved[package] = SavedPackage(package)
         saved = self._saved[package]
+        name = name if name in saved.functions else saved.default_function  # a variant's stem names "main"
         declared = self.signature(package, name)
         typed = {k: np.asarray(v).astype(declared.inputs[k][1]) for k, v in inputs.items()}  # Core ML casts back
         if state is None:
