@@ -18,7 +18,7 @@ import pytest
 
 from anelab.cli import build_parser, main
 from anelab.errors import AnelabInputError
-from anelab.runtime.doctor import STUDIES, diagnose
+from anelab.runtime.doctor import STUDIES, diagnose, format_report
 from anelab.runtime.fake import FakeRuntime
 from anelab.runtime.interface import COMPUTE_UNITS, RuntimeUnavailableError, capture_native_output, check_compute_units
 from anelab.runtime.mac import MacRuntime, default_runtime
@@ -190,10 +190,24 @@ def test_doctor_json_off_mac_says_what_runs_and_what_is_replayed(capsys):
 
 def test_doctor_with_an_available_runtime_runs_every_study_fresh():
     report = diagnose(FakeRuntime())
-    assert report["runtime"] == {"name": "fake", "available": True, "reason": ""}
+    assert report["runtime"] == {
+        "name": "fake",
+        "available": True,
+        "reason": "",
+        "neural_engine": True,
+        "neural_engine_reason": "",
+    }
     for name, study in report["studies"].items():
         assert study["mode"] == "fresh" and study["replayed_here"] == []
         assert study["runs_here"] == [STUDIES[name][1], STUDIES[name][2]]
+
+
+def test_doctor_names_a_missing_neural_engine():
+    """Defect 8: at 6b7ba86 an Intel Mac on macOS 15 passed the doctor; nothing asked for an ANE."""
+    report = diagnose(FakeRuntime(machine="x86_64"))
+    assert report["runtime"]["available"] is True and report["runtime"]["neural_engine"] is False
+    assert "not Apple silicon (arm64)" in report["runtime"]["neural_engine_reason"]
+    assert "Neural Engine:   unavailable — no Neural Engine" in format_report(report)
 
 
 def test_doctor_text_report(capsys):

@@ -81,3 +81,56 @@ def test_a_second_run_skips_what_is_recorded_and_again_measures_again(measured):
     config.again = True
     third = measure(config, runtime=runtime, clock=runtime.clock, echo=lambda _: None)
     assert third["skipped"] == [] and len(third["written"]) == len(first["written"])
+
+
+# ---- fresh data in the studies ------------------------------------------------------------------------
+
+
+def _mac_record(kind, function, seconds, date, chip="Apple M4", os_version="macOS 15.3", step="block_ab"):
+    from anelab.records import make_record
+
+    prov = {
+        "machine_model": "Mac16,1", "chip": chip, "os_version": os_version, "python": "3.11", "coremltools": "9.0",
+        "numpy": "2.1", "anelab": "0.1.0", "git_revision": "x", "date": date,
+    }  # fmt: skip
+    params = {"function": function, "measure": {"step": step, "package_sha256": "0" * 64}}
+    return make_record(kind, params, {"median_s": seconds}, provenance_override=prov)
+
+
+def test_fresh_data_takes_mac_records_of_the_newest_machine_labelled_and_deduplicated(tmp_path):
+    from anelab.records import make_record, write_record
+    from anelab.studies.fresh import fresh_data
+
+    assert fresh_data("predict_timing", tmp_path / "none") is None
+    write_record(tmp_path, make_record("predict_timing", {"function": "h0"}, {"median_s": 9.0}))  # this Linux box
+    assert fresh_data("predict_timing", tmp_path) is None  # not a Mac record: never shown as fresh Mac data
+    write_record(tmp_path, _mac_record("predict_timing", "h0", 1.0, "2026-01-01T00:00:00+00:00", chip="Apple M3"))
+    write_record(tmp_path, _mac_record("predict_timing", "h0", 2.0, "2026-02-01T00:00:00+00:00"))
+    write_record(tmp_path, _mac_record("predict_timing", "h0", 3.0, "2026-03-01T00:00:00+00:00"))  # --again
+    write_record(tmp_path, _mac_record("predict_timing", "h64", 4.0, "2026-02-01T00:00:00+00:00"))
+    fresh = fresh_data("predict_timing", tmp_path, step="block_ab")
+    assert fresh.label == "measured on Apple M4, macOS 15.3"
+    assert sorted(r["results"]["median_s"] for r in fresh.records) == [3.0, 4.0]
+    assert fresh_data("predict_timing", tmp_path, step="load") is None
+    assert fresh.provenance_note().startswith("fresh data: measured on Apple M4, macOS 15.3\n")
+
+
+def test_reproduce_names_the_figures_drawn_from_fresh_data(tmp_path):
+    from anelab.studies.figures import save_figure
+    from anelab.studies.reproduce import fresh_figures_line
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures_dir = tmp_path / "build" / "figures"
+    assert "none of the figures" in fresh_figures_line(True, tmp_path / "build")
+    fresh = _mac_record("predict_timing", "h0", 1.0, "2026-02-01T00:00:00+00:00")
+    from anelab.studies.fresh import FreshData
+
+    for name, note in (("replayed", "recorded on Mac15,3"), ("fresh_ab", FreshData("measured on M4", [fresh]).provenance_note())):
+        fig, _ = plt.subplots()
+        save_figure(fig, name, figures_dir=figures_dir, notebook="x.ipynb", parameters={}, provenance_note=note)
+        plt.close(fig)
+    assert fresh_figures_line(True, tmp_path / "build") == "fresh Mac data: fresh_ab"
