@@ -116,10 +116,10 @@ def test_fresh_data_takes_mac_records_of_the_newest_machine_labelled_and_dedupli
 
 
 def test_reproduce_names_the_figures_drawn_from_fresh_data(tmp_path):
+    import matplotlib
+
     from anelab.studies.figures import save_figure
     from anelab.studies.reproduce import fresh_figures_line
-
-    import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -129,7 +129,10 @@ def test_reproduce_names_the_figures_drawn_from_fresh_data(tmp_path):
     fresh = _mac_record("predict_timing", "h0", 1.0, "2026-02-01T00:00:00+00:00")
     from anelab.studies.fresh import FreshData
 
-    for name, note in (("replayed", "recorded on Mac15,3"), ("fresh_ab", FreshData("measured on M4", [fresh]).provenance_note())):
+    for name, note in (
+        ("replayed", "recorded on Mac15,3"),
+        ("fresh_ab", FreshData("measured on M4", [fresh]).provenance_note()),
+    ):
         fig, _ = plt.subplots()
         save_figure(fig, name, figures_dir=figures_dir, notebook="x.ipynb", parameters={}, provenance_note=note)
         plt.close(fig)

@@ -30,7 +30,9 @@ class FreshData:
         return FRESH_MARK + self.label + "\n" + provenance_text(self.records)
 
 
-def fresh_data(kind: str, records_dir: str | os.PathLike = MEASURED_DIR, *, step: str | None = None) -> FreshData | None:
+def fresh_data(
+    kind: str, records_dir: str | os.PathLike = MEASURED_DIR, *, step: str | None = None
+) -> FreshData | None:
     """The newest Mac machine's measured records of ``kind`` (and ``anelab measure`` step), or None.
 
     Only records of origin ``measured`` whose provenance says macOS count: the seeds' replay is in
@@ -48,7 +50,9 @@ def fresh_data(kind: str, records_dir: str | os.PathLike = MEASURED_DIR, *, step
         groups.setdefault((str(prov.get("chip", "unknown")), str(prov["os_version"])), []).append(rec)
     if not groups:
         return None
-    (chip, os_version), records = max(groups.items(), key=lambda kv: max(r["provenance"].get("date", "") for r in kv[1]))
+    (chip, os_version), records = max(
+        groups.items(), key=lambda kv: max(r["provenance"].get("date", "") for r in kv[1])
+    )
     return FreshData(f"measured on {chip}, {os_version}", _newest_per_measurement(records))
 
 
@@ -64,4 +68,6 @@ def _newest_per_measurement(records: list[dict]) -> list[dict]:
 def figures_with_fresh_data(figures_dir: str | os.PathLike) -> list[str]:
     """Names of the figures in ``figures_dir``'s manifest that were drawn from fresh Mac data."""
     manifest = read_manifest(figures_dir)
-    return [name for name, e in manifest.get("figures", {}).items() if str(e.get("provenance", "")).startswith(FRESH_MARK)]
+    return [
+        name for name, e in manifest.get("figures", {}).items() if str(e.get("provenance", "")).startswith(FRESH_MARK)
+    ]
