@@ -208,8 +208,10 @@ def run_child(runtime: CoreMLRuntime, package: Path, functions: list, steps: lis
     """Run ``steps`` for ``functions`` of ``package`` in a fresh Python process built from ``runtime.child_spec()``."""
     with tempfile.TemporaryDirectory(prefix="anelab-gate-") as work:
         result = Path(work) / "events.jsonl"
+        spec = runtime.child_spec()  # compiled copies of these throw-away variants stay in the child's work dir
+        spec = {**spec, "args": {**spec.get("args", {}), "cache_dir": str(Path(work) / "compiled")}}
         request = {
-            "runtime": runtime.child_spec(),
+            "runtime": spec,
             "package": str(Path(package).resolve()),
             "functions": functions,
             "steps": steps,
