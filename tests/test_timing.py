@@ -10,7 +10,7 @@ import pytest
 from anelab.errors import AnelabInputError
 from anelab.records import read_record, read_records
 from anelab.runtime.fake import FakeClock, FakeFunction, FakeRuntime
-from anelab.runtime.interface import RuntimeUnavailableError
+from anelab.runtime.interface import RuntimeLoadError, RuntimeUnavailableError
 from anelab.runtime.timing import COLD_LOAD_CAVEAT, TimingStats, measure, time_compositions, time_load, time_predict
 
 # the seed's Qwen 3.8 geometry: h0 loads in 6.7 s cold; h0 predicts in 0.43 s on the ANE, 0.65 s on the CPU
@@ -269,3 +269,18 @@ def test_predict_timing_excludes_the_input_conversion_and_reports_it(tmp_path):
     result = record["results"]["cpu_only"]
     assert result["samples_s"] == pytest.approx([0.5, 0.5], rel=1e-12)  # not 0.55 for the first call
     assert "input_conversion_s" in result and given["hidden"].dtype == np.float16
+
+
+def test_a_cold_load_in_a_fresh_process(tmp_path):
+    """Cold as the issue defines it: the first load of a freshly compiled copy in a fresh process. The
+    copy is compiled here (untimed); each load runs in a child rebuilt from ``child_spec()``."""
+    runtime = FakeRuntime({"h0": H0})
+    pkg = _package(tmp_path)
+    record = time_load(runtime, pkg, "h0", "cpu_and_ne", cold=True, warmup=1, repeats=2, clock=runtime.clock,
+                       fresh_process=True)  # fmt: skip
+    assert record["results"]["samples_s"] == pytest.approx([6.7, 6.7], rel=1e-12)
+    assert record["parameters"]["meaning"] == "first load of a freshly compiled .mlmodelc, in a fresh process"
+    assert runtime.compiles == [str(pkg)] * 3 and [c for c in runtime.calls if c[0] == "load"] == []
+    broken = FakeRuntime({"h0": FakeFunction(load_error="no such function")})  # control: a failing child is named
+    with pytest.raises(RuntimeLoadError, match="fresh process failed"):
+        time_load(broken, pkg, "h0", "cpu_and_ne", cold=True, repeats=1, clock=broken.clock, fresh_process=True)

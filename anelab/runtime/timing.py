@@ -18,9 +18,12 @@ and writes it to ``out_dir`` when one is given. ``clock`` is injectable so tests
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -48,6 +51,9 @@ COLD_LOAD_CAVEAT = (
     "whether Core ML's system-wide ANE compile cache (aned) served the fresh compiled copy, and what the "
     "process had loaded before (a cold load is the first load of a freshly compiled .mlmodelc in this process)"
 )
+
+
+COLD_CHILD_TIMEOUT_S = 1800.0  # one cold load of a large variant (the ANE compile) can take minutes
 
 
 WARM_LOAD_MEANING = "the next load of the same compiled .mlmodelc path, after a warm-up load of it"
@@ -148,11 +154,13 @@ def time_load(
     repeats: int = 3,
     clock: Callable[[], float] = time.perf_counter,
     out_dir: str | os.PathLike | None = None,
+    fresh_process: bool = False,
 ) -> dict:
     """Seconds to load ``function`` of ``pkg`` from a compiled copy (kind ``load_timing``).
 
     cold=True: every load (warm-ups too) is the first load of a freshly compiled copy at a new path;
-    the compile is not timed with the load (its seconds are ``results.compile``).
+    the compile is not timed with the load (its seconds are ``results.compile``). With
+    ``fresh_process`` each cold load runs in a new Python process (nothing loaded before it there).
     cold=False: the package's cached compiled copy; ``warmup`` loads of it, then the timed loads.
     ``results.core_ml_load_s``: Core ML's own load durations where coremltools exposes them.
     """
@@ -171,7 +179,17 @@ def time_load(
             own.append(value)
 
     try:
-        if cold:
+        if cold and fresh_process:
+            stats = measure_in_fresh_processes(
+                runtime,
+                _fresh_compile_factory(runtime, pkg, work, clock, compile_s),
+                function,
+                compute_units,
+                warmup=warmup,
+                repeats=repeats,
+                own=own,
+            )
+        elif cold:
             stats = measure(
                 lambda path: runtime.load_path(path, function, compute_units),
                 warmup=warmup,
@@ -199,7 +217,11 @@ def time_load(
         "function": function,
         "compute_units": compute_units,
         "cold": bool(cold),
-        "meaning": "first load of a freshly compiled .mlmodelc" if cold else WARM_LOAD_MEANING,
+        "meaning": (
+            ("first load of a freshly compiled .mlmodelc" + (", in a fresh process" if fresh_process else ""))
+            if cold
+            else WARM_LOAD_MEANING
+        ),
         "warmup": int(warmup),
         "repeats": int(repeats),
         "runtime": runtime.name,
@@ -210,6 +232,49 @@ def time_load(
         results["compile"] = TimingStats.of(compile_s).to_dict()
     results["core_ml_load_s"] = own[-int(repeats) :] if own else None
     return _finish("load_timing", parameters, results, [COLD_LOAD_CAVEAT] if cold else [], out_dir)
+
+
+def cold_load_child() -> None:
+    """Entry point of a fresh-process cold load: JSON request on stdin, JSON answer as the last stdout line."""
+    from anelab.runtime.interface import runtime_from_spec
+
+    request = json.loads(sys.stdin.read())
+    runtime = runtime_from_spec(request["runtime"])
+    clock = getattr(runtime, "clock", time.perf_counter)  # a fake's own clock; perf_counter on a Mac
+    start = clock()
+    handle = runtime.load_path(request["path"], request["function"], request["compute_units"])
+    seconds = clock() - start
+    answer = {"seconds": seconds, "core_ml_load_s": runtime.load_duration_s(handle)}
+    sys.stdout.write("\n" + json.dumps(answer) + "\n")
+    sys.stdout.flush()
+
+
+def measure_in_fresh_processes(runtime, fresh_copy, function, compute_units, *, warmup, repeats, own) -> TimingStats:
+    """Cold loads, each in a new Python process rebuilt from ``runtime.child_spec()``; the copy is made here."""
+    from anelab.paths import REPO_ROOT
+
+    _check_counts(warmup, repeats)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    samples = []
+    for i in tqdm(range(int(warmup) + int(repeats)), desc=f"cold load {function} (fresh process)", leave=False):
+        request = {"runtime": runtime.child_spec(), "path": str(fresh_copy()), "function": function,
+                   "compute_units": compute_units}  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", "from anelab.runtime.timing import cold_load_child; cold_load_child()"],
+            input=json.dumps(request), capture_output=True, text=True, env=env, timeout=COLD_CHILD_TIMEOUT_S,
+        )  # fmt: skip
+        lines = done.stdout.strip().splitlines()
+        if done.returncode != 0 or not lines:
+            tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
+            raise RuntimeLoadError(
+                f"{function}: the cold load in a fresh process failed (exit {done.returncode}): {tail}"
+            )
+        answer = json.loads(lines[-1])
+        if i >= int(warmup):
+            samples.append(float(answer["seconds"]))
+            if answer["core_ml_load_s"] is not None:
+                own.append(float(answer["core_ml_load_s"]))
+    return TimingStats.of(samples)
 
 
 def time_compositions(

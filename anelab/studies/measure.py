@@ -163,7 +163,11 @@ def _load_timings(run: _Run, pkg: Path, compositions: dict[str, Path]) -> list[d
     records = []
     for function in package_functions(pkg):
         for cold in (True, False):
-            records.append(time_load(rt, pkg, function, "cpu_and_ne", cold=cold, repeats=cfg.repeats, clock=run.clock))
+            records.append(
+                time_load(
+                    rt, pkg, function, "cpu_and_ne", cold=cold, repeats=cfg.repeats, clock=run.clock, fresh_process=cold
+                )
+            )  # cold: the first load of a fresh compiled copy, in a fresh process
     records.append(time_compositions(rt, compositions, "h0", repeats=cfg.repeats, clock=run.clock))
     by_count = {1: compositions["alone"], 2: next(iter(v for k, v in compositions.items() if k != "alone"))}
     by_count[len(package_functions(pkg))] = pkg
