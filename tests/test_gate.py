@@ -268,8 +268,9 @@ def test_function_that_does_not_load_after_the_merge_is_refused_naming_it(tmp_pa
 def test_marker_during_a_merged_load_is_refused(tmp_path):
     merged = _variants(tmp_path, ("merged",))["merged"]
     runtime = FakeRuntime({"h4096": FakeFunction(load_stderr="exception=ANECF error: failed to load ANE model\n")})
-    with pytest.raises(AneGateError, match=r"merged package .*load of h4096.*ANECF error"):
-        check_merged_loads(runtime, merged, ["h0", "h4096"])
+    with pytest.raises(AneGateError, match=r"function h4096 of the merged package .*load of h4096.*ANECF error") as e:
+        check_merged_loads(runtime, merged, ["h0", "h4096", "h8192"])  # named by the text's function, not the last
+    assert e.value.function == "h4096"
 
 
 # ---- through anelab.export.export_layer ----------------------------------------------------------

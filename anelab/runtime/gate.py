@@ -191,7 +191,7 @@ class ChildReport:
     leftover_stdout: str  # fd 1 / fd 2 outside the per-step captures (e.g. printed at exit)
     leftover_stderr: str
     unified_log: str
-    texts: list[tuple[str, str]] = field(default_factory=list)  # (where, text)
+    texts: list[tuple[str, str, str | None]] = field(default_factory=list)  # (where, text, function or None)
 
     def last_step(self) -> tuple[str, str]:
         started = [e for e in self.events if e["what"] == "started"]
@@ -247,11 +247,14 @@ def run_child(runtime: CoreMLRuntime, package: Path, functions: list, steps: lis
         if e["what"] == "output":
             step = e["step"] + (f" of {e['function']}" if e["function"] else "")
             report.texts += [
-                (f"fd 2 during {step}", e["value"]["stderr"]),
-                (f"fd 1 during {step}", e["value"]["stdout"]),
+                (f"fd 2 during {step}", e["value"]["stderr"], e["function"]),
+                (f"fd 1 during {step}", e["value"]["stdout"], e["function"]),
             ]
-    report.texts += [("fd 2 outside the steps (e.g. at exit)", err), ("fd 1 outside the steps (e.g. at exit)", out)]
-    report.texts.append(("the unified log", report.unified_log))
+    report.texts += [
+        ("fd 2 outside the steps (e.g. at exit)", err, None),
+        ("fd 1 outside the steps (e.g. at exit)", out, None),
+        ("the unified log", report.unified_log, None),
+    ]
     return report
 
 
@@ -266,17 +269,21 @@ def _describe_exit(code: int) -> str:
     return f"exited with status {code}"
 
 
-def _refuse_on(report: ChildReport, label: str, name: str) -> None:
-    """Refuse a crash, a failed step or a marker anywhere the child wrote (names where it was seen)."""
-    everything = "\n".join(text for _, text in report.texts if text)
-    for where, text in report.texts:
+def _refuse_on(report: ChildReport, label_of, name: str) -> None:
+    """Refuse a marker anywhere the child wrote (naming where), a failed step, or a crash.
+
+    ``label_of(function)`` names the subject in the message (``function``: the one the text or the
+    error belongs to; ``None`` when it is not known, e.g. text printed at exit); ``name`` is the default.
+    """
+    everything = "\n".join(text for _, text, _ in report.texts if text)
+    for where, text, function in report.texts:
         markers = find_refusal_markers(text or "")
         if markers:
             raise AneGateError(
-                f"ANE gate: {label} was refused by the Neural Engine compiler ({where}: "
+                f"ANE gate: {label_of(function)} was refused by the Neural Engine compiler ({where}: "
                 f"{_first_line_with(text, markers[0])!r}; markers: {', '.join(markers)}); "
                 f"lower --histories or --chunk so the score arena fits, see docs/mac-runbook.md",
-                function=name,
+                function=function or name,
                 stderr_text=everything,
             )
     errors = [e for e in report.events if e["what"] == "error"]
@@ -284,18 +291,17 @@ def _refuse_on(report: ChildReport, label: str, name: str) -> None:
         e = errors[0]
         what = "does not load" if e["step"] == "load" else f"failed at {e['step']}"
         raise AneGateError(
-            f"ANE gate: {label} {what} ({e['value']}); the sidecar is not exported",
-            function=name,
+            f"ANE gate: {label_of(e['function'])} {what} ({e['value']}); the sidecar is not exported",
+            function=e["function"] or name,
             stderr_text=everything,
         )
     if report.returncode != 0:
         function, step = report.last_step()
         tail = (report.leftover_stderr.strip().splitlines() or ["no output"])[-1][:160]
         raise AneGateError(
-            f"ANE gate: {label} {_describe_exit(report.returncode)} during {step}"
-            f"{' of ' + function if function and function != name else ''} (last stderr line: {tail!r}); "
-            f"the sidecar is not exported",
-            function=name,
+            f"ANE gate: {label_of(function or None)} {_describe_exit(report.returncode)} during {step} "
+            f"(last stderr line: {tail!r}); the sidecar is not exported",
+            function=function or name,
             stderr_text=everything,
         )
 
@@ -319,9 +325,8 @@ def check_variants(runtime: CoreMLRuntime, variants: dict[str, Path]) -> dict[st
     refuse_without_neural_engine(runtime)
     evidence: dict[str, dict] = {}
     for function, pkg in variants.items():
-        label = f"variant {function}"
         report = run_child(runtime, Path(pkg), [None], ["load", "predict", "plan"])
-        _refuse_on(report, label, function)
+        _refuse_on(report, lambda _, function=function: f"variant {function}", function)
         assignment = report.value(None, "plan", "assignment")
         total, ane = int(assignment["total"]), int(assignment["neural_engine"])
         if total == 0:
@@ -346,9 +351,8 @@ def check_merged_loads(runtime: CoreMLRuntime, merged: Path, functions: list[str
     """Every function must load under its name from the merged package's compiled copy (in a child), with no marker."""
     refuse_without_neural_engine(runtime)
     report = run_child(runtime, Path(merged), list(functions), ["load"])
-    failed = next((e["function"] for e in report.events if e["what"] == "error"), None)
-    name = failed or report.last_step()[0] or functions[0]
-    _refuse_on(report, f"function {name} of the merged package", name)
+    last = report.last_step()[0] or functions[0]
+    _refuse_on(report, lambda f: f"function {f or last} of the merged package", last)
 
 
 @dataclass(frozen=True)
