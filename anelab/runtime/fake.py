@@ -136,6 +136,7 @@ class _CallList(list):
     def append(self, item):
         super().append(item)
         if self.path:
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a") as f:
                 f.write(json.dumps(list(item)) + "\n")
 
@@ -193,10 +194,9 @@ class FakeRuntime(CoreMLRuntime):
         self._reason = reason
         self.clock = clock if clock is not None else FakeClock()
         self.machine, self.neural_engine, self.compile_s = machine, neural_engine, float(compile_s)
-        self.cache_dir = (
-            Path(cache_dir) if cache_dir is not None else Path(tempfile.mkdtemp(prefix="anelab-fake-cache-"))
-        )
-        self.log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="anelab-fake-log-"))
+        own = Path(tempfile.gettempdir()) / f"anelab-fake-{uuid.uuid4().hex}"  # created when first written
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else own / "compiled"
+        self.log_dir = Path(log_dir) if log_dir is not None else own / "log"
         self.real_crashes = real_crashes
         self.numerics = numerics  # predict computes the saved program (NumPy), outputs fp32 as Core ML returns them
         self._saved: dict = {}

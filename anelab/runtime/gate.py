@@ -332,7 +332,7 @@ def check_variants(runtime: CoreMLRuntime, variants: dict[str, Path]) -> dict[st
         if total == 0:
             raise AneGateError(
                 f"ANE gate: variant {function} reports no operation assignments in the compute plan (0 operations), "
-                f"so nothing shows it runs on the Neural Engine; the plan covers only a package's default function — "
+                f"so nothing shows it runs on the Neural Engine; coremltools 9.0 plans only a package's default function — "
                 f"check the variant is a single-function mlprogram",
                 function=function,
             )

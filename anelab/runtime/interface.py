@@ -298,7 +298,8 @@ class CoreMLRuntime(abc.ABC):
         """Operations of the package's program per preferred compute device (keys: ``ASSIGNMENT_KEYS``).
 
         Asked of the compiled copy (the plan needs a ``.mlmodelc``). Counts the device the plan
-        PREFERS for each operation. Core ML plans only a package's default function.
+        PREFERS for each operation. Only the default function is planned: coremltools 9.0's binding
+        (``MLComputePlan.load_from_path``) takes no function name and loads the plan without one.
         """
         check_compute_units(compute_units)
         self.require_available()
