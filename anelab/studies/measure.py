@@ -70,7 +70,7 @@ def plan_text(config: MeasureConfig) -> str:
 
 
 @dataclass
-class _Run:
+class MeasureRun:
     """One measure run: the runtime, where things go, what was written and skipped."""
 
     config: MeasureConfig
@@ -106,7 +106,7 @@ class _Run:
         return path
 
 
-def _doctor(run: _Run) -> None:
+def _doctor(run: MeasureRun) -> None:
     """Refuse (one line naming what is missing) unless the Core ML runtime and a Neural Engine are here."""
     reason = run.runtime.unavailable_reason() or run.runtime.neural_engine_reason()
     if reason:
@@ -116,7 +116,7 @@ def _doctor(run: _Run) -> None:
         )
 
 
-def _export(run: _Run, checkpoint: Path, layer: int, histories: list[int], out: Path):
+def _export(run: MeasureRun, checkpoint: Path, layer: int, histories: list[int], out: Path):
     """The layer's sidecar, exported with the gate (reused when already verified here, unless again)."""
     from anelab.runtime.gate import AneGate
     from anelab.sidecar.export import export_sidecars
@@ -143,7 +143,7 @@ def _gate_record(pkg: Path) -> dict:
     )
 
 
-def _verify(run: _Run, pkg: Path, checkpoint: Path) -> list[dict]:
+def _verify(run: MeasureRun, pkg: Path, checkpoint: Path) -> list[dict]:
     from anelab.records import make_record
     from anelab.runtime.device import verify_on_device
 
@@ -154,7 +154,7 @@ def _verify(run: _Run, pkg: Path, checkpoint: Path) -> list[dict]:
     return records
 
 
-def _load_timings(run: _Run, pkg: Path, compositions: dict[str, Path]) -> list[dict]:
+def _load_timings(run: MeasureRun, pkg: Path, compositions: dict[str, Path]) -> list[dict]:
     from anelab.runtime.interface import package_functions
     from anelab.runtime.timing import time_compositions, time_load
     from anelab.studies.setup_cost import measure_load_memory, memory_vs_functions
@@ -178,7 +178,7 @@ def _load_timings(run: _Run, pkg: Path, compositions: dict[str, Path]) -> list[d
     return records
 
 
-def _block_ab(run: _Run, pkg: Path, checkpoint: Path) -> list[dict]:
+def _block_ab(run: MeasureRun, pkg: Path, checkpoint: Path) -> list[dict]:
     from anelab.hf.checkpoint import load_checkpoint
     from anelab.sidecar.format import read_sidecar_metadata
     from anelab.studies.dense_offload import time_attention_ab
@@ -191,7 +191,8 @@ def _block_ab(run: _Run, pkg: Path, checkpoint: Path) -> list[dict]:
     )  # fmt: skip
 
 
-def _gather_probe(run: _Run) -> tuple[str, list[dict]]:
+def _gather_probe(run: MeasureRun) -> tuple[str, list[dict]]:
+    from anelab.records import make_record
     from anelab.studies.gather_probe import measure_probes_on_runtime, probe, probe_inputs
 
     out = Path(run.config.build) / "probes"
@@ -203,8 +204,14 @@ def _gather_probe(run: _Run) -> tuple[str, list[dict]]:
     if run.recorded("gather_probe", key):
         return key, []
     staging = run.staged("gather_probe")
-    measure_probes_on_runtime(run.runtime, results, inputs, staging, repeats=run.config.repeats, clock=run.clock)
-    return key, read_records(staging)
+    rows = measure_probes_on_runtime(run.runtime, results, inputs, staging, repeats=run.config.repeats, clock=run.clock)
+    counts = make_record(
+        "gather_probe_assignment",
+        {"shape": shape.to_dict(), "compute_units": "cpu_and_ne"},
+        {"rows": [{"graph": r["graph"], "chunk": r["chunk"], "assignment": r["assignment"]} for r in rows]},
+        unknown=["operations the compute plan prefers for the Neural Engine are not proof of where they ran"],
+    )
+    return key, [*read_records(staging), counts]
 
 
 def measure(
@@ -224,7 +231,7 @@ def measure(
     from anelab.hf.default import default_checkpoint_dir
     from anelab.runtime.mac import default_runtime
 
-    run = _Run(config, runtime if runtime is not None else default_runtime(), clock, memory)
+    run = MeasureRun(config, runtime if runtime is not None else default_runtime(), clock, memory)
     _doctor(run)
     steps = tqdm(total=len(STEPS), desc="anelab measure", unit="step")
     steps.update()
@@ -262,7 +269,7 @@ def measure(
     return {"package": str(pkg), "written": [str(p) for p in run.written], "skipped": run.skipped}
 
 
-def _step(run: _Run, name: str, key: str, work: Callable[[], list[dict]], echo) -> None:
+def _step(run: MeasureRun, name: str, key: str, work: Callable[[], list[dict]], echo) -> None:
     if run.recorded(name, key):
         run.skipped.append(name)
         echo(f"{name}: already recorded for this package on this machine (use --again)")
