@@ -59,3 +59,33 @@ def test_a_device_that_computes_something_else_fails_against_both(sidecar):
     assert not by_case[("h8", "full chunk")].passed
     assert not by_case[("h8", "full chunk: device vs NumPy")].passed
     assert by_case[("h8", "full chunk: NumPy vs ref.")].passed  # the package itself is right
+
+
+@pytest.fixture(scope="module")
+def stateful(tiny_checkpoint, tmp_path_factory):
+    ckpt = tiny_checkpoint("llama")
+    out = tmp_path_factory.mktemp("verify-device-stateful")
+    pkg = export_layer(load_checkpoint(ckpt), 0, 4, None, out, graph="stateful", capacity=16, decode=True).package
+    return pkg, ckpt
+
+
+def test_a_stateful_sidecar_verifies_on_the_device_through_its_state(stateful):
+    pkg, ckpt = stateful
+    runtime = FakeRuntime(numerics=True)
+    report = verify_on_device(pkg, ckpt, compute_units="cpu_and_ne", runtime=runtime)
+    assert report.passed, report.table()
+    cases = [c.case for c in report.comparisons]
+    assert "device vs NumPy" in cases and "NumPy vs ref." in cases and "control: state carried" in cases
+    predicts = [c for c in runtime.calls if c[0] == "predict"]
+    assert {c[2] for c in predicts} == {"c4", "c1"}  # the fake refuses any of them without a state
+
+
+def test_a_device_that_drops_the_state_fails_the_stateful_check(stateful):
+    # negative control: a device whose state never carries over (a fresh state at every call)
+    pkg, ckpt = stateful
+    runtime = FakeRuntime(numerics=True)
+    real = runtime.predict
+    runtime.predict = lambda handle, inputs, state=None: real(handle, inputs, state=runtime.make_state(handle))
+    report = verify_on_device(pkg, ckpt, compute_units="cpu_and_ne", runtime=runtime)
+    by_case = {c.case: c for c in report.comparisons}
+    assert not report.passed and not by_case["device vs NumPy"].passed and by_case["NumPy vs ref."].passed

@@ -3,7 +3,8 @@
 Every case of the verification (full and partial chunk, both negative controls) runs through Core
 ML ``predict`` under the requested compute units, from the package's compiled copy; the report
 adds, per case, Core ML against the NumPy evaluation of the same package and NumPy against the
-reference — three comparisons per output.
+reference — three comparisons per output. A stateful sidecar runs its prompt through one Core ML
+state; its attn_out is compared (the caches are checked on the NumPy run).
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ class CoreMLEvaluator:
         if function not in self._handles:
             self._handles[function] = self.runtime.load(self.package, function, self.compute_units)
         return self._handles[function]
+
+    def make_state(self, function: str):
+        """A fresh Core ML state (``MLState``) for a stateful function; Core ML lets the package's functions share it."""
+        return self.runtime.make_state(self.handle(function))
 
     def __call__(self, function: str, inputs: dict, state=None) -> dict:
         out = self.runtime.predict(self.handle(function), prepare_inputs(inputs), state=state)

@@ -133,12 +133,7 @@ def verify_package(
     """
     meta = read_sidecar_metadata(package)
     if meta.graph == "stateful":  # one function per chunk width, K/V in Core ML state
-        if evaluator is not None:
-            raise AnelabInputError(
-                f"{package}: verifying a stateful sidecar through {evaluator.name} is not supported yet; "
-                "run 'anelab verify' without --compute-units (NumPy evaluation, state carried)"
-            )
-        return verify_stateful_package(package, checkpoint_dir, seed=seed, fp16=fp16)
+        return verify_stateful_package(package, checkpoint_dir, seed=seed, fp16=fp16, evaluator=evaluator)
     source = Path(checkpoint_dir) if checkpoint_dir is not None else Path(meta.source)
     if not (source / "config.json").is_file():
         raise AnelabInputError(
@@ -258,6 +253,8 @@ class Evaluator(Protocol):
 
     def __call__(self, function: str, inputs: dict, state=None) -> dict: ...
 
+    def make_state(self, function: str): ...
+
 
 def cross_checks(function: str, case: str, rows: int, device: dict, numpy_out: dict, ref) -> list[Comparison]:
     """The evaluator against the NumPy evaluation of the same package, and NumPy against the reference."""
@@ -302,9 +299,18 @@ def fold_comparisons(saved: SavedPackage, checkpoint_dir, meta, *, seed: int = 0
 
 
 def verify_stateful_package(
-    package: str | os.PathLike, checkpoint_dir: str | os.PathLike | None = None, *, seed: int = 0, fp16: bool = True
+    package: str | os.PathLike,
+    checkpoint_dir: str | os.PathLike | None = None,
+    *,
+    seed: int = 0,
+    fp16: bool = True,
+    evaluator: Evaluator | None = None,
 ) -> VerifyReport:
-    """Verify a stateful sidecar over a multi-chunk prompt (see the comment above)."""
+    """Verify a stateful sidecar over a multi-chunk prompt (see the comment above).
+
+    ``evaluator`` (with ``make_state(function)``): the calls run through it, carrying its state; its
+    attn_out is compared with the reference and with the NumPy run, whose caches are checked as usual.
+    """
     from anelab.sidecar.format import STATE_CAPACITY_META, STATE_FUNCTIONS_META, STATE_NAMES, read_raw_metadata
 
     meta = read_sidecar_metadata(package)
@@ -353,7 +359,9 @@ def verify_stateful_package(
         RELATIVE_ERROR_THRESHOLD,
         "NumPy evaluation of the saved MIL program, state carried between calls ("
         + ("fp16 storage emulated" if fp16 else "fp32")
-        + ")",
+        + ")"
+        if evaluator is None
+        else f"{evaluator.name}, state carried between calls, beside the NumPy evaluation",
     )
     rng = np.random.default_rng([seed, P])
     hidden = rng.standard_normal((P, geometry.hidden_size)).astype(np.float16)
@@ -384,16 +392,37 @@ def verify_stateful_package(
         return errs
 
     steps = tqdm(total=4 + (meta.weights != "fp16"), desc="verify stateful", unit="run")
-    out, state = run_stateful(saved, hidden, C, capacity, decode_steps=decode_steps, fp16=fp16)
+    on = (
+        {}
+        if evaluator is None
+        else {"evaluate": lambda f, i, st: evaluator(f, i, state=st), "make_state": evaluator.make_state}
+    )
+    if evaluator is not None:  # the device's state is not read back: its attn_out is compared, the caches via NumPy
+        cache_errors = lambda o, st, r, numpy_errors=cache_errors: (  # noqa: E731
+            numpy_errors(o, st, r) if isinstance(st, dict) else {"attn_out": relative_error(o, r.attn_out)}
+        )
+    out, state = run_stateful(saved, hidden, C, capacity, decode_steps=decode_steps, fp16=fp16, **on)
     ref = reference_over_prompt(weights)
     report.comparisons.append(
         Comparison(label, f"prompt {prefill}+{decode_steps} rows", P, cache_errors(out, state, ref))
     )
+    if evaluator is not None:
+        numpy_out, numpy_state = run_stateful(saved, hidden, C, capacity, decode_steps=decode_steps, fp16=fp16)
+        report.comparisons += [
+            Comparison(label, "device vs NumPy", P, {"attn_out": relative_error(out, numpy_out)}),
+            Comparison(label, "NumPy vs ref.", P, cache_errors(numpy_out, numpy_state, ref)),
+        ]
     steps.update()
     wrong_rope = reference_over_prompt(weights, start=1)
     errs = cache_errors(out, state, wrong_rope)
     report.comparisons.append(
-        Comparison(label, "control: rope offset +1", P, {k: errs[k] for k in ("attn_out", "k_chunk")}, control=True)
+        Comparison(
+            label,
+            "control: rope offset +1",
+            P,
+            {k: errs[k] for k in ("attn_out", "k_chunk") if k in errs},
+            control=True,
+        )
     )
     steps.update()
     dropped, _ = run_stateful(
@@ -404,6 +433,7 @@ def verify_stateful_package(
         decode_steps=decode_steps,
         fp16=fp16,
         masks=lambda rows, start: drop_half_mask(stateful_mask(rows, start, capacity), rng),
+        **on,
     )
     report.comparisons.append(
         Comparison(
@@ -412,7 +442,7 @@ def verify_stateful_package(
     )
     steps.update()
     forgetful, _ = run_stateful(
-        saved, hidden, C, capacity, decode_steps=decode_steps, fp16=fp16, fresh_state_each_call=True
+        saved, hidden, C, capacity, decode_steps=decode_steps, fp16=fp16, fresh_state_each_call=True, **on
     )
     report.comparisons.append(
         Comparison(
