@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: reproduce test lab install clean benchmarks docs
+.PHONY: reproduce test lab install clean benchmarks docs measure
 
 $(PY):
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=/path/to/python3.11 ...'"; exit 2; }
@@ -21,6 +21,10 @@ install: $(STAMP)
 ## Reproduce the studies and figures (the main job).
 reproduce: $(STAMP)
 	$(PY) -m anelab reproduce
+
+## On a Mac: measure everything fresh (records in data/measured/; re-runs skip what is recorded).
+measure: $(STAMP)
+	$(PY) -m anelab measure
 
 ## Run the linter and the test suite (CI calls this).
 test: $(STAMP)

@@ -196,13 +196,23 @@ def _add_verify(sub):
     p.add_argument("package")
     p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the one the package records)")
     p.add_argument("--fp32", action="store_true", help="evaluate the package in fp32 instead of emulating fp16 storage")
+    p.add_argument(
+        "--compute-units",
+        default=None,
+        help="on a Mac: run every case through Core ML predict (cpu_and_ne | cpu_and_gpu | cpu_only) beside NumPy",
+    )
     p.add_argument("--json", action="store_true")
 
 
 def _run_verify(args):
     from anelab.sidecar.verify import verify_package
 
-    report = verify_package(args.package, args.checkpoint, fp16=not args.fp32)
+    if args.compute_units is not None:
+        from anelab.runtime.device import verify_on_device
+
+        report = verify_on_device(args.package, args.checkpoint, compute_units=args.compute_units)
+    else:
+        report = verify_package(args.package, args.checkpoint, fp16=not args.fp32)
     if args.json:
         _print_json(report.to_dict())
     else:
@@ -619,7 +629,49 @@ _register("run", _add_run, _run_run)
 _register("batch", _add_batch, _run_batch)
 _register("records", _add_records, _run_records)
 _register("docs", _add_docs, _run_docs)
+
+
 # <<< section: studies
+# >>> section: measure (a Mac: everything fresh in one command)
+def _add_measure(sub):
+    p = sub.add_parser(
+        "measure",
+        help="on a Mac: doctor, export with the ANE gate, verify on the device, load timings, block A/B, probe timing",
+    )
+    p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the embedded default)")
+    p.add_argument("--layer", type=int, default=None, help="full-attention layer (default: the first)")
+    p.add_argument("--chunk", type=int, default=64, help="chunk width C (default 64)")
+    p.add_argument("--histories", type=_int_list, default=None, help="histories (default 0,C,2C)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement (default 3)")
+    p.add_argument("--build", default=None, help="build directory for packages (default build/measure)")
+    p.add_argument("--records", default=None, help="where records go (default data/measured)")
+    p.add_argument("--again", action="store_true", help="measure again what is already recorded here")
+    p.add_argument("--dry-run", action="store_true", help="list the steps and exit (runs anywhere)")
+
+
+def _run_measure(args):
+    from anelab.studies.measure import MeasureConfig, measure, plan_text
+
+    config = MeasureConfig(
+        checkpoint=args.checkpoint, layer=args.layer, chunk=args.chunk, histories=args.histories,
+        repeats=args.repeats, again=args.again,
+    )  # fmt: skip
+    if args.build:
+        config.build = args.build
+    if args.records:
+        config.records = args.records
+    if args.dry_run:
+        print(plan_text(config))
+        return 0
+    summary = measure(config)
+    print(
+        f"{len(summary['written'])} records written to {config.records}; skipped: {', '.join(summary['skipped']) or 'none'}"
+    )
+    return 0
+
+
+_register("measure", _add_measure, _run_measure)
+# <<< section: measure
 
 
 def build_parser() -> argparse.ArgumentParser:
