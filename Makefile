@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: reproduce test lab install clean benchmarks
+.PHONY: reproduce test lab install clean benchmarks docs measure
 
 $(PY):
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=/path/to/python3.11 ...'"; exit 2; }
@@ -22,11 +22,20 @@ install: $(STAMP)
 reproduce: $(STAMP)
 	$(PY) -m anelab reproduce
 
+## On a Mac: measure everything fresh (records in data/measured/; re-runs skip what is recorded).
+measure: $(STAMP)
+	$(PY) -m anelab measure
+
 ## Run the linter and the test suite (CI calls this).
 test: $(STAMP)
 	$(PY) -m ruff check anelab tests benchmarks
 	$(PY) -m ruff format --check anelab tests benchmarks
 	$(PY) -m pytest -n 2 -q
+
+## Figure gallery for the docs: build/docs/index.html (runs the studies first if build/html is missing).
+docs: $(STAMP)
+	@test -d build/html || $(PY) -m anelab reproduce
+	$(PY) -m anelab docs
 
 ## Open the notebooks in JupyterLab with the project's kernel.
 lab: $(STAMP)

@@ -196,13 +196,23 @@ def _add_verify(sub):
     p.add_argument("package")
     p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the one the package records)")
     p.add_argument("--fp32", action="store_true", help="evaluate the package in fp32 instead of emulating fp16 storage")
+    p.add_argument(
+        "--compute-units",
+        default=None,
+        help="on a Mac: run every case through Core ML predict (cpu_and_ne | cpu_and_gpu | cpu_only) beside NumPy",
+    )
     p.add_argument("--json", action="store_true")
 
 
 def _run_verify(args):
     from anelab.sidecar.verify import verify_package
 
-    report = verify_package(args.package, args.checkpoint, fp16=not args.fp32)
+    if args.compute_units is not None:
+        from anelab.runtime.device import verify_on_device
+
+        report = verify_on_device(args.package, args.checkpoint, compute_units=args.compute_units)
+    else:
+        report = verify_package(args.package, args.checkpoint, fp16=not args.fp32)
     if args.json:
         _print_json(report.to_dict())
     else:
@@ -421,6 +431,247 @@ def _run_probe(args):
 
 _register("probe", _add_probe, _run_probe)
 # <<< section: gather
+
+
+# >>> section: compare-arms
+def _add_compare_arms(sub):
+    p = sub.add_parser(
+        "compare-arms",
+        help="whole model: per-layer hidden, logits and greedy text with the attention on the sidecars vs the reference",
+    )
+    p.add_argument(
+        "checkpoint",
+        help="model directory (config.json + safetensors), or 'default-dense': the embedded dense sibling, "
+        "generated on first use (with its sidecars, when --sidecars names a directory that does not exist)",
+    )
+    p.add_argument("--sidecars", default=None, help="directory of layer_<L>.mlpackage for every full-attention layer")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="random prompt length (fixed seed)")
+    p.add_argument("--tokens", default=None, help="token ids file (JSON list or whitespace-separated) instead")
+    p.add_argument("--decode", type=int, default=32, help="greedy tokens decoded on the reference path (default 32)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt (default 0)")
+    p.add_argument("--chunk", type=int, default=None, help="prefill chunk without sidecars (default 16)")
+    p.add_argument("--kept-blocks", type=int, default=None, help="add folded / causal-only arms: indexer kept blocks")
+    p.add_argument("--compress-ratio", type=int, default=4, help="indexer keys per block (default 4)")
+    p.add_argument(
+        "--compute-units",
+        default=None,
+        help="serve the sidecars through Core ML on a Mac (cpu_only | cpu_and_gpu | cpu_and_ne | all); "
+        "default: NumPy evaluation of the saved programs",
+    )
+    p.add_argument("--json", action="store_true", help="print the comparison as JSON")
+
+
+def _run_compare_arms(args):
+    from anelab.studies.arms import DEFAULT_DENSE, REFERENCE_CHUNK, Indexer, compare_arms, default_dense, read_tokens
+
+    if (args.prompt_tokens is None) == (args.tokens is None):
+        raise AnelabInputError("anelab compare-arms: pass exactly one of --prompt-tokens N or --tokens FILE")
+    checkpoint, sidecars = args.checkpoint, args.sidecars
+    if checkpoint == DEFAULT_DENSE:
+        tokens = args.prompt_tokens or read_tokens(args.tokens).size
+        checkpoint, sidecars = default_dense(sidecars, tokens, args.chunk or REFERENCE_CHUNK)
+    report = compare_arms(
+        checkpoint,
+        sidecars,
+        args.prompt_tokens,
+        decode=args.decode,
+        tokens=read_tokens(args.tokens) if args.tokens else None,
+        seed=args.seed,
+        indexer=Indexer(args.kept_blocks, args.compress_ratio) if args.kept_blocks else None,
+        chunk=args.chunk,
+        compute_units=args.compute_units,
+    )
+    if args.json:
+        _print_json(report.to_dict())
+    else:
+        print(report.table())
+    return 0
+
+
+_register("compare-arms", _add_compare_arms, _run_compare_arms)
+
+
+# <<< section: compare-arms
+# >>> section: studies (run / batch / records / docs)
+def _add_run(sub):
+    p = sub.add_parser("run", help="one papermill run of a study into runs/<study>/<run id>/")
+    p.add_argument("notebook", help="study number, stem or notebook path (e.g. 02, 02_mask_fold)")
+    p.add_argument(
+        "-p", dest="params", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
+        help="a parameter of the notebook's parameters cell (repeatable; checked against its declared type)",
+    )  # fmt: skip
+    p.add_argument("--out", default=None, help="run directory (default: <runs>/<study>/<run id>)")
+    p.add_argument("--runs", default=None, help="root of the run directories (default: runs/)")
+    p.add_argument(
+        "--publish", action="store_true", help="write figures to the committed figures/ (and HTML to build/html)"
+    )
+    p.add_argument("--threads", type=int, default=None, help="BLAS/OpenMP threads of the notebook's kernel")
+    p.add_argument("--timeout", type=float, default=None, help="seconds any one cell may take")
+    p.add_argument("--resume", action="store_true", help="exit 0 if the run directory holds a successful run")
+
+
+def _run_run(args):
+    from anelab.studies import notebooks
+
+    notebook = notebooks.resolve_notebook(args.notebook)
+    names = [name for name, _ in args.params]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise AnelabInputError(f"parameter {repeated[0]} given twice; pass each -p NAME VALUE once")
+    if args.threads is not None and args.threads < 1:
+        raise AnelabInputError(f"--threads must be at least 1, got {args.threads}")
+    params = notebooks.check_parameters(notebook, dict(args.params), from_text=True)
+    out = args.out or notebooks.run_directory(notebook, params, *([args.runs] if args.runs else []))
+    finished = notebooks.read_result(out)
+    if args.resume and finished is not None:
+        if finished.get("status") == "ok":
+            print(f"{out}: finished ok before; skipped (--resume)")
+            return 0
+        notebooks.clear_run_directory(out)  # a failed run runs again
+    run = notebooks.run_study(
+        notebook, params, out=out, publish=args.publish, threads=args.threads, timeout=args.timeout
+    )
+    print(run.line())
+    print(f"run directory: {run.executed.parent}")
+    return 0 if run.ok else 1
+
+
+def _add_batch(sub):
+    p = sub.add_parser("batch", help="run a TOML grid of study parameters in a local process pool")
+    p.add_argument("grid", help="grid file (see grids/), one table per study with fixed / vary / runs")
+    p.add_argument(
+        "--jobs", type=int, default=None,
+        help="concurrent runs, default 1 (each gets cores // jobs BLAS threads; with --emit-jobs: --threads of each command)",
+    )  # fmt: skip
+    p.add_argument("--emit-jobs", action="store_true", help="print one 'anelab run ...' command per run; run nothing")
+    p.add_argument("--resume", action="store_true", help="skip runs whose directory holds a successful result")
+    p.add_argument("--runs", default=None, help="root of the run directories (default: runs/)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds any one cell may take")
+
+
+def _run_batch(args):
+    from pathlib import Path
+
+    from anelab.paths import RUNS_DIR
+    from anelab.studies import batch
+    from anelab.studies.batch_summary import write_summary
+
+    root = Path(args.runs) if args.runs else RUNS_DIR
+    jobs = 1 if args.jobs is None else args.jobs
+    threads = batch.threads_per_run(jobs)
+    planned = batch.plan_grid(args.grid, root)
+    if args.emit_jobs:  # --threads only when --jobs says how many run at once on the machine running them
+        for line in batch.job_commands(planned, threads=None if args.jobs is None else threads, runs_root=args.runs):
+            print(line)
+        return 0
+    results = batch.run_batch(planned, jobs=jobs, resume=args.resume, timeout=args.timeout)
+    written = write_summary(results, root / f"batch-{Path(args.grid).stem}", Path(args.grid).stem)
+    print((root / f"batch-{Path(args.grid).stem}" / "summary.md").read_text())
+    for what, path in written.items():
+        print(f"{what}: {path}")
+    failed = [r for r in results.values() if r.get("status") != "ok"]
+    print(f"{len(results) - len(failed)} of {len(results)} runs ok" + (f", {len(failed)} failed" if failed else ""))
+    return 1 if failed else 0
+
+
+def _add_records(sub):
+    p = sub.add_parser("records", help="list the records, or compare fresh values with the seeds' recorded ones")
+    p.add_argument("action", choices=["list", "compare"])
+    p.add_argument("--kind", default=None, help="list: only records of this kind")
+    p.add_argument("--machine", default=None, help="only records whose machine (model, chip, OS) contains this")
+    p.add_argument(
+        "--dir", dest="dirs", action="append", default=None,
+        help="records directory (repeatable; default: data/, data/measured/ and runs/*/*/records)",
+    )  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _run_records(args):
+    from anelab.studies import records_compare as rc
+
+    records = rc.gather_records(args.dirs)
+    if args.action == "list":
+        rows = rc.list_rows(rc.select(records, kind=args.kind, machine=args.machine))
+        if args.json:
+            _print_json(rows)
+            return 0
+        for r in rows:
+            print(f"{r['kind']:<24} {r['origin']:<9} {r['machine']:<44} {r['date']:<26} {r['path']}")
+        print(f"{len(rows)} records")
+        return 0
+    if args.kind is not None:
+        raise AnelabInputError("records compare: --kind applies to list; compare covers its declared quantities")
+    rows = rc.compare(records, machine=args.machine)
+    _print_json(rows) if args.json else print(rc.compare_table(rows))
+    return 0
+
+
+def _add_docs(sub):
+    p = sub.add_parser("docs", help="build the figure gallery (build/docs/index.html) from figures/MANIFEST.json")
+    p.add_argument("--figures", default=None, help="figures directory (default: the committed figures/)")
+    p.add_argument("--html", default="build/html", help="executed notebooks' HTML (default: build/html)")
+    p.add_argument("--out", default="build/docs", help="output directory (default: build/docs)")
+
+
+def _run_docs(args):
+    from anelab.paths import FIGURES_DIR
+    from anelab.studies.docs_site import build_docs
+
+    index, pages = build_docs(args.figures or FIGURES_DIR, args.html, args.out)
+    for page in pages:
+        if page.html is None:
+            print(f"{page.stem}: {page.missing}")
+    print(f"{sum(len(p.figures) for p in pages)} figures from {len(pages)} notebooks -> {index}")
+    return 0
+
+
+_register("run", _add_run, _run_run)
+_register("batch", _add_batch, _run_batch)
+_register("records", _add_records, _run_records)
+_register("docs", _add_docs, _run_docs)
+
+
+# <<< section: studies
+# >>> section: measure (a Mac: everything fresh in one command)
+def _add_measure(sub):
+    p = sub.add_parser(
+        "measure",
+        help="on a Mac: doctor, export with the ANE gate, verify on the device, load timings, block A/B, probe timing",
+    )
+    p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the embedded default)")
+    p.add_argument("--layer", type=int, default=None, help="full-attention layer (default: the first)")
+    p.add_argument("--chunk", type=int, default=64, help="chunk width C (default 64)")
+    p.add_argument("--histories", type=_int_list, default=None, help="histories (default 0,C,2C)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement (default 3)")
+    p.add_argument("--build", default=None, help="build directory for packages (default build/measure)")
+    p.add_argument("--records", default=None, help="where records go (default data/measured)")
+    p.add_argument("--again", action="store_true", help="measure again what is already recorded here")
+    p.add_argument("--dry-run", action="store_true", help="list the steps and exit (runs anywhere)")
+
+
+def _run_measure(args):
+    from anelab.studies.measure import MeasureConfig, measure, plan_text
+
+    config = MeasureConfig(
+        checkpoint=args.checkpoint, layer=args.layer, chunk=args.chunk, histories=args.histories,
+        repeats=args.repeats, again=args.again,
+    )  # fmt: skip
+    if args.build:
+        config.build = args.build
+    if args.records:
+        config.records = args.records
+    if args.dry_run:
+        print(plan_text(config))
+        return 0
+    summary = measure(config)
+    print(
+        f"{len(summary['written'])} records written to {config.records}; skipped: {', '.join(summary['skipped']) or 'none'}"
+    )
+    return 0
+
+
+_register("measure", _add_measure, _run_measure)
+# <<< section: measure
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,3 +15,4 @@ NOTEBOOK_DIR = REPO_ROOT / "notebooks"  # the study notebooks, committed without
 FIGURES_DIR = REPO_ROOT / "figures"  # the committed figures and MANIFEST.json
 BUILD_DIR = Path("build")  # generated files, relative to the working directory
 CHECKPOINTS_DIR = BUILD_DIR / "checkpoints"  # generated checkpoints (the embedded default)
+RUNS_DIR = REPO_ROOT / "runs"  # run directories of `anelab run` / `anelab batch` (git-ignored)

@@ -1,4 +1,4 @@
-"""The runtime interface: fd-level stderr capture, compute-units names, off-Mac refusals, doctor."""
+"""The runtime interface: fd-level capture of fd 1 and fd 2, compute-units names, off-Mac refusals, doctor."""
 
 from __future__ import annotations
 
@@ -18,22 +18,22 @@ import pytest
 
 from anelab.cli import build_parser, main
 from anelab.errors import AnelabInputError
-from anelab.runtime.doctor import STUDIES, diagnose
+from anelab.runtime.doctor import STUDIES, diagnose, format_report
 from anelab.runtime.fake import FakeRuntime
-from anelab.runtime.interface import COMPUTE_UNITS, RuntimeUnavailableError, capture_native_stderr, check_compute_units
+from anelab.runtime.interface import COMPUTE_UNITS, RuntimeUnavailableError, capture_native_output, check_compute_units
 from anelab.runtime.mac import MacRuntime, default_runtime
 
 ALL_UNITS = ["all", "cpu_and_gpu", "cpu_and_ne", "cpu_only"]
 STUDY_NAMES = ["dense_offload", "mask_fold", "gather_sizing", "setup_cost", "tiled_stateful"]
 
 
-# ---- native stderr capture -------------------------------------------------------------------------
+# ---- native output capture -------------------------------------------------------------------------
 
 
 def test_capture_sees_a_raw_fd2_write_that_sys_stderr_redirection_misses():
     sys_level = io.StringIO()
     with contextlib.redirect_stderr(sys_level):  # negative control: Python-level redirection
-        with capture_native_stderr() as captured:
+        with capture_native_output() as captured:
             os.write(2, b"E5RT: MILCompilerForANE error: raw fd write\n")
     assert "MILCompilerForANE error" in captured.text
     assert sys_level.getvalue() == ""  # sys.stderr never saw it: only fd-level capture does
@@ -42,7 +42,7 @@ def test_capture_sees_a_raw_fd2_write_that_sys_stderr_redirection_misses():
 def test_capture_sees_libc_and_child_process_writes():
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     message = b"ANECCompile() FAILED from libc\n"
-    with capture_native_stderr() as captured:
+    with capture_native_output() as captured:
         libc.write(2, message, len(message))
         subprocess.run([sys.executable, "-c", "import os; os.write(2, b'child says ANECF error\\n')"], check=True)
     assert "ANECCompile() FAILED from libc" in captured.text
@@ -51,22 +51,42 @@ def test_capture_sees_libc_and_child_process_writes():
 
 def test_capture_takes_only_the_block_and_restores_fd2(capfd):
     os.write(2, b"before\n")
-    with capture_native_stderr() as captured:
+    with capture_native_output() as captured:
         os.write(2, b"during\n")
     os.write(2, b"after\n")
-    assert captured.text == "during\n"
+    assert captured.stderr == "during\n"
     err = capfd.readouterr().err
     assert "before" in err and "after" in err and "during" not in err
 
 
 def test_capture_restores_fd2_when_the_block_raises(capfd):
     with pytest.raises(ValueError):
-        with capture_native_stderr() as captured:
+        with capture_native_output() as captured:
             os.write(2, b"inside\n")
             raise ValueError("boom")
     os.write(2, b"restored\n")
-    assert captured.text == "inside\n"
+    assert captured.stderr == "inside\n"
     assert "restored" in capfd.readouterr().err
+
+
+def test_capture_sees_fd1_too_and_keeps_the_streams_apart(capfd):
+    """Defect 6: at 6b7ba86 only fd 2 was captured; Core ML's ANE compiler also reports on stdout."""
+    with capture_native_output() as captured:
+        os.write(1, b"MILCompilerForANE error on stdout\n")
+        os.write(2, b"ANECF error on stderr\n")
+    assert captured.stdout == "MILCompilerForANE error on stdout\n"
+    assert captured.stderr == "ANECF error on stderr\n"
+    assert "MILCompilerForANE" not in capfd.readouterr().out  # taken, not passed through
+
+
+def test_capture_flushes_c_stdio_buffers_before_restoring(capfd):
+    """A C library's printf to a redirected stdout sits in stdio's buffer: without libc fflush before
+    the fds are restored, the text would land after the capture (in capfd here), not in it."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    with capture_native_output() as captured:
+        libc.printf(b"E5RT: MILCompilerForANE error via printf, no newline")
+    assert "via printf" in captured.stdout
+    assert "via printf" not in capfd.readouterr().out
 
 
 # ---- compute units ---------------------------------------------------------------------------------
@@ -170,10 +190,24 @@ def test_doctor_json_off_mac_says_what_runs_and_what_is_replayed(capsys):
 
 def test_doctor_with_an_available_runtime_runs_every_study_fresh():
     report = diagnose(FakeRuntime())
-    assert report["runtime"] == {"name": "fake", "available": True, "reason": ""}
+    assert report["runtime"] == {
+        "name": "fake",
+        "available": True,
+        "reason": "",
+        "neural_engine": True,
+        "neural_engine_reason": "",
+    }
     for name, study in report["studies"].items():
         assert study["mode"] == "fresh" and study["replayed_here"] == []
         assert study["runs_here"] == [STUDIES[name][1], STUDIES[name][2]]
+
+
+def test_doctor_names_a_missing_neural_engine():
+    """Defect 8: at 6b7ba86 an Intel Mac on macOS 15 passed the doctor; nothing asked for an ANE."""
+    report = diagnose(FakeRuntime(machine="x86_64"))
+    assert report["runtime"]["available"] is True and report["runtime"]["neural_engine"] is False
+    assert "not Apple silicon (arm64)" in report["runtime"]["neural_engine_reason"]
+    assert "Neural Engine:   unavailable — no Neural Engine" in format_report(report)
 
 
 def test_doctor_text_report(capsys):
@@ -206,12 +240,14 @@ def _runbook_commands() -> list[list[str]]:
 def test_every_runbook_command_parses_with_the_real_cli():
     commands = _runbook_commands()
     used = {argv[0] for argv in commands}
-    assert {"doctor", "export", "inspect", "verify", "evaluate"} <= used
+    assert {"doctor", "measure", "verify", "export", "inspect"} <= used
     parser = build_parser()
     for argv in commands:
         parser.parse_args(argv)  # raises AnelabInputError on an unknown command or flag
     export = next(a for a in commands if a[0] == "export")
-    assert parser.parse_args(export).histories == [0, 4096, 8192]
+    assert parser.parse_args(export).histories == [0, 64, 128]
+    on_device = [parser.parse_args(a).compute_units for a in commands if a[0] == "verify"]
+    assert "cpu_and_ne" in on_device and "cpu_and_gpu" in on_device
 
 
 def test_a_wrong_flag_in_the_runbook_would_be_caught():
@@ -222,49 +258,30 @@ def test_a_wrong_flag_in_the_runbook_would_be_caught():
         )
 
 
-def test_runbook_timing_script_runs_and_writes_records(tiny_checkpoint, tmp_path, monkeypatch):
-
-    from anelab.hf.checkpoint import load_checkpoint
-    from anelab.records import read_records
-    from anelab.runtime import mac as mac_runtime
-    from anelab.sidecar.export import export_layer
-
-    # the script's package, made small: layer 3 of the tiny hybrid checkpoint, chunk 4
-    export_layer(load_checkpoint(tiny_checkpoint("qwen3_next")), 3, 4, [0, 4], tmp_path / "sidecars")
-    monkeypatch.chdir(tmp_path)
-    fake = FakeRuntime()
-    monkeypatch.setattr(mac_runtime, "default_runtime", lambda: fake)
-    timing_script = _fenced_blocks("python")[0]
-    exec(compile(timing_script, str(RUNBOOK), "exec"), {"__name__": "runbook"})
-    kinds = sorted(r["kind"] for r in read_records(tmp_path / "records" / "mac"))
-    assert kinds == ["load_timing"] * 4 + ["predict_timing"]  # h0, h4 x cold, warm; predict of h0
+def _undefined_variables(blocks: list[str]) -> list[str]:
+    """Shell variables used before any line of the runbook assigns them."""
+    defined, missing = set(), []
+    for block in blocks:
+        for line in block.splitlines():
+            for name in re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", line):
+                if name not in defined:
+                    missing.append(name)
+            defined |= set(re.findall(r"^([A-Za-z_][A-Za-z0-9_]*)=", line))
+    return missing
 
 
-def test_runbook_composition_script_calls_the_real_signatures(monkeypatch):
-    import inspect
-
-    from anelab.hf import checkpoint
-    from anelab.runtime import mac as mac_runtime
-    from anelab.runtime import timing
-    from anelab.sidecar import export
-
-    seen = {}
-
-    def stub(module, name):
-        real = getattr(module, name)
-
-        def call(*args, **kwargs):
-            inspect.signature(real).bind(*args, **kwargs)  # TypeError if the runbook's call is wrong
-            seen[name] = (args, kwargs)
-
-        monkeypatch.setattr(module, name, call)
-
-    stub(checkpoint, "load_checkpoint")
-    stub(export, "export_layer")
-    stub(timing, "time_compositions")
-
-    monkeypatch.setattr(mac_runtime, "default_runtime", lambda: FakeRuntime())
-    script = _fenced_blocks("python")[1]
-    exec(compile(script, str(RUNBOOK), "exec"), {"CKPT_DIR": "/tmp/ckpt", "UNLOADABLE_HISTORY": 12288})
-    assert set(seen) == {"load_checkpoint", "export_layer", "time_compositions"}
-    assert seen["export_layer"][1] == {"gate": None}
+def test_the_runbook_is_copy_pasteable():
+    """Issue 11, defect 10: the runbook used CKPT_DIR and UNLOADABLE_HISTORY without defining them and
+    asked the user to paste Python scripts."""
+    assert _fenced_blocks("python") == []
+    assert _undefined_variables(_fenced_blocks("sh")) == []
+    assert _undefined_variables(["X=1\necho $X $Y"]) == ["Y"]  # control: an undefined one is caught
+    makefile = (RUNBOOK.parents[1] / "Makefile").read_text()
+    for block in _fenced_blocks("sh"):
+        for line in block.splitlines():
+            if line.startswith("make "):
+                target = line.split()[1]
+                assert re.search(rf"^{target}:", makefile, flags=re.M), f"make {target} is not a Makefile target"
+    text = RUNBOOK.read_text()
+    for step in ("make install", "anelab doctor", "make measure", "make reproduce"):
+        assert step in text

@@ -173,3 +173,92 @@ def test_bad_input_is_refused(tmp_path):
     with pytest.raises(AnelabInputError, match="not valid JSON"):
         figures.read_manifest(tmp_path)
     plt.close(fig)
+
+
+# ---- captions and alt text (one table: anelab/studies/captions.toml) ---------------------------------
+
+KIND_WORDS = {"measured here": "measured here", "recorded elsewhere": "recorded elsewhere", "predicted": "predicted"}
+
+
+def _caption_problems(name: str, entry: dict) -> list[str]:
+    problems = []
+    if not entry.get("caption"):
+        problems.append(f"{name}: no caption")
+    if not entry.get("alt"):
+        problems.append(f"{name}: no alt text")
+    kinds = entry.get("provenance_kinds") or []
+    if not kinds or set(kinds) - set(figures.PROVENANCE_KINDS):
+        problems.append(f"{name}: provenance kinds {kinds}")
+    for kind in kinds:
+        if KIND_WORDS[kind] not in entry.get("caption", "").lower():
+            problems.append(f"{name}: caption does not say '{kind}'")
+    return problems
+
+
+def test_every_committed_figure_has_a_caption_alt_text_and_provenance_kind():
+    from anelab.paths import FIGURES_DIR
+
+    manifest = figures.read_manifest(FIGURES_DIR)
+    assert manifest["figures"]
+    problems = [p for name, entry in manifest["figures"].items() for p in _caption_problems(name, entry)]
+    assert problems == []
+    # and the manifest carries what the table says (annotate_manifest / save_figure copy it)
+    for name, entry in manifest["figures"].items():
+        assert {k: entry[k] for k in ("caption", "alt", "provenance_kinds")} == figures.caption_for(name)
+
+
+def test_caption_check_catches_a_bare_entry():
+    """Negative control for the check above."""
+    assert len(_caption_problems("x", {"files": {}})) == 3
+    entry = {**figures.caption_for("gather_sizing"), "provenance_kinds": ["measured here"]}
+    assert _caption_problems("gather_sizing", entry) == ["gather_sizing: caption does not say 'measured here'"]
+
+
+def test_every_figure_a_notebook_saves_has_a_caption():
+    import re
+
+    from anelab.studies.notebooks import discover_notebooks, read_notebook
+
+    names = set()
+    for path in discover_notebooks():
+        source = "".join("".join(c["source"]) for c in read_notebook(path)["cells"])
+        names |= set(re.findall(r'save_figure\(\s*fig,\s*"([a-z0-9_]+)"', source))
+    assert len(names) >= 25
+    assert sorted(n for n in names if not figures.caption_for(n)) == []
+    assert figures.caption_for("no_such_figure") == {}  # control: an undeclared name has none
+
+
+def test_save_figure_and_annotate_copy_the_caption(tmp_path):
+    fig = _figure()
+    entry = figures.save_figure(
+        fig,
+        "gather_sizing",
+        figures_dir=tmp_path,
+        notebook="03_gather_sizing.ipynb",
+        parameters={},
+        provenance_note="x",
+    )
+    assert entry["caption"].startswith("Bytes of the gathered keys") and entry["provenance_kinds"] == ["predicted"]
+    custom = figures.save_figure(
+        fig, "summary_x", figures_dir=tmp_path, notebook="n", parameters={}, provenance_note="x", caption="c", alt="a"
+    )
+    assert (custom["caption"], custom["alt"]) == ("c", "a")
+    manifest = json.loads((tmp_path / "MANIFEST.json").read_text())
+    del manifest["figures"]["gather_sizing"]["caption"]
+    (tmp_path / "MANIFEST.json").write_text(json.dumps(manifest))
+    annotated = figures.annotate_manifest(tmp_path)
+    assert annotated["figures"]["gather_sizing"]["caption"] == entry["caption"]
+    assert annotated["figures"]["summary_x"]["caption"] == "c"  # an undeclared figure keeps its own
+    plt.close(fig)
+
+
+def test_a_caption_table_entry_without_alt_text_is_refused(tmp_path, monkeypatch):
+    bad = tmp_path / "captions.toml"
+    bad.write_text('[a]\ncaption = "c"\nprovenance = ["predicted"]\n')
+    monkeypatch.setattr(figures, "CAPTIONS_FILE", bad)
+    figures.caption_table.cache_clear()
+    try:
+        with pytest.raises(AnelabInputError, match=r"\[a\]: needs caption, alt and provenance"):
+            figures.caption_table()
+    finally:
+        figures.caption_table.cache_clear()

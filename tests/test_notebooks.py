@@ -139,3 +139,126 @@ def test_run_parameters_keep_quick_runs_out_of_the_repository(tmp_path):
 
 def test_kernel_runs_this_interpreter():
     assert notebooks.kernel_name() in (notebooks.ANELAB_KERNEL, notebooks.FALLBACK_KERNEL)
+
+
+# ---- anelab run: study resolution, parameter checks, run directories ---------------------------------
+
+
+def _run_cli(argv, capsys) -> tuple[int, str, str]:
+    from anelab import cli
+
+    code = cli.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_a_study_resolves_by_number_stem_name_or_path():
+    mask_fold = paths.NOTEBOOK_DIR / "02_mask_fold.ipynb"
+    for spec in ("2", "02", "02_mask_fold", "02_mask_fold.ipynb", str(mask_fold)):
+        assert notebooks.resolve_notebook(spec) == mask_fold
+    with pytest.raises(AnelabInputError, match="unknown study '9'.*02_mask_fold"):
+        notebooks.resolve_notebook("9")
+
+
+def test_parameters_are_checked_against_the_parameters_cell():
+    nb = notebooks.resolve_notebook("02")
+    text = {"quick": "true", "seed": "3", "edge_fraction": "0.5", "compress_ratio": "8"}
+    assert notebooks.check_parameters(nb, text, from_text=True) == {
+        "quick": True,
+        "seed": 3,
+        "edge_fraction": 0.5,
+        "compress_ratio": 8,
+    }
+    assert notebooks.check_parameters(nb, {"edge_fraction": 1}) == {"edge_fraction": 1.0}  # int is a float
+    bad = {
+        "undeclared": ({"sede": "3"}, "has no parameter 'sede'; 02_mask_fold declares quick: bool"),
+        "int as text": ({"seed": "three"}, "parameter seed must be int"),
+        "bool as text": ({"quick": "maybe"}, "parameter quick must be bool"),
+        "run directory": ({"figures_dir": "x"}, "set by the run"),
+    }
+    for values, message in bad.values():
+        with pytest.raises(AnelabInputError, match=message):
+            notebooks.check_parameters(nb, values, from_text=True)
+    with pytest.raises(AnelabInputError, match="parameter seed must be int"):
+        notebooks.check_parameters(nb, {"seed": 1.5})  # typed values (grids) are checked too
+    with pytest.raises(AnelabInputError, match="parameter seed must be int"):
+        notebooks.check_parameters(nb, {"seed": True})
+
+
+def test_run_ids_are_stable_per_machine_and_differ_across_machines(monkeypatch):
+    a = notebooks.run_id("02_mask_fold.ipynb", {"seed": 1})
+    assert a == notebooks.run_id("02_mask_fold.ipynb", {"seed": 1})
+    assert a != notebooks.run_id("02_mask_fold.ipynb", {"seed": 2})
+    monkeypatch.setattr(notebooks.platform, "node", lambda: "another-mac")
+    other = notebooks.run_id("02_mask_fold.ipynb", {"seed": 1})
+    assert other != a and other.split("-")[0] == a.split("-")[0]
+
+
+def test_run_writes_a_run_directory_with_thread_limits(tmp_path, capsys):
+    nb = _tiny_notebook(
+        tmp_path / "tiny.ipynb",
+        "import os\nprint('threads', os.environ.get('OMP_NUM_THREADS'), 'n', n)",
+        parameters="quick: bool = False  # switch\nn: int = 1  # a number",
+    )
+    out_dir = tmp_path / "run"
+    code, out, err = _run_cli(["run", nb, "-p", "n", "3", "--threads", "1", "--out", out_dir], capsys)
+    assert code == 0, err
+    # this notebook writes no figures or records, so only the run's own files are there
+    assert sorted(p.name for p in out_dir.iterdir()) == ["parameters.json", "result.json", "tiny.html", "tiny.ipynb"]
+    assert json.loads((out_dir / "parameters.json").read_text()) == {"n": 3}
+    result = json.loads((out_dir / "result.json").read_text())
+    assert result["status"] == "ok" and result["threads"] == 1 and result["parameters"] == {"n": 3}
+    executed = nbformat.read(str(out_dir / "tiny.ipynb"), as_version=4)
+    printed = "".join(o.get("text", "") for c in executed.cells for o in c.get("outputs", []))
+    assert "threads 1 n 3" in printed
+    code, _, err = _run_cli(["run", nb, "-p", "n", "4", "--out", out_dir], capsys)
+    assert code == 2 and "already holds a finished run" in err  # never overwritten
+    assert json.loads((out_dir / "parameters.json").read_text()) == {"n": 3}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["run", "99"], "unknown study"),
+        (["run", "02", "-p", "sede", "1"], "has no parameter 'sede'"),
+        (["run", "02", "-p", "seed", "x"], "parameter seed must be int"),
+        (["run", "02", "-p", "seed", "1", "-p", "seed", "2"], "given twice"),
+    ],
+)
+def test_run_bad_input_exits_2_and_writes_nothing(argv, message, tmp_path, capsys):
+    out_dir = tmp_path / "run"
+    code, out, err = _run_cli([*argv, "--out", out_dir], capsys)
+    assert code == 2 and message in err and err.count("\n") == 1 and out == ""
+    assert not out_dir.exists()
+
+
+def test_publish_writes_figures_to_the_committed_folder_only_when_asked(tmp_path, monkeypatch):
+    nb = _tiny_notebook(
+        tmp_path / "fig.ipynb",
+        "from pathlib import Path\nPath(figures_dir).mkdir(parents=True, exist_ok=True)\n"
+        "(Path(figures_dir) / 'f.txt').write_text('figure')",
+        parameters='quick: bool = False  # switch\nfigures_dir: str = "figures"  # where figures go',
+    )
+    committed, repo = tmp_path / "committed_figures", tmp_path / "repo"
+    repo.mkdir()  # the kernel runs in the (patched) repository root
+    monkeypatch.setattr(notebooks, "FIGURES_DIR", committed)
+    monkeypatch.setattr(notebooks, "REPO_ROOT", repo)
+    plain = notebooks.run_study(nb, {}, out=tmp_path / "plain")
+    assert plain.ok and (tmp_path / "plain" / "figures" / "f.txt").is_file() and not committed.exists()
+    published = notebooks.run_study(nb, {}, out=tmp_path / "published", publish=True)
+    assert published.ok and (committed / "f.txt").is_file()
+    assert not (tmp_path / "published" / "figures").exists()
+    assert (repo / "build" / "html" / "fig.html").is_file()  # where make docs links the notebook
+
+
+def test_run_resume_skips_a_finished_run_and_reruns_a_failed_one(tmp_path, capsys):
+    nb = _tiny_notebook(
+        tmp_path / "flaky.ipynb", "assert n == 1", parameters="quick: bool = False  # s\nn: int = 0  # n"
+    )
+    out_dir = tmp_path / "run"
+    code, _, _ = _run_cli(["run", nb, "--out", out_dir], capsys)
+    assert code == 1 and notebooks.read_result(out_dir)["status"] == "failed"
+    code, _, _ = _run_cli(["run", nb, "-p", "n", "1", "--out", out_dir, "--resume"], capsys)
+    assert code == 0 and notebooks.read_result(out_dir)["status"] == "ok"  # the failed run ran again
+    code, out, _ = _run_cli(["run", nb, "-p", "n", "1", "--out", out_dir, "--resume"], capsys)
+    assert code == 0 and "skipped (--resume)" in out

@@ -204,3 +204,80 @@ def test_not_json_and_missing_files_are_refused_by_name(tmp_path):
         read_record(tmp_path)  # a directory
     with pytest.raises(AnelabInputError, match="must be a JSON object"):
         read_record(_write_raw(tmp_path, "list.json", [1, 2]))  # type: ignore[arg-type]
+
+
+# ---- listing and comparing records from several machines (anelab records list / compare) ------------
+
+from anelab import cli  # noqa: E402
+from anelab.paths import DATA_DIR  # noqa: E402
+from anelab.studies import records_compare as rc  # noqa: E402
+
+MAC_B = {**M3, "machine_model": "Mac16,1", "chip": "Apple M4", "os_version": "macOS 27.1", "date": "2026-11-01"}
+
+
+def _fold_record(provenance_: dict, fold_error: float) -> dict:
+    check = {"chunk": 64, "history": 64, "fold_error": fold_error, "causal_off": 0.079, "noise_ratio": 16.0}
+    return make_record(
+        "mask_fold",
+        {"checkpoint": "tiny", "compress_ratio": 4, "seed": 0},
+        {"widths": {"32": {"check": {**check, "chunk": 32, "history": 32, "fold_error": 1.0}}, "64": {"check": check}}},
+        provenance_override=provenance_,
+    )
+
+
+def _two_machines(tmp_path: Path) -> tuple[Path, Path]:
+    """The same file name written on two machines, as two copied-back run trees."""
+    a, b = tmp_path / "mac_a" / "records", tmp_path / "mac_b" / "records"
+    write_record(a, _fold_record(M3, 0.0047), name="mask_fold-20261130T120000Z-1.json")
+    write_record(b, _fold_record(MAC_B, 0.0094), name="mask_fold-20261130T120000Z-1.json")
+    return a, b
+
+
+def test_records_from_two_machines_merge_without_collisions(tmp_path):
+    a, b = _two_machines(tmp_path)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "again.json").write_text((a / "mask_fold-20261130T120000Z-1.json").read_text())
+    records = rc.gather_records([a, b, copy])
+    assert len(records) == 2  # same file name on both machines: both kept; the identical copy: once
+    assert {r["provenance"]["chip"] for r in records} == {"Apple M3", "Apple M4"}
+    assert [r["provenance"]["chip"] for r in rc.select(records, machine="m4")] == ["Apple M4"]
+    assert rc.select(records, kind="load_timing") == []
+    with pytest.raises(AnelabInputError, match="no such records directory"):
+        rc.gather_records([tmp_path / "absent"])
+
+
+def test_compare_puts_fresh_and_predicted_beside_the_recorded_values(tmp_path):
+    a, b = _two_machines(tmp_path)
+    rows = rc.compare(rc.gather_records([DATA_DIR, a, b]))
+    fold = [r for r in rows if r["quantity"] == "fold error: graph vs reference"]
+    assert sorted(r["fresh"] for r in fold) == pytest.approx([0.47, 0.94])  # percent of the widest chunk
+    m4 = next(r for r in fold if "M4" in r["fresh_provenance"])
+    assert m4["recorded"] == 0.47  # the seed's value (data/seed-qsa-fold-correctness.json)
+    assert m4["ratio"] == pytest.approx(2.0) and m4["difference"] == pytest.approx(0.47)
+    assert "recorded on Mac15,3 (M3)" in m4["recorded_provenance"] and "Mac16,1 (M4)" in m4["fresh_provenance"]
+    assert "chunk 64" in m4["workload"]
+    # gather sizing at the seed's geometry, by hand: 24 x 4096 x 2051 x 256 x 2 bytes and 24 x 4096 x 8192 x 2
+    sizing = {r["quantity"]: r for r in rows if r["fresh_provenance"].startswith("predicted: anelab.studies.gather")}
+    assert sizing["gathered keys at chunk 4,096, budget 2,051"]["fresh"] == pytest.approx(103.230210048)
+    assert sizing["dense score matrix at chunk 4,096"]["fresh"] == pytest.approx(1.610612736)
+    assert sizing["gathered keys at chunk 4,096, budget 2,051"]["recorded"] == 103
+    loads = [r for r in rows if r["quantity"] == "setup: cold load of variant h0"]
+    assert [r["fresh"] for r in loads][0] is None and "no fresh load_timing record" in loads[0]["fresh_provenance"]
+    assert loads[1]["recorded"] == 6.7 and loads[1]["fresh_provenance"].startswith("predicted: planner")
+    only_m4 = rc.compare(rc.gather_records([DATA_DIR, a, b]), machine="M4")
+    assert len([r for r in only_m4 if r["quantity"] == "fold error: graph vs reference"]) == 1
+    with pytest.raises(AnelabInputError, match="include data/"):
+        rc.compare(rc.gather_records([a, b]))  # without the seeds there is nothing to compare with
+
+
+def test_records_cli_list_and_compare(tmp_path, capsys):
+    a, b = _two_machines(tmp_path)
+    assert cli.main(["records", "list", "--dir", str(a), "--dir", str(b), "--machine", "M4"]) == 0
+    out = capsys.readouterr().out
+    assert "Mac16,1 (M4)" in out and "Mac15,3" not in out and "1 records" in out
+    assert cli.main(["records", "compare", "--dir", str(DATA_DIR), "--dir", str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "fold error: graph vs reference" in out and "measured on Mac16,1 (M4)" in out and "gathered keys" in out
+    assert cli.main(["records", "compare", "--kind", "mask_fold"]) == 2
+    assert "applies to list" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from anelab.errors import AnelabInputError
 from anelab.geometry import chunk_starts
 from anelab.hf.checkpoint import load_checkpoint
 from anelab.runtime.fake import FakeRuntime
-from anelab.runtime.interface import RuntimeUnavailableError
+from anelab.runtime.interface import RuntimePredictError, RuntimeUnavailableError, zero_inputs
 from anelab.runtime.open import open_sidecar
 from anelab.selection import Selection
 from anelab.sidecar.export import export_layer
@@ -235,9 +235,13 @@ def test_functions_load_lazily_once_each(packages):
     assert sidecar.function_for(8) == "h8" and runtime.loads == []
     first = sidecar.handle_for(8)
     assert sidecar.handle_for(8) is first
-    sidecar.predict(0, {})
+    out = sidecar.predict(0, zero_inputs(runtime.signature(pkg, "h0")))
+    assert set(out) == {"attn_out", "k_chunk", "v_chunk"}
     assert runtime.loads == [(str(pkg), "h8", "cpu_and_ne"), (str(pkg), "h0", "cpu_and_ne")]
     assert sidecar.loaded == ["h8", "h0"]
+    assert len(runtime.compiles) == 1  # both functions load from one compiled copy of the package
+    with pytest.raises(RuntimePredictError, match="Feature hidden is required"):  # the fake is not kinder
+        sidecar.predict(0, {})
 
 
 @pytest.mark.parametrize("start, match", [(12, "needs history 12"), (3, "not a multiple"), (-4, "not a multiple")])

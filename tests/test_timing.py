@@ -10,7 +10,7 @@ import pytest
 from anelab.errors import AnelabInputError
 from anelab.records import read_record, read_records
 from anelab.runtime.fake import FakeClock, FakeFunction, FakeRuntime
-from anelab.runtime.interface import RuntimeUnavailableError
+from anelab.runtime.interface import RuntimeLoadError, RuntimeUnavailableError
 from anelab.runtime.timing import COLD_LOAD_CAVEAT, TimingStats, measure, time_compositions, time_load, time_predict
 
 # the seed's Qwen 3.8 geometry: h0 loads in 6.7 s cold; h0 predicts in 0.43 s on the ANE, 0.65 s on the CPU
@@ -86,11 +86,13 @@ def test_cold_load_loads_a_fresh_copy_each_time(tmp_path):
         clock=runtime.clock,
         out_dir=tmp_path / "records",
     )
+    # each sample: the first load of a fresh compiled copy; neither the compile nor the release is timed
     assert record["results"]["samples_s"] == pytest.approx([6.7, 6.7, 6.7], rel=1e-12)
-    paths = {c[1] for c in runtime.calls if c[0] == "load"}
-    assert len(paths) == 4 and str(pkg) not in paths  # warm-up + 3 repeats, each from its own copy
-    assert all(not Path(p).exists() for p in paths)  # copies cleaned up
-    assert record["unknown"] == [COLD_LOAD_CAVEAT]
+    assert record["results"]["compile"]["samples_s"] == pytest.approx([4.0] * 4, rel=1e-12)  # warm-up too
+    assert runtime.compiles == [str(pkg)] * 4
+    copies = {c[1] for c in runtime.calls if c[0] == "compile"}
+    assert runtime.released == ["h0"] * 4  # every handle released (after its clock stopped)
+    assert record["unknown"] == [COLD_LOAD_CAVEAT] and len(copies) == 1
 
 
 def test_warm_load_reuses_the_path_after_the_warmup(tmp_path):
@@ -115,6 +117,7 @@ def test_load_record_is_written_and_reads_back(tmp_path):
         "function": "h0",
         "compute_units": "cpu_and_ne",
         "cold": True,
+        "meaning": "first load of a freshly compiled .mlmodelc",
         "warmup": 1,
         "repeats": 2,
         "runtime": "fake",
@@ -153,7 +156,7 @@ def test_compositions_time_the_same_function_from_each_package(tmp_path):
     for label, result in record["results"].items():
         assert result["package"] == f"{label}.mlpackage"
         assert result["median_s"] == pytest.approx(6.7, rel=1e-12)
-    assert {c[2] for c in runtime.calls} == {"h0"}
+    assert {c[2] for c in runtime.calls if c[0] == "load"} == {"h0"}
     assert [r["kind"] for r in read_records(tmp_path / "records")] == ["composition_load_timing"]
 
 
@@ -204,3 +207,80 @@ def test_predict_refuses_unknown_compute_units(tmp_path):
     with pytest.raises(AnelabInputError, match="cpu_and_gpu"):
         time_predict(runtime, _package(tmp_path), "h0", {}, ["gpu"])
     assert runtime.calls == []
+
+
+# ---- issue 11 defects 2, 3, 4 ----------------------------------------------------------------------------
+
+
+def test_measure_stops_the_clock_while_the_result_is_alive():
+    """Defect 3. At 6b7ba86 ``measure`` dropped the call's result before reading the end clock, so a
+    handle whose release takes 0.2 s timed every 0.25 s load as 0.45 s."""
+    clock = FakeClock()
+
+    class Handle:
+        def __del__(self):
+            clock.advance(0.2)  # the native destructor: unload, delete a temporary copy
+
+    def load():
+        clock.advance(0.25)
+        return Handle()
+
+    stats = measure(load, warmup=0, repeats=3, clock=clock)
+    assert stats.samples == pytest.approx((0.25, 0.25, 0.25), rel=1e-12)
+    assert clock() == pytest.approx(1000 + 3 * 0.45)  # control: the teardown did happen, untimed
+
+
+def test_warm_loads_are_loads_of_one_compiled_copy_not_recompiles(tmp_path):
+    """Defect 2. At 6b7ba86 a "warm" load was ``MLModel(<x>.mlpackage)`` again: a whole-package compile
+    into a fresh copy every time (never warm). Here the package is compiled once and the timed loads
+    read that copy: 0.25 s each, with the 4 s compile and 0.2 s teardown in no sample."""
+    runtime = FakeRuntime({"h0": H0})
+    pkg = _package(tmp_path)
+    record = time_load(runtime, pkg, "h0", "cpu_and_ne", cold=False, warmup=1, repeats=3, clock=runtime.clock)
+    assert record["results"]["samples_s"] == pytest.approx([0.25] * 3, rel=1e-12)
+    assert runtime.compiles == [str(pkg)]
+    # negative control: what loading the .mlpackage itself costs each time (compile + cold load)
+    start = runtime.clock()
+    handle = runtime.load_path(pkg, "h0", "cpu_and_ne")
+    assert runtime.clock() - start == pytest.approx(4.0 + 6.7)
+    del handle
+
+
+def test_a_failed_predict_is_recorded_and_the_run_goes_on(tmp_path):
+    """Defect 4. At 6b7ba86 ``time_predict`` caught load errors only: a predict that raised (Core ML's
+    RuntimeError, coremltools' KeyError) ended the whole run."""
+    runtime = FakeRuntime({"h0": FakeFunction(inputs={"hidden": (4, 8)}, predict_default_s=0.5)})
+    wrong = {"hidden": np.zeros((4, 9), np.float16)}
+    record = time_predict(runtime, _package(tmp_path), "h0", wrong, ["cpu_and_ne", "cpu_only"], clock=runtime.clock)
+    for unit in ("cpu_and_ne", "cpu_only"):
+        assert "not compatible with the model's feature description" in record["results"][unit]["error"]
+    right = {"hidden": np.zeros((4, 8), np.float16)}  # control: the same run with the declared shape
+    record = time_predict(runtime, _package(tmp_path, "b.mlpackage"), "h0", right, ["cpu_only"], clock=runtime.clock)
+    assert record["results"]["cpu_only"]["median_s"] == pytest.approx(0.5, rel=1e-12)
+
+
+def test_predict_timing_excludes_the_input_conversion_and_reports_it(tmp_path):
+    """Defect 10: the fp16 -> fp32 conversion happened inside the timed predict, in the caller's dict."""
+    runtime = FakeRuntime({"h0": FakeFunction(inputs={"hidden": (4, 8)}, convert_s=0.05, predict_default_s=0.5)})
+    given = {"hidden": np.zeros((4, 8), np.float16)}
+    record = time_predict(
+        runtime, _package(tmp_path), "h0", given, ["cpu_only"], warmup=0, repeats=2, clock=runtime.clock
+    )
+    result = record["results"]["cpu_only"]
+    assert result["samples_s"] == pytest.approx([0.5, 0.5], rel=1e-12)  # not 0.55 for the first call
+    assert "input_conversion_s" in result and given["hidden"].dtype == np.float16
+
+
+def test_a_cold_load_in_a_fresh_process(tmp_path):
+    """Cold as the issue defines it: the first load of a freshly compiled copy in a fresh process. The
+    copy is compiled here (untimed); each load runs in a child rebuilt from ``child_spec()``."""
+    runtime = FakeRuntime({"h0": H0})
+    pkg = _package(tmp_path)
+    record = time_load(runtime, pkg, "h0", "cpu_and_ne", cold=True, warmup=1, repeats=2, clock=runtime.clock,
+                       fresh_process=True)  # fmt: skip
+    assert record["results"]["samples_s"] == pytest.approx([6.7, 6.7], rel=1e-12)
+    assert record["parameters"]["meaning"] == "first load of a freshly compiled .mlmodelc, in a fresh process"
+    assert runtime.compiles == [str(pkg)] * 3 and [c for c in runtime.calls if c[0] == "load"] == []
+    broken = FakeRuntime({"h0": FakeFunction(load_error="no such function")})  # control: a failing child is named
+    with pytest.raises(RuntimeLoadError, match="fresh process failed"):
+        time_load(broken, pkg, "h0", "cpu_and_ne", cold=True, repeats=1, clock=broken.clock, fresh_process=True)

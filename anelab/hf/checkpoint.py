@@ -77,6 +77,22 @@ class Checkpoint:
             raise AnelabInputError(f"{INDEX_FILE} maps tensor {name} to {path.name}, which does not contain it")
         return self._files[path], entry
 
+    def has_tensor(self, name: str) -> bool:
+        """Whether the checkpoint maps a tensor of this full name."""
+        return name in self.weight_map
+
+    def read_tensor(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """The tensor ``name`` as float32, read lazily; refuses a missing one or a shape other than ``shape``."""
+        found = self._entry(name)
+        if found is None:
+            raise AnelabInputError(f"tensor {name} is missing from the checkpoint at {self.path}")
+        file, entry = found
+        if entry.shape != tuple(shape):
+            raise AnelabInputError(
+                f"tensor {name} has shape {list(entry.shape)}, expected {list(shape)} from config.json"
+            )
+        return file.read(name).astype(np.float32)
+
     def _check_layer(self, index: int) -> None:
         g = self.geometry
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
@@ -113,16 +129,7 @@ class Checkpoint:
                 )
         values: dict[str, np.ndarray] = {}
         for param, shape in expected.items():
-            name = self.tensor_name(index, param)
-            found = self._entry(name)
-            if found is None:
-                raise AnelabInputError(f"tensor {name} is missing from the checkpoint at {self.path}")
-            file, entry = found
-            if entry.shape != shape:
-                raise AnelabInputError(
-                    f"tensor {name} has shape {list(entry.shape)}, expected {list(shape)} from config.json"
-                )
-            values[param] = file.read(name).astype(np.float32)
+            values[param] = self.read_tensor(self.tensor_name(index, param), shape)
         for norm in ("q_norm.weight", "k_norm.weight"):
             if norm in values and self.family.zero_centred_norm:
                 # Zero-centred RMSNorm stores w and multiplies by (1 + w) (Qwen3NextRMSNorm).
@@ -299,6 +306,8 @@ def write_checkpoint(
     dtype: str = "F32",
     shards: int = 1,
     model_type: str | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    extra_config: dict | None = None,
 ) -> Path:
     """Write a Hugging Face-style checkpoint holding the full-attention layers' weights.
 
@@ -307,6 +316,10 @@ def write_checkpoint(
     MLPs or linear-attention layers). ``shards > 1`` splits the tensors over
     ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``. The directory is
     built under a temporary name and renamed into place; an existing directory is refused.
+
+    ``extra_tensors`` (full tensor name -> array) are written beside the attention tensors (the
+    whole-model writer ``anelab.hf.model.write_model_checkpoint`` passes embeddings, norms, MLPs and
+    the LM head this way); ``extra_config`` keys are added to config.json's text part.
     """
     directory = Path(directory)
     if dtype not in STORAGE_DTYPES:
@@ -335,9 +348,15 @@ def write_checkpoint(
         if weights[layer].layer != layer:
             raise AnelabInputError(f"weights[{layer}] holds layer {weights[layer].layer}; key it by its own layer")
         tensors.update(_layer_tensors(geometry, weights[layer], prefix, family.zero_centred_norm))
+    clash = sorted(set(tensors) & set(extra_tensors or {}))
+    if clash:
+        raise AnelabInputError(f"extra tensor {clash[0]} is an attention tensor; pass attention weights in weights")
+    tensors.update(extra_tensors or {})
     if not isinstance(shards, int) or not 1 <= shards <= len(tensors):
         raise AnelabInputError(f"shards must be between 1 and the tensor count {len(tensors)}, got {shards}")
     config = config_for_geometry(geometry, model_type, family, dtype)
+    if extra_config:
+        (config["text_config"] if family.nested_text_config else config).update(extra_config)
 
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp-"))

@@ -40,12 +40,54 @@ def make_default_checkpoint(directory: str | os.PathLike, seed: int = 0) -> Path
 
 def default_checkpoint_dir(root: str | os.PathLike = CHECKPOINTS_DIR) -> Path:
     """``root/anelab-tiny-hybrid``, generated on first use (a relative root is relative to the cwd)."""
-    directory = Path(root) / DEFAULT_CHECKPOINT
+    return _generated(Path(root) / DEFAULT_CHECKPOINT, make_default_checkpoint)
+
+
+# ---- the dense sibling: a whole model (embeddings, norms, MLPs, LM head) for whole-model arms ----------------
+DENSE_CHECKPOINT = "anelab-tiny-dense"
+DENSE_VOCAB = 512
+DENSE_INTERMEDIATE = 256
+
+
+def dense_geometry() -> AttentionGeometry:
+    """The dense sibling: a small Qwen3 (per-head q/k norm, full RoPE), every one of its 4 layers full attention."""
+    return AttentionGeometry(
+        variant="qwen3",
+        hidden_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        num_layers=4,
+        full_attention_layers=(0, 1, 2, 3),
+    )
+
+
+def make_dense_checkpoint(directory: str | os.PathLike, seed: int = 0) -> Path:
+    """Write the dense sibling (model_type qwen3, BF16, untied LM head); same bytes for a seed."""
+    from anelab.decoder import random_head_weights, random_layer_weights
+    from anelab.hf.model import write_model_checkpoint
+
+    g = dense_geometry()
+    attention = {layer: random_attention_weights(g, layer, seed) for layer in g.full_attention_layers}
+    layers = {i: random_layer_weights(i, g.hidden_size, DENSE_INTERMEDIATE, seed) for i in range(g.num_layers)}
+    head = random_head_weights(DENSE_VOCAB, g.hidden_size, seed, tied=False)
+    return write_model_checkpoint(directory, g, attention, layers, head, model_type="qwen3", dtype="BF16")
+
+
+def _generated(directory: Path, make) -> Path:
+    """``directory``, written by ``make(directory)`` unless it already holds a config.json."""
     if (directory / CONFIG_FILE).is_file():
         return directory
     try:
-        return make_default_checkpoint(directory)
+        return make(directory)
     except (AnelabInputError, OSError):
         if (directory / CONFIG_FILE).is_file():  # another process generated it meanwhile
             return directory
         raise
+
+
+def dense_checkpoint_dir(root: str | os.PathLike = CHECKPOINTS_DIR) -> Path:
+    """``root/anelab-tiny-dense``, generated on first use (the whole-model arms' default checkpoint)."""
+    return _generated(Path(root) / DENSE_CHECKPOINT, make_dense_checkpoint)

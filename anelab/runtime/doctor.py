@@ -73,8 +73,15 @@ def diagnose(runtime: CoreMLRuntime | None = None) -> dict:
             "runs_here": [anywhere, needs_runtime] if available else [anywhere],  # measured fresh here
             "replayed_here": [] if available else [needs_runtime],
         }
+    engine = runtime.neural_engine_reason() if available else runtime.unavailable_reason()
     return {
-        "runtime": {"name": runtime.name, "available": available, "reason": runtime.unavailable_reason()},
+        "runtime": {
+            "name": runtime.name,
+            "available": available,
+            "reason": runtime.unavailable_reason(),
+            "neural_engine": engine == "",
+            "neural_engine_reason": engine,
+        },
         "machine": machine_description(),
         "python": platform.python_version(),
         "python_executable": sys.executable,
@@ -89,6 +96,8 @@ def format_report(report: dict) -> str:
     lines = [
         f"Core ML runtime: {'available' if rt['available'] else 'unavailable'}"
         + ("" if rt["available"] else f" — {rt['reason']}"),
+        f"Neural Engine:   {'available' if rt['neural_engine'] else 'unavailable'}"
+        + ("" if rt["neural_engine"] else f" — {rt['neural_engine_reason']}"),
         f"machine:         {m['machine_model']}, chip {m['chip']}, {m['os_version']}",
         f"python:          {report['python']} ({report['python_executable']})",
         f"versions:        anelab {v['anelab']}, coremltools {v['coremltools']}, numpy {v['numpy']}",

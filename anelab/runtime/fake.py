@@ -1,23 +1,51 @@
-"""A scripted ``CoreMLRuntime`` for tests: per-function stderr, load failures, assignments and timings.
+"""A ``CoreMLRuntime`` for tests that behaves like Core ML through coremltools 9.0 — never kinder.
+
+What it mirrors (see /work/notes/coreml-9.0-behaviour.md for the coremltools 9.0 sources):
+
+- loading an ``.mlpackage`` compiles it afresh on EVERY load (``compile_s`` on the clock) into a
+  temporary ``<stem>_<uuid>.mlmodelc`` that is deleted when the handle dies; a ``.mlmodelc`` loads
+  as it is. The device-specialisation cache is keyed by the compiled path: the first load of a
+  compiled path is cold (``cold_load_s``), later loads of the same path are warm (``warm_load_s``);
+- releasing a handle costs ``teardown_s`` (the native destructor unloads the model and deletes a
+  temporary copy);
+- ``predict`` fails like Core ML: an extra input name, a missing one, a wrong shape, a stateful
+  function called without a state, each a ``RuntimePredictError``; fp16 arrays are cast to fp32
+  in the CALLER's dict (``convert_s`` on the clock), as coremltools does;
+- ANE compiler messages arrive where Core ML puts them: on fd 1, on fd 2, only at process exit
+  (``atexit``), or only in the unified log (a per-process file read by ``read_unified_log``);
+- the compute plan needs a compiled ``.mlmodelc``: an ``.mlpackage`` aborts the process (SIGABRT,
+  apple/coremltools#2757); a scripted ``predict_signal`` kills the process at predict (#2758).
+  In-process (tests) a crash raises ``FakeCrash`` (a ``BaseException``, as uncatchable by
+  ``except Exception`` as a signal); in a child process (``real_crashes=True``) it is a real signal.
 
 Functions are identified by name: ``load(pkg, "h4096", ...)`` is function ``h4096``; a
 single-function package loaded with ``function=None`` is identified by its file stem (the exporter
-writes each variant as ``h<H>.mlpackage`` before the merge). Behaviour is configured per function
-with ``FakeFunction``; functions not configured get ``default``.
-
-Stderr text is written to the real file descriptor 2 (``os.write(2, ...)``), so a caller's
-fd-level capture is exercised exactly as native Core ML output would be. Time comes from a
-``FakeClock`` that only moves when the fake "works" (load: cold on the first load of a
-(package, function), warm after; predict: per compute-units setting), so timings are exact.
+writes each variant as ``h<H>.mlpackage`` before the merge). Time comes from a ``FakeClock`` that
+only moves when the fake "works", so timings are exact.
 """
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
-from dataclasses import dataclass, field
+import shutil
+import signal
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from anelab.runtime.interface import ASSIGNMENT_KEYS, CoreMLRuntime, RuntimeLoadError, check_compute_units
+import numpy as np
+
+from anelab.runtime.interface import (
+    ASSIGNMENT_KEYS,
+    CoreMLRuntime,
+    RuntimeLoadError,
+    RuntimePredictError,
+    check_compute_units,
+)
 
 
 class FakeClock:
@@ -35,40 +63,113 @@ class FakeClock:
         self.now += float(seconds)
 
 
+class FakeCrash(BaseException):  # noqa: N818 - it stands for a signal, not an error
+    """What would have been a fatal signal in a real process (in-process fake only)."""
+
+    def __init__(self, signal_name: str, where: str):
+        super().__init__(f"{signal_name} in {where}")
+        self.signal_name = signal_name
+
+
 @dataclass
 class FakeFunction:
     """Scripted behaviour of one function.
 
-    load_stderr:   text written to fd 2 during ``load`` (e.g. an ANE refusal marker), the load still returning.
-    plan_stderr:   text written to fd 2 during ``compute_plan_assignment``.
-    plan_error:    when set, ``compute_plan_assignment`` raises ``RuntimeError`` with this text.
-    load_error:    when set, ``load`` raises ``RuntimeLoadError`` with this text.
-    unloadable_units: compute-units settings under which ``load`` raises (e.g. {"cpu_and_ne"}).
-    assignment:    operations per preferred device: neural_engine, gpu, cpu (and optionally unreported);
-                   total is derived. ``None`` means the plan reports nothing (a non-default function).
-    cold_load_s / warm_load_s: seconds the clock advances on the first / a later load.
+    load_stdout / load_stderr: text written to fd 1 / fd 2 during a load (the load still returns).
+    exit_stderr:   text written to fd 2 only when the process exits (after a load).
+    log_text:      text that reaches only the unified log (during a load).
+    predict_stderr: text written to fd 2 during a predict.
+    plan_stderr / plan_error: fd-2 text while the compute plan is built / a RuntimeError instead of a plan.
+    load_error / unloadable_units: the load raises (always / under these compute units).
+    predict_error: every predict raises ``RuntimePredictError`` with this text.
+    predict_signal: e.g. "SIGKILL": the process dies at the first predict (no exception).
+    assignment:    operations per preferred device (neural_engine, gpu, cpu[, unreported]); total derived.
+    inputs / states / output_shapes: name -> shape; ``None``: read from the package's spec when it has one.
+    cold_load_s / warm_load_s / teardown_s / convert_s: seconds on the clock.
     predict_s:     seconds per predict, by compute-units setting (missing setting: ``predict_default_s``).
-    outputs:       what ``predict`` returns (a copy).
+    outputs:       what ``predict`` returns (a copy); empty: zeros of the output shapes.
     """
 
+    load_stdout: str = ""
     load_stderr: str = ""
+    exit_stderr: str = ""
+    log_text: str = ""
+    predict_stderr: str = ""
     plan_stderr: str = ""
     plan_error: str | None = None
     load_error: str | None = None
     unloadable_units: frozenset[str] = frozenset()
+    predict_error: str | None = None
+    predict_signal: str | None = None
     assignment: dict[str, int] | None = field(default_factory=lambda: {"neural_engine": 64, "gpu": 0, "cpu": 109})
+    inputs: dict[str, tuple] | None = None
+    states: dict[str, tuple] | None = None
+    output_shapes: dict[str, tuple] | None = None
     cold_load_s: float = 6.0
     warm_load_s: float = 1.0
+    teardown_s: float = 0.2
+    convert_s: float = 0.05
     predict_s: dict[str, float] = field(default_factory=dict)
     predict_default_s: float = 0.5
     outputs: dict = field(default_factory=dict)
 
+    def to_args(self) -> dict:
+        """JSON-able fields (for a child process); ``outputs`` are not carried."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "outputs"}
+        d["unloadable_units"] = sorted(self.unloadable_units)
+        return d
+
+    @classmethod
+    def from_args(cls, d: dict) -> FakeFunction:
+        d = dict(d)
+        d["unloadable_units"] = frozenset(d.get("unloadable_units", ()))
+        return cls(**d)
+
+
+class _CallList(list):
+    """``calls``: a list that also appends each call to a file (in a child process, for the parent)."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
+
+    def append(self, item):
+        super().append(item)
+        if self.path:
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(json.dumps(list(item)) + "\n")
+
+
+class FakeHandle:
+    """A loaded function; releasing it costs ``teardown_s`` and deletes a temporary compiled copy."""
+
+    def __init__(self, runtime: FakeRuntime, package: str, compiled: Path, name: str, units: str, temporary: bool):
+        self.runtime, self.package, self.compiled = runtime, package, compiled
+        self.function, self.compute_units, self.temporary = name, units, temporary
+
+    def __getitem__(self, key):  # older callers read handle["function"]
+        return {"package": self.package, "function": self.function, "compute_units": self.compute_units}[key]
+
+    def __del__(self):
+        try:
+            self.runtime.clock.advance(self.runtime.script(self.function).teardown_s)
+            self.runtime.released.append(self.function)
+            if self.temporary:
+                shutil.rmtree(self.compiled, ignore_errors=True)
+        except Exception:  # interpreter shutdown
+            pass
+
+
+class FakeState(dict):
+    """A fresh ``MLState``: state name -> zeros."""
+
 
 class FakeRuntime(CoreMLRuntime):
-    """``CoreMLRuntime`` driven by a script; records every call in ``calls`` and every load in ``loads``."""
+    """``CoreMLRuntime`` driven by a script; records ``calls``, ``loads``, ``compiles`` and ``released``."""
 
     name = "fake"
-    load_description = "scripted fake load (FakeClock seconds)"
+    load_description = "scripted fake of coremltools 9.0 (FakeClock seconds)"
 
     def __init__(
         self,
@@ -78,65 +179,285 @@ class FakeRuntime(CoreMLRuntime):
         available: bool = True,
         reason: str = "fake runtime switched off",
         clock: FakeClock | None = None,
+        machine: str = "arm64",
+        neural_engine: bool = True,
+        compile_s: float = 4.0,
+        cache_dir: str | os.PathLike | None = None,
+        log_dir: str | os.PathLike | None = None,
+        real_crashes: bool = False,
+        calls_file: str | os.PathLike | None = None,
+        numerics: bool = False,
     ):
         self.functions = dict(functions or {})
         self.default = default if default is not None else FakeFunction()
         self._available = available
         self._reason = reason
         self.clock = clock if clock is not None else FakeClock()
-        self.calls: list[tuple] = []
+        self.machine, self.neural_engine, self.compile_s = machine, neural_engine, float(compile_s)
+        own = Path(tempfile.gettempdir()) / f"anelab-fake-{uuid.uuid4().hex}"  # created when first written
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else own / "compiled"
+        self.log_dir = Path(log_dir) if log_dir is not None else own / "log"
+        self.real_crashes = real_crashes
+        self.numerics = numerics  # predict computes the saved program (NumPy), outputs fp32 as Core ML returns them
+        self._saved: dict = {}
+        self.calls: list[tuple] = _CallList(calls_file)
         self.loads: list[tuple[str, str, str]] = []  # (package path, function, compute units)
-        self._loaded_before: set[tuple[str, str]] = set()
+        self.compiles: list[str] = []  # package paths compiled (cache or per .mlpackage load)
+        self.released: list[str] = []  # functions whose handle was released
+        self._specialised: set[tuple[str, str, str]] = set()  # (compiled path, function, units) loaded before
+        self._sources: dict[str, str] = {}  # compiled path -> package path
 
+    @classmethod
+    def from_args(cls, functions: dict, default: dict, **kwargs) -> FakeRuntime:
+        """Rebuild from ``child_spec()`` args (in a child process)."""
+        return cls(
+            {k: FakeFunction.from_args(v) for k, v in functions.items()},
+            default=FakeFunction.from_args(default),
+            **kwargs,
+        )
+
+    def child_spec(self) -> dict:
+        return {
+            "factory": "anelab.runtime.fake:FakeRuntime.from_args",
+            "args": {
+                "functions": {k: v.to_args() for k, v in self.functions.items()},
+                "default": self.default.to_args(),
+                "available": self._available,
+                "reason": self._reason,
+                "machine": self.machine,
+                "neural_engine": self.neural_engine,
+                "compile_s": self.compile_s,
+                "cache_dir": str(self.cache_dir),
+                "log_dir": str(self.log_dir),
+                "real_crashes": True,
+                "calls_file": str(self.log_dir / "child-calls.jsonl"),
+                "numerics": self.numerics,
+            },
+        }
+
+    def child_calls(self) -> list[tuple]:
+        """The calls child processes made (e.g. the gate's), in order."""
+        path = self.log_dir / "child-calls.jsonl"
+        return [tuple(json.loads(line)) for line in path.read_text().splitlines()] if path.is_file() else []
+
+    # availability ---------------------------------------------------------------------------------
     def available(self) -> bool:
         return self._available
 
     def unavailable_reason(self) -> str:
         return "" if self._available else self._reason
 
+    def neural_engine_reason(self) -> str:
+        if not self._available:
+            return self._reason
+        if self.machine != "arm64":
+            return f"no Neural Engine: this Mac is {self.machine}, not Apple silicon (arm64)"
+        if not self.neural_engine:
+            return "no Neural Engine: Core ML lists none among this Mac's compute devices"
+        return ""
+
+    # script ---------------------------------------------------------------------------------------
+    def _source(self, path) -> str:
+        return self._sources.get(str(Path(path)), str(path))
+
     def function_of(self, pkg, function: str | None) -> str:
-        return function if function is not None else Path(pkg).stem
+        if function is not None:
+            return function
+        stem = Path(self._source(pkg)).stem
+        return stem
 
     def script(self, name: str) -> FakeFunction:
         return self.functions.get(name, self.default)
 
+    def _crash(self, signal_name: str, where: str) -> None:
+        if self.real_crashes:
+            os.kill(os.getpid(), getattr(signal, signal_name))
+            time.sleep(5)  # the signal is delivered before this returns
+        raise FakeCrash(signal_name, where)
+
     @staticmethod
-    def _emit(text: str) -> None:
+    def _emit(fd: int, text: str) -> None:
         if text:
-            os.write(2, text.encode())
+            os.write(fd, text.encode())
 
-    def load(self, pkg, function, compute_units):
-        check_compute_units(compute_units)
-        self.require_available()
+    def _log(self, text: str) -> None:
+        if text:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.log_dir / f"{os.getpid()}.log", "a") as f:
+                for line in text.splitlines():
+                    f.write(f"{time.time():.6f}\t{line}\n")
+
+    def read_unified_log(self, pid, start, end):
+        path = self.log_dir / f"{int(pid)}.log"
+        if not path.is_file():
+            return ""
+        lines = []
+        for row in path.read_text().splitlines():
+            stamp, _, text = row.partition("\t")
+            if start - 1 <= float(stamp) <= end + 1:
+                lines.append(text)
+        return "\n".join(lines)
+
+    def signature(self, pkg, function):
+        """Scripted (``FakeFunction.inputs``; fp16) or the package's spec; empty for a stand-in without one."""
+        from anelab.runtime.interface import FunctionSignature, function_signatures
+
         name = self.function_of(pkg, function)
-        self.calls.append(("load", str(pkg), name, compute_units))
         f = self.script(name)
-        self._emit(f.load_stderr)
-        key = (str(Path(pkg).resolve()), name)
-        self.clock.advance(f.warm_load_s if key in self._loaded_before else f.cold_load_s)
-        self._loaded_before.add(key)
-        if f.load_error is not None:
-            raise RuntimeLoadError(f"{pkg}: function {name} does not load: {f.load_error}")
-        if compute_units in f.unloadable_units:
-            raise RuntimeLoadError(f"{pkg}: function {name} does not load under {compute_units}")
-        self.loads.append((str(pkg), name, compute_units))
-        return {"package": str(pkg), "function": name, "compute_units": compute_units}
+        if f.inputs is not None:
+            fp16 = lambda d: {k: (tuple(s), "float16") for k, s in (d or {}).items()}  # noqa: E731
+            return FunctionSignature(fp16(f.inputs), fp16(f.states), fp16(f.output_shapes))
+        if not (Path(self._source(pkg)) / "Data").is_dir():  # a scripted stand-in directory without a spec
+            return FunctionSignature({}, {}, {})
+        default, sigs = function_signatures(self._source(pkg))
+        return sigs.get(name) or sigs[default]
 
-    def predict(self, handle, inputs):
-        self.require_available()
-        name, units = handle["function"], handle["compute_units"]
-        self.calls.append(("predict", handle["package"], name, units))
-        f = self.script(name)
-        self.clock.advance(f.predict_s.get(units, f.predict_default_s))
-        return dict(f.outputs)
+    def _signature(self, name: str, package: str):
+        """(inputs, states, outputs) name -> shape; None when nothing is declared (no checks then)."""
+        sig = self.signature(package, name)
+        if not (sig.inputs or sig.states or sig.outputs):
+            return None
+        shapes = lambda d: {k: tuple(s) for k, (s, _) in d.items()}  # noqa: E731
+        return shapes(sig.inputs), shapes(sig.states), shapes(sig.outputs)
 
-    def compute_plan_assignment(self, pkg, compute_units):
+    # compile / load -------------------------------------------------------------------------------
+    def compile_to(self, pkg, dest):
+        self.calls.append(("compile", str(pkg)))
+        self.compiles.append(str(pkg))
+        self.clock.advance(self.compile_s)
+        dest = Path(dest)
+        dest.mkdir(parents=True)
+        (dest / "coremldata.bin").write_text(str(Path(pkg).resolve()))
+        self._sources[str(dest)] = str(pkg)
+        return dest
+
+    def compile(self, pkg):
+        dest = super().compile(pkg)
+        self._sources[str(dest)] = str(pkg)  # compiled by an earlier process: its source is this package
+        return dest
+
+    def load_path(self, path, function, compute_units):
         check_compute_units(compute_units)
         self.require_available()
-        name = self.function_of(pkg, None)
-        self.calls.append(("compute_plan", str(pkg), name, compute_units))
+        path = Path(path)
+        temporary = path.suffix != ".mlmodelc"
+        if temporary:  # coremltools compiles an .mlpackage on every construction, into a fresh copy
+            if not path.is_dir():
+                raise RuntimeLoadError(f"{path}: function {function or '(default)'} does not load: no such package")
+            compiled = Path(tempfile.gettempdir()) / f"{path.stem}_{uuid.uuid4().hex.upper()}.mlmodelc"
+            self.compile_to(path, compiled)
+            self._sources[str(compiled)] = str(path)
+        else:
+            if not path.is_dir():
+                raise RuntimeLoadError(f"{path}: does not load: not a compiled model directory")
+            compiled = path
+        package = self._source(compiled)
+        name = self.function_of(compiled, function)
+        self.calls.append(("load", package, name, compute_units))
         f = self.script(name)
-        self._emit(f.plan_stderr)
+        self._emit(1, f.load_stdout)
+        self._emit(2, f.load_stderr)
+        self._log(f.log_text)
+        if f.exit_stderr:
+            atexit.register(self._emit, 2, f.exit_stderr)
+        key = (str(compiled), name, compute_units)
+        self.clock.advance(f.warm_load_s if key in self._specialised else f.cold_load_s)
+        self._specialised.add(key)
+        if f.load_error is not None:
+            raise RuntimeLoadError(f"{package}: function {name} does not load: {f.load_error}")
+        if compute_units in f.unloadable_units:
+            raise RuntimeLoadError(f"{package}: function {name} does not load under {compute_units}")
+        self.loads.append((package, name, compute_units))
+        return FakeHandle(self, package, compiled, name, compute_units, temporary)
+
+    def load_duration_s(self, handle):
+        return None  # as CompiledMLModel in coremltools 9.0: no public load duration
+
+    # predict --------------------------------------------------------------------------------------
+    def make_state(self, handle):
+        sig = self._signature(handle.function, handle.package)
+        states = (sig[1] if sig else None) or self.script(handle.function).states or {}
+        return FakeState({k: np.zeros(s, np.float16) for k, s in states.items()})
+
+    def predict(self, handle, inputs, state=None):
+        self.require_available()
+        name, units = handle.function, handle.compute_units
+        self.calls.append(("predict", handle.package, name, units))
+        f = self.script(name)
+        if not isinstance(inputs, dict):
+            raise TypeError(f'"data" parameter must be either a dict or list of dict, but got {type(inputs)}.')
+        fp16 = [k for k, v in inputs.items() if isinstance(v, np.ndarray) and v.dtype == np.float16]
+        for k in fp16:  # coremltools: fp16 -> fp32 in the caller's dict (rdar://92239209)
+            inputs[k] = inputs[k].astype(np.float32)
+        if fp16:
+            self.clock.advance(f.convert_s)
+        self._emit(2, f.predict_stderr)
+        if f.predict_signal:
+            self._crash(f.predict_signal, f"predict of {name}")
+        sig = self._signature(name, handle.package)
+        if sig is not None:
+            self._check(name, inputs, state, *sig)
+        if f.predict_error is not None:
+            raise RuntimePredictError(f"predict failed: {f.predict_error}")
+        self.clock.advance(f.predict_s.get(units, f.predict_default_s))
+        if f.outputs:
+            return dict(f.outputs)
+        if self.numerics:
+            return self._compute(handle.package, name, inputs, state)
+        return {k: np.zeros(s, np.float32) for k, s in (sig[2] if sig else {}).items()}
+
+    def _compute(self, package: str, name: str, inputs: dict, state) -> dict:
+        """What the saved program computes (NumPy), as Core ML hands it back: fp32 copies."""
+        from anelab.sidecar.evaluate import SavedPackage, evaluate, evaluate_with_state
+
+        if package not in self._saved:
+            self._saved[package] = SavedPackage(package)
+        saved = self._saved[package]
+        name = name if name in saved.functions else saved.default_function  # a variant's stem names "main"
+        declared = self.signature(package, name)
+        typed = {k: np.asarray(v).astype(declared.inputs[k][1]) for k, v in inputs.items()}  # Core ML casts back
+        if state is None:
+            out = evaluate(saved, name, typed)
+        else:
+            out = evaluate_with_state(saved, name, typed, state)
+        return {k: np.asarray(v, dtype=np.float32) for k, v in out.items()}
+
+    @staticmethod
+    def _check(name, inputs, state, expected, states, _outputs) -> None:
+        for key in inputs:
+            if key not in expected:
+                raise RuntimePredictError(
+                    f'predict failed: Provided key "{key}", in the input dict, does not match any of the model '
+                    f"input name(s), which are: {set(expected)}"
+                )
+        for key, shape in expected.items():
+            if key not in inputs:
+                raise RuntimePredictError(
+                    f'predict failed: {{ NSLocalizedDescription = "Feature {key} is required but not specified."; }}'
+                )
+            if tuple(np.shape(inputs[key])) != tuple(shape):
+                raise RuntimePredictError(
+                    f"predict failed: {{ NSLocalizedDescription = \"For input feature '{key}', the provided shape "
+                    f"{tuple(np.shape(inputs[key]))} is not compatible with the model's feature description.\"; }}"
+                )
+        if states and state is None:
+            first = next(iter(states))
+            raise RuntimePredictError(
+                f'predict failed: {{ NSLocalizedDescription = "The input feature for {first} must be an MLState, '
+                f'but it was not."; }}'
+            )
+
+    # compute plan ---------------------------------------------------------------------------------
+    def plan_path(self, compiled, compute_units):
+        check_compute_units(compute_units)
+        self.require_available()
+        compiled = Path(compiled)
+        if compiled.suffix != ".mlmodelc":  # coremltools 9.0 #2757: libc++abi terminate, SIGABRT
+            self._crash("SIGABRT", f"MLComputePlan.load_from_path({compiled.name})")
+        name = self.function_of(compiled, None)
+        self.calls.append(("compute_plan", self._source(compiled), name, compute_units))
+        f = self.script(name)
+        self._emit(2, f.plan_stderr)
         if f.plan_error is not None:
             raise RuntimeError(f.plan_error)
         counts = {key: 0 for key in ASSIGNMENT_KEYS}

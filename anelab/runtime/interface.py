@@ -1,17 +1,31 @@
-"""The macOS Core ML runtime's interface: what anelab asks of Core ML, and its errors."""
+"""The macOS Core ML runtime's interface: what anelab asks of Core ML, and its errors.
+
+How a package is run is fixed here, once, for every runtime (``CoreMLRuntime.load``): the package is
+compiled ONCE into a ``.mlmodelc`` cached under the build directory, keyed by the package's content
+hash, and each function is loaded from that compiled copy by name. Loading an ``.mlpackage``
+directly would recompile the whole package on every load into a temporary copy that is deleted
+when the handle dies (coremltools 9.0, ``CoreMLPython.mm:457-466``, ``436-443``).
+"""
 
 from __future__ import annotations
 
 import abc
 import contextlib
+import ctypes
+import hashlib
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from anelab.errors import AnelabInputError
+from anelab.paths import BUILD_DIR
 
 COMPUTE_UNITS = frozenset({"cpu_only", "cpu_and_gpu", "cpu_and_ne", "all"})
 
@@ -28,12 +42,19 @@ MIN_MACOS = (15, 0)  # multifunction mlprograms with fp16 I/O target macOS 15 / 
 ASSIGNMENT_KEYS = ("neural_engine", "gpu", "cpu", "unreported", "total")
 
 
+COMPILED_CACHE_DIR = BUILD_DIR / "compiled"  # compiled packages: <stem>-<content hash>.mlmodelc
+
+
 class RuntimeUnavailableError(AnelabInputError):
     """The Core ML runtime is not available here (not macOS 15+, or coremltools' native module missing)."""
 
 
 class RuntimeLoadError(RuntimeError):
     """A package function did not load (the framework's own error is in the message)."""
+
+
+class RuntimePredictError(RuntimeError):
+    """A prediction failed (missing/extra input, wrong shape, missing state, or the framework's error)."""
 
 
 def check_compute_units(name: str) -> str:
@@ -47,45 +68,149 @@ def empty_assignment() -> dict[str, int]:
     return {key: 0 for key in ASSIGNMENT_KEYS}
 
 
+# ---- native output ---------------------------------------------------------------------------------
 @dataclass
-class NativeStderr:
-    """What was written to file descriptor 2 inside ``capture_native_stderr`` (set on exit)."""
+class NativeOutput:
+    """What was written to file descriptors 1 and 2 inside ``capture_native_output`` (set on exit)."""
 
-    text: str = ""
+    stdout: str = ""
+    stderr: str = ""
+
+    @property
+    def text(self) -> str:
+        """Both streams, stderr first (where Core ML's ANE compiler messages usually are)."""
+        return "\n".join(part for part in (self.stderr, self.stdout) if part)
+
+
+def _flush_all() -> None:
+    """Flush Python's streams and every C stdio buffer (``fflush(NULL)``), so no byte crosses the swap."""
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).fflush(None)
 
 
 @contextlib.contextmanager
-def capture_native_stderr() -> Iterator[NativeStderr]:
-    """Capture everything written to file descriptor 2 — by C/Objective-C code too, not only ``sys.stderr``.
+def capture_native_output() -> Iterator[NativeOutput]:
+    """Capture everything written to file descriptors 1 and 2 — by C/Objective-C code too.
 
-    Core ML reports an ANE compile refusal on the process's native stderr and returns normally, so
-    redirecting ``sys.stderr`` would miss it. fd 2 is pointed at a temporary file with ``os.dup2``
-    for the duration and restored afterwards; ``.text`` holds the captured text after the block.
+    Core ML reports ANE compiler failures on the process's native stdout or stderr while the call
+    returns normally, so redirecting ``sys.stdout``/``sys.stderr`` would miss them. Both fds are
+    pointed at temporary files with ``os.dup2``; C stdio buffers are flushed (libc ``fflush``)
+    before the fds are restored. Messages Core ML prints only at process exit, or only to the
+    unified log, are not seen here: run the call in a child process (``anelab.runtime.gate``).
     """
-    captured = NativeStderr()
-    for stream in (sys.stderr, sys.__stderr__):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as sink:
-        os.dup2(sink.fileno(), 2)
+    captured = NativeOutput()
+    _flush_all()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    sinks = {fd: tempfile.TemporaryFile(mode="w+b") for fd in (1, 2)}
+    try:
+        for fd, sink in sinks.items():
+            os.dup2(sink.fileno(), fd)
         try:
             yield captured
         finally:
-            for stream in (sys.stderr, sys.__stderr__):
-                with contextlib.suppress(Exception):
-                    stream.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            sink.seek(0)
-            captured.text = sink.read().decode("utf-8", errors="replace")
+            _flush_all()
+            for fd, old in saved.items():
+                os.dup2(old, fd)
+            texts = {}
+            for fd, sink in sinks.items():
+                sink.seek(0)
+                texts[fd] = sink.read().decode("utf-8", errors="replace")
+            captured.stdout, captured.stderr = texts[1], texts[2]
+    finally:
+        for fd in saved.values():
+            os.close(fd)
+        for sink in sinks.values():
+            sink.close()
 
 
+# ---- what a package holds --------------------------------------------------------------------------
+def package_content_hash(pkg: str | os.PathLike) -> str:
+    """SHA-256 over the package's files (relative path and bytes, in sorted order): the compile cache key."""
+    root = Path(pkg)
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def package_functions(pkg: str | os.PathLike) -> list[str]:
+    """The functions a sidecar package serves, from its metadata: ``c<C>`` (and ``c1``) for a stateful
+    sidecar, ``h<H>`` per history otherwise."""
+    from anelab.sidecar.format import STATE_FUNCTIONS_META, read_raw_metadata, read_sidecar_metadata
+
+    raw = read_raw_metadata(pkg)
+    if raw.get(STATE_FUNCTIONS_META):
+        return raw[STATE_FUNCTIONS_META].split(",")
+    return read_sidecar_metadata(pkg).functions
+
+
+@dataclass(frozen=True)
+class FunctionSignature:
+    """Inputs, states and outputs of one function (name -> (shape, numpy dtype name))."""
+
+    inputs: dict[str, tuple[tuple[int, ...], str]]
+    states: dict[str, tuple[tuple[int, ...], str]]
+    outputs: dict[str, tuple[tuple[int, ...], str]]
+
+
+def function_signatures(pkg: str | os.PathLike) -> tuple[str, dict[str, FunctionSignature]]:
+    """(default function, {function: FunctionSignature}) read from a package's spec (no load)."""
+    from anelab.sidecar.coremltools_import import coremltools_modules
+
+    ct, _, _ = coremltools_modules()
+    from coremltools.proto import FeatureTypes_pb2
+
+    spec = ct.utils.load_spec(str(pkg))
+    names = FeatureTypes_pb2.ArrayFeatureType.ArrayDataType.Name
+
+    def arrays(features, state=False):
+        out = {}
+        for f in features:
+            arr = f.type.stateType.arrayType if state else f.type.multiArrayType
+            out[f.name] = (tuple(int(s) for s in arr.shape), names(arr.dataType).lower())
+        return out
+
+    desc = spec.description
+    if len(desc.functions):
+        sigs = {
+            f.name: FunctionSignature(arrays(f.input), arrays(f.state, state=True), arrays(f.output))
+            for f in desc.functions
+        }
+        return desc.defaultFunctionName or next(iter(sigs)), sigs
+    return "main", {"main": FunctionSignature(arrays(desc.input), arrays(desc.state, True), arrays(desc.output))}
+
+
+def zero_inputs(signature: FunctionSignature) -> dict[str, np.ndarray]:
+    """Zero-filled inputs of a function (what the gate's one prediction runs on)."""
+    return {name: np.zeros(shape, dtype=np.dtype(dtype)) for name, (shape, dtype) in signature.inputs.items()}
+
+
+def prepare_inputs(inputs: dict) -> dict[str, np.ndarray]:
+    """The inputs as Core ML takes them, in a NEW dict: contiguous arrays, fp16 cast to fp32.
+
+    coremltools casts fp16 arrays to fp32 inside ``predict`` (in the caller's dict); doing it here,
+    once, keeps that conversion out of a timed prediction and leaves the caller's dict untouched.
+    """
+    out = {}
+    for name, value in inputs.items():
+        arr = np.ascontiguousarray(value)
+        out[name] = arr.astype(np.float32) if arr.dtype == np.float16 else arr
+    return out
+
+
+# ---- the runtime ------------------------------------------------------------------------------------
 class CoreMLRuntime(abc.ABC):
-    """Load, predict and compute-plan queries for sidecar packages."""
+    """Compile, load, state, predict and compute-plan queries for sidecar packages."""
 
     name = "abstract"
     load_description = "abstract"  # what one load() does, recorded with load timings
+    cache_dir: Path = COMPILED_CACHE_DIR
 
     @abc.abstractmethod
     def available(self) -> bool:
@@ -96,30 +221,119 @@ class CoreMLRuntime(abc.ABC):
         """Why ``available()`` is False (one line naming what is missing); "" when available."""
 
     @abc.abstractmethod
+    def neural_engine_reason(self) -> str:
+        """Why this machine cannot run on the Neural Engine (not arm64, none listed by Core ML); "" if it can."""
+
+    def signature(self, pkg: str | os.PathLike, function: str | None) -> FunctionSignature:
+        """Inputs, states and outputs of one function of ``pkg`` (``None``: the default), from its spec."""
+        default, sigs = function_signatures(pkg)
+        name = function or default
+        if name not in sigs:
+            raise AnelabInputError(f"{pkg} has no function {name!r}; it has: {', '.join(sigs)}")
+        return sigs[name]
+
+    # compile once ------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def compile_to(self, pkg: Path, dest: Path) -> Path:
+        """Compile ``pkg`` (.mlpackage) into ``dest`` (.mlmodelc, not existing yet); return ``dest``."""
+
+    def compiled_path(self, pkg: str | os.PathLike) -> Path:
+        """Where the compiled copy of ``pkg`` lives in the cache (``<stem>-<content hash>.mlmodelc``)."""
+        pkg = Path(pkg)
+        return Path(self.cache_dir) / f"{pkg.stem}-{package_content_hash(pkg)[:20]}.mlmodelc"
+
+    def compile(self, pkg: str | os.PathLike) -> Path:
+        """The compiled copy of ``pkg``: compiled once, then reused for every load and compute plan."""
+        from anelab.sidecar.format import require_package
+
+        self.require_available()
+        pkg = require_package(pkg)
+        dest = self.compiled_path(pkg)
+        if dest.is_dir():
+            return dest
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{dest.stem}.", dir=dest.parent))
+        try:
+            built = self.compile_to(pkg, work / dest.name)
+            try:
+                os.replace(built, dest)
+            except OSError:  # another process compiled it first
+                if not dest.is_dir():
+                    raise
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return dest
+
+    # load -------------------------------------------------------------------------------------------
     def load(self, pkg: str | os.PathLike, function: str | None, compute_units: str) -> Any:
-        """Load one function of a package (``None``: the package's default function); return a handle.
+        """Load one function (``None``: the default) from the compiled copy of ``pkg``; return a handle.
 
         Raises ``RuntimeLoadError`` when the function does not load.
         """
+        check_compute_units(compute_units)
+        self.require_available()
+        return self.load_path(self.compile(pkg), function, compute_units)
 
     @abc.abstractmethod
-    def predict(self, handle: Any, inputs: dict) -> dict:
-        """Run a loaded function on ``inputs`` (name -> array) and return its outputs (name -> array)."""
+    def load_path(self, path: str | os.PathLike, function: str | None, compute_units: str) -> Any:
+        """Load exactly what coremltools loads for ``path``: a ``.mlmodelc`` as it is; an ``.mlpackage``
+        compiled afresh into a temporary copy (what a cold-from-package load costs)."""
+
+    def load_duration_s(self, handle: Any) -> float | None:
+        """Core ML's own load duration of ``handle`` (excludes any compile), where coremltools exposes it."""
+        return None
+
+    # predict ----------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def make_state(self, handle: Any) -> Any:
+        """A fresh state for a stateful function (Core ML ``MLState``); one state may serve every function."""
 
     @abc.abstractmethod
+    def predict(self, handle: Any, inputs: dict, state: Any = None) -> dict:
+        """Run a loaded function on ``inputs`` (name -> array, see ``prepare_inputs``); stateful functions
+        need ``state``. Raises ``RuntimePredictError`` when the framework refuses."""
+
+    # compute plan -----------------------------------------------------------------------------------
     def compute_plan_assignment(self, pkg: str | os.PathLike, compute_units: str) -> dict[str, int]:
         """Operations of the package's program per preferred compute device (keys: ``ASSIGNMENT_KEYS``).
 
-        Counts the device the plan PREFERS for each operation, not the devices that merely support
-        it. Core ML reports usage only for a package's default function, so a non-default function
-        of a multifunction package reports nothing (total 0).
+        Asked of the compiled copy (the plan needs a ``.mlmodelc``). Counts the device the plan
+        PREFERS for each operation. Only the default function is planned: coremltools 9.0's binding
+        (``MLComputePlan.load_from_path``) takes no function name and loads the plan without one.
         """
+        check_compute_units(compute_units)
+        self.require_available()
+        return self.plan_path(self.compile(pkg), compute_units)
 
-    def capture_native_stderr(self) -> contextlib.AbstractContextManager[NativeStderr]:
-        """fd-level capture of native stderr (see ``capture_native_stderr``)."""
-        return capture_native_stderr()
+    @abc.abstractmethod
+    def plan_path(self, compiled: Path, compute_units: str) -> dict[str, int]:
+        """``compute_plan_assignment`` of an already compiled ``.mlmodelc``."""
+
+    # evidence ---------------------------------------------------------------------------------------
+    def read_unified_log(self, pid: int, start: float, end: float) -> str:
+        """Unified-log lines of process ``pid`` between two ``time.time()`` stamps ("" where there is no log)."""
+        return ""
+
+    @abc.abstractmethod
+    def child_spec(self) -> dict:
+        """How a child process rebuilds this runtime: ``{"factory": "module:callable", "args": {...}}``."""
+
+    def capture_native_output(self) -> contextlib.AbstractContextManager[NativeOutput]:
+        """fd-level capture of native stdout and stderr (see ``capture_native_output``)."""
+        return capture_native_output()
 
     def require_available(self) -> None:
         """Raise ``RuntimeUnavailableError`` (one line, the reason) unless ``available()``."""
         if not self.available():
             raise RuntimeUnavailableError(self.unavailable_reason())
+
+
+def runtime_from_spec(spec: dict) -> CoreMLRuntime:
+    """Rebuild a runtime from ``CoreMLRuntime.child_spec()`` (in a child process)."""
+    import importlib
+
+    module, _, attr = spec["factory"].partition(":")
+    factory = importlib.import_module(module)
+    for part in attr.split("."):
+        factory = getattr(factory, part)
+    return factory(**spec.get("args", {}))

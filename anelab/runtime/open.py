@@ -11,7 +11,9 @@ reads only the package metadata and refuses:
   chunk past the dense-exact window with no selection ("refuses to attend densely": a causal mask
   there attends to keys the model's indexer drops).
 
-Functions are then loaded lazily, one per chunk start, through the runtime.
+Functions are then loaded lazily, one per chunk start, through the runtime (from the package's
+compiled copy). A stateful sidecar (functions ``c<C>`` / ``c1``, K/V in Core ML state) is served
+through one state shared by its functions: ``predict`` passes it, ``reset_state`` starts a new prompt.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from anelab.geometry import chunk_starts
 from anelab.masks import dense_exact_window
 from anelab.runtime.interface import NEURAL_ENGINE_UNITS, CoreMLRuntime, check_compute_units
 from anelab.runtime.mac import default_runtime
-from anelab.sidecar.format import SidecarMetadata, function_name, read_sidecar_metadata
+from anelab.sidecar.format import SidecarMetadata, function_name, read_sidecar_metadata, stateful_function_name
 
 
 def _indexer_window(meta: SidecarMetadata, where: str) -> int:
@@ -56,6 +58,11 @@ class Sidecar:
     selection: Any = None
     dense_exact_window: int | None = None
     _handles: dict = field(default_factory=dict, repr=False)
+    _state: Any = field(default=None, repr=False)
+
+    @property
+    def stateful(self) -> bool:
+        return self.metadata.graph == "stateful"
 
     @property
     def chunk(self) -> int:
@@ -90,6 +97,8 @@ class Sidecar:
                 f"re-export with --histories reaching {start} or keep this prompt on the GPU"
             )
         self._refuse_dense_past_window(start + rows)
+        if self.stateful:  # the prefill function c<C>; the history lives in the state, not in the name
+            return stateful_function_name(self.chunk)
         return function_name(start)
 
     def _refuse_dense_past_window(self, keys_seen: int) -> None:
@@ -107,9 +116,30 @@ class Sidecar:
             self._handles[name] = self.runtime.load(self.package, name, self.compute_units)
         return self._handles[name]
 
+    @property
+    def state(self) -> Any:
+        """A stateful sidecar's current state (``None`` before the first predict or after ``reset_state``)."""
+        return self._state
+
+    def reset_state(self) -> None:
+        """A stateful sidecar: start a new prompt (a fresh state at the next predict)."""
+        self._state = None
+
     def predict(self, start: int, inputs: dict, valid_rows: int | None = None) -> dict:
-        """Run the chunk at ``start``: inputs hidden [C, D], k_history / v_history [start, Hkv, d], mask [C, start + C]."""
-        return self.runtime.predict(self.handle_for(start, valid_rows), inputs)
+        """Run the chunk at ``start``.
+
+        Dense/tiled: inputs hidden [C, D], k_history / v_history [start, Hkv, d], mask [C, start + C].
+        Stateful: hidden [C, D], start [1] int32, mask [C, capacity]; the sidecar's state is passed
+        (created with the first call, shared by ``c<C>`` and ``c1``).
+        """
+        from anelab.runtime.interface import prepare_inputs
+
+        handle = self.handle_for(start, valid_rows)
+        if not self.stateful:
+            return self.runtime.predict(handle, prepare_inputs(inputs))
+        if self._state is None:
+            self._state = self.runtime.make_state(handle)
+        return self.runtime.predict(handle, prepare_inputs(inputs), state=self._state)
 
 
 def open_sidecar(

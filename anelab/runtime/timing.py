@@ -2,23 +2,28 @@
 
 Three measurements from the ANE prefill research seed ("Qwen 3.8: the ANE loses"):
 
-- ``time_load``: ``MLModel`` load of one function, cold (each repeat loads a fresh copy of the
-  package from a new path) or warm (the same path again, after a warm-up load);
+- ``time_load``: load of one function from a compiled copy of the package. Cold: every repeat
+  compiles a FRESH copy (untimed, its compile time reported apart) and times the first load of it;
+  warm: the package is compiled once and the same compiled path is loaded again after a warm-up.
 - ``time_compositions``: the same function loaded from different package compositions (alone;
   beside another history; beside a variant that cannot load) — does the load track the function's
   own specialisation or the package?;
-- ``time_predict``: one prediction per compute-units setting.
+- ``time_predict``: one prediction per compute-units setting, inputs converted once (untimed; the
+  conversion is timed apart) and a failed prediction recorded as an error, not fatal.
 
-Each returns a record (``anelab.records.make_record``, origin ``"measured"``) and writes it to
-``out_dir`` when one is given — results are never only printed. ``clock`` is injectable so tests run
-on a deterministic fake clock.
+The clock stops while the handle is still alive (a handle's release — unloading the model — is
+not part of a load). Each returns a record (``anelab.records.make_record``, origin ``"measured"``)
+and writes it to ``out_dir`` when one is given. ``clock`` is injectable so tests run on a fake clock.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,16 +35,28 @@ from tqdm.auto import tqdm
 
 from anelab.errors import AnelabInputError
 from anelab.records import make_record, write_record
-from anelab.runtime.interface import CoreMLRuntime, RuntimeLoadError, check_compute_units
+from anelab.runtime.interface import (
+    CoreMLRuntime,
+    RuntimeLoadError,
+    RuntimePredictError,
+    check_compute_units,
+    prepare_inputs,
+)
 
 COMPUTE_UNITS_ORDER = ("cpu_only", "cpu_and_gpu", "cpu_and_ne", "all")
 
 
 # what a cold load can and cannot rule out (goes into every cold record's "unknown")
 COLD_LOAD_CAVEAT = (
-    "whether Core ML's system-wide ANE compile cache served a fresh copy of the package "
-    "(each repeat loads it from a new path, which defeats path-keyed caches only)"
+    "whether Core ML's system-wide ANE compile cache (aned) served the fresh compiled copy, and what the "
+    "process had loaded before (a cold load is the first load of a freshly compiled .mlmodelc in this process)"
 )
+
+
+COLD_CHILD_TIMEOUT_S = 1800.0  # one cold load of a large variant (the ANE compile) can take minutes
+
+
+WARM_LOAD_MEANING = "the next load of the same compiled .mlmodelc path, after a warm-up load of it"
 
 
 @dataclass(frozen=True)
@@ -75,18 +92,25 @@ def measure(
     clock: Callable[[], float] = time.perf_counter,
     setup: Callable[[], Any] | None = None,
     desc: str | None = None,
+    keep: Callable[[Any], None] | None = None,
 ) -> TimingStats:
     """Call ``fn`` ``warmup`` times untimed, then ``repeats`` times timed with ``clock``.
 
     ``setup``: when given, called before every call (untimed) and its result passed to ``fn``.
+    The clock is read while ``fn``'s result is still referenced, so releasing it (e.g. a model
+    handle's teardown) is never timed; ``keep`` receives each result after the clock stopped.
     """
     _check_counts(warmup, repeats)
 
     def call():
         arg = setup() if setup is not None else None
         start = clock()
-        fn(arg) if setup is not None else fn()
-        return clock() - start
+        result = fn(arg) if setup is not None else fn()
+        elapsed = clock() - start
+        if keep is not None:
+            keep(result)
+        del result  # released after the clock stopped
+        return elapsed
 
     for _ in range(int(warmup)):
         call()
@@ -104,13 +128,17 @@ def _finish(kind: str, parameters: dict, results: dict, unknown: list[str], out_
     return record
 
 
-def _fresh_copy_factory(pkg: Path, work: Path) -> Callable[[], Path]:
+def _fresh_compile_factory(runtime: CoreMLRuntime, pkg: Path, work: Path, clock, compile_s: list) -> Callable:
+    """Each call compiles ``pkg`` into a new ``.mlmodelc`` (a new path: no path-keyed cache applies)."""
     counter = iter(range(1, 1_000_000))
 
     def make() -> Path:
-        dest = work / f"copy-{next(counter)}" / pkg.name
-        shutil.copytree(pkg, dest)
-        return dest
+        dest = work / f"copy-{next(counter)}" / f"{pkg.stem}.mlmodelc"
+        dest.parent.mkdir(parents=True)
+        start = clock()
+        compiled = runtime.compile_to(pkg, dest)
+        compile_s.append(clock() - start)
+        return compiled
 
     return make
 
@@ -118,7 +146,7 @@ def _fresh_copy_factory(pkg: Path, work: Path) -> Callable[[], Path]:
 def time_load(
     runtime: CoreMLRuntime,
     pkg: str | os.PathLike,
-    function: str,
+    function: str | None,
     compute_units: str,
     *,
     cold: bool = True,
@@ -126,33 +154,60 @@ def time_load(
     repeats: int = 3,
     clock: Callable[[], float] = time.perf_counter,
     out_dir: str | os.PathLike | None = None,
+    fresh_process: bool = False,
 ) -> dict:
-    """Seconds to load ``function`` of ``pkg`` (kind ``load_timing``).
+    """Seconds to load ``function`` of ``pkg`` from a compiled copy (kind ``load_timing``).
 
-    cold=True: every load (warm-ups too) is of a fresh copy at a new path; the copy is not timed.
-    cold=False: ``warmup`` loads of the same path first, then the timed loads of that path.
+    cold=True: every load (warm-ups too) is the first load of a freshly compiled copy at a new path;
+    the compile is not timed with the load (its seconds are ``results.compile``). With
+    ``fresh_process`` each cold load runs in a new Python process (nothing loaded before it there).
+    cold=False: the package's cached compiled copy; ``warmup`` loads of it, then the timed loads.
+    ``results.core_ml_load_s``: Core ML's own load durations where coremltools exposes them.
     """
+    from anelab.sidecar.format import require_package
+
     check_compute_units(compute_units)
     runtime.require_available()
-    pkg = Path(pkg)
+    pkg = require_package(pkg)
     work = Path(tempfile.mkdtemp(prefix=".anelab-load-")) if cold else None
+    compile_s: list[float] = []
+    own: list[float] = []
+
+    def keep(handle):
+        value = runtime.load_duration_s(handle)
+        if value is not None:
+            own.append(value)
+
     try:
-        if cold:
+        if cold and fresh_process:
+            stats = measure_in_fresh_processes(
+                runtime,
+                _fresh_compile_factory(runtime, pkg, work, clock, compile_s),
+                function,
+                compute_units,
+                warmup=warmup,
+                repeats=repeats,
+                own=own,
+            )
+        elif cold:
             stats = measure(
-                lambda path: runtime.load(path, function, compute_units),
+                lambda path: runtime.load_path(path, function, compute_units),
                 warmup=warmup,
                 repeats=repeats,
                 clock=clock,
-                setup=_fresh_copy_factory(pkg, work),
-                desc=f"cold load {function}",
+                setup=_fresh_compile_factory(runtime, pkg, work, clock, compile_s),
+                desc=f"cold load {function or pkg.stem}",
+                keep=keep,
             )
         else:
+            compiled = runtime.compile(pkg)
             stats = measure(
-                lambda: runtime.load(pkg, function, compute_units),
+                lambda: runtime.load_path(compiled, function, compute_units),
                 warmup=warmup,
                 repeats=repeats,
                 clock=clock,
-                desc=f"warm load {function}",
+                desc=f"warm load {function or pkg.stem}",
+                keep=keep,
             )
     finally:
         if work is not None:
@@ -162,12 +217,64 @@ def time_load(
         "function": function,
         "compute_units": compute_units,
         "cold": bool(cold),
+        "meaning": (
+            ("first load of a freshly compiled .mlmodelc" + (", in a fresh process" if fresh_process else ""))
+            if cold
+            else WARM_LOAD_MEANING
+        ),
         "warmup": int(warmup),
         "repeats": int(repeats),
         "runtime": runtime.name,
         "load": runtime.load_description,
     }
-    return _finish("load_timing", parameters, stats.to_dict(), [COLD_LOAD_CAVEAT] if cold else [], out_dir)
+    results = stats.to_dict()
+    if compile_s:
+        results["compile"] = TimingStats.of(compile_s).to_dict()
+    results["core_ml_load_s"] = own[-int(repeats) :] if own else None
+    return _finish("load_timing", parameters, results, [COLD_LOAD_CAVEAT] if cold else [], out_dir)
+
+
+def cold_load_child() -> None:
+    """Entry point of a fresh-process cold load: JSON request on stdin, JSON answer as the last stdout line."""
+    from anelab.runtime.interface import runtime_from_spec
+
+    request = json.loads(sys.stdin.read())
+    runtime = runtime_from_spec(request["runtime"])
+    clock = getattr(runtime, "clock", time.perf_counter)  # a fake's own clock; perf_counter on a Mac
+    start = clock()
+    handle = runtime.load_path(request["path"], request["function"], request["compute_units"])
+    seconds = clock() - start
+    answer = {"seconds": seconds, "core_ml_load_s": runtime.load_duration_s(handle)}
+    sys.stdout.write("\n" + json.dumps(answer) + "\n")
+    sys.stdout.flush()
+
+
+def measure_in_fresh_processes(runtime, fresh_copy, function, compute_units, *, warmup, repeats, own) -> TimingStats:
+    """Cold loads, each in a new Python process rebuilt from ``runtime.child_spec()``; the copy is made here."""
+    from anelab.paths import REPO_ROOT
+
+    _check_counts(warmup, repeats)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    samples = []
+    for i in tqdm(range(int(warmup) + int(repeats)), desc=f"cold load {function} (fresh process)", leave=False):
+        request = {"runtime": runtime.child_spec(), "path": str(fresh_copy()), "function": function,
+                   "compute_units": compute_units}  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", "from anelab.runtime.timing import cold_load_child; cold_load_child()"],
+            input=json.dumps(request), capture_output=True, text=True, env=env, timeout=COLD_CHILD_TIMEOUT_S,
+        )  # fmt: skip
+        lines = done.stdout.strip().splitlines()
+        if done.returncode != 0 or not lines:
+            tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
+            raise RuntimeLoadError(
+                f"{function}: the cold load in a fresh process failed (exit {done.returncode}): {tail}"
+            )
+        answer = json.loads(lines[-1])
+        if i >= int(warmup):
+            samples.append(float(answer["seconds"]))
+            if answer["core_ml_load_s"] is not None:
+                own.append(float(answer["core_ml_load_s"]))
+    return TimingStats.of(samples)
 
 
 def time_compositions(
@@ -187,7 +294,7 @@ def time_compositions(
     packages: label -> package, e.g. {"alone": h0-only, "beside_h4096": h0+h4096,
               "beside_unloadable": h0 + a variant that cannot load}. The function must load from each;
               one that does not is refused naming the composition.
-    Results: {label: {min_s, median_s, max_s, samples_s}}, measured in one run so they compare.
+    Results: {label: {min_s, median_s, max_s, samples_s, ...}}, measured in one run so they compare.
     """
     check_compute_units(compute_units)
     runtime.require_available()
@@ -224,13 +331,37 @@ def time_compositions(
     return _finish("composition_load_timing", parameters, results, unknown, out_dir)
 
 
+def _predict_one_setting(runtime, pkg, function, inputs, unit, *, stateful, warmup, repeats, clock) -> dict:
+    """Load (untimed), convert the inputs once (timed apart), time predict only; errors become entries."""
+    try:
+        handle = runtime.load(pkg, function, unit)
+    except RuntimeLoadError as e:
+        return {"error": " ".join(str(e).split())}
+    start = clock()
+    ready = prepare_inputs(inputs)
+    conversion_s = clock() - start
+    try:
+        state = runtime.make_state(handle) if stateful else None
+        stats = measure(
+            lambda: runtime.predict(handle, ready, state=state),
+            warmup=warmup,
+            repeats=repeats,
+            clock=clock,
+            desc=f"predict {function} {unit}",
+        )
+    except (RuntimePredictError, RuntimeError, KeyError, ValueError, TypeError) as e:
+        return {"error": f"predict: {' '.join(str(e).split())}"}
+    return {**stats.to_dict(), "input_conversion_s": conversion_s}
+
+
 def time_predict(
     runtime: CoreMLRuntime,
     pkg: str | os.PathLike,
-    function: str,
+    function: str | None,
     inputs: dict,
     compute_units_list: list[str] | tuple[str, ...] = COMPUTE_UNITS_ORDER,
     *,
+    stateful: bool = False,
     warmup: int = 1,
     repeats: int = 3,
     clock: Callable[[], float] = time.perf_counter,
@@ -238,8 +369,10 @@ def time_predict(
 ) -> dict:
     """Seconds per ``predict`` of ``function`` for each compute-units setting (kind ``predict_timing``).
 
-    The function is loaded once per setting (untimed). A setting under which it does not load is
-    recorded as ``{"error": ...}`` rather than ending the run.
+    The function is loaded once per setting (untimed, from the compiled copy). The inputs are
+    converted once as Core ML takes them (``prepare_inputs``; ``input_conversion_s``), so the timed
+    call is the prediction only. A setting under which it does not load or predict is recorded as
+    ``{"error": ...}`` rather than ending the run. ``stateful``: each setting gets a fresh state.
     inputs: name -> array, e.g. hidden [C, D], k_history / v_history [H, Hkv, d], mask [C, H + C].
     """
     units = [check_compute_units(u) for u in compute_units_list]
@@ -247,21 +380,12 @@ def time_predict(
         raise AnelabInputError("time_predict needs at least one compute-units setting")
     runtime.require_available()
     pkg = Path(pkg)
-    results = {}
-    for unit in units:
-        try:
-            handle = runtime.load(pkg, function, unit)
-        except RuntimeLoadError as e:
-            results[unit] = {"error": " ".join(str(e).split())}
-            continue
-        stats = measure(
-            lambda: runtime.predict(handle, inputs),
-            warmup=warmup,
-            repeats=repeats,
-            clock=clock,
-            desc=f"predict {function} {unit}",
+    results = {
+        unit: _predict_one_setting(
+            runtime, pkg, function, inputs, unit, stateful=stateful, warmup=warmup, repeats=repeats, clock=clock
         )
-        results[unit] = stats.to_dict()
+        for unit in units
+    }
     shapes = {name: list(getattr(value, "shape", ())) for name, value in inputs.items()}
     parameters = {
         "package": pkg.name,
@@ -271,5 +395,6 @@ def time_predict(
         "repeats": int(repeats),
         "input_shapes": shapes,
         "runtime": runtime.name,
+        "timed": "predict only; inputs converted once beforehand (input_conversion_s)",
     }
     return _finish("predict_timing", parameters, results, [], out_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -110,13 +111,30 @@ def run_package(
     *,
     hidden: np.ndarray | None = None,
     fp16: bool = True,
+    evaluator: Evaluator | None = None,
 ) -> dict[str, np.ndarray]:
     """The saved function's outputs (attn_out [C, D], k_chunk/v_chunk [Hkv, C, d]) under ``mask``
-    [C, H + C], evaluated from disk; ``hidden`` [C, D] replaces the inputs' chunk rows."""
+    [C, H + C], evaluated from disk with NumPy (or by ``evaluator``, e.g. Core ML on a Mac);
+    ``hidden`` [C, D] replaces the inputs' chunk rows."""
     feed = {"hidden": inputs.hidden if hidden is None else hidden, "mask": np.asarray(mask, dtype=np.float16)}
     if inputs.history > 0:
         feed.update(k_history=inputs.k_history, v_history=inputs.v_history)
+    if evaluator is not None:
+        return evaluator(inputs.function, feed)
     return evaluate(saved, inputs.function, feed, fp16=fp16)
+
+
+class Evaluator(Protocol):
+    """Runs one function of the package being verified in place of the NumPy evaluation (the seam for
+    Core ML on a Mac: ``anelab.runtime.device.CoreMLEvaluator``): ``evaluator(function, inputs,
+    state=None) -> outputs``, names and shapes as in the package's signature; ``make_state(function)``
+    gives a fresh state for a stateful function; ``name`` labels the report."""
+
+    name: str
+
+    def __call__(self, function: str, inputs: dict, state=None) -> dict: ...
+
+    def make_state(self, function: str): ...
 
 
 def run_reference(

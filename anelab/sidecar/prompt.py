@@ -35,12 +35,15 @@ def run_stateful(
     masks=None,
     fresh_state_each_call: bool = False,
     fp16: bool = True,
+    evaluate=None,
+    make_state=None,
 ) -> tuple[np.ndarray, dict]:
     """Feed ``hidden`` [P, D] through a saved stateful package: (P - decode_steps) / chunk calls of
     c<chunk>, then ``decode_steps`` calls of c1, carrying the state. Returns (attn_out [P, D], final state).
 
     ``masks(rows, start) -> [rows, capacity]`` overrides ``stateful_mask``. Refuses a call whose
-    chunk would run past the state capacity (one line).
+    chunk would run past the state capacity (one line). ``evaluate(function, inputs, state)`` and
+    ``make_state(function)`` run the calls elsewhere (e.g. Core ML; default: NumPy on ``saved``).
     """
 
     prefill = hidden.shape[0] - decode_steps
@@ -52,7 +55,11 @@ def run_stateful(
     calls += [(stateful_function_name(1), prefill + i, 1) for i in range(decode_steps)]
     masks = masks or (lambda rows, start: stateful_mask(rows, start, capacity))
     first = calls[0][0] if calls else stateful_function_name(chunk)
-    state = new_state(saved, first)
+    evaluate = evaluate or (
+        lambda function, inputs, state: evaluate_with_state(saved, function, inputs, state, fp16=fp16)
+    )
+    make_state = make_state or (lambda function: new_state(saved, function))
+    state = make_state(first)
     outs = []
     for function, start, rows in calls:
         if start + rows > capacity:
@@ -60,13 +67,13 @@ def run_stateful(
                 f"chunk start {start} + {rows} rows is past the state capacity {capacity}; export with a larger --capacity"
             )
         if fresh_state_each_call:
-            state = new_state(saved, function)
+            state = make_state(function)
         inputs = {
             "hidden": np.ascontiguousarray(hidden[start : start + rows]),
             "start": np.array([start], np.int32),
             "mask": masks(rows, start),
         }
-        outs.append(evaluate_with_state(saved, function, inputs, state, fp16=fp16)["attn_out"])
+        outs.append(evaluate(function, inputs, state)["attn_out"])
     return (np.concatenate(outs) if outs else np.zeros((0, hidden.shape[1]), np.float16)), state
 
 

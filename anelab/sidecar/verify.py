@@ -39,6 +39,7 @@ from anelab.sidecar.compare import (
     OUTPUTS,
     RELATIVE_ERROR_THRESHOLD,
     Comparison,
+    Evaluator,
     FunctionInputs,
     load_matching_checkpoint,
     output_errors,
@@ -124,11 +125,17 @@ def verify_package(
     seed: int = 0,
     fp16: bool = True,
     functions: list[str] | None = None,
+    evaluator: Evaluator | None = None,
 ) -> VerifyReport:
-    """Verify every function of a saved sidecar against the reference (see module docstring)."""
+    """Verify every function of a saved sidecar against the reference (see module docstring).
+
+    ``evaluator``: runs the package's functions instead of the NumPy evaluation (e.g. Core ML on a
+    Mac). Every case then also reports the evaluator against the NumPy evaluation of the same package
+    and the NumPy evaluation against the reference: three comparisons per output.
+    """
     meta = read_sidecar_metadata(package)
     if meta.graph == "stateful":  # one function per chunk width, K/V in Core ML state
-        return verify_stateful_package(package, checkpoint_dir, seed=seed, fp16=fp16)
+        return verify_stateful_package(package, checkpoint_dir, seed=seed, fp16=fp16, evaluator=evaluator)
     checkpoint = load_matching_checkpoint(meta, checkpoint_dir)
     saved = SavedPackage(package)
     names = functions or list(meta.functions)
@@ -139,7 +146,9 @@ def verify_package(
         str(checkpoint.path),
         meta.layer,
         RELATIVE_ERROR_THRESHOLD,
-        "NumPy evaluation of the saved MIL program (" + ("fp16 storage emulated" if fp16 else "fp32") + ")",
+        "NumPy evaluation of the saved MIL program (" + ("fp16 storage emulated" if fp16 else "fp32") + ")"
+        if evaluator is None
+        else f"{evaluator.name}, beside the NumPy evaluation",
     )
     checkpoint_weights = checkpoint.layer(meta.layer)
     for name in tqdm(names, desc="verify functions", unit="fn"):
@@ -148,7 +157,9 @@ def verify_package(
             weights = quantize.dequantized_weights(saved, name, checkpoint_weights)
         rng = np.random.default_rng([seed, history_of(name)])
         inputs = random_function_inputs(name, meta.chunk, weights, checkpoint.geometry, rng)
-        report.comparisons.extend(function_comparisons(saved, inputs, weights, checkpoint.geometry, rng, fp16=fp16))
+        report.comparisons.extend(
+            function_comparisons(saved, inputs, weights, checkpoint.geometry, rng, fp16=fp16, evaluator=evaluator)
+        )
         if meta.weights != "fp16":
             report.comparisons.append(
                 compression_comparison(saved, inputs, checkpoint_weights, checkpoint.geometry, meta.weights, fp16=fp16)
@@ -166,21 +177,28 @@ def function_comparisons(
     rng: np.random.Generator,
     *,
     fp16: bool = True,
+    evaluator: Evaluator | None = None,
 ) -> list[Comparison]:
-    """One function at a full and a partial chunk, and its two negative controls."""
+    """One function at a full and a partial chunk, and its two negative controls; with an
+    ``evaluator``, each chunk case also gets the evaluator vs NumPy and NumPy vs reference rows."""
     name, C, H = inputs.function, inputs.hidden.shape[0], inputs.history
     mask = causal(C, H)
-    out = run_package(saved, inputs, mask, fp16=fp16)
+    out = run_package(saved, inputs, mask, fp16=fp16, evaluator=evaluator)
     ref = run_reference(inputs, weights, geometry, mask)
     comparisons = [Comparison(name, "full chunk", C, output_errors(out, ref, C))]
+    if evaluator is not None:
+        comparisons += cross_checks(name, "full chunk", C, out, run_package(saved, inputs, mask, fp16=fp16), ref)
     # partial chunk: n real rows, padded with zero rows; padded rows' outputs are ignored
     n = partial_rows(C)
     padded = inputs.hidden.copy()
     padded[n:] = 0
     pmask = causal(C, H, valid_rows=n)
-    partial_out = run_package(saved, inputs, pmask, hidden=padded, fp16=fp16)
+    partial_out = run_package(saved, inputs, pmask, hidden=padded, fp16=fp16, evaluator=evaluator)
     partial_ref = run_reference(inputs, weights, geometry, pmask, hidden=padded)
     comparisons.append(Comparison(name, f"partial chunk ({n} of {C})", n, output_errors(partial_out, partial_ref, n)))
+    if evaluator is not None:
+        numpy_partial = run_package(saved, inputs, pmask, hidden=padded, fp16=fp16)
+        comparisons += cross_checks(name, f"partial ({n} of {C})", n, partial_out, numpy_partial, partial_ref)
     # negative controls: the reference one position late must miss; so must the package under a changed mask
     wrong_rope = run_reference(inputs, weights, geometry, mask, start=H + 1)
     comparisons.append(
@@ -188,11 +206,23 @@ def function_comparisons(
             name, "control: rope offset +1", C, output_errors(out, wrong_rope, C, ("attn_out", "k_chunk")), control=True
         )
     )
-    dropped = run_package(saved, inputs, drop_half_mask(mask, rng), fp16=fp16)
+    dropped = run_package(saved, inputs, drop_half_mask(mask, rng), fp16=fp16, evaluator=evaluator)
     comparisons.append(
         Comparison(name, "control: mask reaches graph", C, output_errors(dropped, ref, C, ("attn_out",)), control=True)
     )
     return comparisons
+
+
+def cross_checks(
+    function: str, case: str, rows: int, device: dict, numpy_out: dict, ref: reference.BlockOutput
+) -> list[Comparison]:
+    """The evaluator against the NumPy evaluation of the same package, and NumPy against the reference."""
+    names = tuple(o for o in OUTPUTS if o in device and o in numpy_out)
+    numpy_as_ref = reference.BlockOutput(**{o: np.asarray(numpy_out[o], np.float64) for o in OUTPUTS})
+    return [
+        Comparison(function, f"{case}: device vs NumPy", rows, output_errors(device, numpy_as_ref, rows, names)),
+        Comparison(function, f"{case}: NumPy vs ref.", rows, output_errors(numpy_out, ref, rows)),
+    ]
 
 
 def compression_comparison(
@@ -245,11 +275,20 @@ def fold_comparisons(saved: SavedPackage, checkpoint_dir, meta, *, seed: int = 0
 
 
 def verify_stateful_package(
-    package: str | os.PathLike, checkpoint_dir: str | os.PathLike | None = None, *, seed: int = 0, fp16: bool = True
+    package: str | os.PathLike,
+    checkpoint_dir: str | os.PathLike | None = None,
+    *,
+    seed: int = 0,
+    fp16: bool = True,
+    evaluator: Evaluator | None = None,
 ) -> VerifyReport:
     """Verify a stateful sidecar over a multi-chunk prompt (and decode steps when it has ``c1``):
     the attn_out rows and the whole final cache against the fp64 reference over the prompt, then
-    three controls (RoPE one position late, a changed mask, a fresh state per call)."""
+    three controls (RoPE one position late, a changed mask, a fresh state per call).
+
+    ``evaluator`` (with ``make_state``): the calls run through it, carrying its state; its attn_out
+    is compared with the reference and with the NumPy run, whose caches are checked as usual (the
+    device's state is not read back)."""
     meta = read_sidecar_metadata(package)
     checkpoint = load_matching_checkpoint(meta, checkpoint_dir)
     saved = SavedPackage(package)
@@ -276,13 +315,22 @@ def verify_stateful_package(
         RELATIVE_ERROR_THRESHOLD,
         "NumPy evaluation of the saved MIL program, state carried between calls ("
         + ("fp16 storage emulated" if fp16 else "fp32")
-        + ")",
+        + ")"
+        if evaluator is None
+        else f"{evaluator.name}, state carried between calls, beside the NumPy evaluation",
     )
     rng = np.random.default_rng([seed, P])
     hidden = rng.standard_normal((P, geometry.hidden_size)).astype(np.float16)
 
-    def run(**options):
-        return run_stateful(saved, hidden, C, capacity, decode_steps=decode_steps, fp16=fp16, **options)
+    on = (
+        {}
+        if evaluator is None
+        else {"evaluate": lambda f, i, st: evaluator(f, i, state=st), "make_state": evaluator.make_state}
+    )
+
+    def run(numpy: bool = False, **options):
+        device = {} if numpy else on
+        return run_stateful(saved, hidden, C, capacity, decode_steps=decode_steps, fp16=fp16, **device, **options)
 
     steps = tqdm(total=4 + (meta.weights != "fp16"), desc="verify stateful", unit="run")
     out, state = run()
@@ -290,10 +338,22 @@ def verify_stateful_package(
     report.comparisons.append(
         Comparison(label, f"prompt {prefill}+{decode_steps} rows", P, stateful_errors(out, state, ref))
     )
+    if evaluator is not None:
+        numpy_out, numpy_state = run(numpy=True)
+        report.comparisons += [
+            Comparison(label, "device vs NumPy", P, {"attn_out": relative_error(out, numpy_out)}),
+            Comparison(label, "NumPy vs ref.", P, stateful_errors(numpy_out, numpy_state, ref)),
+        ]
     steps.update()
     errs = stateful_errors(out, state, prompt_reference(hidden, weights, geometry, start=1))
     report.comparisons.append(
-        Comparison(label, "control: rope offset +1", P, {k: errs[k] for k in ("attn_out", "k_chunk")}, control=True)
+        Comparison(
+            label,
+            "control: rope offset +1",
+            P,
+            {k: errs[k] for k in ("attn_out", "k_chunk") if k in errs},
+            control=True,
+        )
     )
     steps.update()
     dropped, _ = run(masks=lambda rows, start: drop_half_mask(stateful_mask(rows, start, capacity), rng))
@@ -323,11 +383,14 @@ def verify_stateful_package(
     return report
 
 
-def stateful_errors(out: np.ndarray, state: dict[str, np.ndarray], ref: reference.BlockOutput) -> dict[str, float]:
+def stateful_errors(out: np.ndarray, state, ref: reference.BlockOutput) -> dict[str, float]:
     """attn_out rows [P, D], and the whole final cache [Hkv, capacity, d] against the reference K/V
-    [Hkv, P, d] padded with zeros (slots past the prompt must stay empty)."""
+    [Hkv, P, d] padded with zeros (slots past the prompt must stay empty). A device's state (not a
+    dict of arrays) is not read back: attn_out only."""
     P = out.shape[0]
     errs = {"attn_out": relative_error(out, ref.attn_out)}
+    if not isinstance(state, dict):
+        return errs
     for column, name, expected in (("k_chunk", STATE_NAMES[0], ref.k_chunk), ("v_chunk", STATE_NAMES[1], ref.v_chunk)):
         full = np.zeros(state[name].shape)
         full[:, :P] = expected

@@ -13,6 +13,11 @@ say so inside the figure: ``label_recorded(ax, record)`` draws
 
 and a fresh measurement is labelled ``measured here: <machine>``. ``provenance_text(records)`` is
 the same text for a list of records (what ``save_figure`` stores as the figure's provenance note).
+
+Every figure's caption and alt text are declared once, in ``captions.toml`` beside this module
+(``caption_for``), with the provenance kinds it draws (``PROVENANCE_KINDS``: measured here,
+recorded elsewhere, predicted); ``save_figure`` copies them into the manifest entry, and
+``annotate_manifest`` adds them to an existing manifest without redrawing.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import hashlib
 import io
 import json
 import os
+import tomllib
+from functools import cache
 from pathlib import Path
 
 from anelab import __version__
@@ -63,6 +70,12 @@ LABEL_PLACES = {  # loc -> (x, y, ha, va) in axes coordinates
     "upper left": (0.01, 0.98, "left", "top"),
     "upper right": (0.99, 0.98, "right", "top"),
 }
+
+
+CAPTIONS_FILE = Path(__file__).with_name("captions.toml")
+
+
+PROVENANCE_KINDS = ("measured here", "recorded elsewhere", "predicted")
 
 
 RECORDED_COLOUR = "#8a4b00"
@@ -137,14 +150,24 @@ def read_manifest(figures_dir: str | os.PathLike = "figures") -> dict:
 
 
 def save_figure(
-    fig, name: str, *, figures_dir: str | os.PathLike = "figures", notebook: str, parameters: dict, provenance_note: str
+    fig,
+    name: str,
+    *,
+    figures_dir: str | os.PathLike = "figures",
+    notebook: str,
+    parameters: dict,
+    provenance_note: str,
+    caption: str | None = None,
+    alt: str | None = None,
 ) -> dict:
     """Write ``name``.png and ``name``.svg to ``figures_dir`` and record them in its manifest.
 
     notebook: the notebook that drew the figure (file name); parameters: the notebook parameters
     (JSON-serialisable) it ran with; provenance_note: where the data came from (``provenance_text``).
-    Returns the manifest entry: {"files": {fmt: {"path", "sha256", "bytes"}}, "notebook",
-    "parameters", "provenance"}. An entry of the same name is replaced (figures are regenerated,
+    caption / alt: only for figures outside the study notebooks (e.g. batch summaries); a study
+    figure takes them from ``captions.toml``. Returns the manifest entry: {"files": {fmt: {"path",
+    "sha256", "bytes"}}, "notebook", "parameters", "provenance"} plus "caption", "alt",
+    "provenance_kinds" when declared. An entry of the same name is replaced (figures are regenerated,
     unlike records); the manifest carries no dates, so it is byte-stable when the figures are.
     """
     name = _check_name(name)
@@ -156,6 +179,7 @@ def save_figure(
         raise AnelabInputError(f"figure {name}: parameters must be JSON-serialisable ({e})") from None
     directory = Path(figures_dir)
     entry = {"files": {}, "notebook": str(notebook), "parameters": params, "provenance": str(provenance_note)}
+    entry.update(caption_for(name) if caption is None else {"caption": caption, "alt": alt or caption})
     with _locked(directory):
         for fmt in FORMATS:
             data = figure_bytes(fig, fmt)
@@ -170,6 +194,40 @@ def save_figure(
         manifest["figures"] = dict(sorted(manifest["figures"].items()))
         atomic_write_text(directory / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return entry
+
+
+@cache
+def caption_table() -> dict[str, dict]:
+    """``captions.toml`` parsed: {figure name: {"caption", "alt", "provenance": [kinds]}}."""
+    table = tomllib.loads(CAPTIONS_FILE.read_text())
+    for name, entry in table.items():
+        kinds = entry.get("provenance") or []
+        if not entry.get("caption") or not entry.get("alt") or not kinds or set(kinds) - set(PROVENANCE_KINDS):
+            raise AnelabInputError(
+                f"{CAPTIONS_FILE.name} [{name}]: needs caption, alt and provenance (some of {', '.join(PROVENANCE_KINDS)})"
+            )
+    return table
+
+
+def caption_for(name: str) -> dict:
+    """{"caption", "alt", "provenance_kinds"} of a study figure ({} when ``captions.toml`` has none;
+    the tests require one for every figure in the committed manifest and every notebook)."""
+    entry = caption_table().get(name)
+    if entry is None:
+        return {}
+    return {"caption": entry["caption"], "alt": entry["alt"], "provenance_kinds": list(entry["provenance"])}
+
+
+def annotate_manifest(figures_dir: str | os.PathLike = "figures") -> dict:
+    """Copy captions, alt text and provenance kinds from ``captions.toml`` into an existing
+    ``MANIFEST.json`` (no figure is redrawn); returns the manifest."""
+    directory = Path(figures_dir)
+    with _locked(directory):
+        manifest = read_manifest(directory)
+        for name, entry in manifest["figures"].items():
+            entry.update(caption_for(name))
+        atomic_write_text(directory / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return manifest
 
 
 def _chip_short(chip: str) -> str:

@@ -18,11 +18,27 @@ JupyterLab (cwd ``notebooks/``) resolves its defaults the same way.
 Each run has an execution timeout (seconds any one cell may take; papermill stops the kernel and
 the run fails), leaves the executed copy in ``<build>/notebooks/`` and an HTML export in
 ``<build>/html/``, and prints one progress line.
+
+``anelab run`` (``run_study``) runs one study into a run directory ``runs/<study>/<run id>/``:
+the executed notebook and its HTML, ``figures/``, ``records/``, ``build/`` (scratch),
+``parameters.json`` and, written last, ``result.json`` (status, error, seconds, machine). Its
+parameters are checked against the notebook's ``parameters`` cell first (``check_parameters``):
+an undeclared name or a value of the wrong type is refused before anything is written. The run
+id is a hash of the study and its parameters plus a tag of the machine, so the same grid run on
+two machines gives two directories that merge side by side.
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import datetime as _dt
+import hashlib
+import json
 import os
+import platform
+import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,8 +47,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from anelab.errors import AnelabInputError
-from anelab.paths import FIGURES_DIR, MEASURED_DIR, NOTEBOOK_DIR, REPO_ROOT
-from anelab.records import read_json_file
+from anelab.paths import FIGURES_DIR, MEASURED_DIR, NOTEBOOK_DIR, REPO_ROOT, RUNS_DIR
+from anelab.records import atomic_write_text, machine_description, read_json_file
 
 ANELAB_KERNEL = "anelab"  # the Makefile installs it into the venv (ipykernel --sys-prefix)
 
@@ -260,3 +276,230 @@ def run_all_notebooks(
     if failed:
         print(f"{len(failed)} of {len(runs)} notebooks failed: {', '.join(failed)}")
     return not failed
+
+
+# ---- one study run into its own directory (``anelab run``) ------------------------------------------
+
+RESULT_FILE = "result.json"  # written last: a run directory holding it is complete (ok or failed)
+
+
+PARAMETERS_FILE = "parameters.json"
+
+
+THREAD_VARIABLES = (  # BLAS/OpenMP pools the kernel's NumPy may start
+    "OMP_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+)
+
+
+TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes"), ("false", "0", "no")
+
+
+def resolve_notebook(spec: str | os.PathLike, notebooks: list[Path] | None = None) -> Path:
+    """A study notebook from its number (``2``, ``02``), stem (``02_mask_fold``), name or path."""
+    notebooks = discover_notebooks() if notebooks is None else notebooks
+    text = str(spec)
+    path = Path(text)
+    if path.suffix == ".ipynb" and path.is_file():
+        return path.resolve()
+    for nb in notebooks:
+        number = nb.name.split("_", 1)[0]
+        if text in (nb.name, nb.stem) or (text.isdigit() and number.isdigit() and int(text) == int(number)):
+            return nb
+    names = ", ".join(nb.stem for nb in notebooks)
+    raise AnelabInputError(f"unknown study {text!r}; use a number, stem or path of one of: {names}")
+
+
+def _declared_summary(declared: dict[str, dict]) -> str:
+    return ", ".join(f"{name}: {d['type']}" for name, d in declared.items() if name not in INJECTED[1:])
+
+
+def _coerce_text(name: str, text: str, kind: str):
+    """A command-line string as the declared type (``None`` when it does not parse as one)."""
+    if kind == "bool":
+        low = text.strip().lower()
+        return True if low in TRUE_WORDS else False if low in FALSE_WORDS else None
+    if kind in ("int", "float"):
+        with contextlib.suppress(ValueError):
+            return int(text) if kind == "int" else float(text)
+        return None
+    if kind in ("list", "dict"):
+        with contextlib.suppress(ValueError, SyntaxError):
+            return ast.literal_eval(text)
+        return None
+    return text
+
+
+def _type_ok(value, kind: str) -> bool:
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "list":
+        return isinstance(value, list)
+    if kind == "dict":
+        return isinstance(value, dict)
+    return True  # papermill could not infer a type ("None"): any JSON value
+
+
+def check_parameters(path: str | os.PathLike, values: dict, *, from_text: bool = False) -> dict:
+    """``values`` checked against the notebook's ``parameters`` cell; returns them typed.
+
+    from_text: values are command-line strings, parsed as the declared type. An undeclared name, a
+    value of the wrong type, or one of the run's own directories (set by the run) is refused in one
+    line naming the declared parameters.
+    """
+    path = Path(path)
+    declared = declared_parameters(path)
+    listing = f"{path.stem} declares {_declared_summary(declared)}"
+    out = {}
+    for name, value in values.items():
+        if name in INJECTED[1:]:
+            raise AnelabInputError(f"{name} is set by the run (its run directory); {listing}")
+        if name not in declared:
+            raise AnelabInputError(f"{path.stem} has no parameter {name!r}; {listing}")
+        kind = declared[name]["type"]
+        typed = _coerce_text(name, value, kind) if from_text and isinstance(value, str) else value
+        if typed is None or not _type_ok(typed, kind):
+            raise AnelabInputError(f"{path.stem}: parameter {name} must be {kind}, got {value!r}; {listing}")
+        out[name] = float(typed) if kind == "float" else typed
+    return out
+
+
+def machine_tag() -> str:
+    """A short file-name-safe tag of this machine: its model and a hash of its host name
+    (two machines of the same model get different tags; the host name itself is not written)."""
+    model = re.sub(r"[^A-Za-z0-9]+", "-", machine_description()["machine_model"]).strip("-") or "machine"
+    host = hashlib.sha256(platform.node().encode()).hexdigest()[:6]
+    return f"{model}-{host}"
+
+
+def run_id(notebook: str | os.PathLike, parameters: dict) -> str:
+    """``<hash of study + parameters>-<machine tag>``: the same run on the same machine keeps its
+    directory (``--resume``), the same run on another machine gets its own."""
+    text = json.dumps({"notebook": Path(notebook).name, "parameters": parameters}, sort_keys=True)
+    return f"{hashlib.sha256(text.encode()).hexdigest()[:10]}-{machine_tag()}"
+
+
+def run_directory(notebook: str | os.PathLike, parameters: dict, runs: str | os.PathLike = RUNS_DIR) -> Path:
+    """``<runs>/<study stem>/<run id>``."""
+    return Path(runs) / Path(notebook).stem / run_id(notebook, parameters)
+
+
+def read_result(run_dir: str | os.PathLike) -> dict | None:
+    """The run's ``result.json`` (None while the run has not finished)."""
+    path = Path(run_dir) / RESULT_FILE
+    return read_json_file(path, "run result") if path.is_file() else None
+
+
+@contextlib.contextmanager
+def thread_limits(threads: int | None):
+    """Cap the BLAS/OpenMP threads of kernels started inside the block (they inherit the environment)."""
+    if threads is None:
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in THREAD_VARIABLES}
+    os.environ.update({k: str(int(threads)) for k in THREAD_VARIABLES})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_study(
+    notebook: str | os.PathLike,
+    parameters: dict,
+    *,
+    out: str | os.PathLike | None = None,
+    publish: bool = False,
+    threads: int | None = None,
+    timeout: float | None = None,
+) -> NotebookRun:
+    """Run one study (already resolved, parameters already checked) into its run directory.
+
+    out: the run directory (default ``run_directory``); a directory already holding a result is
+    refused (runs are records: never overwritten). publish: figures go to the committed
+    ``figures/`` and the HTML to ``build/html/`` (what ``make docs`` links), records stay in the run.
+    threads: BLAS/OpenMP threads of the kernel. Returns the ``NotebookRun``; ``result.json`` says
+    ok or failed with the error.
+    """
+    notebook = Path(notebook)
+    run_dir = Path(out) if out is not None else run_directory(notebook, parameters)
+    if read_result(run_dir) is not None:
+        raise AnelabInputError(f"{run_dir} already holds a finished run; choose another --out or remove it")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / PARAMETERS_FILE, json.dumps(parameters, indent=2, sort_keys=True) + "\n")
+    injected = {
+        "figures_dir": str(FIGURES_DIR if publish else (run_dir / "figures").resolve()),
+        "records_dir": str((run_dir / "records").resolve()),
+        "build_dir": str((run_dir / "build").resolve()),
+    }
+    quick = bool(parameters.get("quick", False))
+    with thread_limits(threads):
+        run = run_notebook(notebook, quick=quick, build=run_dir, timeout=timeout, parameters={**injected, **parameters})
+    _move_outputs(run, run_dir, notebook, publish)
+    write_result(run_dir, notebook, parameters, threads, ok=run.ok, error=run.error, seconds=run.seconds)
+    return run
+
+
+def _move_outputs(run: NotebookRun, run_dir: Path, notebook: Path, publish: bool) -> None:
+    """The executed notebook and its HTML at the top of the run directory (and, when publishing,
+    the HTML where ``make docs`` looks)."""
+    executed = run_dir / notebook.name
+    if run.executed.exists():
+        os.replace(run.executed, executed)
+        run.executed = executed
+        with contextlib.suppress(OSError):
+            (run_dir / "notebooks").rmdir()
+    if run.html is not None and run.html.exists():
+        html = run_dir / run.html.name
+        os.replace(run.html, html)
+        run.html = html
+        with contextlib.suppress(OSError):
+            (run_dir / "html").rmdir()
+        if publish:
+            dest = REPO_ROOT / "build" / "html" / html.name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(html, dest)
+
+
+def write_result(
+    run_dir: Path, notebook: Path, parameters: dict, threads: int | None, *, ok: bool, error: str, seconds: float
+) -> Path:
+    """Write the run's ``result.json`` (last, atomically): the marker of a finished run."""
+    result = {
+        "study": notebook.stem,
+        "notebook": notebook.name,
+        "run_id": Path(run_dir).name,
+        "status": "ok" if ok else "failed",
+        "error": error,
+        "seconds": round(seconds, 3),
+        "parameters": parameters,
+        "threads": threads,
+        "machine": machine_description(),
+        "finished": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+    }
+    return atomic_write_text(Path(run_dir) / RESULT_FILE, json.dumps(result, indent=2, sort_keys=True) + "\n")
+
+
+def clear_run_directory(run_dir: Path) -> None:
+    """Remove a failed or interrupted run's directory before it runs again. A successful run, or a
+    directory that is not a run directory (no parameters.json), is never removed."""
+    run_dir = Path(run_dir)
+    result = read_result(run_dir)
+    if result is not None and result.get("status") == "ok":
+        raise AnelabInputError(f"{run_dir} holds a successful run; it is not removed")
+    if not (run_dir / PARAMETERS_FILE).is_file():
+        raise AnelabInputError(f"{run_dir} is not a run directory (no {PARAMETERS_FILE}); remove it yourself")
+    shutil.rmtree(run_dir)

@@ -61,4 +61,16 @@ def reproduce(quick: bool = False, build: str | Path = "build") -> int:
     except ImportError:
         return 0 if passed else 1
     ok = run_all_notebooks(quick=quick, build=build)
+    print(fresh_figures_line(quick, build))
     return 0 if (passed and ok) else 1
+
+
+def fresh_figures_line(quick: bool, build: Path) -> str:
+    """Which figures drew fresh Mac data (records from ``anelab measure``), as one line."""
+    from anelab.studies.fresh import figures_with_fresh_data
+    from anelab.studies.notebooks import run_parameters
+
+    names = figures_with_fresh_data(run_parameters(quick, build)["figures_dir"])
+    if not names:
+        return "fresh Mac data: none of the figures (no Mac records in the records directory; run 'anelab measure' on a Mac)"
+    return f"fresh Mac data: {', '.join(names)}"

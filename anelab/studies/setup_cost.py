@@ -314,14 +314,14 @@ def memory_vs_functions(
     :func:`load_memory_isolated`; tests pass a fake): load the first function, then every other one.
     results.rows: [{functions, first_function_delta_bytes, all_functions_delta_bytes, loads}].
     """
-    from anelab.sidecar.format import read_sidecar_metadata
+    from anelab.runtime.interface import package_functions
 
     if not packages:
         raise AnelabInputError("memory_vs_functions needs at least one package")
     measure = measure or load_memory_isolated
     rows = []
     for n, pkg in tqdm(sorted(packages.items()), desc="memory by functions", unit="pkg"):
-        functions = read_sidecar_metadata(pkg).functions
+        functions = package_functions(pkg)  # c<C> (and c1) for a stateful package, h<H> otherwise
         result = measure(pkg, functions, compute_units=compute_units)
         loads = result["loads"]
         rows.append(

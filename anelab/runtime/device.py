@@ -1,0 +1,58 @@
+"""Verify a sidecar on this Mac: Core ML's own predictions as the evaluator of ``anelab.sidecar.verify``.
+
+Every case of the verification (full and partial chunk, both negative controls) runs through Core
+ML ``predict`` under the requested compute units, from the package's compiled copy; the report
+adds, per case, Core ML against the NumPy evaluation of the same package and NumPy against the
+reference — three comparisons per output. A stateful sidecar runs its prompt through one Core ML
+state; its attn_out is compared (the caches are checked on the NumPy run).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from anelab.runtime.interface import CoreMLRuntime, check_compute_units, prepare_inputs
+from anelab.runtime.mac import default_runtime
+
+
+class CoreMLEvaluator:
+    """``anelab.sidecar.verify.Evaluator`` backed by Core ML: one handle per function, loaded on first use."""
+
+    def __init__(self, runtime: CoreMLRuntime, package: str | os.PathLike, compute_units: str):
+        self.runtime, self.package, self.compute_units = runtime, package, check_compute_units(compute_units)
+        self.name = f"Core ML predict ({compute_units}, {runtime.name})"
+        self._handles: dict = {}
+
+    def handle(self, function: str):
+        if function not in self._handles:
+            self._handles[function] = self.runtime.load(self.package, function, self.compute_units)
+        return self._handles[function]
+
+    def make_state(self, function: str):
+        """A fresh Core ML state (``MLState``) for a stateful function; Core ML lets the package's functions share it."""
+        return self.runtime.make_state(self.handle(function))
+
+    def __call__(self, function: str, inputs: dict, state=None) -> dict:
+        out = self.runtime.predict(self.handle(function), prepare_inputs(inputs), state=state)
+        return {name: np.asarray(value) for name, value in out.items()}
+
+
+def verify_on_device(
+    package: str | os.PathLike,
+    checkpoint_dir: str | os.PathLike | None = None,
+    *,
+    compute_units: str,
+    seed: int = 0,
+    runtime: CoreMLRuntime | None = None,
+):
+    """``anelab.sidecar.verify.verify_package`` with Core ML as the evaluator; refuses off-Mac (one line)."""
+    from anelab.sidecar.verify import verify_package
+
+    check_compute_units(compute_units)
+    runtime = runtime if runtime is not None else default_runtime()
+    runtime.require_available()
+    return verify_package(
+        package, checkpoint_dir, seed=seed, evaluator=CoreMLEvaluator(runtime, package, compute_units)
+    )
