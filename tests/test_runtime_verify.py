@@ -3,6 +3,7 @@ saved program as Core ML would), three comparisons per output; off-Mac one line 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from anelab.cli import main
@@ -89,3 +90,52 @@ def test_a_device_that_drops_the_state_fails_the_stateful_check(stateful):
     report = verify_on_device(pkg, ckpt, compute_units="cpu_and_ne", runtime=runtime)
     by_case = {c.case: c for c in report.comparisons}
     assert not report.passed and not by_case["device vs NumPy"].passed and by_case["NumPy vs ref."].passed
+
+
+def test_the_device_cache_is_read_back_and_checked(stateful):
+    """The caches the device's state holds are compared too (MLState.read_state): a device whose
+    attention is right but whose state ends empty fails on k_chunk/v_chunk."""
+    pkg, ckpt = stateful
+    runtime = FakeRuntime(numerics=True)
+    report = verify_on_device(pkg, ckpt, compute_units="cpu_and_ne", runtime=runtime)
+    first = report.comparisons[0]
+    assert first.passed and {"attn_out", "k_chunk", "v_chunk"} <= set(first.errors)
+    real_make_state = runtime.make_state
+
+    def make_state(handle):  # a state that forgets what was written to it when read back
+        state = real_make_state(handle)
+        state.read_state = lambda name: np.zeros_like(state[name], dtype=np.float32)
+        return state
+
+    runtime.make_state = make_state
+    report = verify_on_device(pkg, ckpt, compute_units="cpu_and_ne", runtime=runtime)
+    first = report.comparisons[0]
+    assert not report.passed and first.errors["attn_out"] < 1e-2 and first.errors["k_chunk"] == 1.0
+
+
+def test_the_fold_check_runs_on_the_device_too(tiny_checkpoint, tmp_path):
+    """A package recording the fold contract: its fold rows are the device's (predict calls under the
+    folded and the causal-only mask), and a device that ignores its mask fails the fold row."""
+    ckpt = tiny_checkpoint("qwen3")
+    pkg = export_layer(
+        load_checkpoint(ckpt), 0, 32, [0, 32], tmp_path, selection={"kept_blocks": 2, "compress_ratio": 4}
+    ).package
+    runtime = FakeRuntime(numerics=True)
+    report = verify_on_device(pkg, ckpt, compute_units="cpu_and_ne", runtime=runtime)
+    fold_rows = [c for c in report.comparisons if c.case.startswith("fold:") or c.case == "control: causal-only mask"]
+    assert report.passed and len(fold_rows) == 2, report.table()
+    fold_predicts = [c for c in runtime.calls if c[0] == "predict" and c[2] == "h32"]
+    assert len(fold_predicts) == 3 + 2  # full, partial, dropped-mask control; then folded and causal-only
+    real = runtime.predict
+
+    def causal_only(handle, inputs, state=None):  # a device whose graph ignores the folded selection
+        from anelab.masks import causal
+
+        if handle.function == "h32":
+            inputs = {**inputs, "mask": causal(32, 32).astype(np.float16)}
+        return real(handle, inputs, state=state)
+
+    runtime.predict = causal_only
+    report = verify_on_device(pkg, ckpt, compute_units="cpu_and_ne", runtime=runtime)
+    fold = next(c for c in report.comparisons if c.case.startswith("fold:"))
+    assert not fold.passed and not report.passed

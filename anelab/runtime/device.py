@@ -4,7 +4,7 @@ Every case of the verification (full and partial chunk, both negative controls) 
 ML ``predict`` under the requested compute units, from the package's compiled copy; the report
 adds, per case, Core ML against the NumPy evaluation of the same package and NumPy against the
 reference — three comparisons per output. A stateful sidecar runs its prompt through one Core ML
-state; its attn_out is compared (the caches are checked on the NumPy run).
+state; its attn_out and the caches it leaves (read back with ``MLState.read_state``) are compared.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import numpy as np
 
 from anelab.runtime.interface import CoreMLRuntime, check_compute_units, prepare_inputs
 from anelab.runtime.mac import default_runtime
+from anelab.sidecar.format import STATE_NAMES
 
 
 class CoreMLEvaluator:
@@ -33,6 +34,10 @@ class CoreMLEvaluator:
     def make_state(self, function: str):
         """A fresh Core ML state (``MLState``) for a stateful function; Core ML lets the package's functions share it."""
         return self.runtime.make_state(self.handle(function))
+
+    def state_arrays(self, state) -> dict[str, np.ndarray]:
+        """The K/V cache a Core ML state holds after the calls (``MLState.read_state``), name -> array."""
+        return {name: np.asarray(state.read_state(name)) for name in STATE_NAMES}
 
     def __call__(self, function: str, inputs: dict, state=None) -> dict:
         out = self.runtime.predict(self.handle(function), prepare_inputs(inputs), state=state)

@@ -162,7 +162,13 @@ class FakeHandle:
 
 
 class FakeState(dict):
-    """A fresh ``MLState``: state name -> zeros."""
+    """A fresh ``MLState``: state name -> zeros; ``read_state(name)`` as coremltools 9.0's ``MLState``
+    (a bad name raises ``RuntimeError``, CoreMLPython.mm at 9.0)."""
+
+    def read_state(self, name: str) -> np.ndarray:
+        if name not in self:
+            raise RuntimeError(f"no state named {name!r}")
+        return np.array(self[name], dtype=np.float32)
 
 
 class FakeRuntime(CoreMLRuntime):

@@ -128,13 +128,17 @@ class Evaluator(Protocol):
     """Runs one function of the package being verified in place of the NumPy evaluation (the seam for
     Core ML on a Mac: ``anelab.runtime.device.CoreMLEvaluator``): ``evaluator(function, inputs,
     state=None) -> outputs``, names and shapes as in the package's signature; ``make_state(function)``
-    gives a fresh state for a stateful function; ``name`` labels the report."""
+    gives a fresh state for a stateful function and ``state_arrays(state)`` reads it back; ``name``
+    labels the report."""
 
     name: str
 
     def __call__(self, function: str, inputs: dict, state=None) -> dict: ...
 
     def make_state(self, function: str): ...
+
+    def state_arrays(self, state) -> dict[str, np.ndarray]:
+        """The caches a state holds after the calls (state name -> array [Hkv, capacity, d])."""
 
 
 def run_reference(

@@ -130,9 +130,10 @@ def selection_for(case: FoldCase, kept_blocks: int, compress_ratio: int, score: 
     return select(case.q, case.k, case.history, kept_blocks, compress_ratio, score=score, seed=seed)
 
 
-def run_package(case: FoldCase, mask: np.ndarray) -> np.ndarray:
-    """attn_out [C, D] float16 of the saved function under ``mask`` [C, T] (evaluated from disk)."""
-    return compare.run_package(case.saved, case.inputs, mask)["attn_out"]
+def run_package(case: FoldCase, mask: np.ndarray, evaluator: compare.Evaluator | None = None) -> np.ndarray:
+    """attn_out [C, D] float16 of the saved function under ``mask`` [C, T] (evaluated from disk with
+    NumPy, or by ``evaluator``: Core ML on a Mac)."""
+    return np.asarray(compare.run_package(case.saved, case.inputs, mask, evaluator=evaluator)["attn_out"])
 
 
 def run_reference(case: FoldCase, mask: np.ndarray) -> np.ndarray:
@@ -180,6 +181,7 @@ def fold_check(
     package_mask: np.ndarray | None = None,
     strict: bool = True,
     threshold: float = RELATIVE_ERROR_THRESHOLD,
+    evaluator: compare.Evaluator | None = None,
 ) -> FoldCheck:
     """Check the saved package under ``selection`` folded into its mask against the reference.
 
@@ -203,8 +205,10 @@ def fold_check(
         budget=selection.budget,
         mean_kept_keys=float(selection.keep_counts.mean()),
         mean_visible_keys=float(visible.mean()),
-        fold_error=relative_error(run_package(case, folded if package_mask is None else package_mask), truth),
-        causal_off=relative_error(run_package(case, causal(case.chunk, case.history)), truth),
+        fold_error=relative_error(
+            run_package(case, folded if package_mask is None else package_mask, evaluator), truth
+        ),
+        causal_off=relative_error(run_package(case, causal(case.chunk, case.history), evaluator), truth),
         moved=moved,
         threshold=float(threshold),
     )

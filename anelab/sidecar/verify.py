@@ -165,7 +165,7 @@ def verify_package(
                 compression_comparison(saved, inputs, checkpoint_weights, checkpoint.geometry, meta.weights, fp16=fp16)
             )
     if meta.selection_folded:
-        report.comparisons.extend(fold_comparisons(saved, checkpoint.path, meta, seed=seed))
+        report.comparisons.extend(fold_comparisons(saved, checkpoint.path, meta, seed=seed, evaluator=evaluator))
     return report
 
 
@@ -243,13 +243,16 @@ def compression_comparison(
     return Comparison(inputs.function, f"{mode} vs fp16 w. (<={bound:g})", C, output_errors(out, ref, C), bound=bound)
 
 
-def fold_comparisons(saved: SavedPackage, checkpoint_dir, meta, *, seed: int = 0) -> list[Comparison]:
+def fold_comparisons(
+    saved: SavedPackage, checkpoint_dir, meta, *, seed: int = 0, evaluator: Evaluator | None = None
+) -> list[Comparison]:
     """The fold check a sidecar recording ``selectionFolded: true`` gets automatically.
 
     On its longest history, a synthetic QSA-shaped selection (scored from the real q/k, with the
     recorded compress ratio and at most a quarter of each row's blocks kept) is folded into the mask:
     the package must match the reference under it, the causal-only mask must not, and the selection
-    must move the reference enough that the check could fail (else it is vacuous).
+    must move the reference enough that the check could fail (else it is vacuous). With an
+    ``evaluator`` the package runs through it (Core ML on a Mac).
     """
     from anelab.sidecar import foldcheck
 
@@ -258,7 +261,8 @@ def fold_comparisons(saved: SavedPackage, checkpoint_dir, meta, *, seed: int = 0
     case = foldcheck.make_case(saved, checkpoint_dir, history=max(meta.histories), seed=seed)
     visible_blocks = (case.history + 1) // ratio
     kept = max(1, min(int(indexer.get("kept_blocks", 1)), visible_blocks // 4))
-    check = foldcheck.fold_check(case, foldcheck.selection_for(case, kept, ratio, seed=seed), strict=False)
+    selection = foldcheck.selection_for(case, kept, ratio, seed=seed)
+    check = foldcheck.fold_check(case, selection, strict=False, evaluator=evaluator)
     fn, rows = case.function, case.chunk
     return [
         Comparison(fn, f"fold: {kept} blocks x {ratio} kept", rows, {"attn_out": check.fold_error}),
@@ -286,9 +290,8 @@ def verify_stateful_package(
     the attn_out rows and the whole final cache against the fp64 reference over the prompt, then
     three controls (RoPE one position late, a changed mask, a fresh state per call).
 
-    ``evaluator`` (with ``make_state``): the calls run through it, carrying its state; its attn_out
-    is compared with the reference and with the NumPy run, whose caches are checked as usual (the
-    device's state is not read back)."""
+    ``evaluator`` (with ``make_state`` and ``state_arrays``): the calls run through it, carrying its
+    state; its attn_out and final caches are compared with the reference, beside the NumPy run."""
     meta = read_sidecar_metadata(package)
     checkpoint = load_matching_checkpoint(meta, checkpoint_dir)
     saved = SavedPackage(package)
@@ -334,6 +337,8 @@ def verify_stateful_package(
 
     steps = tqdm(total=4 + (meta.weights != "fp16"), desc="verify stateful", unit="run")
     out, state = run()
+    if evaluator is not None:  # the device's state read back (MLState.read_state), as NumPy's is
+        state = evaluator.state_arrays(state)
     ref = prompt_reference(hidden, weights, geometry)
     report.comparisons.append(
         Comparison(label, f"prompt {prefill}+{decode_steps} rows", P, stateful_errors(out, state, ref))
@@ -351,7 +356,7 @@ def verify_stateful_package(
             label,
             "control: rope offset +1",
             P,
-            {k: errs[k] for k in ("attn_out", "k_chunk") if k in errs},
+            {k: errs[k] for k in ("attn_out", "k_chunk")},
             control=True,
         )
     )
@@ -383,14 +388,11 @@ def verify_stateful_package(
     return report
 
 
-def stateful_errors(out: np.ndarray, state, ref: reference.BlockOutput) -> dict[str, float]:
+def stateful_errors(out: np.ndarray, state: dict[str, np.ndarray], ref: reference.BlockOutput) -> dict[str, float]:
     """attn_out rows [P, D], and the whole final cache [Hkv, capacity, d] against the reference K/V
-    [Hkv, P, d] padded with zeros (slots past the prompt must stay empty). A device's state (not a
-    dict of arrays) is not read back: attn_out only."""
+    [Hkv, P, d] padded with zeros (slots past the prompt must stay empty)."""
     P = out.shape[0]
     errs = {"attn_out": relative_error(out, ref.attn_out)}
-    if not isinstance(state, dict):
-        return errs
     for column, name, expected in (("k_chunk", STATE_NAMES[0], ref.k_chunk), ("v_chunk", STATE_NAMES[1], ref.v_chunk)):
         full = np.zeros(state[name].shape)
         full[:, :P] = expected
