@@ -11,9 +11,15 @@ Negative controls make the check able to fail — each must land *above* the thr
 verification reports itself vacuous and fails:
 
 - ``rope offset +1``: the reference is computed with the chunk starting one position late, so a
-  graph with the wrong RoPE positions could not pass;
+  graph with the wrong RoPE positions could not pass (not on a layer without RoPE);
 - ``mask reaches graph``: the *package* is fed a mask that drops a random half of each row's
-  visible keys, so a graph that ignored its mask input could not pass.
+  visible keys, so a graph that ignored its mask input could not pass;
+- ``window dropped`` (sliding-window layers, when the window bites within the function's
+  coverage): the package fed the plain causal mask must miss.
+
+Sliding windows: the package is fed the mask its metadata declares (``slidingWindow``), the
+reference uses the checkpoint's window for the layer, so a package whose metadata dropped the
+window fails.
 
 Compressed weights (``--weights int8|palettize4|int4-block``): the reference above uses the
 package's own dequantized projections (``anelab.quantize.dequantized_weights``), so the graph is
@@ -142,16 +148,27 @@ def verify_package(
         "NumPy evaluation of the saved MIL program (" + ("fp16 storage emulated" if fp16 else "fp32") + ")",
     )
     checkpoint_weights = checkpoint.layer(meta.layer)
+    windows = {
+        "window": meta.sliding_window,
+        "true_window": checkpoint.geometry.window_of(meta.layer),
+        "rope_coverage": meta.coverage,
+    }
     for name in tqdm(names, desc="verify functions", unit="fn"):
         weights = checkpoint_weights
         if meta.weights != "fp16":  # the graph is checked with the weights it stores
             weights = quantize.dequantized_weights(saved, name, checkpoint_weights)
         rng = np.random.default_rng([seed, history_of(name)])
-        inputs = random_function_inputs(name, meta.chunk, weights, checkpoint.geometry, rng)
-        report.comparisons.extend(function_comparisons(saved, inputs, weights, checkpoint.geometry, rng, fp16=fp16))
+        inputs = random_function_inputs(
+            name, meta.chunk, weights, checkpoint.geometry, rng, rope_coverage=meta.coverage
+        )
+        report.comparisons.extend(
+            function_comparisons(saved, inputs, weights, checkpoint.geometry, rng, fp16=fp16, **windows)
+        )
         if meta.weights != "fp16":
             report.comparisons.append(
-                compression_comparison(saved, inputs, checkpoint_weights, checkpoint.geometry, meta.weights, fp16=fp16)
+                compression_comparison(
+                    saved, inputs, checkpoint_weights, checkpoint.geometry, meta.weights, fp16=fp16, **windows
+                )
             )
     if meta.selection_folded:
         report.comparisons.extend(fold_comparisons(saved, checkpoint.path, meta, seed=seed))
@@ -166,32 +183,57 @@ def function_comparisons(
     rng: np.random.Generator,
     *,
     fp16: bool = True,
+    window: int | None = None,
+    true_window: int | None = None,
+    rope_coverage: int | None = None,
 ) -> list[Comparison]:
-    """One function at a full and a partial chunk, and its two negative controls."""
+    """One function at a full and a partial chunk, and its negative controls.
+
+    ``window``: the sliding window the package declares (its mask); ``true_window``: the model's,
+    which the reference uses; ``rope_coverage``: the package coverage (dynamic / longrope)."""
     name, C, H = inputs.function, inputs.hidden.shape[0], inputs.history
-    mask = causal(C, H)
+    mask, ref_mask = causal(C, H, window=window), causal(C, H, window=true_window)
     out = run_package(saved, inputs, mask, fp16=fp16)
-    ref = run_reference(inputs, weights, geometry, mask)
+    ref = run_reference(inputs, weights, geometry, ref_mask, rope_coverage=rope_coverage)
     comparisons = [Comparison(name, "full chunk", C, output_errors(out, ref, C))]
     # partial chunk: n real rows, padded with zero rows; padded rows' outputs are ignored
     n = partial_rows(C)
     padded = inputs.hidden.copy()
     padded[n:] = 0
-    pmask = causal(C, H, valid_rows=n)
+    pmask = causal(C, H, valid_rows=n, window=window)
     partial_out = run_package(saved, inputs, pmask, hidden=padded, fp16=fp16)
-    partial_ref = run_reference(inputs, weights, geometry, pmask, hidden=padded)
+    partial_ref = run_reference(
+        inputs,
+        weights,
+        geometry,
+        causal(C, H, valid_rows=n, window=true_window),
+        hidden=padded,
+        rope_coverage=rope_coverage,
+    )
     comparisons.append(Comparison(name, f"partial chunk ({n} of {C})", n, output_errors(partial_out, partial_ref, n)))
     # negative controls: the reference one position late must miss; so must the package under a changed mask
-    wrong_rope = run_reference(inputs, weights, geometry, mask, start=H + 1)
-    comparisons.append(
-        Comparison(
-            name, "control: rope offset +1", C, output_errors(out, wrong_rope, C, ("attn_out", "k_chunk")), control=True
+    if geometry.uses_rope(weights.layer):  # a NoPE layer (SmolLM3) has no positions to get wrong
+        wrong_rope = run_reference(inputs, weights, geometry, ref_mask, start=H + 1, rope_coverage=rope_coverage)
+        comparisons.append(
+            Comparison(
+                name,
+                "control: rope offset +1",
+                C,
+                output_errors(out, wrong_rope, C, ("attn_out", "k_chunk")),
+                control=True,
+            )
         )
-    )
     dropped = run_package(saved, inputs, drop_half_mask(mask, rng), fp16=fp16)
     comparisons.append(
         Comparison(name, "control: mask reaches graph", C, output_errors(dropped, ref, C, ("attn_out",)), control=True)
     )
+    if true_window is not None and true_window < H + C:  # the window drops keys within this function
+        unwindowed = run_package(saved, inputs, causal(C, H), fp16=fp16)
+        comparisons.append(
+            Comparison(
+                name, "control: window dropped", C, output_errors(unwindowed, ref, C, ("attn_out",)), control=True
+            )
+        )
     return comparisons
 
 
@@ -203,12 +245,16 @@ def compression_comparison(
     mode: str,
     *,
     fp16: bool = True,
+    window: int | None = None,
+    true_window: int | None = None,
+    rope_coverage: int | None = None,
 ) -> Comparison:
     """What the compression costs: the package against the reference with the checkpoint's weights."""
     C = inputs.hidden.shape[0]
-    mask = causal(C, inputs.history)
-    out = run_package(saved, inputs, mask, fp16=fp16)
-    ref = run_reference(inputs, checkpoint_weights, geometry, mask)
+    out = run_package(saved, inputs, causal(C, inputs.history, window=window), fp16=fp16)
+    ref = run_reference(
+        inputs, checkpoint_weights, geometry, causal(C, inputs.history, window=true_window), rope_coverage=rope_coverage
+    )
     bound = quantize.ERROR_BOUNDS[mode]
     return Comparison(inputs.function, f"{mode} vs fp16 w. (<={bound:g})", C, output_errors(out, ref, C), bound=bound)
 
@@ -281,22 +327,29 @@ def verify_stateful_package(
     rng = np.random.default_rng([seed, P])
     hidden = rng.standard_normal((P, geometry.hidden_size)).astype(np.float16)
 
+    window, true_window = meta.sliding_window, geometry.window_of(meta.layer)
+
     def run(**options):
+        options.setdefault("window", window)
         return run_stateful(saved, hidden, C, capacity, decode_steps=decode_steps, fp16=fp16, **options)
+
+    def truth(w, **options):
+        return prompt_reference(hidden, w, geometry, window=true_window, rope_coverage=capacity, **options)
 
     steps = tqdm(total=4 + (meta.weights != "fp16"), desc="verify stateful", unit="run")
     out, state = run()
-    ref = prompt_reference(hidden, weights, geometry)
+    ref = truth(weights)
     report.comparisons.append(
         Comparison(label, f"prompt {prefill}+{decode_steps} rows", P, stateful_errors(out, state, ref))
     )
     steps.update()
-    errs = stateful_errors(out, state, prompt_reference(hidden, weights, geometry, start=1))
-    report.comparisons.append(
-        Comparison(label, "control: rope offset +1", P, {k: errs[k] for k in ("attn_out", "k_chunk")}, control=True)
-    )
+    if geometry.uses_rope(meta.layer):  # a NoPE layer has no positions to get wrong
+        errs = stateful_errors(out, state, truth(weights, start=1))
+        report.comparisons.append(
+            Comparison(label, "control: rope offset +1", P, {k: errs[k] for k in ("attn_out", "k_chunk")}, control=True)
+        )
     steps.update()
-    dropped, _ = run(masks=lambda rows, start: drop_half_mask(stateful_mask(rows, start, capacity), rng))
+    dropped, _ = run(masks=lambda rows, start: drop_half_mask(stateful_mask(rows, start, capacity, window), rng))
     report.comparisons.append(
         Comparison(
             label, "control: mask reaches graph", P, {"attn_out": relative_error(dropped, ref.attn_out)}, control=True
@@ -310,9 +363,20 @@ def verify_stateful_package(
         )
     )
     steps.update()
+    if true_window is not None and true_window < P:
+        unwindowed, _ = run(window=None)
+        report.comparisons.append(
+            Comparison(
+                label,
+                "control: window dropped",
+                P,
+                {"attn_out": relative_error(unwindowed, ref.attn_out)},
+                control=True,
+            )
+        )
     if meta.weights != "fp16":
         bound = quantize.ERROR_BOUNDS[meta.weights]
-        fp16_ref = prompt_reference(hidden, checkpoint_weights, geometry)
+        fp16_ref = truth(checkpoint_weights)
         report.comparisons.append(
             Comparison(
                 label, f"{meta.weights} vs fp16 w. (<={bound:g})", P, stateful_errors(out, state, fp16_ref), bound=bound
