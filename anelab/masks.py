@@ -157,4 +157,16 @@ def fold_with_causal(
         )
     mask = causal(chunk, int(history), window=window)
     mask[:rows] = np.minimum(fold(keep_indices, keep_counts, total), mask[:rows])  # dropped by either: dropped
+    require_visible_key(mask[:rows], int(history))
     return mask
+
+
+def require_visible_key(mask: np.ndarray, history: int) -> None:
+    """Refuse a mask [rows, T] in which a real row sees no key (a selection that keeps nothing
+    inside the row's sliding window): its softmax would be a uniform average, not attention."""
+    empty = np.flatnonzero(np.all(mask <= MASKED, axis=1))
+    if empty.size:
+        i = int(empty[0])
+        raise AnelabInputError(
+            f"row {i} (position {history + i}) keeps no key inside its sliding window; the indexer must keep a recent key"
+        )

@@ -35,7 +35,7 @@ import numpy as np
 from anelab import reference
 from anelab.errors import AnelabInputError
 from anelab.geometry import AttentionGeometry
-from anelab.masks import causal
+from anelab.masks import causal, require_visible_key
 from anelab.selection import Selection, select
 from anelab.sidecar import compare
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, load_matching_checkpoint, relative_error
@@ -155,7 +155,11 @@ def windowed(case: FoldCase, mask: np.ndarray | None = None) -> np.ndarray:
     """The case's causal mask with its sliding window, or ``mask`` [C, T] composed with it
     (a key dropped by either is dropped)."""
     base = causal(case.chunk, case.history, window=case.window)
-    return base if mask is None else np.minimum(mask, base)
+    if mask is None:
+        return base
+    composed = np.minimum(mask, base)
+    require_visible_key(composed, case.history)
+    return composed
 
 
 @dataclass
