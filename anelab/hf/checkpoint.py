@@ -196,11 +196,38 @@ class Checkpoint:
                 f"  hidden {g.hidden_size}, heads {g.num_heads} query / {g.num_kv_heads} KV, head_dim {g.head_dim}, "
                 f"rotary_dim {g.rotary_dim} (factor {g.partial_rotary_factor:g}), rope_theta {g.rope_theta:g}, "
                 f"eps {g.rms_norm_eps:g}",
-                f"  {g.num_layers} layers, full attention at {', '.join(str(i) for i in g.full_attention_layers)}",
+                f"  {g.num_layers} layers, full attention at "
+                f"{', '.join(str(i) for i in g.full_attention_layers if i not in g.sliding_layers) or 'none'}"
+                + (
+                    f"; sliding window {g.sliding_window} at {', '.join(map(str, g.sliding_layers))}"
+                    if g.sliding_layers
+                    else ""
+                ),
+                f"  options: {block_options(g)}",
                 f"  tensors {self.prefix}layers.{{L}}.self_attn.*, {self.tensor_dtype()}, "
                 f"{len(files)} file{'s' if len(files) != 1 else ''}",
             ]
         )
+
+
+def block_options(g: AttentionGeometry) -> str:
+    """The geometry's non-default block options in one line (RoPE type, scale, softcap, norms, ...)."""
+    parts = [f"RoPE {g.rope_scaling.rope_type if g.rope_scaling else 'default'} ({g.rope_layout})"]
+    if g.query_scale is not None:
+        parts.append(f"scale {g.query_scale:g}")
+    if g.logit_softcap is not None:
+        parts.append(f"logit softcap {g.logit_softcap:g}")
+    if g.qk_norm_kind != "none":
+        parts.append(f"q/k norm {g.qk_norm_kind}")
+    if g.no_rope_layers:
+        parts.append(f"no RoPE at {', '.join(map(str, g.no_rope_layers))}")
+    if g.local_rope_theta is not None:
+        parts.append(f"sliding layers' RoPE base {g.local_rope_theta:g}")
+    if g.input_rows != "post_input_norm":
+        parts.append("input rows: raw residual stream")
+    if g.after_o_proj:
+        parts.append(f"after attn_out: {g.after_o_proj}")
+    return "; ".join(parts)
 
 
 def _weight_map(directory: Path) -> dict[str, Path]:

@@ -178,6 +178,68 @@ _UNMODELLED_KEYS = {
 }
 
 
+_WINDOW_RULES = {
+    "none": "no sliding window",
+    "global": "every layer slides when sliding_window is set",
+    "layer_types": "layer_types (default: every layer slides when sliding_window is set)",
+    "qwen": "use_sliding_window: layer_types, else layers >= max_window_layers (28)",
+    "qwen_all": "use_sliding_window: every layer slides",
+    "gemma2": "layer_types, else even layers 0, 2, 4, ... slide",
+    "gemma3": "layer_types, else all but every sliding_window_pattern-th (6) layer slide",
+    "smollm3": "use_sliding_window and sliding_window: the no-RoPE layers slide",
+}
+
+
+def supported_families() -> list[dict]:
+    """One row per model_type: variant, options, RoPE types, window rule (for ``--list-families``)."""
+    from anelab.rope import ROPE_TYPES
+
+    rows = []
+    for model_type, f in MODEL_FAMILIES.items():
+        options = [
+            text
+            for on, text in (
+                (f.hybrid, "hybrid: linear-attention layers refused, gated attention"),
+                (f.scale != "head_dim", f"scale from {f.scale}"),
+                (f.softcap, "attn_logit_softcapping"),
+                (f.qk_norm == "projection", "q/k RMSNorm over the whole projection"),
+                (f.variant in ("qwen3", "qwen3_next") and f.qk_norm is None, "per-head q/k RMSNorm"),
+                (f.zero_centred_norm, "norms stored zero-centred (1 + w)"),
+                (f.rope_layout == "interleaved", "interleaved RoPE (weights reordered at export)"),
+                (f.partial_rotary, f"partial RoPE (default factor {f.partial_rotary_factor:g})"),
+                (f.local_rope_theta is not None, "sliding layers' own RoPE base (rope_local_base_freq)"),
+                (f.no_rope_interval, "no-RoPE layers (no_rope_layers)"),
+                (f.fused_qkv, "fused qkv_proj split Q|K|V at load"),
+                (f.input_rows == "residual", "input: raw residual rows (no input norm)"),
+                (bool(f.after_o_proj) or f.scale == "attention_multiplier", "caller applies a post-branch step"),
+            )
+            if on
+        ]
+        rows.append(
+            {
+                "model_type": model_type,
+                "architecture": f.architecture,
+                "variant": f.variant,
+                "rope_types": ["default", "longrope"] if f.fused_qkv else list(ROPE_TYPES),
+                "windows": _WINDOW_RULES["none" if f.hybrid else f.window],
+                "options": options,
+            }
+        )
+    return rows
+
+
+# What is refused whatever the family (one line each), for ``--list-families``.
+REFUSED = (
+    "any model_type not listed",
+    "RoPE types other than default/linear/dynamic/llama3/yarn/longrope (proportional, mrope sections, su outside Phi-3)",
+    "partial_rotary_factor != 1 outside Phi-3, GLM, GLM-4 and the Qwen3-Next family",
+    "layer types other than full / sliding / linear attention (chunked attention, ...)",
+    "attn_logit_softcapping outside Gemma 2 (Gemma 3 stores it but never applies it)",
+    "use_bidirectional_attention, attention_chunk_size, llama_4_scaling_beta, attn_temperature_tuning, use_qk_norm, sinks",
+    "linear-attention layers of hybrids (--layers)",
+)
+
+
 def text_config(config: dict) -> dict:
     """The language-model part of a config: ``config["text_config"]`` when nested, else ``config``."""
     nested = config.get("text_config")
