@@ -113,3 +113,90 @@ def test_stateful_windowed_verify(tmp_path):
     report = verify_package(result.package)
     assert report.passed, report.table()
     assert any(c.case == "control: window dropped" and c.passed for c in report.comparisons)
+
+
+# ---- the CLI: inspect says the window; plan --checkpoint; export --list-families ----------------
+
+
+def test_inspect_states_the_window_contract(mistral, capsys):
+    from anelab.cli import main
+
+    _, package = mistral
+    assert main(["inspect", str(package)]) == 0
+    out = capsys.readouterr().out
+    assert f"masks.causal(C, H, window={WINDOW})" in out
+    assert "needs the same functions as a full-attention one" in out
+
+
+@pytest.fixture(scope="module")
+def gemma2_checkpoint(tmp_path_factory):
+    from dataclasses import replace
+
+    fam = next(f for f in FAMILIES if f.name == "gemma2")
+    fam = replace(fam, config={**fam.config, "num_hidden_layers": 6})
+    return write_family_checkpoint(tmp_path_factory.mktemp("g2") / "ckpt", fam)
+
+
+def test_plan_checkpoint_counts_windowed_layers(gemma2_checkpoint, capsys):
+    from anelab.cli import main
+
+    assert main(["plan", "--checkpoint", str(gemma2_checkpoint), "--prompt-tokens", "4333", "--json"]) == 0
+    import json
+
+    d = json.loads(capsys.readouterr().out)
+    assert (d["full_layers"], d["windowed_layers"], d["sliding_window"]) == ([1, 3, 5], [0, 2, 4], WINDOW)
+    assert (d["num_heads"], d["num_kv_heads"], d["head_dim"]) == (4, 2, 8)
+    assert d["cost_family"] and "closest recorded dense family" in d["cost_family_reason"]
+    full, windowed = d["parts"]["full"], d["parts"]["windowed"]
+    # the GPU scores at most W keys per query on a windowed layer; the ANE scores the whole coverage either way
+    assert windowed["gpu_attention_seconds"] < full["gpu_attention_seconds"]
+    assert windowed["ane_attention_seconds"] == pytest.approx(full["ane_attention_seconds"])
+    assert d["gpu_prefill_seconds"] == pytest.approx(
+        full["non_attention_seconds"] + full["gpu_attention_seconds"] + windowed["gpu_attention_seconds"]
+    )
+
+
+def test_plan_checkpoint_default_and_refusals(capsys, tmp_path):
+    from anelab.cli import main
+    from anelab.hf.default import default_checkpoint_dir
+
+    ckpt = default_checkpoint_dir(tmp_path)
+    assert main(["plan", "--checkpoint", str(ckpt), "--prompt-tokens", "4333"]) == 0
+    out = capsys.readouterr().out
+    assert "2 full attention" in out and "combined:" in out and "closest recorded dense family" in out
+    assert main(["plan", "--checkpoint", str(ckpt), "--prompt-tokens", "4333", "--heads", "8"]) == 2
+    assert "drop --heads" in capsys.readouterr().err
+    assert (
+        main(["plan", "--checkpoint", str(ckpt), "--prompt-tokens", "4333", "--family", "qwen3.8-125b-a6b-4bit"]) == 2
+    )
+    assert "sparse GPU path" in capsys.readouterr().err
+
+
+def test_export_list_families(capsys):
+    from anelab.cli import main
+
+    assert main(["export", "--list-families"]) == 0
+    out = capsys.readouterr().out
+    for model_type in ("gemma2", "gemma3_text", "phi3", "olmo2", "granite", "glm4", "smollm3", "starcoder2"):
+        assert model_type in out
+    assert "refused:" in out and "llama3" in out
+    assert main(["export", "--chunk", "4"]) == 2
+    assert "pass CHECKPOINT" in capsys.readouterr().err
+
+
+def test_geometry_options_round_trip():
+    """Every option survives to_dict / from_dict (the package metadata stores the geometry)."""
+    from anelab.hf.config import geometry_from_config
+    from anelab.geometry import AttentionGeometry
+
+    for fam in FAMILIES:
+        g = geometry_from_config(
+            fam.config if fam.nested is None else {"model_type": fam.nested, "text_config": fam.config}
+        )
+        d = g.to_dict()
+        assert AttentionGeometry.from_dict(d) == g, fam.name
+        import json
+
+        assert AttentionGeometry.from_dict(json.loads(json.dumps(d))) == g, fam.name
+    plain = geometry_from_config(FAMILIES[0].config).to_dict()
+    assert "sliding_window" not in plain and "rope_scaling" not in plain  # defaults omitted: old dicts unchanged
