@@ -406,11 +406,65 @@ def test_unmodelled_options_are_refused(config, needle):
     assert "\n" not in str(info.value)
 
 
-def test_phi3_split_order_matters(tmp_path):
-    """Negative control for the Q | K | V split: the same fused tensor read as K | Q | V gives other weights."""
+def _constant_checkpoint(directory: Path, fam: Family, tensors: dict[str, np.ndarray]) -> Path:
+    directory.mkdir(parents=True)
+    config = fam.config if fam.nested is None else {"model_type": fam.nested, "text_config": fam.config}
+    (directory / "config.json").write_text(json.dumps(config))
+    write_safetensors(
+        directory / "model.safetensors", {k: np.asarray(v, np.float32) for k, v in tensors.items()}, "F32"
+    )
+    return directory
+
+
+def test_phi3_fused_qkv_is_split_q_k_v(tmp_path):
+    """Rows of qkv_proj: Hq*d of Q, then Hkv*d of K, then V (modeling_phi3.py: query_pos = Hq*d)."""
     fam = WINDOWED["phi3-longrope"]
-    ckpt = load_checkpoint(write_family_checkpoint(tmp_path / "c", fam))
-    w = ckpt.layer(0)
-    fused = np.concatenate([w.q_proj, w.k_proj, w.v_proj])
-    assert fused.shape == (HQ * 16 + 2 * HKV * 16, H)
-    assert not np.array_equal(w.q_proj[: HKV * 16], w.k_proj)
+    d = fam.head_dim
+    fused = np.concatenate([np.full((HQ * d, H), 1.0), np.full((HKV * d, H), 2.0), np.full((HKV * d, H), 3.0)])
+    base = "model.layers.0.self_attn."
+    tensors = {base + "qkv_proj.weight": fused, base + "o_proj.weight": np.zeros((H, HQ * d))}
+    w = load_checkpoint(_constant_checkpoint(tmp_path / "c", fam, tensors)).layer(0)
+    assert (np.unique(w.q_proj), np.unique(w.k_proj), np.unique(w.v_proj)) == ([1.0], [2.0], [3.0])
+    assert w.q_proj.shape == (HQ * d, H) and w.k_proj.shape == w.v_proj.shape == (HKV * d, H)
+    # negative control: a fused tensor sized for another head count is refused, not mis-split
+    tensors[base + "qkv_proj.weight"] = fused[: -HKV * d]
+    with pytest.raises(AnelabInputError, match="qkv_proj.weight has shape"):
+        load_checkpoint(_constant_checkpoint(tmp_path / "bad", fam, tensors)).layer(0)
+
+
+@pytest.mark.parametrize("name,expected", [("gemma3_text", 1.5), ("qwen3_moe-window", 0.5)])
+def test_norm_offset_folded_at_load(tmp_path, name, expected):
+    """Gemma 3 stores q/k norm weights zero-centred (x * (1 + w)); Qwen3 stores the multiplier itself."""
+    fam = WINDOWED[name]
+    d = fam.head_dim
+    base = "model.layers.0.self_attn."
+    tensors = {
+        base + "q_proj.weight": np.zeros((HQ * d, H)),
+        base + "k_proj.weight": np.zeros((HKV * d, H)),
+        base + "v_proj.weight": np.zeros((HKV * d, H)),
+        base + "o_proj.weight": np.zeros((H, HQ * d)),
+        base + "q_norm.weight": np.full(d, 0.5),
+        base + "k_norm.weight": np.full(d, 0.5),
+    }
+    w = load_checkpoint(_constant_checkpoint(tmp_path / "c", fam, tensors)).layer(0)
+    assert np.all(w.q_norm == expected) and np.all(w.k_norm == expected)
+
+
+def test_olmo2_norms_span_the_projection(tmp_path):
+    """OLMo 2's q_norm/k_norm weights are [Hq*d] / [Hkv*d]; per-head [d] weights are refused."""
+    fam = WINDOWED["olmo2"]
+    g = geometry_from_config(fam.config)
+    shapes = g.parameter_shapes()
+    assert (shapes["q_norm.weight"], shapes["k_norm.weight"]) == ((HQ * 8,), (HKV * 8,))
+    d = fam.head_dim
+    base = "model.layers.0.self_attn."
+    tensors = {
+        base + "q_proj.weight": np.zeros((HQ * d, H)),
+        base + "k_proj.weight": np.zeros((HKV * d, H)),
+        base + "v_proj.weight": np.zeros((HKV * d, H)),
+        base + "o_proj.weight": np.zeros((H, HQ * d)),
+        base + "q_norm.weight": np.ones(d),
+        base + "k_norm.weight": np.ones(d),
+    }
+    with pytest.raises(AnelabInputError, match="q_norm.weight has shape"):
+        load_checkpoint(_constant_checkpoint(tmp_path / "c", fam, tensors)).layer(0)

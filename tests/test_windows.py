@@ -186,8 +186,8 @@ def test_export_list_families(capsys):
 
 def test_geometry_options_round_trip():
     """Every option survives to_dict / from_dict (the package metadata stores the geometry)."""
-    from anelab.hf.config import geometry_from_config
     from anelab.geometry import AttentionGeometry
+    from anelab.hf.config import geometry_from_config
 
     for fam in FAMILIES:
         g = geometry_from_config(

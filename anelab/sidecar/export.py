@@ -356,7 +356,8 @@ def export_sidecars(
     for layer in layers:
         if layer not in full:
             raise AnelabInputError(
-                f"layer {layer} is not an attention layer (full or sliding window); attention layers: {','.join(map(str, full))}"
+                f"layer {layer} is not a full-attention layer nor a sliding-window one (linear attention is not exported); "
+                f"attention layers: {','.join(map(str, full))}"
             )
     results = []
     with tqdm(total=len(layers) * functions, desc="export functions", unit="fn") as bar:
