@@ -12,8 +12,13 @@ conventions (``models/llama``, ``models/qwen3``, ``models/qwen3_next`` modeling 
 - qwen3_next: ``q_proj`` output is viewed ``[T, heads, 2 * head_dim]``; the first head_dim of each
   head is the query, the second the gate; the attention output ``[T, heads * head_dim]`` (before
   ``o_proj``) is multiplied elementwise by ``sigmoid(gate)`` reshaped the same way.
-- Scores are scaled by ``1 / sqrt(head_dim)``; GQA: query head ``h`` reads KV head
-  ``h // group_size``.
+- Scores are scaled by ``geometry.attention_scale`` (``1 / sqrt(head_dim)`` unless the family
+  declares another: Gemma 2/3, Granite), soft-capped ``cap * tanh(s / cap)`` before the mask when
+  ``logit_softcap`` is set (Gemma 2); GQA: query head ``h`` reads KV head ``h // group_size``.
+- Declared options (``anelab.geometry``): q/k RMSNorm over the whole projection (OLMo 2); the
+  layer's own RoPE table (``geometry.rope_frequencies``: scaled types, attention factor on cos/sin,
+  a sliding layer's local base), none on a NoPE layer; GLM's interleaved pairs (2i, 2i+1) rotated
+  directly on the checkpoint's weights, K returned in the cache's half-rotated channel order.
 
 Shapes: D = hidden_size, Hq = num_heads, Hkv = num_kv_heads, d = head_dim, C = chunk rows,
 H = history keys (positions 0 .. H-1, already in the cache), T = H + C (the coverage of the chunk).

@@ -334,10 +334,12 @@ def test_family_exports_and_verifies(fam, exported):
 WINDOWED = {f.name: f for f in FAMILIES}
 
 
-@pytest.mark.parametrize("name", ["gemma2", "glm4", "smollm3", "olmo2"])
+@pytest.mark.parametrize("name", ["gemma2", "glm4", "smollm3", "olmo2", "llama-rope-yarn", "phi3-longrope"])
 @pytest.mark.parametrize("graph", ["tiled", "stateful"])
 def test_family_options_in_every_graph(name, graph, exported):
-    """softcap + scale + window, interleaved RoPE, NoPE and whole-projection norms in the tiled and stateful graphs."""
+    """softcap + scale + window, interleaved RoPE, NoPE, whole-projection norms, the cos/sin attention
+    factor (applied once across the dense/tiled graphs' two rotations) and the coverage-picked
+    longrope table in the tiled and stateful graphs."""
     _, package = exported(WINDOWED[name], graph)
     report = verify_package(package)
     assert report.passed, report.table()

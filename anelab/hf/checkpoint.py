@@ -184,7 +184,7 @@ class Checkpoint:
         g = self.geometry
         files = sorted({p.name for p in self.weight_map.values()})
         traits = {
-            "llama": "plain attention, no q/k norm",
+            "llama": "plain attention",
             "qwen3": "per-head q/k RMSNorm",
             "qwen3_next": "gated attention, zero-centred q/k RMSNorm (1 + w), partial RoPE",
         }[g.variant]
