@@ -107,6 +107,8 @@ class AttentionGeometry:
         self._check_options()
 
     def _check_options(self) -> None:
+        for name in ("sliding_layers", "no_rope_layers"):  # lists from callers compare equal after this
+            object.__setattr__(self, name, tuple(sorted(int(i) for i in getattr(self, name))))
         for name, value, allowed in (
             ("rope_layout", self.rope_layout, ROPE_LAYOUTS),
             ("qk_norm", "none" if self.qk_norm is None else self.qk_norm, QK_NORM_KINDS),
