@@ -44,16 +44,25 @@ def _register(name, add_fn, run_fn):
 
 # >>> section: core (export / inspect / evaluate / verify / reproduce)
 def _add_export(sub):
-    p = sub.add_parser("export", help="export full-attention layers as multifunction Core ML sidecars")
-    p.add_argument("checkpoint", help="Hugging Face-style model directory (config.json + safetensors)")
-    p.add_argument("--chunk", type=int, required=True, help="chunk width C (rows per call)")
+    p = sub.add_parser(
+        "export", help="export attention layers (full or sliding window) as multifunction Core ML sidecars"
+    )
+    p.add_argument("checkpoint", nargs="?", help="Hugging Face-style model directory (config.json + safetensors)")
+    p.add_argument(
+        "--list-families",
+        action="store_true",
+        help="print the supported model families, RoPE types and what is refused",
+    )
+    p.add_argument("--chunk", type=int, help="chunk width C (rows per call)")
     p.add_argument(
         "--histories",
         type=_int_list,
         default=None,
         help="comma-separated histories, multiples of C (e.g. 0,C,2C); required unless --graph stateful --capacity N",
     )
-    p.add_argument("--layers", type=_int_list, default=None, help="full-attention layers to export (default: all)")
+    p.add_argument(
+        "--layers", type=_int_list, default=None, help="attention layers to export, full or windowed (default: all)"
+    )
     p.add_argument(
         "--graph",
         default="dense",
@@ -75,7 +84,7 @@ def _add_export(sub):
     p.add_argument(
         "--decode", action="store_true", help="stateful graph: add a decode function c1 sharing the state and weights"
     )
-    p.add_argument("--out", required=True, help="output directory for layer_<L>.mlpackage")
+    p.add_argument("--out", help="output directory for layer_<L>.mlpackage")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.add_argument(
         "--selection-kept-blocks",
@@ -88,7 +97,31 @@ def _add_export(sub):
     )
 
 
+def _print_families(rows, refused):
+    for r in rows:
+        print(f"{r['model_type']:<17} {r['architecture']:<34} variant {r['variant']}")
+        print(f"  RoPE: {', '.join(r['rope_types'])}; windows: {r['windows']}")
+        if r["options"]:
+            print(f"  options: {'; '.join(r['options'])}")
+    print("refused:")
+    for line in refused:
+        print(f"  {line}")
+
+
 def _run_export(args):
+    if args.list_families:
+        from anelab.hf.config import REFUSED, supported_families
+
+        rows = supported_families()
+        _print_json({"families": rows, "refused": list(REFUSED)}) if args.json else _print_families(rows, REFUSED)
+        return 0
+    missing = [
+        flag
+        for flag, value in (("CHECKPOINT", args.checkpoint), ("--chunk", args.chunk), ("--out", args.out))
+        if value is None
+    ]
+    if missing:
+        raise AnelabInputError(f"export: pass {', '.join(missing)} (or --list-families)")
     from anelab.runtime.gate import AneGate
     from anelab.runtime.mac import default_runtime
     from anelab.sidecar.export import export_sidecars, selection_from_flags
@@ -276,6 +309,10 @@ def _float_list(text: str) -> list[float]:
 def _add_plan(sub):
     p = sub.add_parser("plan", help="chunks, variants, setup and the ANE-vs-GPU decision for one prompt")
     p.add_argument("--family", help="a recorded family (see --list-families); supplies geometry and fitted costs")
+    p.add_argument(
+        "--checkpoint",
+        help="plan a checkpoint's own layers (full and windowed), heads and head_dim; costs from the closest family",
+    )
     p.add_argument("--prompt-tokens", type=int, help="prompt length in tokens")
     p.add_argument("--chunk", type=int, help="prefill chunk = sidecar width (default with a family: 4096)")
     p.add_argument(
@@ -316,6 +353,8 @@ def _run_plan(args):
         return 0
     if args.prompt_tokens is None:
         raise AnelabInputError("anelab plan: pass --prompt-tokens N (or --list-families / --fit-report)")
+    if args.checkpoint is not None:
+        return _run_plan_checkpoint(args)
     result = planner.plan(
         args.prompt_tokens,
         family=args.family,
@@ -334,6 +373,32 @@ def _run_plan(args):
         non_attention_seconds=args.non_attention_seconds,
     ).to_dict()
     _print_json(result) if args.json else print(planner.format_plan(result))
+    return 0
+
+
+def _run_plan_checkpoint(args):
+    from anelab.studies.planner.from_checkpoint import plan_from_checkpoint
+
+    geometry_flags = ("layers", "full_attention_layers", "heads", "kv_heads", "head_dim", "sparse_budget")
+    given = [f"--{f.replace('_', '-')}" for f in geometry_flags if getattr(args, f) is not None]
+    if given:
+        raise AnelabInputError(f"--checkpoint supplies the geometry; drop {', '.join(given)}")
+    result = plan_from_checkpoint(
+        args.checkpoint,
+        args.prompt_tokens,
+        family=args.family,
+        chunk=args.chunk,
+        histories=args.histories,
+        max_history=args.max_history,
+        load_seconds=args.load_seconds,
+        gpu_attention_seconds=args.gpu_attention_seconds,
+        ane_attention_seconds=args.ane_attention_seconds,
+        non_attention_seconds=args.non_attention_seconds,
+    ).to_dict()
+    if args.json:
+        _print_json(result)
+        return 0
+    print(planner.format_checkpoint_plan(result))
     return 0
 
 

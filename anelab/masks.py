@@ -16,20 +16,27 @@ from anelab.errors import AnelabInputError
 MASKED = np.float16(-30000.0)
 
 
-def causal(chunk: int, history: int, valid_rows: int | None = None) -> np.ndarray:
+def causal(chunk: int, history: int, valid_rows: int | None = None, *, window: int | None = None) -> np.ndarray:
     """Causal additive mask for a chunk starting at absolute position ``history``.
 
-    Returns float16 [chunk, history + chunk]: row i (absolute position history + i) sees keys
-    0 .. history + i. With ``valid_rows`` = n < chunk (a partial chunk padded to the sidecar's width),
-    rows >= n are padding: they keep the causal pattern (finite output, ignored by the caller) and
-    no real row can see a padded key, because padded keys lie after every real row.
+    Returns float16 [chunk, history + chunk]: row i (absolute position p = history + i) sees keys
+    0 .. p, or with a sliding ``window`` W only keys j with ``0 <= p - j < W`` (W keys including
+    itself: transformers' sliding_window_overlay ``kv_idx > q_idx - W``). With ``valid_rows`` = n <
+    chunk (a partial chunk padded to the sidecar's width), rows >= n are padding: they keep the
+    pattern (finite output, ignored by the caller) and no real row can see a padded key, because
+    padded keys lie after every real row.
     """
     if valid_rows is not None and not 0 < valid_rows <= chunk:
         raise ValueError(f"valid_rows must be in 1..{chunk}, got {valid_rows}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1):
+        raise AnelabInputError(f"window must be a positive integer (tokens) or None, got {window!r}")
     total = history + chunk
     key = np.arange(total)[None, :]
     row = history + np.arange(chunk)[:, None]
-    return np.where(key <= row, np.float16(0.0), MASKED).astype(np.float16)
+    visible = key <= row
+    if window is not None:
+        visible &= key > row - int(window)
+    return np.where(visible, np.float16(0.0), MASKED).astype(np.float16)
 
 
 # ---- folding a sparse indexer's selection --------------------------------------------------------
@@ -114,7 +121,9 @@ def fold(keep_indices, keep_counts, total: int, *, allow_empty_rows: bool = Fals
     return mask
 
 
-def fold_with_causal(keep_indices, keep_counts, history: int, chunk: int | None = None) -> np.ndarray:
+def fold_with_causal(
+    keep_indices, keep_counts, history: int, chunk: int | None = None, *, window: int | None = None
+) -> np.ndarray:
     """Fold a selection into the mask of a sidecar function with this ``history``, causality checked.
 
     keep_indices: int [n, budget], keep_counts: int [n] — the selection of the chunk's n real rows;
@@ -123,6 +132,8 @@ def fold_with_causal(keep_indices, keep_counts, history: int, chunk: int | None 
     chunk:        the sidecar's chunk width (default n). Rows n .. chunk-1 are padding of a partial
         chunk: they take the causal pattern of ``causal`` (finite, ignored by the caller), and no
         real row can see their keys, because those lie after every real row.
+    window:       a sliding-window layer's W: the fold composes with it — a kept key outside the
+        row's window (p - j >= W) is dropped, as the model's window drops it.
     Returns float16 [chunk, history + chunk].
     """
     keep_indices = np.asarray(keep_indices)
@@ -144,6 +155,18 @@ def fold_with_causal(keep_indices, keep_counts, history: int, chunk: int | None 
             f"keep_indices[{i}, {j}] = {int(keep_indices[i, j])} is a future key for row {i} "
             f"(position {int(history) + i}); the indexer must keep only keys <= the row's position"
         )
-    mask = causal(chunk, int(history))
-    mask[:rows] = fold(keep_indices, keep_counts, total)
+    mask = causal(chunk, int(history), window=window)
+    mask[:rows] = np.minimum(fold(keep_indices, keep_counts, total), mask[:rows])  # dropped by either: dropped
+    require_visible_key(mask[:rows], int(history))
     return mask
+
+
+def require_visible_key(mask: np.ndarray, history: int) -> None:
+    """Refuse a mask [rows, T] in which a real row sees no key (a selection that keeps nothing
+    inside the row's sliding window): its softmax would be a uniform average, not attention."""
+    empty = np.flatnonzero(np.all(mask <= MASKED, axis=1))
+    if empty.size:
+        i = int(empty[0])
+        raise AnelabInputError(
+            f"row {i} (position {history + i}) keeps no key inside its sliding window; the indexer must keep a recent key"
+        )

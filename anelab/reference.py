@@ -12,8 +12,13 @@ conventions (``models/llama``, ``models/qwen3``, ``models/qwen3_next`` modeling 
 - qwen3_next: ``q_proj`` output is viewed ``[T, heads, 2 * head_dim]``; the first head_dim of each
   head is the query, the second the gate; the attention output ``[T, heads * head_dim]`` (before
   ``o_proj``) is multiplied elementwise by ``sigmoid(gate)`` reshaped the same way.
-- Scores are scaled by ``1 / sqrt(head_dim)``; GQA: query head ``h`` reads KV head
-  ``h // group_size``.
+- Scores are scaled by ``geometry.attention_scale`` (``1 / sqrt(head_dim)`` unless the family
+  declares another: Gemma 2/3, Granite), soft-capped ``cap * tanh(s / cap)`` before the mask when
+  ``logit_softcap`` is set (Gemma 2); GQA: query head ``h`` reads KV head ``h // group_size``.
+- Declared options (``anelab.geometry``): q/k RMSNorm over the whole projection (OLMo 2); the
+  layer's own RoPE table (``geometry.rope_frequencies``: scaled types, attention factor on cos/sin,
+  a sliding layer's local base), none on a NoPE layer; GLM's interleaved pairs (2i, 2i+1) rotated
+  directly on the checkpoint's weights, K returned in the cache's half-rotated channel order.
 
 Shapes: D = hidden_size, Hq = num_heads, Hkv = num_kv_heads, d = head_dim, C = chunk rows,
 H = history keys (positions 0 .. H-1, already in the cache), T = H + C (the coverage of the chunk).
@@ -41,6 +46,7 @@ import numpy as np
 from anelab.errors import AnelabInputError
 from anelab.geometry import AttentionGeometry
 from anelab.masks import MASKED
+from anelab.rope import interleaved_to_half
 from anelab.weights import WEIGHT_FIELDS, AttentionWeights
 
 PRECISIONS = {"fp32": np.float32, "fp64": np.float64}
@@ -117,22 +123,52 @@ def _check_hidden(name: str, hidden: np.ndarray, geometry: AttentionGeometry) ->
 # -- building blocks -----------------------------------------------------------------------------
 
 
-def rope_cos_sin(positions: np.ndarray, geometry: AttentionGeometry, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
+def rope_cos_sin(
+    positions: np.ndarray,
+    geometry: AttentionGeometry,
+    dtype=np.float32,
+    *,
+    layer: int | None = None,
+    coverage: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin tables for absolute ``positions`` [T] -> (cos [T, rotary_dim], sin [T, rotary_dim]).
 
-    ``cat(freqs, freqs)`` layout: columns j and j + rotary_dim/2 share frequency
-    ``theta ** (-2j / rotary_dim)``.
+    ``cat(freqs, freqs)`` layout: columns j and j + rotary_dim/2 share ``inv_freq[j]`` of the layer's
+    table (``geometry.rope_frequencies(layer, coverage)``; default: the first attention layer), both
+    multiplied by the RoPE type's attention factor.
     """
     positions = np.asarray(positions)
     if positions.ndim != 1:
         raise AnelabInputError(f"positions must be 1-D [T], got shape {list(positions.shape)}")
     if positions.size and (not np.issubdtype(positions.dtype, np.integer) or positions.min() < 0):
         raise AnelabInputError("positions must be non-negative integers (absolute token positions)")
-    rot = geometry.rotary_dim
-    inv_freq = 1.0 / (float(geometry.rope_theta) ** (np.arange(0, rot, 2, dtype=np.float64) / rot))
+    layer = geometry.full_attention_layers[0] if layer is None else layer
+    inv_freq, factor = geometry.rope_frequencies(layer, coverage)
     freqs = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # [T, rot/2]
     emb = np.concatenate([freqs, freqs], axis=-1)  # [T, rot]
-    return np.cos(emb).astype(dtype), np.sin(emb).astype(dtype)
+    if factor == 1.0:
+        return np.cos(emb).astype(dtype), np.sin(emb).astype(dtype)
+    return (np.cos(emb) * factor).astype(dtype), (np.sin(emb) * factor).astype(dtype)
+
+
+def apply_rope_interleaved(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """GLM-style RoPE: rotate adjacent pairs (2i, 2i+1) of the first rotary_dim dims by frequency i.
+
+    x [T, heads, d]; cos, sin [T, rotary_dim] in the ``cat(freqs, freqs)`` layout (only the first
+    half is read) -> new array [T, heads, d]:
+    ``y[2i] = x[2i] cos_i - x[2i+1] sin_i``, ``y[2i+1] = x[2i+1] cos_i + x[2i] sin_i``
+    (transformers models/glm4 rotate_half + repeat_interleave).
+    """
+    rot = cos.shape[-1]
+    half = rot // 2
+    out = x.copy()
+    c = cos[:, None, :half]
+    s = sin[:, None, :half]
+    even = x[..., 0:rot:2]
+    odd = x[..., 1:rot:2]
+    out[..., 0:rot:2] = even * c - odd * s
+    out[..., 1:rot:2] = odd * c + even * s
+    return out
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -178,7 +214,32 @@ def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, dtype) -> np.nda
     return y
 
 
-def _project_q(hidden, positions, weights, geometry, dtype):
+def _rotate(x, positions, geometry, layer, coverage, dtype):
+    """x [T, heads, d] -> rotated at ``positions`` in the layer's RoPE (none on a NoPE layer), in the
+    cache layout: an interleaved layer is rotated GLM-style, then its rotary channels are reordered
+    to the half-rotated order the sidecar's cache holds (``rope.interleaved_to_half``; q.k unchanged)."""
+    g = geometry
+    if not g.uses_rope(layer):
+        return x
+    cos, sin = rope_cos_sin(positions, g, dtype, layer=layer, coverage=coverage)
+    if g.rope_layout == "interleaved":
+        return np.ascontiguousarray(interleaved_to_half(apply_rope_interleaved(x, cos, sin), g.rotary_dim))
+    return apply_rope(x, cos, sin)
+
+
+def _norm_heads(x: np.ndarray, weight: np.ndarray, geometry: AttentionGeometry) -> np.ndarray:
+    """q or k [T, heads, d] -> RMS-normed per head ([d] weight) or over the whole projection
+    ([heads * d] weight, OLMo 2), or unchanged."""
+    kind = geometry.qk_norm_kind
+    if kind == "per_head":
+        return rms_norm(x, weight, geometry.rms_norm_eps)
+    if kind == "projection":
+        t, heads, d = x.shape
+        return rms_norm(x.reshape(t, heads * d), weight, geometry.rms_norm_eps).reshape(t, heads, d)
+    return x
+
+
+def _project_q(hidden, positions, weights, geometry, dtype, coverage=None):
     """-> q [T, Hq, d] normed+rotated, gate [T, Hq, d] contiguous or None."""
     g = geometry
     t = hidden.shape[0]
@@ -191,21 +252,19 @@ def _project_q(hidden, positions, weights, geometry, dtype):
     else:
         q = raw.reshape(t, g.num_heads, g.head_dim)
     if g.has_qk_norm:
-        q = rms_norm(q, weights.q_norm.astype(dtype, copy=False), g.rms_norm_eps)
-    cos, sin = rope_cos_sin(positions, g, dtype)
-    return apply_rope(q, cos, sin), gate
+        q = _norm_heads(q, weights.q_norm.astype(dtype, copy=False), g)
+    return _rotate(q, positions, g, weights.layer, coverage, dtype), gate
 
 
-def _project_kv(hidden, positions, weights, geometry, dtype):
-    """-> k [T, Hkv, d] normed+rotated, v [T, Hkv, d]."""
+def _project_kv(hidden, positions, weights, geometry, dtype, coverage=None):
+    """-> k [T, Hkv, d] normed+rotated (cache layout), v [T, Hkv, d]."""
     g = geometry
     t = hidden.shape[0]
     k = _linear(hidden, weights.k_proj, weights.k_bias, dtype).reshape(t, g.num_kv_heads, g.head_dim)
     v = _linear(hidden, weights.v_proj, weights.v_bias, dtype).reshape(t, g.num_kv_heads, g.head_dim)
     if g.has_qk_norm:
-        k = rms_norm(k, weights.k_norm.astype(dtype, copy=False), g.rms_norm_eps)
-    cos, sin = rope_cos_sin(positions, g, dtype)
-    return apply_rope(k, cos, sin), v
+        k = _norm_heads(k, weights.k_norm.astype(dtype, copy=False), g)
+    return _rotate(k, positions, g, weights.layer, coverage, dtype), v
 
 
 def project(
@@ -214,21 +273,31 @@ def project(
     weights: AttentionWeights,
     geometry: AttentionGeometry,
     precision: str = "fp32",
+    *,
+    rope_coverage: int | None = None,
 ) -> Projection:
-    """Project hidden [T, D] at absolute positions [T] to per-head q, k, v (and gate)."""
+    """Project hidden [T, D] at absolute positions [T] to per-head q, k, v (and gate).
+
+    ``rope_coverage``: the package coverage that picks a dynamic / longrope table (see
+    ``AttentionGeometry.rope_frequencies``); other RoPE types ignore it."""
     dtype = _dtype(precision)
     _check_weights(weights, geometry)
     t = _check_hidden("hidden", hidden, geometry)
     positions = np.asarray(positions)
     _expect_shape("positions", positions, (t,))
     hidden = np.asarray(hidden).astype(dtype, copy=False)
-    q, gate = _project_q(hidden, positions, weights, geometry, dtype)
-    k, v = _project_kv(hidden, positions, weights, geometry, dtype)
+    q, gate = _project_q(hidden, positions, weights, geometry, dtype, rope_coverage)
+    k, v = _project_kv(hidden, positions, weights, geometry, dtype, rope_coverage)
     return Projection(q=q, k=k, v=v, gate=gate)
 
 
 def history_kv(
-    hidden_history: np.ndarray, weights: AttentionWeights, geometry: AttentionGeometry, precision: str = "fp32"
+    hidden_history: np.ndarray,
+    weights: AttentionWeights,
+    geometry: AttentionGeometry,
+    precision: str = "fp32",
+    *,
+    rope_coverage: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The cache contents for a history: hidden_history [H, D] at positions 0 .. H-1 ->
     (k_history [H, Hkv, d] normed+rotated, v_history [H, Hkv, d]), token-major."""
@@ -236,7 +305,7 @@ def history_kv(
     _check_weights(weights, geometry)
     h = _check_hidden("hidden_history", hidden_history, geometry)
     hidden_history = np.asarray(hidden_history).astype(dtype, copy=False)
-    return _project_kv(hidden_history, np.arange(h), weights, geometry, dtype)
+    return _project_kv(hidden_history, np.arange(h), weights, geometry, dtype, rope_coverage)
 
 
 def _gate_and_output(attn: np.ndarray, gate: np.ndarray | None, weights: AttentionWeights, dtype) -> np.ndarray:
@@ -260,9 +329,10 @@ class _Prepared:
     v_chunk: np.ndarray  # [Hkv, C, d]
     mask: np.ndarray  # [C, T] additive, as given (cast per use)
     dtype: type
+    coverage: int | None  # picks a dynamic / longrope RoPE table
 
 
-def _prepare(hidden, k_history, v_history, mask, weights, geometry, start, precision) -> _Prepared:
+def _prepare(hidden, k_history, v_history, mask, weights, geometry, start, precision, coverage) -> _Prepared:
     g = geometry
     dtype = _dtype(precision)
     _check_weights(weights, g)
@@ -286,7 +356,7 @@ def _prepare(hidden, k_history, v_history, mask, weights, geometry, start, preci
         raise AnelabInputError(f"start must be a non-negative integer position, got {start!r}")
     hidden = np.asarray(hidden).astype(dtype, copy=False)
     positions = int(start) + np.arange(c)
-    k_new, v_new = _project_kv(hidden, positions, weights, g, dtype)
+    k_new, v_new = _project_kv(hidden, positions, weights, g, dtype, coverage)
     # Head-major K and V over the whole coverage, so each KV head is one contiguous [T, d] matrix.
     k_all = np.empty((g.num_kv_heads, h + c, g.head_dim), dtype)
     v_all = np.empty_like(k_all)
@@ -294,7 +364,7 @@ def _prepare(hidden, k_history, v_history, mask, weights, geometry, start, preci
     v_all[:, :h] = np.asarray(v_history).transpose(1, 0, 2)
     k_all[:, h:] = k_new.transpose(1, 0, 2)
     v_all[:, h:] = v_new.transpose(1, 0, 2)
-    return _Prepared(hidden, positions, k_all, v_all, k_all[:, h:], v_all[:, h:], mask, dtype)
+    return _Prepared(hidden, positions, k_all, v_all, k_all[:, h:], v_all[:, h:], mask, dtype, coverage)
 
 
 def _grouped_queries(q: np.ndarray, geometry: AttentionGeometry, scale: float) -> np.ndarray:
@@ -325,6 +395,15 @@ def _scores(q_rows: np.ndarray, k_all: np.ndarray, k0: int, k1: int, buffer: np.
     return s
 
 
+def _softcap(s: np.ndarray, geometry: AttentionGeometry) -> None:
+    """In place: ``cap * tanh(s / cap)`` on scaled scores, before the mask (Gemma 2); no-op without a cap."""
+    cap = geometry.logit_softcap
+    if cap is not None:
+        s /= cap
+        np.tanh(s, out=s)
+        s *= cap
+
+
 def _add_mask(s: np.ndarray, mask_tile: np.ndarray, group: int) -> None:
     """s [Hkv, group * R, K] += mask_tile [R, K], broadcast over every head."""
     hkv, _, keys = s.shape
@@ -348,6 +427,7 @@ def attention_block(
     start: int | None = None,
     precision: str = "fp32",
     query_block: int = DENSE_QUERY_BLOCK,
+    rope_coverage: int | None = None,
 ) -> BlockOutput:
     """Dense reference of the block for one chunk: every row's softmax over all T keys at once.
 
@@ -356,6 +436,12 @@ def attention_block(
     v_history  [H, Hkv, d]
     mask       [C, H + C]      additive: 0 attend, masks.MASKED drop (any finite values allowed)
     start      absolute position of the chunk's first row (default H; H+1 builds a wrong-RoPE control)
+    rope_coverage  the package coverage that picks a dynamic / longrope RoPE table (else ignored)
+
+    Per the geometry's options: scores are scaled by ``attention_scale``, soft-capped
+    (``logit_softcap``) before the mask; q/k normed per head or over the projection; the layer
+    (``weights.layer``) rotated by its own RoPE table, or not at all (NoPE); interleaved layers
+    return K in the cache's half-rotated channel order.
 
     Scores [Hkv, group * rows, T] — GQA by grouping query heads against each KV head instead of
     repeating K — are computed ``query_block`` chunk rows at a time into one reused buffer (the
@@ -364,18 +450,19 @@ def attention_block(
     so a constant MASKED shift cancels and the row attends as if unmasked.
     """
     _check_tile("query_block", query_block)
-    p = _prepare(hidden, k_history, v_history, mask, weights, geometry, start, precision)
+    p = _prepare(hidden, k_history, v_history, mask, weights, geometry, start, precision, rope_coverage)
     g = geometry
     c = p.hidden.shape[0]
     t = p.k_all.shape[1]
-    q, gate = _project_q(p.hidden, p.positions, weights, g, p.dtype)
-    qg = _grouped_queries(q, g, 1.0 / np.sqrt(g.head_dim))  # scale folded into q (C*Hq*d work, not C*T*Hq)
+    q, gate = _project_q(p.hidden, p.positions, weights, g, p.dtype, p.coverage)
+    qg = _grouped_queries(q, g, g.attention_scale)  # scale folded into q (C*Hq*d work, not C*T*Hq)
     del q
     out = np.empty_like(qg)  # [Hkv, group, C, d]
     buffer = np.empty(g.num_heads * min(query_block, c) * t, p.dtype)
     for c0 in range(0, c, query_block):
         c1 = min(c0 + query_block, c)
         s = _scores(qg[:, :, c0:c1], p.k_all, 0, t, buffer)  # [Hkv, group*rows, T]
+        _softcap(s, g)
         _add_mask(s, p.mask[c0:c1], g.group_size)
         s -= s.max(axis=-1, keepdims=True)
         np.exp(s, out=s)
@@ -400,6 +487,7 @@ def attention_block_tiled(
     precision: str = "fp32",
     query_tile: int = DEFAULT_QUERY_TILE,
     key_tile: int = DEFAULT_KEY_TILE,
+    rope_coverage: int | None = None,
 ) -> BlockOutput:
     """Tiled reference of the block (same arguments and result as ``attention_block``).
 
@@ -415,18 +503,18 @@ def attention_block_tiled(
     """
     _check_tile("query_tile", query_tile)
     _check_tile("key_tile", key_tile)
-    p = _prepare(hidden, k_history, v_history, mask, weights, geometry, start, precision)
+    p = _prepare(hidden, k_history, v_history, mask, weights, geometry, start, precision, rope_coverage)
     g = geometry
     dtype = p.dtype
     c = p.hidden.shape[0]
     t = p.k_all.shape[1]
-    scale = 1.0 / np.sqrt(g.head_dim)
+    scale = g.attention_scale
     attn_out = np.empty((c, g.hidden_size), dtype)
     buffer = np.empty(g.num_heads * min(query_tile, c) * min(key_tile, t), dtype)
     for q0 in range(0, c, query_tile):
         q1 = min(q0 + query_tile, c)
         rows = q1 - q0
-        q, gate = _project_q(p.hidden[q0:q1], p.positions[q0:q1], weights, g, dtype)
+        q, gate = _project_q(p.hidden[q0:q1], p.positions[q0:q1], weights, g, dtype, p.coverage)
         qg = _grouped_queries(q, g, scale)  # [Hkv, group, rows, d]
         del q
         mask_rows = p.mask[q0:q1]
@@ -440,6 +528,7 @@ def attention_block_tiled(
             if every_row_sees_a_key and not np.any(mask_tile > _DROPPED):
                 continue
             s = _scores(qg, p.k_all, k0, k1, buffer)  # [Hkv, group*rows, k_tile]
+            _softcap(s, g)
             _add_mask(s, mask_tile, g.group_size)
             m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
             alpha = np.exp(m - m_new)  # rescales what was accumulated under the old max; exp(-inf) = 0

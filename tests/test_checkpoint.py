@@ -289,7 +289,7 @@ def hybrid_config(**extra) -> dict:
                 "sliding_window": 128,
                 "max_window_layers": 2,
             },
-            (0, 1),
+            (0, 1, 2, 3),  # sliding layers 2, 3 are attention too (geometry.sliding_layers)
         ),
     ],
 )

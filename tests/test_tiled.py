@@ -157,7 +157,11 @@ def test_tiled_graph_with_wrong_rope_fails_verification(tiny_checkpoint, tmp_pat
     its outputs miss the reference, and the 'rope offset +1' control — the reference one position
     late — now *matches* it, so the report also calls itself vacuous."""
     real = graph_common.rope_tables
-    monkeypatch.setattr(graph_common, "rope_tables", lambda g, chunk, history: real(g, chunk, history + 1))
+    monkeypatch.setattr(
+        graph_common,
+        "rope_tables",
+        lambda g, layer, chunk, history, coverage=None: real(g, layer, chunk, history + 1, coverage),
+    )
     ckpt = tiny_checkpoint("llama")
     [r] = export_sidecars(ckpt, tmp_path, CHUNK, [8], [_layer("llama")], graph="tiled", key_tile=4)
     report = verify_package(r.package, ckpt)

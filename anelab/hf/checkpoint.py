@@ -24,6 +24,7 @@ from anelab.hf.config import (
     DEFAULT_MODEL_TYPES,
     LEGACY_LAYER_TYPES,
     MODEL_FAMILIES,
+    WRITABLE_MODEL_TYPES,
     ModelFamily,
     config_for_geometry,
     detect_family,
@@ -33,7 +34,7 @@ from anelab.hf.config import (
 from anelab.hf.safetensors_io import INDEX_FILE, STORAGE_DTYPES, SafetensorsFile, TensorEntry, write_safetensors
 from anelab.weights import AttentionWeights
 
-_LAYER_KEY = re.compile(r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.self_attn\.q_proj\.weight$")
+_LAYER_KEY = re.compile(r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.self_attn\.(q|qkv)_proj\.weight$")
 
 
 # Prefixes tried in this order when several decoder stacks carry attention (e.g. Qwen3-Next's
@@ -128,7 +129,11 @@ class Checkpoint:
                     "fix config.json so the bias is not dropped"
                 )
         values: dict[str, np.ndarray] = {}
+        if self.family.fused_qkv:
+            values.update(self._split_fused_qkv(index))
         for param, shape in expected.items():
+            if param in values:
+                continue
             values[param] = self.read_tensor(self.tensor_name(index, param), shape)
         for norm in ("q_norm.weight", "k_norm.weight"):
             if norm in values and self.family.zero_centred_norm:
@@ -148,10 +153,37 @@ class Checkpoint:
             o_bias=values.get("o_proj.bias"),
         )
 
+    def _split_fused_qkv(self, index: int) -> dict[str, np.ndarray]:
+        """Phi-3's ``qkv_proj.weight`` [Hq*d + 2*Hkv*d, D] split in order Q | K | V
+        (modeling_phi3.py: query_pos = Hq*d, then Hkv*d rows of K, then V)."""
+        g = self.geometry
+        name = self.tensor_name(index, "qkv_proj.weight")
+        found = self._entry(name)
+        if found is None:
+            raise AnelabInputError(f"tensor {name} (Phi-3's fused q/k/v projection) is missing from {self.path}")
+        file, entry = found
+        q_rows, kv_rows = g.q_out_features, g.kv_out_features
+        shape = (q_rows + 2 * kv_rows, g.hidden_size)
+        if entry.shape != shape:
+            raise AnelabInputError(
+                f"tensor {name} has shape {list(entry.shape)}, expected {list(shape)} from config.json"
+            )
+        for param in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "qkv_proj.bias"):
+            if self.tensor_name(index, param) in self.weight_map:
+                raise AnelabInputError(
+                    f"tensor {self.tensor_name(index, param)} next to the fused qkv_proj.weight; a Phi-3 layer has only the fused one"
+                )
+        fused = file.read(name).astype(np.float32)
+        return {
+            "q_proj.weight": fused[:q_rows],
+            "k_proj.weight": fused[q_rows : q_rows + kv_rows],
+            "v_proj.weight": fused[q_rows + kv_rows :],
+        }
+
     def tensor_dtype(self, layer: int | None = None) -> str:
         """Storage dtype of a full-attention layer's q_proj (the first such layer by default)."""
         layer = self.geometry.full_attention_layers[0] if layer is None else layer
-        found = self._entry(self.tensor_name(layer, "q_proj.weight"))
+        found = self._entry(self.tensor_name(layer, "qkv_proj.weight" if self.family.fused_qkv else "q_proj.weight"))
         return found[1].dtype if found else "missing"
 
     def describe(self) -> str:
@@ -159,7 +191,7 @@ class Checkpoint:
         g = self.geometry
         files = sorted({p.name for p in self.weight_map.values()})
         traits = {
-            "llama": "plain attention, no q/k norm",
+            "llama": "plain attention",
             "qwen3": "per-head q/k RMSNorm",
             "qwen3_next": "gated attention, zero-centred q/k RMSNorm (1 + w), partial RoPE",
         }[g.variant]
@@ -171,11 +203,38 @@ class Checkpoint:
                 f"  hidden {g.hidden_size}, heads {g.num_heads} query / {g.num_kv_heads} KV, head_dim {g.head_dim}, "
                 f"rotary_dim {g.rotary_dim} (factor {g.partial_rotary_factor:g}), rope_theta {g.rope_theta:g}, "
                 f"eps {g.rms_norm_eps:g}",
-                f"  {g.num_layers} layers, full attention at {', '.join(str(i) for i in g.full_attention_layers)}",
+                f"  {g.num_layers} layers, full attention at "
+                f"{', '.join(str(i) for i in g.full_attention_layers if i not in g.sliding_layers) or 'none'}"
+                + (
+                    f"; sliding window {g.sliding_window} at {', '.join(map(str, g.sliding_layers))}"
+                    if g.sliding_layers
+                    else ""
+                ),
+                f"  options: {block_options(g)}",
                 f"  tensors {self.prefix}layers.{{L}}.self_attn.*, {self.tensor_dtype()}, "
                 f"{len(files)} file{'s' if len(files) != 1 else ''}",
             ]
         )
+
+
+def block_options(g: AttentionGeometry) -> str:
+    """The geometry's non-default block options in one line (RoPE type, scale, softcap, norms, ...)."""
+    parts = [f"RoPE {g.rope_scaling.rope_type if g.rope_scaling else 'default'} ({g.rope_layout})"]
+    if g.query_scale is not None:
+        parts.append(f"scale {g.query_scale:g}")
+    if g.logit_softcap is not None:
+        parts.append(f"logit softcap {g.logit_softcap:g}")
+    if g.qk_norm_kind != "none":
+        parts.append(f"q/k norm {g.qk_norm_kind}")
+    if g.no_rope_layers:
+        parts.append(f"no RoPE at {', '.join(map(str, g.no_rope_layers))}")
+    if g.local_rope_theta is not None:
+        parts.append(f"sliding layers' RoPE base {g.local_rope_theta:g}")
+    if g.input_rows != "post_input_norm":
+        parts.append("input rows: raw residual stream")
+    if g.after_o_proj:
+        parts.append(f"after attn_out: {g.after_o_proj}")
+    return "; ".join(parts)
 
 
 def _weight_map(directory: Path) -> dict[str, Path]:
@@ -327,6 +386,11 @@ def write_checkpoint(
     model_type = model_type or DEFAULT_MODEL_TYPES[geometry.variant]
     if model_type not in MODEL_FAMILIES:
         raise AnelabInputError(f"unknown model_type {model_type!r}; supported: {', '.join(MODEL_FAMILIES)}")
+    if model_type not in WRITABLE_MODEL_TYPES:
+        raise AnelabInputError(
+            f"write_checkpoint writes {', '.join(WRITABLE_MODEL_TYPES)} layouts, not {model_type!r}; "
+            "write its config.json and tensors directly"
+        )
     family = MODEL_FAMILIES[model_type]
     if family.variant != geometry.variant:
         raise AnelabInputError(

@@ -94,12 +94,21 @@ class FunctionInputs:
 
 
 def random_function_inputs(
-    function: str, chunk: int, weights: AttentionWeights, geometry: AttentionGeometry, rng: np.random.Generator
+    function: str,
+    chunk: int,
+    weights: AttentionWeights,
+    geometry: AttentionGeometry,
+    rng: np.random.Generator,
+    *,
+    rope_coverage: int | None = None,
 ) -> FunctionInputs:
-    """Random history rows projected by the fp64 reference into the cache, then random chunk rows."""
+    """Random history rows projected by the fp64 reference into the cache, then random chunk rows
+    (``rope_coverage``: the package coverage, for a dynamic / longrope RoPE table)."""
     history = history_of(function)
     hidden_history = rng.standard_normal((history, geometry.hidden_size)).astype(np.float16)
-    k_hist, v_hist = reference.history_kv(hidden_history.astype(np.float64), weights, geometry, "fp64")
+    k_hist, v_hist = reference.history_kv(
+        hidden_history.astype(np.float64), weights, geometry, "fp64", rope_coverage=rope_coverage
+    )
     hidden = rng.standard_normal((chunk, geometry.hidden_size)).astype(np.float16)
     return FunctionInputs(function, history, hidden, k_hist.astype(np.float16), v_hist.astype(np.float16))
 
@@ -149,9 +158,11 @@ def run_reference(
     *,
     hidden: np.ndarray | None = None,
     start: int | None = None,
+    rope_coverage: int | None = None,
 ) -> reference.BlockOutput:
     """The fp64 reference block on the same inputs; ``start`` moves the chunk's RoPE positions
-    (a negative control), ``hidden`` [C, D] replaces the chunk rows."""
+    (a negative control), ``hidden`` [C, D] replaces the chunk rows, ``rope_coverage`` picks a
+    dynamic / longrope table."""
     f64 = lambda a: np.asarray(a, dtype=np.float64)
     return reference.attention_block(
         f64(inputs.hidden if hidden is None else hidden),
@@ -162,6 +173,7 @@ def run_reference(
         geometry,
         start=start,
         precision="fp64",
+        rope_coverage=rope_coverage,
     )
 
 

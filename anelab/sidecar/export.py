@@ -313,6 +313,7 @@ def package_metadata(
         key_tile=key_tile if graph == "tiled" else None,
         state_capacity=capacity if graph == "stateful" else None,
         state_functions=list(variants) if graph == "stateful" else None,
+        sliding_window=checkpoint.geometry.window_of(layer),
     )
 
 
@@ -335,13 +336,16 @@ def function_builds(
             stateful_function_name(w): (lambda w=w: build_stateful_program(geometry, weights, w, capacity))
             for w in widths
         }
+    cover = coverage(histories, chunk)  # picks a dynamic / longrope RoPE table for the whole package
     if graph == "tiled":
         return {
-            function_name(h): (lambda h=h: build_tiled_program(geometry, weights, SidecarShape(chunk, h), key_tile))
+            function_name(h): (
+                lambda h=h: build_tiled_program(geometry, weights, SidecarShape(chunk, h, cover), key_tile)
+            )
             for h in histories
         }
     return {
-        function_name(h): (lambda h=h: build_dense_program(geometry, weights, SidecarShape(chunk, h)))
+        function_name(h): (lambda h=h: build_dense_program(geometry, weights, SidecarShape(chunk, h, cover)))
         for h in histories
     }
 
@@ -391,12 +395,13 @@ def export_sidecars(
     else:
         histories = validate_chunk_and_histories(chunk, list(histories))
         functions = len(histories)
-    full = list(checkpoint.geometry.full_attention_layers)
+    full = list(checkpoint.geometry.full_attention_layers)  # full and sliding-window attention layers
     layers = full if layers is None else list(layers)
     for layer in layers:
         if layer not in full:
             raise AnelabInputError(
-                f"layer {layer} is not a full-attention layer; full-attention layers: {','.join(map(str, full))}"
+                f"layer {layer} is not a full-attention layer nor a sliding-window one (linear attention is not exported); "
+                f"attention layers: {','.join(map(str, full))}"
             )
     results = []
     with tqdm(total=len(layers) * functions, desc="export functions", unit="fn") as bar:

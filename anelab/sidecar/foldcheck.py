@@ -35,7 +35,7 @@ import numpy as np
 from anelab import reference
 from anelab.errors import AnelabInputError
 from anelab.geometry import AttentionGeometry
-from anelab.masks import causal
+from anelab.masks import causal, require_visible_key
 from anelab.selection import Selection, select
 from anelab.sidecar import compare
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, load_matching_checkpoint, relative_error
@@ -72,6 +72,8 @@ class FoldCase:
     q: np.ndarray
     k: np.ndarray
     seed: int
+    window: int | None = None  # the package's sliding window (tokens); the fold composes with it
+    rope_coverage: int | None = None  # the package coverage (dynamic / longrope RoPE table)
 
     @property
     def inputs(self) -> compare.FunctionInputs:
@@ -109,8 +111,13 @@ def make_case(
     rng = np.random.default_rng([int(seed), history, meta.chunk])
     rows = rng.standard_normal((history + meta.chunk, geometry.hidden_size)).astype(np.float16)
     hidden_history, hidden = rows[:history], rows[history:]
-    k_hist, v_hist = reference.history_kv(hidden_history.astype(np.float64), weights, geometry, "fp64")
-    proj = reference.project(rows.astype(np.float64), np.arange(history + meta.chunk), weights, geometry, "fp64")
+    cover = meta.coverage
+    k_hist, v_hist = reference.history_kv(
+        hidden_history.astype(np.float64), weights, geometry, "fp64", rope_coverage=cover
+    )
+    proj = reference.project(
+        rows.astype(np.float64), np.arange(history + meta.chunk), weights, geometry, "fp64", rope_coverage=cover
+    )
     return FoldCase(
         saved,
         function_name(history),
@@ -122,6 +129,8 @@ def make_case(
         proj.q[history:],
         proj.k,
         int(seed),
+        meta.sliding_window,
+        cover,
     )
 
 
@@ -138,7 +147,20 @@ def run_package(case: FoldCase, mask: np.ndarray, evaluator: compare.Evaluator |
 
 def run_reference(case: FoldCase, mask: np.ndarray) -> np.ndarray:
     """attn_out [C, D] float64 of the reference block under ``mask`` [C, T]."""
-    return compare.run_reference(case.inputs, case.weights, case.geometry, mask).attn_out
+    return compare.run_reference(
+        case.inputs, case.weights, case.geometry, mask, rope_coverage=case.rope_coverage
+    ).attn_out
+
+
+def windowed(case: FoldCase, mask: np.ndarray | None = None) -> np.ndarray:
+    """The case's causal mask with its sliding window, or ``mask`` [C, T] composed with it
+    (a key dropped by either is dropped)."""
+    base = causal(case.chunk, case.history, window=case.window)
+    if mask is None:
+        return base
+    composed = np.minimum(mask, base)
+    require_visible_key(composed, case.history)
+    return composed
 
 
 @dataclass
@@ -193,9 +215,9 @@ def fold_check(
         raise AnelabInputError(
             f"the selection is for start {selection.start}, chunk {selection.chunk}; the case is h{case.history}, chunk {case.chunk}"
         )
-    folded = selection.mask()
+    folded = windowed(case, selection.mask())
     truth = run_reference(case, folded)
-    moved = relative_error(run_reference(case, causal(case.chunk, case.history)), truth)
+    moved = relative_error(run_reference(case, windowed(case)), truth)
     visible = case.history + np.arange(case.chunk) + 1
     result = FoldCheck(
         chunk=case.chunk,
@@ -208,7 +230,7 @@ def fold_check(
         fold_error=relative_error(
             run_package(case, folded if package_mask is None else package_mask, evaluator), truth
         ),
-        causal_off=relative_error(run_package(case, causal(case.chunk, case.history), evaluator), truth),
+        causal_off=relative_error(run_package(case, windowed(case), evaluator), truth),
         moved=moved,
         threshold=float(threshold),
     )

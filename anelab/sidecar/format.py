@@ -66,6 +66,11 @@ STATE_CAPACITY_META = "anelab.stateCapacity"
 STATE_FUNCTIONS_META = "anelab.stateFunctions"
 
 
+# the layer's sliding window in tokens (null: full attention). The caller must feed
+# masks.causal(C, H, window=W): key j visible from row position p iff 0 <= p - j < W.
+SLIDING_WINDOW_META = "slidingWindow"
+
+
 GRAPHS = ("dense", "tiled", "stateful")
 
 
@@ -90,7 +95,11 @@ class SidecarMetadata:
     ``histories`` are the chunk starts its functions serve: one ``h<H>`` function each for the dense
     and tiled graphs; for the stateful graph the starts 0, C, ... of a prefill that fills the cache,
     whose functions are ``state_functions`` (``c<C>``, and ``c1`` for decode) over ``state_capacity``
-    cache slots. ``key_tile``: key positions per tile of the tiled graph.
+    cache slots. ``key_tile``: key positions per tile of the tiled graph. ``sliding_window``: the
+    layer's window W in tokens (None: full attention) — the mask a caller feeds must be
+    ``masks.causal(..., window=W)``. ``geometry`` carries the block's options, including what the
+    caller applies to attn_out before the residual add (``after_o_proj``) and which rows it feeds
+    (``input_rows``: post-input-norm rows, or the raw residual stream for OLMo 2).
     """
 
     format_version: int
@@ -114,6 +123,7 @@ class SidecarMetadata:
     key_tile: int | None = None
     state_capacity: int | None = None
     state_functions: list[str] | None = None
+    sliding_window: int | None = None
 
     @property
     def functions(self) -> list[str]:
@@ -204,6 +214,7 @@ _FIELDS = {
     "key_tile": (KEY_TILE_META, "int", False),
     "state_capacity": (STATE_CAPACITY_META, "int", False),
     "state_functions": (STATE_FUNCTIONS_META, "names", False),
+    "sliding_window": (SLIDING_WINDOW_META, "json", False),
 }
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 
+from anelab.errors import AnelabInputError
 from anelab.sidecar.evaluate import SavedPackage
-from anelab.sidecar.format import read_raw_metadata, weight_bytes
+from anelab.sidecar.format import SidecarMetadata, read_raw_metadata, weight_bytes
 
 
 def inspect_package(package: str | os.PathLike) -> dict:
@@ -26,7 +27,42 @@ def inspect_package(package: str | os.PathLike) -> dict:
         },
         "weight_bytes": weight_bytes(saved.path),
         "metadata": read_raw_metadata(saved.path),
+        "contract": contract_notes(read_raw_metadata(saved.path), str(saved.path)),
     }
+
+
+def contract_notes(raw: dict[str, str], where: str) -> list[str]:
+    """What a caller must do around this layer's package, from its metadata: the mask (and its
+    sliding window), the rows it feeds, what it applies to attn_out, the K-cache channel order."""
+    try:
+        meta = SidecarMetadata.from_strings(raw, where)
+    except AnelabInputError as e:
+        return [f"metadata unreadable: {e}"]
+    g, w = meta.geometry, meta.sliding_window
+    if w is None:
+        notes = ["mask: masks.causal(C, H) (full attention)"]
+    else:
+        notes = [
+            f"mask: masks.causal(C, H, window={w}) — sliding window of {w} tokens (key j visible from position p "
+            f"iff 0 <= p - j < {w})",
+            f"window: from chunk start H >= {max(0, w - 1)} every row sees exactly {w} keys; only those keys reach "
+            "the output, but each h<H> still takes the whole history (RoPE positions are absolute), so the layer "
+            "needs the same functions as a full-attention one and its score work does not shrink",
+        ]
+    notes.append(
+        "input rows: the raw residual stream (no input norm)"
+        if g.get("input_rows") == "residual"
+        else "input rows: the post-input-norm hidden rows"
+    )
+    notes.append(
+        f"after attn_out: {g['after_o_proj']}" if g.get("after_o_proj") else "after attn_out: the residual add"
+    )
+    if g.get("rope_layout") == "interleaved":
+        notes.append(
+            "K cache (k_chunk / k_history): each head's rotary channels in half-rotated order "
+            "(anelab.rope.interleaved_to_half of the model's interleaved layout)"
+        )
+    return notes
 
 
 def format_inspection(info: dict) -> str:
@@ -39,6 +75,8 @@ def format_inspection(info: dict) -> str:
         ops = ", ".join(f"{k} {v}" for k, v in f["op_counts"].items())
         lines.append(f"    ops      {sum(f['op_counts'].values())}: {ops}")
         lines.append(f"    largest intermediate {f['largest_intermediate_bytes']:,} B")
+    lines.append("  contract:")
+    lines.extend(f"    {note}" for note in info.get("contract", []))
     lines.append("  metadata:")
     for k, v in sorted(info["metadata"].items()):
         lines.append(f"    {k}: {v if len(v) < 100 else v[:97] + '...'}")

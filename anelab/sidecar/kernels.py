@@ -270,6 +270,7 @@ KERNELS = {  # MIL op name -> kernel(interpreter, op) -> float32/int32 array
     "sqrt": _unary(np.sqrt),
     "square": _unary(np.square),
     "sigmoid": _unary(lambda x: 1.0 / (1.0 + np.exp(-x))),
+    "tanh": _unary(np.tanh),
     "silu": _unary(lambda x: x / (1.0 + np.exp(-x))),
     "inverse": lambda it, op: 1.0 / (it.value(op.inputs["x"]) + np.float32(it.param(op, "epsilon", 1e-4))),
     "rsqrt": _k_rsqrt,

@@ -17,11 +17,11 @@ from anelab.weights import AttentionWeights
 DECODE_STEPS = 2  # decode rows run after the prefill when the package has a c1 function
 
 
-def stateful_mask(rows: int, start: int, capacity: int) -> np.ndarray:
-    """Additive mask [rows, capacity] for a call at ``start``: causal over the filled prefix
-    (slots < start + rows), every later cache slot dropped."""
+def stateful_mask(rows: int, start: int, capacity: int, window: int | None = None) -> np.ndarray:
+    """Additive mask [rows, capacity] for a call at ``start``: causal (within the sliding ``window``,
+    if any) over the filled prefix (slots < start + rows), every later cache slot dropped."""
     mask = np.full((rows, capacity), MASKED, dtype=np.float16)
-    mask[:, : start + rows] = causal(rows, start)
+    mask[:, : start + rows] = causal(rows, start, window=window)
     return mask
 
 
@@ -37,13 +37,15 @@ def run_stateful(
     fp16: bool = True,
     evaluate=None,
     make_state=None,
+    window: int | None = None,
 ) -> tuple[np.ndarray, dict]:
     """Feed ``hidden`` [P, D] through a saved stateful package: (P - decode_steps) / chunk calls of
     c<chunk>, then ``decode_steps`` calls of c1, carrying the state. Returns (attn_out [P, D], final state).
 
-    ``masks(rows, start) -> [rows, capacity]`` overrides ``stateful_mask``. Refuses a call whose
-    chunk would run past the state capacity (one line). ``evaluate(function, inputs, state)`` and
-    ``make_state(function)`` run the calls elsewhere (e.g. Core ML; default: NumPy on ``saved``).
+    ``masks(rows, start) -> [rows, capacity]`` overrides ``stateful_mask`` (with the package's
+    sliding ``window``, if any). Refuses a call whose chunk would run past the state capacity (one
+    line). ``evaluate(function, inputs, state)`` and ``make_state(function)`` run the calls elsewhere
+    (e.g. Core ML; default: NumPy on ``saved``).
     """
 
     prefill = hidden.shape[0] - decode_steps
@@ -53,7 +55,7 @@ def run_stateful(
         )
     calls = [(stateful_function_name(chunk), s, chunk) for s in range(0, prefill, chunk)]
     calls += [(stateful_function_name(1), prefill + i, 1) for i in range(decode_steps)]
-    masks = masks or (lambda rows, start: stateful_mask(rows, start, capacity))
+    masks = masks or (lambda rows, start: stateful_mask(rows, start, capacity, window))
     first = calls[0][0] if calls else stateful_function_name(chunk)
     evaluate = evaluate or (
         lambda function, inputs, state: evaluate_with_state(saved, function, inputs, state, fp16=fp16)
@@ -83,8 +85,9 @@ def prefill_prompt(package: str | os.PathLike, hidden: np.ndarray, *, fp16: bool
 
     The prompt is padded with zero rows to whole chunks (padded rows come after every real row, so
     no real row sees them). dense / tiled: one call of ``h<s>`` per chunk start s, the K/V history
-    [s, Hkv, d] built from the earlier calls' k_chunk / v_chunk outputs, causal mask. stateful:
-    ``run_stateful`` with the state carried between calls. ``saved``: an already
+    [s, Hkv, d] built from the earlier calls' k_chunk / v_chunk outputs, causal mask (within the
+    package's ``slidingWindow``, if any). stateful: ``run_stateful`` with the state carried between
+    calls. ``saved``: an already
     opened ``SavedPackage`` of ``package`` (reading it is not part of a prefill).
     """
 
@@ -103,7 +106,7 @@ def prefill_prompt(package: str | os.PathLike, hidden: np.ndarray, *, fp16: bool
             raise AnelabInputError(
                 f"prompt of {P} tokens needs {calls * C} cache slots; the package has {capacity}; re-export with --capacity {calls * C}"
             )
-        out, _ = run_stateful(saved, padded, C, capacity, fp16=fp16)
+        out, _ = run_stateful(saved, padded, C, capacity, fp16=fp16, window=meta.sliding_window)
         return out[:P]
     missing = [s for s in range(0, calls * C, C) if s not in meta.histories]
     if missing:
@@ -112,7 +115,7 @@ def prefill_prompt(package: str | os.PathLike, hidden: np.ndarray, *, fp16: bool
         )
     outs, k_hist, v_hist = [], [], []
     for s in range(0, calls * C, C):
-        inputs = {"hidden": padded[s : s + C], "mask": causal(C, s)}
+        inputs = {"hidden": padded[s : s + C], "mask": causal(C, s, window=meta.sliding_window)}
         if s > 0:
             inputs["k_history"] = np.ascontiguousarray(np.concatenate(k_hist, axis=0))
             inputs["v_history"] = np.ascontiguousarray(np.concatenate(v_hist, axis=0))
@@ -124,19 +127,27 @@ def prefill_prompt(package: str | os.PathLike, hidden: np.ndarray, *, fp16: bool
 
 
 def prompt_reference(
-    hidden: np.ndarray, weights: AttentionWeights, geometry: AttentionGeometry, *, start: int | None = None
+    hidden: np.ndarray,
+    weights: AttentionWeights,
+    geometry: AttentionGeometry,
+    *,
+    start: int | None = None,
+    window: int | None = None,
+    rope_coverage: int | None = None,
 ) -> reference.BlockOutput:
     """The fp64 reference over a whole prompt's rows [P, D] from position 0 (``start`` shifts the RoPE
-    positions: a negative control), causal, no history: attn_out [P, D], k_chunk/v_chunk [Hkv, P, d]."""
+    positions: a negative control), causal (within ``window``), no history: attn_out [P, D],
+    k_chunk/v_chunk [Hkv, P, d]. ``rope_coverage`` picks a dynamic / longrope table."""
     P = hidden.shape[0]
     empty = np.zeros((0, geometry.num_kv_heads, geometry.head_dim))
     return reference.attention_block(
         np.asarray(hidden, np.float64),
         empty,
         empty,
-        causal(P, 0).astype(np.float64),
+        causal(P, 0, window=window).astype(np.float64),
         weights,
         geometry,
         start=start,
         precision="fp64",
+        rope_coverage=rope_coverage,
     )

@@ -2,7 +2,7 @@
 
 For every function h<H> the same inputs — random fp16 hidden rows, a K/V history produced by the
 reference from random history rows, and the causal mask — go to the saved package (evaluated from
-disk with ``anelab.sidecar.evaluate``; Core ML on a Mac later) and to ``anelab.reference`` in float64. The
+disk with ``anelab.mil_eval``; Core ML on a Mac later) and to ``anelab.reference`` in float64. The
 relative error ||package - reference|| / ||reference|| of ``attn_out``, ``k_chunk`` and ``v_chunk``
 must stay under ``RELATIVE_ERROR_THRESHOLD`` at a full chunk and at a partial chunk (fewer real
 rows, padded and masked).
@@ -11,12 +11,18 @@ Negative controls make the check able to fail — each must land *above* the thr
 verification reports itself vacuous and fails:
 
 - ``rope offset +1``: the reference is computed with the chunk starting one position late, so a
-  graph with the wrong RoPE positions could not pass;
+  graph with the wrong RoPE positions could not pass (not on a layer without RoPE);
 - ``mask reaches graph``: the *package* is fed a mask that drops a random half of each row's
-  visible keys, so a graph that ignored its mask input could not pass.
+  visible keys, so a graph that ignored its mask input could not pass;
+- ``window dropped`` (sliding-window layers, when the window bites within the function's
+  coverage): the package fed the plain causal mask must miss.
+
+Sliding windows: the package is fed the mask its metadata declares (``slidingWindow``), the
+reference uses the checkpoint's window for the layer, so a package whose metadata dropped the
+window fails.
 
 Compressed weights (``--weights int8|palettize4|int4-block``): the reference above uses the
-package's own dequantized projections (``anelab.sidecar.quantize.dequantized_weights``), so the graph is
+package's own dequantized projections (``anelab.quantize.dequantized_weights``), so the graph is
 still held to the fp16 threshold; one more comparison per function measures the package against
 the reference with the checkpoint's (fp16-exact) weights, bounded by ``quantize.ERROR_BOUNDS[mode]``
 — a wrong scale or lookup table lands above it.
@@ -151,18 +157,29 @@ def verify_package(
         else f"{evaluator.name}, beside the NumPy evaluation",
     )
     checkpoint_weights = checkpoint.layer(meta.layer)
+    windows = {
+        "window": meta.sliding_window,
+        "true_window": checkpoint.geometry.window_of(meta.layer),
+        "rope_coverage": meta.coverage,
+    }
     for name in tqdm(names, desc="verify functions", unit="fn"):
         weights = checkpoint_weights
         if meta.weights != "fp16":  # the graph is checked with the weights it stores
             weights = quantize.dequantized_weights(saved, name, checkpoint_weights)
         rng = np.random.default_rng([seed, history_of(name)])
-        inputs = random_function_inputs(name, meta.chunk, weights, checkpoint.geometry, rng)
+        inputs = random_function_inputs(
+            name, meta.chunk, weights, checkpoint.geometry, rng, rope_coverage=meta.coverage
+        )
         report.comparisons.extend(
-            function_comparisons(saved, inputs, weights, checkpoint.geometry, rng, fp16=fp16, evaluator=evaluator)
+            function_comparisons(
+                saved, inputs, weights, checkpoint.geometry, rng, fp16=fp16, evaluator=evaluator, **windows
+            )
         )
         if meta.weights != "fp16":
             report.comparisons.append(
-                compression_comparison(saved, inputs, checkpoint_weights, checkpoint.geometry, meta.weights, fp16=fp16)
+                compression_comparison(
+                    saved, inputs, checkpoint_weights, checkpoint.geometry, meta.weights, fp16=fp16, **windows
+                )
             )
     if meta.selection_folded:
         report.comparisons.extend(fold_comparisons(saved, checkpoint.path, meta, seed=seed, evaluator=evaluator))
@@ -177,14 +194,20 @@ def function_comparisons(
     rng: np.random.Generator,
     *,
     fp16: bool = True,
+    window: int | None = None,
+    true_window: int | None = None,
+    rope_coverage: int | None = None,
     evaluator: Evaluator | None = None,
 ) -> list[Comparison]:
-    """One function at a full and a partial chunk, and its two negative controls; with an
+    """One function at a full and a partial chunk, and its negative controls.
+
+    ``window``: the sliding window the package declares (its mask); ``true_window``: the model's,
+    which the reference uses; ``rope_coverage``: the package coverage (dynamic / longrope). With an
     ``evaluator``, each chunk case also gets the evaluator vs NumPy and NumPy vs reference rows."""
     name, C, H = inputs.function, inputs.hidden.shape[0], inputs.history
-    mask = causal(C, H)
+    mask, ref_mask = causal(C, H, window=window), causal(C, H, window=true_window)
     out = run_package(saved, inputs, mask, fp16=fp16, evaluator=evaluator)
-    ref = run_reference(inputs, weights, geometry, mask)
+    ref = run_reference(inputs, weights, geometry, ref_mask, rope_coverage=rope_coverage)
     comparisons = [Comparison(name, "full chunk", C, output_errors(out, ref, C))]
     if evaluator is not None:
         comparisons += cross_checks(name, "full chunk", C, out, run_package(saved, inputs, mask, fp16=fp16), ref)
@@ -192,24 +215,43 @@ def function_comparisons(
     n = partial_rows(C)
     padded = inputs.hidden.copy()
     padded[n:] = 0
-    pmask = causal(C, H, valid_rows=n)
+    pmask = causal(C, H, valid_rows=n, window=window)
     partial_out = run_package(saved, inputs, pmask, hidden=padded, fp16=fp16, evaluator=evaluator)
-    partial_ref = run_reference(inputs, weights, geometry, pmask, hidden=padded)
+    partial_ref = run_reference(
+        inputs,
+        weights,
+        geometry,
+        causal(C, H, valid_rows=n, window=true_window),
+        hidden=padded,
+        rope_coverage=rope_coverage,
+    )
     comparisons.append(Comparison(name, f"partial chunk ({n} of {C})", n, output_errors(partial_out, partial_ref, n)))
     if evaluator is not None:
         numpy_partial = run_package(saved, inputs, pmask, hidden=padded, fp16=fp16)
         comparisons += cross_checks(name, f"partial ({n} of {C})", n, partial_out, numpy_partial, partial_ref)
     # negative controls: the reference one position late must miss; so must the package under a changed mask
-    wrong_rope = run_reference(inputs, weights, geometry, mask, start=H + 1)
-    comparisons.append(
-        Comparison(
-            name, "control: rope offset +1", C, output_errors(out, wrong_rope, C, ("attn_out", "k_chunk")), control=True
+    if geometry.uses_rope(weights.layer):  # a NoPE layer (SmolLM3) has no positions to get wrong
+        wrong_rope = run_reference(inputs, weights, geometry, ref_mask, start=H + 1, rope_coverage=rope_coverage)
+        comparisons.append(
+            Comparison(
+                name,
+                "control: rope offset +1",
+                C,
+                output_errors(out, wrong_rope, C, ("attn_out", "k_chunk")),
+                control=True,
+            )
         )
-    )
     dropped = run_package(saved, inputs, drop_half_mask(mask, rng), fp16=fp16, evaluator=evaluator)
     comparisons.append(
         Comparison(name, "control: mask reaches graph", C, output_errors(dropped, ref, C, ("attn_out",)), control=True)
     )
+    if true_window is not None and true_window < H + C:  # the window drops keys within this function
+        unwindowed = run_package(saved, inputs, causal(C, H), fp16=fp16, evaluator=evaluator)
+        comparisons.append(
+            Comparison(
+                name, "control: window dropped", C, output_errors(unwindowed, ref, C, ("attn_out",)), control=True
+            )
+        )
     return comparisons
 
 
@@ -233,12 +275,16 @@ def compression_comparison(
     mode: str,
     *,
     fp16: bool = True,
+    window: int | None = None,
+    true_window: int | None = None,
+    rope_coverage: int | None = None,
 ) -> Comparison:
     """What the compression costs: the package against the reference with the checkpoint's weights."""
     C = inputs.hidden.shape[0]
-    mask = causal(C, inputs.history)
-    out = run_package(saved, inputs, mask, fp16=fp16)
-    ref = run_reference(inputs, checkpoint_weights, geometry, mask)
+    out = run_package(saved, inputs, causal(C, inputs.history, window=window), fp16=fp16)
+    ref = run_reference(
+        inputs, checkpoint_weights, geometry, causal(C, inputs.history, window=true_window), rope_coverage=rope_coverage
+    )
     bound = quantize.ERROR_BOUNDS[mode]
     return Comparison(inputs.function, f"{mode} vs fp16 w. (<={bound:g})", C, output_errors(out, ref, C), bound=bound)
 
@@ -325,6 +371,8 @@ def verify_stateful_package(
     rng = np.random.default_rng([seed, P])
     hidden = rng.standard_normal((P, geometry.hidden_size)).astype(np.float16)
 
+    window, true_window = meta.sliding_window, geometry.window_of(meta.layer)
+
     on = (
         {}
         if evaluator is None
@@ -332,14 +380,18 @@ def verify_stateful_package(
     )
 
     def run(numpy: bool = False, **options):
+        options.setdefault("window", window)
         device = {} if numpy else on
         return run_stateful(saved, hidden, C, capacity, decode_steps=decode_steps, fp16=fp16, **device, **options)
+
+    def truth(w, **options):
+        return prompt_reference(hidden, w, geometry, window=true_window, rope_coverage=capacity, **options)
 
     steps = tqdm(total=4 + (meta.weights != "fp16"), desc="verify stateful", unit="run")
     out, state = run()
     if evaluator is not None:  # the device's state read back (MLState.read_state), as NumPy's is
         state = evaluator.state_arrays(state)
-    ref = prompt_reference(hidden, weights, geometry)
+    ref = truth(weights)
     report.comparisons.append(
         Comparison(label, f"prompt {prefill}+{decode_steps} rows", P, stateful_errors(out, state, ref))
     )
@@ -350,18 +402,13 @@ def verify_stateful_package(
             Comparison(label, "NumPy vs ref.", P, stateful_errors(numpy_out, numpy_state, ref)),
         ]
     steps.update()
-    errs = stateful_errors(out, state, prompt_reference(hidden, weights, geometry, start=1))
-    report.comparisons.append(
-        Comparison(
-            label,
-            "control: rope offset +1",
-            P,
-            {k: errs[k] for k in ("attn_out", "k_chunk")},
-            control=True,
+    if geometry.uses_rope(meta.layer):  # a NoPE layer has no positions to get wrong
+        errs = stateful_errors(out, state, truth(weights, start=1))
+        report.comparisons.append(
+            Comparison(label, "control: rope offset +1", P, {k: errs[k] for k in ("attn_out", "k_chunk")}, control=True)
         )
-    )
     steps.update()
-    dropped, _ = run(masks=lambda rows, start: drop_half_mask(stateful_mask(rows, start, capacity), rng))
+    dropped, _ = run(masks=lambda rows, start: drop_half_mask(stateful_mask(rows, start, capacity, window), rng))
     report.comparisons.append(
         Comparison(
             label, "control: mask reaches graph", P, {"attn_out": relative_error(dropped, ref.attn_out)}, control=True
@@ -375,9 +422,20 @@ def verify_stateful_package(
         )
     )
     steps.update()
+    if true_window is not None and true_window < P:
+        unwindowed, _ = run(window=None)
+        report.comparisons.append(
+            Comparison(
+                label,
+                "control: window dropped",
+                P,
+                {"attn_out": relative_error(unwindowed, ref.attn_out)},
+                control=True,
+            )
+        )
     if meta.weights != "fp16":
         bound = quantize.ERROR_BOUNDS[meta.weights]
-        fp16_ref = prompt_reference(hidden, checkpoint_weights, geometry)
+        fp16_ref = truth(checkpoint_weights)
         report.comparisons.append(
             Comparison(
                 label, f"{meta.weights} vs fp16 w. (<={bound:g})", P, stateful_errors(out, state, fp16_ref), bound=bound

@@ -7,16 +7,8 @@ import numpy as np
 from anelab.geometry import AttentionGeometry
 from anelab.sidecar.coremltools_import import coremltools_modules
 from anelab.sidecar.format import STATE_NAMES
-from anelab.sidecar.graphs.common import linear, project_chunk, rope
+from anelab.sidecar.graphs.common import linear, no_rotation, project_chunk, rope, rope_position_tables, softcap
 from anelab.weights import AttentionWeights
-
-
-def _rope_position_tables(geometry: AttentionGeometry, capacity: int):
-    """cos/sin of p*theta_j for every cache position p < capacity, [capacity, rot/2], float64 -> fp16."""
-    rot = geometry.rotary_dim
-    inv_freq = 1.0 / (geometry.rope_theta ** (np.arange(0, rot, 2, dtype=np.float64) / rot))
-    angles = np.arange(capacity, dtype=np.float64)[:, None] * inv_freq[None, :]
-    return np.cos(angles).astype(np.float16), np.sin(angles).astype(np.float16)
 
 
 def _cache_for_attention(mb, state, updated):
@@ -46,7 +38,7 @@ def build_stateful_program(geometry: AttentionGeometry, weights: AttentionWeight
     g = geometry
     C, N = chunk, capacity
     Hq, Hkv, d, D, G = g.num_heads, g.num_kv_heads, g.head_dim, g.hidden_size, g.group_size
-    cos_table, sin_table = _rope_position_tables(g, N)
+    cos_table, sin_table = rope_position_tables(g, weights.layer, N)
     specs = [mb.StateTensorSpec(shape=(Hkv, N, d), dtype=types.fp16) for _ in STATE_NAMES]
     specs += [
         mb.TensorSpec(shape=(C, D), dtype=types.fp16),
@@ -59,9 +51,8 @@ def build_stateful_program(geometry: AttentionGeometry, weights: AttentionWeight
         positions = mb.add(x=start, y=np.arange(C, dtype=np.int32))  # [C]
         cos = mb.expand_dims(x=mb.gather(x=cos_table, indices=positions, axis=0), axes=[1])  # [C, 1, rot/2]
         sin = mb.expand_dims(x=mb.gather(x=sin_table, indices=positions, axis=0), axes=[1])
-        q, gate, k_chunk, v_chunk = project_chunk(
-            mb, g, weights, hidden, C, lambda x, name: rope(mb, x, cos, sin, g, name)
-        )
+        rotate = (lambda x, name: rope(mb, x, cos, sin, g, name)) if g.uses_rope(weights.layer) else no_rotation
+        q, gate, k_chunk, v_chunk = project_chunk(mb, g, weights, hidden, C, rotate)
         zero = np.zeros(1, np.int32)
         begin = mb.concat(values=[zero, start, zero], axis=0)
         end = mb.concat(
@@ -74,7 +65,7 @@ def build_stateful_program(geometry: AttentionGeometry, weights: AttentionWeight
             caches.append(_cache_for_attention(mb, state, updated))
         keys, values = caches
         scores = mb.matmul(x=q, y=keys, transpose_y=True)  # [Hkv, G*C, N]
-        scores = mb.reshape(x=scores, shape=[Hkv, G, C, N])
+        scores = softcap(mb, mb.reshape(x=scores, shape=[Hkv, G, C, N]), g)
         probs = mb.softmax(x=mb.add(x=scores, y=mask), axis=-1)
         context = mb.matmul(x=probs, y=mb.expand_dims(x=values, axes=[1]))  # [Hkv, G, C, d]
         context = mb.transpose(x=mb.reshape(x=context, shape=[Hq, C, d]), perm=[1, 0, 2])  # [C, Hq, d]

@@ -12,6 +12,7 @@ from anelab.sidecar.graphs.common import (
     per_history_program,
     per_history_specs,
     project_chunk,
+    softcap,
     static_rotation,
 )
 from anelab.weights import AttentionWeights
@@ -58,14 +59,16 @@ def build_tiled_program(geometry: AttentionGeometry, weights: AttentionWeights, 
     T = H + C
 
     def body(hidden, k_history, v_history, mask):
-        q, gate, k_chunk, v_chunk = project_chunk(mb, g, weights, hidden, C, static_rotation(mb, g, C, H))
+        rotate = static_rotation(mb, g, C, H, weights.layer, shape.rope_coverage)
+        q, gate, k_chunk, v_chunk = project_chunk(mb, g, weights, hidden, C, rotate)
+
         m = l = acc = None
         for j, k0 in enumerate(range(0, T, key_tile)):
             k1 = k0 + key_tile
             keys = _key_tile(mb, k_history, k_chunk, H, k0, k1, d)  # [Hkv, tile, d]
             values = _key_tile(mb, v_history, v_chunk, H, k0, k1, d)
             s = mb.matmul(x=q, y=keys, transpose_y=True)  # [Hkv, G*C, tile]
-            s = mb.reshape(x=s, shape=[Hkv, G, C, key_tile])
+            s = softcap(mb, mb.reshape(x=s, shape=[Hkv, G, C, key_tile]), g)
             mask_cols = mb.slice_by_index(x=mask, begin=[0, k0], end=[C, k1], end_mask=[True, False])
             s = mb.add(x=s, y=mask_cols, name=f"scores_tile{j}")
             tile_max = mb.reduce_max(x=s, axes=[-1], keep_dims=True)  # [Hkv, G, C, 1]

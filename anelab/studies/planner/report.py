@@ -89,3 +89,22 @@ def format_plan(d: dict) -> str:
     out.append(f"predicted ratio {d['predicted_ratio']:.2f}x (GPU / ANE)")
     out.append(f"decision: {d['decision']} — {d['reason']}")
     return "\n".join(out)
+
+
+def format_checkpoint_plan(d: dict) -> str:
+    """A checkpoint's plan (``plan_from_checkpoint(...).to_dict()``): the geometry read from its
+    config, where the costs came from, one plan per kind of attention layer, and the combined verdict."""
+    window = f", {len(d['windowed_layers'])} windowed (W={d['sliding_window']})" if d["windowed_layers"] else ""
+    out = [
+        f"{d['checkpoint']} ({d['model_type']}): {d['num_layers']} layers, {len(d['full_layers'])} full attention"
+        f"{window}; {d['num_heads']} heads, {d['num_kv_heads']} KV heads, head_dim {d['head_dim']}",
+        f"costs: {d['cost_family'] or 'flags'} — {d['cost_family_reason']}",
+    ]
+    for kind, part in d["parts"].items():
+        out += [f"--- {kind} layers ---", format_plan(part)]
+    out.append(
+        f"combined: GPU {d['gpu_prefill_seconds']:.1f} s, ANE {d['ane_prefill_seconds']:.1f} s "
+        f"(offloaded: {', '.join(d['offloaded']) or 'none'}); predicted ratio {d['predicted_ratio']:.2f}x; "
+        f"decision: {d['decision']}"
+    )
+    return "\n".join(out)
