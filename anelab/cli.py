@@ -377,6 +377,7 @@ def _run_plan(args):
 
 
 def _run_plan_checkpoint(args):
+    from anelab.studies import planner
     from anelab.studies.planner.from_checkpoint import plan_from_checkpoint
 
     geometry_flags = ("layers", "full_attention_layers", "heads", "kv_heads", "head_dim", "sparse_budget")
