@@ -159,6 +159,7 @@ WRITABLE_MODEL_TYPES = (
     "llama",
     "qwen2",
     "qwen3",
+    "qwen3_moe",
     "qwen3_next",
     "qwen3_5",
     "qwen3_5_text",
