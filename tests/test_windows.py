@@ -200,3 +200,24 @@ def test_geometry_options_round_trip():
         assert AttentionGeometry.from_dict(json.loads(json.dumps(d))) == g, fam.name
     plain = geometry_from_config(FAMILIES[0].config).to_dict()
     assert "sliding_window" not in plain and "rope_scaling" not in plain  # defaults omitted: old dicts unchanged
+
+
+def test_open_sidecar_feeds_the_window_and_refuses_a_mask_outside_it(mistral):
+    """At use time the package's window reaches the runtime: without a mask the chunk is fed the
+    windowed causal mask; a plain causal mask that shows keys outside the window is refused."""
+    from anelab.runtime.fake import FakeRuntime
+    from anelab.runtime.interface import zero_inputs
+    from anelab.runtime.open import open_sidecar
+
+    _, package = mistral
+    runtime = FakeRuntime(numerics=True)
+    sidecar = open_sidecar(package, compute_units="cpu_only", chunk=CHUNK, runtime=runtime)  # not ANE-gated here
+    assert sidecar.sliding_window == WINDOW
+    start = 2 * CHUNK
+    expected = causal(CHUNK, start, window=WINDOW)
+    np.testing.assert_array_equal(sidecar.mask_for(start), expected)
+    inputs = zero_inputs(runtime.signature(package, f"h{start}"))
+    inputs.pop("mask")
+    sidecar.predict(start, inputs)  # the windowed mask is filled in
+    with pytest.raises(AnelabInputError, match=f"outside the layer's sliding window of {WINDOW} tokens"):
+        sidecar.predict(start, {**inputs, "mask": causal(CHUNK, start)})  # negative control: no window

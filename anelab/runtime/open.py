@@ -23,12 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from anelab.errors import AnelabInputError
 from anelab.geometry import chunk_starts
-from anelab.masks import dense_exact_window
+from anelab.masks import MASKED, causal, dense_exact_window
 from anelab.runtime.interface import NEURAL_ENGINE_UNITS, CoreMLRuntime, check_compute_units
 from anelab.runtime.mac import default_runtime
 from anelab.sidecar.format import SidecarMetadata, function_name, read_sidecar_metadata, stateful_function_name
+from anelab.sidecar.prompt import stateful_mask
 
 
 def _indexer_window(meta: SidecarMetadata, where: str) -> int:
@@ -71,6 +74,37 @@ class Sidecar:
     @property
     def coverage(self) -> int:
         return self.metadata.coverage
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The layer's sliding window in tokens (the package's ``slidingWindow``; None: full attention)."""
+        return self.metadata.sliding_window
+
+    def mask_for(self, start: int, valid_rows: int | None = None) -> np.ndarray:
+        """The causal mask (within the sliding window, if the layer has one) the chunk at ``start``
+        is fed when its caller has no selection to fold: fp16 [C, start + C], or [C, capacity] for a
+        stateful sidecar. A sparse-indexed model folds its selection into this mask."""
+        rows = self.chunk if valid_rows is None else int(valid_rows)
+        if self.stateful:
+            return stateful_mask(self.chunk, int(start), self.metadata.state_capacity, self.sliding_window)
+        return causal(self.chunk, int(start), valid_rows=rows, window=self.sliding_window)
+
+    def _refuse_keys_outside_the_window(self, start: int, mask: np.ndarray) -> None:
+        """A windowed layer's mask must hide every key outside its window: a mask that shows one would
+        silently compute full attention where the model slides."""
+        if self.sliding_window is None:
+            return
+        allowed = self.mask_for(start) > MASKED / 2
+        visible = np.asarray(mask, dtype=np.float32) > MASKED / 2
+        if visible.shape != allowed.shape:
+            raise AnelabInputError(f"mask must have shape {list(allowed.shape)}, got {list(visible.shape)}")
+        outside = visible & ~allowed
+        if outside.any():
+            row, key = (int(x[0]) for x in np.nonzero(outside))
+            raise AnelabInputError(
+                f"{self.package}: the mask shows key {key} to row {row} of the chunk at {start}, outside the layer's "
+                f"sliding window of {self.sliding_window} tokens; build it with Sidecar.mask_for (or fold into it)"
+            )
 
     @property
     def loaded(self) -> list[str]:
@@ -130,11 +164,17 @@ class Sidecar:
 
         Dense/tiled: inputs hidden [C, D], k_history / v_history [start, Hkv, d], mask [C, start + C].
         Stateful: hidden [C, D], start [1] int32, mask [C, capacity]; the sidecar's state is passed
-        (created with the first call, shared by ``c<C>`` and ``c1``).
+        (created with the first call, shared by ``c<C>`` and ``c1``). Without a ``mask`` the chunk is
+        fed ``mask_for(start, valid_rows)``; a windowed layer's mask is refused when it shows a key
+        outside the window.
         """
         from anelab.runtime.interface import prepare_inputs
 
         handle = self.handle_for(start, valid_rows)
+        inputs = dict(inputs)
+        if "mask" not in inputs:
+            inputs["mask"] = self.mask_for(start, valid_rows)
+        self._refuse_keys_outside_the_window(int(start), inputs["mask"])
         if not self.stateful:
             return self.runtime.predict(handle, prepare_inputs(inputs))
         if self._state is None:
