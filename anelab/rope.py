@@ -324,99 +324,131 @@ def rope_frequencies(
         )
 
     exponents = np.arange(0, dim, 2, dtype=np.float64) / dim  # transformers: arange(0, dim, 2) / dim
-    half = dim // 2
-    kind = scaling.rope_type
+    table = _RopeTable(theta, dim, exponents, scaling, coverage, max_position_embeddings)
+    return _FREQUENCIES[scaling.rope_type](table)
 
-    if kind == "default":
-        return 1.0 / theta**exponents, 1.0
 
-    if kind == "linear":
-        return (1.0 / theta**exponents) / scaling.factor, 1.0
+@dataclass(frozen=True)
+class _RopeTable:
+    """The inputs every RoPE type's frequency function reads (validated by ``rope_frequencies``)."""
 
-    if kind == "dynamic":
-        if max_position_embeddings is None:
-            raise AnelabInputError("rope_type 'dynamic' needs max_position_embeddings; pass it from the config")
-        mpe = _positive_int(max_position_embeddings, "max_position_embeddings")
-        if dim < 4:
-            raise AnelabInputError(f"rope_type 'dynamic' needs rotary_dim >= 4 (exponent d/(d-2)), got {dim}")
-        seq_len = max(coverage, mpe)
-        factor = scaling.factor
-        base = theta * ((factor * seq_len / mpe) - (factor - 1)) ** (dim / (dim - 2))
-        return 1.0 / base**exponents, 1.0
+    theta: float
+    dim: int
+    exponents: np.ndarray  # [dim // 2]: arange(0, dim, 2) / dim
+    scaling: RopeScaling
+    coverage: int
+    max_position_embeddings: int | None
 
-    if kind == "llama3":
-        inv_freq = 1.0 / theta**exponents
-        factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
-        if not high > low:
+    def factor_or_ratio(self) -> tuple[float, int]:
+        """(factor, original context) of yarn / longrope: ``factor`` defaults to max / original."""
+        original = _original_max(self.scaling, self.max_position_embeddings)
+        if self.scaling.factor is not None:
+            return self.scaling.factor, original
+        if self.max_position_embeddings is None:
             raise AnelabInputError(
-                f"llama3 rope needs high_freq_factor > low_freq_factor, got {high} and {low}; fix rope_scaling"
+                f"rope_type {self.scaling.rope_type!r} without 'factor' uses max_position_embeddings / original; "
+                "pass max_position_embeddings"
             )
-        old_context_len = _original_max(scaling, max_position_embeddings)
-        low_freq_wavelen = old_context_len / low
-        high_freq_wavelen = old_context_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_context_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-        return np.where(medium, smoothed, scaled), 1.0
+        return _positive_int(self.max_position_embeddings, "max_position_embeddings") / original, original
 
-    original = _original_max(scaling, max_position_embeddings)
-    factor = scaling.factor
-    if factor is None:
-        if max_position_embeddings is None:
-            raise AnelabInputError(
-                f"rope_type {kind!r} without 'factor' uses max_position_embeddings / original; pass max_position_embeddings"
-            )
-        factor = _positive_int(max_position_embeddings, "max_position_embeddings") / original
 
-    if kind == "yarn":
-        if scaling.attention_factor is not None:
-            attention_factor = float(scaling.attention_factor)
-        elif scaling.mscale and scaling.mscale_all_dim:  # truthiness, as transformers
-            attention_factor = _yarn_get_mscale(factor, scaling.mscale) / _yarn_get_mscale(
-                factor, scaling.mscale_all_dim
-            )
-        else:
-            attention_factor = _yarn_get_mscale(factor)
-        beta_fast = scaling.beta_fast or YARN_DEFAULT_BETA_FAST
-        beta_slow = scaling.beta_slow or YARN_DEFAULT_BETA_SLOW
-        truncate = YARN_DEFAULT_TRUNCATE if scaling.truncate is None else scaling.truncate
+def _default_frequencies(t: _RopeTable) -> tuple[np.ndarray, float]:
+    return 1.0 / t.theta**t.exponents, 1.0
 
-        def correction_dim(num_rotations: float) -> float:
-            return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(theta))
 
-        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-        if truncate:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, dim - 1)
-        if low == high:
-            high += 0.001  # transformers: prevent singularity
-        ramp = np.clip((np.arange(half, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
-        pos_freqs = theta**exponents
-        extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
-        extrapolation_factor = 1.0 - ramp
-        inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
-        return inv_freq, attention_factor
+def _linear_frequencies(t: _RopeTable) -> tuple[np.ndarray, float]:
+    return (1.0 / t.theta**t.exponents) / t.scaling.factor, 1.0
 
-    if kind == "longrope":
-        if scaling.attention_factor is not None:
-            attention_factor = float(scaling.attention_factor)
-        elif factor <= 1.0:
-            attention_factor = 1.0
-        else:
-            attention_factor = math.sqrt(1 + math.log(factor) / math.log(original))
-        chosen = scaling.long_factor if coverage > original else scaling.short_factor
-        name = "long_factor" if coverage > original else "short_factor"
-        if chosen is None or len(chosen) != half:
-            raise AnelabInputError(
-                f"longrope {name} must have rotary_dim // 2 = {half} entries, got "
-                f"{None if chosen is None else len(chosen)}; fix rope_scaling or rotary_dim"
-            )
-        ext = np.asarray(chosen, dtype=np.float64)
-        return 1.0 / (ext * theta**exponents), attention_factor
 
-    raise AssertionError(f"unhandled rope_type {kind!r}")  # unreachable: RopeScaling validates rope_type
+def _dynamic_frequencies(t: _RopeTable) -> tuple[np.ndarray, float]:
+    """Dynamic NTK at seq_len = max(coverage, max_position_embeddings): static for a package."""
+    if t.max_position_embeddings is None:
+        raise AnelabInputError("rope_type 'dynamic' needs max_position_embeddings; pass it from the config")
+    mpe = _positive_int(t.max_position_embeddings, "max_position_embeddings")
+    if t.dim < 4:
+        raise AnelabInputError(f"rope_type 'dynamic' needs rotary_dim >= 4 (exponent d/(d-2)), got {t.dim}")
+    seq_len, factor = max(t.coverage, mpe), t.scaling.factor
+    base = t.theta * ((factor * seq_len / mpe) - (factor - 1)) ** (t.dim / (t.dim - 2))
+    return 1.0 / base**t.exponents, 1.0
+
+
+def _llama3_frequencies(t: _RopeTable) -> tuple[np.ndarray, float]:
+    """Llama 3: long wavelengths divided by ``factor``, short ones kept, the band between smoothed."""
+    inv_freq = 1.0 / t.theta**t.exponents
+    factor, low, high = t.scaling.factor, t.scaling.low_freq_factor, t.scaling.high_freq_factor
+    if not high > low:
+        raise AnelabInputError(
+            f"llama3 rope needs high_freq_factor > low_freq_factor, got {high} and {low}; fix rope_scaling"
+        )
+    old_context_len = _original_max(t.scaling, t.max_position_embeddings)
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(medium, smoothed, scaled), 1.0
+
+
+def _yarn_frequencies(t: _RopeTable) -> tuple[np.ndarray, float]:
+    """YaRN: a ramp between extrapolated and interpolated frequencies, and an attention factor."""
+    s = t.scaling
+    factor, original = t.factor_or_ratio()
+    if s.attention_factor is not None:
+        attention_factor = float(s.attention_factor)
+    elif s.mscale and s.mscale_all_dim:  # truthiness, as transformers
+        attention_factor = _yarn_get_mscale(factor, s.mscale) / _yarn_get_mscale(factor, s.mscale_all_dim)
+    else:
+        attention_factor = _yarn_get_mscale(factor)
+    beta_fast = s.beta_fast or YARN_DEFAULT_BETA_FAST
+    beta_slow = s.beta_slow or YARN_DEFAULT_BETA_SLOW
+    truncate = YARN_DEFAULT_TRUNCATE if s.truncate is None else s.truncate
+
+    def correction_dim(num_rotations: float) -> float:
+        return (t.dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(t.theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, t.dim - 1)
+    if low == high:
+        high += 0.001  # transformers: prevent singularity
+    ramp = np.clip((np.arange(t.dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    pos_freqs = t.theta**t.exponents
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1.0 - ramp
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor, attention_factor
+
+
+def _longrope_frequencies(t: _RopeTable) -> tuple[np.ndarray, float]:
+    """LongRoPE (Phi-3): per-dimension short or long factors, chosen by coverage."""
+    s = t.scaling
+    factor, original = t.factor_or_ratio()
+    if s.attention_factor is not None:
+        attention_factor = float(s.attention_factor)
+    elif factor <= 1.0:
+        attention_factor = 1.0
+    else:
+        attention_factor = math.sqrt(1 + math.log(factor) / math.log(original))
+    name = "long_factor" if t.coverage > original else "short_factor"
+    chosen = getattr(s, name)
+    if chosen is None or len(chosen) != t.dim // 2:
+        raise AnelabInputError(
+            f"longrope {name} must have rotary_dim // 2 = {t.dim // 2} entries, got "
+            f"{None if chosen is None else len(chosen)}; fix rope_scaling or rotary_dim"
+        )
+    return 1.0 / (np.asarray(chosen, dtype=np.float64) * t.theta**t.exponents), attention_factor
+
+
+# rope_type -> its frequency function (transformers: ROPE_INIT_FUNCTIONS)
+_FREQUENCIES = {
+    "default": _default_frequencies,
+    "linear": _linear_frequencies,
+    "dynamic": _dynamic_frequencies,
+    "llama3": _llama3_frequencies,
+    "yarn": _yarn_frequencies,
+    "longrope": _longrope_frequencies,
+}
 
 
 def rope_cos_sin(
