@@ -31,6 +31,7 @@ the reference with the checkpoint's (fp16-exact) weights, bounded by ``quantize.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -402,37 +403,20 @@ def verify_stateful_package(
             Comparison(label, "NumPy vs ref.", P, stateful_errors(numpy_out, numpy_state, ref)),
         ]
     steps.update()
-    if geometry.uses_rope(meta.layer):  # a NoPE layer has no positions to get wrong
-        errs = stateful_errors(out, state, truth(weights, start=1))
-        report.comparisons.append(
-            Comparison(label, "control: rope offset +1", P, {k: errs[k] for k in ("attn_out", "k_chunk")}, control=True)
-        )
-    steps.update()
-    dropped, _ = run(masks=lambda rows, start: drop_half_mask(stateful_mask(rows, start, capacity, window), rng))
-    report.comparisons.append(
-        Comparison(
-            label, "control: mask reaches graph", P, {"attn_out": relative_error(dropped, ref.attn_out)}, control=True
-        )
+    report.comparisons += stateful_controls(
+        run,
+        lambda **o: truth(weights, **o),
+        out,
+        state,
+        ref,
+        label=label,
+        capacity=capacity,
+        window=window,
+        true_window=true_window,
+        uses_rope=geometry.uses_rope(meta.layer),
+        rng=rng,
     )
-    steps.update()
-    forgetful, _ = run(fresh_state_each_call=True)
-    report.comparisons.append(
-        Comparison(
-            label, "control: state carried", P, {"attn_out": relative_error(forgetful, ref.attn_out)}, control=True
-        )
-    )
-    steps.update()
-    if true_window is not None and true_window < P:
-        unwindowed, _ = run(window=None)
-        report.comparisons.append(
-            Comparison(
-                label,
-                "control: window dropped",
-                P,
-                {"attn_out": relative_error(unwindowed, ref.attn_out)},
-                control=True,
-            )
-        )
+    steps.update(3)
     if meta.weights != "fp16":
         bound = quantize.ERROR_BOUNDS[meta.weights]
         fp16_ref = truth(checkpoint_weights)
@@ -444,6 +428,43 @@ def verify_stateful_package(
         steps.update()
     steps.close()
     return report
+
+
+def stateful_controls(
+    run: Callable[..., tuple[np.ndarray, object]],
+    truth: Callable[..., reference.BlockOutput],
+    out: np.ndarray,
+    state: dict[str, np.ndarray],
+    ref: reference.BlockOutput,
+    *,
+    label: str,
+    capacity: int,
+    window: int | None,
+    true_window: int | None,
+    uses_rope: bool,
+    rng: np.random.Generator,
+) -> list[Comparison]:
+    """The stateful run's negative controls, each of which must miss the reference: RoPE one position
+    late (not on a NoPE layer), half the visible keys dropped from the mask, a fresh state at every
+    call, and the sliding window dropped (when the model's window hides keys in this prompt).
+    ``run(**options)`` reruns the prompt through the package; ``truth(**options)`` the reference."""
+    P = out.shape[0]
+
+    def control(case: str, actual: np.ndarray) -> Comparison:
+        return Comparison(label, case, P, {"attn_out": relative_error(actual, ref.attn_out)}, control=True)
+
+    controls = []
+    if uses_rope:  # a NoPE layer has no positions to get wrong
+        errs = stateful_errors(out, state, truth(start=1))
+        controls.append(
+            Comparison(label, "control: rope offset +1", P, {k: errs[k] for k in ("attn_out", "k_chunk")}, control=True)
+        )
+    dropped, _ = run(masks=lambda rows, start: drop_half_mask(stateful_mask(rows, start, capacity, window), rng))
+    controls.append(control("control: mask reaches graph", dropped))
+    controls.append(control("control: state carried", run(fresh_state_each_call=True)[0]))
+    if true_window is not None and true_window < P:
+        controls.append(control("control: window dropped", run(window=None)[0]))
+    return controls
 
 
 def stateful_errors(out: np.ndarray, state: dict[str, np.ndarray], ref: reference.BlockOutput) -> dict[str, float]:
