@@ -56,13 +56,21 @@ def _add_export(sub):
     p.add_argument(
         "--graph",
         default="dense",
-        help="graph form: dense | tiled (online softmax over key tiles) | stateful (K/V as Core ML state)",
+        help="graph form: dense | tiled (online softmax over key tiles) | stateful (K/V as Core ML state) | "
+        "stateful-tiled (K/V in state, key and query tiles)",
+    )
+    p.add_argument("--query-tile", type=int, default=None, help="stateful-tiled graph: chunk rows per query tile")
+    p.add_argument(
+        "--mask-mode",
+        default="causal",
+        help="stateful-tiled graph: causal (in-graph, no mask input) | additive (plus a mask input [C, capacity])",
     )
     p.add_argument(
         "--tile",
         type=int,
         default=None,
-        help="tiled graph: key positions per tile, a divisor of the chunk (default: the chunk)",
+        help="tiled graph: key positions per tile, a divisor of the chunk (default: the chunk); "
+        "stateful-tiled: cache slots per tile, a divisor of the capacity",
     )
     p.add_argument("--weights", default="fp16", help="projection weights: fp16 | int8 | palettize4 | int4-block")
     p.add_argument(
@@ -92,7 +100,7 @@ def _run_export(args):
     from anelab.runtime.mac import default_runtime
     from anelab.sidecar.export import export_sidecars
 
-    if args.histories is None and args.graph != "stateful":
+    if args.histories is None and args.graph not in ("stateful", "stateful-tiled"):
         raise AnelabInputError(
             "export: --histories is required (e.g. --histories 0,C,2C); only --graph stateful --capacity N goes without"
         )
@@ -113,6 +121,8 @@ def _run_export(args):
         decode=args.decode,
         selection=selection,
         gate=gate,
+        query_tile=args.query_tile,
+        mask_mode=args.mask_mode,
     )
     summary = [
         {
@@ -292,6 +302,13 @@ def _add_plan(sub):
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--list-families", action="store_true", help="list the families, what is recorded and unknown")
     p.add_argument("--fit-report", action="store_true", help="predicted vs recorded ratio of every recorded A/B row")
+    p.add_argument(
+        "--design",
+        type=lambda t: t.split(","),
+        help="compare sidecar designs: per-history,stateful,stateful-tiled (or 'all'); every family unless --family",
+    )
+    p.add_argument("--tile", type=int, help="--design stateful-tiled: cache slots per key tile")
+    p.add_argument("--query-tile", type=int, help="--design stateful-tiled: chunk rows per query tile")
 
 
 def _print_family_table(rows):
@@ -373,6 +390,25 @@ def _print_plan(d):
     print(f"decision: {d['decision']} — {d['reason']}")
 
 
+def _print_designs(rows):
+    print(
+        f"{'family':<24} {'design':<15} {'chunk':>5} {'loads':>5} {'load s':>7} {'arena MB':>9} {'wasted':>6} "
+        f"{'ops/fn':>6} {'ANE attn':>8} {'ANE arm':>8} {'GPU arm':>8} {'ratio':>6}  verdict (break-even load/layer)"
+    )
+    for family, designs in rows.items():
+        for d in designs:
+            be = d["break_even_load_seconds"]
+            print(
+                f"{family:<24} {d['design']:<15} {d['chunk']:>5} {d['loads']:>5} {d['load_seconds_each']:>7.2f} "
+                f"{d['per_call_arena_bytes'] / 1e6:>9.1f} {d['wasted_fraction']:>6.1%} {d['ops_per_function']:>6} "
+                f"{d['ane_attention_seconds']:>8.1f} {d['ane_prefill_seconds']:>8.1f} {d['gpu_prefill_seconds']:>8.1f} "
+                f"{d['predicted_ratio']:>5.2f}x  {d['decision']}" + (f" ({be:.1f} s)" if be is not None else "")
+            )
+    first = next(iter(rows.values()))
+    for design in first:
+        print(f"assumptions ({design['design']}): " + "; ".join(design["assumptions"]))
+
+
 def _run_plan(args):
     from anelab.studies import planner
 
@@ -390,6 +426,23 @@ def _run_plan(args):
         return 0
     if args.prompt_tokens is None:
         raise AnelabInputError("anelab plan: pass --prompt-tokens N (or --list-families / --fit-report)")
+    if args.design:
+        from anelab.studies.planner.design import DESIGNS, compare_designs
+
+        designs = list(DESIGNS) if args.design == ["all"] else args.design
+        families = [args.family] if args.family else list(planner.FAMILIES)
+        chunk = args.chunk or planner.REFERENCE_CHUNK
+        rows = {
+            f: [
+                d.to_dict()
+                for d in compare_designs(
+                    args.prompt_tokens, f, chunk, designs, key_tile=args.tile, query_tile=args.query_tile
+                )
+            ]
+            for f in families
+        }
+        _print_json(rows) if args.json else _print_designs(rows)
+        return 0
     result = planner.plan(
         args.prompt_tokens,
         family=args.family,

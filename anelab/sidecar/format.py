@@ -66,7 +66,18 @@ STATE_CAPACITY_META = "anelab.stateCapacity"
 STATE_FUNCTIONS_META = "anelab.stateFunctions"
 
 
-GRAPHS = ("dense", "tiled", "stateful")
+GRAPHS = ("dense", "tiled", "stateful", "stateful-tiled")
+
+
+STATEFUL_GRAPHS = ("stateful", "stateful-tiled")  # K/V in Core ML state: functions c<C> (and c1)
+
+
+# stateful-tiled graph only: query rows per tile, and how a mask reaches the function
+# ("causal": computed in-graph from the start input; "additive": plus a mask input [C, capacity])
+QUERY_TILE_META = "anelab.queryTile"
+
+
+MASK_MODE_META = "anelab.maskMode"
 
 
 # coremltools' int16 pass casts the stateful graph's RoPE gather positions to int16: positions must stay < 2**15
@@ -90,7 +101,8 @@ class SidecarMetadata:
     ``histories`` are the chunk starts its functions serve: one ``h<H>`` function each for the dense
     and tiled graphs; for the stateful graph the starts 0, C, ... of a prefill that fills the cache,
     whose functions are ``state_functions`` (``c<C>``, and ``c1`` for decode) over ``state_capacity``
-    cache slots. ``key_tile``: key positions per tile of the tiled graph.
+    cache slots. ``key_tile``: key positions per tile of the tiled graph, or cache slots per tile of
+    the stateful-tiled graph (whose ``query_tile`` and ``mask_mode`` are recorded too).
     """
 
     format_version: int
@@ -114,11 +126,13 @@ class SidecarMetadata:
     key_tile: int | None = None
     state_capacity: int | None = None
     state_functions: list[str] | None = None
+    query_tile: int | None = None
+    mask_mode: str | None = None
 
     @property
     def functions(self) -> list[str]:
         """The package's function names, in the order they were merged."""
-        if self.graph == "stateful":
+        if self.graph in STATEFUL_GRAPHS:
             return list(self.state_functions or [])
         return [function_name(h) for h in self.histories]
 
@@ -149,7 +163,7 @@ class SidecarMetadata:
                     f"{where}: sidecar metadata '{key}' is malformed ({raw[:60]!r}); re-export it"
                 ) from None
         meta_obj = cls(**values)
-        if meta_obj.graph == "stateful" and (meta_obj.state_capacity is None or not meta_obj.state_functions):
+        if meta_obj.graph in STATEFUL_GRAPHS and (meta_obj.state_capacity is None or not meta_obj.state_functions):
             raise AnelabInputError(
                 f"{where}: stateful sidecar metadata lacks '{STATE_CAPACITY_META}' or '{STATE_FUNCTIONS_META}'; "
                 "re-export it with 'anelab export'"
@@ -204,6 +218,8 @@ _FIELDS = {
     "key_tile": (KEY_TILE_META, "int", False),
     "state_capacity": (STATE_CAPACITY_META, "int", False),
     "state_functions": (STATE_FUNCTIONS_META, "names", False),
+    "query_tile": (QUERY_TILE_META, "int", False),
+    "mask_mode": (MASK_MODE_META, "str", False),
 }
 
 
