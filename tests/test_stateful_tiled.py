@@ -53,7 +53,7 @@ def test_whole_prompt_and_decode_pass_with_both_controls_failing(package):
     report = verify_package(pkg, ckpt)
     assert report.passed, report.table()
     [run] = [c for c in report.comparisons if not c.control]
-    assert "partial" in run.case and run.rows == 2 * CHUNK + 5 + 2  # 2 full chunks, a partial one, 2 decode rows
+    assert "partial" in run.case and run.rows == 3 * CHUNK + 5 + 2  # 3 full chunks, a partial one, 2 decode rows
     assert 1e-5 < run.worst < RELATIVE_ERROR_THRESHOLD
     controls = {c.case: c.worst for c in report.comparisons if c.control}
     assert set(controls) == {"control: wrong position (start + 1)", "control: state carried"}
@@ -140,7 +140,9 @@ def test_capacity_65536_with_a_chunk_past_40000(tmp_path):
     rows = rng.standard_normal((CHUNK + 1, g.hidden_size)).astype(np.float16)
     wrong = {k: v.copy() for k, v in state.items()}
     out = evaluate_with_state(saved, "c8", {"hidden": rows[:CHUNK], "start": np.array([start], np.int32)}, state)
-    dec = evaluate_with_state(saved, "c1", {"hidden": rows[CHUNK:], "start": np.array([start + CHUNK], np.int32)}, state)
+    dec = evaluate_with_state(
+        saved, "c1", {"hidden": rows[CHUNK:], "start": np.array([start + CHUNK], np.int32)}, state
+    )
     k16, v16 = (x.astype(np.float64) for x in (k_hist.astype(np.float16), v_hist.astype(np.float16)))
     ref = reference.attention_block(
         rows.astype(np.float64), k16, v16, causal(CHUNK + 1, start).astype(np.float64), w, g, precision="fp64"

@@ -338,15 +338,15 @@ def stateful_errors(out: np.ndarray, state: dict[str, np.ndarray], ref: referenc
 
 
 def stateful_tiled_prompt_rows(capacity: int, chunk: int) -> int:
-    """Prefill rows of the stateful-tiled check: as many chunk calls as leave one slot spare (for the
-    wrong-position control), the last one partial (``partial_rows``)."""
-    calls = (capacity - 1) // chunk
-    if calls < 1 or (chunk == 1 and calls < 2):
+    """Prefill rows of the stateful-tiled check: every chunk call the capacity holds (at least two, so
+    the state must be carried), the last one partial (``partial_rows``)."""
+    calls = capacity // chunk
+    if calls < 2:
         raise AnelabInputError(
-            f"state capacity {capacity} leaves no room for a chunk of {chunk} plus one position; "
-            f"re-export with --capacity {2 * chunk} or more"
+            f"state capacity {capacity} holds fewer than two chunks of {chunk}; verification needs two calls: "
+            f"re-export with --capacity {2 * chunk}"
         )
-    return (calls - 1) * chunk + partial_rows(chunk) if chunk > 1 else calls
+    return (calls - 1) * chunk + partial_rows(chunk)
 
 
 def verify_stateful_tiled_package(
@@ -354,8 +354,9 @@ def verify_stateful_tiled_package(
 ) -> VerifyReport:
     """Verify a stateful-tiled sidecar over a whole prompt whose last chunk is partial, then decode
     steps through ``c1`` when present: attn_out rows and the cache slots the prompt wrote, against the
-    fp64 reference. Controls (each must fail): the package told the wrong position (start + 1), a
-    fresh state per call (state not carried), and — with an additive mask input — a changed mask."""
+    fp64 reference. Controls (each must fail): the package told the wrong position (start + 1, over
+    the prompt's whole chunks), a fresh state per call (state not carried), and — with an additive
+    mask input — a changed mask."""
     meta = read_sidecar_metadata(package)
     checkpoint = load_matching_checkpoint(meta, checkpoint_dir)
     saved = SavedPackage(package)
@@ -367,7 +368,7 @@ def verify_stateful_tiled_package(
     if meta.weights != "fp16":
         weights = quantize.dequantized_weights(saved, meta.functions[0], checkpoint_weights)
     prefill = stateful_tiled_prompt_rows(capacity, C)
-    decode_steps = min(DECODE_STEPS, capacity - 1 - prefill) if ("c1" in meta.functions and C != 1) else 0
+    decode_steps = min(DECODE_STEPS, capacity - prefill) if ("c1" in meta.functions and C != 1) else 0
     P = prefill + decode_steps
     label = "+".join(meta.functions)
     report = VerifyReport(
@@ -383,10 +384,15 @@ def verify_stateful_tiled_package(
     hidden = rng.standard_normal((P, geometry.hidden_size)).astype(np.float16)
 
     def run(**options):
-        return run_stateful_tiled(saved, hidden, C, capacity, decode_steps=decode_steps, fp16=fp16, **options)
+        rows = hidden[:whole] if "start_offset" in options else hidden
+        return run_stateful_tiled(saved, rows, C, capacity, **{"decode_steps": decode_steps, "fp16": fp16, **options})
 
     ref = prompt_reference(hidden, weights, geometry)
-    cases = [("wrong position (start + 1)", {"start_offset": 1}), ("state carried", {"fresh_state_each_call": True})]
+    whole = (prefill // C) * C  # the wrong-position control runs the whole chunks only (one slot must stay spare)
+    cases = [
+        ("wrong position (start + 1)", {"start_offset": 1, "decode_steps": 0}),
+        ("state carried", {"fresh_state_each_call": True}),
+    ]
     if meta.mask_mode == "additive":
         cases.append(("mask reaches graph", {"masks": lambda r, s: drop_half_mask(stateful_mask(r, s, capacity), rng)}))
     steps = tqdm(total=1 + len(cases) + (meta.weights != "fp16"), desc="verify stateful-tiled", unit="run")
@@ -396,7 +402,10 @@ def verify_stateful_tiled_package(
     steps.update()
     for name, options in cases:
         wrong, wrong_state = run(**options)
-        errs = stateful_tiled_errors(wrong, wrong_state, ref)
+        part = reference.BlockOutput(
+            ref.attn_out[: len(wrong)], ref.k_chunk[:, : len(wrong)], ref.v_chunk[:, : len(wrong)]
+        )
+        errs = stateful_tiled_errors(wrong, wrong_state, part)
         if "start_offset" not in options:  # a fresh state or a changed mask still writes the right cache
             errs = {"attn_out": errs["attn_out"]}
         report.comparisons.append(Comparison(label, f"control: {name}", P, errs, control=True))

@@ -150,7 +150,9 @@ def prediction_figure(rows: list[dict], family_label: str):
         setup = [by_chunk[c]["setup_seconds"] for c in chunks]
         attn = [by_chunk[c]["ane_attention_seconds"] for c in chunks]
         ax.bar(xs, setup, width, color=colours[design], label=f"{design}: setup (loads)")
-        ax.bar(xs, attn, width, bottom=setup, color=colours[design], alpha=0.45, hatch="//", label=f"{design}: attention")
+        ax.bar(
+            xs, attn, width, bottom=setup, color=colours[design], alpha=0.45, hatch="//", label=f"{design}: attention"
+        )
     gpu = [next(r["gpu_prefill_seconds"] for r in rows if r["chunk"] == c) for c in chunks]
     ax.plot(np.arange(len(chunks)), gpu, "k--", marker="_", label="GPU arm: whole prefill (recorded-fit)")
     ax.set_xticks(np.arange(len(chunks)), [str(c) for c in chunks])

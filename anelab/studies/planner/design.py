@@ -23,6 +23,7 @@ non-attention and GPU attention come from :func:`anelab.studies.planner.plan.pla
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from anelab.errors import AnelabInputError
@@ -141,7 +142,8 @@ def design_plan(
     query_tile: int | None = None,
 ) -> DesignPlan:
     """Predict one design for one prompt (module docstring: model and assumptions). ``capacity``
-    defaults to the prompt rounded up to whole chunks; tiles default as the exporter's (``validate_tiles``)."""
+    defaults to the prompt rounded up to whole chunks (and, for a given key tile, whole key tiles);
+    tiles default as the exporter's (``validate_tiles``)."""
     if design not in DESIGNS:
         raise AnelabInputError(f"unknown --design {design!r}; use one of: {', '.join(DESIGNS)}")
     require_positive("--prompt-tokens", prompt_tokens)
@@ -164,8 +166,13 @@ def design_plan(
         assumptions.append("loads: recorded per history where they apply, else the arena fit (as plan())")
     else:
         cap = capacity if capacity is not None else calls * chunk
+        if capacity is None and design == "stateful-tiled" and key_tile is not None:  # whole key tiles too
+            unit = math.lcm(chunk, key_tile)
+            cap = -(-cap // unit) * unit
         if cap < calls * chunk or cap % chunk:
-            raise AnelabInputError(f"--capacity {cap} must be a multiple of {chunk} holding the prompt ({calls * chunk})")
+            raise AnelabInputError(
+                f"--capacity {cap} must be a multiple of {chunk} holding the prompt ({calls * chunk})"
+            )
         computed = calls * heads * chunk * cap
         loads, functions = n_fa if on_ane else 0, 1
         if design == "stateful":
