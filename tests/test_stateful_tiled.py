@@ -104,6 +104,14 @@ def test_largest_working_intermediate_is_independent_of_capacity(tiny_checkpoint
     ckpt = tiny_checkpoint(VARIANT)
     tiled = {n: intermediate_profile(_export(ckpt, tmp_path / f"t{n}", capacity=n))["c8"] for n in (32, 128)}
     assert tiled[32]["largest_working_bytes"] == tiled[128]["largest_working_bytes"]
+    # wasted arithmetic, measured from the saved program: every call scores heads x C x capacity entries
+    g = TINY_GEOMETRIES[VARIANT]
+    assert tiled[128]["score_entries"] == g.num_heads * CHUNK * 128
+    prompt = 27  # 4 calls of 8 rows
+    used = g.num_heads * prompt * (prompt + 1) // 2
+    measured = 1 - used / (4 * tiled[128]["score_entries"])
+    assert measured == pytest.approx(stateful_tiled.wasted_score_fraction(prompt, CHUNK, 128))
+    assert stateful_tiled.wasted_score_fraction(prompt, CHUNK, 32) < measured  # a tighter capacity wastes less
     assert tiled[128]["ops"] > tiled[32]["ops"]  # more key tiles, more ops: the price of a static loop
     # negative control: the untiled stateful design's working set grows with the capacity
     untiled = {}

@@ -134,7 +134,8 @@ def prefill_prompt(package: str | os.PathLike, hidden: np.ndarray, *, fp16: bool
     The prompt is padded with zero rows to whole chunks (padded rows come after every real row, so
     no real row sees them). dense / tiled: one call of ``h<s>`` per chunk start s, the K/V history
     [s, Hkv, d] built from the earlier calls' k_chunk / v_chunk outputs, causal mask. stateful:
-    ``anelab.verify.run_stateful`` with the state carried between calls. ``saved``: an already
+    ``run_stateful`` with the state carried between calls; stateful-tiled: ``run_stateful_tiled``
+    (the partial last chunk padded inside the driver, causality in-graph). ``saved``: an already
     opened ``SavedPackage`` of ``package`` (reading it is not part of a prefill).
     """
 

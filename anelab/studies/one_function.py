@@ -24,8 +24,9 @@ PACKAGE_DESIGNS = {"per-history": "dense", "stateful": "stateful", "stateful-til
 
 
 def intermediate_profile(package: str | os.PathLike) -> dict[str, dict]:
-    """Per function of a saved package: non-const op count, the largest op output (bytes), and the
-    largest op output that is not cache-shaped ([Hkv, capacity, d]: the state itself, read and updated)."""
+    """Per function of a saved package: non-const op count, the largest op output (bytes), the
+    largest op output that is not cache-shaped ([Hkv, capacity, d]: the state itself, read and
+    updated), and the score entries one call computes (outputs of every ``matmul(., K, transpose_y)``)."""
     saved = SavedPackage(package)
     out = {}
     for name in saved.functions:
@@ -40,6 +41,11 @@ def intermediate_profile(package: str | os.PathLike) -> dict[str, dict]:
             "largest_working_bytes": top[0],
             "largest_working_shape": list(top[1]),
             "largest_working_op": top[2],
+            "score_entries": sum(
+                int(np.prod(op.outputs[0].shape))
+                for op in ops
+                if op.op_type == "matmul" and bool(op.inputs["transpose_y"].val)
+            ),
         }
     return out
 
@@ -135,9 +141,26 @@ def prediction_rows(family: str, prompt_tokens: int, chunks, *, key_tile=None, q
     ]
 
 
-def prediction_figure(rows: list[dict], family_label: str):
-    """Setup + ANE attention (+ the rest of the ANE arm) per design and chunk width, with the GPU arm's
-    prefill as the line to beat. Labelled as a prediction."""
+def recorded_gpu_prefill(family: str, records: list[dict]) -> tuple[float, str] | None:
+    """(GPU prefill seconds, record file) of ``family``'s recorded A/B row at the seed's workload (the
+    ``v5.6`` family records), or None when none is recorded."""
+    for r in records:
+        rows = r.get("results", {}).get("rows", []) if isinstance(r.get("results"), dict) else []
+        for row in rows:
+            if (
+                isinstance(row, dict)
+                and row.get("family") == family
+                and row.get("gpu_seconds")
+                and "v5.6" in r["_file"]
+            ):
+                return float(row["gpu_seconds"]), r["_file"]
+    return None
+
+
+def prediction_figure(rows: list[dict], family_label: str, recorded_gpu: tuple[float, str] | None = None):
+    """Setup + ANE attention per design and chunk width, with the GPU arm's prefill as the line to beat
+    (the planner's, per chunk; and ``recorded_gpu`` = (seconds, record file) when given). Titled as a
+    prediction."""
     import matplotlib.pyplot as plt
 
     chunks = sorted({r["chunk"] for r in rows})
@@ -154,7 +177,9 @@ def prediction_figure(rows: list[dict], family_label: str):
             xs, attn, width, bottom=setup, color=colours[design], alpha=0.45, hatch="//", label=f"{design}: attention"
         )
     gpu = [next(r["gpu_prefill_seconds"] for r in rows if r["chunk"] == c) for c in chunks]
-    ax.plot(np.arange(len(chunks)), gpu, "k--", marker="_", label="GPU arm: whole prefill (recorded-fit)")
+    ax.plot(np.arange(len(chunks)), gpu, "k--", marker="_", label="GPU prefill, planner (fitted on the records)")
+    if recorded_gpu is not None:
+        ax.axhline(recorded_gpu[0], color="tab:red", ls=":", lw=1.2, label=f"GPU prefill, recorded ({recorded_gpu[1]})")
     ax.set_xticks(np.arange(len(chunks)), [str(c) for c in chunks])
     ax.set_xlabel("chunk width C (tokens)")
     ax.set_ylabel("seconds (predicted)")

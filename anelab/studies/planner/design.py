@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 
 from anelab.errors import AnelabInputError
 from anelab.geometry import GB
-from anelab.sidecar.graphs.stateful_tiled import validate_tiles
+from anelab.sidecar.graphs.stateful_tiled import validate_tiles, wasted_score_fraction
 from anelab.studies.planner.catalogue import PlanGeometry, chunk_schedule, get_family, require_positive
 from anelab.studies.planner.fit import fit_costs
 from anelab.studies.planner.plan import plan
@@ -204,7 +204,9 @@ def design_plan(
         per_call_arena_bytes=int(arena),
         score_entries_computed=int(computed),
         score_entries_used=int(used),
-        wasted_fraction=1.0 - used / computed,
+        wasted_fraction=1.0 - used / computed
+        if design == "per-history"
+        else wasted_score_fraction(prompt_tokens, chunk, cap),
         ops_per_function=int(ops),
         functions_per_layer=functions,
         ane_attention_seconds=ane_attn,
