@@ -184,9 +184,15 @@ def design_plan(
         setup = loads * arena_load_seconds(arena, costs)
         ane_attn = costs.ane_seconds_per_entry * computed * n_fa if on_ane else 0.0
         assumptions.append(
-            f"one load per layer ({n_fa}); load by the arena power fit, floored at {MIN_LOAD_SECONDS} s; "
-            "op count's effect on compile time not modelled"
+            f"one load per layer ({n_fa}); load by the arena power fit (Qwen 3.8's recorded loads), floored at "
+            f"{MIN_LOAD_SECONDS} s; op count's effect on compile time not modelled"
         )
+        ph_load = costs.per_history.get("cost_sources", {}).get("load", "")
+        if not ph_load.startswith("recorded per history"):
+            assumptions.append(
+                f"this family's per-history loads come from '{ph_load}', not from the arena fit: "
+                "compare its designs' setup with care"
+            )
     offloaded = costs.gpu_attention_seconds if on_ane else 0.0
     rest = costs.non_attention_seconds + costs.gpu_attention_seconds - offloaded + ane_attn
     ane_total = rest + setup
