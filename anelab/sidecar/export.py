@@ -124,7 +124,7 @@ def validate_graph_options(
         key_tile = validate_key_tile(chunk if key_tile is None else key_tile, chunk)
     elif key_tile is not None and graph != "stateful-tiled":
         raise AnelabInputError(
-            "--tile applies to --graph tiled or stateful-tiled only; drop --tile or add --graph tiled"
+            "--tile applies to --graph tiled only (or stateful-tiled); drop --tile or add --graph tiled"
         )
     if graph not in STATEFUL_GRAPHS and (capacity is not None or decode):
         raise AnelabInputError(
