@@ -164,7 +164,7 @@ def prediction_figure(rows: list[dict], family_label: str, recorded_gpu: tuple[f
     import matplotlib.pyplot as plt
 
     chunks = sorted({r["chunk"] for r in rows})
-    fig, ax = plt.subplots(figsize=(8.6, 4.0))
+    fig, ax = plt.subplots(figsize=(8.6, 5.2))
     width = 0.27
     colours = {"per-history": "tab:red", "stateful": "tab:orange", "stateful-tiled": "tab:blue"}
     for i, design in enumerate(DESIGNS):
@@ -184,5 +184,5 @@ def prediction_figure(rows: list[dict], family_label: str, recorded_gpu: tuple[f
     ax.set_xlabel("chunk width C (tokens)")
     ax.set_ylabel("seconds (predicted)")
     ax.set_title(f"PREDICTION — {family_label}: ANE setup + attention per design vs the GPU prefill")
-    ax.legend(fontsize=7, ncol=2, loc="upper left")
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     return fig, ax
