@@ -5,7 +5,7 @@ in Core ML state ([Hkv, capacity, d] each), the chunk's first absolute position 
 ``start``, and attention visits the cache in key tiles of ``key_tile`` slots and the chunk in query
 tiles of ``query_tile`` rows, with online softmax (running max m, running sum l, accumulator acc
 rescaled by exp(m_old - m_new); Dao et al. 2022). The largest score tensor is
-[Hkv, group, query_tile, key_tile] — independent of the capacity and of the chunk width. (The cache
+[Hkv, group x query_tile, key_tile] — independent of the capacity and of the chunk width. (The cache
 itself, [Hkv, capacity, d], is read and updated whole: it is the state, not a working buffer.)
 
 Mask contract (decided here, recorded in the package metadata as ``anelab.maskMode``):
@@ -133,45 +133,44 @@ def _cache_for_attention(mb, state, updated):
     return updated
 
 
-def _causal_tile_mask(mb, start, r0: int, k0: int, query_tile: int, key_tile: int):
-    """Additive causal mask [query_tile, key_tile] fp16 for rows r0.. and slots k0..: slot k0 + j is
-    visible to row r0 + i iff k0 + j <= start + r0 + i. The limit is formed in int32 and clipped to
-    [-1, key_tile] before the fp16 cast, so it is exact whatever the position (key_tile <= MAX_KEY_TILE)."""
-    rows = np.arange(r0 - k0, r0 - k0 + query_tile, dtype=np.int32)
-    limit = mb.add(x=start, y=rows)  # [query_tile] int32
+def _causal_tile_mask(mb, start, r0: int, k0: int, groups: int, query_tile: int, key_tile: int):
+    """Additive causal mask [groups * query_tile, key_tile] fp16 for rows (g, r0 + i) and slots k0..:
+    slot k0 + j is visible to row r0 + i iff k0 + j <= start + r0 + i (the same for every query head
+    g of a KV head). The limit is formed in int32 and clipped to [-1, key_tile] before the fp16 cast,
+    so it is exact whatever the position (key_tile <= MAX_KEY_TILE)."""
+    rows = np.tile(np.arange(r0 - k0, r0 - k0 + query_tile, dtype=np.int32), groups)
+    limit = mb.add(x=start, y=rows)  # [groups * query_tile] int32
     limit = mb.minimum(x=mb.maximum(x=limit, y=np.int32(-1)), y=np.int32(key_tile))
-    limit = mb.expand_dims(x=mb.cast(x=limit, dtype="fp16"), axes=[1])  # [query_tile, 1]
+    limit = mb.expand_dims(x=mb.cast(x=limit, dtype="fp16"), axes=[1])  # [groups * query_tile, 1]
     slots = np.arange(key_tile, dtype=np.float16)[None, :]  # [1, key_tile]
     visible = mb.less_equal(x=slots, y=limit)
     return mb.select(cond=visible, a=np.float16(0.0), b=np.float16(MASKED))
 
 
-def _online_softmax_rows(mb, q_tile, caches, start, mask, r0: int, dims: tuple[int, int, int, int]):
-    """Context [Hkv, G, query_tile, d] of one query tile over every key tile of the cache.
+def _online_softmax_rows(mb, q_tile, caches, start, mask, r0: int, dims: tuple[int, int, int, int, int]):
+    """Context [Hkv, G * query_tile, d] of one query tile over every key tile of the cache.
 
-    q_tile [Hkv, G, query_tile, d] (scaled); caches = (keys, values) [Hkv, capacity, d];
-    mask: None or the additive input [C, capacity]."""
-    capacity, key_tile, query_tile, d = dims
+    q_tile [Hkv, G * query_tile, d] (scaled; rows ordered (g, i)); caches = (keys, values)
+    [Hkv, capacity, d]; mask: None or the additive input [C, capacity]. Every matmul is 3-D with
+    the KV head as its batch (no broadcast batch dimension)."""
+    capacity, key_tile, query_tile, d, G = dims
     keys, values = caches
     m = l = acc = None
     for k0 in range(0, capacity, key_tile):
         k_t, v_t = (
-            mb.expand_dims(
-                x=mb.slice_by_index(x=c, begin=[0, k0, 0], end=[0, k0 + key_tile, d], end_mask=[True, False, True]),
-                axes=[1],
-            )
+            mb.slice_by_index(x=c, begin=[0, k0, 0], end=[0, k0 + key_tile, d], end_mask=[True, False, True])
             for c in (keys, values)
-        )  # [Hkv, 1, key_tile, d]
-        s = mb.matmul(x=q_tile, y=k_t, transpose_y=True)  # [Hkv, G, query_tile, key_tile]
-        s = mb.add(x=s, y=_causal_tile_mask(mb, start, r0, k0, query_tile, key_tile))
+        )  # [Hkv, key_tile, d]
+        s = mb.matmul(x=q_tile, y=k_t, transpose_y=True)  # [Hkv, G * query_tile, key_tile]
+        s = mb.add(x=s, y=_causal_tile_mask(mb, start, r0, k0, G, query_tile, key_tile))
         if mask is not None:
             cols = mb.slice_by_index(x=mask, begin=[r0, k0], end=[r0 + query_tile, k0 + key_tile])
-            s = mb.add(x=s, y=cols)
-        tile_max = mb.reduce_max(x=s, axes=[-1], keep_dims=True)  # [Hkv, G, query_tile, 1]
+            s = mb.add(x=s, y=mb.tile(x=cols, reps=[G, 1]) if G > 1 else cols)
+        tile_max = mb.reduce_max(x=s, axes=[-1], keep_dims=True)  # [Hkv, G * query_tile, 1]
         m_new = tile_max if m is None else mb.maximum(x=m, y=tile_max)
         p = mb.exp(x=mb.sub(x=s, y=m_new))
         p_sum = mb.reduce_sum(x=p, axes=[-1], keep_dims=True)
-        pv = mb.matmul(x=p, y=v_t)  # [Hkv, G, query_tile, d]
+        pv = mb.matmul(x=p, y=v_t)  # [Hkv, G * query_tile, d]
         if m is None:
             l, acc = p_sum, pv
         else:
@@ -226,12 +225,18 @@ def build_stateful_tiled_program(
             updated = mb.slice_update(x=mb.read_state(input=state), update=new, begin=begin, end=end)
             mb.coreml_update_state(state=state, value=updated)
             caches.append(_cache_for_attention(mb, state, updated))
-        q = mb.reshape(x=q, shape=[Hkv, G, C, d])
-        contexts = []
-        for r0 in range(0, C, query_tile):
-            q_tile = mb.slice_by_index(x=q, begin=[0, 0, r0, 0], end=[Hkv, G, r0 + query_tile, d])
-            contexts.append(_online_softmax_rows(mb, q_tile, caches, start, mask, r0, (N, key_tile, query_tile, d)))
-        context = contexts[0] if len(contexts) == 1 else mb.concat(values=contexts, axis=2)  # [Hkv, G, C, d]
+        dims = (N, key_tile, query_tile, d, G)
+        if query_tile == C:  # q [Hkv, G*C, d] is already one query tile
+            context = _online_softmax_rows(mb, q, caches, start, mask, 0, dims)
+        else:
+            q = mb.reshape(x=q, shape=[Hkv, G, C, d])
+            contexts = []
+            for r0 in range(0, C, query_tile):
+                q_tile = mb.slice_by_index(x=q, begin=[0, 0, r0, 0], end=[Hkv, G, r0 + query_tile, d])
+                q_tile = mb.reshape(x=q_tile, shape=[Hkv, G * query_tile, d])
+                ctx = _online_softmax_rows(mb, q_tile, caches, start, mask, r0, dims)
+                contexts.append(mb.reshape(x=ctx, shape=[Hkv, G, query_tile, d]))
+            context = mb.concat(values=contexts, axis=2)  # [Hkv, G, C, d]
         return attention_output(mb, g, weights, context, gate, C)
 
     if mask_mode == "additive":
