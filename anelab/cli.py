@@ -66,13 +66,21 @@ def _add_export(sub):
     p.add_argument(
         "--graph",
         default="dense",
-        help="graph form: dense | tiled (online softmax over key tiles) | stateful (K/V as Core ML state)",
+        help="graph form: dense | tiled (online softmax over key tiles) | stateful (K/V as Core ML state) | "
+        "stateful-tiled (K/V in state, key and query tiles)",
+    )
+    p.add_argument("--query-tile", type=int, default=None, help="stateful-tiled graph: chunk rows per query tile")
+    p.add_argument(
+        "--mask-mode",
+        default="causal",
+        help="stateful-tiled graph: causal (in-graph, no mask input) | additive (plus a mask input [C, capacity])",
     )
     p.add_argument(
         "--tile",
         type=int,
         default=None,
-        help="tiled graph: key positions per tile, a divisor of the chunk (default: the chunk)",
+        help="tiled graph: key positions per tile, a divisor of the chunk (default: the chunk); "
+        "stateful-tiled: cache slots per tile, a divisor of the capacity",
     )
     p.add_argument("--weights", default="fp16", help="projection weights: fp16 | int8 | palettize4 | int4-block")
     p.add_argument(
@@ -141,6 +149,8 @@ def _run_export(args):
         decode=args.decode,
         selection=selection,
         gate=gate,
+        query_tile=args.query_tile,
+        mask_mode=args.mask_mode,
     )
     summary = [
         {
@@ -334,6 +344,13 @@ def _add_plan(sub):
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--list-families", action="store_true", help="list the families, what is recorded and unknown")
     p.add_argument("--fit-report", action="store_true", help="predicted vs recorded ratio of every recorded A/B row")
+    p.add_argument(
+        "--design",
+        type=lambda t: t.split(","),
+        help="compare sidecar designs: per-history,stateful,stateful-tiled (or 'all'); every family unless --family",
+    )
+    p.add_argument("--tile", type=int, help="--design stateful-tiled: cache slots per key tile")
+    p.add_argument("--query-tile", type=int, help="--design stateful-tiled: chunk rows per query tile")
 
 
 def _run_plan(args):
@@ -355,6 +372,23 @@ def _run_plan(args):
         raise AnelabInputError("anelab plan: pass --prompt-tokens N (or --list-families / --fit-report)")
     if args.checkpoint is not None:
         return _run_plan_checkpoint(args)
+    if args.design:
+        from anelab.studies.planner.design import DESIGNS, compare_designs
+
+        designs = list(DESIGNS) if args.design == ["all"] else args.design
+        families = [args.family] if args.family else list(planner.FAMILIES)
+        chunk = args.chunk or planner.REFERENCE_CHUNK
+        rows = {
+            f: [
+                d.to_dict()
+                for d in compare_designs(
+                    args.prompt_tokens, f, chunk, designs, key_tile=args.tile, query_tile=args.query_tile
+                )
+            ]
+            for f in families
+        }
+        _print_json(rows) if args.json else print(planner.format_designs(rows))
+        return 0
     result = planner.plan(
         args.prompt_tokens,
         family=args.family,

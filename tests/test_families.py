@@ -280,7 +280,7 @@ def exported(tmp_path_factory):
         if key not in cache:
             root = tmp_path_factory.mktemp(f"{fam.name}-{graph}")
             ckpt = write_family_checkpoint(root / "ckpt", fam)
-            options = {"capacity": 2 * CHUNK} if graph == "stateful" else {}
+            options = {"capacity": 2 * CHUNK} if graph in ("stateful", "stateful-tiled") else {}
             [result] = export_sidecars(ckpt, root / "out", CHUNK, HISTORIES, [fam.layer], graph=graph, **options)
             cache[key] = (ckpt, result.package)
         return cache[key]
@@ -470,3 +470,18 @@ def test_olmo2_norms_span_the_projection(tmp_path):
     }
     with pytest.raises(AnelabInputError, match="q_norm.weight has shape"):
         load_checkpoint(_constant_checkpoint(tmp_path / "c", fam, tensors)).layer(0)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "glm4", "smollm3", "olmo2", "llama-rope-yarn", "phi3-longrope"])
+def test_family_options_in_the_stateful_tiled_graph(name, exported):
+    """The same block options in the one-function-per-layer design (RoPE table, factor and NoPE from
+    the geometry, softcap in every key tile); a sliding-window layer, whose window the in-graph causal
+    limit does not model, is refused in one line."""
+    fam = WINDOWED[name]
+    if geometry_from_config(fam.config).window_of(fam.layer) is not None:
+        with pytest.raises(AnelabInputError, match="does not model"):
+            exported(fam, "stateful-tiled")
+        return
+    _, package = exported(fam, "stateful-tiled")
+    report = verify_package(package)
+    assert report.passed, report.table()

@@ -29,6 +29,7 @@ from anelab.sidecar.format import (
     FORMAT_VERSION,
     GRAPHS,
     MAX_STATE_CAPACITY,
+    STATEFUL_GRAPHS,
     SidecarMetadata,
     function_name,
     stateful_function_name,
@@ -38,6 +39,12 @@ from anelab.sidecar.format import (
 from anelab.sidecar.graphs.common import SidecarShape
 from anelab.sidecar.graphs.dense import build_dense_program
 from anelab.sidecar.graphs.stateful import build_stateful_program
+from anelab.sidecar.graphs.stateful_tiled import (
+    MAX_TILED_STATE_CAPACITY,
+    build_stateful_tiled_program,
+    validate_mask_mode,
+    validate_tiles,
+)
 from anelab.sidecar.graphs.tiled import build_tiled_program, validate_key_tile
 from anelab.sidecar.quantize import compress_package, validate_weights_mode
 from anelab.weights import AttentionWeights
@@ -115,9 +122,11 @@ def validate_graph_options(
         raise AnelabInputError(f"unknown --graph {graph!r}; supported: {', '.join(GRAPHS)}")
     if graph == "tiled":
         key_tile = validate_key_tile(chunk if key_tile is None else key_tile, chunk)
-    elif key_tile is not None:
-        raise AnelabInputError("--tile applies to --graph tiled only; drop --tile or add --graph tiled")
-    if graph != "stateful" and (capacity is not None or decode):
+    elif key_tile is not None and graph != "stateful-tiled":
+        raise AnelabInputError(
+            "--tile applies to --graph tiled only (or stateful-tiled); drop --tile or add --graph tiled"
+        )
+    if graph not in STATEFUL_GRAPHS and (capacity is not None or decode):
         raise AnelabInputError(
             "--capacity / --decode apply to --graph stateful only; drop them or add --graph stateful"
         )
@@ -125,9 +134,12 @@ def validate_graph_options(
     return key_tile
 
 
-def validate_state_capacity(capacity: int | None, chunk: int, histories: list[int] | None) -> int:
+def validate_state_capacity(
+    capacity: int | None, chunk: int, histories: list[int] | None, *, limit: int = MAX_STATE_CAPACITY
+) -> int:
     """The stateful graph's cache slots: given, or the coverage of ``histories``; never smaller than
-    that coverage, a multiple of the chunk, at most MAX_STATE_CAPACITY."""
+    that coverage, a multiple of the chunk, at most ``limit`` (MAX_STATE_CAPACITY for --graph
+    stateful, whose RoPE positions pass through int16; MAX_TILED_STATE_CAPACITY for stateful-tiled)."""
     if chunk <= 0:
         raise AnelabInputError(f"--chunk must be a positive integer, got {chunk}")
     cover = coverage(validate_chunk_and_histories(chunk, list(histories)), chunk) if histories else None
@@ -147,9 +159,11 @@ def validate_state_capacity(capacity: int | None, chunk: int, histories: list[in
         raise AnelabInputError(
             f"state capacity {capacity} is not a multiple of the chunk {chunk}; use --capacity {-(-capacity // chunk) * chunk}"
         )
-    if capacity > MAX_STATE_CAPACITY:
+    if capacity > limit:
+        hint = " or --graph stateful-tiled" if limit == MAX_STATE_CAPACITY else ""
         raise AnelabInputError(
-            f"state capacity {capacity} exceeds {MAX_STATE_CAPACITY} (Core ML casts RoPE positions to int16); use a smaller --capacity"
+            f"state capacity {capacity} exceeds {limit} (Core ML casts RoPE gather indices to int16); "
+            f"use a smaller --capacity{hint}"
         )
     return capacity
 
@@ -160,6 +174,10 @@ def selection_from_flags(kept_blocks: int | None, compress_ratio: int | None) ->
     if kept_blocks is None and compress_ratio is None:
         return None
     return {"kept_blocks": kept_blocks, "compress_ratio": compress_ratio}
+
+
+def _capacity_limit(graph: str) -> int:
+    return MAX_TILED_STATE_CAPACITY if graph == "stateful-tiled" else MAX_STATE_CAPACITY
 
 
 def selection_indexer_metadata(selection: dict, graph: str) -> dict:
@@ -176,8 +194,8 @@ def selection_indexer_metadata(selection: dict, graph: str) -> dict:
         raise AnelabInputError(
             f"--selection-kept-blocks and --selection-compress-ratio must be positive, got {kept} and {ratio}"
         )
-    if graph == "stateful":
-        raise AnelabInputError("the selection contract is supported for --graph dense or tiled; drop --graph stateful")
+    if graph in STATEFUL_GRAPHS:
+        raise AnelabInputError(f"the selection contract is supported for --graph dense or tiled; drop --graph {graph}")
     return {
         "kept_blocks": kept,
         "compress_ratio": ratio,
@@ -209,6 +227,8 @@ def export_layer(
     selection: dict | None = None,
     gate: VariantGate | None = None,
     progress=None,
+    query_tile: int | None = None,
+    mask_mode: str = "causal",
 ) -> ExportResult:
     """Export one full-attention layer as ``out_dir/layer_<L>.mlpackage``.
 
@@ -221,6 +241,9 @@ def export_layer(
     ``anelab.sidecar.quantize`` — each function's package is compressed before the merge.
     ``stateful``: K/V kept as Core ML state of ``capacity`` slots (default: the coverage of
     ``histories``), one function ``c<C>`` (plus ``c1`` with ``decode``) instead of one per history.
+    ``stateful-tiled``: the same functions, attention in key tiles of ``key_tile`` cache slots and
+    query tiles of ``query_tile`` rows (``anelab.sidecar.graphs.stateful_tiled``); ``mask_mode``
+    ``causal`` (in-graph, no mask input) or ``additive`` (plus a mask input [C, capacity]).
 
     ``gate``: the ANE gate (``anelab.runtime.gate.AneGate`` on a Mac); ``None`` records
     ``aneCompileVerified: false`` with the reason.
@@ -228,9 +251,12 @@ def export_layer(
     key_tile = validate_graph_options(
         graph, key_tile, weights_mode, chunk, checkpoint.geometry, capacity=capacity, decode=decode
     )
-    if graph == "stateful":
-        capacity = validate_state_capacity(capacity, chunk, histories)
+    tiles = None
+    if graph in STATEFUL_GRAPHS:
+        capacity = validate_state_capacity(capacity, chunk, histories, limit=_capacity_limit(graph))
         histories = list(range(0, capacity, chunk))  # the chunk starts of a prefill that fills the cache
+        if graph == "stateful-tiled":
+            tiles = (*validate_tiles(key_tile, query_tile, chunk, capacity), validate_mask_mode(mask_mode))
     else:
         histories = validate_chunk_and_histories(chunk, list(histories))
     builds = function_builds(
@@ -242,6 +268,7 @@ def export_layer(
         key_tile=key_tile,
         capacity=capacity,
         decode=decode,
+        tiles=tiles,
     )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -266,6 +293,7 @@ def export_layer(
             evidence,
             key_tile=key_tile,
             capacity=capacity,
+            tiles=tiles,
         )
         final = work / f"layer_{layer}.mlpackage"
         write_package_metadata(merged, final, meta.to_strings())
@@ -289,8 +317,10 @@ def package_metadata(
     *,
     key_tile: int | None,
     capacity: int | None,
+    tiles: tuple[int, int, str] | None = None,
 ) -> SidecarMetadata:
-    """What the finished package records about itself (``variants``: the converted functions)."""
+    """What the finished package records about itself (``variants``: the converted functions;
+    ``tiles``: the stateful-tiled graph's (key tile, query tile, mask mode))."""
     return SidecarMetadata(
         format_version=FORMAT_VERSION,
         source=str(checkpoint.path),
@@ -310,9 +340,11 @@ def package_metadata(
         coremltools=coremltools_modules()[0].__version__,
         anelab=__version__,
         exported_at=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        key_tile=key_tile if graph == "tiled" else None,
-        state_capacity=capacity if graph == "stateful" else None,
-        state_functions=list(variants) if graph == "stateful" else None,
+        key_tile=key_tile if graph == "tiled" else (tiles[0] if tiles else None),
+        state_capacity=capacity if graph in STATEFUL_GRAPHS else None,
+        state_functions=list(variants) if graph in STATEFUL_GRAPHS else None,
+        query_tile=tiles[1] if tiles else None,
+        mask_mode=tiles[2] if tiles else None,
         sliding_window=checkpoint.geometry.window_of(layer),
     )
 
@@ -327,9 +359,20 @@ def function_builds(
     key_tile: int | None,
     capacity: int | None,
     decode: bool,
+    tiles: tuple[int, int, str] | None = None,
 ) -> dict[str, Callable[[], object]]:
     """Function name -> a builder of its MIL program: ``h<H>`` per history (dense, tiled), or
-    ``c<C>`` (and ``c1`` with ``decode``) for the stateful graph."""
+    ``c<C>`` (and ``c1`` with ``decode``) for the stateful graphs. ``tiles``: (key tile, query tile,
+    mask mode) of the stateful-tiled graph (the decode function's query tile is 1)."""
+    if graph == "stateful-tiled":
+        kt, qt, mode = tiles
+        widths = [chunk] + ([1] if decode and chunk != 1 else [])
+        return {
+            stateful_function_name(w): (
+                lambda w=w: build_stateful_tiled_program(geometry, weights, w, capacity, kt, min(qt, w), mode)
+            )
+            for w in widths
+        }
     if graph == "stateful":
         widths = [chunk] + ([1] if decode and chunk != 1 else [])
         return {
@@ -379,9 +422,11 @@ def export_sidecars(
     decode: bool = False,
     selection: dict | None = None,
     gate: VariantGate | None = None,
+    query_tile: int | None = None,
+    mask_mode: str = "causal",
 ) -> list[ExportResult]:
     """Export ``layer_<L>.mlpackage`` for each requested full-attention layer (default: all)."""
-    if histories is None and graph != "stateful":
+    if histories is None and graph not in STATEFUL_GRAPHS:
         raise AnelabInputError(
             "export: --histories is required (e.g. --histories 0,C,2C); only --graph stateful --capacity N goes without"
         )
@@ -389,8 +434,15 @@ def export_sidecars(
         selection_indexer_metadata(selection, graph)
     checkpoint = load_checkpoint(checkpoint_dir)
     validate_graph_options(graph, key_tile, weights_mode, chunk, checkpoint.geometry, capacity=capacity, decode=decode)
-    if graph == "stateful":
-        validate_state_capacity(capacity, chunk, histories)
+    if query_tile is not None and graph != "stateful-tiled":
+        raise AnelabInputError(
+            "--query-tile applies to --graph stateful-tiled only; drop it or add --graph stateful-tiled"
+        )
+    if graph in STATEFUL_GRAPHS:
+        cap = validate_state_capacity(capacity, chunk, histories, limit=_capacity_limit(graph))
+        if graph == "stateful-tiled":
+            validate_tiles(key_tile, query_tile, chunk, cap)
+            validate_mask_mode(mask_mode)
         functions = 1 + (1 if decode and chunk != 1 else 0)
     else:
         histories = validate_chunk_and_histories(chunk, list(histories))
@@ -422,6 +474,8 @@ def export_sidecars(
                     selection=selection,
                     gate=gate,
                     progress=bar,
+                    query_tile=query_tile,
+                    mask_mode=mask_mode,
                 )
             )
     return results

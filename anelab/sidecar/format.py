@@ -71,7 +71,18 @@ STATE_FUNCTIONS_META = "anelab.stateFunctions"
 SLIDING_WINDOW_META = "slidingWindow"
 
 
-GRAPHS = ("dense", "tiled", "stateful")
+GRAPHS = ("dense", "tiled", "stateful", "stateful-tiled")
+
+
+STATEFUL_GRAPHS = ("stateful", "stateful-tiled")  # K/V in Core ML state: functions c<C> (and c1)
+
+
+# stateful-tiled graph only: query rows per tile, and how a mask reaches the function
+# ("causal": computed in-graph from the start input; "additive": plus a mask input [C, capacity])
+QUERY_TILE_META = "anelab.queryTile"
+
+
+MASK_MODE_META = "anelab.maskMode"
 
 
 # coremltools' int16 pass casts the stateful graph's RoPE gather positions to int16: positions must stay < 2**15
@@ -95,11 +106,12 @@ class SidecarMetadata:
     ``histories`` are the chunk starts its functions serve: one ``h<H>`` function each for the dense
     and tiled graphs; for the stateful graph the starts 0, C, ... of a prefill that fills the cache,
     whose functions are ``state_functions`` (``c<C>``, and ``c1`` for decode) over ``state_capacity``
-    cache slots. ``key_tile``: key positions per tile of the tiled graph. ``sliding_window``: the
-    layer's window W in tokens (None: full attention) — the mask a caller feeds must be
-    ``masks.causal(..., window=W)``. ``geometry`` carries the block's options, including what the
-    caller applies to attn_out before the residual add (``after_o_proj``) and which rows it feeds
-    (``input_rows``: post-input-norm rows, or the raw residual stream for OLMo 2).
+    cache slots. ``key_tile``: key positions per tile of the tiled graph, or cache slots per tile of
+    the stateful-tiled graph (whose ``query_tile`` and ``mask_mode`` are recorded too).
+    ``sliding_window``: the layer's window W in tokens (None: full attention) — the mask a caller
+    feeds must be ``masks.causal(..., window=W)``. ``geometry`` carries the block's options, including
+    what the caller applies to attn_out before the residual add (``after_o_proj``) and which rows it
+    feeds (``input_rows``: post-input-norm rows, or the raw residual stream for OLMo 2).
     """
 
     format_version: int
@@ -124,11 +136,13 @@ class SidecarMetadata:
     state_capacity: int | None = None
     state_functions: list[str] | None = None
     sliding_window: int | None = None
+    query_tile: int | None = None
+    mask_mode: str | None = None
 
     @property
     def functions(self) -> list[str]:
         """The package's function names, in the order they were merged."""
-        if self.graph == "stateful":
+        if self.graph in STATEFUL_GRAPHS:
             return list(self.state_functions or [])
         return [function_name(h) for h in self.histories]
 
@@ -159,7 +173,7 @@ class SidecarMetadata:
                     f"{where}: sidecar metadata '{key}' is malformed ({raw[:60]!r}); re-export it"
                 ) from None
         meta_obj = cls(**values)
-        if meta_obj.graph == "stateful" and (meta_obj.state_capacity is None or not meta_obj.state_functions):
+        if meta_obj.graph in STATEFUL_GRAPHS and (meta_obj.state_capacity is None or not meta_obj.state_functions):
             raise AnelabInputError(
                 f"{where}: stateful sidecar metadata lacks '{STATE_CAPACITY_META}' or '{STATE_FUNCTIONS_META}'; "
                 "re-export it with 'anelab export'"
@@ -215,6 +229,8 @@ _FIELDS = {
     "state_capacity": (STATE_CAPACITY_META, "int", False),
     "state_functions": (STATE_FUNCTIONS_META, "names", False),
     "sliding_window": (SLIDING_WINDOW_META, "json", False),
+    "query_tile": (QUERY_TILE_META, "int", False),
+    "mask_mode": (MASK_MODE_META, "str", False),
 }
 
 

@@ -260,6 +260,7 @@ KERNELS = {  # MIL op name -> kernel(interpreter, op) -> float32/int32 array
     "maximum": _binary(np.maximum),
     "minimum": _binary(np.minimum),
     "pow": _binary(np.power),
+    "floor_div": _binary(np.floor_divide),
     "greater": _binary(np.greater),
     "less": _binary(np.less),
     "less_equal": _binary(np.less_equal),

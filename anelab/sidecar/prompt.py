@@ -79,6 +79,63 @@ def run_stateful(
     return (np.concatenate(outs) if outs else np.zeros((0, hidden.shape[1]), np.float16)), state
 
 
+def run_stateful_tiled(
+    saved: SavedPackage,
+    hidden: np.ndarray,
+    chunk: int,
+    capacity: int,
+    *,
+    decode_steps: int = 0,
+    first_start: int = 0,
+    state: dict[str, np.ndarray] | None = None,
+    start_offset: int = 0,
+    masks=None,
+    fresh_state_each_call: bool = False,
+    fp16: bool = True,
+) -> tuple[np.ndarray, dict]:
+    """Feed ``hidden`` [P, D] through a saved stateful-tiled package from absolute position
+    ``first_start``: the first P - decode_steps rows in calls of c<chunk> (the last one padded with
+    zero rows: its padded slots lie past every real position, so the in-graph causal mask drops them
+    and later calls overwrite them), then ``decode_steps`` calls of c1. Returns (attn_out [P, D], state).
+
+    ``state``: the cache to start from (default: empty). ``start_offset``: added to the ``start``
+    input the package is given (a negative control: the wrong position). ``masks(rows, start) ->
+    [rows, capacity]``: the additive mask of a package exported with mask mode ``additive``
+    (default: ``stateful_mask``); ignored by a causal-only package, which has no mask input.
+    """
+    P, D = hidden.shape
+    prefill = P - decode_steps
+    if prefill < 0:
+        raise AnelabInputError(f"prompt of {P} rows cannot hold {decode_steps} decode steps; lower decode_steps")
+    calls = [(stateful_function_name(chunk), first_start + s, chunk) for s in range(0, prefill, chunk)]
+    calls += [(stateful_function_name(1), first_start + prefill + i, 1) for i in range(decode_steps)]
+    masks = masks or (lambda rows, start: stateful_mask(rows, start, capacity))
+    state = state if state is not None else new_state(saved, calls[0][0] if calls else stateful_function_name(chunk))
+    rows_in = np.zeros((prefill + (-prefill) % chunk + decode_steps, D), np.float16)
+    rows_in[:prefill] = hidden[:prefill]
+    rows_in[len(rows_in) - decode_steps :] = hidden[prefill:]
+    outs, at = [], 0
+    for function, start, rows in calls:
+        if start + start_offset + rows > capacity:
+            raise AnelabInputError(
+                f"chunk start {start + start_offset} + {rows} rows is past the state capacity {capacity}; "
+                "export with a larger --capacity"
+            )
+        if fresh_state_each_call:
+            state = new_state(saved, function)
+        inputs = {
+            "hidden": np.ascontiguousarray(rows_in[at : at + rows]),
+            "start": np.array([start + start_offset], np.int32),
+        }
+        if "mask" in {s.name for s in saved.function(function).inputs}:
+            inputs["mask"] = masks(rows, start)
+        outs.append(evaluate_with_state(saved, function, inputs, state, fp16=fp16)["attn_out"])
+        at += rows
+    out = np.concatenate(outs) if outs else np.zeros((0, D), np.float16)
+    keep = np.r_[0:prefill, len(out) - decode_steps : len(out)]
+    return out[keep], state
+
+
 # ---- measured here: a whole prompt through a saved package (NumPy) -----------------------------------
 def prefill_prompt(package: str | os.PathLike, hidden: np.ndarray, *, fp16: bool = True, saved=None) -> np.ndarray:
     """Run a prompt's hidden rows [P, D] (fp16) through a saved sidecar of any design; returns attn_out [P, D].
@@ -87,7 +144,8 @@ def prefill_prompt(package: str | os.PathLike, hidden: np.ndarray, *, fp16: bool
     no real row sees them). dense / tiled: one call of ``h<s>`` per chunk start s, the K/V history
     [s, Hkv, d] built from the earlier calls' k_chunk / v_chunk outputs, causal mask (within the
     package's ``slidingWindow``, if any). stateful: ``run_stateful`` with the state carried between
-    calls. ``saved``: an already
+    calls; stateful-tiled: ``run_stateful_tiled`` (the partial last chunk padded inside the driver,
+    causality in-graph). ``saved``: an already
     opened ``SavedPackage`` of ``package`` (reading it is not part of a prefill).
     """
 
@@ -100,6 +158,13 @@ def prefill_prompt(package: str | os.PathLike, hidden: np.ndarray, *, fp16: bool
     calls = -(-P // C)
     padded = np.zeros((calls * C, hidden.shape[1]), np.float16)
     padded[:P] = hidden
+    if meta.graph == "stateful-tiled":
+        if P > meta.state_capacity:
+            raise AnelabInputError(
+                f"prompt of {P} tokens is longer than the state capacity {meta.state_capacity}; re-export with --capacity {calls * C}"
+            )
+        out, _ = run_stateful_tiled(saved, hidden, C, meta.state_capacity, fp16=fp16)
+        return out
     if meta.graph == "stateful":
         capacity = meta.state_capacity
         if calls * C > capacity:

@@ -57,7 +57,7 @@ from anelab.sidecar.compare import (
 )
 from anelab.sidecar.evaluate import SavedPackage
 from anelab.sidecar.format import STATE_NAMES, history_of, read_sidecar_metadata
-from anelab.sidecar.prompt import DECODE_STEPS, prompt_reference, run_stateful, stateful_mask
+from anelab.sidecar.prompt import DECODE_STEPS, prompt_reference, run_stateful, run_stateful_tiled, stateful_mask
 from anelab.weights import AttentionWeights
 
 
@@ -143,6 +143,13 @@ def verify_package(
     meta = read_sidecar_metadata(package)
     if meta.graph == "stateful":  # one function per chunk width, K/V in Core ML state
         return verify_stateful_package(package, checkpoint_dir, seed=seed, fp16=fp16, evaluator=evaluator)
+    if meta.graph == "stateful-tiled":
+        if evaluator is not None:
+            raise AnelabInputError(
+                "verify on the device is not built for --graph stateful-tiled packages yet; verify it with NumPy "
+                "(drop --compute-units)"
+            )
+        return verify_stateful_tiled_package(package, checkpoint_dir, seed=seed, fp16=fp16)
     checkpoint = load_matching_checkpoint(meta, checkpoint_dir)
     saved = SavedPackage(package)
     names = functions or list(meta.functions)
@@ -476,4 +483,99 @@ def stateful_errors(out: np.ndarray, state: dict[str, np.ndarray], ref: referenc
         full = np.zeros(state[name].shape)
         full[:, :P] = expected
         errs[column] = relative_error(state[name], full)
+    return errs
+
+
+def stateful_tiled_prompt_rows(capacity: int, chunk: int) -> int:
+    """Prefill rows of the stateful-tiled check: every chunk call the capacity holds (at least two, so
+    the state must be carried), the last one partial (``partial_rows``)."""
+    calls = capacity // chunk
+    if calls < 2:
+        raise AnelabInputError(
+            f"state capacity {capacity} holds fewer than two chunks of {chunk}; verification needs two calls: "
+            f"re-export with --capacity {2 * chunk}"
+        )
+    return (calls - 1) * chunk + partial_rows(chunk)
+
+
+def verify_stateful_tiled_package(
+    package: str | os.PathLike, checkpoint_dir: str | os.PathLike | None = None, *, seed: int = 0, fp16: bool = True
+) -> VerifyReport:
+    """Verify a stateful-tiled sidecar over a whole prompt whose last chunk is partial, then decode
+    steps through ``c1`` when present: attn_out rows and the cache slots the prompt wrote, against the
+    fp64 reference. Controls (each must fail): the package told the wrong position (start + 1, over
+    the prompt's whole chunks), a fresh state per call (state not carried), and — with an additive
+    mask input — a changed mask."""
+    meta = read_sidecar_metadata(package)
+    checkpoint = load_matching_checkpoint(meta, checkpoint_dir)
+    saved = SavedPackage(package)
+    for name in meta.functions:
+        saved.function(name)
+    geometry, capacity, C = checkpoint.geometry, meta.state_capacity, meta.chunk
+    checkpoint_weights = checkpoint.layer(meta.layer)
+    weights = checkpoint_weights
+    if meta.weights != "fp16":
+        weights = quantize.dequantized_weights(saved, meta.functions[0], checkpoint_weights)
+    prefill = stateful_tiled_prompt_rows(capacity, C)
+    decode_steps = min(DECODE_STEPS, capacity - prefill) if ("c1" in meta.functions and C != 1) else 0
+    P = prefill + decode_steps
+    label = "+".join(meta.functions)
+    report = VerifyReport(
+        str(package),
+        str(checkpoint.path),
+        meta.layer,
+        RELATIVE_ERROR_THRESHOLD,
+        "NumPy evaluation of the saved MIL program, state carried between calls ("
+        + ("fp16 storage emulated" if fp16 else "fp32")
+        + ")",
+    )
+    rng = np.random.default_rng([seed, P])
+    hidden = rng.standard_normal((P, geometry.hidden_size)).astype(np.float16)
+
+    def run(**options):
+        rows = hidden[:whole] if "start_offset" in options else hidden
+        return run_stateful_tiled(saved, rows, C, capacity, **{"decode_steps": decode_steps, "fp16": fp16, **options})
+
+    ref = prompt_reference(hidden, weights, geometry, rope_coverage=capacity)
+    whole = (prefill // C) * C  # the wrong-position control runs the whole chunks only (one slot must stay spare)
+    cases = [
+        ("wrong position (start + 1)", {"start_offset": 1, "decode_steps": 0}),
+        ("state carried", {"fresh_state_each_call": True}),
+    ]
+    if meta.mask_mode == "additive":
+        cases.append(("mask reaches graph", {"masks": lambda r, s: drop_half_mask(stateful_mask(r, s, capacity), rng)}))
+    steps = tqdm(total=1 + len(cases) + (meta.weights != "fp16"), desc="verify stateful-tiled", unit="run")
+    out, state = run()
+    case = f"prompt {prefill} (last chunk partial)+{decode_steps}"
+    report.comparisons.append(Comparison(label, case, P, stateful_tiled_errors(out, state, ref)))
+    steps.update()
+    for name, options in cases:
+        wrong, wrong_state = run(**options)
+        part = reference.BlockOutput(
+            ref.attn_out[: len(wrong)], ref.k_chunk[:, : len(wrong)], ref.v_chunk[:, : len(wrong)]
+        )
+        errs = stateful_tiled_errors(wrong, wrong_state, part)
+        if "start_offset" not in options:  # a fresh state or a changed mask still writes the right cache
+            errs = {"attn_out": errs["attn_out"]}
+        report.comparisons.append(Comparison(label, f"control: {name}", P, errs, control=True))
+        steps.update()
+    if meta.weights != "fp16":
+        bound = quantize.ERROR_BOUNDS[meta.weights]
+        fp16_ref = prompt_reference(hidden, checkpoint_weights, geometry, rope_coverage=capacity)
+        errs = stateful_tiled_errors(out, state, fp16_ref)
+        report.comparisons.append(Comparison(label, f"{meta.weights} vs fp16 w. (<={bound:g})", P, errs, bound=bound))
+        steps.update()
+    steps.close()
+    return report
+
+
+def stateful_tiled_errors(
+    out: np.ndarray, state: dict[str, np.ndarray], ref: reference.BlockOutput
+) -> dict[str, float]:
+    """attn_out rows [P, D], and the cache slots the prompt wrote ([Hkv, :P, d]) against the reference
+    K/V [Hkv, P, d] (slots past P hold a partial chunk's padding, dropped by the causal mask)."""
+    P = out.shape[0]
+    errs = {"attn_out": relative_error(out, ref.attn_out)}
+    for column, name, expected in (("k_chunk", STATE_NAMES[0], ref.k_chunk), ("v_chunk", STATE_NAMES[1], ref.v_chunk)):
+        errs[column] = relative_error(state[name][:, :P], expected)
     return errs

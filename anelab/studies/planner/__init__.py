@@ -17,7 +17,13 @@ from anelab.studies.planner.catalogue import (
 )
 from anelab.studies.planner.fit import CostFit, LoadModel, fit_costs, linear_load_fit, load_fit_report
 from anelab.studies.planner.plan import PrefillPlan, plan, predicted_vs_recorded
-from anelab.studies.planner.report import format_checkpoint_plan, format_family_table, format_fit_report, format_plan
+from anelab.studies.planner.report import (
+    format_checkpoint_plan,
+    format_designs,
+    format_family_table,
+    format_fit_report,
+    format_plan,
+)
 
 __all__ = [
     "FAMILIES",
@@ -33,6 +39,7 @@ __all__ = [
     "family_table",
     "fit_costs",
     "format_checkpoint_plan",
+    "format_designs",
     "format_family_table",
     "format_fit_report",
     "format_plan",

@@ -108,3 +108,25 @@ def format_checkpoint_plan(d: dict) -> str:
         f"decision: {d['decision']}"
     )
     return "\n".join(out)
+
+
+def format_designs(rows: dict[str, list[dict]]) -> str:
+    """Each family's designs side by side (``compare_designs``): loads, arena, waste, ops, both arms, verdict."""
+    out = []
+    out.append(
+        f"{'family':<24} {'design':<15} {'chunk':>5} {'loads':>5} {'load s':>7} {'arena MB':>9} {'wasted':>6} "
+        f"{'ops/fn':>6} {'ANE attn':>8} {'ANE arm':>8} {'GPU arm':>8} {'ratio':>6}  verdict (break-even load/layer)"
+    )
+    for family, designs in rows.items():
+        for d in designs:
+            be = d["break_even_load_seconds"]
+            out.append(
+                f"{family:<24} {d['design']:<15} {d['chunk']:>5} {d['loads']:>5} {d['load_seconds_each']:>7.2f} "
+                f"{d['per_call_arena_bytes'] / 1e6:>9.1f} {d['wasted_fraction']:>6.1%} {d['ops_per_function']:>6} "
+                f"{d['ane_attention_seconds']:>8.1f} {d['ane_prefill_seconds']:>8.1f} {d['gpu_prefill_seconds']:>8.1f} "
+                f"{d['predicted_ratio']:>5.2f}x  {d['decision']}" + (f" ({be:.1f} s)" if be is not None else "")
+            )
+    first = next(iter(rows.values()))
+    for design in first:
+        out.append(f"assumptions ({design['design']}): " + "; ".join(design["assumptions"]))
+    return "\n".join(out)

@@ -1,0 +1,263 @@
+"""The stateful tiled sidecar graph: one function per chunk width, K/V in state, online softmax over tiles.
+
+One function ``c<C>`` (and ``c1`` for decode) serves every chunk start of a layer: the K/V cache lives
+in Core ML state ([Hkv, capacity, d] each), the chunk's first absolute position is the int32 input
+``start``, and attention visits the cache in key tiles of ``key_tile`` slots and the chunk in query
+tiles of ``query_tile`` rows, with online softmax (running max m, running sum l, accumulator acc
+rescaled by exp(m_old - m_new); Dao et al. 2022). The largest score tensor is
+[Hkv, group x query_tile, key_tile] — independent of the capacity and of the chunk width. (The cache
+itself, [Hkv, capacity, d], is read and updated whole: it is the state, not a working buffer.)
+
+Mask contract (decided here, recorded in the package metadata as ``anelab.maskMode``):
+
+- ``causal`` (default): no mask input. Causality is computed in-graph per (query tile, key tile)
+  from ``start``: in int32, ``limit = clip(start + r0 + i - k0, -1, key_tile)`` per query row i
+  (tiny values, exact in fp16), then slot k0 + j is visible iff j <= limit. Slots past the current
+  position — not yet written, or padding of a partial chunk — are therefore always dropped, and no
+  [C, capacity] tensor exists anywhere.
+- ``additive``: an extra input ``mask`` [C, capacity] fp16 is added, per key tile, to the scores on
+  top of the in-graph causal mask (0 = attend, -30000 = drop). This keeps the arbitrary-mask
+  contract (a folded sparse-indexer selection, a sliding window) at the cost of a [C, capacity]
+  input, materialised by the caller only when it needs more than causality.
+
+Wasted arithmetic: there is no control flow (MIL ``while_loop`` / ``cond`` are avoided: Core ML's
+ANE compiler and the NumPy evaluator take a static graph), so every call scores all
+``capacity / key_tile`` key tiles; slots past ``start + C`` are scored and then dropped. A call at
+start s does C x capacity score entries where C x (s + C) (less the upper triangle) are used; over a
+prompt of P tokens the used fraction is about P / (2 x capacity) (``wasted_score_fraction``).
+
+RoPE without int16: coremltools' ``common::add_int16_cast`` narrows ``gather`` indices to int16 when
+the gathered axis is at most 32,767 long, so a position never indexes a table directly. ``start`` is
+split in int32 into ``hi = start // ROPE_SPLIT`` and ``lo = start - hi * ROPE_SPLIT``; the tables
+cos/sin(hi * ROPE_SPLIT * theta) [capacity / ROPE_SPLIT, rot/2] and cos/sin(lo * theta)
+[ROPE_SPLIT, rot/2] are gathered with indices < 32,768 whatever the capacity, and the rotation by
+``start`` is their composition (angle addition, in fp16), followed by the static rotation by the
+row offset i < C (as the dense graph does). The int16 cast coremltools inserts on those gathers is
+then exact up to a capacity of 32,767 x ROPE_SPLIT.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from anelab.errors import AnelabInputError
+from anelab.geometry import AttentionGeometry
+from anelab.masks import MASKED
+from anelab.sidecar.coremltools_import import coremltools_modules
+from anelab.sidecar.format import STATE_NAMES
+from anelab.sidecar.graphs.common import attention_output, no_rotation, project_chunk, rope, rope_tables, softcap
+from anelab.weights import AttentionWeights
+
+ROPE_SPLIT = 256  # start = hi * ROPE_SPLIT + lo: both gather indices stay far below int16's 32,767
+MASK_MODES = ("causal", "additive")
+DEFAULT_KEY_TILE = 1024
+DEFAULT_QUERY_TILE = 256
+# the in-graph causal limit is compared in fp16, which holds every integer only up to 2**11: a larger
+# key tile would round a row's limit to its even neighbour (its own key dropped, or the next leaked)
+MAX_KEY_TILE = 2**11
+# gather indices hi < 32,768 after coremltools' int16 cast: capacity < 32,768 * ROPE_SPLIT
+MAX_TILED_STATE_CAPACITY = (2**15 - 1) * ROPE_SPLIT
+
+
+def validate_tiles(key_tile: int | None, query_tile: int | None, chunk: int, capacity: int) -> tuple[int, int]:
+    """(key_tile, query_tile): key tiles divide the capacity, query tiles divide the chunk (defaults:
+    min(DEFAULT_KEY_TILE, capacity) and min(DEFAULT_QUERY_TILE, chunk), rounded down to divisors)."""
+
+    def divisor_at_most(n: int, cap: int) -> int:
+        return max(t for t in range(1, min(n, cap) + 1) if n % t == 0)
+
+    key_tile = divisor_at_most(capacity, DEFAULT_KEY_TILE) if key_tile is None else key_tile
+    query_tile = divisor_at_most(chunk, DEFAULT_QUERY_TILE) if query_tile is None else query_tile
+    for flag, value, whole, what in (
+        ("--tile", key_tile, capacity, "state capacity"),
+        ("--query-tile", query_tile, chunk, "chunk"),
+    ):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+            raise AnelabInputError(f"{flag} must be a positive integer, got {value!r}")
+        if whole % value:
+            raise AnelabInputError(
+                f"{flag} {value} does not divide the {what} {whole}; use {divisor_at_most(whole, value)}"
+            )
+    if key_tile > MAX_KEY_TILE:
+        raise AnelabInputError(
+            f"--tile {key_tile} exceeds {MAX_KEY_TILE} (the causal limit is compared in fp16, exact to 2048); "
+            f"use --tile {divisor_at_most(capacity, MAX_KEY_TILE)}"
+        )
+    return int(key_tile), int(query_tile)
+
+
+def validate_mask_mode(mode: str) -> str:
+    if mode not in MASK_MODES:
+        raise AnelabInputError(f"unknown mask mode {mode!r}; use one of: {', '.join(MASK_MODES)}")
+    return mode
+
+
+def wasted_score_fraction(prompt: int, chunk: int, capacity: int) -> float:
+    """Share of the score entries a C-chunked prefill of ``prompt`` tokens computes but drops.
+
+    Computed: ceil(P / C) calls x C rows x capacity slots. Used: sum over real rows p of (p + 1)
+    visible keys (causal)."""
+    calls = -(-prompt // chunk)
+    computed = calls * chunk * capacity
+    used = prompt * (prompt + 1) // 2
+    return 1.0 - used / computed
+
+
+def _split_rope_tables(geometry: AttentionGeometry, layer: int, capacity: int):
+    """cos/sin of hi*ROPE_SPLIT*theta [ceil(capacity / ROPE_SPLIT), rot/2] and of lo*theta
+    [ROPE_SPLIT, rot/2], float64 -> fp16; theta_j from ``geometry.rope_frequencies`` at coverage =
+    capacity (the attention factor is applied once, by the row-offset tables)."""
+    inv_freq, _ = geometry.rope_frequencies(layer, capacity)
+    hi = np.arange(-(-capacity // ROPE_SPLIT), dtype=np.float64)[:, None] * ROPE_SPLIT * inv_freq[None, :]
+    lo = np.arange(ROPE_SPLIT, dtype=np.float64)[:, None] * inv_freq[None, :]
+    as16 = lambda a: a.astype(np.float16)  # noqa: E731
+    return as16(np.cos(hi)), as16(np.sin(hi)), as16(np.cos(lo)), as16(np.sin(lo))
+
+
+def _start_rotation(mb, geometry: AttentionGeometry, layer: int, capacity: int, start):
+    """cos/sin(start * theta) [1, 1, rot/2] fp16 from int32 start [1], via hi/lo tables (no index >= 2**15)."""
+    cos_hi_t, sin_hi_t, cos_lo_t, sin_lo_t = _split_rope_tables(geometry, layer, capacity)
+    hi = mb.floor_div(x=start, y=np.int32(ROPE_SPLIT))  # [1]
+    lo = mb.sub(x=start, y=mb.mul(x=hi, y=np.int32(ROPE_SPLIT)))
+    cos_hi, sin_hi = (mb.gather(x=t, indices=hi, axis=0) for t in (cos_hi_t, sin_hi_t))  # [1, rot/2]
+    cos_lo, sin_lo = (mb.gather(x=t, indices=lo, axis=0) for t in (cos_lo_t, sin_lo_t))
+    cos = mb.sub(x=mb.mul(x=cos_hi, y=cos_lo), y=mb.mul(x=sin_hi, y=sin_lo))  # cos(a + b)
+    sin = mb.add(x=mb.mul(x=sin_hi, y=cos_lo), y=mb.mul(x=cos_hi, y=sin_lo))  # sin(a + b)
+    return mb.expand_dims(x=cos, axes=[0]), mb.expand_dims(x=sin, axes=[0])
+
+
+def _cache_for_attention(mb, state, updated):
+    """The cache the attention tiles read: the ``slice_update`` result, never a second ``read_state``
+    (coremltools' ``remove_redundant_ops`` would merge it with the first and read the stale cache;
+    tests swap this function to show verification catches that)."""
+    return updated
+
+
+def _causal_tile_mask(mb, start, r0: int, k0: int, groups: int, query_tile: int, key_tile: int):
+    """Additive causal mask [groups * query_tile, key_tile] fp16 for rows (g, r0 + i) and slots k0..:
+    slot k0 + j is visible to row r0 + i iff k0 + j <= start + r0 + i (the same for every query head
+    g of a KV head). The limit is formed in int32 and clipped to [-1, key_tile] before the fp16 cast,
+    so it is exact whatever the position (key_tile <= MAX_KEY_TILE)."""
+    rows = np.tile(np.arange(r0 - k0, r0 - k0 + query_tile, dtype=np.int32), groups)
+    limit = mb.add(x=start, y=rows)  # [groups * query_tile] int32
+    limit = mb.minimum(x=mb.maximum(x=limit, y=np.int32(-1)), y=np.int32(key_tile))
+    limit = mb.expand_dims(x=mb.cast(x=limit, dtype="fp16"), axes=[1])  # [groups * query_tile, 1]
+    slots = np.arange(key_tile, dtype=np.float16)[None, :]  # [1, key_tile]
+    visible = mb.less_equal(x=slots, y=limit)
+    return mb.select(cond=visible, a=np.float16(0.0), b=np.float16(MASKED))
+
+
+def _online_softmax_rows(
+    mb, geometry: AttentionGeometry, q_tile, caches, start, mask, r0: int, dims: tuple[int, int, int, int, int]
+):
+    """Context [Hkv, G * query_tile, d] of one query tile over every key tile of the cache.
+
+    q_tile [Hkv, G * query_tile, d] (scaled; rows ordered (g, i)); caches = (keys, values)
+    [Hkv, capacity, d]; mask: None or the additive input [C, capacity]. Every matmul is 3-D with
+    the KV head as its batch (no broadcast batch dimension)."""
+    capacity, key_tile, query_tile, d, G = dims
+    keys, values = caches
+    m = l = acc = None
+    for k0 in range(0, capacity, key_tile):
+        k_t, v_t = (
+            mb.slice_by_index(x=c, begin=[0, k0, 0], end=[0, k0 + key_tile, d], end_mask=[True, False, True])
+            for c in (keys, values)
+        )  # [Hkv, key_tile, d]
+        s = softcap(mb, mb.matmul(x=q_tile, y=k_t, transpose_y=True), geometry)  # [Hkv, G * query_tile, key_tile]
+        s = mb.add(x=s, y=_causal_tile_mask(mb, start, r0, k0, G, query_tile, key_tile))
+        if mask is not None:
+            cols = mb.slice_by_index(x=mask, begin=[r0, k0], end=[r0 + query_tile, k0 + key_tile])
+            s = mb.add(x=s, y=mb.tile(x=cols, reps=[G, 1]) if G > 1 else cols)
+        tile_max = mb.reduce_max(x=s, axes=[-1], keep_dims=True)  # [Hkv, G * query_tile, 1]
+        m_new = tile_max if m is None else mb.maximum(x=m, y=tile_max)
+        p = mb.exp(x=mb.sub(x=s, y=m_new))
+        p_sum = mb.reduce_sum(x=p, axes=[-1], keep_dims=True)
+        pv = mb.matmul(x=p, y=v_t)  # [Hkv, G * query_tile, d]
+        if m is None:
+            l, acc = p_sum, pv
+        else:
+            alpha = mb.exp(x=mb.sub(x=m, y=m_new))
+            l = mb.add(x=mb.mul(x=l, y=alpha), y=p_sum)
+            acc = mb.add(x=mb.mul(x=acc, y=alpha), y=pv)
+        m = m_new
+    return mb.real_div(x=acc, y=l)
+
+
+def build_stateful_tiled_program(
+    geometry: AttentionGeometry,
+    weights: AttentionWeights,
+    chunk: int,
+    capacity: int,
+    key_tile: int,
+    query_tile: int,
+    mask_mode: str = "causal",
+):
+    """The stateful tiled function for chunks of width ``chunk`` (1 = decode).
+
+    States (fp16): k_cache, v_cache [Hkv, capacity, d] (normed, rotated K; V). Inputs: hidden [C, D]
+    fp16; start [1] int32 (first absolute position; the caller keeps start + C <= capacity); with
+    ``mask_mode="additive"`` also mask [C, capacity] fp16. Output: attn_out [C, D] fp16.
+    """
+    ct, mb, types = coremltools_modules()
+    g = geometry
+    C, N = chunk, capacity
+    key_tile, query_tile = validate_tiles(key_tile, query_tile, C, N)
+    validate_mask_mode(mask_mode)
+    Hkv, d, G = g.num_kv_heads, g.head_dim, g.group_size
+    if g.window_of(weights.layer) is not None:
+        raise AnelabInputError(
+            f"layer {weights.layer} slides over a {g.window_of(weights.layer)}-token window, which the stateful-tiled "
+            "graph does not model (its causal limit is computed in-graph); use --graph stateful or dense"
+        )
+    cos_i, sin_i, _, _ = rope_tables(g, weights.layer, C, 0, coverage=N)
+    specs = [mb.StateTensorSpec(shape=(Hkv, N, d), dtype=types.fp16) for _ in STATE_NAMES]
+    specs += [mb.TensorSpec(shape=(C, g.hidden_size), dtype=types.fp16), mb.TensorSpec(shape=(1,), dtype=types.int32)]
+    if mask_mode == "additive":
+        specs.append(mb.TensorSpec(shape=(C, N), dtype=types.fp16))
+
+    def body(k_cache, v_cache, hidden, start, mask):
+        cos_s, sin_s = _start_rotation(mb, g, weights.layer, N, start)
+
+        def rotate(x, name):  # by the row offset i (static), then by start (from the split tables)
+            return rope(mb, rope(mb, x, cos_i, sin_i, g, f"{name}_i"), cos_s, sin_s, g, name)
+
+        if not g.uses_rope(weights.layer):  # a NoPE layer (SmolLM3)
+            rotate = no_rotation
+
+        q, gate, k_chunk, v_chunk = project_chunk(mb, g, weights, hidden, C, rotate)
+        zero = np.zeros(1, np.int32)
+        begin = mb.concat(values=[zero, start, zero], axis=0)
+        end = mb.concat(
+            values=[np.array([Hkv], np.int32), mb.add(x=start, y=np.int32(C)), np.array([d], np.int32)], axis=0
+        )
+        caches = []
+        for state, new in ((k_cache, k_chunk), (v_cache, v_chunk)):
+            updated = mb.slice_update(x=mb.read_state(input=state), update=new, begin=begin, end=end)
+            mb.coreml_update_state(state=state, value=updated)
+            caches.append(_cache_for_attention(mb, state, updated))
+        dims = (N, key_tile, query_tile, d, G)
+        if query_tile == C:  # q [Hkv, G*C, d] is already one query tile
+            context = _online_softmax_rows(mb, g, q, caches, start, mask, 0, dims)
+        else:
+            q = mb.reshape(x=q, shape=[Hkv, G, C, d])
+            contexts = []
+            for r0 in range(0, C, query_tile):
+                q_tile = mb.slice_by_index(x=q, begin=[0, 0, r0, 0], end=[Hkv, G, r0 + query_tile, d])
+                q_tile = mb.reshape(x=q_tile, shape=[Hkv, G * query_tile, d])
+                ctx = _online_softmax_rows(mb, g, q_tile, caches, start, mask, r0, dims)
+                contexts.append(mb.reshape(x=ctx, shape=[Hkv, G, query_tile, d]))
+            context = mb.concat(values=contexts, axis=2)  # [Hkv, G, C, d]
+        return attention_output(mb, g, weights, context, gate, C)
+
+    if mask_mode == "additive":
+
+        @mb.program(input_specs=specs, opset_version=ct.target.iOS18)
+        def prog(k_cache, v_cache, hidden, start, mask):
+            return body(k_cache, v_cache, hidden, start, mask)
+    else:
+
+        @mb.program(input_specs=specs, opset_version=ct.target.iOS18)
+        def prog(k_cache, v_cache, hidden, start):
+            return body(k_cache, v_cache, hidden, start, None)
+
+    return prog

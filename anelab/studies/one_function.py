@@ -1,0 +1,188 @@
+"""Study 6 back-end: does one stateful, tiled function per layer re-open the Qwen 3.8 case?
+
+Exports the three designs (dense per-history, stateful, stateful-tiled) of one layer, reads their
+saved programs (op counts, largest intermediates), times a NumPy prefill through each, measures the
+online-softmax fp16 error against the tile count, and draws the planner's per-design prediction.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from anelab.geometry import chunk_starts
+from anelab.sidecar.compare import relative_error
+from anelab.sidecar.evaluate import SavedPackage, state_signatures, var_bytes
+from anelab.sidecar.prompt import prefill_prompt, prompt_reference
+from anelab.studies.planner.design import DESIGNS, compare_designs
+
+PACKAGE_DESIGNS = {"per-history": "dense", "stateful": "stateful", "stateful-tiled": "stateful-tiled"}
+
+
+def intermediate_profile(package: str | os.PathLike) -> dict[str, dict]:
+    """Per function of a saved package: non-const op count, the largest op output (bytes), the
+    largest op output that is not cache-shaped ([Hkv, capacity, d]: the state itself, read and
+    updated), and the score entries one call computes (outputs of every ``matmul(., K, transpose_y)``)."""
+    saved = SavedPackage(package)
+    out = {}
+    for name in saved.functions:
+        cache_shapes = {tuple(s.shape) for s in state_signatures(saved, name).values()}
+        ops = [op for op in saved.mil_function(name).operations if op.op_type != "const"]
+        sizes = [(var_bytes(v), tuple(v.shape or ()), op.op_type) for op in ops for v in op.outputs]
+        working = [s for s in sizes if s[1] not in cache_shapes]
+        top = max(working)
+        out[name] = {
+            "ops": len(ops),
+            "largest_bytes": max(s[0] for s in sizes),
+            "largest_working_bytes": top[0],
+            "largest_working_shape": list(top[1]),
+            "largest_working_op": top[2],
+            "score_entries": sum(
+                int(np.prod(op.outputs[0].shape))
+                for op in ops
+                if op.op_type == "matmul" and bool(op.inputs["transpose_y"].val)
+            ),
+        }
+    return out
+
+
+def export_three(
+    checkpoint_dir,
+    out_root,
+    *,
+    layer: int,
+    chunk: int,
+    prompt_tokens: int,
+    key_tile: int | None = None,
+    query_tile: int | None = None,
+    decode: bool = False,
+) -> dict:
+    """Export ``layer`` as each design of ``DESIGNS`` covering a ``prompt_tokens`` prompt in chunks of
+    ``chunk`` (stateful capacity = calls x chunk). Returns {design: ExportResult}."""
+    from anelab.sidecar.export import export_sidecars
+
+    histories = chunk_starts(prompt_tokens, chunk)
+    capacity = len(histories) * chunk
+    options = {
+        "per-history": {"graph": "dense"},
+        "stateful": {"graph": "stateful", "capacity": capacity, "decode": decode},
+        "stateful-tiled": {
+            "graph": "stateful-tiled",
+            "capacity": capacity,
+            "decode": decode,
+            "key_tile": key_tile,
+            "query_tile": query_tile,
+        },
+    }
+    out = {}
+    for design in DESIGNS:
+        [out[design]] = export_sidecars(
+            checkpoint_dir, Path(out_root) / design, chunk, histories, [layer], **options[design]
+        )
+    return out
+
+
+def prefill_times(exports: dict, hidden: np.ndarray, weights, geometry, *, repeats: int = 1) -> dict[str, dict]:
+    """NumPy prefill of ``hidden`` [P, D] through each exported design: best-of-``repeats`` seconds and
+    the attn_out relative error against the fp64 reference over the whole prompt."""
+    ref = prompt_reference(hidden, weights, geometry).attn_out
+    out = {}
+    for design, result in tqdm(exports.items(), desc="NumPy prefill", unit="design"):
+        saved = SavedPackage(result.package)
+        best = np.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            attn = prefill_prompt(result.package, hidden, saved=saved)
+            best = min(best, time.perf_counter() - t0)
+        out[design] = {"seconds": float(best), "attn_out_error": float(relative_error(attn, ref))}
+    return out
+
+
+def tile_error_table(
+    checkpoint_dir, out_root, *, layer: int, chunk: int, capacity: int, key_tiles, query_tile: int | None = None, seed=0
+) -> list[dict]:
+    """fp16 error of the online softmax against the number of key tiles: one stateful-tiled export per
+    key tile, a prompt filling the capacity, attn_out against the fp64 reference."""
+    from anelab.hf.checkpoint import load_checkpoint
+    from anelab.sidecar.export import export_sidecars
+
+    ck = load_checkpoint(checkpoint_dir)
+    g, w = ck.geometry, ck.layer(layer)
+    hidden = np.random.default_rng(seed).standard_normal((capacity, g.hidden_size)).astype(np.float16)
+    ref = prompt_reference(hidden, w, g).attn_out
+    rows = []
+    for kt in tqdm(key_tiles, desc="tile-count error", unit="export"):
+        [r] = export_sidecars(
+            checkpoint_dir,
+            Path(out_root) / f"kt{kt}",
+            chunk,
+            None,
+            [layer],
+            graph="stateful-tiled",
+            capacity=capacity,
+            key_tile=kt,
+            query_tile=query_tile,
+        )
+        out = prefill_prompt(r.package, hidden)
+        rows.append({"key_tile": kt, "tiles": capacity // kt, "attn_out_error": float(relative_error(out, ref))})
+    return rows
+
+
+def prediction_rows(family: str, prompt_tokens: int, chunks, *, key_tile=None, query_tile=None) -> list[dict]:
+    """The planner's per-design prediction at each chunk width (``DesignPlan`` dicts)."""
+    return [
+        d.to_dict()
+        for c in chunks
+        for d in compare_designs(prompt_tokens, family, c, key_tile=key_tile, query_tile=query_tile)
+    ]
+
+
+def recorded_gpu_prefill(family: str, records: list[dict]) -> tuple[float, str] | None:
+    """(GPU prefill seconds, record file) of ``family``'s recorded A/B row at the seed's workload (the
+    ``v5.6`` family records), or None when none is recorded."""
+    for r in records:
+        rows = r.get("results", {}).get("rows", []) if isinstance(r.get("results"), dict) else []
+        for row in rows:
+            if (
+                isinstance(row, dict)
+                and row.get("family") == family
+                and row.get("gpu_seconds")
+                and "v5.6" in r["_file"]
+            ):
+                return float(row["gpu_seconds"]), r["_file"]
+    return None
+
+
+def prediction_figure(rows: list[dict], family_label: str, recorded_gpu: tuple[float, str] | None = None):
+    """Setup + ANE attention per design and chunk width, with the GPU arm's prefill as the line to beat
+    (the planner's, per chunk; and ``recorded_gpu`` = (seconds, record file) when given). Titled as a
+    prediction."""
+    import matplotlib.pyplot as plt
+
+    chunks = sorted({r["chunk"] for r in rows})
+    fig, ax = plt.subplots(figsize=(8.6, 5.2))
+    width = 0.27
+    colours = {"per-history": "tab:red", "stateful": "tab:orange", "stateful-tiled": "tab:blue"}
+    for i, design in enumerate(DESIGNS):
+        by_chunk = {r["chunk"]: r for r in rows if r["design"] == design}
+        xs = np.arange(len(chunks)) + (i - 1) * width
+        setup = [by_chunk[c]["setup_seconds"] for c in chunks]
+        attn = [by_chunk[c]["ane_attention_seconds"] for c in chunks]
+        ax.bar(xs, setup, width, color=colours[design], label=f"{design}: setup (loads)")
+        ax.bar(
+            xs, attn, width, bottom=setup, color=colours[design], alpha=0.45, hatch="//", label=f"{design}: attention"
+        )
+    gpu = [next(r["gpu_prefill_seconds"] for r in rows if r["chunk"] == c) for c in chunks]
+    ax.plot(np.arange(len(chunks)), gpu, "k--", marker="_", label="GPU prefill, planner (fitted on the records)")
+    if recorded_gpu is not None:
+        ax.axhline(recorded_gpu[0], color="tab:red", ls=":", lw=1.2, label=f"GPU prefill, recorded ({recorded_gpu[1]})")
+    ax.set_xticks(np.arange(len(chunks)), [str(c) for c in chunks])
+    ax.set_xlabel("chunk width C (tokens)")
+    ax.set_ylabel("seconds (predicted)")
+    ax.set_title(f"PREDICTION — {family_label}: ANE setup + attention per design vs the GPU prefill")
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    return fig, ax

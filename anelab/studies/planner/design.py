@@ -1,0 +1,246 @@
+"""Compare sidecar designs for one prompt: per-history functions, one stateful function, one stateful tiled one.
+
+The three designs differ in what the runtime loads and what each call computes:
+
+- ``per-history``: one function ``h<s>`` per chunk start s and full-attention layer (the seed's
+  design): loads = layers x chunks visited, each costing the recorded / fitted load at its score
+  arena ``heads x C x (s + C)``; attention scores ``heads x C x (s + C)`` entries per layer-chunk.
+- ``stateful``: one function ``c<C>`` per layer, K/V in state of ``capacity`` slots: loads = layers;
+  the arena is ``heads x C x capacity`` (every slot scored at once); every call scores the whole
+  capacity, slots past the position masked.
+- ``stateful-tiled``: the same single function, attention over key tiles of ``key_tile`` slots and
+  query tiles of ``query_tile`` rows: loads = layers; the arena is ``heads x query_tile x key_tile``;
+  the arithmetic is the stateful design's (every slot scored; no control flow skips a tile), and the
+  op count grows with the tile pairs ``(C / query_tile) x (capacity / key_tile)``.
+
+Assumptions (stated in every :class:`DesignPlan`): a load costs what the arena fit says
+(``LoadModel`` power law in score-arena bytes, fitted on Qwen 3.8's recorded loads, floored at the
+smallest recorded load, ``MIN_LOAD_SECONDS``) — whether compile time also grows with the op count is
+not recorded anywhere, so ``break_even_load_seconds`` says how slow one load may be before the design
+loses; ANE attention costs the recorded rate per score entry, masked entries included; the GPU arm,
+non-attention and GPU attention come from :func:`anelab.studies.planner.plan.plan` unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from anelab.errors import AnelabInputError
+from anelab.geometry import GB
+from anelab.sidecar.graphs.stateful_tiled import validate_tiles, wasted_score_fraction
+from anelab.studies.planner.catalogue import PlanGeometry, chunk_schedule, get_family, require_positive
+from anelab.studies.planner.fit import fit_costs
+from anelab.studies.planner.plan import plan
+
+DESIGNS = ("per-history", "stateful", "stateful-tiled")
+MIN_LOAD_SECONDS = 0.133  # smallest recorded load: dense chunk-32 probe graph (data/ane-gather-probe.json)
+# non-const MIL ops of one function as built (before coremltools' passes), counted on built programs
+# (tests/test_stateful_tiled.py checks the formulas): a stateful-tiled function has a fixed part
+# (projections, RoPE, cache update, output) and ~25 ops per (query tile, key tile) pair.
+OPS_STATEFUL_TILED_BASE = 100
+OPS_PER_TILE_PAIR = 25
+OPS_STATEFUL = 82
+OPS_PER_HISTORY = 92
+
+
+@dataclass(frozen=True)
+class DesignCosts:
+    """What the design comparison takes from the fitted cost model and from the per-history plan."""
+
+    ane_seconds_per_entry: float
+    load_power_coef: float
+    load_power_exp: float
+    gpu_prefill_seconds: float
+    gpu_attention_seconds: float  # all of it moves to the ANE when the prompt is at least one chunk
+    non_attention_seconds: float
+    per_history: dict  # the per-history PrefillPlan, as a dict
+
+
+@dataclass(frozen=True)
+class DesignPlan:
+    """One design's prediction for one prompt (seconds, bytes, counts); ratio = GPU / ANE arm."""
+
+    design: str
+    prompt_tokens: int
+    chunk: int
+    capacity: int | None
+    key_tile: int | None
+    query_tile: int | None
+    loads: int
+    load_seconds_each: float
+    setup_seconds: float
+    per_call_arena_bytes: int
+    score_entries_computed: int  # per full-attention layer, over the prompt
+    score_entries_used: int  # causal: what a query can see
+    wasted_fraction: float
+    ops_per_function: int
+    functions_per_layer: int
+    ane_attention_seconds: float
+    gpu_prefill_seconds: float
+    ane_prefill_seconds: float
+    predicted_ratio: float
+    decision: str
+    break_even_load_seconds: float | None
+    assumptions: tuple
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["assumptions"] = list(self.assumptions)
+        return d
+
+
+def family_design_costs(family: str, prompt_tokens: int, chunk: int) -> DesignCosts:
+    """A recorded family's costs for the comparison (the per-history plan past any coverage cap is
+    planned as if the histories existed: the cap is a property of that design)."""
+    p = plan(prompt_tokens, family=family, chunk=chunk, max_history=None, allow_past_coverage=True)
+    if not p.fits:  # past the family's recorded cap: plan the per-history design as if it were built
+        needed = max(c["history"] for c in p.chunks)
+        fam = get_family(family)
+        p = plan(
+            prompt_tokens,
+            chunk=chunk,
+            histories=list(range(0, needed + 1, chunk)),
+            num_layers=fam.geometry.num_layers,
+            full_attention_layers=fam.geometry.full_attention_layers,
+            num_heads=fam.geometry.num_heads,
+            head_dim=fam.geometry.head_dim,
+            sparse_budget=fam.geometry.sparse_budget,
+            family=family,
+        )
+    fit = fit_costs()
+    return DesignCosts(
+        ane_seconds_per_entry=fit.ane_seconds_per_entry,
+        load_power_coef=fit.load_power_coef,
+        load_power_exp=fit.load_power_exp,
+        gpu_prefill_seconds=p.gpu_prefill_seconds,
+        gpu_attention_seconds=p.gpu_attention_seconds,
+        non_attention_seconds=p.non_attention_seconds,
+        per_history=p.to_dict(),
+    )
+
+
+def arena_load_seconds(arena_bytes: int, costs: DesignCosts) -> float:
+    """One load by the arena fit, floored at the smallest recorded load."""
+    return max(MIN_LOAD_SECONDS, costs.load_power_coef * (arena_bytes / GB) ** costs.load_power_exp)
+
+
+def stateful_tiled_ops(chunk: int, capacity: int, key_tile: int, query_tile: int) -> int:
+    """Approximate non-const MIL ops of one stateful-tiled function (see ``OPS_PER_TILE_PAIR``)."""
+    return OPS_STATEFUL_TILED_BASE + OPS_PER_TILE_PAIR * (chunk // query_tile) * (capacity // key_tile)
+
+
+def design_plan(
+    geometry: PlanGeometry,
+    prompt_tokens: int,
+    chunk: int,
+    design: str,
+    costs: DesignCosts,
+    *,
+    capacity: int | None = None,
+    key_tile: int | None = None,
+    query_tile: int | None = None,
+) -> DesignPlan:
+    """Predict one design for one prompt (module docstring: model and assumptions). ``capacity``
+    defaults to the prompt rounded up to whole chunks (and, for a given key tile, whole key tiles);
+    tiles default as the exporter's (``validate_tiles``)."""
+    if design not in DESIGNS:
+        raise AnelabInputError(f"unknown --design {design!r}; use one of: {', '.join(DESIGNS)}")
+    require_positive("--prompt-tokens", prompt_tokens)
+    require_positive("--chunk", chunk)
+    schedule = chunk_schedule(prompt_tokens, chunk)
+    on_ane = schedule[0].device == "ane"
+    calls, heads, n_fa = len(schedule), geometry.num_heads, len(geometry.full_attention_layers)
+    used = heads * prompt_tokens * (prompt_tokens + 1) // 2
+    assumptions = [
+        "ANE attention: recorded rate per score entry (Qwen 3.8 h0 prediction), masked entries included",
+        "GPU arm, non-attention and GPU attention: the per-history plan's (plan())",
+    ]
+    if design == "per-history":
+        ph = costs.per_history
+        computed = sum(heads * chunk * (c.start + chunk) for c in schedule)
+        loads = ph["variants_visited"]
+        arena, ops, functions = geometry.score_arena_bytes(chunk, schedule[-1].start), OPS_PER_HISTORY, calls
+        setup, ane_attn = ph["setup_seconds"], ph["ane_attention_seconds"]
+        cap = kt = qt = None
+        assumptions.append("loads: recorded per history where they apply, else the arena fit (as plan())")
+    else:
+        cap = capacity if capacity is not None else calls * chunk
+        if capacity is None and design == "stateful-tiled" and key_tile is not None:  # whole key tiles too
+            unit = math.lcm(chunk, key_tile)
+            cap = -(-cap // unit) * unit
+        if cap < calls * chunk or cap % chunk:
+            raise AnelabInputError(
+                f"--capacity {cap} must be a multiple of {chunk} holding the prompt ({calls * chunk})"
+            )
+        computed = calls * heads * chunk * cap
+        loads, functions = n_fa if on_ane else 0, 1
+        if design == "stateful":
+            kt = qt = None
+            arena, ops = heads * chunk * cap * 2, OPS_STATEFUL
+        else:
+            kt, qt = validate_tiles(key_tile, query_tile, chunk, cap)
+            arena, ops = heads * qt * kt * 2, stateful_tiled_ops(chunk, cap, kt, qt)
+        setup = loads * arena_load_seconds(arena, costs)
+        ane_attn = costs.ane_seconds_per_entry * computed * n_fa if on_ane else 0.0
+        assumptions.append(
+            f"one load per layer ({n_fa}); load by the arena power fit (Qwen 3.8's recorded loads), floored at "
+            f"{MIN_LOAD_SECONDS} s; op count's effect on compile time not modelled"
+        )
+        ph_load = costs.per_history.get("cost_sources", {}).get("load", "")
+        if not ph_load.startswith("recorded per history"):
+            assumptions.append(
+                f"this family's per-history loads come from '{ph_load}', not from the arena fit: "
+                "compare its designs' setup with care"
+            )
+    offloaded = costs.gpu_attention_seconds if on_ane else 0.0
+    rest = costs.non_attention_seconds + costs.gpu_attention_seconds - offloaded + ane_attn
+    ane_total = rest + setup
+    ratio = costs.gpu_prefill_seconds / ane_total
+    return DesignPlan(
+        design=design,
+        prompt_tokens=prompt_tokens,
+        chunk=chunk,
+        capacity=cap,
+        key_tile=kt,
+        query_tile=qt,
+        loads=loads,
+        load_seconds_each=setup / loads if loads else 0.0,
+        setup_seconds=setup,
+        per_call_arena_bytes=int(arena),
+        score_entries_computed=int(computed),
+        score_entries_used=int(used),
+        wasted_fraction=1.0 - used / computed
+        if design == "per-history"
+        else wasted_score_fraction(prompt_tokens, chunk, cap),
+        ops_per_function=int(ops),
+        functions_per_layer=functions,
+        ane_attention_seconds=ane_attn,
+        gpu_prefill_seconds=costs.gpu_prefill_seconds,
+        ane_prefill_seconds=ane_total,
+        predicted_ratio=ratio,
+        decision="ane" if on_ane and ratio > 1.0 else "gpu",
+        break_even_load_seconds=(costs.gpu_prefill_seconds - rest) / loads if loads else None,
+        assumptions=tuple(assumptions),
+    )
+
+
+def compare_designs(
+    prompt_tokens: int,
+    family: str,
+    chunk: int,
+    designs=DESIGNS,
+    *,
+    capacity: int | None = None,
+    key_tile: int | None = None,
+    query_tile: int | None = None,
+) -> list[DesignPlan]:
+    """Every requested design for a recorded family at one prompt and chunk width."""
+    fam = get_family(family)
+    costs = family_design_costs(family, prompt_tokens, chunk)
+    return [
+        design_plan(
+            fam.geometry, prompt_tokens, chunk, d, costs, capacity=capacity, key_tile=key_tile, query_tile=query_tile
+        )
+        for d in designs
+    ]
