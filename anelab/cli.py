@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from anelab.errors import AnelabInputError
 from anelab.runtime.gate import AneGateError
@@ -370,6 +371,26 @@ def _run_plan(args):
         return 0
     if args.prompt_tokens is None:
         raise AnelabInputError("anelab plan: pass --prompt-tokens N (or --list-families / --fit-report)")
+    if args.checkpoint is not None and args.design:
+        from anelab.studies.planner.from_checkpoint import checkpoint_designs
+
+        designs = None if args.design == ["all"] else args.design
+        checkpoint_plan, plans = checkpoint_designs(
+            args.checkpoint,
+            args.prompt_tokens,
+            designs,
+            family=args.family,
+            chunk=args.chunk,
+            key_tile=args.tile,
+            query_tile=args.query_tile,
+        )
+        rows = {Path(args.checkpoint).name: [d.to_dict() for d in plans]}
+        if args.json:
+            _print_json(rows)
+        else:
+            print(f"costs: {checkpoint_plan.cost_family or 'flags'} — {checkpoint_plan.cost_family_reason}")
+            print(planner.format_designs(rows))
+        return 0
     if args.checkpoint is not None:
         return _run_plan_checkpoint(args)
     if args.design:

@@ -221,3 +221,27 @@ def test_open_sidecar_feeds_the_window_and_refuses_a_mask_outside_it(mistral):
     sidecar.predict(start, inputs)  # the windowed mask is filled in
     with pytest.raises(AnelabInputError, match=f"outside the layer's sliding window of {WINDOW} tokens"):
         sidecar.predict(start, {**inputs, "mask": causal(CHUNK, start)})  # negative control: no window
+
+
+def test_plan_checkpoint_compares_the_designs(capsys, tmp_path):
+    """plan --checkpoint --design all: the three designs for the checkpoint's own full-attention
+    layers, with its per-history plan as the baseline (one load per layer for the stateful ones)."""
+    import json
+
+    from anelab.cli import main
+    from anelab.hf.default import default_checkpoint_dir
+
+    ckpt = default_checkpoint_dir(tmp_path)
+    argv = ["plan", "--checkpoint", str(ckpt), "--prompt-tokens", "4333", "--design", "all", "--chunk", "1024"]
+    assert main([*argv, "--json"]) == 0
+    [rows] = json.loads(capsys.readouterr().out).values()
+    by_design = {r["design"]: r for r in rows}
+    assert set(by_design) == {"per-history", "stateful", "stateful-tiled"}
+    # 2 full-attention layers x 5 chunk starts of a 4,333-token prompt at chunk 1,024, against one load per layer
+    assert by_design["per-history"]["loads"] == 2 * 5
+    assert by_design["stateful"]["loads"] == by_design["stateful-tiled"]["loads"] == 2
+    assert by_design["stateful-tiled"]["per_call_arena_bytes"] < by_design["stateful"]["per_call_arena_bytes"]
+    assert all(r["gpu_prefill_seconds"] == rows[0]["gpu_prefill_seconds"] for r in rows)  # one GPU arm
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "closest recorded dense family" in out and "stateful-tiled" in out

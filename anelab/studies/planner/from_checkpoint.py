@@ -22,7 +22,8 @@ import os
 from dataclasses import asdict, dataclass
 
 from anelab.errors import AnelabInputError
-from anelab.studies.planner.catalogue import FAMILIES, get_family
+from anelab.studies.planner.catalogue import FAMILIES, PlanGeometry, get_family
+from anelab.studies.planner.fit import fit_costs
 from anelab.studies.planner.plan import plan
 
 
@@ -160,3 +161,46 @@ def _combine(checkpoint, g, full, windowed, family, reason, parts) -> Checkpoint
         predicted_ratio=ratio,
         decision="ane" if offloaded and ratio > 1.0 else "gpu",
     )
+
+
+def checkpoint_designs(
+    checkpoint_dir: str | os.PathLike,
+    prompt_tokens: int,
+    designs=None,
+    *,
+    family: str | None = None,
+    chunk: int | None = None,
+    key_tile: int | None = None,
+    query_tile: int | None = None,
+) -> tuple[CheckpointPlan, list]:
+    """The checkpoint's plan and each sidecar design (``planner.design``) for its full-attention
+    layers: the per-history plan of those layers (costs from ``family`` or the closest recorded dense
+    family) is what the stateful designs are compared with. Windowed layers keep the per-history
+    design (the stateful-tiled graph does not model a window): a checkpoint with no full-attention
+    layer is refused."""
+    from anelab.studies.planner.design import DESIGNS, DesignCosts, design_plan
+
+    checkpoint_plan = plan_from_checkpoint(checkpoint_dir, prompt_tokens, family=family, chunk=chunk)
+    full = checkpoint_plan.parts.get("full")
+    if full is None:
+        raise AnelabInputError(
+            f"{checkpoint_dir}: every attention layer slides over a window; --design compares designs for "
+            "full-attention layers only (drop --design)"
+        )
+    fit = fit_costs()
+    costs = DesignCosts(
+        ane_seconds_per_entry=fit.ane_seconds_per_entry,
+        load_power_coef=fit.load_power_coef,
+        load_power_exp=fit.load_power_exp,
+        gpu_prefill_seconds=full["gpu_prefill_seconds"],
+        gpu_attention_seconds=full["gpu_attention_seconds"],
+        non_attention_seconds=full["non_attention_seconds"],
+        per_history=full,
+    )
+    g = full["geometry"]
+    geometry = PlanGeometry(**{**g, "full_attention_layers": tuple(g["full_attention_layers"])})
+    plans = [
+        design_plan(geometry, prompt_tokens, full["chunk"], d, costs, key_tile=key_tile, query_tile=query_tile)
+        for d in (designs or DESIGNS)
+    ]
+    return checkpoint_plan, plans
