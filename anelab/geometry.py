@@ -322,10 +322,15 @@ _OPTION_FIELDS = frozenset(
 )
 
 
+def score_bytes(heads: int, query_rows: int, keys: int, dtype_bytes: int = FP16_BYTES) -> int:
+    """Bytes of a score matrix [heads, query_rows, keys] (a whole function's, or one tile's)."""
+    return int(heads) * int(query_rows) * int(keys) * int(dtype_bytes)
+
+
 def score_arena_bytes(heads: int, chunk: int, history: int, dtype_bytes: int = FP16_BYTES) -> int:
     """Bytes of one function's dense score matrix [heads, chunk, history + chunk] (the working set
     that the seed found the load time to track)."""
-    return int(heads) * int(chunk) * (int(history) + int(chunk)) * int(dtype_bytes)
+    return score_bytes(heads, chunk, int(history) + int(chunk), dtype_bytes)
 
 
 def coverage(histories: list[int] | tuple[int, ...], chunk: int) -> int:

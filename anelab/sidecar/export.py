@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from anelab import __version__
 from anelab.errors import AnelabInputError
-from anelab.geometry import AttentionGeometry, coverage, validate_chunk_and_histories
+from anelab.geometry import AttentionGeometry, chunk_starts, coverage, validate_chunk_and_histories
 from anelab.hf.checkpoint import load_checkpoint
 from anelab.masks import MASKED
 from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools
@@ -254,7 +254,7 @@ def export_layer(
     tiles = None
     if graph in STATEFUL_GRAPHS:
         capacity = validate_state_capacity(capacity, chunk, histories, limit=_capacity_limit(graph))
-        histories = list(range(0, capacity, chunk))  # the chunk starts of a prefill that fills the cache
+        histories = chunk_starts(capacity, chunk)  # the chunk starts of a prefill that fills the cache
         if graph == "stateful-tiled":
             tiles = (*validate_tiles(key_tile, query_tile, chunk, capacity), validate_mask_mode(mask_mode))
     else:

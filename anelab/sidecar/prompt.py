@@ -8,7 +8,7 @@ import numpy as np
 
 from anelab import reference
 from anelab.errors import AnelabInputError
-from anelab.geometry import AttentionGeometry
+from anelab.geometry import AttentionGeometry, chunk_starts
 from anelab.masks import MASKED, causal
 from anelab.sidecar.evaluate import SavedPackage, evaluate, evaluate_with_state, new_state
 from anelab.sidecar.format import read_sidecar_metadata, stateful_function_name
@@ -53,7 +53,7 @@ def run_stateful(
         raise AnelabInputError(
             f"prompt of {hidden.shape[0]} rows with {decode_steps} decode steps is not whole chunks of {chunk}; pad the prompt"
         )
-    calls = [(stateful_function_name(chunk), s, chunk) for s in range(0, prefill, chunk)]
+    calls = [(stateful_function_name(chunk), s, chunk) for s in (chunk_starts(prefill, chunk) if prefill else [])]
     calls += [(stateful_function_name(1), prefill + i, 1) for i in range(decode_steps)]
     masks = masks or (lambda rows, start: stateful_mask(rows, start, capacity, window))
     first = calls[0][0] if calls else stateful_function_name(chunk)

@@ -37,6 +37,7 @@ import numpy as np
 from anelab import reference
 from anelab.decoder import DecoderLayerWeights, attention_input, embed, finish_layer, lm_logits
 from anelab.errors import AnelabInputError
+from anelab.geometry import chunk_starts
 from anelab.hf.model import ModelCheckpoint, load_model
 from anelab.masks import causal, fold_with_causal
 from anelab.selection import select
@@ -153,7 +154,7 @@ def open_sidecars(
             "re-export every layer with one --chunk"
         )
     chunk = widths[0]
-    starts = list(range(0, int(prompt_tokens), chunk))
+    starts = chunk_starts(int(prompt_tokens), chunk)
     for layer, have in histories.items():
         missing = [s for s in starts if s not in have]
         if missing:
@@ -346,7 +347,7 @@ def run_arm(
     states = [_Layer(model.attention(i), model.layer(i)) for i in range(model.num_layers)]
     hidden = np.zeros((model.num_layers, prompt.size, g.hidden_size), np.float32)
     x = None
-    for start in range(0, prompt.size, chunk):
+    for start in chunk_starts(prompt.size, chunk):
         x = _forward_rows(model, states, embed(prompt[start : start + chunk], head), start, arm, sidecars,
                           prefill=True, hidden_out=hidden)  # fmt: skip
     logits = [lm_logits(x[-1:], head, model.eps)[0]]
@@ -557,7 +558,7 @@ def export_arm_sidecars(
     """Export every full-attention layer with the functions h0, hC, ... a ``prompt_tokens`` prompt needs."""
     from anelab.sidecar.export import export_sidecars
 
-    export_sidecars(checkpoint, out_dir, int(chunk), list(range(0, int(prompt_tokens), int(chunk))))
+    export_sidecars(checkpoint, out_dir, int(chunk), chunk_starts(int(prompt_tokens), int(chunk)))
     return Path(out_dir)
 
 

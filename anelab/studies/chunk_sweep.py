@@ -34,7 +34,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from anelab.errors import AnelabInputError
-from anelab.geometry import FP16_BYTES, AttentionGeometry, chunk_starts, score_arena_bytes
+from anelab.geometry import FP16_BYTES, AttentionGeometry, chunk_starts, score_arena_bytes, score_bytes
 from anelab.records import make_record
 from anelab.sidecar.prompt import prefill_prompt, prompt_reference
 from anelab.studies import planner
@@ -196,7 +196,7 @@ def _sweep_row(g: AttentionGeometry, P: int, C: int, tile: int, decode: bool, pr
         "stateful_functions": n_layers * (1 + with_decode),
         "dense_arena_bytes": dense_arenas[-1],
         "key_tile": tile,
-        "tiled_arena_bytes": g.num_heads * C * tile * FP16_BYTES,
+        "tiled_arena_bytes": score_bytes(g.num_heads, C, tile),
         "stateful_arena_bytes": stateful_arenas[0],
         "score_flops": sum(g.num_heads * C * (h + C) for h in histories) * per_entry,
         "stateful_score_flops": calls * g.num_heads * C * coverage * per_entry,

@@ -27,7 +27,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from anelab.errors import AnelabInputError
-from anelab.geometry import GB
+from anelab.geometry import GB, chunk_starts, score_bytes
 from anelab.sidecar.graphs.stateful_tiled import validate_tiles, wasted_score_fraction
 from anelab.studies.planner.catalogue import PlanGeometry, chunk_schedule, get_family, require_positive
 from anelab.studies.planner.fit import fit_costs
@@ -100,7 +100,7 @@ def family_design_costs(family: str, prompt_tokens: int, chunk: int) -> DesignCo
         p = plan(
             prompt_tokens,
             chunk=chunk,
-            histories=list(range(0, needed + 1, chunk)),
+            histories=chunk_starts(needed + 1, chunk),
             num_layers=fam.geometry.num_layers,
             full_attention_layers=fam.geometry.full_attention_layers,
             num_heads=fam.geometry.num_heads,
@@ -177,10 +177,10 @@ def design_plan(
         loads, functions = n_fa if on_ane else 0, 1
         if design == "stateful":
             kt = qt = None
-            arena, ops = heads * chunk * cap * 2, OPS_STATEFUL
+            arena, ops = score_bytes(heads, chunk, cap), OPS_STATEFUL
         else:
             kt, qt = validate_tiles(key_tile, query_tile, chunk, cap)
-            arena, ops = heads * qt * kt * 2, stateful_tiled_ops(chunk, cap, kt, qt)
+            arena, ops = score_bytes(heads, qt, kt), stateful_tiled_ops(chunk, cap, kt, qt)
         setup = loads * arena_load_seconds(arena, costs)
         ane_attn = costs.ane_seconds_per_entry * computed * n_fa if on_ane else 0.0
         assumptions.append(

@@ -66,8 +66,8 @@ from pathlib import Path
 import numpy as np
 
 from anelab.errors import AnelabInputError
+from anelab.geometry import chunk_starts, validate_chunk_and_histories
 from anelab.geometry import coverage as _coverage
-from anelab.geometry import validate_chunk_and_histories
 from anelab.paths import DATA_DIR
 from anelab.studies.planner.catalogue import (
     FITTED,
@@ -237,7 +237,7 @@ def _histories(chunk: int, needed: list[int], histories, max_history, family: Fa
                 f"--max-history {max_history} exceeds {family.name}'s recorded cap {cap} (coverage {cap + chunk:,}): "
                 f"larger variants are refused at export; use --max-history {cap}"
             )
-        return list(range(0, max_history + 1, chunk)), "max-history"
+        return chunk_starts(max_history + 1, chunk), "max-history"
     if histories is not None:
         hs = validate_chunk_and_histories(chunk, list(histories))
         if cap is not None and max(hs) > cap:
@@ -247,8 +247,8 @@ def _histories(chunk: int, needed: list[int], histories, max_history, family: Fa
         return hs, "histories"
     top = max(needed) if needed else 0
     if cap is not None and top > cap:
-        return list(range(0, cap + 1, chunk)), "family cap"
-    return list(range(0, top + 1, chunk)), "default"
+        return chunk_starts(cap + 1, chunk), "family cap"
+    return chunk_starts(top + 1, chunk), "default"
 
 
 def plan(
