@@ -71,11 +71,16 @@ def load_matching_checkpoint(meta: SidecarMetadata, checkpoint_dir: str | os.Pat
             f"checkpoint {source} (recorded in the package) has no {CONFIG_FILE}; pass --checkpoint DIR"
         )
     checkpoint = load_checkpoint(source)
-    if checkpoint.geometry.to_dict() != meta.geometry:
+    require_same_geometry(meta, checkpoint.geometry, source)
+    return checkpoint
+
+
+def require_same_geometry(meta: SidecarMetadata, geometry: AttentionGeometry, source: str | os.PathLike) -> None:
+    """Refuse (one line) a checkpoint whose block geometry differs from the one the package records."""
+    if geometry.to_dict() != meta.geometry:
         raise AnelabInputError(
             f"checkpoint {source} has a different geometry than the package records; pass the checkpoint it was exported from"
         )
-    return checkpoint
 
 
 @dataclass

@@ -41,7 +41,7 @@ from anelab.geometry import chunk_starts
 from anelab.hf.model import ModelCheckpoint, load_model
 from anelab.masks import causal, fold_with_causal
 from anelab.selection import select
-from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
+from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error, require_same_geometry
 from anelab.sidecar.format import function_name, read_sidecar_metadata
 from anelab.weights import AttentionWeights
 
@@ -118,7 +118,8 @@ def _package_meta(directory: Path, layer: int):
 def _check_package(path: Path, meta, layer: int, model: ModelCheckpoint) -> None:
     if meta.layer != layer:
         raise AnelabInputError(f"{path} records layer {meta.layer}, not {layer}; keep each package under its own name")
-    if meta.geometry != model.geometry.to_dict() or Path(meta.source).name != model.path.name:
+    require_same_geometry(meta, model.geometry, model.path)
+    if Path(meta.source).name != model.path.name:
         raise AnelabInputError(
             f"{path} was exported from {meta.source}, not from {model.path}; export the sidecars from this checkpoint"
         )
