@@ -14,6 +14,7 @@ each intermediate is freed after its last use.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -87,8 +88,14 @@ def _signature(feature) -> TensorSignature:
     )
 
 
+@functools.cache
+def _mil_types():
+    """coremltools' MIL types module (imported once; the interpreter asks per op)."""
+    return coremltools_modules()[2]
+
+
 def _numpy_dtype(var) -> np.dtype:
-    _, _, types = coremltools_modules()
+    types = _mil_types()
     t = var.dtype
     if t == types.fp16 or t == types.fp32 or t == types.fp64:
         return np.dtype(np.float32)
@@ -98,12 +105,12 @@ def _numpy_dtype(var) -> np.dtype:
 
 
 def _is_fp16(var) -> bool:
-    _, _, types = coremltools_modules()
+    types = _mil_types()
     return var.dtype == types.fp16
 
 
 def var_bytes(var) -> int:
-    _, _, types = coremltools_modules()
+    types = _mil_types()
     shape = getattr(var, "shape", None)
     if shape is None or any(not isinstance(s, (int, np.integer)) for s in shape):
         return 0

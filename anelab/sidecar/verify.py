@@ -327,7 +327,8 @@ def _partial_reference(inputs, weights, geometry, mask, pmask, ref, padded, n, p
     same = np.array_equal(pmask[:n, : H + n], mask[:n, : H + n]) and not np.any(pmask[:n, H + n :] > MASKED / 2)
     if same and np.array_equal(padded[:n], inputs.hidden[:n]):
         return reference.BlockOutput(ref.attn_out[:n], ref.k_chunk[:, :n], ref.v_chunk[:, :n])
-    return run_reference(inputs, weights, geometry, pmask, hidden=padded, precision=precision, rows=n)
+    padded_ref = run_reference(inputs, weights, geometry, pmask, hidden=padded, precision=precision)
+    return reference.BlockOutput(padded_ref.attn_out[:n], padded_ref.k_chunk[:, :n], padded_ref.v_chunk[:, :n])
 
 
 def compression_comparison(
