@@ -161,6 +161,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2, help="alternated runs per timing (best is used)")
     parser.add_argument("--reproduce", action="store_true", help="also time 'anelab reproduce' (writes figures/)")
     args = parser.parse_args(argv)
+    import anelab
+
+    print(f"anelab from {Path(anelab.__file__).parent}")
     p = QUICK if args.quick else REALISTIC
     with tempfile.TemporaryDirectory(prefix="anelab-speed-") as tmp:
         work = Path(tmp)

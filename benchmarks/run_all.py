@@ -9,6 +9,7 @@ failing script is reported and the rest still run (exit status 1 at the end).
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -31,11 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     if not chosen:
         print(f"no benchmark named {args.only!r}; have: {', '.join(p.name for p in scripts())}")
         return 2
+    # the scripts import the anelab of this checkout (not whichever one the environment installed)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))}
     failed = []
     for script in chosen:
         print(f"\n=== {script.name} {' '.join(extra)}", flush=True)
         start = time.perf_counter()
-        done = subprocess.run([sys.executable, str(script), *extra])
+        done = subprocess.run([sys.executable, str(script), *extra], env=env)
         print(f"=== {script.name}: {time.perf_counter() - start:.0f} s, exit {done.returncode}", flush=True)
         if done.returncode:
             failed.append(script.name)

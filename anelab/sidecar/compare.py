@@ -157,7 +157,7 @@ def run_reference(
         if np.any(mask[:rows, end:] > MASKED / 2):
             raise AnelabInputError(f"the mask lets one of the first {rows} rows see a later row; use all rows")
         hidden, mask = hidden[:rows], mask[:rows, :end]
-    dtype = reference.PRECISIONS[precision] if precision in reference.PRECISIONS else np.float64
+    dtype = reference.PRECISIONS.get(precision, np.float64)  # an unknown precision is refused by the reference
     cast = lambda a: np.asarray(a, dtype=dtype)
     return reference.attention_block(
         cast(hidden),
