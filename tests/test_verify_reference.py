@@ -137,3 +137,33 @@ def test_a_reference_whose_own_error_is_too_large_fails_verification(package, mo
     report = verify_package(pkg, ckpt)
     assert not report.passed
     assert all(c.passed for c in report.comparisons)  # only the reference check failed
+
+
+def test_attention_tiles_score_only_visible_keys_with_the_same_bits(package, monkeypatch):
+    """Skipping the keys a tile's mask drops gives bit-identical outputs; cutting a visible key does not."""
+    from anelab.sidecar import evaluate as evaluate_module
+
+    _, pkg = package
+    saved = evaluate_module.SavedPackage(pkg)
+    rng = np.random.default_rng(5)
+    g = TINY_GEOMETRIES[VARIANT]
+    inputs = {
+        "hidden": rng.standard_normal((8, g.hidden_size)).astype(np.float16),
+        "k_history": rng.standard_normal((8, g.num_kv_heads, g.head_dim)).astype(np.float16),
+        "v_history": rng.standard_normal((8, g.num_kv_heads, g.head_dim)).astype(np.float16),
+        "mask": causal(8, 8),
+    }
+    monkeypatch.setattr(evaluate_module, "QUERY_TILE_ELEMENTS", 32)  # 2 rows per tile: widths 10, 12, 14, 16
+    widths = []
+    real = evaluate_module._visible_widths
+    monkeypatch.setattr(evaluate_module, "_visible_widths", lambda *a: widths.append(real(*a)) or widths[-1])
+    skipped = evaluate_module.evaluate(saved, "h8", inputs)
+    assert widths == [[10, 12, 14, 16]]
+    monkeypatch.setattr(evaluate_module, "_visible_widths", lambda q, k, m, tile: [m.shape[1]] * -(-m.shape[0] // tile))
+    full = evaluate_module.evaluate(saved, "h8", inputs)
+    for name in full:
+        assert np.array_equal(skipped[name].view(np.uint16), full[name].view(np.uint16)), name
+    # negative control: a width one key short of what the rows see changes attn_out
+    monkeypatch.setattr(evaluate_module, "_visible_widths", lambda q, k, m, tile: [9, 11, 13, 15])
+    cut = evaluate_module.evaluate(saved, "h8", inputs)
+    assert not np.array_equal(cut["attn_out"], full["attn_out"])

@@ -24,7 +24,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from anelab.errors import AnelabInputError
-from anelab.fp16 import clip_overflow, round_to_fp16
+from anelab.fp16 import ROUNDING_BLOCK, clip_overflow, round_to_fp16
 from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools
 from anelab.sidecar.format import require_package
 from anelab.sidecar.kernels import KERNELS
@@ -388,8 +388,34 @@ def _find_attention_cores(ops, uses) -> dict[int, _AttentionCore]:
     return cores
 
 
+def _visible_widths(q, k, mask_rows: np.ndarray, tile: int) -> list[int]:
+    """Keys each query tile must score: columns at or past the width are dropped for every row of the
+    tile by so much that their softmax weight is exactly 0 in float32, so they need no scores.
+
+    q [B, R, d], k [B, T, d]; mask_rows [C, T] (the mask all batches and groups share). A column is
+    skipped when its mask lies ``margin`` below the row's largest mask value, with ``margin`` = 2 x the
+    Cauchy-Schwarz bound on |q . k| plus fp16 rounding slack plus 128 (exp(-128) == 0 in float32); a
+    non-finite bound or mask skips nothing. Returns one width per tile of ``tile`` rows.
+    """
+    C, T = mask_rows.shape
+    q_norm = np.sqrt(np.einsum("...i,...i->...", q, q, dtype=np.float64).max(initial=0.0))
+    k_norm = np.sqrt(np.einsum("...i,...i->...", k, k, dtype=np.float64).max(initial=0.0))
+    bound = q_norm * k_norm * 1.001
+    top = mask_rows.max(axis=1).astype(np.float64)  # [C]
+    margin = 2 * bound + 2.0**-9 * (np.abs(top).max(initial=0.0) + 30000.0 + bound) + 128.0
+    if not (np.isfinite(margin) and np.all(np.isfinite(top))):
+        return [T] * -(-C // tile)
+    seen = mask_rows >= (top - margin).astype(np.float32)[:, None]  # [C, T]
+    last = T - 1 - np.argmax(seen[:, ::-1], axis=1)  # last column each row must score
+    return [int(last[r0 : r0 + tile].max()) + 1 for r0 in range(0, C, tile)]
+
+
 def _attention_core(it: Interpreter, core: _AttentionCore) -> np.ndarray:
-    """softmax(Q K^T + mask) V evaluated per (batch, group, query tile), fp16 rounding emulated."""
+    """softmax(Q K^T + mask) V evaluated per (batch, group, query tile), fp16 rounding emulated.
+
+    A tile scores only its visible keys (``_visible_widths``); the dropped columns' weights, exactly 0
+    op by op, are written as 0, so the row sums and the P V product are the same bits as scoring all.
+    """
     q = it.value(core.qk.inputs["x"])  # [B, R, d]   (R = G*C rows)
     k = it.value(core.qk.inputs["y"])  # [B, T, d]
     mask = it.value(core.add.inputs[core.mask_name])
@@ -407,30 +433,39 @@ def _attention_core(it: Interpreter, core: _AttentionCore) -> np.ndarray:
     tile = max(1, min(C, QUERY_TILE_ELEMENTS // max(T, 1)))
     rounding = it.fp16
     k_t = [np.ascontiguousarray(k[b].T) for b in range(B)]  # [d, T] per batch, shared by the workers
+    shared_mask = mask_full.strides[0] == 0 and mask_full.strides[1] == 0
+    widths = _visible_widths(q, k, mask_full[0, 0], tile) if shared_mask else None
     work = [(b, g, r0) for b in range(B) for g in range(G) for r0 in range(0, C, tile)]
     local = threading.local()
 
-    def run(item):
+    def run(item, width=None):
         b, g, r0 = item
         if not hasattr(local, "scores"):
             local.scores = np.empty((tile, T), dtype=np.float32)
-            local.scratch = np.empty(tile * T, dtype=np.int32)
+            local.head = np.empty(tile * T, dtype=np.float32)
+            local.scratch = np.empty(min(tile * T, ROUNDING_BLOCK), dtype=np.int32)
         r1 = min(C, r0 + tile)
+        V = width if width is not None else (widths[r0 // tile] if widths is not None else T)
         s = local.scores[: r1 - r0]
-        np.matmul(q[b, g * C + r0 : g * C + r1], k_t[b], out=s)
-        np.add(s, mask_full[b, g, r0:r1], out=s)
+        h = local.head[: (r1 - r0) * V].reshape(r1 - r0, V)  # the scored columns, contiguous
+        np.matmul(q[b, g * C + r0 : g * C + r1], k_t[b][:, :V], out=h)
+        np.add(h, mask_full[b, g, r0:r1, :V], out=h)
         if rounding:
-            round_to_fp16(s, local.scratch[: s.size])
-        row_max = s.max(axis=1, keepdims=True)
+            round_to_fp16(h, local.scratch)
+        row_max = h.max(axis=1, keepdims=True)
         if rounding and np.abs(row_max).max() > 65519.99:  # a row past fp16's range: store as +-inf
-            clip_overflow(s)
-            row_max = s.max(axis=1, keepdims=True)
-        np.subtract(s, row_max, out=s)
-        np.exp(s, out=s)
+            if V < T:
+                return run(item, T)  # every column then, as op by op
+            clip_overflow(h)
+            row_max = h.max(axis=1, keepdims=True)
+        np.subtract(h, row_max, out=h)
+        np.exp(h, out=h)
+        s[:, :V] = h
+        s[:, V:] = 0.0
         total = s.sum(axis=1, keepdims=True)
         np.multiply(s, 1.0 / total, out=s)
         if rounding:
-            round_to_fp16(s, local.scratch[: s.size])
+            round_to_fp16(s, local.scratch)
         vb = v_b[b, g] if v_b.ndim == 4 else v_b[b]
         np.matmul(s, vb, out=out[b, g, r0:r1])
 
