@@ -332,6 +332,32 @@ def _add_mask(s: np.ndarray, mask_tile: np.ndarray, group: int) -> None:
     per_head += mask_tile.astype(s.dtype, copy=False)
 
 
+def scored_widths(mask_rows: np.ndarray, score_bound: float, block: int) -> list[int]:
+    """How many leading keys each block of ``block`` rows must score under an additive mask [R, T].
+
+    A key past a block's width lies, for every row of the block, more than ``margin`` below the row's
+    largest mask value, with ``margin`` = 2 x ``score_bound`` (a bound on |q . k|) + 2**-9 of the
+    magnitudes involved (fp16 rounding slack) + 128: its score sits at least 128 below the row's
+    maximum, so its softmax weight exp(score - max) is exactly 0 in float32 and float64 alike. A
+    non-finite bound or mask keeps every key. Returns one width per block.
+    """
+    rows, t = mask_rows.shape
+    top = mask_rows.max(axis=1).astype(np.float64)  # [R]
+    margin = 2 * score_bound + 2.0**-9 * (np.abs(top).max(initial=0.0) + abs(_DROPPED) + score_bound) + 128.0
+    if not (np.isfinite(margin) and np.all(np.isfinite(top))):
+        return [t] * -(-rows // block)
+    seen = mask_rows >= (top - margin).astype(mask_rows.dtype)[:, None]  # [R, T]
+    last = t - 1 - np.argmax(seen[:, ::-1], axis=1)  # the last key each row must score
+    return [int(last[r0 : r0 + block].max()) + 1 for r0 in range(0, rows, block)]
+
+
+def score_bound(q: np.ndarray, k: np.ndarray) -> float:
+    """A bound on |q . k| over all rows of q [..., d] and k [..., d] (Cauchy-Schwarz, with slack)."""
+    qn = np.einsum("...i,...i->...", q, q, dtype=np.float64).max(initial=0.0)
+    kn = np.einsum("...i,...i->...", k, k, dtype=np.float64).max(initial=0.0)
+    return float(np.sqrt(qn) * np.sqrt(kn) * 1.001)
+
+
 def _check_tile(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise AnelabInputError(f"{name} must be a positive integer, got {value!r}")
@@ -373,14 +399,19 @@ def attention_block(
     del q
     out = np.empty_like(qg)  # [Hkv, group, C, d]
     buffer = np.empty(g.num_heads * min(query_block, c) * t, p.dtype)
+    # fp32: a block scores only the keys its mask leaves a nonzero weight (fp64 scores every key, as always)
+    widths = [t] * -(-c // query_block)
+    if p.dtype == np.float32:
+        widths = scored_widths(p.mask, score_bound(qg, p.k_all), query_block)
     for c0 in range(0, c, query_block):
         c1 = min(c0 + query_block, c)
-        s = _scores(qg[:, :, c0:c1], p.k_all, 0, t, buffer)  # [Hkv, group*rows, T]
-        _add_mask(s, p.mask[c0:c1], g.group_size)
+        w = widths[c0 // query_block]
+        s = _scores(qg[:, :, c0:c1], p.k_all, 0, w, buffer)  # [Hkv, group*rows, w]
+        _add_mask(s, p.mask[c0:c1, :w], g.group_size)
         s -= s.max(axis=-1, keepdims=True)
         np.exp(s, out=s)
         row_sum = s.sum(axis=-1, keepdims=True)
-        rows_out = np.matmul(s, p.v_all)  # [Hkv, group*rows, d]
+        rows_out = np.matmul(s, p.v_all[:, :w])  # [Hkv, group*rows, d]
         rows_out /= row_sum
         out[:, :, c0:c1] = rows_out.reshape(g.num_kv_heads, g.group_size, c1 - c0, g.head_dim)
     del buffer, qg

@@ -25,6 +25,7 @@ from threadpoolctl import threadpool_limits
 
 from anelab.errors import AnelabInputError
 from anelab.fp16 import ROUNDING_BLOCK, clip_overflow, round_to_fp16
+from anelab.reference import score_bound, scored_widths
 from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools
 from anelab.sidecar.format import require_package
 from anelab.sidecar.kernels import KERNELS
@@ -389,25 +390,10 @@ def _find_attention_cores(ops, uses) -> dict[int, _AttentionCore]:
 
 
 def _visible_widths(q, k, mask_rows: np.ndarray, tile: int) -> list[int]:
-    """Keys each query tile must score: columns at or past the width are dropped for every row of the
-    tile by so much that their softmax weight is exactly 0 in float32, so they need no scores.
-
-    q [B, R, d], k [B, T, d]; mask_rows [C, T] (the mask all batches and groups share). A column is
-    skipped when its mask lies ``margin`` below the row's largest mask value, with ``margin`` = 2 x the
-    Cauchy-Schwarz bound on |q . k| plus fp16 rounding slack plus 128 (exp(-128) == 0 in float32); a
-    non-finite bound or mask skips nothing. Returns one width per tile of ``tile`` rows.
-    """
-    C, T = mask_rows.shape
-    q_norm = np.sqrt(np.einsum("...i,...i->...", q, q, dtype=np.float64).max(initial=0.0))
-    k_norm = np.sqrt(np.einsum("...i,...i->...", k, k, dtype=np.float64).max(initial=0.0))
-    bound = q_norm * k_norm * 1.001
-    top = mask_rows.max(axis=1).astype(np.float64)  # [C]
-    margin = 2 * bound + 2.0**-9 * (np.abs(top).max(initial=0.0) + 30000.0 + bound) + 128.0
-    if not (np.isfinite(margin) and np.all(np.isfinite(top))):
-        return [T] * -(-C // tile)
-    seen = mask_rows >= (top - margin).astype(np.float32)[:, None]  # [C, T]
-    last = T - 1 - np.argmax(seen[:, ::-1], axis=1)  # last column each row must score
-    return [int(last[r0 : r0 + tile].max()) + 1 for r0 in range(0, C, tile)]
+    """Keys each query tile must score (``reference.scored_widths``): past its width every row of the
+    tile has a softmax weight of exactly 0. q [B, R, d], k [B, T, d], mask_rows [C, T] (shared by all
+    batches and groups); one width per tile of ``tile`` rows."""
+    return scored_widths(mask_rows, score_bound(q, k), tile)
 
 
 def _attention_core(it: Interpreter, core: _AttentionCore) -> np.ndarray:
