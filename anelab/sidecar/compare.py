@@ -104,12 +104,19 @@ class FunctionInputs:
 
 
 def random_function_inputs(
-    function: str, chunk: int, weights: AttentionWeights, geometry: AttentionGeometry, rng: np.random.Generator
+    function: str,
+    chunk: int,
+    weights: AttentionWeights,
+    geometry: AttentionGeometry,
+    rng: np.random.Generator,
+    *,
+    precision: str = "fp64",
 ) -> FunctionInputs:
-    """Random history rows projected by the fp64 reference into the cache, then random chunk rows."""
+    """Random history rows projected by the reference (``precision``) into the cache, then random chunk
+    rows. The cache is stored as fp16, so the precision only picks which fp16 inputs the check uses."""
     history = history_of(function)
     hidden_history = rng.standard_normal((history, geometry.hidden_size)).astype(np.float16)
-    k_hist, v_hist = reference.history_kv(hidden_history.astype(np.float64), weights, geometry, "fp64")
+    k_hist, v_hist = reference.history_kv(hidden_history, weights, geometry, precision)
     hidden = rng.standard_normal((chunk, geometry.hidden_size)).astype(np.float16)
     return FunctionInputs(function, history, hidden, k_hist.astype(np.float16), v_hist.astype(np.float16))
 

@@ -214,7 +214,9 @@ def verify_package(
                 if compressed:  # the graph is checked with the weights it stores
                     weights = quantize.dequantized_weights(saved, name, checkpoint_weights)
                 rng = np.random.default_rng([seed, history_of(name)])
-                inputs = random_function_inputs(name, meta.chunk, weights, checkpoint.geometry, rng)
+                inputs = random_function_inputs(
+                    name, meta.chunk, weights, checkpoint.geometry, rng, precision=precision
+                )
             report.comparisons.extend(
                 function_comparisons(
                     saved,
