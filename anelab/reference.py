@@ -399,19 +399,14 @@ def attention_block(
     del q
     out = np.empty_like(qg)  # [Hkv, group, C, d]
     buffer = np.empty(g.num_heads * min(query_block, c) * t, p.dtype)
-    # fp32: a block scores only the keys its mask leaves a nonzero weight (fp64 scores every key, as always)
-    widths = [t] * -(-c // query_block)
-    if p.dtype == np.float32:
-        widths = scored_widths(p.mask, score_bound(qg, p.k_all), query_block)
     for c0 in range(0, c, query_block):
         c1 = min(c0 + query_block, c)
-        w = widths[c0 // query_block]
-        s = _scores(qg[:, :, c0:c1], p.k_all, 0, w, buffer)  # [Hkv, group*rows, w]
-        _add_mask(s, p.mask[c0:c1, :w], g.group_size)
+        s = _scores(qg[:, :, c0:c1], p.k_all, 0, t, buffer)  # [Hkv, group*rows, T]
+        _add_mask(s, p.mask[c0:c1], g.group_size)
         s -= s.max(axis=-1, keepdims=True)
         np.exp(s, out=s)
         row_sum = s.sum(axis=-1, keepdims=True)
-        rows_out = np.matmul(s, p.v_all[:, :w])  # [Hkv, group*rows, d]
+        rows_out = np.matmul(s, p.v_all)  # [Hkv, group*rows, d]
         rows_out /= row_sum
         out[:, :, c0:c1] = rows_out.reshape(g.num_kv_heads, g.group_size, c1 - c0, g.head_dim)
     del buffer, qg

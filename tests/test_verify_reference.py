@@ -167,23 +167,3 @@ def test_attention_tiles_score_only_visible_keys_with_the_same_bits(package, mon
     monkeypatch.setattr(evaluate_module, "_visible_widths", lambda q, k, m, tile: [9, 11, 13, 15])
     cut = evaluate_module.evaluate(saved, "h8", inputs)
     assert not np.array_equal(cut["attn_out"], full["attn_out"])
-
-
-def test_fp32_reference_scores_only_the_keys_a_block_sees(case, monkeypatch):
-    from anelab import reference
-
-    inputs, weights, g = case
-    f32 = [
-        np.asarray(a, np.float32) for a in (inputs.hidden, inputs.k_history, inputs.v_history, causal(CHUNK, HISTORY))
-    ]
-    widths = []
-    real = reference.scored_widths
-    monkeypatch.setattr(reference, "scored_widths", lambda *a: widths.append(real(*a)) or widths[-1])
-    fast = reference.attention_block(*f32, weights, g, query_block=4)
-    assert widths == [[20, 24, 28, 32]]  # rows c0..c0+3 see keys up to HISTORY + c0 + 3
-    exact = reference.attention_block(*(a.astype(np.float64) for a in f32), weights, g, precision="fp64", query_block=4)
-    assert relative_error(fast.attn_out, exact.attn_out) < 1e-5
-    # negative control: one visible key short per block is a real error
-    monkeypatch.setattr(reference, "scored_widths", lambda mask, bound, block: [19, 23, 27, 31])
-    cut = reference.attention_block(*f32, weights, g, query_block=4)
-    assert relative_error(cut.attn_out, exact.attn_out) > 1e-3
