@@ -209,6 +209,8 @@ def _add_evaluate(sub):
 
 
 def _run_evaluate(args):
+    import io
+
     import numpy as np
 
     from anelab.records import atomic_write_bytes
@@ -226,11 +228,11 @@ def _run_evaluate(args):
             f"{args.inputs}: not a readable .npz ({type(e).__name__}); write it with numpy.savez"
         ) from None
     outputs = evaluate(pkg, args.function, inputs, fp16=not args.fp32)
-    import io
-
+    del inputs
     buf = io.BytesIO()
     np.savez(buf, **outputs)
-    atomic_write_bytes(args.out, buf.getvalue())
+    with buf.getbuffer() as data:  # the archive's bytes, written without another copy
+        atomic_write_bytes(args.out, data)
     print(f"{args.out}: " + ", ".join(f"{k} {list(v.shape)} {v.dtype}" for k, v in outputs.items()))
     return 0
 

@@ -411,6 +411,32 @@ def _add_mask(s: np.ndarray, mask_tile: np.ndarray, group: int) -> None:
     per_head += mask_tile.astype(s.dtype, copy=False)
 
 
+def scored_widths(mask_rows: np.ndarray, score_bound: float, block: int) -> list[int]:
+    """How many leading keys each block of ``block`` rows must score under an additive mask [R, T].
+
+    A key past a block's width lies, for every row of the block, more than ``margin`` below the row's
+    largest mask value, with ``margin`` = 2 x ``score_bound`` (a bound on |q . k|) + 2**-9 of the
+    magnitudes involved (fp16 rounding slack) + 128: its score sits at least 128 below the row's
+    maximum, so its softmax weight exp(score - max) is exactly 0 in float32 and float64 alike. A
+    non-finite bound or mask keeps every key. Returns one width per block.
+    """
+    rows, t = mask_rows.shape
+    top = mask_rows.max(axis=1).astype(np.float64)  # [R]
+    margin = 2 * score_bound + 2.0**-9 * (np.abs(top).max(initial=0.0) + abs(_DROPPED) + score_bound) + 128.0
+    if not (np.isfinite(margin) and np.all(np.isfinite(top))):
+        return [t] * -(-rows // block)
+    seen = mask_rows >= (top - margin).astype(mask_rows.dtype)[:, None]  # [R, T]
+    last = t - 1 - np.argmax(seen[:, ::-1], axis=1)  # the last key each row must score
+    return [int(last[r0 : r0 + block].max()) + 1 for r0 in range(0, rows, block)]
+
+
+def score_bound(q: np.ndarray, k: np.ndarray) -> float:
+    """A bound on |q . k| over all rows of q [..., d] and k [..., d] (Cauchy-Schwarz, with slack)."""
+    qn = np.einsum("...i,...i->...", q, q, dtype=np.float64).max(initial=0.0)
+    kn = np.einsum("...i,...i->...", k, k, dtype=np.float64).max(initial=0.0)
+    return float(np.sqrt(qn) * np.sqrt(kn) * 1.001)
+
+
 def _check_tile(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise AnelabInputError(f"{name} must be a positive integer, got {value!r}")

@@ -14,6 +14,7 @@ each intermediate is freed after its last use.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,8 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from anelab.errors import AnelabInputError
-from anelab.fp16 import clip_overflow, round_to_fp16
+from anelab.fp16 import ROUNDING_BLOCK, clip_overflow, round_to_fp16
+from anelab.reference import score_bound, scored_widths
 from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools
 from anelab.sidecar.format import require_package
 from anelab.sidecar.kernels import KERNELS
@@ -87,8 +89,14 @@ def _signature(feature) -> TensorSignature:
     )
 
 
+@functools.cache
+def _mil_types():
+    """coremltools' MIL types module (imported once; the interpreter asks per op)."""
+    return coremltools_modules()[2]
+
+
 def _numpy_dtype(var) -> np.dtype:
-    _, _, types = coremltools_modules()
+    types = _mil_types()
     t = var.dtype
     if t == types.fp16 or t == types.fp32 or t == types.fp64:
         return np.dtype(np.float32)
@@ -98,12 +106,12 @@ def _numpy_dtype(var) -> np.dtype:
 
 
 def _is_fp16(var) -> bool:
-    _, _, types = coremltools_modules()
+    types = _mil_types()
     return var.dtype == types.fp16
 
 
 def var_bytes(var) -> int:
-    _, _, types = coremltools_modules()
+    types = _mil_types()
     shape = getattr(var, "shape", None)
     if shape is None or any(not isinstance(s, (int, np.integer)) for s in shape):
         return 0
@@ -381,8 +389,19 @@ def _find_attention_cores(ops, uses) -> dict[int, _AttentionCore]:
     return cores
 
 
+def _visible_widths(q, k, mask_rows: np.ndarray, tile: int) -> list[int]:
+    """Keys each query tile must score (``reference.scored_widths``): past its width every row of the
+    tile has a softmax weight of exactly 0. q [B, R, d], k [B, T, d], mask_rows [C, T] (shared by all
+    batches and groups); one width per tile of ``tile`` rows."""
+    return scored_widths(mask_rows, score_bound(q, k), tile)
+
+
 def _attention_core(it: Interpreter, core: _AttentionCore) -> np.ndarray:
-    """softmax(Q K^T + mask) V evaluated per (batch, group, query tile), fp16 rounding emulated."""
+    """softmax(Q K^T + mask) V evaluated per (batch, group, query tile), fp16 rounding emulated.
+
+    A tile scores only its visible keys (``_visible_widths``); the dropped columns' weights, exactly 0
+    op by op, are written as 0, so the row sums and the P V product are the same bits as scoring all.
+    """
     q = it.value(core.qk.inputs["x"])  # [B, R, d]   (R = G*C rows)
     k = it.value(core.qk.inputs["y"])  # [B, T, d]
     mask = it.value(core.add.inputs[core.mask_name])
@@ -400,30 +419,39 @@ def _attention_core(it: Interpreter, core: _AttentionCore) -> np.ndarray:
     tile = max(1, min(C, QUERY_TILE_ELEMENTS // max(T, 1)))
     rounding = it.fp16
     k_t = [np.ascontiguousarray(k[b].T) for b in range(B)]  # [d, T] per batch, shared by the workers
+    shared_mask = mask_full.strides[0] == 0 and mask_full.strides[1] == 0
+    widths = _visible_widths(q, k, mask_full[0, 0], tile) if shared_mask else None
     work = [(b, g, r0) for b in range(B) for g in range(G) for r0 in range(0, C, tile)]
     local = threading.local()
 
-    def run(item):
+    def run(item, width=None):
         b, g, r0 = item
         if not hasattr(local, "scores"):
             local.scores = np.empty((tile, T), dtype=np.float32)
-            local.scratch = np.empty(tile * T, dtype=np.int32)
+            local.head = np.empty(tile * T, dtype=np.float32)
+            local.scratch = np.empty(min(tile * T, ROUNDING_BLOCK), dtype=np.int32)
         r1 = min(C, r0 + tile)
+        V = width if width is not None else (widths[r0 // tile] if widths is not None else T)
         s = local.scores[: r1 - r0]
-        np.matmul(q[b, g * C + r0 : g * C + r1], k_t[b], out=s)
-        np.add(s, mask_full[b, g, r0:r1], out=s)
+        h = local.head[: (r1 - r0) * V].reshape(r1 - r0, V)  # the scored columns, contiguous
+        np.matmul(q[b, g * C + r0 : g * C + r1], k_t[b][:, :V], out=h)
+        np.add(h, mask_full[b, g, r0:r1, :V], out=h)
         if rounding:
-            round_to_fp16(s, local.scratch[: s.size])
-        row_max = s.max(axis=1, keepdims=True)
+            round_to_fp16(h, local.scratch)
+        row_max = h.max(axis=1, keepdims=True)
         if rounding and np.abs(row_max).max() > 65519.99:  # a row past fp16's range: store as +-inf
-            clip_overflow(s)
-            row_max = s.max(axis=1, keepdims=True)
-        np.subtract(s, row_max, out=s)
-        np.exp(s, out=s)
+            if V < T:
+                return run(item, T)  # every column then, as op by op
+            clip_overflow(h)
+            row_max = h.max(axis=1, keepdims=True)
+        np.subtract(h, row_max, out=h)
+        np.exp(h, out=h)
+        s[:, :V] = h
+        s[:, V:] = 0.0
         total = s.sum(axis=1, keepdims=True)
         np.multiply(s, 1.0 / total, out=s)
         if rounding:
-            round_to_fp16(s, local.scratch[: s.size])
+            round_to_fp16(s, local.scratch)
         vb = v_b[b, g] if v_b.ndim == 4 else v_b[b]
         np.matmul(s, vb, out=out[b, g, r0:r1])
 

@@ -2,24 +2,24 @@
 
 For every function h<H> the same inputs — random fp16 hidden rows, a K/V history produced by the
 reference from random history rows, and the causal mask — go to the saved package (evaluated from
-disk with ``anelab.mil_eval``; Core ML on a Mac later) and to ``anelab.reference`` in float64. The
-relative error ||package - reference|| / ||reference|| of ``attn_out``, ``k_chunk`` and ``v_chunk``
-must stay under ``RELATIVE_ERROR_THRESHOLD`` at a full chunk and at a partial chunk (fewer real
-rows, padded and masked).
+disk with ``anelab.mil_eval``; Core ML on a Mac later) and to ``anelab.reference``. The relative
+error ||package - reference|| / ||reference|| of ``attn_out``, ``k_chunk`` and ``v_chunk`` must stay
+under ``RELATIVE_ERROR_THRESHOLD`` at a full chunk and at a partial chunk (fewer real rows, padded
+and masked; the real rows see only real rows, so their reference is the full chunk's first rows).
+
+The reference runs in float32 by default (``compare.REFERENCE_PRECISION``); each function's reference
+is also run in float64 on its first rows, and its own error — reported with the comparisons — must
+stay under ``compare.REFERENCE_ERROR_BOUND`` (1e-4), a hundredth of the threshold, or verification
+fails. An error measured against the float32 reference differs from the float64 one by at most that
+own error, so the cheaper reference cannot hide an error above the threshold.
 
 Negative controls make the check able to fail — each must land *above* the threshold, or the
 verification reports itself vacuous and fails:
 
 - ``rope offset +1``: the reference is computed with the chunk starting one position late, so a
-  graph with the wrong RoPE positions could not pass (not on a layer without RoPE);
+  graph with the wrong RoPE positions could not pass (on the chunk's first ``CONTROL_ROWS`` rows);
 - ``mask reaches graph``: the *package* is fed a mask that drops a random half of each row's
-  visible keys, so a graph that ignored its mask input could not pass;
-- ``window dropped`` (sliding-window layers, when the window bites within the function's
-  coverage): the package fed the plain causal mask must miss.
-
-Sliding windows: the package is fed the mask its metadata declares (``slidingWindow``), the
-reference uses the checkpoint's window for the layer, so a package whose metadata dropped the
-window fails.
+  visible keys, so a graph that ignored its mask input could not pass.
 
 Compressed weights (``--weights int8|palettize4|int4-block``): the reference above uses the
 package's own dequantized projections (``anelab.quantize.dequantized_weights``), so the graph is
@@ -31,7 +31,9 @@ the reference with the checkpoint's (fp16-exact) weights, bounded by ``quantize.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -44,6 +46,9 @@ from anelab.masks import MASKED, causal
 from anelab.sidecar import quantize
 from anelab.sidecar.compare import (
     OUTPUTS,
+    REFERENCE_CHECK_ROWS,
+    REFERENCE_ERROR_BOUND,
+    REFERENCE_PRECISION,
     RELATIVE_ERROR_THRESHOLD,
     Comparison,
     Evaluator,
@@ -51,6 +56,7 @@ from anelab.sidecar.compare import (
     load_matching_checkpoint,
     output_errors,
     random_function_inputs,
+    reference_error,
     relative_error,
     run_package,
     run_reference,
@@ -69,14 +75,23 @@ class VerifyReport:
     threshold: float
     evaluator: str
     comparisons: list[Comparison] = field(default_factory=list)
+    reference_precision: str = "fp64"
+    # the reference's own error against fp64 on a slice: [{function, rows, errors}] (empty when it is fp64)
+    reference_checks: list[dict] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)  # wall time per phase (package, reference, ...)
 
     @property
     def vacuous(self) -> bool:
         return any(c.control and not c.passed for c in self.comparisons)
 
     @property
+    def reference_ok(self) -> bool:
+        """The reference's own error stays under REFERENCE_ERROR_BOUND wherever it was measured."""
+        return all(max(r["errors"].values()) <= REFERENCE_ERROR_BOUND for r in self.reference_checks)
+
+    @property
     def passed(self) -> bool:
-        return bool(self.comparisons) and all(c.passed for c in self.comparisons)
+        return bool(self.comparisons) and all(c.passed for c in self.comparisons) and self.reference_ok
 
     def to_dict(self) -> dict:
         return {
@@ -88,18 +103,37 @@ class VerifyReport:
             "passed": self.passed,
             "vacuous": self.vacuous,
             "comparisons": [{**asdict(c), "worst": c.worst, "passed": c.passed} for c in self.comparisons],
+            "reference_precision": self.reference_precision,
+            "reference_checks": self.reference_checks,
+            "reference_error_bound": REFERENCE_ERROR_BOUND,
+            "seconds": self.seconds,
         }
 
     def table(self) -> str:
         lines = [
-            f"verify {self.package} (layer {self.layer}; reference fp64; package via {self.evaluator}; "
-            f"threshold {self.threshold:.0e})",
+            f"verify {self.package} (layer {self.layer}; reference {self.reference_precision}; "
+            f"package via {self.evaluator}; threshold {self.threshold:.0e})",
             f"{'function':<10} {'case':<28} {'rows':>5} " + " ".join(f"{o:>10}" for o in OUTPUTS) + "  result",
         ]
         for c in self.comparisons:
-            verdict = ("ok: control fails" if c.passed else "VACUOUS") if c.control else ("ok" if c.passed else "FAIL")
+            bound = self.threshold if c.bound is None else c.bound
+            margin = f" ({c.worst / bound:.0f}x the bound)" if c.passed else ""
+            verdict = (
+                (f"ok: control fails{margin}" if c.passed else "VACUOUS")
+                if c.control
+                else ("ok" if c.passed else "FAIL")
+            )
             errs = " ".join(f"{c.errors[o]:>10.2e}" if o in c.errors else f"{'-':>10}" for o in OUTPUTS)
             lines.append(f"{c.function:<10} {c.case:<28} {c.rows:>5} {errs}  {verdict}")
+        for r in self.reference_checks:
+            errs = " ".join(f"{r['errors'][o]:>10.2e}" for o in OUTPUTS)
+            ok = "ok" if max(r["errors"].values()) <= REFERENCE_ERROR_BOUND else "FAIL"
+            lines.append(
+                f"{r['function']:<10} {'reference ' + self.reference_precision + ' vs fp64':<28} {r['rows']:>5} {errs}  "
+                f"{ok} (bound {REFERENCE_ERROR_BOUND:.0e})"
+            )
+        if self.seconds:
+            lines.append("seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in self.seconds.items()))
         lines.append(
             "PASSED"
             if self.passed
@@ -116,13 +150,29 @@ def drop_half_mask(mask: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     drop = visible & (rng.random(mask.shape) < 0.5)
     keep_first = np.argmax(visible, axis=1)
     drop[np.arange(mask.shape[0]), keep_first] = False
-    out[drop] = MASKED
+    np.copyto(out, np.asarray(MASKED, out.dtype), where=drop)
     return out
 
 
 def partial_rows(chunk: int) -> int:
     """Real rows of the partial-chunk case: about 60 % of the chunk, never the full chunk."""
     return max(1, min(chunk - 1, (chunk * 3) // 5 + 1)) if chunk > 1 else 1
+
+
+# The rope control's reference runs on the chunk's first rows only: a row's outputs depend only on the
+# keys it sees, and a one-position RoPE shift moves every rotated key (k_chunk error ~0.2 on any row), so
+# the control fails by a wide margin on these rows (margin printed with the verdict).
+CONTROL_ROWS = 512
+
+
+@contextmanager
+def _timed(seconds: dict[str, float], phase: str):
+    """Add the wall time of the block to ``seconds[phase]``."""
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - t
 
 
 def verify_package(
@@ -132,14 +182,18 @@ def verify_package(
     seed: int = 0,
     fp16: bool = True,
     functions: list[str] | None = None,
+    precision: str = REFERENCE_PRECISION,
     evaluator: Evaluator | None = None,
 ) -> VerifyReport:
     """Verify every function of a saved sidecar against the reference (see module docstring).
 
+    ``precision``: the reference's ("fp32": its own error against fp64 is measured on a slice of every
+    function and must stay under ``REFERENCE_ERROR_BOUND``; "fp64": the exact math, slower).
     ``evaluator``: runs the package's functions instead of the NumPy evaluation (e.g. Core ML on a
     Mac). Every case then also reports the evaluator against the NumPy evaluation of the same package
     and the NumPy evaluation against the reference: three comparisons per output.
     """
+    start = time.perf_counter()
     meta = read_sidecar_metadata(package)
     if meta.graph == "stateful":  # one function per chunk width, K/V in Core ML state
         return verify_stateful_package(package, checkpoint_dir, seed=seed, fp16=fp16, evaluator=evaluator)
@@ -163,34 +217,53 @@ def verify_package(
         "NumPy evaluation of the saved MIL program (" + ("fp16 storage emulated" if fp16 else "fp32") + ")"
         if evaluator is None
         else f"{evaluator.name}, beside the NumPy evaluation",
+        reference_precision=precision,
     )
+    seconds = report.seconds
     checkpoint_weights = checkpoint.layer(meta.layer)
+    compressed = meta.weights != "fp16"
     windows = {
         "window": meta.sliding_window,
         "true_window": checkpoint.geometry.window_of(meta.layer),
         "rope_coverage": meta.coverage,
     }
-    for name in tqdm(names, desc="verify functions", unit="fn"):
-        weights = checkpoint_weights
-        if meta.weights != "fp16":  # the graph is checked with the weights it stores
-            weights = quantize.dequantized_weights(saved, name, checkpoint_weights)
-        rng = np.random.default_rng([seed, history_of(name)])
-        inputs = random_function_inputs(
-            name, meta.chunk, weights, checkpoint.geometry, rng, rope_coverage=meta.coverage
-        )
-        report.comparisons.extend(
-            function_comparisons(
-                saved, inputs, weights, checkpoint.geometry, rng, fp16=fp16, evaluator=evaluator, **windows
-            )
-        )
-        if meta.weights != "fp16":
-            report.comparisons.append(
-                compression_comparison(
-                    saved, inputs, checkpoint_weights, checkpoint.geometry, meta.weights, fp16=fp16, **windows
+    with tqdm(total=len(names) * (4 + compressed), desc="verify", unit="case") as bar:
+        for name in names:
+            with _timed(seconds, "inputs"):
+                weights = checkpoint_weights
+                if compressed:  # the graph is checked with the weights it stores
+                    weights = quantize.dequantized_weights(saved, name, checkpoint_weights)
+                rng = np.random.default_rng([seed, history_of(name)])
+                inputs = random_function_inputs(
+                    name,
+                    meta.chunk,
+                    weights,
+                    checkpoint.geometry,
+                    rng,
+                    rope_coverage=meta.coverage,
+                    precision=precision,
+                )
+            report.comparisons.extend(
+                function_comparisons(
+                    saved,
+                    inputs,
+                    weights,
+                    checkpoint.geometry,
+                    rng,
+                    fp16=fp16,
+                    precision=precision,
+                    compression=(checkpoint_weights, meta.weights) if compressed else None,
+                    progress=bar,
+                    seconds=seconds,
+                    reference_checks=report.reference_checks,
+                    evaluator=evaluator,
+                    **windows,
                 )
             )
     if meta.selection_folded:
-        report.comparisons.extend(fold_comparisons(saved, checkpoint.path, meta, seed=seed, evaluator=evaluator))
+        with _timed(seconds, "fold check"):
+            report.comparisons.extend(fold_comparisons(saved, checkpoint.path, meta, seed=seed, evaluator=evaluator))
+    seconds["total"] = time.perf_counter() - start
     return report
 
 
@@ -202,65 +275,165 @@ def function_comparisons(
     rng: np.random.Generator,
     *,
     fp16: bool = True,
+    precision: str = "fp64",
+    compression: tuple[AttentionWeights, str] | None = None,
+    progress=None,
+    seconds: dict[str, float] | None = None,
+    reference_checks: list[dict] | None = None,
+    evaluator: Evaluator | None = None,
     window: int | None = None,
     true_window: int | None = None,
     rope_coverage: int | None = None,
-    evaluator: Evaluator | None = None,
 ) -> list[Comparison]:
-    """One function at a full and a partial chunk, and its negative controls.
+    """One function at a full and a partial chunk, and its two negative controls (and, with
+    ``compression`` = (checkpoint weights, mode), what the compression costs).
 
-    ``window``: the sliding window the package declares (its mask); ``true_window``: the model's,
-    which the reference uses; ``rope_coverage``: the package coverage (dynamic / longrope). With an
-    ``evaluator``, each chunk case also gets the evaluator vs NumPy and NumPy vs reference rows."""
+    The reference runs once at the full chunk (``precision``); with fp32 its own error against an fp64
+    run of the first rows is appended to ``reference_checks``. ``progress``: a tqdm bar advanced per
+    case; ``seconds``: wall time per phase, accumulated. ``window``: the sliding window the package
+    declares (its mask); ``true_window``: the model's, which the reference uses; ``rope_coverage``: the
+    package coverage (dynamic / longrope). With an ``evaluator`` (Core ML on a Mac) the package runs
+    through it, and each chunk case also gets the evaluator vs NumPy and NumPy vs reference rows.
+    """
+    seconds = {} if seconds is None else seconds
     name, C, H = inputs.function, inputs.hidden.shape[0], inputs.history
+
+    def done(case: str) -> None:
+        if progress is not None:
+            progress.set_postfix_str(f"{name}: {case}", refresh=False)
+            progress.update()
+
     mask, ref_mask = causal(C, H, window=window), causal(C, H, window=true_window)
-    out = run_package(saved, inputs, mask, fp16=fp16, evaluator=evaluator)
-    ref = run_reference(inputs, weights, geometry, ref_mask, rope_coverage=rope_coverage)
+    reference_options = {"precision": precision, "rope_coverage": rope_coverage}
+    with _timed(seconds, "package"):
+        out = run_package(saved, inputs, mask, fp16=fp16, evaluator=evaluator)
+    with _timed(seconds, "reference"):
+        ref = run_reference(inputs, weights, geometry, ref_mask, **reference_options)
     comparisons = [Comparison(name, "full chunk", C, output_errors(out, ref, C))]
     if evaluator is not None:
-        comparisons += cross_checks(name, "full chunk", C, out, run_package(saved, inputs, mask, fp16=fp16), ref)
+        with _timed(seconds, "package"):
+            numpy_out = run_package(saved, inputs, mask, fp16=fp16)
+        comparisons += cross_checks(name, "full chunk", C, out, numpy_out, ref)
+    if precision != "fp64" and reference_checks is not None:
+        with _timed(seconds, "reference check (fp64 slice)"):
+            rows, errors = reference_error(
+                inputs, weights, geometry, ref_mask, ref, REFERENCE_CHECK_ROWS, rope_coverage=rope_coverage
+            )
+        reference_checks.append({"function": name, "rows": rows, "errors": errors})
+    done("full chunk")
     # partial chunk: n real rows, padded with zero rows; padded rows' outputs are ignored
     n = partial_rows(C)
     padded = inputs.hidden.copy()
     padded[n:] = 0
     pmask = causal(C, H, valid_rows=n, window=window)
-    partial_out = run_package(saved, inputs, pmask, hidden=padded, fp16=fp16, evaluator=evaluator)
-    partial_ref = run_reference(
-        inputs,
-        weights,
-        geometry,
-        causal(C, H, valid_rows=n, window=true_window),
-        hidden=padded,
-        rope_coverage=rope_coverage,
-    )
+    ref_pmask = causal(C, H, valid_rows=n, window=true_window)
+    with _timed(seconds, "package"):
+        partial_out = run_package(saved, inputs, pmask, hidden=padded, fp16=fp16, evaluator=evaluator)
+    with _timed(seconds, "reference"):
+        partial_ref = _partial_reference(
+            inputs, weights, geometry, ref_mask, ref_pmask, ref, padded, n, precision, rope_coverage
+        )
     comparisons.append(Comparison(name, f"partial chunk ({n} of {C})", n, output_errors(partial_out, partial_ref, n)))
     if evaluator is not None:
-        numpy_partial = run_package(saved, inputs, pmask, hidden=padded, fp16=fp16)
+        with _timed(seconds, "package"):
+            numpy_partial = run_package(saved, inputs, pmask, hidden=padded, fp16=fp16)
         comparisons += cross_checks(name, f"partial ({n} of {C})", n, partial_out, numpy_partial, partial_ref)
+    done("partial chunk")
     # negative controls: the reference one position late must miss; so must the package under a changed mask
     if geometry.uses_rope(weights.layer):  # a NoPE layer (SmolLM3) has no positions to get wrong
-        wrong_rope = run_reference(inputs, weights, geometry, ref_mask, start=H + 1, rope_coverage=rope_coverage)
+        rows = min(C, CONTROL_ROWS)
+        with _timed(seconds, "reference"):
+            wrong_rope = run_reference(inputs, weights, geometry, ref_mask, start=H + 1, rows=rows, **reference_options)
         comparisons.append(
             Comparison(
                 name,
                 "control: rope offset +1",
-                C,
-                output_errors(out, wrong_rope, C, ("attn_out", "k_chunk")),
+                rows,
+                output_errors(out, wrong_rope, rows, ("attn_out", "k_chunk")),
                 control=True,
             )
         )
-    dropped = run_package(saved, inputs, drop_half_mask(mask, rng), fp16=fp16, evaluator=evaluator)
+    done("control: rope offset +1")
+    with _timed(seconds, "control inputs"):
+        dropped_mask = drop_half_mask(mask, rng)
+    with _timed(seconds, "package"):
+        dropped = run_package(saved, inputs, dropped_mask, fp16=fp16, evaluator=evaluator)
     comparisons.append(
         Comparison(name, "control: mask reaches graph", C, output_errors(dropped, ref, C, ("attn_out",)), control=True)
     )
+    done("control: mask reaches graph")
     if true_window is not None and true_window < H + C:  # the window drops keys within this function
-        unwindowed = run_package(saved, inputs, causal(C, H), fp16=fp16, evaluator=evaluator)
+        with _timed(seconds, "package"):
+            unwindowed = run_package(saved, inputs, causal(C, H), fp16=fp16, evaluator=evaluator)
         comparisons.append(
             Comparison(
                 name, "control: window dropped", C, output_errors(unwindowed, ref, C, ("attn_out",)), control=True
             )
         )
+    if compression is not None:
+        with _timed(seconds, "reference"):
+            comparisons.append(
+                compression_comparison(
+                    saved,
+                    inputs,
+                    compression[0],
+                    geometry,
+                    compression[1],
+                    fp16=fp16,
+                    precision=precision,
+                    out=out if evaluator is None else None,
+                    window=window,
+                    true_window=true_window,
+                    rope_coverage=rope_coverage,
+                )
+            )
+        done("compression")
     return comparisons
+
+
+def _partial_reference(inputs, weights, geometry, mask, pmask, ref, padded, n, precision, rope_coverage=None):
+    """The reference of a partial chunk's n real rows. When the real rows see exactly what they see in
+    the full chunk (padding lies after every real row), these are the full run's first n rows; otherwise
+    the reference runs on the padded rows."""
+    H = inputs.history
+    same = np.array_equal(pmask[:n, : H + n], mask[:n, : H + n]) and not np.any(pmask[:n, H + n :] > MASKED / 2)
+    if same and np.array_equal(padded[:n], inputs.hidden[:n]):
+        return reference.BlockOutput(ref.attn_out[:n], ref.k_chunk[:, :n], ref.v_chunk[:, :n])
+    padded_ref = run_reference(
+        inputs, weights, geometry, pmask, hidden=padded, precision=precision, rope_coverage=rope_coverage
+    )
+    return reference.BlockOutput(padded_ref.attn_out[:n], padded_ref.k_chunk[:, :n], padded_ref.v_chunk[:, :n])
+
+
+def compression_comparison(
+    saved: SavedPackage,
+    inputs: FunctionInputs,
+    checkpoint_weights: AttentionWeights,
+    geometry: AttentionGeometry,
+    mode: str,
+    *,
+    fp16: bool = True,
+    precision: str = "fp64",
+    out: dict[str, np.ndarray] | None = None,
+    window: int | None = None,
+    true_window: int | None = None,
+    rope_coverage: int | None = None,
+) -> Comparison:
+    """What the compression costs: the package against the reference with the checkpoint's weights
+    (``out``: the package's outputs under the causal mask, when already computed)."""
+    C = inputs.hidden.shape[0]
+    if out is None:
+        out = run_package(saved, inputs, causal(C, inputs.history, window=window), fp16=fp16)
+    ref = run_reference(
+        inputs,
+        checkpoint_weights,
+        geometry,
+        causal(C, inputs.history, window=true_window),
+        precision=precision,
+        rope_coverage=rope_coverage,
+    )
+    bound = quantize.ERROR_BOUNDS[mode]
+    return Comparison(inputs.function, f"{mode} vs fp16 w. (<={bound:g})", C, output_errors(out, ref, C), bound=bound)
 
 
 def cross_checks(
@@ -273,28 +446,6 @@ def cross_checks(
         Comparison(function, f"{case}: device vs NumPy", rows, output_errors(device, numpy_as_ref, rows, names)),
         Comparison(function, f"{case}: NumPy vs ref.", rows, output_errors(numpy_out, ref, rows)),
     ]
-
-
-def compression_comparison(
-    saved: SavedPackage,
-    inputs: FunctionInputs,
-    checkpoint_weights: AttentionWeights,
-    geometry: AttentionGeometry,
-    mode: str,
-    *,
-    fp16: bool = True,
-    window: int | None = None,
-    true_window: int | None = None,
-    rope_coverage: int | None = None,
-) -> Comparison:
-    """What the compression costs: the package against the reference with the checkpoint's weights."""
-    C = inputs.hidden.shape[0]
-    out = run_package(saved, inputs, causal(C, inputs.history, window=window), fp16=fp16)
-    ref = run_reference(
-        inputs, checkpoint_weights, geometry, causal(C, inputs.history, window=true_window), rope_coverage=rope_coverage
-    )
-    bound = quantize.ERROR_BOUNDS[mode]
-    return Comparison(inputs.function, f"{mode} vs fp16 w. (<={bound:g})", C, output_errors(out, ref, C), bound=bound)
 
 
 def fold_comparisons(
