@@ -160,102 +160,129 @@ class RopeScaling:
         Refuses (AnelabInputError) an unknown rope_type, a missing required key, a key this type does not
         use, and a value of the wrong kind. transformers only warns about unknown keys; anelab refuses.
         """
-        if rope_dict is None:
-            rope_dict = {}
-        if not isinstance(rope_dict, dict):
-            raise AnelabInputError(
-                f"rope_scaling / rope_parameters must be a dict or null, got {type(rope_dict).__name__}; fix config.json"
+        rope_type = _checked_rope_type(rope_dict if rope_dict is not None else {})
+        values = _RopeDict(rope_dict or {}, rope_type)
+        kwargs: dict[str, Any] = {"rope_type": rope_type, **values.common(), **values.type_values()}
+        if rope_type in _USES_ORIGINAL_MAX:
+            kwargs["original_max_position_embeddings"] = _resolved_original_max(
+                rope_type,
+                original_max_position_embeddings,
+                (rope_dict or {}).get("original_max_position_embeddings"),
+                max_position_embeddings,
             )
-        if any(isinstance(v, dict) for v in rope_dict.values()):
-            raise AnelabInputError(
-                "rope_parameters is nested per layer type (" + ", ".join(map(str, rope_dict)) + "); "
-                "pass the dict of the layer type you export"
-            )
-        rope_type = rope_dict.get("rope_type")
-        legacy = rope_dict.get("type")
-        if rope_type is not None and legacy is not None and rope_type != legacy:
-            raise AnelabInputError(f"rope dict has rope_type={rope_type!r} and type={legacy!r}; keep one of them")
-        rope_type = rope_type if rope_type is not None else (legacy if legacy is not None else "default")
-        if rope_type not in ROPE_TYPES:
-            raise AnelabInputError(
-                f"unsupported rope_type {rope_type!r}: anelab models {', '.join(ROPE_TYPES)}; "
-                "use a checkpoint with one of those or add the type to anelab/rope.py"
-            )
-        required, optional = _REQUIRED[rope_type], _OPTIONAL[rope_type]
-        unknown = sorted(set(rope_dict) - required - optional - _COMMON_KEYS)
-        if unknown:
-            raise AnelabInputError(
-                f"rope_type {rope_type!r} does not use key(s) {', '.join(map(repr, unknown))}; "
-                f"remove them or model them in anelab/rope.py (allowed: {', '.join(sorted(required | optional))})"
-            )
-        missing = sorted(required - set(rope_dict))
-        if missing:
-            raise AnelabInputError(
-                f"rope_type {rope_type!r} needs key(s) {', '.join(map(repr, missing))} in rope_scaling; add them"
-            )
+        return cls(**kwargs)
 
-        def number(key: str, *, positive: bool = True, allow_none: bool = True) -> float | None:
-            value = rope_dict.get(key)
-            if value is None:
-                if allow_none:
-                    return None
-                raise AnelabInputError(f"rope_scaling[{key!r}] is null for rope_type {rope_type!r}; give a number")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise AnelabInputError(f"rope_scaling[{key!r}] must be a finite number, got {value!r}")
-            if positive and value <= 0:
-                raise AnelabInputError(f"rope_scaling[{key!r}] must be > 0, got {value!r}")
-            return float(value)
 
-        def factors(key: str) -> tuple[float, ...]:
-            value = rope_dict.get(key)
-            if not isinstance(value, (list, tuple)) or not value:
-                raise AnelabInputError(f"rope_scaling[{key!r}] must be a non-empty list of numbers, got {value!r}")
-            for x in value:
-                if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
-                    raise AnelabInputError(f"rope_scaling[{key!r}] must hold positive numbers, got {x!r}")
-            return tuple(float(x) for x in value)
+def _checked_rope_type(rope_dict: dict) -> str:
+    """The dict's RoPE type (``rope_type``, legacy ``type``, else default), its keys checked: a
+    per-layer nested dict, an unknown type, a key the type does not use or a missing one is refused."""
+    if not isinstance(rope_dict, dict):
+        raise AnelabInputError(
+            f"rope_scaling / rope_parameters must be a dict or null, got {type(rope_dict).__name__}; fix config.json"
+        )
+    if any(isinstance(v, dict) for v in rope_dict.values()):
+        raise AnelabInputError(
+            "rope_parameters is nested per layer type (" + ", ".join(map(str, rope_dict)) + "); "
+            "pass the dict of the layer type you export"
+        )
+    rope_type, legacy = rope_dict.get("rope_type"), rope_dict.get("type")
+    if rope_type is not None and legacy is not None and rope_type != legacy:
+        raise AnelabInputError(f"rope dict has rope_type={rope_type!r} and type={legacy!r}; keep one of them")
+    rope_type = rope_type if rope_type is not None else (legacy if legacy is not None else "default")
+    if rope_type not in ROPE_TYPES:
+        raise AnelabInputError(
+            f"unsupported rope_type {rope_type!r}: anelab models {', '.join(ROPE_TYPES)}; "
+            "use a checkpoint with one of those or add the type to anelab/rope.py"
+        )
+    required, optional = _REQUIRED[rope_type], _OPTIONAL[rope_type]
+    unknown = sorted(set(rope_dict) - required - optional - _COMMON_KEYS)
+    if unknown:
+        raise AnelabInputError(
+            f"rope_type {rope_type!r} does not use key(s) {', '.join(map(repr, unknown))}; "
+            f"remove them or model them in anelab/rope.py (allowed: {', '.join(sorted(required | optional))})"
+        )
+    missing = sorted(required - set(rope_dict))
+    if missing:
+        raise AnelabInputError(
+            f"rope_type {rope_type!r} needs key(s) {', '.join(map(repr, missing))} in rope_scaling; add them"
+        )
+    return rope_type
 
-        kwargs: dict[str, Any] = {"rope_type": rope_type}
-        kwargs["rope_theta"] = number("rope_theta")
-        prf = number("partial_rotary_factor")
+
+@dataclass(frozen=True)
+class _RopeDict:
+    """A checked rope dict's values, read with their kinds checked (one line naming the key)."""
+
+    values: dict
+    rope_type: str
+
+    def number(self, key: str, *, positive: bool = True, allow_none: bool = True) -> float | None:
+        value = self.values.get(key)
+        if value is None:
+            if allow_none:
+                return None
+            raise AnelabInputError(f"rope_scaling[{key!r}] is null for rope_type {self.rope_type!r}; give a number")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise AnelabInputError(f"rope_scaling[{key!r}] must be a finite number, got {value!r}")
+        if positive and value <= 0:
+            raise AnelabInputError(f"rope_scaling[{key!r}] must be > 0, got {value!r}")
+        return float(value)
+
+    def factors(self, key: str) -> tuple[float, ...]:
+        value = self.values.get(key)
+        if not isinstance(value, (list, tuple)) or not value:
+            raise AnelabInputError(f"rope_scaling[{key!r}] must be a non-empty list of numbers, got {value!r}")
+        for x in value:
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
+                raise AnelabInputError(f"rope_scaling[{key!r}] must hold positive numbers, got {x!r}")
+        return tuple(float(x) for x in value)
+
+    def common(self) -> dict:
+        """rope_theta and partial_rotary_factor (transformers 5 keeps them in rope_parameters)."""
+        prf = self.number("partial_rotary_factor")
         if prf is not None and prf > 1.0:
             raise AnelabInputError(f"rope_scaling['partial_rotary_factor'] must be in (0, 1], got {prf}")
-        kwargs["partial_rotary_factor"] = prf
+        return {"rope_theta": self.number("rope_theta"), "partial_rotary_factor": prf}
 
-        if rope_type in ("linear", "dynamic", "llama3"):
-            kwargs["factor"] = number("factor", allow_none=False)
-        elif rope_type in ("yarn", "longrope"):
-            kwargs["factor"] = number("factor")  # null: transformers uses max_position_embeddings / original
-        if rope_type == "llama3":
-            kwargs["low_freq_factor"] = number("low_freq_factor", allow_none=False)
-            kwargs["high_freq_factor"] = number("high_freq_factor", allow_none=False)
-        if rope_type == "yarn":
+    def type_values(self) -> dict:
+        """The fields this RoPE type reads."""
+        kind, out = self.rope_type, {}
+        if kind in ("linear", "dynamic", "llama3"):
+            out["factor"] = self.number("factor", allow_none=False)
+        elif kind in ("yarn", "longrope"):
+            out["factor"] = self.number("factor")  # null: transformers uses max_position_embeddings / original
+        if kind == "llama3":
+            out["low_freq_factor"] = self.number("low_freq_factor", allow_none=False)
+            out["high_freq_factor"] = self.number("high_freq_factor", allow_none=False)
+        if kind == "yarn":
             for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
-                kwargs[key] = number(key, positive=False)
-            truncate = rope_dict.get("truncate")
+                out[key] = self.number(key, positive=False)
+            truncate = self.values.get("truncate")
             if truncate is not None and not isinstance(truncate, bool):
                 raise AnelabInputError(f"rope_scaling['truncate'] must be true or false, got {truncate!r}")
-            kwargs["truncate"] = truncate
-        if rope_type in ("yarn", "longrope"):
-            kwargs["attention_factor"] = number("attention_factor", positive=False)
-        if rope_type == "longrope":
-            kwargs["short_factor"] = factors("short_factor")
-            kwargs["long_factor"] = factors("long_factor")
-        if rope_type in _USES_ORIGINAL_MAX:
-            for name, value in (
-                ("original_max_position_embeddings (top-level)", original_max_position_embeddings),
-                ("rope_scaling['original_max_position_embeddings']", rope_dict.get("original_max_position_embeddings")),
-                ("max_position_embeddings", max_position_embeddings),
-            ):
-                if value is not None:
-                    kwargs["original_max_position_embeddings"] = _positive_int(value, name)
-                    break
-            else:
-                raise AnelabInputError(
-                    f"rope_type {rope_type!r} needs original_max_position_embeddings (or max_position_embeddings); "
-                    "add it to the config"
-                )
-        return cls(**kwargs)
+            out["truncate"] = truncate
+        if kind in ("yarn", "longrope"):
+            out["attention_factor"] = self.number("attention_factor", positive=False)
+        if kind == "longrope":
+            out["short_factor"] = self.factors("short_factor")
+            out["long_factor"] = self.factors("long_factor")
+        return out
+
+
+def _resolved_original_max(rope_type: str, top_level, in_dict, max_position_embeddings) -> int:
+    """original_max_position_embeddings as transformers resolves it: the config's top-level value,
+    else the dict's, else max_position_embeddings (``standardize_rope_params``)."""
+    for name, value in (
+        ("original_max_position_embeddings (top-level)", top_level),
+        ("rope_scaling['original_max_position_embeddings']", in_dict),
+        ("max_position_embeddings", max_position_embeddings),
+    ):
+        if value is not None:
+            return _positive_int(value, name)
+    raise AnelabInputError(
+        f"rope_type {rope_type!r} needs original_max_position_embeddings (or max_position_embeddings); "
+        "add it to the config"
+    )
 
 
 def _positive_int(value: Any, name: str) -> int:
