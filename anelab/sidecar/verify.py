@@ -483,6 +483,21 @@ def fold_comparisons(
     ]
 
 
+def open_stateful_package(package: str | os.PathLike, checkpoint_dir: str | os.PathLike | None):
+    """A stateful package's metadata, matching checkpoint, saved program (every function checked), the
+    weights its graph holds (dequantized when compressed) and the checkpoint's own weights."""
+    meta = read_sidecar_metadata(package)
+    checkpoint = load_matching_checkpoint(meta, checkpoint_dir)
+    saved = SavedPackage(package)
+    for name in meta.functions:
+        saved.function(name)
+    checkpoint_weights = checkpoint.layer(meta.layer)
+    weights = checkpoint_weights
+    if meta.weights != "fp16":
+        weights = quantize.dequantized_weights(saved, meta.functions[0], checkpoint_weights)
+    return meta, checkpoint, saved, weights, checkpoint_weights
+
+
 def verify_stateful_package(
     package: str | os.PathLike,
     checkpoint_dir: str | os.PathLike | None = None,
@@ -497,16 +512,8 @@ def verify_stateful_package(
 
     ``evaluator`` (with ``make_state`` and ``state_arrays``): the calls run through it, carrying its
     state; its attn_out and final caches are compared with the reference, beside the NumPy run."""
-    meta = read_sidecar_metadata(package)
-    checkpoint = load_matching_checkpoint(meta, checkpoint_dir)
-    saved = SavedPackage(package)
-    for name in meta.functions:
-        saved.function(name)
+    meta, checkpoint, saved, weights, checkpoint_weights = open_stateful_package(package, checkpoint_dir)
     geometry, capacity, C = checkpoint.geometry, meta.state_capacity, meta.chunk
-    checkpoint_weights = checkpoint.layer(meta.layer)
-    weights = checkpoint_weights
-    if meta.weights != "fp16":
-        weights = quantize.dequantized_weights(saved, meta.functions[0], checkpoint_weights)
     decode_steps = DECODE_STEPS if ("c1" in meta.functions and C != 1) else 0
     prefill = ((capacity - decode_steps) // C) * C
     if prefill == 0:
@@ -657,16 +664,8 @@ def verify_stateful_tiled_package(
     fp64 reference. Controls (each must fail): the package told the wrong position (start + 1, over
     the prompt's whole chunks), a fresh state per call (state not carried), and — with an additive
     mask input — a changed mask."""
-    meta = read_sidecar_metadata(package)
-    checkpoint = load_matching_checkpoint(meta, checkpoint_dir)
-    saved = SavedPackage(package)
-    for name in meta.functions:
-        saved.function(name)
+    meta, checkpoint, saved, weights, checkpoint_weights = open_stateful_package(package, checkpoint_dir)
     geometry, capacity, C = checkpoint.geometry, meta.state_capacity, meta.chunk
-    checkpoint_weights = checkpoint.layer(meta.layer)
-    weights = checkpoint_weights
-    if meta.weights != "fp16":
-        weights = quantize.dequantized_weights(saved, meta.functions[0], checkpoint_weights)
     prefill = stateful_tiled_prompt_rows(capacity, C)
     decode_steps = min(DECODE_STEPS, capacity - prefill) if ("c1" in meta.functions and C != 1) else 0
     P = prefill + decode_steps
