@@ -339,37 +339,22 @@ def function_comparisons(
             numpy_partial = run_package(saved, inputs, pmask, hidden=padded, fp16=fp16)
         comparisons += cross_checks(name, f"partial ({n} of {C})", n, partial_out, numpy_partial, partial_ref)
     done("partial chunk")
-    # negative controls: the reference one position late must miss; so must the package under a changed mask
-    if geometry.uses_rope(weights.layer):  # a NoPE layer (SmolLM3) has no positions to get wrong
-        rows = min(C, CONTROL_ROWS)
-        with _timed(seconds, "reference"):
-            wrong_rope = run_reference(inputs, weights, geometry, ref_mask, start=H + 1, rows=rows, **reference_options)
-        comparisons.append(
-            Comparison(
-                name,
-                "control: rope offset +1",
-                rows,
-                output_errors(out, wrong_rope, rows, ("attn_out", "k_chunk")),
-                control=True,
-            )
-        )
-    done("control: rope offset +1")
-    with _timed(seconds, "control inputs"):
-        dropped_mask = drop_half_mask(mask, rng)
-    with _timed(seconds, "package"):
-        dropped = run_package(saved, inputs, dropped_mask, fp16=fp16, evaluator=evaluator)
-    comparisons.append(
-        Comparison(name, "control: mask reaches graph", C, output_errors(dropped, ref, C, ("attn_out",)), control=True)
+    comparisons += negative_controls(
+        saved,
+        inputs,
+        weights,
+        geometry,
+        rng,
+        out,
+        ref,
+        fp16=fp16,
+        evaluator=evaluator,
+        window=window,
+        true_window=true_window,
+        reference_options=reference_options,
+        seconds=seconds,
+        done=done,
     )
-    done("control: mask reaches graph")
-    if true_window is not None and true_window < H + C:  # the window drops keys within this function
-        with _timed(seconds, "package"):
-            unwindowed = run_package(saved, inputs, causal(C, H), fp16=fp16, evaluator=evaluator)
-        comparisons.append(
-            Comparison(
-                name, "control: window dropped", C, output_errors(unwindowed, ref, C, ("attn_out",)), control=True
-            )
-        )
     if compression is not None:
         with _timed(seconds, "reference"):
             comparisons.append(
@@ -389,6 +374,56 @@ def function_comparisons(
             )
         done("compression")
     return comparisons
+
+
+def negative_controls(
+    saved: SavedPackage,
+    inputs: FunctionInputs,
+    weights: AttentionWeights,
+    geometry: AttentionGeometry,
+    rng: np.random.Generator,
+    out: dict[str, np.ndarray],
+    ref: reference.BlockOutput,
+    *,
+    fp16: bool,
+    evaluator: Evaluator | None,
+    window: int | None,
+    true_window: int | None,
+    reference_options: dict,
+    seconds: dict[str, float],
+    done: Callable[[str], None],
+) -> list[Comparison]:
+    """The controls one function must fail: the reference one position late (``out`` against it, on
+    the first ``CONTROL_ROWS`` rows; not on a NoPE layer), the package under a mask with half its
+    visible keys dropped, and — when the model's window hides keys here — the package without the
+    window. ``out``/``ref``: the package's and the reference's full-chunk outputs."""
+    name, C, H = inputs.function, inputs.hidden.shape[0], inputs.history
+    mask, ref_mask = causal(C, H, window=window), causal(C, H, window=true_window)
+    controls = []
+    if geometry.uses_rope(weights.layer):  # a NoPE layer (SmolLM3) has no positions to get wrong
+        rows = min(C, CONTROL_ROWS)
+        with _timed(seconds, "reference"):
+            wrong_rope = run_reference(inputs, weights, geometry, ref_mask, start=H + 1, rows=rows, **reference_options)
+        errors = output_errors(out, wrong_rope, rows, ("attn_out", "k_chunk"))
+        controls.append(Comparison(name, "control: rope offset +1", rows, errors, control=True))
+    done("control: rope offset +1")
+    with _timed(seconds, "control inputs"):
+        dropped_mask = drop_half_mask(mask, rng)
+    with _timed(seconds, "package"):
+        dropped = run_package(saved, inputs, dropped_mask, fp16=fp16, evaluator=evaluator)
+    controls.append(
+        Comparison(name, "control: mask reaches graph", C, output_errors(dropped, ref, C, ("attn_out",)), control=True)
+    )
+    done("control: mask reaches graph")
+    if true_window is not None and true_window < H + C:  # the window drops keys within this function
+        with _timed(seconds, "package"):
+            unwindowed = run_package(saved, inputs, causal(C, H), fp16=fp16, evaluator=evaluator)
+        controls.append(
+            Comparison(
+                name, "control: window dropped", C, output_errors(unwindowed, ref, C, ("attn_out",)), control=True
+            )
+        )
+    return controls
 
 
 def _partial_reference(inputs, weights, geometry, mask, pmask, ref, padded, n, precision, rope_coverage=None):
