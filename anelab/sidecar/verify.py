@@ -518,6 +518,18 @@ def fold_comparisons(
     ]
 
 
+def stateful_report(package, checkpoint, meta, fp16: bool, evaluator: Evaluator | None) -> VerifyReport:
+    """An empty report for a stateful package, naming how its calls are evaluated."""
+    how = (
+        "NumPy evaluation of the saved MIL program, state carried between calls ("
+        + ("fp16 storage emulated" if fp16 else "fp32")
+        + ")"
+        if evaluator is None
+        else f"{evaluator.name}, state carried between calls, beside the NumPy evaluation"
+    )
+    return VerifyReport(str(package), str(checkpoint.path), meta.layer, RELATIVE_ERROR_THRESHOLD, how)
+
+
 def open_stateful_package(package: str | os.PathLike, checkpoint_dir: str | os.PathLike | None):
     """A stateful package's metadata, matching checkpoint, saved program (every function checked), the
     weights its graph holds (dequantized when compressed) and the checkpoint's own weights."""
@@ -558,17 +570,7 @@ def verify_stateful_package(
         )
     P = prefill + decode_steps
     label = "+".join(meta.functions)
-    report = VerifyReport(
-        str(package),
-        str(checkpoint.path),
-        meta.layer,
-        RELATIVE_ERROR_THRESHOLD,
-        "NumPy evaluation of the saved MIL program, state carried between calls ("
-        + ("fp16 storage emulated" if fp16 else "fp32")
-        + ")"
-        if evaluator is None
-        else f"{evaluator.name}, state carried between calls, beside the NumPy evaluation",
-    )
+    report = stateful_report(package, checkpoint, meta, fp16, evaluator)
     rng = np.random.default_rng([seed, P])
     hidden = rng.standard_normal((P, geometry.hidden_size)).astype(np.float16)
 
@@ -705,15 +707,7 @@ def verify_stateful_tiled_package(
     decode_steps = min(DECODE_STEPS, capacity - prefill) if ("c1" in meta.functions and C != 1) else 0
     P = prefill + decode_steps
     label = "+".join(meta.functions)
-    report = VerifyReport(
-        str(package),
-        str(checkpoint.path),
-        meta.layer,
-        RELATIVE_ERROR_THRESHOLD,
-        "NumPy evaluation of the saved MIL program, state carried between calls ("
-        + ("fp16 storage emulated" if fp16 else "fp32")
-        + ")",
-    )
+    report = stateful_report(package, checkpoint, meta, fp16, None)
     rng = np.random.default_rng([seed, P])
     hidden = rng.standard_normal((P, geometry.hidden_size)).astype(np.float16)
 
