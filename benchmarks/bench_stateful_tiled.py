@@ -4,17 +4,24 @@ On a realistic layer (hidden 2048, 16 / 4 heads, head_dim 128, capacity 12,288) 
 is prefilled through ``c<C>`` of each design (C = 256 and 1,024; the last chunk partial), with
 the state carried between calls. Per design and chunk it prints (nothing is asserted):
 
-1. wall time of the whole prefill (one run, ``time.perf_counter``);
-2. peak traced memory of that prefill (``tracemalloc``: NumPy's buffers included; a separate run,
-   so tracing does not slow the timed one);
+1. wall time of the whole prefill with the evaluator's fusions on (one run, ``time.perf_counter``);
+2. peak working memory of the prefill (``tracemalloc`` peak, NumPy's buffers included; the state —
+   the same [Hkv, capacity, d] fp16 K and V caches in both designs, updated in place — is allocated
+   before tracing starts, so it is not counted, as item 3 does not count it):
+   - "as written": every op evaluated as the saved program writes it (``fuse=False``) — the working
+     set the design itself asks for; the issue's memory target (tiled <= 1/8 of untiled) is on this;
+   - "fused": with the evaluator's fusions on (the untiled graph's ``matmul -> add -> softmax ->
+     matmul`` core in query tiles of the evaluator's own choosing, the tiled graph's online-softmax
+     step per key tile) — NumPy's own best, shown for reference: the untiled fusion is itself a tiled
+     algorithm the device is not given;
+   each in a separate run, so tracing does not slow the timed one;
 3. the saved program's largest working intermediate (op outputs other than the cache itself) and
    its op count, at capacity 12,288 and 3,072 (largest intermediate vs capacity);
 4. attn_out of the tiled design against the untiled one (relative error).
 
-The issue's targets: tiled peak memory <= 1/8 of the untiled design's, tiled time <= 2x.
-Note: the evaluator already runs the untiled graph's ``matmul -> add -> softmax -> matmul`` core in
-query tiles of its own (``anelab.sidecar.evaluate``), so the untiled NumPy peak is *not* the
-[heads, C, capacity] arena the saved program asks a device for; item 3 reports that one.
+The issue's targets: tiled peak memory <= 1/8 of the untiled design's (as written), tiled time <= 2x
+the untiled design's (both fused: the strictest pairing, as the untiled fusion skips every key past
+the visible ones while the tiled step skips whole key tiles only).
 
 Usage: python benchmarks/bench_stateful_tiled.py [--quick] [--tile N] [--query-tile N]
 """
@@ -29,8 +36,12 @@ from pathlib import Path
 
 import numpy as np
 
-REALISTIC = dict(hidden_size=2048, num_heads=16, num_kv_heads=4, head_dim=128, capacity=12288, chunks=[256, 1024])
-QUICK = dict(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, capacity=1024, chunks=[64, 128])
+REALISTIC = dict(
+    hidden_size=2048, num_heads=16, num_kv_heads=4, head_dim=128, capacity=12288, chunks=[256, 1024], tiles=(1024, 256)
+)
+QUICK = dict(
+    hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, capacity=1024, chunks=[64, 128], tiles=(128, 32)
+)
 PROMPT, QUICK_PROMPT = 4333, 700
 
 
@@ -63,15 +74,34 @@ def _build(g, w, design: str, chunk: int, capacity: int, key_tile: int, query_ti
     return merge_functions({name: single}, work / f"{design}-c{chunk}-n{capacity}.mlpackage", name)
 
 
-def _prefill(saved, design: str, hidden: np.ndarray, chunk: int, capacity: int) -> np.ndarray:
+def _prefill(saved, design: str, hidden: np.ndarray, chunk: int, capacity: int, state=None, fuse=True) -> np.ndarray:
+    """attn_out [P, D] of the whole prompt; ``state``: the (zeroed) cache to fill, default a new one."""
+    from anelab.sidecar.evaluate import evaluate_with_state, new_state
     from anelab.sidecar.prompt import run_stateful, run_stateful_tiled
 
+    state = new_state(saved, f"c{chunk}") if state is None else state
     if design == "stateful":  # whole chunks: pad the last one (the mask drops the padded slots)
         calls = -(-hidden.shape[0] // chunk)
         padded = np.zeros((calls * chunk, hidden.shape[1]), np.float16)
         padded[: hidden.shape[0]] = hidden
-        return run_stateful(saved, padded, chunk, capacity)[0][: hidden.shape[0]]
-    return run_stateful_tiled(saved, hidden, chunk, capacity)[0]
+        run = lambda function, inputs, st: evaluate_with_state(saved, function, inputs, st, fuse=fuse)  # noqa: E731
+        return run_stateful(saved, padded, chunk, capacity, evaluate=run, make_state=lambda f: state)[0][
+            : hidden.shape[0]
+        ]
+    return run_stateful_tiled(saved, hidden, chunk, capacity, state=state, fuse=fuse)[0]
+
+
+def _peak_working_bytes(saved, design: str, hidden: np.ndarray, chunk: int, capacity: int, fuse: bool) -> int:
+    """tracemalloc's peak over one prefill, the state allocated (zeroed) before tracing starts."""
+    from anelab.sidecar.evaluate import new_state
+
+    state = new_state(saved, f"c{chunk}")
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    _prefill(saved, design, hidden, chunk, capacity, state, fuse)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak
 
 
 def main(argv=None) -> int:
@@ -82,10 +112,11 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small geometry (seconds)")
-    ap.add_argument("--tile", type=int, default=1024, help="cache slots per key tile")
-    ap.add_argument("--query-tile", type=int, default=256, help="chunk rows per query tile")
+    ap.add_argument("--tile", type=int, help="cache slots per key tile (default 1024; 128 with --quick)")
+    ap.add_argument("--query-tile", type=int, help="chunk rows per query tile (default 256; 32 with --quick)")
     args = ap.parse_args(argv)
     p, prompt = (QUICK, QUICK_PROMPT) if args.quick else (REALISTIC, PROMPT)
+    args.tile, args.query_tile = args.tile or p["tiles"][0], args.query_tile or p["tiles"][1]
     g = _geometry(p)
     w = random_attention_weights(g, 0, seed=0)
     cap = p["capacity"]
@@ -106,11 +137,7 @@ def main(argv=None) -> int:
                 t0 = time.perf_counter()
                 out = _prefill(saved, design, hidden, chunk, cap)
                 seconds = time.perf_counter() - t0
-                tracemalloc.start()
-                tracemalloc.reset_peak()
-                _prefill(saved, design, hidden, chunk, cap)
-                peak = tracemalloc.get_traced_memory()[1]
-                tracemalloc.stop()
+                peak = {fuse: _peak_working_bytes(saved, design, hidden, chunk, cap, fuse) for fuse in (False, True)}
                 results[design] = {"seconds": seconds, "peak": peak, "out": out, "profile": prof}
             base, tiled = results["stateful"], results["stateful-tiled"]
             print(f"\nchunk {chunk}: {-(-prompt // chunk)} calls")
@@ -120,10 +147,14 @@ def main(argv=None) -> int:
                     f"{v['largest_working_op']} {v['largest_working_shape']}, {v['ops']} ops"
                     for n, v in r["profile"].items()
                 )
-                print(f"  {design:<15} {r['seconds']:8.2f} s  peak {r['peak'] / 1e6:9.1f} MB  [{prof}]")
+                print(
+                    f"  {design:<15} {r['seconds']:8.2f} s  peak working memory: as written {r['peak'][False] / 1e6:7.1f} MB, "
+                    f"fused {r['peak'][True] / 1e6:6.1f} MB  [{prof}]"
+                )
             print(
                 f"  tiled / untiled: time {tiled['seconds'] / base['seconds']:.2f}x (target <= 2), "
-                f"NumPy peak {tiled['peak'] / base['peak']:.3f}x, program's largest working intermediate "
+                f"peak working memory as written {tiled['peak'][False] / base['peak'][False]:.3f}x (target <= 0.125), "
+                f"fused {tiled['peak'][True] / base['peak'][True]:.3f}x, program's largest working intermediate "
                 f"{tiled['profile'][cap]['largest_working_bytes'] / base['profile'][cap]['largest_working_bytes']:.4f}x "
                 f"(target <= 0.125); attn_out tiled vs untiled {relative_error(tiled['out'], base['out']):.2e}"
             )

@@ -12,12 +12,14 @@ from anelab.errors import AnelabInputError
 from anelab.geometry import AttentionGeometry
 from anelab.hf.checkpoint import load_checkpoint, write_checkpoint
 from anelab.masks import causal
+from anelab.sidecar import evaluate as evaluate_module
+from anelab.sidecar import online_step
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
 from anelab.sidecar.evaluate import SavedPackage, evaluate_with_state, new_state
 from anelab.sidecar.export import export_sidecars, function_builds
 from anelab.sidecar.format import MASK_MODE_META, read_raw_metadata, read_sidecar_metadata
 from anelab.sidecar.graphs import stateful_tiled
-from anelab.sidecar.prompt import prefill_prompt, prompt_reference
+from anelab.sidecar.prompt import prefill_prompt, prompt_reference, run_stateful_tiled
 from anelab.sidecar.verify import verify_package
 from anelab.studies.one_function import intermediate_profile, tile_error_table
 from anelab.studies.planner.design import OPS_PER_TILE_PAIR, compare_designs, stateful_tiled_ops
@@ -86,6 +88,52 @@ def test_second_read_state_hazard_is_caught(tiny_checkpoint, tmp_path, monkeypat
     [run] = [c for c in report.comparisons if not c.control]
     assert run.errors["attn_out"] > 10 * RELATIVE_ERROR_THRESHOLD
     assert run.errors["k_chunk"] < RELATIVE_ERROR_THRESHOLD  # the cache itself is right
+
+
+def _prefill_with_tile_counts(saved, hidden, monkeypatch, **options):
+    """run_stateful_tiled over ``hidden`` (2 decode steps), counting the online-softmax tiles scored and skipped."""
+    counts = {"scored": 0, "skipped": 0}
+    real = evaluate_module.run_online_step
+
+    def counted(it, step):
+        before = dict(it.tile_counts)
+        result = real(it, step)
+        for key in counts:
+            counts[key] += it.tile_counts[key] - before[key]
+        return result
+
+    monkeypatch.setattr(evaluate_module, "run_online_step", counted)
+    out, state = run_stateful_tiled(saved, hidden, CHUNK, CAPACITY, decode_steps=2, **options)
+    return out, state, counts
+
+
+@pytest.mark.parametrize("fp16", [True, False])
+def test_online_steps_run_fused_and_skip_future_tiles_with_the_same_bits(package, monkeypatch, fp16):
+    _, pkg = package
+    saved = SavedPackage(pkg)
+    hidden = np.random.default_rng(5).standard_normal((21, TINY_GEOMETRIES[VARIANT].hidden_size)).astype(np.float16)
+    fused, fused_state, counts = _prefill_with_tile_counts(saved, hidden, monkeypatch, fp16=fp16)
+    plain, plain_state, plain_counts = _prefill_with_tile_counts(saved, hidden, monkeypatch, fp16=fp16, fuse=False)
+    # chunks at 0, 8 and 16 (+ 2 decode rows) over 4 key tiles of 8: the tiles past each call's rows are skipped
+    assert counts["skipped"] > 0 and counts["scored"] > 0 and plain_counts == {"scored": 0, "skipped": 0}
+    np.testing.assert_array_equal(fused, plain)
+    for name in plain_state:
+        np.testing.assert_array_equal(fused_state[name], plain_state[name])
+    # negative control: skipping a tile that still carries weight is caught by the same comparison
+    monkeypatch.setattr(online_step, "SKIP_MARGIN", -1e9)
+    wrong, _, _ = _prefill_with_tile_counts(saved, hidden, monkeypatch, fp16=fp16)
+    assert relative_error(wrong, plain) > 10 * RELATIVE_ERROR_THRESHOLD
+
+
+def test_state_is_updated_in_place_as_an_mlstate_is(package):
+    _, pkg = package
+    saved = SavedPackage(pkg)
+    state = new_state(saved, "c8")
+    keys = state["k_cache"]
+    hidden = np.random.default_rng(6).standard_normal((CHUNK, TINY_GEOMETRIES[VARIANT].hidden_size)).astype(np.float16)
+    evaluate_with_state(saved, "c8", {"hidden": hidden, "start": np.array([0], np.int32)}, state)
+    assert state["k_cache"] is keys and keys.dtype == np.float16
+    assert np.abs(keys[:, :CHUNK]).max() > 0 and not keys[:, CHUNK:].any()  # written where the chunk goes only
 
 
 def test_additive_mask_mode_reaches_the_graph(tiny_checkpoint, tmp_path):

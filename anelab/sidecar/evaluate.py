@@ -10,6 +10,13 @@ small float32 buffer, so neither a [heads, C, T] score matrix nor its softmax is
 the big matmuls run in BLAS. Rounding points are the same as op-by-op, except that the score
 matmul and mask add round once (as a fused matmul+add does). Everything else runs op by op, and
 each intermediate is freed after its last use.
+
+One key tile of online softmax (the stateful-tiled graph's inner step) is also run as one step
+(``anelab.sidecar.online_step``), which skips a tile every row of which provably ends at weight 0.
+``fuse=False`` runs every op as written (the program's own working set, e.g. for a design's peak).
+
+States (``evaluate_with_state``) keep fp16 storage: a state is read as the caller's fp16 array and
+updated in place, as Core ML updates an ``MLState``; a read that other ops still see is copied first.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from anelab.reference import score_bound, scored_widths
 from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools
 from anelab.sidecar.format import require_package
 from anelab.sidecar.kernels import KERNELS
+from anelab.sidecar.online_step import find_online_steps, run_online_step
 
 # ops that only move or select values: with fp16 inputs their outputs are fp16-exact already
 VALUE_PRESERVING_OPS = frozenset(
@@ -204,13 +212,19 @@ class SavedPackage:
 
 
 def evaluate(
-    package: SavedPackage | str | os.PathLike, function: str, inputs: dict[str, np.ndarray], *, fp16: bool = True
+    package: SavedPackage | str | os.PathLike,
+    function: str,
+    inputs: dict[str, np.ndarray],
+    *,
+    fp16: bool = True,
+    fuse: bool = True,
 ) -> dict[str, np.ndarray]:
     """Run one function of a saved package on NumPy inputs; returns outputs by name.
 
     Inputs must match the function's signature exactly (names, shapes, dtypes — fp16 for sidecars).
     Outputs are returned as float16 when the program's outputs are fp16 (``fp16=True``) and as
-    float32 when evaluated with ``fp16=False`` (no rounding anywhere).
+    float32 when evaluated with ``fp16=False`` (no rounding anywhere). ``fuse=False``: every op as
+    written (no attention-core or online-softmax step fusion; same results, the program's own memory).
     """
     pkg = package if isinstance(package, SavedPackage) else SavedPackage(package)
     info = pkg.function(function)
@@ -220,13 +234,17 @@ def evaluate(
             "anelab.sidecar.evaluate.evaluate_with_state, or check it with 'anelab verify'"
         )
     pkg.check_inputs(function, inputs)
-    return Interpreter(pkg, pkg.mil_function(function), fp16).run(inputs, info)
+    return Interpreter(pkg, pkg.mil_function(function), fp16, fuse=fuse).run(inputs, info)
 
 
 class Interpreter:
-    def __init__(self, pkg: SavedPackage, fn, fp16: bool):
-        self.pkg, self.fn, self.fp16 = pkg, fn, fp16
+    """Runs one MIL function op by op on NumPy arrays (float32 compute, fp16 storage emulated)."""
+
+    def __init__(self, pkg: SavedPackage, fn, fp16: bool, *, fuse: bool = True):
+        self.pkg, self.fn, self.fp16, self.fuse = pkg, fn, fp16, fuse
         self.env: dict[str, np.ndarray] = {}
+        self.updated_states: dict[str, np.ndarray] = {}  # state name -> the value the call leaves in it
+        self.tile_counts = {"scored": 0, "skipped": 0}  # online-softmax key tiles x batches (online_step)
         self.uses: dict[str, int] = {}
         for op in fn.operations:
             for v in _input_vars(op):
@@ -235,6 +253,12 @@ class Interpreter:
             self.uses[v.name] = self.uses.get(v.name, 0) + 1
 
     def value(self, var) -> np.ndarray:
+        """The var's value for computing: float32 (an fp16 state value is widened), int32 or bool."""
+        arr = self.raw(var)
+        return arr.astype(np.float32) if arr.dtype == np.float16 else arr
+
+    def raw(self, var) -> np.ndarray:
+        """The var's value as stored: fp16 for a state (and views of it), else as ``value``."""
         if var.name in self.env:
             return self.env[var.name]
         if var.op is not None and var.op.op_type == "const" or var.val is not None:
@@ -252,6 +276,9 @@ class Interpreter:
         """Keep an op's result; fp16 results are rounded to fp16 unless ``exact`` (the op only moved
         values that were already fp16)."""
         arr = np.asarray(arr)
+        if arr.dtype == np.float16 and _is_fp16(var):  # fp16 storage already (a state or a view of one)
+            self.env[var.name] = arr
+            return
         dtype = _numpy_dtype(var)
         if arr.dtype != dtype:
             arr = arr.astype(dtype)
@@ -260,6 +287,27 @@ class Interpreter:
                 arr = np.array(arr, dtype=np.float32, copy=True)
             clip_overflow(round_to_fp16(arr))
         self.env[var.name] = arr
+
+    def round_stored(self, var, arr: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
+        """In place, what storing a float32 ``arr`` as ``var`` does (fp16 rounding for an fp16 var)."""
+        if self.fp16 and _is_fp16(var):
+            clip_overflow(round_to_fp16(arr, scratch))
+        return arr
+
+    def owns(self, var) -> bool:
+        """True when ``var``'s value may be written in place: it lives in this call's env (not a
+        const), the op about to run is its last user, and no other live value but the state inputs
+        (which a state update replaces anyway) shares its memory."""
+        arr = self.env.get(var.name)
+        if arr is None or var.name in self.fn.inputs or self.uses.get(var.name) != 1 or not arr.flags.writeable:
+            return False
+        base = arr if arr.base is None else arr.base
+        for name, other in self.env.items():
+            if name == var.name or name in self.state_names:
+                continue
+            if other is base or other.base is base or (other.base is not None and other.base is arr):
+                return False
+        return True
 
     def release(self, op) -> None:
         for v in _input_vars(op):
@@ -270,14 +318,25 @@ class Interpreter:
             if n - 1 == 0 and v.name in self.env:
                 del self.env[v.name]
 
-    def run(self, inputs: dict[str, np.ndarray], info: FunctionInfo) -> dict[str, np.ndarray]:
-        for name, var in self.fn.inputs.items():
-            self.env[name] = np.asarray(
-                inputs[name], dtype=np.float32 if inputs[name].dtype.kind == "f" else inputs[name].dtype
-            )
+    state_names: frozenset[str] = frozenset()
+
+    def run(
+        self, inputs: dict[str, np.ndarray], info: FunctionInfo, states: dict[str, np.ndarray] | None = None
+    ) -> dict[str, np.ndarray]:
+        """Outputs by name; ``states`` (name -> array) are read as given when fp16 (and updated in place)."""
+        states = states or {}
+        self.state_names = frozenset(states)
+        for name in self.fn.inputs:
+            arr = states[name] if name in states else inputs[name]
+            if name in states and self.fp16 and arr.dtype == np.float16:
+                self.env[name] = arr
+            else:
+                self.env[name] = np.asarray(arr, dtype=np.float32 if arr.dtype.kind == "f" else arr.dtype)
         ops = list(self.fn.operations)
-        fused = _find_attention_cores(ops, self.uses)
+        fused = _find_attention_cores(ops, self.uses) if self.fuse else {}
+        steps = find_online_steps(ops, self.uses) if self.fuse else {}
         skip = {id(o) for core in fused.values() for o in core.ops[:-1]}
+        skip |= {id(o) for step in steps.values() for o in step.ops if o is not step.last}
         for op in ops:
             if op.op_type == "const" or id(op) in skip:
                 continue
@@ -285,6 +344,13 @@ class Interpreter:
             if core is not None:
                 self.store(op.outputs[0], _attention_core(self, core))
                 for o in core.ops:
+                    self.release(o)
+                continue
+            step = steps.get(id(op))
+            if step is not None:
+                for var, arr in run_online_step(self, step):
+                    self.store(var, arr, exact=True)
+                for o in step.ops:
                     self.release(o)
                 continue
             kernel = KERNELS.get(op.op_type)
@@ -403,7 +469,7 @@ def _attention_core(it: Interpreter, core: _AttentionCore) -> np.ndarray:
     op by op, are written as 0, so the row sums and the P V product are the same bits as scoring all.
     """
     q = it.value(core.qk.inputs["x"])  # [B, R, d]   (R = G*C rows)
-    k = it.value(core.qk.inputs["y"])  # [B, T, d]
+    k = it.raw(core.qk.inputs["y"])  # [B, T, d] (fp16 when read from a state)
     mask = it.value(core.add.inputs[core.mask_name])
     v = it.value(core.pv.inputs["y"])  # broadcastable to [B, (G,) T, d]
     sc_shape = tuple(core.softmax.outputs[0].shape)
@@ -418,7 +484,7 @@ def _attention_core(it: Interpreter, core: _AttentionCore) -> np.ndarray:
     out = np.empty((B, G, C, d_out), dtype=np.float32)
     tile = max(1, min(C, QUERY_TILE_ELEMENTS // max(T, 1)))
     rounding = it.fp16
-    k_t = [np.ascontiguousarray(k[b].T) for b in range(B)]  # [d, T] per batch, shared by the workers
+    k_t = [np.ascontiguousarray(k[b].T, dtype=np.float32) for b in range(B)]  # [d, T] per batch, shared by the workers
     shared_mask = mask_full.strides[0] == 0 and mask_full.strides[1] == 0
     widths = _visible_widths(q, k, mask_full[0, 0], tile) if shared_mask else None
     work = [(b, g, r0) for b in range(B) for g in range(G) for r0 in range(0, C, tile)]
@@ -485,9 +551,13 @@ def evaluate_with_state(
     state: dict[str, np.ndarray],
     *,
     fp16: bool = True,
+    fuse: bool = True,
 ) -> dict[str, np.ndarray]:
     """Run one function of a saved stateful package; ``state`` (name -> array, e.g. from
-    ``new_state``) is read and replaced in place by the values the call leaves in it."""
+    ``new_state``) holds the values the call leaves in it afterwards.
+
+    As Core ML updates an ``MLState``, an fp16 state array (``fp16=True``) is updated in place when
+    the program writes it; otherwise its entry is replaced by a new array. ``fuse``: as ``evaluate``."""
     pkg = package if isinstance(package, SavedPackage) else SavedPackage(package)
     info = pkg.function(function)
     pkg.check_inputs(function, inputs)
@@ -499,14 +569,13 @@ def evaluate_with_state(
             raise AnelabInputError(
                 f"state {name!r} of {function} has shape {list(state[name].shape)}; expected {list(sig.shape)}"
             )
-    it = Interpreter(pkg, pkg.mil_function(function), fp16)
-    out = it.run({**inputs, **{n: state[n] for n in states}}, info)
-    for name, value in getattr(it, "updated_states", {}).items():
-        state[name] = (
-            value.astype(np.float16)
-            if (fp16 and states[name].dtype == "float16")
-            else np.array(value, dtype=np.float32)
-        )
+    it = Interpreter(pkg, pkg.mil_function(function), fp16, fuse=fuse)
+    out = it.run(inputs, info, states={n: state[n] for n in states})
+    for name, value in it.updated_states.items():
+        if fp16 and states[name].dtype == "float16":
+            state[name] = value if value.dtype == np.float16 else value.astype(np.float16)
+        else:
+            state[name] = np.array(value, dtype=np.float32)
     return out
 
 

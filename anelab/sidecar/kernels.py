@@ -70,11 +70,11 @@ def _reduce(fn):
 
 def _k_reshape(it, op):
     shape = [int(s) for s in np.atleast_1d(it.param(op, "shape"))]
-    return it.value(op.inputs["x"]).reshape(shape)
+    return it.raw(op.inputs["x"]).reshape(shape)
 
 
 def _k_transpose(it, op):
-    return np.ascontiguousarray(np.transpose(it.value(op.inputs["x"]), [int(p) for p in it.param(op, "perm")]))
+    return np.ascontiguousarray(np.transpose(it.raw(op.inputs["x"]), [int(p) for p in it.param(op, "perm")]))
 
 
 def _k_concat(it, op):
@@ -121,7 +121,7 @@ def _slice_index(it, op, shape: tuple[int, ...], *, name: str = "slice") -> tupl
 
 
 def _k_slice_by_index(it, op):
-    x = it.value(op.inputs["x"])
+    x = it.raw(op.inputs["x"])
     index = _slice_index(it, op, x.shape)
     return np.ascontiguousarray(x[index])
 
@@ -136,7 +136,7 @@ def _k_softmax(it, op):
 
 
 def _k_expand_dims(it, op):
-    x = it.value(op.inputs["x"])
+    x = it.raw(op.inputs["x"])
     for a in sorted(int(a) for a in np.atleast_1d(it.param(op, "axes"))):
         x = np.expand_dims(x, a if a >= 0 else x.ndim + 1 + a)
     return x
@@ -250,18 +250,22 @@ def _k_constexpr_affine_dequantize(it, op):
 
 
 def _k_read_state(it, op):
-    return np.array(it.value(op.inputs["input"]), dtype=np.float32, copy=True)
+    """The state's current value as stored (fp16 for an fp16 state), not a copy: ``slice_update``
+    copies it unless nothing else can still see it (``Interpreter.owns``)."""
+    return it.raw(op.inputs["input"])
 
 
 def _k_coreml_update_state(it, op):
-    state, value = op.inputs["state"], np.array(it.value(op.inputs["value"]), copy=True)
+    state, value = op.inputs["state"], it.raw(op.inputs["value"])
     it.env[state.name] = value
-    it.__dict__.setdefault("updated_states", {})[state.name] = value
+    it.updated_states[state.name] = value
     return value
 
 
 def _k_slice_update(it, op):
-    x = np.array(it.value(op.inputs["x"]), copy=True)
+    """x with x[begin:end] = update; in place when x's value has no other viewer (a state read only
+    for this update), else on a copy — a read that later ops still use keeps its old values."""
+    x = it.raw(op.inputs["x"]) if it.owns(op.inputs["x"]) else np.array(it.raw(op.inputs["x"]), copy=True)
     update = it.value(op.inputs["update"])
     index = _slice_index(it, op, x.shape, name="slice_update")
     target = x[index]

@@ -92,6 +92,7 @@ def run_stateful_tiled(
     masks=None,
     fresh_state_each_call: bool = False,
     fp16: bool = True,
+    fuse: bool = True,
 ) -> tuple[np.ndarray, dict]:
     """Feed ``hidden`` [P, D] through a saved stateful-tiled package from absolute position
     ``first_start``: the first P - decode_steps rows in calls of c<chunk> (the last one padded with
@@ -102,6 +103,7 @@ def run_stateful_tiled(
     input the package is given (a negative control: the wrong position). ``masks(rows, start) ->
     [rows, capacity]``: the additive mask of a package exported with mask mode ``additive``
     (default: ``stateful_mask``); ignored by a causal-only package, which has no mask input.
+    ``fuse=False``: every op evaluated as written (``anelab.sidecar.evaluate.evaluate``).
     """
     P, D = hidden.shape
     prefill = P - decode_steps
@@ -129,7 +131,7 @@ def run_stateful_tiled(
         }
         if "mask" in {s.name for s in saved.function(function).inputs}:
             inputs["mask"] = masks(rows, start)
-        outs.append(evaluate_with_state(saved, function, inputs, state, fp16=fp16)["attn_out"])
+        outs.append(evaluate_with_state(saved, function, inputs, state, fp16=fp16, fuse=fuse)["attn_out"])
         at += rows
     out = np.concatenate(outs) if outs else np.zeros((0, D), np.float16)
     keep = np.r_[0:prefill, len(out) - decode_steps : len(out)]
