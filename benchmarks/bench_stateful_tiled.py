@@ -5,9 +5,10 @@ is prefilled through ``c<C>`` of each design (C = 256 and 1,024; the last chunk 
 the state carried between calls. Per design and chunk it prints (nothing is asserted):
 
 1. wall time of the whole prefill with the evaluator's fusions on (one run, ``time.perf_counter``);
-2. peak working memory of the prefill (``tracemalloc`` peak, NumPy's buffers included; the state —
-   the same [Hkv, capacity, d] fp16 K and V caches in both designs, updated in place — is allocated
-   before tracing starts, so it is not counted, as item 3 does not count it):
+2. peak working memory of a call: over the prefill's calls, the largest ``tracemalloc`` peak during a
+   call less what was allocated when the call began (NumPy's buffers included; not counted: the
+   state — the same [Hkv, capacity, d] fp16 K and V caches in both designs, updated in place, as
+   item 3 does not count it — nor the call's inputs or the driver's prompt and outputs):
    - "as written": every op evaluated as the saved program writes it (``fuse=False``) — the working
      set the design itself asks for; the issue's memory target (tiled <= 1/8 of untiled) is on this;
    - "fused": with the evaluator's fusions on (the untiled graph's ``matmul -> add -> softmax ->
@@ -74,34 +75,40 @@ def _build(g, w, design: str, chunk: int, capacity: int, key_tile: int, query_ti
     return merge_functions({name: single}, work / f"{design}-c{chunk}-n{capacity}.mlpackage", name)
 
 
-def _prefill(saved, design: str, hidden: np.ndarray, chunk: int, capacity: int, state=None, fuse=True) -> np.ndarray:
-    """attn_out [P, D] of the whole prompt; ``state``: the (zeroed) cache to fill, default a new one."""
-    from anelab.sidecar.evaluate import evaluate_with_state, new_state
+def _prefill(saved, design: str, hidden: np.ndarray, chunk: int, capacity: int, evaluate=None) -> np.ndarray:
+    """attn_out [P, D] of the whole prompt from an empty cache; ``evaluate(function, inputs, state)``
+    runs each call (default: NumPy, fused)."""
     from anelab.sidecar.prompt import run_stateful, run_stateful_tiled
 
-    state = new_state(saved, f"c{chunk}") if state is None else state
     if design == "stateful":  # whole chunks: pad the last one (the mask drops the padded slots)
         calls = -(-hidden.shape[0] // chunk)
         padded = np.zeros((calls * chunk, hidden.shape[1]), np.float16)
         padded[: hidden.shape[0]] = hidden
-        run = lambda function, inputs, st: evaluate_with_state(saved, function, inputs, st, fuse=fuse)  # noqa: E731
-        return run_stateful(saved, padded, chunk, capacity, evaluate=run, make_state=lambda f: state)[0][
-            : hidden.shape[0]
-        ]
-    return run_stateful_tiled(saved, hidden, chunk, capacity, state=state, fuse=fuse)[0]
+        return run_stateful(saved, padded, chunk, capacity, evaluate=evaluate)[0][: hidden.shape[0]]
+    return run_stateful_tiled(saved, hidden, chunk, capacity, evaluate=evaluate)[0]
 
 
 def _peak_working_bytes(saved, design: str, hidden: np.ndarray, chunk: int, capacity: int, fuse: bool) -> int:
-    """tracemalloc's peak over one prefill, the state allocated (zeroed) before tracing starts."""
-    from anelab.sidecar.evaluate import new_state
+    """The largest working memory of one call over the prefill: tracemalloc's peak during the call less
+    what was allocated when it began (the state, the call's inputs, the driver's prompt and outputs)."""
+    from anelab.sidecar.evaluate import evaluate_with_state
 
-    state = new_state(saved, f"c{chunk}")
+    largest = 0
+
+    def traced(function, inputs, state):
+        nonlocal largest
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        out = evaluate_with_state(saved, function, inputs, state, fuse=fuse)
+        largest = max(largest, tracemalloc.get_traced_memory()[1] - before)
+        return out
+
     tracemalloc.start()
-    tracemalloc.reset_peak()
-    _prefill(saved, design, hidden, chunk, capacity, state, fuse)
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    return peak
+    try:
+        _prefill(saved, design, hidden, chunk, capacity, traced)
+    finally:
+        tracemalloc.stop()
+    return largest
 
 
 def main(argv=None) -> int:

@@ -103,7 +103,9 @@ def _prefill_with_tile_counts(saved, hidden, monkeypatch, **options):
         return result
 
     monkeypatch.setattr(evaluate_module, "run_online_step", counted)
-    out, state = run_stateful_tiled(saved, hidden, CHUNK, CAPACITY, decode_steps=2, **options)
+    fp16, fuse = options.get("fp16", True), options.get("fuse", True)
+    run = lambda function, inputs, state: evaluate_with_state(saved, function, inputs, state, fp16=fp16, fuse=fuse)  # noqa: E731
+    out, state = run_stateful_tiled(saved, hidden, CHUNK, CAPACITY, decode_steps=2, evaluate=run)
     return out, state, counts
 
 

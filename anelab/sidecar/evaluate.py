@@ -490,14 +490,14 @@ def _attention_core(it: Interpreter, core: _AttentionCore) -> np.ndarray:
     work = [(b, g, r0) for b in range(B) for g in range(G) for r0 in range(0, C, tile)]
     local = threading.local()
 
-    def run(item, width=None):
+    def score_tile(item, V: int) -> bool:
+        """One tile over its first V keys; False (nothing written) when a row overflows fp16 with V < T."""
         b, g, r0 = item
         if not hasattr(local, "scores"):
             local.scores = np.empty((tile, T), dtype=np.float32)
             local.head = np.empty(tile * T, dtype=np.float32)
             local.scratch = np.empty(min(tile * T, ROUNDING_BLOCK), dtype=np.int32)
         r1 = min(C, r0 + tile)
-        V = width if width is not None else (widths[r0 // tile] if widths is not None else T)
         s = local.scores[: r1 - r0]
         h = local.head[: (r1 - r0) * V].reshape(r1 - r0, V)  # the scored columns, contiguous
         np.matmul(q[b, g * C + r0 : g * C + r1], k_t[b][:, :V], out=h)
@@ -507,7 +507,7 @@ def _attention_core(it: Interpreter, core: _AttentionCore) -> np.ndarray:
         row_max = h.max(axis=1, keepdims=True)
         if rounding and np.abs(row_max).max() > 65519.99:  # a row past fp16's range: store as +-inf
             if V < T:
-                return run(item, T)  # every column then, as op by op
+                return False  # every column then, as op by op
             clip_overflow(h)
             row_max = h.max(axis=1, keepdims=True)
         np.subtract(h, row_max, out=h)
@@ -520,6 +520,12 @@ def _attention_core(it: Interpreter, core: _AttentionCore) -> np.ndarray:
             round_to_fp16(s, local.scratch)
         vb = v_b[b, g] if v_b.ndim == 4 else v_b[b]
         np.matmul(s, vb, out=out[b, g, r0:r1])
+        return True
+
+    def run(item) -> None:  # (not recursive: a self-referencing closure would keep this frame's arrays alive)
+        V = widths[item[2] // tile] if widths is not None else T
+        if not score_tile(item, V):
+            score_tile(item, T)
 
     workers = min(len(work), os.cpu_count() or 1, MAX_WORKERS)
     if workers <= 1:

@@ -95,11 +95,12 @@ def _match(exp, producer, consumers, uses):
     m_op = producer.get(m_new.name)
     if m_op is not None and m_op.op_type == "maximum":
         maximum = m_op
-        tile_max = next(
+        tile_max = next(  # the operand reducing this tile's scores (m itself may come from a reduce_max too)
             (
                 producer.get(v.name)
                 for v in (m_op.inputs["x"], m_op.inputs["y"])
-                if producer.get(v.name) is not None and producer.get(v.name).op_type == "reduce_max"
+                if getattr(producer.get(v.name), "op_type", None) == "reduce_max"
+                and producer.get(v.name).inputs["x"] is s
             ),
             None,
         )

@@ -92,7 +92,7 @@ def run_stateful_tiled(
     masks=None,
     fresh_state_each_call: bool = False,
     fp16: bool = True,
-    fuse: bool = True,
+    evaluate=None,
 ) -> tuple[np.ndarray, dict]:
     """Feed ``hidden`` [P, D] through a saved stateful-tiled package from absolute position
     ``first_start``: the first P - decode_steps rows in calls of c<chunk> (the last one padded with
@@ -103,7 +103,7 @@ def run_stateful_tiled(
     input the package is given (a negative control: the wrong position). ``masks(rows, start) ->
     [rows, capacity]``: the additive mask of a package exported with mask mode ``additive``
     (default: ``stateful_mask``); ignored by a causal-only package, which has no mask input.
-    ``fuse=False``: every op evaluated as written (``anelab.sidecar.evaluate.evaluate``).
+    ``evaluate(function, inputs, state)`` runs a call elsewhere (default: NumPy on ``saved``).
     """
     P, D = hidden.shape
     prefill = P - decode_steps
@@ -112,6 +112,9 @@ def run_stateful_tiled(
     calls = [(stateful_function_name(chunk), first_start + s, chunk) for s in range(0, prefill, chunk)]
     calls += [(stateful_function_name(1), first_start + prefill + i, 1) for i in range(decode_steps)]
     masks = masks or (lambda rows, start: stateful_mask(rows, start, capacity))
+    evaluate = evaluate or (
+        lambda function, inputs, state: evaluate_with_state(saved, function, inputs, state, fp16=fp16)
+    )
     state = state if state is not None else new_state(saved, calls[0][0] if calls else stateful_function_name(chunk))
     rows_in = np.zeros((prefill + (-prefill) % chunk + decode_steps, D), np.float16)
     rows_in[:prefill] = hidden[:prefill]
@@ -131,7 +134,7 @@ def run_stateful_tiled(
         }
         if "mask" in {s.name for s in saved.function(function).inputs}:
             inputs["mask"] = masks(rows, start)
-        outs.append(evaluate_with_state(saved, function, inputs, state, fp16=fp16, fuse=fuse)["attn_out"])
+        outs.append(evaluate(function, inputs, state)["attn_out"])
         at += rows
     out = np.concatenate(outs) if outs else np.zeros((0, D), np.float16)
     keep = np.r_[0:prefill, len(out) - decode_steps : len(out)]
