@@ -276,3 +276,18 @@ def test_planner_prints_three_designs_for_qwen38(capsys):
     assert [x.split()[1] for x in lines] == ["per-history", "stateful", "stateful-tiled"]
     assert "0.72x  gpu" in lines[0] and "assumptions (stateful-tiled)" in out
     assert main(["plan", "--prompt-tokens", "4333", "--design", "sideways"]) == 2
+
+
+def test_a_tile_is_skipped_only_when_every_weight_is_provably_zero():
+    """online_step._skippable: the skip needs a finite running max far above anything the tile can reach."""
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((4, 8)).astype(np.float32) for _ in range(3))
+    masked = [np.full(4, -30000.0)]  # every key of the tile dropped, for every row
+    m = np.full((4, 1), 2.0, np.float32)
+    assert online_step._skippable(q, k, v, masked, m)
+    assert not online_step._skippable(q, k, v, masked, None)  # the first tile: no running max yet
+    assert not online_step._skippable(q, k, v, [np.full(4, 0.0)], m)  # a visible key
+    assert not online_step._skippable(q, k, v, [np.full(4, -30000.0 + 200)], np.full((4, 1), -29700.0, np.float32))
+    assert not online_step._skippable(q, k, v, masked, np.array([[2.0], [np.nan], [2.0], [2.0]], np.float32))
+    assert not online_step._skippable(q * 1e3, k * 1e3, v, masked, m)  # |q.k| could overflow fp16
+    assert not online_step._skippable(q, k, np.where(np.eye(4, 8) > 0, np.inf, v).astype(np.float32), masked, m)
