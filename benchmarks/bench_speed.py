@@ -82,6 +82,11 @@ def verify_row(package: Path, ckpt: Path) -> None:
         f"{'met' if ratio <= VERIFY_GOAL else 'NOT met'}  [{_load()}]"
     )
     print("    phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in s.items()))
+    rest = s["total"] - s["package"]
+    print(
+        f"    everything but the package evaluations: {rest:.1f} s = {rest / s['package']:.2f}x the package part "
+        f"(of which reference {s.get('reference', 0.0):.1f} s)"
+    )
     print(
         f"    reference {report.reference_precision}: own error vs fp64 <= {own:.1e} (bound 1e-4, threshold 1e-2); "
         f"weakest control {margin:.0f}x the threshold"
