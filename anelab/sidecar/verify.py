@@ -323,8 +323,8 @@ def function_comparisons(
     ``compression`` = (checkpoint weights, mode), what the compression costs).
 
     The reference runs once at the full chunk (``precision``); with fp32 its own error against an fp64
-    run of the first rows is appended to ``reference_checks``. ``progress``: a tqdm bar advanced per
-    case; ``seconds``: wall time per phase, accumulated. ``window``: the sliding window the package
+    run of a slice of its rows (``compare.reference_error``) is appended to ``reference_checks``.
+    ``progress``: a tqdm bar advanced per case; ``seconds``: wall time per phase, accumulated. ``window``: the sliding window the package
     declares (its mask); ``true_window``: the model's, which the reference uses; ``rope_coverage``: the
     package coverage (dynamic / longrope). With an ``evaluator`` (Core ML on a Mac) the package runs
     through it, and each chunk case also gets the evaluator vs NumPy and NumPy vs reference rows.
