@@ -247,7 +247,9 @@ def verify_package(
     seconds["open"] = opened
     checkpoint_weights = checkpoint.layer(meta.layer)
     compressed = meta.weights != "fp16"
-    shared_history = None
+    cache = dict(geometry=checkpoint.geometry, seed=seed, rope_coverage=meta.coverage, precision=precision)
+    with _timed(seconds, "inputs"):  # one projection serves every function: its cache is the first H positions
+        shared = None if compressed else verify_history(max(map(history_of, names)), checkpoint_weights, **cache)
     windows = {
         "window": meta.sliding_window,
         "true_window": checkpoint.geometry.window_of(meta.layer),
@@ -259,13 +261,8 @@ def verify_package(
                 weights = checkpoint_weights
                 if compressed:  # the graph is checked with the weights it stores
                     weights = quantize.dequantized_weights(saved, name, checkpoint_weights)
-                cache = dict(geometry=checkpoint.geometry, seed=seed, rope_coverage=meta.coverage, precision=precision)
-                if compressed:  # each function's stored weights project its own cache
-                    history = verify_history(history_of(name), weights, **cache)
-                else:  # one projection serves every function: a function's cache is its first H positions
-                    if shared_history is None:
-                        shared_history = verify_history(max(history_of(n) for n in names), weights, **cache)
-                    history = shared_history
+                # compressed: each function's stored weights project its own cache
+                history = verify_history(history_of(name), weights, **cache) if compressed else shared
                 rng = np.random.default_rng([seed, history_of(name)])
                 inputs = random_function_inputs(
                     name,
