@@ -1,7 +1,9 @@
 """anelab command line. Bad input: one line on stderr, exit code 2, no traceback.
 
 Each subcommand has a ``_add_<name>(sub)`` parser builder and a ``_run_<name>(args)`` runner;
-runners import their module lazily so ``anelab doctor`` stays fast.
+runners import their module lazily, and this module imports nothing at its top beyond the standard
+library and ``anelab.errors``, so a command pays only for what it uses (``anelab evaluate``: NumPy
+and the saved-program evaluator; tests/test_cli_imports.py holds the line).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import sys
 from pathlib import Path
 
 from anelab.errors import AnelabInputError
-from anelab.runtime.gate import AneGateError
 
 EXIT_BAD_INPUT = 2
 
@@ -797,6 +798,14 @@ _register("measure", _add_measure, _run_measure)
 # <<< section: measure
 
 
+def _is_gate_refusal(error: Exception) -> bool:
+    """Whether ``error`` is the ANE gate's refusal (``anelab.runtime.gate.AneGateError``). Only a command
+    that imported the gate can raise it, so the gate is looked up, not imported (its import pulls in
+    NumPy and the runtime layer, which most commands never need)."""
+    gate = sys.modules.get("anelab.runtime.gate")
+    return gate is not None and isinstance(error, gate.AneGateError)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="anelab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
@@ -817,14 +826,16 @@ def main(argv: list[str] | None = None) -> int:
     except AnelabInputError as e:
         print(f"anelab: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except AneGateError as e:
-        print(f"anelab: export refused: {e}", file=sys.stderr)
-        return 1
     except BrokenPipeError:
         return 0
     except KeyboardInterrupt:
         print("anelab: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if not _is_gate_refusal(e):
+            raise
+        print(f"anelab: export refused: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

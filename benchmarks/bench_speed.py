@@ -20,6 +20,7 @@ compare the ratios, not the seconds. Usage: python benchmarks/bench_speed.py [--
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -82,6 +83,11 @@ def verify_row(package: Path, ckpt: Path) -> None:
         f"{'met' if ratio <= VERIFY_GOAL else 'NOT met'}  [{_load()}]"
     )
     print("    phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in s.items()))
+    rest = s["total"] - s["package"]
+    print(
+        f"    everything but the package evaluations: {rest:.1f} s = {rest / s['package']:.2f}x the package part "
+        f"(of which reference {s.get('reference', 0.0):.1f} s)"
+    )
     print(
         f"    reference {report.reference_precision}: own error vs fp64 <= {own:.1e} (bound 1e-4, threshold 1e-2); "
         f"weakest control {margin:.0f}x the threshold"
@@ -151,6 +157,35 @@ def cli_row(package: Path, inputs: dict[str, np.ndarray], H: int, work: Path, re
         f"    of which a fresh interpreter importing what the command needs (anelab.cli, coremltools' MIL loader): "
         f"{startup:.2f} s; the rest (arguments, .npz read and write): {extra - startup:.2f} s"
     )
+    steps = [sys.executable, "-c", STEPS, str(package), f"h{H}", str(npz), str(work / "steps.npz")]
+    fresh = json.loads(subprocess.run(steps, check=True, capture_output=True, text=True).stdout)
+    print(
+        "    the command's steps in a fresh interpreter: "
+        + ", ".join(f"{k} {v:.2f} s" for k, v in fresh.items())
+        + f" (in-process open + evaluate above: {min(inproc):.2f} s)"
+    )
+
+
+# what `anelab evaluate` does, step by step, timed inside a fresh interpreter
+STEPS = """
+import time; t = [time.perf_counter()]
+import io, json, sys
+import numpy as np
+from anelab.records import atomic_write_bytes
+from anelab.sidecar.evaluate import SavedPackage, evaluate
+import coremltools.converters.mil.frontend.milproto.load
+t.append(time.perf_counter()); package, function, inputs, out = sys.argv[1:]
+pkg = SavedPackage(package); t.append(time.perf_counter())
+with np.load(inputs, allow_pickle=False) as npz:
+    arrays = {k: npz[k] for k in npz.files}
+t.append(time.perf_counter()); outputs = evaluate(pkg, function, arrays); t.append(time.perf_counter())
+buf = io.BytesIO(); np.savez(buf, **outputs)
+with buf.getbuffer() as data:
+    atomic_write_bytes(out, data)
+t.append(time.perf_counter())
+names = ("imports (interpreter running)", "open", ".npz read", "evaluate", ".npz write")
+print(json.dumps({k: b - a for k, a, b in zip(names, t, t[1:])}))
+"""
 
 
 def reproduce_row() -> None:

@@ -11,6 +11,7 @@ from anelab import fp16
 from anelab.errors import AnelabInputError
 from anelab.hf.checkpoint import load_checkpoint
 from anelab.masks import causal
+from anelab.sidecar import compare
 from anelab.sidecar import verify as verify_module
 from anelab.sidecar.compare import (
     REFERENCE_ERROR_BOUND,
@@ -167,3 +168,117 @@ def test_attention_tiles_score_only_visible_keys_with_the_same_bits(package, mon
     monkeypatch.setattr(evaluate_module, "_visible_widths", lambda q, k, m, tile: [9, 11, 13, 15])
     cut = evaluate_module.evaluate(saved, "h8", inputs)
     assert not np.array_equal(cut["attn_out"], full["attn_out"])
+
+
+# ---- the blocked reference, the fp64 slice, the shared cache and the cheaper control inputs ------------
+
+
+def test_blocked_reference_equals_one_call(case):
+    """Blocks of 4 rows, each scoring only the keys its rows see, give the one-call reference's numbers."""
+    inputs, weights, g = case
+    for mask in (causal(CHUNK, HISTORY), causal(CHUNK, HISTORY, window=6)):
+        one = run_reference(inputs, weights, g, mask, block_rows=CHUNK)
+        assert compare.key_spans(mask, HISTORY, CHUNK) is None  # one block: the plain call
+        blocked = run_reference(inputs, weights, g, mask, block_rows=4)
+        for name in ("attn_out", "k_chunk", "v_chunk"):
+            assert relative_error(getattr(blocked, name), getattr(one, name)) < 1e-13
+        fp32 = run_reference(inputs, weights, g, mask, block_rows=4, precision="fp32")
+        assert relative_error(fp32.attn_out, one.attn_out) < 1e-6
+    # the windowed mask lets later blocks skip the keys before their window
+    assert [j0 for _, _, j0 in compare.key_spans(causal(CHUNK, HISTORY, window=6), HISTORY, 4)] == [11, 15, 19, 23]
+
+
+def test_a_block_that_cut_a_visible_key_would_differ(case, monkeypatch):
+    """Negative control of the blocked reference: spans that leave out one visible key change the output."""
+    inputs, weights, g = case
+    mask = causal(CHUNK, HISTORY)
+    one = run_reference(inputs, weights, g, mask, block_rows=CHUNK)
+    spans = compare.key_spans(mask, HISTORY, 4)
+    monkeypatch.setattr(compare, "key_spans", lambda *a, **k: [(r0, r1, j0 + 1) for r0, r1, j0 in spans])
+    cut = run_reference(inputs, weights, g, mask, block_rows=4)
+    assert relative_error(cut.attn_out, one.attn_out) > 1e-3
+
+
+def test_blocks_are_not_used_when_a_row_sees_a_later_row(case):
+    inputs, weights, g = case
+    every_key = np.zeros((CHUNK, HISTORY + CHUNK), np.float16)  # each row sees the whole chunk
+    assert compare.key_spans(every_key, HISTORY, 4) is None
+    one = run_reference(inputs, weights, g, every_key, block_rows=CHUNK)
+    assert relative_error(run_reference(inputs, weights, g, every_key, block_rows=4).attn_out, one.attn_out) < 1e-13
+    assert relative_error(one.attn_out, run_reference(inputs, weights, g, causal(CHUNK, HISTORY)).attn_out) > 1e-3
+
+
+def test_a_row_range_run_equals_those_rows_of_the_full_run(case):
+    inputs, weights, g = case
+    mask = causal(CHUNK, HISTORY)
+    full = run_reference(inputs, weights, g, mask, block_rows=CHUNK)
+    part = run_reference(inputs, weights, g, mask, rows=4, first_row=8, block_rows=4)
+    assert part.attn_out.shape == (4, g.hidden_size) and part.k_chunk.shape[1] == 4
+    assert relative_error(part.attn_out, full.attn_out[8:12]) < 1e-13
+    assert relative_error(part.k_chunk, full.k_chunk[:, 8:12]) < 1e-13
+    assert relative_error(part.attn_out, full.attn_out[4:8]) > 1e-2  # negative control: other rows differ
+    with pytest.raises(AnelabInputError, match="must lie in the chunk"):
+        run_reference(inputs, weights, g, mask, rows=4, first_row=14)
+
+
+def test_the_fp64_slice_lies_in_the_second_block(case, monkeypatch):
+    """reference_error checks rows from REFERENCE_BLOCK_ROWS on: an error there is caught, one before is not."""
+    inputs, weights, g = case
+    monkeypatch.setattr(compare, "REFERENCE_BLOCK_ROWS", 4)
+    mask = causal(CHUNK, HISTORY)
+    ref = run_reference(inputs, weights, g, mask, block_rows=4, precision="fp32")
+    rows, errors = reference_error(inputs, weights, g, mask, ref, rows=4)
+    assert rows == 4 and max(errors.values()) < REFERENCE_ERROR_BOUND
+    for wrong_rows, caught in ((slice(4, 8), True), (slice(0, 4), False)):
+        wrong = type(ref)(ref.attn_out.copy(), ref.k_chunk, ref.v_chunk)
+        wrong.attn_out[wrong_rows] *= 1.01
+        assert (max(reference_error(inputs, weights, g, mask, wrong, rows=4)[1].values()) > 1e-3) is caught
+
+
+def test_one_history_projection_serves_every_function(package, monkeypatch):
+    """verify projects the longest history once; a function's cache is its first H positions."""
+    from anelab import reference
+
+    ckpt, pkg = package
+    g = TINY_GEOMETRIES[VARIANT]
+    weights = load_checkpoint(ckpt).layer(g.full_attention_layers[0])
+    options = dict(geometry=g, seed=0, rope_coverage=None, precision="fp32")
+    long, short = (
+        verify_module.verify_history(16, weights, **options),
+        verify_module.verify_history(8, weights, **options),
+    )
+    assert np.array_equal(long[0][:8], short[0]) and np.array_equal(long[1][:8], short[1])
+    other = verify_module.verify_history(8, weights, **{**options, "seed": 1})
+    assert not np.array_equal(other[0], short[0])  # negative control: another seed, another cache
+    calls = []
+    original = reference.history_kv
+    monkeypatch.setattr(reference, "history_kv", lambda *a, **k: calls.append(len(a[0])) or original(*a, **k))
+    assert verify_package(pkg, ckpt).passed
+    assert calls == [8]  # h0 and h8: one projection of the 8 history rows
+
+
+def test_drop_half_mask_drops_about_half_of_the_visible_keys_and_keeps_one_per_row():
+    from anelab.masks import MASKED
+
+    mask = causal(64, 64)
+    dropped = verify_module.drop_half_mask(mask, np.random.default_rng(0))
+    visible, kept = mask > MASKED / 2, dropped > MASKED / 2
+    assert not np.any(kept & ~visible)  # nothing hidden becomes visible
+    assert np.all(kept.sum(axis=1) >= 1)
+    assert 0.45 < 1 - kept.sum() / visible.sum() < 0.55
+    again = verify_module.drop_half_mask(mask, np.random.default_rng(1))
+    assert not np.array_equal(again, dropped)  # negative control: another stream drops other keys
+
+
+@pytest.mark.parametrize("shape", [(7,), (5, 3), (3, 700, 5), (2100, 600)])
+def test_relative_error_in_slabs_equals_the_float64_formula(shape, monkeypatch):
+    monkeypatch.setattr(compare, "ERROR_SLAB_ELEMENTS", 1000)
+    rng = np.random.default_rng(2)
+    expected = rng.standard_normal(shape).astype(np.float32)
+    actual = (expected + 1e-3 * rng.standard_normal(shape)).astype(np.float16)
+    a64, e64 = actual.astype(np.float64), expected.astype(np.float64)
+    exact = np.linalg.norm(a64 - e64) / np.linalg.norm(e64)
+    assert relative_error(actual, expected) == pytest.approx(exact, rel=1e-12)
+    assert relative_error(expected, expected) == 0.0
+    assert relative_error(actual, np.zeros(shape)) == float("inf")
+    assert relative_error(np.full(shape, np.inf), expected) == float("inf")

@@ -7,11 +7,13 @@ error ||package - reference|| / ||reference|| of ``attn_out``, ``k_chunk`` and `
 under ``RELATIVE_ERROR_THRESHOLD`` at a full chunk and at a partial chunk (fewer real rows, padded
 and masked; the real rows see only real rows, so their reference is the full chunk's first rows).
 
-The reference runs in float32 by default (``compare.REFERENCE_PRECISION``); each function's reference
-is also run in float64 on its first rows, and its own error — reported with the comparisons — must
-stay under ``compare.REFERENCE_ERROR_BOUND`` (1e-4), a hundredth of the threshold, or verification
-fails. An error measured against the float32 reference differs from the float64 one by at most that
-own error, so the cheaper reference cannot hide an error above the threshold.
+The reference runs in float32 by default (``compare.REFERENCE_PRECISION``), in blocks of chunk rows
+that score only the keys their rows see (``compare.key_spans``), on parallel threads; each function's
+reference is also run in float64 on a slice of its rows (``compare.reference_error``), and its own
+error — reported with the comparisons — must stay under ``compare.REFERENCE_ERROR_BOUND`` (1e-4), a
+hundredth of the threshold, or verification fails. An error measured against the float32 reference
+differs from the float64 one by at most that own error, so the cheaper reference cannot hide an error
+above the threshold.
 
 Negative controls make the check able to fail — each must land *above* the threshold, or the
 verification reports itself vacuous and fails:
@@ -56,6 +58,7 @@ from anelab.sidecar.compare import (
     load_matching_checkpoint,
     output_errors,
     random_function_inputs,
+    random_history,
     reference_error,
     relative_error,
     run_package,
@@ -144,10 +147,11 @@ class VerifyReport:
 
 def drop_half_mask(mask: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """A copy of an additive mask [C, T] with a random half of each row's visible keys dropped
-    (at least one kept per row)."""
+    (each key by a fair random bit; at least one kept per row)."""
     out = mask.copy()
     visible = mask > MASKED / 2
-    drop = visible & (rng.random(mask.shape) < 0.5)
+    bits = np.unpackbits(np.frombuffer(rng.bytes(-(-mask.size // 8)), np.uint8), count=mask.size)
+    drop = visible & bits.reshape(mask.shape).view(bool)
     keep_first = np.argmax(visible, axis=1)
     drop[np.arange(mask.shape[0]), keep_first] = False
     np.copyto(out, np.asarray(MASKED, out.dtype), where=drop)
@@ -160,9 +164,28 @@ def partial_rows(chunk: int) -> int:
 
 
 # The rope control's reference runs on the chunk's first rows only: a row's outputs depend only on the
-# keys it sees, and a one-position RoPE shift moves every rotated key (k_chunk error ~0.2 on any row), so
-# the control fails by a wide margin on these rows (margin printed with the verdict).
-CONTROL_ROWS = 512
+# keys it sees, and a one-position RoPE shift moves every rotated key (k_chunk error ~0.2 on any row:
+# measured 0.21 at hidden 2048 / head_dim 128, 21x the threshold), so the control fails by a wide margin
+# on these rows (margin printed with the verdict).
+CONTROL_ROWS = 128
+# The random history rows come from this stream of the seed (one cache for all functions: a function's
+# history is the first H rows), the chunk rows and controls from the function's own [seed, H] stream.
+HISTORY_STREAM = 2**32 - 1
+
+
+def verify_history(
+    history: int,
+    weights: AttentionWeights,
+    *,
+    geometry: AttentionGeometry,
+    seed: int,
+    rope_coverage: int | None,
+    precision: str,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The K/V cache (k, v fp16 [history, Hkv, d]) verify feeds its functions: ``HISTORY_STREAM`` rows
+    of the seed projected by the reference; a shorter history is this one's first positions."""
+    rng = np.random.default_rng([seed, HISTORY_STREAM])
+    return random_history(history, weights, geometry, rng, rope_coverage=rope_coverage, precision=precision)
 
 
 @contextmanager
@@ -209,6 +232,7 @@ def verify_package(
     names = functions or list(meta.functions)
     for name in names:
         saved.function(name)
+    opened = time.perf_counter() - start
     report = VerifyReport(
         str(package),
         str(checkpoint.path),
@@ -220,8 +244,12 @@ def verify_package(
         reference_precision=precision,
     )
     seconds = report.seconds
+    seconds["open"] = opened
     checkpoint_weights = checkpoint.layer(meta.layer)
     compressed = meta.weights != "fp16"
+    cache = dict(geometry=checkpoint.geometry, seed=seed, rope_coverage=meta.coverage, precision=precision)
+    with _timed(seconds, "inputs"):  # one projection serves every function: its cache is the first H positions
+        shared = None if compressed else verify_history(max(map(history_of, names)), checkpoint_weights, **cache)
     windows = {
         "window": meta.sliding_window,
         "true_window": checkpoint.geometry.window_of(meta.layer),
@@ -233,6 +261,8 @@ def verify_package(
                 weights = checkpoint_weights
                 if compressed:  # the graph is checked with the weights it stores
                     weights = quantize.dequantized_weights(saved, name, checkpoint_weights)
+                # compressed: each function's stored weights project its own cache
+                history = verify_history(history_of(name), weights, **cache) if compressed else shared
                 rng = np.random.default_rng([seed, history_of(name)])
                 inputs = random_function_inputs(
                     name,
@@ -242,6 +272,7 @@ def verify_package(
                     rng,
                     rope_coverage=meta.coverage,
                     precision=precision,
+                    history_kv=history,
                 )
             report.comparisons.extend(
                 function_comparisons(
@@ -289,8 +320,8 @@ def function_comparisons(
     ``compression`` = (checkpoint weights, mode), what the compression costs).
 
     The reference runs once at the full chunk (``precision``); with fp32 its own error against an fp64
-    run of the first rows is appended to ``reference_checks``. ``progress``: a tqdm bar advanced per
-    case; ``seconds``: wall time per phase, accumulated. ``window``: the sliding window the package
+    run of a slice of its rows (``compare.reference_error``) is appended to ``reference_checks``.
+    ``progress``: a tqdm bar advanced per case; ``seconds``: wall time per phase, accumulated. ``window``: the sliding window the package
     declares (its mask); ``true_window``: the model's, which the reference uses; ``rope_coverage``: the
     package coverage (dynamic / longrope). With an ``evaluator`` (Core ML on a Mac) the package runs
     through it, and each chunk case also gets the evaluator vs NumPy and NumPy vs reference rows.
@@ -303,7 +334,9 @@ def function_comparisons(
             progress.set_postfix_str(f"{name}: {case}", refresh=False)
             progress.update()
 
-    mask, ref_mask = causal(C, H, window=window), causal(C, H, window=true_window)
+    with _timed(seconds, "masks"):
+        mask = causal(C, H, window=window)
+        ref_mask = mask if true_window == window else causal(C, H, window=true_window)
     reference_options = {"precision": precision, "rope_coverage": rope_coverage}
     with _timed(seconds, "package"):
         out = run_package(saved, inputs, mask, fp16=fp16, evaluator=evaluator)
@@ -325,8 +358,9 @@ def function_comparisons(
     n = partial_rows(C)
     padded = inputs.hidden.copy()
     padded[n:] = 0
-    pmask = causal(C, H, valid_rows=n, window=window)
-    ref_pmask = causal(C, H, valid_rows=n, window=true_window)
+    with _timed(seconds, "masks"):
+        pmask = causal(C, H, valid_rows=n, window=window)
+        ref_pmask = pmask if true_window == window else causal(C, H, valid_rows=n, window=true_window)
     with _timed(seconds, "package"):
         partial_out = run_package(saved, inputs, pmask, hidden=padded, fp16=fp16, evaluator=evaluator)
     with _timed(seconds, "reference"):
@@ -347,6 +381,7 @@ def function_comparisons(
         rng,
         out,
         ref,
+        (mask, ref_mask),
         fp16=fp16,
         evaluator=evaluator,
         window=window,
@@ -384,6 +419,7 @@ def negative_controls(
     rng: np.random.Generator,
     out: dict[str, np.ndarray],
     ref: reference.BlockOutput,
+    masks: tuple[np.ndarray, np.ndarray],
     *,
     fp16: bool,
     evaluator: Evaluator | None,
@@ -396,9 +432,10 @@ def negative_controls(
     """The controls one function must fail: the reference one position late (``out`` against it, on
     the first ``CONTROL_ROWS`` rows; not on a NoPE layer), the package under a mask with half its
     visible keys dropped, and — when the model's window hides keys here — the package without the
-    window. ``out``/``ref``: the package's and the reference's full-chunk outputs."""
+    window. ``out``/``ref``: the package's and the reference's full-chunk outputs; ``masks``: the
+    causal masks [C, H + C] with the package's and the model's window."""
     name, C, H = inputs.function, inputs.hidden.shape[0], inputs.history
-    mask, ref_mask = causal(C, H, window=window), causal(C, H, window=true_window)
+    mask, ref_mask = masks
     controls = []
     if geometry.uses_rope(weights.layer):  # a NoPE layer (SmolLM3) has no positions to get wrong
         rows = min(C, CONTROL_ROWS)
