@@ -282,6 +282,36 @@ def test_designs_cover_the_prompt_with_the_expected_functions(designs):
     assert exports["stateful"].functions == ["c8"]
 
 
+def test_ends_only_keeps_the_first_and_the_longest_history_at_the_same_coverage(tiny_checkpoint, tmp_path, designs):
+    """The compressed designs of notebook 05: dense / tiled carry h0 and the last chunk's function only,
+    over the same coverage as the full package (so the same positions); stateful is unchanged. The
+    int8 dense package still verifies from disk (both functions, with its compression comparison)."""
+    from anelab.sidecar.verify import verify_package
+
+    ckpt, full = designs
+    ends = export_designs(
+        ckpt,
+        tmp_path,
+        layer=0,
+        chunk=CHUNK,
+        prompt_tokens=P_MEASURED,
+        key_tile=KEY_TILE,
+        weights_mode="int8",
+        ends_only=True,
+    )
+    assert ends["dense"].functions == ["h0", "h16"] and ends["tiled"].functions == ["h0", "h16"]
+    assert ends["stateful"].functions == full["stateful"].functions == ["c8"]
+    # negative control: the full export of the same prompt carries the middle function too
+    assert "h8" in full["dense"].functions and "h8" not in ends["dense"].functions
+    for design in ("dense", "tiled"):
+        assert ends[design].metadata.coverage == full[design].metadata.coverage == 24
+        assert ends[design].package.parent.name == f"{design}-int8-ends"  # beside, not over, a full export
+    report = verify_package(ends["dense"].package, ckpt)
+    assert report.passed and not report.vacuous
+    assert {c.function for c in report.comparisons} == {"h0", "h16"}
+    assert any(c.bound is not None for c in report.comparisons)  # the int8-vs-fp16-weights comparison ran
+
+
 def test_largest_intermediate_from_disk(designs):
     """tiny llama: Hq 4, Hkv 2, d 16, D 64. Dense h16 scores [Hkv, G*C, H + C] = 2 x 16 x 24 fp16 =
     1,536 B (the q projection output is 8 x 64 x 2 = 1,024 B). Tiled with key tile 4: the score

@@ -247,27 +247,34 @@ def export_designs(
     decode: bool = False,
     designs: Sequence[str] = DESIGNS,
     gate=None,
+    ends_only: bool = False,
 ) -> dict:
     """Export ``layer`` once per design, each covering a ``prompt_tokens``-token prompt in chunks of ``chunk``.
 
     dense / tiled: functions ``h0 .. h<(calls-1) C>``; tiled with key tile min(key_tile, chunk);
-    stateful: ``c<C>`` (+ ``c1`` with ``decode``) with capacity calls x C. Packages go to
-    ``out_root/<design>-<weights_mode>/layer_<L>.mlpackage``. Returns {design: ExportResult}.
+    stateful: ``c<C>`` (+ ``c1`` with ``decode``) with capacity calls x C. ``ends_only``: dense /
+    tiled carry only the first and the last chunk's functions (``h0``, ``h<(calls-1) C>``: no history
+    and the longest; the same coverage, so the same RoPE table and weight.bin) — enough to verify
+    what does not depend on the history, such as a weight compression. Packages go to
+    ``out_root/<design>-<weights_mode>[-ends]/layer_<L>.mlpackage``. Returns {design: ExportResult}.
     """
     from anelab.sidecar.export import export_sidecars
 
     unknown = [d for d in designs if d not in DESIGNS]
     if unknown:
         raise AnelabInputError(f"unknown design {unknown[0]!r}; choose from {', '.join(DESIGNS)}")
-    histories = chunk_starts(prompt_tokens, chunk)
+    starts = chunk_starts(prompt_tokens, chunk)
     out = {}
     for design in designs:
+        histories = starts
         extra = {"key_tile": min(key_tile, chunk)} if design == "tiled" else {}
         if design == "stateful":
-            extra = {"capacity": len(histories) * chunk, "decode": decode}
+            extra = {"capacity": len(starts) * chunk, "decode": decode}
+        elif ends_only:
+            histories = sorted({starts[0], starts[-1]})
         [result] = export_sidecars(
             checkpoint_dir,
-            Path(out_root) / f"{design}-{weights_mode}",
+            Path(out_root) / (f"{design}-{weights_mode}" + ("-ends" if ends_only and design != "stateful" else "")),
             chunk,
             histories,
             [layer],
@@ -465,12 +472,19 @@ def design_comparison_record(
 ) -> dict:
     """The record of notebook 05's comparison: each fp16 design's package facts (``facts``, when the
     caller already read them with ``package_facts``), every (design, weights) verification summary
-    (weight bytes read from weight.bin), and the computed row at the exported chunk."""
+    (weight bytes read from weight.bin; ``functions``: the functions the package carries, all of them
+    verified), and the computed row at the exported chunk."""
     from anelab.sidecar.format import weight_bytes
 
     facts = {d: package_facts(r.package) for d, r in exports["fp16"].items()} if facts is None else facts
     verification = [
-        {"design": d, "weights": mode, "weight_bytes": weight_bytes(exports[mode][d].package), **c}
+        {
+            "design": d,
+            "weights": mode,
+            "weight_bytes": weight_bytes(exports[mode][d].package),
+            "functions": list(exports[mode][d].functions),
+            **c,
+        }
         for (d, mode), c in checks.items()
     ]
     return make_record(
