@@ -24,6 +24,7 @@ from anelab.studies.chunk_sweep import (
     DESIGNS,
     SEED_UTILIZATION_CLAIM,
     chunk_sweep,
+    export_design_grid,
     export_designs,
     numpy_prefill_record,
     package_facts,
@@ -310,6 +311,34 @@ def test_ends_only_keeps_the_first_and_the_longest_history_at_the_same_coverage(
     assert report.passed and not report.vacuous
     assert {c.function for c in report.comparisons} == {"h0", "h16"}
     assert any(c.bound is not None for c in report.comparisons)  # the int8-vs-fp16-weights comparison ran
+
+
+def test_export_grid_in_two_processes_gives_the_same_packages(tiny_checkpoint, tmp_path, capfd):
+    """The grid of notebook 05 §4 exported by two worker processes: every (chunk, design) package is
+    there, with the functions the prompt needs, and computes what the in-process export computes.
+    The workers draw no progress bars of their own (in a notebook they would land in its output)."""
+    ckpt = tiny_checkpoint("llama")
+    chunks, designs = [8, 16], ("dense", "stateful")
+    grid = dict(layer=0, prompt_tokens=P_MEASURED, chunks=chunks, designs=designs, key_tile=KEY_TILE)
+    capfd.readouterr()
+    pooled = export_design_grid(ckpt, tmp_path / "pool", workers=2, **grid)
+    assert "export functions" not in capfd.readouterr().err
+    local = export_design_grid(ckpt, tmp_path / "local", workers=1, **grid)
+    assert "export functions" in capfd.readouterr().err  # negative control: in-process exports show theirs
+    assert pooled[8]["dense"].functions == ["h0", "h8", "h16"] and pooled[16]["dense"].functions == ["h0", "h16"]
+    assert pooled[8]["stateful"].functions == ["c8"]
+    hidden = np.random.default_rng(5).standard_normal((P_MEASURED, 64)).astype(np.float16)
+    for C in chunks:
+        for design in designs:
+            assert pooled[C][design].package.is_relative_to(tmp_path / "pool" / f"chunk{C}")
+            assert np.array_equal(
+                prefill_prompt(pooled[C][design].package, hidden), prefill_prompt(local[C][design].package, hidden)
+            )
+    # negative control: a package of another chunk width computes something else on this prompt's last chunk
+    other = prefill_prompt(pooled[16]["dense"].package, hidden)
+    assert not np.array_equal(other, prefill_prompt(pooled[8]["dense"].package, hidden))
+    with pytest.raises(AnelabInputError, match="export workers"):
+        export_design_grid(ckpt, tmp_path / "bad", workers=0, **grid)
 
 
 def test_largest_intermediate_from_disk(designs):

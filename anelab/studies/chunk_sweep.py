@@ -24,6 +24,7 @@ writes a record (origin ``measured``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -414,6 +415,78 @@ def numpy_prefill_record(
     return record
 
 
+@contextlib.contextmanager
+def _quiet_workers():
+    """Inside the block, processes started inherit ``TQDM_DISABLE=1``: no progress bars of their own
+    (tqdm reads it when a worker imports it; the caller shows one bar for every job)."""
+    saved = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = saved
+
+
+def export_many(checkpoint_dir: str | os.PathLike, jobs: dict, *, workers: int = 1) -> dict:
+    """``export_designs(checkpoint_dir, **options)`` for every ``{key: options}`` of ``jobs`` (each with
+    its own ``out_root``); returns ``{key: {design: ExportResult}}``. The exports are independent, so
+    ``workers`` > 1 runs them in that many processes (coremltools conversion is single-threaded
+    Python, and on a shared machine a second process takes up a core another study leaves idle);
+    the packages are the same either way."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from multiprocessing import get_context
+
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise AnelabInputError(f"export workers must be a positive integer, got {workers!r}")
+    out = {}
+    with tqdm(total=len(jobs), desc="export designs", unit="job") as bar:
+        if workers == 1:
+            for key, options in jobs.items():
+                bar.set_postfix_str(str(key))
+                out[key] = export_designs(checkpoint_dir, **options)
+                bar.update()
+            return out
+        with _quiet_workers(), ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
+            futures = {pool.submit(export_designs, checkpoint_dir, **options): key for key, options in jobs.items()}
+            for future in as_completed(futures):
+                out[futures[future]] = future.result()
+                bar.set_postfix_str(str(futures[future]))
+                bar.update()
+    return {key: out[key] for key in jobs}
+
+
+def export_design_grid(
+    checkpoint_dir: str | os.PathLike,
+    out_root: str | os.PathLike,
+    *,
+    layer: int,
+    prompt_tokens: int,
+    chunks: Sequence[int],
+    designs: Sequence[str] = DESIGNS,
+    key_tile: int = DEFAULT_KEY_TILE,
+    workers: int = 1,
+) -> dict[int, dict]:
+    """``export_designs`` for every chunk width and design of one prompt: {chunk: {design: ExportResult}}
+    (packages under ``out_root/chunk<C>/``), one job per package (``export_many``, ``workers`` processes)."""
+    jobs = {
+        (C, d): {
+            "out_root": Path(out_root) / f"chunk{C}",
+            "layer": layer,
+            "chunk": C,
+            "prompt_tokens": prompt_tokens,
+            "key_tile": key_tile,
+            "designs": (d,),
+        }
+        for C in chunks
+        for d in designs
+    }
+    done = export_many(checkpoint_dir, jobs, workers=workers)
+    return {C: {d: done[(C, d)][d] for d in designs} for C in chunks}
+
+
 def numpy_prefill_sweep(
     checkpoint_dir: str | os.PathLike,
     out_root: str | os.PathLike,
@@ -425,8 +498,10 @@ def numpy_prefill_sweep(
     key_tile: int = DEFAULT_KEY_TILE,
     repeats: int = 3,
     seed: int = 0,
+    export_workers: int = 1,
 ) -> list[PrefillTiming]:
-    """For each chunk width and design: export the design for the prompt, run the whole prompt
+    """For each chunk width and design: export the design for the prompt (``export_design_grid``, in
+    ``export_workers`` processes), then — every export finished, one at a time — run the whole prompt
     through it with NumPy (timed) and compare with the reference. The same random fp16 prompt
     (``seed``) is used throughout."""
     from anelab.hf.checkpoint import load_checkpoint
@@ -438,21 +513,22 @@ def numpy_prefill_sweep(
         np.random.default_rng([seed, prompt_tokens]).standard_normal((prompt_tokens, g.hidden_size)).astype(np.float16)
     )
     expected = prompt_reference(hidden, checkpoint.layer(layer), g).attn_out
+    exports = export_design_grid(
+        checkpoint_dir,
+        out_root,
+        layer=layer,
+        prompt_tokens=prompt_tokens,
+        chunks=chunks,
+        designs=designs,
+        key_tile=key_tile,
+        workers=export_workers,
+    )
     timings = []
     with tqdm(total=len(chunks) * len(designs), desc="numpy prefill", unit="pkg") as bar:
         for C in chunks:
-            exports = export_designs(
-                checkpoint_dir,
-                Path(out_root) / f"chunk{C}",
-                layer=layer,
-                chunk=C,
-                prompt_tokens=prompt_tokens,
-                key_tile=key_tile,
-                designs=designs,
-            )
             for design in designs:
                 bar.set_postfix_str(f"{design} C={C}")
-                timings.append(time_numpy_prefill(exports[design].package, hidden, expected, repeats=repeats))
+                timings.append(time_numpy_prefill(exports[C][design].package, hidden, expected, repeats=repeats))
                 bar.update()
     return timings
 
