@@ -107,6 +107,52 @@ def test_run_all_reports_a_failing_notebook(tmp_path, capsys):
     assert notebooks.run_all_notebooks(quick=True, build=tmp_path / "build", notebooks=[good], timeout=60) is True
 
 
+def test_run_all_with_two_jobs_runs_every_notebook_and_reports_a_failure(tmp_path, capsys):
+    """Two workers: every notebook runs (each kernel capped at cores // 2 BLAS threads), a failing one
+    is reported and fails the whole run, and each leaves its executed copy."""
+    body = "import os\nprint('threads', os.environ.get('OMP_NUM_THREADS'))"
+    good = _tiny_notebook(tmp_path / "01_good.ipynb", body)
+    bad = _tiny_notebook(tmp_path / "02_bad.ipynb", "raise ValueError('boom')")
+    other = _tiny_notebook(tmp_path / "03_other.ipynb", body)
+    build = tmp_path / "build"
+    assert (
+        notebooks.run_all_notebooks(quick=True, build=build, notebooks=[good, bad, other], timeout=60, jobs=2) is False
+    )
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "01_good.ipynb: ok" in text and "03_other.ipynb: ok" in text
+    assert "02_bad.ipynb: FAILED" in text and "boom" in text
+    from anelab.studies.batch import threads_per_run
+
+    executed = nbformat.read(str(build / "notebooks" / "03_other.ipynb"), as_version=4)
+    printed = "".join(o.get("text", "") for c in executed.cells for o in c.get("outputs", []))
+    assert f"threads {threads_per_run(2)}" in printed
+    assert notebooks.run_all_notebooks(quick=True, build=build, notebooks=[good, other], timeout=60, jobs=2) is True
+
+
+def test_longest_first_orders_by_the_previous_run(tmp_path):
+    """Never-run notebooks first (file order), then the previous durations, longest first."""
+    nbs = [tmp_path / f"0{i}_x.ipynb" for i in range(1, 5)]
+    build = tmp_path / "build"
+    assert notebooks.longest_first(nbs, build) == nbs  # nothing ran yet: file order
+    (build / "notebooks").mkdir(parents=True)
+    for nb, seconds in zip(nbs[1:], (5.0, 300.0, 20.0)):  # 01 never ran
+        (build / "notebooks" / nb.name).write_text(json.dumps({"metadata": {"papermill": {"duration": seconds}}}))
+    assert notebooks.previous_seconds(build, nbs[2]) == 300.0
+    assert notebooks.previous_seconds(build, nbs[0]) is None
+    assert notebooks.longest_first(nbs, build) == [nbs[0], nbs[2], nbs[3], nbs[1]]
+    (build / "notebooks" / nbs[3].name).write_text("{")  # an unreadable copy counts as never run
+    assert notebooks.longest_first(nbs, build) == [nbs[0], nbs[3], nbs[2], nbs[1]]
+
+
+def test_reproduce_runs_notebooks_one_at_a_time_when_a_device_times_them():
+    from anelab.studies.batch import available_cores
+    from anelab.studies.reproduce import MAX_JOBS, reproduce_jobs
+
+    assert reproduce_jobs(device_available=True) == 1
+    assert reproduce_jobs(device_available=False) == min(MAX_JOBS, available_cores())
+
+
 def test_a_cell_past_the_timeout_fails_the_run(tmp_path):
     slow = _tiny_notebook(tmp_path / "slow.ipynb", "import time\ntime.sleep(60)")
     run = notebooks.run_notebook(slow, quick=True, build=tmp_path / "build", timeout=2, html=False)

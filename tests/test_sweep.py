@@ -24,6 +24,7 @@ from anelab.studies.chunk_sweep import (
     DESIGNS,
     SEED_UTILIZATION_CLAIM,
     chunk_sweep,
+    export_design_grid,
     export_designs,
     numpy_prefill_record,
     package_facts,
@@ -280,6 +281,64 @@ def test_designs_cover_the_prompt_with_the_expected_functions(designs):
     assert exports["dense"].functions == ["h0", "h8", "h16"]
     assert exports["tiled"].functions == ["h0", "h8", "h16"]
     assert exports["stateful"].functions == ["c8"]
+
+
+def test_ends_only_keeps_the_first_and_the_longest_history_at_the_same_coverage(tiny_checkpoint, tmp_path, designs):
+    """The compressed designs of notebook 05: dense / tiled carry h0 and the last chunk's function only,
+    over the same coverage as the full package (so the same positions); stateful is unchanged. The
+    int8 dense package still verifies from disk (both functions, with its compression comparison)."""
+    from anelab.sidecar.verify import verify_package
+
+    ckpt, full = designs
+    ends = export_designs(
+        ckpt,
+        tmp_path,
+        layer=0,
+        chunk=CHUNK,
+        prompt_tokens=P_MEASURED,
+        key_tile=KEY_TILE,
+        weights_mode="int8",
+        ends_only=True,
+    )
+    assert ends["dense"].functions == ["h0", "h16"] and ends["tiled"].functions == ["h0", "h16"]
+    assert ends["stateful"].functions == full["stateful"].functions == ["c8"]
+    # negative control: the full export of the same prompt carries the middle function too
+    assert "h8" in full["dense"].functions and "h8" not in ends["dense"].functions
+    for design in ("dense", "tiled"):
+        assert ends[design].metadata.coverage == full[design].metadata.coverage == 24
+        assert ends[design].package.parent.name == f"{design}-int8-ends"  # beside, not over, a full export
+    report = verify_package(ends["dense"].package, ckpt)
+    assert report.passed and not report.vacuous
+    assert {c.function for c in report.comparisons} == {"h0", "h16"}
+    assert any(c.bound is not None for c in report.comparisons)  # the int8-vs-fp16-weights comparison ran
+
+
+def test_export_grid_in_two_processes_gives_the_same_packages(tiny_checkpoint, tmp_path, capfd):
+    """The grid of notebook 05 §4 exported by two worker processes: every (chunk, design) package is
+    there, with the functions the prompt needs, and computes what the in-process export computes.
+    The workers draw no progress bars of their own (in a notebook they would land in its output)."""
+    ckpt = tiny_checkpoint("llama")
+    chunks, designs = [8, 16], ("dense", "stateful")
+    grid = dict(layer=0, prompt_tokens=P_MEASURED, chunks=chunks, designs=designs, key_tile=KEY_TILE)
+    capfd.readouterr()
+    pooled = export_design_grid(ckpt, tmp_path / "pool", workers=2, **grid)
+    assert "export functions" not in capfd.readouterr().err
+    local = export_design_grid(ckpt, tmp_path / "local", workers=1, **grid)
+    assert "export functions" in capfd.readouterr().err  # negative control: in-process exports show theirs
+    assert pooled[8]["dense"].functions == ["h0", "h8", "h16"] and pooled[16]["dense"].functions == ["h0", "h16"]
+    assert pooled[8]["stateful"].functions == ["c8"]
+    hidden = np.random.default_rng(5).standard_normal((P_MEASURED, 64)).astype(np.float16)
+    for C in chunks:
+        for design in designs:
+            assert pooled[C][design].package.is_relative_to(tmp_path / "pool" / f"chunk{C}")
+            assert np.array_equal(
+                prefill_prompt(pooled[C][design].package, hidden), prefill_prompt(local[C][design].package, hidden)
+            )
+    # negative control: a package of another chunk width computes something else on this prompt's last chunk
+    other = prefill_prompt(pooled[16]["dense"].package, hidden)
+    assert not np.array_equal(other, prefill_prompt(pooled[8]["dense"].package, hidden))
+    with pytest.raises(AnelabInputError, match="export workers"):
+        export_design_grid(ckpt, tmp_path / "bad", workers=0, **grid)
 
 
 def test_largest_intermediate_from_disk(designs):

@@ -24,6 +24,7 @@ writes a record (origin ``measured``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -247,27 +248,34 @@ def export_designs(
     decode: bool = False,
     designs: Sequence[str] = DESIGNS,
     gate=None,
+    ends_only: bool = False,
 ) -> dict:
     """Export ``layer`` once per design, each covering a ``prompt_tokens``-token prompt in chunks of ``chunk``.
 
     dense / tiled: functions ``h0 .. h<(calls-1) C>``; tiled with key tile min(key_tile, chunk);
-    stateful: ``c<C>`` (+ ``c1`` with ``decode``) with capacity calls x C. Packages go to
-    ``out_root/<design>-<weights_mode>/layer_<L>.mlpackage``. Returns {design: ExportResult}.
+    stateful: ``c<C>`` (+ ``c1`` with ``decode``) with capacity calls x C. ``ends_only``: dense /
+    tiled carry only the first and the last chunk's functions (``h0``, ``h<(calls-1) C>``: no history
+    and the longest; the same coverage, so the same RoPE table and weight.bin) — enough to verify
+    what does not depend on the history, such as a weight compression. Packages go to
+    ``out_root/<design>-<weights_mode>[-ends]/layer_<L>.mlpackage``. Returns {design: ExportResult}.
     """
     from anelab.sidecar.export import export_sidecars
 
     unknown = [d for d in designs if d not in DESIGNS]
     if unknown:
         raise AnelabInputError(f"unknown design {unknown[0]!r}; choose from {', '.join(DESIGNS)}")
-    histories = chunk_starts(prompt_tokens, chunk)
+    starts = chunk_starts(prompt_tokens, chunk)
     out = {}
     for design in designs:
+        histories = starts
         extra = {"key_tile": min(key_tile, chunk)} if design == "tiled" else {}
         if design == "stateful":
-            extra = {"capacity": len(histories) * chunk, "decode": decode}
+            extra = {"capacity": len(starts) * chunk, "decode": decode}
+        elif ends_only:
+            histories = sorted({starts[0], starts[-1]})
         [result] = export_sidecars(
             checkpoint_dir,
-            Path(out_root) / f"{design}-{weights_mode}",
+            Path(out_root) / (f"{design}-{weights_mode}" + ("-ends" if ends_only and design != "stateful" else "")),
             chunk,
             histories,
             [layer],
@@ -407,6 +415,78 @@ def numpy_prefill_record(
     return record
 
 
+@contextlib.contextmanager
+def _quiet_workers():
+    """Inside the block, processes started inherit ``TQDM_DISABLE=1``: no progress bars of their own
+    (tqdm reads it when a worker imports it; the caller shows one bar for every job)."""
+    saved = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = saved
+
+
+def export_many(checkpoint_dir: str | os.PathLike, jobs: dict, *, workers: int = 1) -> dict:
+    """``export_designs(checkpoint_dir, **options)`` for every ``{key: options}`` of ``jobs`` (each with
+    its own ``out_root``); returns ``{key: {design: ExportResult}}``. The exports are independent, so
+    ``workers`` > 1 runs them in that many processes (coremltools conversion is single-threaded
+    Python, and on a shared machine a second process takes up a core another study leaves idle);
+    the packages are the same either way."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from multiprocessing import get_context
+
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise AnelabInputError(f"export workers must be a positive integer, got {workers!r}")
+    out = {}
+    with tqdm(total=len(jobs), desc="export designs", unit="job") as bar:
+        if workers == 1:
+            for key, options in jobs.items():
+                bar.set_postfix_str(str(key))
+                out[key] = export_designs(checkpoint_dir, **options)
+                bar.update()
+            return out
+        with _quiet_workers(), ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
+            futures = {pool.submit(export_designs, checkpoint_dir, **options): key for key, options in jobs.items()}
+            for future in as_completed(futures):
+                out[futures[future]] = future.result()
+                bar.set_postfix_str(str(futures[future]))
+                bar.update()
+    return {key: out[key] for key in jobs}
+
+
+def export_design_grid(
+    checkpoint_dir: str | os.PathLike,
+    out_root: str | os.PathLike,
+    *,
+    layer: int,
+    prompt_tokens: int,
+    chunks: Sequence[int],
+    designs: Sequence[str] = DESIGNS,
+    key_tile: int = DEFAULT_KEY_TILE,
+    workers: int = 1,
+) -> dict[int, dict]:
+    """``export_designs`` for every chunk width and design of one prompt: {chunk: {design: ExportResult}}
+    (packages under ``out_root/chunk<C>/``), one job per package (``export_many``, ``workers`` processes)."""
+    jobs = {
+        (C, d): {
+            "out_root": Path(out_root) / f"chunk{C}",
+            "layer": layer,
+            "chunk": C,
+            "prompt_tokens": prompt_tokens,
+            "key_tile": key_tile,
+            "designs": (d,),
+        }
+        for C in chunks
+        for d in designs
+    }
+    done = export_many(checkpoint_dir, jobs, workers=workers)
+    return {C: {d: done[(C, d)][d] for d in designs} for C in chunks}
+
+
 def numpy_prefill_sweep(
     checkpoint_dir: str | os.PathLike,
     out_root: str | os.PathLike,
@@ -418,8 +498,10 @@ def numpy_prefill_sweep(
     key_tile: int = DEFAULT_KEY_TILE,
     repeats: int = 3,
     seed: int = 0,
+    export_workers: int = 1,
 ) -> list[PrefillTiming]:
-    """For each chunk width and design: export the design for the prompt, run the whole prompt
+    """For each chunk width and design: export the design for the prompt (``export_design_grid``, in
+    ``export_workers`` processes), then — every export finished, one at a time — run the whole prompt
     through it with NumPy (timed) and compare with the reference. The same random fp16 prompt
     (``seed``) is used throughout."""
     from anelab.hf.checkpoint import load_checkpoint
@@ -431,21 +513,22 @@ def numpy_prefill_sweep(
         np.random.default_rng([seed, prompt_tokens]).standard_normal((prompt_tokens, g.hidden_size)).astype(np.float16)
     )
     expected = prompt_reference(hidden, checkpoint.layer(layer), g).attn_out
+    exports = export_design_grid(
+        checkpoint_dir,
+        out_root,
+        layer=layer,
+        prompt_tokens=prompt_tokens,
+        chunks=chunks,
+        designs=designs,
+        key_tile=key_tile,
+        workers=export_workers,
+    )
     timings = []
     with tqdm(total=len(chunks) * len(designs), desc="numpy prefill", unit="pkg") as bar:
         for C in chunks:
-            exports = export_designs(
-                checkpoint_dir,
-                Path(out_root) / f"chunk{C}",
-                layer=layer,
-                chunk=C,
-                prompt_tokens=prompt_tokens,
-                key_tile=key_tile,
-                designs=designs,
-            )
             for design in designs:
                 bar.set_postfix_str(f"{design} C={C}")
-                timings.append(time_numpy_prefill(exports[design].package, hidden, expected, repeats=repeats))
+                timings.append(time_numpy_prefill(exports[C][design].package, hidden, expected, repeats=repeats))
                 bar.update()
     return timings
 
@@ -465,12 +548,19 @@ def design_comparison_record(
 ) -> dict:
     """The record of notebook 05's comparison: each fp16 design's package facts (``facts``, when the
     caller already read them with ``package_facts``), every (design, weights) verification summary
-    (weight bytes read from weight.bin), and the computed row at the exported chunk."""
+    (weight bytes read from weight.bin; ``functions``: the functions the package carries, all of them
+    verified), and the computed row at the exported chunk."""
     from anelab.sidecar.format import weight_bytes
 
     facts = {d: package_facts(r.package) for d, r in exports["fp16"].items()} if facts is None else facts
     verification = [
-        {"design": d, "weights": mode, "weight_bytes": weight_bytes(exports[mode][d].package), **c}
+        {
+            "design": d,
+            "weights": mode,
+            "weight_bytes": weight_bytes(exports[mode][d].package),
+            "functions": list(exports[mode][d].functions),
+            **c,
+        }
         for (d, mode), c in checks.items()
     ]
     return make_record(

@@ -254,28 +254,86 @@ def run_notebook(
     return NotebookRun(path.name, executed, html_path, seconds, ok=not error, error=error, parameters=params)
 
 
+def previous_seconds(build: str | os.PathLike, notebook: str | os.PathLike) -> float | None:
+    """How long ``notebook``'s last run into ``build`` took (papermill's duration, read from the
+    executed copy it left in ``<build>/notebooks/``), or None when there is no readable copy."""
+    executed = Path(build) / "notebooks" / Path(notebook).name
+    try:
+        return float(json.loads(executed.read_text())["metadata"]["papermill"]["duration"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def longest_first(notebooks: list[Path], build: str | os.PathLike) -> list[Path]:
+    """``notebooks`` in the order a pool of workers should start them: those with no previous run in
+    ``build`` first (file order), then the rest by their previous duration, longest first — so the
+    longest study starts at once and the short ones fill the other workers around it."""
+    known = {nb: previous_seconds(build, nb) for nb in notebooks}
+    fresh = [nb for nb in notebooks if known[nb] is None]
+    return fresh + sorted((nb for nb in notebooks if known[nb] is not None), key=lambda nb: -known[nb])
+
+
+def _run_in_worker(path: Path, quick: bool, build: str, timeout: float | None, threads: int) -> NotebookRun:
+    """Worker of ``run_all_notebooks``: one notebook, its kernel capped at ``threads`` BLAS threads."""
+    with thread_limits(threads):
+        return run_notebook(path, quick=quick, build=build, timeout=timeout)
+
+
 def run_all_notebooks(
     quick: bool = False,
     build: str | os.PathLike = "build",
     notebooks: list[Path] | None = None,
     timeout: float | None = None,
+    jobs: int = 1,
 ) -> bool:
-    """Run every study notebook in order; one progress line each. True when all succeeded."""
+    """Run every study notebook; one progress line each. True when all succeeded.
+
+    jobs: notebooks run at once (each in its own kernel, with cores // jobs BLAS threads, started
+    longest first by ``longest_first``); 1 runs them one after the other in file order. Every
+    notebook writes into its own part of ``build``; figures' manifest updates are locked and records
+    get fresh names, so concurrent notebooks never overwrite each other's output.
+    """
     notebooks = discover_notebooks() if notebooks is None else [Path(p) for p in notebooks]
     if not notebooks:
         print(f"no notebooks in {NOTEBOOK_DIR}")
         return True
     runs = []
-    with tqdm(notebooks, desc="notebooks", unit="nb") as bar:
-        for nb in bar:
-            bar.set_postfix_str(nb.name)
-            run = run_notebook(nb, quick=quick, build=build, timeout=timeout)
-            tqdm.write(run.line())
-            runs.append(run)
+    with tqdm(total=len(notebooks), desc="notebooks", unit="nb") as bar:
+        if jobs == 1:
+            for nb in notebooks:
+                bar.set_postfix_str(nb.name)
+                run = run_notebook(nb, quick=quick, build=build, timeout=timeout)
+                tqdm.write(run.line())
+                runs.append(run)
+                bar.update(1)
+        else:
+            runs = _run_pool(notebooks, quick, build, timeout, jobs, bar)
     failed = [r.notebook for r in runs if not r.ok]
     if failed:
         print(f"{len(failed)} of {len(runs)} notebooks failed: {', '.join(failed)}")
     return not failed
+
+
+def _run_pool(notebooks: list[Path], quick: bool, build, timeout: float | None, jobs: int, bar) -> list[NotebookRun]:
+    """``run_all_notebooks`` with ``jobs`` worker processes; the runs in file order."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from multiprocessing import get_context
+
+    from anelab.studies.batch import threads_per_run
+
+    threads = threads_per_run(jobs)
+    done: dict[Path, NotebookRun] = {}
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+        futures = {
+            pool.submit(_run_in_worker, nb, quick, str(build), timeout, threads): nb
+            for nb in longest_first(notebooks, build)
+        }
+        for future in as_completed(futures):
+            run = future.result()
+            done[futures[future]] = run
+            tqdm.write(run.line())
+            bar.update(1)
+    return [done[nb] for nb in notebooks]
 
 
 # ---- one study run into its own directory (``anelab run``) ------------------------------------------

@@ -50,7 +50,27 @@ def export_and_verify_default(build: Path, quick: bool) -> tuple[bool, str]:
     return passed, "\n".join(lines)
 
 
-def reproduce(quick: bool = False, build: str | Path = "build") -> int:
+MAX_JOBS = 2  # notebooks run at once by reproduce off a Mac (fewer on a one-core machine)
+
+
+def reproduce_jobs(device_available: bool | None = None) -> int:
+    """Notebooks ``reproduce`` runs at once. With the Core ML runtime (``device_available``; default:
+    asked of ``anelab.runtime.mac.default_runtime``) the notebooks time loads and predictions on the
+    device, so they run one at a time and no study disturbs another's timings. Without it, nothing is
+    timed on a device: ``MAX_JOBS`` at once, or every core when there are fewer (each study is one
+    kernel running its cells in order, so two keep two cores busy)."""
+    from anelab.studies.batch import available_cores
+
+    if device_available is None:
+        from anelab.runtime.mac import default_runtime
+
+        device_available = default_runtime().available()
+    return 1 if device_available else min(MAX_JOBS, available_cores())
+
+
+def reproduce(quick: bool = False, build: str | Path = "build", jobs: int | None = None) -> int:
+    """Export and verify the default sidecar (``build/report.md``), then run every study notebook,
+    ``jobs`` at a time (default ``reproduce_jobs()``). Returns the exit code: 0 when all passed."""
     build = Path(build)
     passed, text = export_and_verify_default(build, quick)
     atomic_write_text(build / "report.md", text)
@@ -60,7 +80,7 @@ def reproduce(quick: bool = False, build: str | Path = "build") -> int:
         from anelab.studies.notebooks import run_all_notebooks
     except ImportError:
         return 0 if passed else 1
-    ok = run_all_notebooks(quick=quick, build=build)
+    ok = run_all_notebooks(quick=quick, build=build, jobs=reproduce_jobs() if jobs is None else jobs)
     print(fresh_figures_line(quick, build))
     return 0 if (passed and ok) else 1
 
