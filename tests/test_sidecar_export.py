@@ -218,3 +218,16 @@ def test_export_refuses_bad_requests(tiny_checkpoint, tmp_path):
     with pytest.raises(AnelabInputError, match="duplicate histories"):
         export_sidecars(ckpt, tmp_path, CHUNK, [0, 8, 8])
     assert not any(tmp_path.glob("*.mlpackage"))
+
+
+def test_fused_tiles_use_no_more_threads_than_the_process_was_given(monkeypatch):
+    from anelab.sidecar.kernels import worker_count
+
+    for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    assert worker_count(100) == 4 and worker_count(3) == 3 and worker_count(0) == 1
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")  # a notebook started beside another one
+    assert worker_count(100) == 1
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "not a number")
+    assert worker_count(100) == 4

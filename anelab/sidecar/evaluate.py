@@ -35,7 +35,7 @@ from anelab.fp16 import ROUNDING_BLOCK, clip_overflow, round_to_fp16
 from anelab.reference import score_bound, scored_widths
 from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools
 from anelab.sidecar.format import require_package
-from anelab.sidecar.kernels import KERNELS
+from anelab.sidecar.kernels import KERNELS, worker_count
 from anelab.sidecar.online_step import find_online_steps, run_online_step
 
 # ops that only move or select values: with fp16 inputs their outputs are fp16-exact already
@@ -63,9 +63,6 @@ VALUE_PRESERVING_OPS = frozenset(
 
 
 QUERY_TILE_ELEMENTS = 1 << 19  # fp32 score elements per tile (2 MiB): tile rows = this // keys
-
-
-MAX_WORKERS = 8  # attention-core tiles run on up to this many threads (capped by cores)
 
 
 @dataclass
@@ -527,7 +524,7 @@ def _attention_core(it: Interpreter, core: _AttentionCore) -> np.ndarray:
         if not score_tile(item, V):
             score_tile(item, T)
 
-    workers = min(len(work), os.cpu_count() or 1, MAX_WORKERS)
+    workers = worker_count(len(work))
     if workers <= 1:
         for item in work:
             run(item)

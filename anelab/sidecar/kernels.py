@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import numpy as np
 
@@ -12,6 +13,21 @@ from anelab.errors import AnelabInputError
 # they save (measured: a 8 MFLOP matmul took 8.2 ms on 2 threads and 0.7 ms on one on a busy 2-core machine).
 SMALL_GEMM_FLOPS = 1 << 27
 _controller = []
+
+
+MAX_WORKERS = 8  # fused attention tiles run on up to this many threads
+THREAD_CAP_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def worker_count(items: int) -> int:
+    """Threads for ``items`` independent tiles: at most the cores, MAX_WORKERS, and the BLAS thread cap
+    the process was started with (e.g. ``OPENBLAS_NUM_THREADS=1`` for a notebook sharing the machine)."""
+    caps = [os.cpu_count() or 1, MAX_WORKERS, max(items, 1)]
+    for name in THREAD_CAP_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            caps.append(int(value))
+    return min(caps)
 
 
 def _blas_threads(flops: float):

@@ -20,7 +20,6 @@ scored and dropped by the device (``wasted_score_fraction``) — cost nothing he
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -29,11 +28,11 @@ from threadpoolctl import threadpool_limits
 
 from anelab.fp16 import ROUNDING_BLOCK
 from anelab.reference import score_bound
+from anelab.sidecar.kernels import worker_count
 
 SKIP_MARGIN = 128.0  # exp(-128) is 0 in float32 (and fp16): a skipped tile's weights are exactly 0
 FP16_ROUNDING_SLACK = 32.0  # the largest change fp16 rounding makes to a finite value of magnitude <= 65504
 FINITE_SCORE_LIMIT = 60000.0  # a bound past this could overflow fp16 somewhere in the step: never skip
-MAX_WORKERS = 8
 
 
 @dataclass
@@ -227,7 +226,7 @@ def run_online_step(it, step: OnlineStep) -> list[tuple[object, np.ndarray]]:
         p_sum[b] = it.round_stored(step.p_sum.outputs[0], s.sum(axis=1, keepdims=True))
         pv[b] = it.round_stored(step.pv.outputs[0], s @ v_b)
 
-    workers = min(B, os.cpu_count() or 1, MAX_WORKERS)
+    workers = worker_count(B)
     if workers <= 1:
         for b in range(B):
             run(b)

@@ -265,6 +265,15 @@ def measured_here_text() -> str:
     return f"measured here: {m['machine_model']} ({_chip_short(m['chip'])}), {m['os_version']}"
 
 
+def numpy_cpu_note() -> str:
+    """What a NumPy timing ran on: this machine's CPU and the threads this process may use (a notebook
+    run beside another gets fewer) — not the ANE."""
+    from anelab.sidecar.kernels import worker_count
+
+    threads = worker_count(os.cpu_count() or 1)
+    return f"NumPy on this machine's CPU, {threads} thread{'s' if threads != 1 else ''} — not the ANE"
+
+
 def provenance_text(records: list[dict] | None = None) -> str:
     """Provenance of a figure's data: one line per distinct source (``measured_here_text`` if none)."""
     if not records:
