@@ -155,6 +155,7 @@ def test_attention_tiles_score_only_visible_keys_with_the_same_bits(package, mon
         "mask": causal(8, 8),
     }
     monkeypatch.setattr(evaluate_module, "QUERY_TILE_ELEMENTS", 32)  # 2 rows per tile: widths 10, 12, 14, 16
+    monkeypatch.setattr(evaluate_module, "KEY_BLOCK", 4)  # scored as 12, 12, 16, 16 keys: the first tiles skip a block
     widths = []
     real = evaluate_module._visible_widths
     monkeypatch.setattr(evaluate_module, "_visible_widths", lambda *a: widths.append(real(*a)) or widths[-1])
@@ -164,8 +165,8 @@ def test_attention_tiles_score_only_visible_keys_with_the_same_bits(package, mon
     full = evaluate_module.evaluate(saved, "h8", inputs)
     for name in full:
         assert np.array_equal(skipped[name].view(np.uint16), full[name].view(np.uint16)), name
-    # negative control: a width one key short of what the rows see changes attn_out
-    monkeypatch.setattr(evaluate_module, "_visible_widths", lambda q, k, m, tile: [9, 11, 13, 15])
+    # negative control: widths a block short of what the rows see (8, 8, 12, 12 keys scored) change attn_out
+    monkeypatch.setattr(evaluate_module, "_visible_widths", lambda q, k, m, tile: [7, 7, 11, 11])
     cut = evaluate_module.evaluate(saved, "h8", inputs)
     assert not np.array_equal(cut["attn_out"], full["attn_out"])
 

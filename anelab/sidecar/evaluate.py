@@ -63,6 +63,7 @@ VALUE_PRESERVING_OPS = frozenset(
 
 
 QUERY_TILE_ELEMENTS = 1 << 19  # fp32 score elements per tile (2 MiB): tile rows = this // keys
+KEY_BLOCK = 512  # keys per block of the attention core's row sums and P V product (see _attention_core)
 
 
 @dataclass
@@ -462,8 +463,10 @@ def _visible_widths(q, k, mask_rows: np.ndarray, tile: int) -> list[int]:
 def _attention_core(it: Interpreter, core: _AttentionCore) -> np.ndarray:
     """softmax(Q K^T + mask) V evaluated per (batch, group, query tile), fp16 rounding emulated.
 
-    A tile scores only its visible keys (``_visible_widths``); the dropped columns' weights, exactly 0
-    op by op, are written as 0, so the row sums and the P V product are the same bits as scoring all.
+    A tile scores only its visible keys (``_visible_widths``), rounded up to whole ``KEY_BLOCK``s. The
+    row sums and the P V product are accumulated block by block (blocks of ``KEY_BLOCK`` keys from key
+    0, in order): a block past the visible width holds weights that are exactly 0 — its sum and its
+    product are exactly 0 and add nothing — so skipping it gives the same bits as scoring every key.
     """
     q = it.value(core.qk.inputs["x"])  # [B, R, d]   (R = G*C rows)
     k = it.raw(core.qk.inputs["y"])  # [B, T, d] (fp16 when read from a state)
@@ -490,12 +493,11 @@ def _attention_core(it: Interpreter, core: _AttentionCore) -> np.ndarray:
     def score_tile(item, V: int) -> bool:
         """One tile over its first V keys; False (nothing written) when a row overflows fp16 with V < T."""
         b, g, r0 = item
-        if not hasattr(local, "scores"):
-            local.scores = np.empty((tile, T), dtype=np.float32)
+        if not hasattr(local, "head"):
             local.head = np.empty(tile * T, dtype=np.float32)
             local.scratch = np.empty(min(tile * T, ROUNDING_BLOCK), dtype=np.int32)
         r1 = min(C, r0 + tile)
-        s = local.scores[: r1 - r0]
+        V = min(T, -(-V // KEY_BLOCK) * KEY_BLOCK)  # whole blocks: the block sums must not depend on V
         h = local.head[: (r1 - r0) * V].reshape(r1 - r0, V)  # the scored columns, contiguous
         np.matmul(q[b, g * C + r0 : g * C + r1], k_t[b][:, :V], out=h)
         np.add(h, mask_full[b, g, r0:r1, :V], out=h)
@@ -509,14 +511,18 @@ def _attention_core(it: Interpreter, core: _AttentionCore) -> np.ndarray:
             row_max = h.max(axis=1, keepdims=True)
         np.subtract(h, row_max, out=h)
         np.exp(h, out=h)
-        s[:, :V] = h
-        s[:, V:] = 0.0
-        total = s.sum(axis=1, keepdims=True)
-        np.multiply(s, 1.0 / total, out=s)
+        blocks = [slice(k0, min(k0 + KEY_BLOCK, V)) for k0 in range(0, V, KEY_BLOCK)]
+        total = h[:, blocks[0]].sum(axis=1, keepdims=True)
+        for blk in blocks[1:]:
+            total += h[:, blk].sum(axis=1, keepdims=True)
+        np.multiply(h, 1.0 / total, out=h)
         if rounding:
-            round_to_fp16(s, local.scratch)
+            round_to_fp16(h, local.scratch)
         vb = v_b[b, g] if v_b.ndim == 4 else v_b[b]
-        np.matmul(s, vb, out=out[b, g, r0:r1])
+        target = out[b, g, r0:r1]
+        np.matmul(h[:, blocks[0]], vb[blocks[0]], out=target)
+        for blk in blocks[1:]:
+            target += h[:, blk] @ vb[blk]
         return True
 
     def run(item) -> None:  # (not recursive: a self-referencing closure would keep this frame's arrays alive)
