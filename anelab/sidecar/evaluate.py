@@ -62,7 +62,7 @@ VALUE_PRESERVING_OPS = frozenset(
 )
 
 
-QUERY_TILE_ELEMENTS = 1 << 19  # fp32 score elements per tile (2 MiB): tile rows = this // keys
+QUERY_TILE_ELEMENTS = 1 << 20  # fp32 score elements per tile (4 MiB): tile rows = this // keys
 KEY_BLOCK = 512  # keys per block of the attention core's row sums and P V product (see _attention_core)
 
 
