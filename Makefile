@@ -41,9 +41,9 @@ docs: $(STAMP)
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/
 
-## Performance benchmarks (ratios measured in one run; not part of the tests).
+## Performance benchmarks (ratios measured in one run; not part of the tests; also re-runs the studies).
 benchmarks: $(STAMP)
-	$(PY) benchmarks/run_all.py
+	$(PY) benchmarks/run_all.py --reproduce
 
 clean:
 	rm -rf build .pytest_cache

@@ -2,7 +2,9 @@
 
 ``bench_speed.py`` (issue 13's table: verify, evaluation, CLI, reproduce) runs first; then every other
 ``bench_*.py`` in file-name order. Extra arguments go to every script (e.g. ``--quick``);
-``--only NAME`` runs one script. Benchmarks print ratios measured in one run and never assert; a
+``--only NAME`` runs one script; ``--reproduce`` also times ``anelab reproduce`` in ``bench_speed.py``
+(issue 13's last row; it writes the repository's figures, as ``make reproduce`` does — ``make benchmarks``
+passes it). Benchmarks print ratios measured in one run and never assert; a
 failing script is reported and the rest still run (exit status 1 at the end).
 """
 
@@ -27,6 +29,7 @@ def scripts() -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="run only this script, e.g. bench_speed.py")
+    parser.add_argument("--reproduce", action="store_true", help="bench_speed.py also times 'anelab reproduce'")
     args, extra = parser.parse_known_args(argv)
     chosen = [p for p in scripts() if args.only in (None, p.name, p.stem)]
     if not chosen:
@@ -38,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     for script in chosen:
         print(f"\n=== {script.name} {' '.join(extra)}", flush=True)
         start = time.perf_counter()
-        done = subprocess.run([sys.executable, str(script), *extra], env=env)
+        own = ["--reproduce"] if args.reproduce and script.name == FIRST else []
+        done = subprocess.run([sys.executable, str(script), *extra, *own], env=env)
         print(f"=== {script.name}: {time.perf_counter() - start:.0f} s, exit {done.returncode}", flush=True)
         if done.returncode:
             failed.append(script.name)
