@@ -8,8 +8,10 @@ The attention core — ``matmul(Q, K^T) -> [reshape] -> add(mask) -> softmax -> 
 recognised and evaluated in query tiles: the scores of one (batch, group, query tile) live in a
 small float32 buffer, so neither a [heads, C, T] score matrix nor its softmax is materialised and
 the big matmuls run in BLAS. Rounding points are the same as op-by-op, except that the score
-matmul and mask add round once (as a fused matmul+add does). Everything else runs op by op, and
-each intermediate is freed after its last use.
+matmul and mask add round once (as a fused matmul+add does), and row sums and the P V product are
+accumulated in blocks of ``KEY_BLOCK`` keys (float32 summation order, so not op by op's bits; the
+same bits whether or not dropped key blocks are scored). Everything else runs op by op, and each
+intermediate is freed after its last use.
 
 One key tile of online softmax (the stateful-tiled graph's inner step) is also run as one step
 (``anelab.sidecar.online_step``), which skips a tile every row of which provably ends at weight 0.
