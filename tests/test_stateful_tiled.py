@@ -291,3 +291,16 @@ def test_a_tile_is_skipped_only_when_every_weight_is_provably_zero():
     assert not online_step._skippable(q, k, v, masked, np.array([[2.0], [np.nan], [2.0], [2.0]], np.float32))
     assert not online_step._skippable(q * 1e3, k * 1e3, v, masked, m)  # |q.k| could overflow fp16
     assert not online_step._skippable(q, k, np.where(np.eye(4, 8) > 0, np.inf, v).astype(np.float32), masked, m)
+
+
+def test_fp32_with_a_callers_runner_is_refused_not_ignored(package):
+    _, pkg = package
+    saved = SavedPackage(pkg)
+    hidden = np.zeros((CHUNK, TINY_GEOMETRIES[VARIANT].hidden_size), np.float16)
+    calls = []
+    run = lambda function, inputs, state: calls.append(function) or evaluate_with_state(saved, function, inputs, state)  # noqa: E731
+    with pytest.raises(AnelabInputError, match="fp16=False applies to NumPy evaluation only"):
+        run_stateful_tiled(saved, hidden, CHUNK, CAPACITY, evaluate=run, fp16=False)
+    assert not calls
+    run_stateful_tiled(saved, hidden, CHUNK, CAPACITY, evaluate=run)  # the runner alone is used
+    assert calls == ["c8"]

@@ -19,6 +19,7 @@ from anelab.hf.config import CONFIG_FILE
 from anelab.masks import MASKED
 from anelab.sidecar.evaluate import SavedPackage, evaluate
 from anelab.sidecar.format import SidecarMetadata, history_of
+from anelab.sidecar.kernels import worker_count
 from anelab.weights import AttentionWeights
 
 # fp16 storage gives ~1e-3 relative error on this block (measured: see the closing note of issue 2);
@@ -236,7 +237,7 @@ def run_reference(
     full run, provided no such row sees a key past the last of them (refused otherwise).
 
     Chunks longer than ``block_rows`` are computed in blocks (``key_spans``): the chunk's keys and
-    values are projected first, then every block runs — in parallel, ``REFERENCE_WORKERS`` threads
+    values are projected first, then every block runs — in parallel, ``kernels.worker_count`` threads
     with one BLAS thread each — against only the keys its rows can see (a causal chunk scores about
     the triangle instead of the square): the same softmax over the same visible keys as one call.
     """
@@ -296,10 +297,6 @@ def key_spans(
     return spans
 
 
-# reference blocks run on this many threads (one BLAS thread each; capped by the cores)
-REFERENCE_WORKERS = 8
-
-
 def _reference_in_blocks(hidden, inputs, mask, weights, geometry, spans, first, precision, rope_coverage):
     """The reference over ``key_spans`` blocks. hidden [R, D] in the precision's dtype; ``first``: the
     absolute position of row 0. The chunk rows before the last block are projected first
@@ -333,7 +330,7 @@ def _reference_in_blocks(hidden, inputs, mask, weights, geometry, spans, first, 
             rope_coverage=rope_coverage,
         )
 
-    workers = min(len(spans), os.cpu_count() or 1, REFERENCE_WORKERS)
+    workers = worker_count(len(spans))
     step = max(1, -(-before // workers))
     with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(workers) as pool:
         list(pool.map(project, [(r0, min(r0 + step, before)) for r0 in range(0, before, step)]))

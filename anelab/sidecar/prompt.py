@@ -25,6 +25,16 @@ def stateful_mask(rows: int, start: int, capacity: int, window: int | None = Non
     return mask
 
 
+def _call_runner(saved: SavedPackage, evaluate, fp16: bool):
+    """``evaluate(function, inputs, state)``: the caller's, or NumPy on ``saved`` (with ``fp16``).
+    ``fp16=False`` only reaches NumPy: with a caller's runner it would be silently ignored, so it is refused."""
+    if evaluate is None:
+        return lambda function, inputs, state: evaluate_with_state(saved, function, inputs, state, fp16=fp16)
+    if not fp16:
+        raise AnelabInputError("fp16=False applies to NumPy evaluation only; drop it or drop evaluate=")
+    return evaluate
+
+
 def run_stateful(
     saved: SavedPackage,
     hidden: np.ndarray,
@@ -57,9 +67,7 @@ def run_stateful(
     calls += [(stateful_function_name(1), prefill + i, 1) for i in range(decode_steps)]
     masks = masks or (lambda rows, start: stateful_mask(rows, start, capacity, window))
     first = calls[0][0] if calls else stateful_function_name(chunk)
-    evaluate = evaluate or (
-        lambda function, inputs, state: evaluate_with_state(saved, function, inputs, state, fp16=fp16)
-    )
+    evaluate = _call_runner(saved, evaluate, fp16)
     make_state = make_state or (lambda function: new_state(saved, function))
     state = make_state(first)
     outs = []
@@ -112,9 +120,7 @@ def run_stateful_tiled(
     calls = [(stateful_function_name(chunk), first_start + s, chunk) for s in range(0, prefill, chunk)]
     calls += [(stateful_function_name(1), first_start + prefill + i, 1) for i in range(decode_steps)]
     masks = masks or (lambda rows, start: stateful_mask(rows, start, capacity))
-    evaluate = evaluate or (
-        lambda function, inputs, state: evaluate_with_state(saved, function, inputs, state, fp16=fp16)
-    )
+    evaluate = _call_runner(saved, evaluate, fp16)
     state = state if state is not None else new_state(saved, calls[0][0] if calls else stateful_function_name(chunk))
     rows_in = np.zeros((prefill + (-prefill) % chunk + decode_steps, D), np.float16)
     rows_in[:prefill] = hidden[:prefill]

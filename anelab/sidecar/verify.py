@@ -622,7 +622,8 @@ def verify_stateful_package(
     def run(numpy: bool = False, **options):
         options.setdefault("window", window)
         device = {} if numpy else on
-        return run_stateful(saved, hidden, C, capacity, decode_steps=decode_steps, fp16=fp16, **device, **options)
+        storage = {} if device else {"fp16": fp16}  # fp16 picks the NumPy emulation; the device stores fp16 itself
+        return run_stateful(saved, hidden, C, capacity, decode_steps=decode_steps, **storage, **device, **options)
 
     def truth(w, **options):
         return prompt_reference(hidden, w, geometry, window=true_window, rope_coverage=capacity, **options)
