@@ -295,11 +295,24 @@ def _add_doctor(sub):
         "doctor", help="is the Core ML runtime available here, versions, which studies run fresh vs replay"
     )
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="on a Mac: exercise every Core ML behaviour anelab relies on, on a tiny package, and print each "
+        "assumption passed / failed (exit 1 if one failed)",
+    )
 
 
 def _run_doctor(args):
     from anelab.runtime.doctor import diagnose, format_report
 
+    if args.probe:
+        from anelab.runtime.mac import default_runtime
+        from anelab.runtime.probe import format_probe, probe_core_ml
+
+        record = probe_core_ml(default_runtime())  # off-Mac: one line naming what it needs, exit 2
+        _print_json(record) if args.json else print(format_probe(record))
+        return 1 if record["results"]["failed"] else 0
     report = diagnose()
     if args.json:
         _print_json(report)
