@@ -88,7 +88,7 @@ def test_defect_1_a_cold_load_in_a_fresh_process_holds_the_load_only(tmp_path):
     assert slow.clock() - start > 1.5
 
 
-def test_defect_1_in_process_cold_and_warm_loads_exclude_the_first_use_too(tmp_path):
+def test_in_process_cold_and_warm_loads_exclude_the_first_use_too(tmp_path):
     runtime = FakeRuntime(default=FakeFunction(cold_load_s=0.0, warm_load_s=0.0), import_s=1.0, first_use_s=0.5)
     for cold in (True, False):
         record = time_load(runtime, _package(tmp_path, f"{cold}.mlpackage"), "h0", "cpu_only", cold=cold,
@@ -159,7 +159,7 @@ def test_defect_4_an_ungated_predict_that_kills_its_process_is_recorded_and_the_
         time_predict(runtime, gated, "h0", inputs, ["cpu_and_ne"], repeats=1, clock=runtime.clock)
 
 
-def test_defect_4_the_arms_device_runner_opens_only_gated_packages(dense):
+def test_the_arms_device_runner_opens_only_gated_packages(dense):
     ungated, gated, _ = dense
     runtime = FakeRuntime()
     with pytest.raises(AnelabInputError, match="not verified for the Neural Engine"):
@@ -168,15 +168,21 @@ def test_defect_4_the_arms_device_runner_opens_only_gated_packages(dense):
 
 
 # ---- 5: the fake refuses what Core ML refuses ------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [np.int64, np.bool_, np.uint8, np.float16])
+def test_a_read_only_fp16_array_passes_because_coremltools_copies_it_to_fp32_first(tmp_path):
+    runtime = FakeRuntime({"h0": FakeFunction(inputs={"hidden": (4, 8)})})
+    handle = runtime.load(_package(tmp_path), "h0", "cpu_only")
+    frozen = np.zeros((4, 8), np.float16)
+    frozen.flags.writeable = False
+    given = {"hidden": frozen}
+    runtime.predict(handle, given)  # model.py:1064-1067 casts into a new, writable fp32 array
+    assert given["hidden"].dtype == np.float32 and given["hidden"].flags.writeable
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.bool_, np.uint8])
 def test_defect_5_only_int32_fp32_fp64_writable_arrays_pass(tmp_path, capsys, dtype):
     runtime = FakeRuntime({"h0": FakeFunction(inputs={"hidden": (4, 8)})})
     handle = runtime.load(_package(tmp_path), "h0", "cpu_only")
     given = {"hidden": np.zeros((4, 8), dtype)}
-    if dtype is np.float16:  # cast to fp32 (a new, writable array) before the dtype check: passes
-        given["hidden"].flags.writeable = False
-        runtime.predict(handle, given)
-        return
     with pytest.raises(RuntimePredictError, match="value type not convertible"):
         runtime.predict(handle, given)
     assert "Error: value type not convertible:" in capsys.readouterr().out  # printed first, as coremltools does
@@ -229,6 +235,27 @@ def test_a_log_show_failure_makes_the_gate_verdict_unknown(tmp_path):
     with pytest.raises(AneGateError, match="verdict unknown.*did not finish within 120 s"):
         check_variants(FakeRuntime(lacks={UNIFIED_LOG_READABLE}), variants)
     assert set(check_variants(FakeRuntime(), variants)) == {"h0"}  # control: a readable, clean log passes
+
+
+def test_mac_log_show_failure_raises_instead_of_returning_text(monkeypatch):
+    """On 2215929 a timed-out ``log show`` returned "(log show failed: TimeoutExpired)": no marker, so the gate passed."""
+    import subprocess
+
+    from anelab.runtime.interface import UnifiedLogUnavailable
+    from anelab.runtime.mac import MacRuntime
+
+    def timed_out(cmd, **kwargs):
+        raise subprocess.TimeoutExpired(cmd, kwargs.get("timeout"))
+
+    def exits(code):
+        return lambda cmd, **kwargs: subprocess.CompletedProcess(cmd, code, stdout="[coreml] a line", stderr="denied")
+
+    for broken in (timed_out, exits(1)):
+        monkeypatch.setattr(subprocess, "run", broken)
+        with pytest.raises(UnifiedLogUnavailable):
+            MacRuntime().read_unified_log(123, 0.0, 1.0)
+    monkeypatch.setattr(subprocess, "run", exits(0))  # control: a log that was read is returned
+    assert MacRuntime().read_unified_log(123, 0.0, 1.0) == "[coreml] a line"
 
 
 # ---- first contact: doctor --probe -----------------------------------------------------------------------------
