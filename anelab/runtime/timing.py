@@ -248,28 +248,30 @@ def time_load(
     finally:
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)
-    parameters = {
-        "package": pkg.name,
-        "function": function,
-        "compute_units": compute_units,
-        "cold": bool(cold),
-        "meaning": (
-            ("first load of a freshly compiled .mlmodelc" + (", in a fresh process" if fresh_process else ""))
-            if cold
-            else WARM_LOAD_MEANING
-        ),
-        "warmup": int(warmup),
-        "repeats": int(repeats),
-        "runtime": runtime.name,
-        "load": runtime.load_description,
-        "components": LOAD_COMPONENTS,
-        "before_clock": before_clock if not (cold and fresh_process) else fresh_before_clock(before_clock),
-    }
+    parameters = _load_parameters(runtime, pkg, function, compute_units, cold, fresh_process, warmup, repeats)
+    parameters["before_clock"] = fresh_before_clock(before_clock) if cold and fresh_process else before_clock
     results = stats.to_dict()
     if compile_s:
         results["compile"] = TimingStats.of(compile_s).to_dict()
     results["core_ml_load_s"] = own[-int(repeats) :] if own else None
     return _finish("load_timing", parameters, results, [COLD_LOAD_CAVEAT] if cold else [], out_dir)
+
+
+def _load_parameters(runtime, pkg: Path, function, compute_units, cold, fresh_process, warmup, repeats) -> dict:
+    """A load record's parameters: what was loaded, how, what a sample holds (``components``)."""
+    meaning = "first load of a freshly compiled .mlmodelc" + (", in a fresh process" if fresh_process else "")
+    return {
+        "package": pkg.name,
+        "function": function,
+        "compute_units": compute_units,
+        "cold": bool(cold),
+        "meaning": meaning if cold else WARM_LOAD_MEANING,
+        "warmup": int(warmup),
+        "repeats": int(repeats),
+        "runtime": runtime.name,
+        "load": runtime.load_description,
+        "components": LOAD_COMPONENTS,
+    }
 
 
 def fresh_before_clock(steps: list[str]) -> list[str]:
