@@ -101,6 +101,8 @@ def format_report(report: dict) -> str:
         f"machine:         {m['machine_model']}, chip {m['chip']}, {m['os_version']}",
         f"python:          {report['python']} ({report['python_executable']})",
         f"versions:        anelab {v['anelab']}, coremltools {v['coremltools']}, numpy {v['numpy']}",
+        "probe:           'anelab doctor --probe' checks, on a tiny package, every Core ML behaviour anelab relies on"
+        + ("" if rt["available"] else " (on a Mac)"),
         "studies:",
     ]
     for name, s in report["studies"].items():
