@@ -304,8 +304,11 @@ def _package(tmp_path: Path, name: str = "layer_1.mlpackage") -> Path:
 def test_time_attention_ab_and_table(tiny_checkpoint, tmp_path):
     g = load_checkpoint(tiny_checkpoint("qwen3_next", "F32")).geometry
     clock = FakeClock()
-    fast_ne = FakeFunction(predict_s={"cpu_and_gpu": 0.020, "cpu_and_ne": 0.005})
-    no_ne = FakeFunction(predict_s={"cpu_and_gpu": 0.030}, unloadable_units=frozenset({"cpu_and_ne"}))
+    # output_convert_s=0: the wall time is Core ML's alone, so the table's seconds are the scripted ones
+    fast_ne = FakeFunction(predict_s={"cpu_and_gpu": 0.020, "cpu_and_ne": 0.005}, output_convert_s=0.0)
+    no_ne = FakeFunction(
+        predict_s={"cpu_and_gpu": 0.030}, unloadable_units=frozenset({"cpu_and_ne"}), output_convert_s=0.0
+    )
     runtime = FakeRuntime({"h0": fast_ne, "h8": no_ne}, clock=clock)
     records = time_attention_ab(
         runtime, _package(tmp_path), g, chunk=8, histories=[0, 8], repeats=2, clock=clock, out_dir=tmp_path / "records"
@@ -333,6 +336,7 @@ def test_measure_load_memory_with_a_scripted_rss(tmp_path):
             {"function": "h0", "rss_bytes": 1500, "delta_bytes": 500},
             {"function": "h8", "rss_bytes": 1800, "delta_bytes": 800},
         ],
+        "read": "after the package was compiled and coremltools imported, before the first load",
     }
     with pytest.raises(RuntimeUnavailableError):
         measure_load_memory(FakeRuntime(available=False), _package(tmp_path, "b.mlpackage"), ["h0"], rss=lambda: 0)
