@@ -211,7 +211,7 @@ def test_two_run_grid_with_two_jobs_through_papermill(tmp_path, capsys):
     assert json.loads((ok_dir / "figures" / "MANIFEST.json").read_text())["figures"]
     [record] = read_records(ok_dir / "records")
     rows = {r["graph"]: r for r in record["results"]["rows"]}
-    expected = rows["gather"]["largest_intermediate_bytes"] / rows["dense"]["largest_intermediate_bytes"]
+    expected = rows["gather"]["largest_intermediate_bytes"] / rows["full-scores"]["largest_intermediate_bytes"]
 
     summary = runs / "batch-grid"
     table = list(csv.DictReader(io.StringIO((summary / "summary.csv").read_text())))

@@ -14,7 +14,7 @@ from anelab.hf.checkpoint import load_checkpoint, write_checkpoint
 from anelab.masks import causal
 from anelab.sidecar import evaluate as evaluate_module
 from anelab.sidecar import export as export_module
-from anelab.sidecar import verify as verify_module
+from anelab.sidecar import verify_cases as verify_module
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
 from anelab.sidecar.evaluate import SavedPackage, evaluate
 from anelab.sidecar.export import export_sidecars

@@ -179,7 +179,7 @@ def test_bad_tile_is_refused(tiny_checkpoint, tmp_path, capsys):
         export_sidecars(ckpt, tmp_path, CHUNK, [0], [0], graph="tiled", key_tile=3)
     with pytest.raises(AnelabInputError, match="positive integer"):
         export_sidecars(ckpt, tmp_path, CHUNK, [0], [0], graph="tiled", key_tile=0)
-    with pytest.raises(AnelabInputError, match="--graph tiled only"):
+    with pytest.raises(AnelabInputError, match="--tile applies to --graph tiled or stateful-tiled, not dense"):
         export_sidecars(ckpt, tmp_path, CHUNK, [0], [0], graph="dense", key_tile=4)
     with pytest.raises(AnelabInputError, match="unknown --graph"):
         export_sidecars(ckpt, tmp_path, CHUNK, [0], [0], graph="flash")
