@@ -273,7 +273,7 @@ def test_marker_during_a_merged_load_is_refused(tmp_path):
     assert e.value.function == "h4096"
 
 
-# ---- through anelab.export.export_layer ----------------------------------------------------------
+# ---- through anelab.sidecar.export.export_layer ----------------------------------------------------------
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Gather-graph probes (anelab.gather probe section): built, saved, inspected and evaluated from disk.
+"""Gather-graph probes (anelab.studies.gather_probe): built, saved, inspected and evaluated from disk.
 
 The truth here is a dense masked softmax written in this file (a different formulation from
 ``gather.selected_attention``, which walks the rows); byte sizes are hand formulas of the shapes.

@@ -2,7 +2,7 @@
 
 For every function h<H> the same inputs — random fp16 hidden rows, a K/V history produced by the
 reference from random history rows, and the causal mask — go to the saved package (evaluated from
-disk with ``anelab.mil_eval``; Core ML on a Mac later) and to ``anelab.reference``. The relative
+disk with ``anelab.sidecar.evaluate``; Core ML on a Mac later) and to ``anelab.reference``. The relative
 error ||package - reference|| / ||reference|| of ``attn_out``, ``k_chunk`` and ``v_chunk`` must stay
 under ``RELATIVE_ERROR_THRESHOLD`` at a full chunk and at a partial chunk (fewer real rows, padded
 and masked; the real rows see only real rows, so their reference is the full chunk's first rows).
@@ -24,7 +24,7 @@ verification reports itself vacuous and fails:
   visible keys, so a graph that ignored its mask input could not pass.
 
 Compressed weights (``--weights int8|palettize4|int4-block``): the reference above uses the
-package's own dequantized projections (``anelab.quantize.dequantized_weights``), so the graph is
+package's own dequantized projections (``anelab.sidecar.quantize.dequantized_weights``), so the graph is
 still held to the fp16 threshold; one more comparison per function measures the package against
 the reference with the checkpoint's (fp16-exact) weights, bounded by ``quantize.ERROR_BOUNDS[mode]``
 — a wrong scale or lookup table lands above it.

@@ -62,12 +62,14 @@ WEIGHT_BYTES_SOURCE = (
 
 
 SETUP_SOURCE = (
-    "planner load model (anelab.plan.fit_costs().recorded_load_model()): Qwen 3.8's recorded "
+    "planner load model (anelab.studies.planner.fit.fit_costs().recorded_load_model()): Qwen 3.8's recorded "
     "variant loads where history, chunk and heads match, else a power law in score-arena bytes"
 )
 
 
-NUMPY_EVALUATOR = "anelab.mil_eval: NumPy evaluation of the saved MIL program on this machine's CPU (not the ANE)"
+NUMPY_EVALUATOR = (
+    "anelab.sidecar.evaluate: NumPy evaluation of the saved MIL program on this machine's CPU (not the ANE)"
+)
 
 
 # ---- the computed sweep -------------------------------------------------------------------------------

@@ -427,7 +427,7 @@ def probe_record(results: list[ProbeResult], repeats: int) -> dict:
         {
             "shape": results[0].shape.to_dict(),
             "repeats": int(repeats),
-            "evaluator": "anelab.mil_eval (NumPy, fp16 storage emulated)",
+            "evaluator": "anelab.sidecar.evaluate (NumPy, fp16 storage emulated)",
         },
         {"rows": [r.to_dict() for r in results]},
         unknown=["ANE op assignment, load and predict times (need a Mac; see anelab.runtime.timing)"],
