@@ -192,3 +192,45 @@ def test_the_arms_serve_every_design_or_refuse_it_before_anything_loads(name, ex
     message = str(refused.value)
     assert "\n" not in message and f"--graph {name} package" in message and "re-export with --graph dense" in message
     assert opened == [] and runtime.loads == []  # refused before any program was read or loaded
+
+
+# ---- what a design declares, verify enforces ----------------------------------------------------------------
+# the function that runs each design's controls, patched to run none (the mutation issue 19 found caught by
+# only three tests, through a report that passed with its controls silently missing)
+CONTROL_RUNNERS = {"dense": "negative_controls", "tiled": "negative_controls", "stateful": "stateful_controls",
+                   "stateful-tiled": "stateful_tiled_controls"}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(DESIGNS))
+def test_verify_passes_only_when_every_declared_control_ran(name, exported, model_dir, monkeypatch):
+    from anelab.geometry import AttentionGeometry as Geometry
+    from anelab.sidecar import verify_cases
+    from anelab.sidecar.format import read_sidecar_metadata
+    from anelab.sidecar.verify import verify_package
+
+    package = exported[name] / "layer_1.mlpackage"
+    meta = read_sidecar_metadata(package)
+    report = verify_package(package, model_dir)
+    declared = get_design(name).controls(meta, Geometry.from_dict(meta.geometry))
+    assert report.passed and report.declared_controls == declared, report.table()
+    assert {"control: state carried" if get_design(name).stateful else "control: mask reaches graph"} <= {
+        case for _, case in declared
+    }
+    monkeypatch.setattr(verify_cases, CONTROL_RUNNERS[name], lambda *a, **k: [])
+    mutated = verify_package(package, model_dir)
+    assert not mutated.vacuous and all(c.passed for c in mutated.comparisons)  # nothing else is wrong ...
+    assert not mutated.passed and mutated.missing_controls == [f"{f}: {c}" for f, c in declared]  # ... but this
+    assert "declared controls that did not run" in mutated.table()
+
+
+def test_a_report_that_declares_no_control_does_not_pass():
+    from anelab.sidecar.compare import Comparison
+    from anelab.sidecar.verify import VerifyReport
+
+    report = VerifyReport(
+        "p", "c", 0, RELATIVE_ERROR_THRESHOLD, "e", [Comparison("h0", "full chunk", 8, {"attn_out": 0.0})]
+    )
+    assert not report.passed and report.missing_controls == ["(no control declared)"]
+    report.declared_controls = [("h0", "control: mask reaches graph")]
+    report.comparisons.append(Comparison("h0", "control: mask reaches graph", 8, {"attn_out": 1.0}, control=True))
+    assert report.passed  # the same report once its declared control ran and failed as it must

@@ -212,6 +212,9 @@ class Design:
     builder: Callable[[AttentionGeometry, AttentionWeights, SidecarOptions, int], object]
     drive_prompt: Callable  # (saved, meta, hidden [P, D] fp16, fp16) -> attn_out [P, D]
     verify: Callable  # (package, checkpoint_dir, seed=, fp16=, functions=, precision=, evaluator=) -> VerifyReport
+    # (metadata, geometry) -> the negative controls its verification declares, (function label, case):
+    # a report passes only when each of them ran and failed as it must
+    controls: Callable[[SidecarMetadata, AttentionGeometry], list[tuple[str, str]]]
     options_rule: Callable[..., SidecarOptions]
     capacity_limit: int | None = None
     verifies_on_device: bool = True
@@ -376,6 +379,7 @@ _PER_HISTORY = dict(
     options_rule=_no_state_options,
     drive_prompt=drivers.prefill_per_history,
     verify=verify_cases.verify_per_history_package,
+    controls=lambda meta, geometry: verify_cases.per_history_controls(meta, geometry, meta.functions),
     takes_selection=True,
     served_by_arms=True,
 )
@@ -406,6 +410,7 @@ DESIGNS: dict[str, Design] = {
             builder=_build_stateful,
             drive_prompt=drivers.prefill_stateful,
             verify=_verify_stateful,
+            controls=verify_cases.stateful_controls_declared,
             capacity_limit=MAX_STATE_CAPACITY,
             pricing=PlannerPricing(True, _stateful_call, lambda c, cap, kt, qt: OPS_STATEFUL),
             **_STATEFUL,
@@ -417,6 +422,7 @@ DESIGNS: dict[str, Design] = {
             builder=_build_stateful_tiled,
             drive_prompt=drivers.prefill_stateful_tiled,
             verify=_verify_stateful_tiled,
+            controls=verify_cases.stateful_tiled_controls_declared,
             capacity_limit=MAX_TILED_STATE_CAPACITY,
             verifies_on_device=False,
             mask_input=lambda meta: meta.mask_mode == "additive",

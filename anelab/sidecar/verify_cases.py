@@ -66,7 +66,7 @@ from anelab.sidecar.compare import (
 )
 from anelab.sidecar.drivers import DECODE_STEPS, prompt_reference, run_stateful, run_stateful_tiled, stateful_mask
 from anelab.sidecar.evaluate import SavedPackage
-from anelab.sidecar.format import STATE_NAMES, history_of, read_sidecar_metadata
+from anelab.sidecar.format import STATE_NAMES, SidecarMetadata, function_name, history_of, read_sidecar_metadata
 from anelab.weights import AttentionWeights
 
 
@@ -82,10 +82,19 @@ class VerifyReport:
     # the reference's own error against fp64 on a slice: [{function, rows, errors}] (empty when it is fp64)
     reference_checks: list[dict] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per phase (package, reference, ...)
+    # the negative controls the package's design declares for this run: (function label, case)
+    declared_controls: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def vacuous(self) -> bool:
         return any(c.control and not c.passed for c in self.comparisons)
+
+    @property
+    def missing_controls(self) -> list[str]:
+        """Declared controls that did not run ("function: case"); a report that declares none misses one."""
+        ran = {(c.function, c.case) for c in self.comparisons if c.control}
+        missing = [f"{f}: {case}" for f, case in self.declared_controls if (f, case) not in ran]
+        return missing if self.declared_controls else ["(no control declared)"]
 
     @property
     def reference_ok(self) -> bool:
@@ -94,7 +103,14 @@ class VerifyReport:
 
     @property
     def passed(self) -> bool:
-        return bool(self.comparisons) and all(c.passed for c in self.comparisons) and self.reference_ok
+        """Every comparison within its bound, every declared control run and failed as it must, the
+        reference's own error bounded."""
+        return (
+            bool(self.comparisons)
+            and all(c.passed for c in self.comparisons)
+            and not self.missing_controls
+            and self.reference_ok
+        )
 
     def to_dict(self) -> dict:
         return {
@@ -105,6 +121,8 @@ class VerifyReport:
             "evaluator": self.evaluator,
             "passed": self.passed,
             "vacuous": self.vacuous,
+            "declared_controls": [list(d) for d in self.declared_controls],
+            "missing_controls": self.missing_controls,
             "comparisons": [{**asdict(c), "worst": c.worst, "passed": c.passed} for c in self.comparisons],
             "reference_precision": self.reference_precision,
             "reference_checks": self.reference_checks,
@@ -137,6 +155,8 @@ class VerifyReport:
             )
         if self.seconds:
             lines.append("seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in self.seconds.items()))
+        if self.missing_controls:
+            lines.append("declared controls that did not run: " + "; ".join(self.missing_controls))
         lines.append(
             "PASSED"
             if self.passed
@@ -234,6 +254,7 @@ def verify_per_history_package(
         else f"{evaluator.name}, beside the NumPy evaluation",
         reference_precision=precision,
     )
+    report.declared_controls = per_history_controls(meta, checkpoint.geometry, names)
     seconds = report.seconds
     seconds["open"] = opened
     checkpoint_weights = checkpoint.layer(meta.layer)
@@ -546,6 +567,62 @@ def fold_comparisons(
     ]
 
 
+def per_history_controls(
+    meta: SidecarMetadata, geometry: AttentionGeometry, functions: list[str]
+) -> list[tuple[str, str]]:
+    """The negative controls a dense or tiled package declares, per verified function ``h<H>``: RoPE one
+    position late (unless the layer is NoPE), half the mask dropped, the window dropped (when the model's
+    window hides keys within the function); and the fold check's two on the longest history when the
+    package records ``selectionFolded``."""
+    window = geometry.window_of(meta.layer)
+    declared = []
+    for name in functions:
+        if geometry.uses_rope(meta.layer):
+            declared.append((name, "control: rope offset +1"))
+        declared.append((name, "control: mask reaches graph"))
+        if window is not None and window < history_of(name) + meta.chunk:
+            declared.append((name, "control: window dropped"))
+    if meta.selection_folded:
+        longest = function_name(max(meta.histories))
+        declared += [(longest, "control: causal-only mask"), (longest, "control: selection moves ref.")]
+    return declared
+
+
+def stateful_prompt_rows(meta: SidecarMetadata) -> tuple[int, int]:
+    """(prefill rows, decode steps) of the stateful check: whole chunks filling the capacity, then
+    ``DECODE_STEPS`` rows through ``c1`` when the package has it."""
+    C, capacity = meta.chunk, meta.state_capacity
+    decode_steps = DECODE_STEPS if ("c1" in meta.functions and C != 1) else 0
+    prefill = ((capacity - decode_steps) // C) * C
+    if prefill == 0:
+        raise AnelabInputError(
+            f"state capacity {capacity} leaves no room for a chunk of {C} and {decode_steps} decode steps; "
+            "re-export with a larger --capacity"
+        )
+    return prefill, decode_steps
+
+
+def stateful_controls_declared(meta: SidecarMetadata, geometry: AttentionGeometry) -> list[tuple[str, str]]:
+    """The negative controls a stateful package declares (one label for all its functions): RoPE one
+    position late (unless NoPE), half the mask dropped, a fresh state per call, the window dropped (when
+    the model's window hides keys within the prompt)."""
+    label, window = "+".join(meta.functions), geometry.window_of(meta.layer)
+    cases = ["control: rope offset +1"] if geometry.uses_rope(meta.layer) else []
+    cases += ["control: mask reaches graph", "control: state carried"]
+    if window is not None and window < sum(stateful_prompt_rows(meta)):
+        cases.append("control: window dropped")
+    return [(label, case) for case in cases]
+
+
+def stateful_tiled_controls_declared(meta: SidecarMetadata, geometry: AttentionGeometry) -> list[tuple[str, str]]:
+    """The negative controls a stateful-tiled package declares: the wrong position (start + 1), a fresh
+    state per call, and — with an additive mask input — half the mask dropped."""
+    cases = ["control: wrong position (start + 1)", "control: state carried"]
+    if meta.mask_mode == "additive":
+        cases.append("control: mask reaches graph")
+    return [("+".join(meta.functions), case) for case in cases]
+
+
 def stateful_report(package, checkpoint, meta, fp16: bool, evaluator: Evaluator | None) -> VerifyReport:
     """An empty report for a stateful package, naming how its calls are evaluated."""
     how = (
@@ -589,16 +666,11 @@ def verify_stateful_package(
     state; its attn_out and final caches are compared with the reference, beside the NumPy run."""
     meta, checkpoint, saved, weights, checkpoint_weights = open_stateful_package(package, checkpoint_dir)
     geometry, capacity, C = checkpoint.geometry, meta.state_capacity, meta.chunk
-    decode_steps = DECODE_STEPS if ("c1" in meta.functions and C != 1) else 0
-    prefill = ((capacity - decode_steps) // C) * C
-    if prefill == 0:
-        raise AnelabInputError(
-            f"state capacity {capacity} leaves no room for a chunk of {C} and {decode_steps} decode steps; "
-            "re-export with a larger --capacity"
-        )
+    prefill, decode_steps = stateful_prompt_rows(meta)
     P = prefill + decode_steps
     label = "+".join(meta.functions)
     report = stateful_report(package, checkpoint, meta, fp16, evaluator)
+    report.declared_controls = stateful_controls_declared(meta, geometry)
     rng = np.random.default_rng([seed, P])
     hidden = rng.standard_normal((P, geometry.hidden_size)).astype(np.float16)
 
@@ -737,6 +809,7 @@ def verify_stateful_tiled_package(
     P = prefill + decode_steps
     label = "+".join(meta.functions)
     report = stateful_report(package, checkpoint, meta, fp16, None)
+    report.declared_controls = stateful_tiled_controls_declared(meta, geometry)
     rng = np.random.default_rng([seed, P])
     hidden = rng.standard_normal((P, geometry.hidden_size)).astype(np.float16)
 
@@ -757,16 +830,7 @@ def verify_stateful_tiled_package(
     case = f"prompt {prefill} (last chunk partial)+{decode_steps}"
     report.comparisons.append(Comparison(label, case, P, stateful_tiled_errors(out, state, ref)))
     steps.update()
-    for name, options in cases:
-        wrong, wrong_state = run(**options)
-        part = reference.BlockOutput(
-            ref.attn_out[: len(wrong)], ref.k_chunk[:, : len(wrong)], ref.v_chunk[:, : len(wrong)]
-        )
-        errs = stateful_tiled_errors(wrong, wrong_state, part)
-        if "start_offset" not in options:  # a fresh state or a changed mask still writes the right cache
-            errs = {"attn_out": errs["attn_out"]}
-        report.comparisons.append(Comparison(label, f"control: {name}", P, errs, control=True))
-        steps.update()
+    report.comparisons += stateful_tiled_controls(run, ref, cases, label, P, steps)
     if meta.weights != "fp16":
         bound = quantize.ERROR_BOUNDS[meta.weights]
         fp16_ref = prompt_reference(hidden, checkpoint_weights, geometry, rope_coverage=capacity)
@@ -775,6 +839,25 @@ def verify_stateful_tiled_package(
         steps.update()
     steps.close()
     return report
+
+
+def stateful_tiled_controls(run, ref: reference.BlockOutput, cases, label: str, P: int, steps=None) -> list[Comparison]:
+    """Each control case ``(name, run options)`` rerun through ``run(**options)`` and compared with the
+    reference's rows it covers (the wrong position also with the cache it wrote; a fresh state or a
+    changed mask still writes the right cache, so only attn_out counts there)."""
+    controls = []
+    for name, options in cases:
+        wrong, wrong_state = run(**options)
+        part = reference.BlockOutput(
+            ref.attn_out[: len(wrong)], ref.k_chunk[:, : len(wrong)], ref.v_chunk[:, : len(wrong)]
+        )
+        errs = stateful_tiled_errors(wrong, wrong_state, part)
+        if "start_offset" not in options:
+            errs = {"attn_out": errs["attn_out"]}
+        controls.append(Comparison(label, f"control: {name}", P, errs, control=True))
+        if steps is not None:
+            steps.update()
+    return controls
 
 
 def stateful_tiled_errors(
