@@ -163,3 +163,31 @@ def test_an_import_circle_inside_a_layer_is_caught(tmp_path):
     circles = import_circles(copy)
     assert ["anelab.studies.batch", "anelab.studies.notebooks"] in circles, circles
     assert any({"anelab.sidecar.designs", "anelab.sidecar.verify_cases"} <= set(c) for c in circles), circles
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(root: Path = PACKAGE, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """``path:line name (n lines)`` for every function (methods and nested ones too) longer than ``limit``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name} ({lines} lines)")
+    return found
+
+
+def test_no_function_is_over_80_lines():
+    assert long_functions() == []
+
+
+def test_a_long_function_is_caught(tmp_path):
+    """Negative control: an 81-line function (a docstring and 79 statements) is found, an 80-line one is not."""
+    body = "\n".join(f"    x{i} = {i}" for i in range(79))
+    (tmp_path / "anelab").mkdir()
+    (tmp_path / "anelab" / "long.py").write_text(f'def long():\n    """81 lines."""\n{body}\n')
+    (tmp_path / "anelab" / "fits.py").write_text(f"def fits():\n{body}\n")
+    assert long_functions(tmp_path / "anelab") == ["anelab/long.py:1 long (81 lines)"]

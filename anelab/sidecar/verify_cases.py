@@ -243,203 +243,166 @@ def verify_per_history_package(
     names = functions or list(meta.functions)
     for name in names:
         saved.function(name)
-    opened = time.perf_counter() - start
+    how = "NumPy evaluation of the saved MIL program (" + ("fp16 storage emulated" if fp16 else "fp32") + ")"
     report = VerifyReport(
         str(package),
         str(checkpoint.path),
         meta.layer,
         RELATIVE_ERROR_THRESHOLD,
-        "NumPy evaluation of the saved MIL program (" + ("fp16 storage emulated" if fp16 else "fp32") + ")"
-        if evaluator is None
-        else f"{evaluator.name}, beside the NumPy evaluation",
+        how if evaluator is None else f"{evaluator.name}, beside the NumPy evaluation",
         reference_precision=precision,
+        declared_controls=per_history_controls(meta, checkpoint.geometry, names),
     )
-    report.declared_controls = per_history_controls(meta, checkpoint.geometry, names)
-    seconds = report.seconds
-    seconds["open"] = opened
-    checkpoint_weights = checkpoint.layer(meta.layer)
+    report.seconds["open"] = time.perf_counter() - start
+    run = CaseRun(saved, checkpoint.geometry, fp16, precision, evaluator, meta.sliding_window,
+                  checkpoint.geometry.window_of(meta.layer), meta.coverage, report.seconds, report.reference_checks)  # fmt: skip
     compressed = meta.weights != "fp16"
-    cache = dict(geometry=checkpoint.geometry, seed=seed, rope_coverage=meta.coverage, precision=precision)
-    with _timed(seconds, "inputs"):  # one projection serves every function: its cache is the first H positions
-        shared = None if compressed else verify_history(max(map(history_of, names)), checkpoint_weights, **cache)
-    windows = {
-        "window": meta.sliding_window,
-        "true_window": checkpoint.geometry.window_of(meta.layer),
-        "rope_coverage": meta.coverage,
-    }
-    with tqdm(total=len(names) * (4 + compressed), desc="verify", unit="case") as bar:
-        for name in names:
-            with _timed(seconds, "inputs"):
-                weights = checkpoint_weights
-                if compressed:  # the graph is checked with the weights it stores
-                    weights = quantize.dequantized_weights(saved, name, checkpoint_weights)
-                # compressed: each function's stored weights project its own cache
-                history = verify_history(history_of(name), weights, **cache) if compressed else shared
-                rng = np.random.default_rng([seed, history_of(name)])
-                inputs = random_function_inputs(
-                    name,
-                    meta.chunk,
-                    weights,
-                    checkpoint.geometry,
-                    rng,
-                    rope_coverage=meta.coverage,
-                    precision=precision,
-                    history_kv=history,
-                )
-            report.comparisons.extend(
-                function_comparisons(
-                    saved,
-                    inputs,
-                    weights,
-                    checkpoint.geometry,
-                    rng,
-                    fp16=fp16,
-                    precision=precision,
-                    compression=(checkpoint_weights, meta.weights) if compressed else None,
-                    progress=bar,
-                    seconds=seconds,
-                    reference_checks=report.reference_checks,
-                    evaluator=evaluator,
-                    **windows,
-                )
-            )
+    compression = (checkpoint.layer(meta.layer), meta.weights) if compressed else None
+    with tqdm(total=len(names) * (4 + compressed), desc="verify", unit="case") as run.progress:
+        for inputs, weights, rng in function_cases(meta, checkpoint, saved, names, seed=seed, run=run):
+            report.comparisons += function_comparisons(run, inputs, weights, rng, compression=compression)
     if meta.selection_folded:
-        with _timed(seconds, "fold check"):
+        with _timed(report.seconds, "fold check"):
             report.comparisons.extend(fold_comparisons(saved, checkpoint.path, meta, seed=seed, evaluator=evaluator))
-    seconds["total"] = time.perf_counter() - start
+    report.seconds["total"] = time.perf_counter() - start
     return report
 
 
+@dataclass
+class CaseRun:
+    """How the cases of one dense or tiled package run: shared by all its functions.
+
+    ``window``: the sliding window the package declares (its mask); ``true_window``: the model's, which
+    the reference uses; ``rope_coverage``: the package coverage (dynamic / longrope). ``evaluator``
+    (Core ML on a Mac): the package runs through it, and each chunk case also gets the evaluator vs NumPy
+    and NumPy vs reference rows. ``seconds``: wall time per phase, accumulated; ``reference_checks``: the
+    fp32 reference's own error on a slice of each function, appended; ``progress``: a tqdm bar per case.
+    """
+
+    saved: SavedPackage
+    geometry: AttentionGeometry
+    fp16: bool = True
+    precision: str = "fp64"
+    evaluator: Evaluator | None = None
+    window: int | None = None
+    true_window: int | None = None
+    rope_coverage: int | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    reference_checks: list[dict] | None = None
+    progress: object = None
+
+    def masks(self, C: int, H: int, valid_rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The causal masks [C, H + C] the package is fed (its window) and the reference uses (the model's)."""
+        with _timed(self.seconds, "masks"):
+            mask = causal(C, H, valid_rows, window=self.window)
+            same = self.true_window == self.window
+            return mask, mask if same else causal(C, H, valid_rows, window=self.true_window)
+
+    def package(self, inputs: FunctionInputs, mask: np.ndarray, *, numpy: bool = False, **options) -> dict:
+        """The package's outputs under ``mask`` (through the evaluator, unless ``numpy``)."""
+        with _timed(self.seconds, "package"):
+            evaluator = None if numpy else self.evaluator
+            return run_package(self.saved, inputs, mask, fp16=self.fp16, evaluator=evaluator, **options)
+
+    def reference(self, inputs: FunctionInputs, weights: AttentionWeights, mask: np.ndarray, **options):
+        """The reference's outputs (``reference.BlockOutput``) under ``mask`` at this run's precision."""
+        with _timed(self.seconds, "reference"):
+            return run_reference(inputs, weights, self.geometry, mask, precision=self.precision,
+                                 rope_coverage=self.rope_coverage, **options)  # fmt: skip
+
+    def done(self, function: str, case: str) -> None:
+        if self.progress is not None:
+            self.progress.set_postfix_str(f"{function}: {case}", refresh=False)
+            self.progress.update()
+
+
+def function_cases(
+    meta: SidecarMetadata, checkpoint, saved: SavedPackage, names: list[str], *, seed: int, run: CaseRun
+):
+    """Per function ``h<H>``: (its inputs, the weights its graph holds, its random stream). The K/V history
+    comes from one projection shared by every function (its first H positions), or — compressed weights —
+    from each function's own stored weights (dequantized)."""
+    checkpoint_weights = checkpoint.layer(meta.layer)
+    compressed = meta.weights != "fp16"
+    cache = dict(geometry=checkpoint.geometry, seed=seed, rope_coverage=meta.coverage, precision=run.precision)
+    with _timed(run.seconds, "inputs"):
+        shared = None if compressed else verify_history(max(map(history_of, names)), checkpoint_weights, **cache)
+    for name in names:
+        with _timed(run.seconds, "inputs"):
+            weights = (
+                quantize.dequantized_weights(saved, name, checkpoint_weights) if compressed else checkpoint_weights
+            )
+            history = verify_history(history_of(name), weights, **cache) if compressed else shared
+            rng = np.random.default_rng([seed, history_of(name)])
+            inputs = random_function_inputs(name, meta.chunk, weights, checkpoint.geometry, rng,
+                                            rope_coverage=meta.coverage, precision=run.precision, history_kv=history)  # fmt: skip
+        yield inputs, weights, rng
+
+
 def function_comparisons(
-    saved: SavedPackage,
+    run: CaseRun,
     inputs: FunctionInputs,
     weights: AttentionWeights,
-    geometry: AttentionGeometry,
     rng: np.random.Generator,
     *,
-    fp16: bool = True,
-    precision: str = "fp64",
     compression: tuple[AttentionWeights, str] | None = None,
-    progress=None,
-    seconds: dict[str, float] | None = None,
-    reference_checks: list[dict] | None = None,
-    evaluator: Evaluator | None = None,
-    window: int | None = None,
-    true_window: int | None = None,
-    rope_coverage: int | None = None,
 ) -> list[Comparison]:
-    """One function at a full and a partial chunk, and its two negative controls (and, with
-    ``compression`` = (checkpoint weights, mode), what the compression costs).
-
-    The reference runs once at the full chunk (``precision``); with fp32 its own error against an fp64
-    run of a slice of its rows (``compare.reference_error``) is appended to ``reference_checks``.
-    ``progress``: a tqdm bar advanced per case; ``seconds``: wall time per phase, accumulated. ``window``: the sliding window the package
-    declares (its mask); ``true_window``: the model's, which the reference uses; ``rope_coverage``: the
-    package coverage (dynamic / longrope). With an ``evaluator`` (Core ML on a Mac) the package runs
-    through it, and each chunk case also gets the evaluator vs NumPy and NumPy vs reference rows.
-    """
-    seconds = {} if seconds is None else seconds
+    """One function at a full and a partial chunk, and its negative controls (and, with ``compression`` =
+    (checkpoint weights, mode), what the compression costs). The reference runs once at the full chunk;
+    with fp32 its own error against an fp64 run of a slice of its rows is appended to ``run.reference_checks``."""
     name, C, H = inputs.function, inputs.hidden.shape[0], inputs.history
-
-    def done(case: str) -> None:
-        if progress is not None:
-            progress.set_postfix_str(f"{name}: {case}", refresh=False)
-            progress.update()
-
-    with _timed(seconds, "masks"):
-        mask = causal(C, H, window=window)
-        ref_mask = mask if true_window == window else causal(C, H, window=true_window)
-    reference_options = {"precision": precision, "rope_coverage": rope_coverage}
-    with _timed(seconds, "package"):
-        out = run_package(saved, inputs, mask, fp16=fp16, evaluator=evaluator)
-    with _timed(seconds, "reference"):
-        ref = run_reference(inputs, weights, geometry, ref_mask, **reference_options)
+    mask, ref_mask = run.masks(C, H)
+    out = run.package(inputs, mask)
+    ref = run.reference(inputs, weights, ref_mask)
     comparisons = [Comparison(name, "full chunk", C, output_errors(out, ref, C))]
-    if evaluator is not None:
-        with _timed(seconds, "package"):
-            numpy_out = run_package(saved, inputs, mask, fp16=fp16)
-        comparisons += cross_checks(name, "full chunk", C, out, numpy_out, ref)
-    if precision != "fp64" and reference_checks is not None:
-        with _timed(seconds, "reference check (fp64 slice)"):
+    if run.evaluator is not None:
+        comparisons += cross_checks(name, "full chunk", C, out, run.package(inputs, mask, numpy=True), ref)
+    if run.precision != "fp64" and run.reference_checks is not None:
+        with _timed(run.seconds, "reference check (fp64 slice)"):
             rows, errors = reference_error(
-                inputs, weights, geometry, ref_mask, ref, REFERENCE_CHECK_ROWS, rope_coverage=rope_coverage
+                inputs, weights, run.geometry, ref_mask, ref, REFERENCE_CHECK_ROWS, rope_coverage=run.rope_coverage
             )
-        reference_checks.append({"function": name, "rows": rows, "errors": errors})
-    done("full chunk")
-    # partial chunk: n real rows, padded with zero rows; padded rows' outputs are ignored
+        run.reference_checks.append({"function": name, "rows": rows, "errors": errors})
+    run.done(name, "full chunk")
+    comparisons += partial_chunk_comparisons(run, inputs, weights, ref_mask, ref)
+    comparisons += negative_controls(run, inputs, weights, rng, out, ref, (mask, ref_mask))
+    if compression is not None:
+        comparisons.append(compression_comparison(run, inputs, *compression, out=None if run.evaluator else out))
+        run.done(name, "compression")
+    return comparisons
+
+
+def partial_chunk_comparisons(
+    run: CaseRun, inputs: FunctionInputs, weights: AttentionWeights, ref_mask: np.ndarray, ref
+) -> list[Comparison]:
+    """The partial chunk: ``partial_rows(C)`` real rows, padded with zero rows whose outputs are ignored
+    (``ref_mask`` / ``ref``: the full chunk's reference mask and outputs)."""
+    name, C, H = inputs.function, inputs.hidden.shape[0], inputs.history
     n = partial_rows(C)
     padded = inputs.hidden.copy()
     padded[n:] = 0
-    with _timed(seconds, "masks"):
-        pmask = causal(C, H, valid_rows=n, window=window)
-        ref_pmask = pmask if true_window == window else causal(C, H, valid_rows=n, window=true_window)
-    with _timed(seconds, "package"):
-        partial_out = run_package(saved, inputs, pmask, hidden=padded, fp16=fp16, evaluator=evaluator)
-    with _timed(seconds, "reference"):
-        partial_ref = _partial_reference(
-            inputs, weights, geometry, ref_mask, ref_pmask, ref, padded, n, precision, rope_coverage
+    pmask, ref_pmask = run.masks(C, H, n)
+    out = run.package(inputs, pmask, hidden=padded)
+    with _timed(run.seconds, "reference"):
+        pref = _partial_reference(
+            inputs, weights, run.geometry, ref_mask, ref_pmask, ref, padded, n, run.precision, run.rope_coverage
         )
-    comparisons.append(Comparison(name, f"partial chunk ({n} of {C})", n, output_errors(partial_out, partial_ref, n)))
-    if evaluator is not None:
-        with _timed(seconds, "package"):
-            numpy_partial = run_package(saved, inputs, pmask, hidden=padded, fp16=fp16)
-        comparisons += cross_checks(name, f"partial ({n} of {C})", n, partial_out, numpy_partial, partial_ref)
-    done("partial chunk")
-    comparisons += negative_controls(
-        saved,
-        inputs,
-        weights,
-        geometry,
-        rng,
-        out,
-        ref,
-        (mask, ref_mask),
-        fp16=fp16,
-        evaluator=evaluator,
-        window=window,
-        true_window=true_window,
-        reference_options=reference_options,
-        seconds=seconds,
-        done=done,
-    )
-    if compression is not None:
-        with _timed(seconds, "reference"):
-            comparisons.append(
-                compression_comparison(
-                    saved,
-                    inputs,
-                    compression[0],
-                    geometry,
-                    compression[1],
-                    fp16=fp16,
-                    precision=precision,
-                    out=out if evaluator is None else None,
-                    window=window,
-                    true_window=true_window,
-                    rope_coverage=rope_coverage,
-                )
-            )
-        done("compression")
+    comparisons = [Comparison(name, f"partial chunk ({n} of {C})", n, output_errors(out, pref, n))]
+    if run.evaluator is not None:
+        numpy_out = run.package(inputs, pmask, hidden=padded, numpy=True)
+        comparisons += cross_checks(name, f"partial ({n} of {C})", n, out, numpy_out, pref)
+    run.done(name, "partial chunk")
     return comparisons
 
 
 def negative_controls(
-    saved: SavedPackage,
+    run: CaseRun,
     inputs: FunctionInputs,
     weights: AttentionWeights,
-    geometry: AttentionGeometry,
     rng: np.random.Generator,
     out: dict[str, np.ndarray],
     ref: reference.BlockOutput,
     masks: tuple[np.ndarray, np.ndarray],
-    *,
-    fp16: bool,
-    evaluator: Evaluator | None,
-    window: int | None,
-    true_window: int | None,
-    reference_options: dict,
-    seconds: dict[str, float],
-    done: Callable[[str], None],
 ) -> list[Comparison]:
     """The controls one function must fail: the reference one position late (``out`` against it, on
     the first ``CONTROL_ROWS`` rows; not on a NoPE layer), the package under a mask with half its
@@ -449,29 +412,21 @@ def negative_controls(
     name, C, H = inputs.function, inputs.hidden.shape[0], inputs.history
     mask, ref_mask = masks
     controls = []
-    if geometry.uses_rope(weights.layer):  # a NoPE layer (SmolLM3) has no positions to get wrong
+    if run.geometry.uses_rope(weights.layer):  # a NoPE layer (SmolLM3) has no positions to get wrong
         rows = min(C, CONTROL_ROWS)
-        with _timed(seconds, "reference"):
-            wrong_rope = run_reference(inputs, weights, geometry, ref_mask, start=H + 1, rows=rows, **reference_options)
+        wrong_rope = run.reference(inputs, weights, ref_mask, start=H + 1, rows=rows)
         errors = output_errors(out, wrong_rope, rows, ("attn_out", "k_chunk"))
         controls.append(Comparison(name, "control: rope offset +1", rows, errors, control=True))
-    done("control: rope offset +1")
-    with _timed(seconds, "control inputs"):
+    run.done(name, "control: rope offset +1")
+    with _timed(run.seconds, "control inputs"):
         dropped_mask = drop_half_mask(mask, rng)
-    with _timed(seconds, "package"):
-        dropped = run_package(saved, inputs, dropped_mask, fp16=fp16, evaluator=evaluator)
-    controls.append(
-        Comparison(name, "control: mask reaches graph", C, output_errors(dropped, ref, C, ("attn_out",)), control=True)
-    )
-    done("control: mask reaches graph")
-    if true_window is not None and true_window < H + C:  # the window drops keys within this function
-        with _timed(seconds, "package"):
-            unwindowed = run_package(saved, inputs, causal(C, H), fp16=fp16, evaluator=evaluator)
-        controls.append(
-            Comparison(
-                name, "control: window dropped", C, output_errors(unwindowed, ref, C, ("attn_out",)), control=True
-            )
-        )
+    dropped = run.package(inputs, dropped_mask)
+    errors = output_errors(dropped, ref, C, ("attn_out",))
+    controls.append(Comparison(name, "control: mask reaches graph", C, errors, control=True))
+    run.done(name, "control: mask reaches graph")
+    if run.true_window is not None and run.true_window < H + C:  # the window drops keys within this function
+        errors = output_errors(run.package(inputs, causal(C, H)), ref, C, ("attn_out",))
+        controls.append(Comparison(name, "control: window dropped", C, errors, control=True))
     return controls
 
 
@@ -490,32 +445,19 @@ def _partial_reference(inputs, weights, geometry, mask, pmask, ref, padded, n, p
 
 
 def compression_comparison(
-    saved: SavedPackage,
+    run: CaseRun,
     inputs: FunctionInputs,
     checkpoint_weights: AttentionWeights,
-    geometry: AttentionGeometry,
     mode: str,
     *,
-    fp16: bool = True,
-    precision: str = "fp64",
     out: dict[str, np.ndarray] | None = None,
-    window: int | None = None,
-    true_window: int | None = None,
-    rope_coverage: int | None = None,
 ) -> Comparison:
     """What the compression costs: the package against the reference with the checkpoint's weights
-    (``out``: the package's outputs under the causal mask, when already computed)."""
-    C = inputs.hidden.shape[0]
+    (``out``: the package's NumPy outputs under the causal mask, when already computed)."""
+    C, H = inputs.hidden.shape[0], inputs.history
     if out is None:
-        out = run_package(saved, inputs, causal(C, inputs.history, window=window), fp16=fp16)
-    ref = run_reference(
-        inputs,
-        checkpoint_weights,
-        geometry,
-        causal(C, inputs.history, window=true_window),
-        precision=precision,
-        rope_coverage=rope_coverage,
-    )
+        out = run.package(inputs, causal(C, H, window=run.window), numpy=True)
+    ref = run.reference(inputs, checkpoint_weights, causal(C, H, window=run.true_window))
     bound = quantize.ERROR_BOUNDS[mode]
     return Comparison(inputs.function, f"{mode} vs fp16 w. (<={bound:g})", C, output_errors(out, ref, C), bound=bound)
 
@@ -665,7 +607,7 @@ def verify_stateful_package(
     ``evaluator`` (with ``make_state`` and ``state_arrays``): the calls run through it, carrying its
     state; its attn_out and final caches are compared with the reference, beside the NumPy run."""
     meta, checkpoint, saved, weights, checkpoint_weights = open_stateful_package(package, checkpoint_dir)
-    geometry, capacity, C = checkpoint.geometry, meta.state_capacity, meta.chunk
+    geometry, capacity = checkpoint.geometry, meta.state_capacity
     prefill, decode_steps = stateful_prompt_rows(meta)
     P = prefill + decode_steps
     label = "+".join(meta.functions)
@@ -675,18 +617,7 @@ def verify_stateful_package(
     hidden = rng.standard_normal((P, geometry.hidden_size)).astype(np.float16)
 
     window, true_window = meta.sliding_window, geometry.window_of(meta.layer)
-
-    on = (
-        {}
-        if evaluator is None
-        else {"evaluate": lambda f, i, st: evaluator(f, i, state=st), "make_state": evaluator.make_state}
-    )
-
-    def run(numpy: bool = False, **options):
-        options.setdefault("window", window)
-        device = {} if numpy else on
-        storage = {} if device else {"fp16": fp16}  # fp16 picks the NumPy emulation; the device stores fp16 itself
-        return run_stateful(saved, hidden, C, capacity, decode_steps=decode_steps, **storage, **device, **options)
+    run = stateful_runner(saved, hidden, meta, decode_steps=decode_steps, fp16=fp16, evaluator=evaluator)
 
     def truth(w, **options):
         return prompt_reference(hidden, w, geometry, window=true_window, rope_coverage=capacity, **options)
@@ -721,16 +652,37 @@ def verify_stateful_package(
     )
     steps.update(3)
     if meta.weights != "fp16":
-        bound = quantize.ERROR_BOUNDS[meta.weights]
-        fp16_ref = truth(checkpoint_weights)
         report.comparisons.append(
-            Comparison(
-                label, f"{meta.weights} vs fp16 w. (<={bound:g})", P, stateful_errors(out, state, fp16_ref), bound=bound
-            )
+            compression_row(label, meta.weights, P, stateful_errors(out, state, truth(checkpoint_weights)))
         )
         steps.update()
     steps.close()
     return report
+
+
+def stateful_runner(saved: SavedPackage, hidden: np.ndarray, meta: SidecarMetadata, *, decode_steps: int, fp16: bool,
+                    evaluator: Evaluator | None) -> Callable[..., tuple[np.ndarray, object]]:  # fmt: skip
+    """``run(numpy=False, **options)``: the prompt ``hidden`` [P, D] through a stateful package with
+    ``run_stateful`` (options as it takes them; the package's window by default), through ``evaluator``
+    (its own state) unless ``numpy`` or no evaluator is given."""
+    on = {} if evaluator is None else {"evaluate": lambda f, i, st: evaluator(f, i, state=st),
+                                       "make_state": evaluator.make_state}  # fmt: skip
+
+    def run(numpy: bool = False, **options):
+        options.setdefault("window", meta.sliding_window)
+        device = {} if numpy else on
+        storage = {} if device else {"fp16": fp16}  # fp16 picks the NumPy emulation; the device stores fp16 itself
+        return run_stateful(saved, hidden, meta.chunk, meta.state_capacity, decode_steps=decode_steps,
+                            **storage, **device, **options)  # fmt: skip
+
+    return run
+
+
+def compression_row(label: str, mode: str, rows: int, errors: dict[str, float]) -> Comparison:
+    """What a compression costs: the package against the reference with the checkpoint's fp16 weights,
+    bounded by ``quantize.ERROR_BOUNDS[mode]``."""
+    bound = quantize.ERROR_BOUNDS[mode]
+    return Comparison(label, f"{mode} vs fp16 w. (<={bound:g})", rows, errors, bound=bound)
 
 
 def stateful_controls(
@@ -832,10 +784,8 @@ def verify_stateful_tiled_package(
     steps.update()
     report.comparisons += stateful_tiled_controls(run, ref, cases, label, P, steps)
     if meta.weights != "fp16":
-        bound = quantize.ERROR_BOUNDS[meta.weights]
         fp16_ref = prompt_reference(hidden, checkpoint_weights, geometry, rope_coverage=capacity)
-        errs = stateful_tiled_errors(out, state, fp16_ref)
-        report.comparisons.append(Comparison(label, f"{meta.weights} vs fp16 w. (<={bound:g})", P, errs, bound=bound))
+        report.comparisons.append(compression_row(label, meta.weights, P, stateful_tiled_errors(out, state, fp16_ref)))
         steps.update()
     steps.close()
     return report

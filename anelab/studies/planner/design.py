@@ -138,43 +138,17 @@ def design_plan(
     require_positive("--chunk", chunk)
     schedule = chunk_schedule(prompt_tokens, chunk)
     on_ane = schedule[0].device == "ane"
-    calls, heads, n_fa = len(schedule), geometry.num_heads, len(geometry.full_attention_layers)
-    used = heads * prompt_tokens * (prompt_tokens + 1) // 2
+    used = geometry.num_heads * prompt_tokens * (prompt_tokens + 1) // 2
     assumptions = [
         "ANE attention: recorded rate per score entry (Qwen 3.8 h0 prediction), masked entries included",
         "GPU arm, non-attention and GPU attention: the per-history plan's (plan())",
     ]
-    if not pricing.one_function_per_layer:  # one function per chunk start: the per-history plan
-        ph = costs.per_history
-        computed = sum(heads * chunk * (c.start + chunk) for c in schedule)
-        loads = ph["variants_visited"]
-        arena, functions = geometry.score_arena_bytes(chunk, schedule[-1].start), calls
-        ops = pricing.ops(chunk, None, None, None)
-        setup, ane_attn = ph["setup_seconds"], ph["ane_attention_seconds"]
-        cap = kt = qt = None
-        assumptions.append("loads: recorded per history where they apply, else the arena fit (as plan())")
-    else:
-        cap = capacity if capacity is not None else default_capacity(get_design(design), prompt_tokens, chunk, key_tile)
-        if cap < calls * chunk or cap % chunk:
-            raise AnelabInputError(
-                f"--capacity {cap} must be a multiple of {chunk} holding the prompt ({calls * chunk})"
-            )
-        computed = calls * heads * chunk * cap
-        loads, functions = n_fa if on_ane else 0, 1
-        kt, qt, arena = pricing.call(heads, chunk, cap, key_tile, query_tile)
-        ops = pricing.ops(chunk, cap, kt, qt)
-        setup = loads * arena_load_seconds(arena, costs)
-        ane_attn = costs.ane_seconds_per_entry * computed * n_fa if on_ane else 0.0
-        assumptions.append(
-            f"one load per layer ({n_fa}); load by the arena power fit (Qwen 3.8's recorded loads), floored at "
-            f"{MIN_LOAD_SECONDS} s; op count's effect on compile time not modelled"
-        )
-        ph_load = costs.per_history.get("cost_sources", {}).get("load", "")
-        if not ph_load.startswith("recorded per history"):
-            assumptions.append(
-                f"this family's per-history loads come from '{ph_load}', not from the arena fit: "
-                "compare its designs' setup with care"
-            )
+    price = _per_history_terms if not pricing.one_function_per_layer else _one_function_terms
+    t = price(geometry, schedule, chunk, get_design(design), costs, capacity, key_tile, query_tile)
+    cap, kt, qt, loads, setup, ane_attn, computed = (
+        t[k] for k in ("cap", "kt", "qt", "loads", "setup", "ane", "computed")
+    )
+    assumptions += t["assumptions"]
     offloaded = costs.gpu_attention_seconds if on_ane else 0.0
     rest = costs.non_attention_seconds + costs.gpu_attention_seconds - offloaded + ane_attn
     ane_total = rest + setup
@@ -189,14 +163,14 @@ def design_plan(
         loads=loads,
         load_seconds_each=setup / loads if loads else 0.0,
         setup_seconds=setup,
-        per_call_arena_bytes=int(arena),
+        per_call_arena_bytes=int(t["arena"]),
         score_entries_computed=int(computed),
         score_entries_used=int(used),
         wasted_fraction=wasted_score_fraction(prompt_tokens, chunk, cap)
         if pricing.one_function_per_layer
         else 1.0 - used / computed,
-        ops_per_function=int(ops),
-        functions_per_layer=functions,
+        ops_per_function=int(t["ops"]),
+        functions_per_layer=t["functions"],
         ane_attention_seconds=ane_attn,
         gpu_prefill_seconds=costs.gpu_prefill_seconds,
         ane_prefill_seconds=ane_total,
@@ -205,6 +179,48 @@ def design_plan(
         break_even_load_seconds=(costs.gpu_prefill_seconds - rest) / loads if loads else None,
         assumptions=tuple(assumptions),
     )
+
+
+def _per_history_terms(geometry, schedule, chunk, design, costs, capacity, key_tile, query_tile) -> dict:
+    """A per-history design's loads, setup and attention: the per-history plan's (``costs.per_history``)."""
+    ph, heads = costs.per_history, geometry.num_heads
+    return {
+        "cap": None, "kt": None, "qt": None, "functions": len(schedule),
+        "computed": sum(heads * chunk * (c.start + chunk) for c in schedule),
+        "loads": ph["variants_visited"],
+        "arena": geometry.score_arena_bytes(chunk, schedule[-1].start),
+        "ops": design.pricing.ops(chunk, None, None, None),
+        "setup": ph["setup_seconds"], "ane": ph["ane_attention_seconds"],
+        "assumptions": ["loads: recorded per history where they apply, else the arena fit (as plan())"],
+    }  # fmt: skip
+
+
+def _one_function_terms(geometry, schedule, chunk, design, costs, capacity, key_tile, query_tile) -> dict:
+    """A design with one function per layer: one load each, priced by the arena fit; every cache slot
+    scored at every call."""
+    on_ane, calls, n_fa = schedule[0].device == "ane", len(schedule), len(geometry.full_attention_layers)
+    prompt_tokens = schedule[-1].start + schedule[-1].tokens
+    cap = capacity if capacity is not None else default_capacity(design, prompt_tokens, chunk, key_tile)
+    if cap < calls * chunk or cap % chunk:
+        raise AnelabInputError(f"--capacity {cap} must be a multiple of {chunk} holding the prompt ({calls * chunk})")
+    computed = calls * geometry.num_heads * chunk * cap
+    loads = n_fa if on_ane else 0
+    kt, qt, arena = design.pricing.call(geometry.num_heads, chunk, cap, key_tile, query_tile)
+    assumptions = [
+        f"one load per layer ({n_fa}); load by the arena power fit (Qwen 3.8's recorded loads), floored at "
+        f"{MIN_LOAD_SECONDS} s; op count's effect on compile time not modelled"
+    ]
+    ph_load = costs.per_history.get("cost_sources", {}).get("load", "")
+    if not ph_load.startswith("recorded per history"):
+        assumptions.append(
+            f"this family's per-history loads come from '{ph_load}', not from the arena fit: "
+            "compare its designs' setup with care"
+        )
+    return {
+        "cap": cap, "kt": kt, "qt": qt, "functions": 1, "computed": computed, "loads": loads, "arena": arena,
+        "ops": design.pricing.ops(chunk, cap, kt, qt), "setup": loads * arena_load_seconds(arena, costs),
+        "ane": costs.ane_seconds_per_entry * computed * n_fa if on_ane else 0.0, "assumptions": assumptions,
+    }  # fmt: skip
 
 
 def compare_designs(
