@@ -99,6 +99,14 @@ def test_an_old_or_unknown_design_name_is_refused_in_one_line():
         get_design("flash")
 
 
+def test_an_option_the_design_does_not_take_is_refused_even_when_falsy():
+    """A key tile of 0 given to the dense design is refused, not read as "not given"; None is not given."""
+    dense = get_design("dense")
+    with pytest.raises(AnelabInputError, match="--tile applies to --graph tiled or stateful-tiled, not dense"):
+        dense.options(GEOMETRY, CHUNK, [0], key_tile=0)
+    assert dense.options(GEOMETRY, CHUNK, [0, CHUNK], key_tile=None).histories == (0, CHUNK)
+
+
 # ---- every design x (open, predict through the fake, a prompt through the arms) ------------------------------
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):

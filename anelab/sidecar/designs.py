@@ -244,7 +244,7 @@ class Design:
         unknown = [k for k in given if k not in FLAGS]
         if unknown:
             raise TypeError(f"unknown sidecar option {unknown[0]!r}")
-        stray = [k for k, v in given.items() if v not in (None, False) and k not in self.option_names]
+        stray = [k for k, v in given.items() if v is not None and v is not False and k not in self.option_names]
         if selection is not None and not self.takes_selection:
             stray.append("selection")
         if stray:
