@@ -13,7 +13,7 @@ from conftest import TINY_GEOMETRIES
 
 from anelab.cli import PLAN_EXAMPLES, main
 from anelab.records import atomic_write_text
-from anelab.runtime.doctor import STUDIES, diagnose, format_report, notebooks_without_a_row
+from anelab.runtime.doctor import diagnose, format_report, notebooks_without_a_row
 from anelab.runtime.fake import FakeRuntime
 from anelab.runtime.mac import MacRuntime
 from anelab.studies import notebooks
