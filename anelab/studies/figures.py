@@ -34,7 +34,7 @@ from pathlib import Path
 
 from anelab import __version__
 from anelab.errors import AnelabInputError
-from anelab.records import atomic_write_bytes, atomic_write_text, machine_description
+from anelab.records import atomic_write_bytes, atomic_write_text, machine_description, machine_kind
 
 DPI = 120
 
@@ -61,14 +61,6 @@ STYLE = {
     "svg.fonttype": "path",
     "path.simplify": True,
     "figure.constrained_layout.use": True,
-}
-
-
-LABEL_PLACES = {  # loc -> (x, y, ha, va) in axes coordinates
-    "lower left": (0.01, 0.02, "left", "bottom"),
-    "lower right": (0.99, 0.02, "right", "bottom"),
-    "upper left": (0.01, 0.98, "left", "top"),
-    "upper right": (0.99, 0.98, "right", "top"),
 }
 
 
@@ -159,15 +151,19 @@ def save_figure(
     provenance_note: str,
     caption: str | None = None,
     alt: str | None = None,
+    deterministic: bool = True,
 ) -> dict:
     """Write ``name``.png and ``name``.svg to ``figures_dir`` and record them in its manifest.
 
     notebook: the notebook that drew the figure (file name); parameters: the notebook parameters
     (JSON-serialisable) it ran with; provenance_note: where the data came from (``provenance_text``).
-    caption / alt: only for figures outside the study notebooks (e.g. batch summaries); a study
-    figure takes them from ``captions.toml``. Returns the manifest entry: {"files": {fmt: {"path",
-    "sha256", "bytes"}}, "notebook", "parameters", "provenance"} plus "caption", "alt",
-    "provenance_kinds" when declared. An entry of the same name is replaced (figures are regenerated,
+    caption / alt / deterministic: only for figures outside the study notebooks (e.g. batch summaries);
+    a study figure takes them from ``captions.toml``. Returns the manifest entry: {"files": {fmt:
+    {"path", "sha256", "bytes"}}, "notebook", "parameters", "provenance", "deterministic"} plus
+    "caption", "alt", "provenance_kinds" when declared, and "host" (``machine_description()``: the
+    exact machine, kernel build included) for a figure that is not deterministic — the image itself
+    names only the kind of machine, so a deterministic figure and its entry are the same on every
+    machine of that kind. An entry of the same name is replaced (figures are regenerated,
     unlike records); the manifest carries no dates, so it is byte-stable when the figures are.
     """
     name = _check_name(name)
@@ -179,7 +175,10 @@ def save_figure(
         raise AnelabInputError(f"figure {name}: parameters must be JSON-serialisable ({e})") from None
     directory = Path(figures_dir)
     entry = {"files": {}, "notebook": str(notebook), "parameters": params, "provenance": str(provenance_note)}
-    entry.update(caption_for(name) if caption is None else {"caption": caption, "alt": alt or caption})
+    declared = caption_for(name) if caption is None else {"caption": caption, "alt": alt or caption}
+    entry.update({"deterministic": deterministic, **declared})
+    if not entry["deterministic"]:
+        entry["host"] = machine_description()
     with _locked(directory):
         for fmt in FORMATS:
             data = figure_bytes(fig, fmt)
@@ -206,16 +205,23 @@ def caption_table() -> dict[str, dict]:
             raise AnelabInputError(
                 f"{CAPTIONS_FILE.name} [{name}]: needs caption, alt and provenance (some of {', '.join(PROVENANCE_KINDS)})"
             )
+        if not isinstance(entry.get("deterministic", True), bool):
+            raise AnelabInputError(f"{CAPTIONS_FILE.name} [{name}]: deterministic must be true or false")
     return table
 
 
 def caption_for(name: str) -> dict:
-    """{"caption", "alt", "provenance_kinds"} of a study figure ({} when ``captions.toml`` has none;
-    the tests require one for every figure in the committed manifest and every notebook)."""
+    """{"caption", "alt", "provenance_kinds", "deterministic"} of a study figure ({} when ``captions.toml``
+    has none; the tests require one for every figure in the committed manifest and every notebook)."""
     entry = caption_table().get(name)
     if entry is None:
         return {}
-    return {"caption": entry["caption"], "alt": entry["alt"], "provenance_kinds": list(entry["provenance"])}
+    return {
+        "caption": entry["caption"],
+        "alt": entry["alt"],
+        "provenance_kinds": list(entry["provenance"]),
+        "deterministic": entry.get("deterministic", True),
+    }
 
 
 def annotate_manifest(figures_dir: str | os.PathLike = "figures") -> dict:
@@ -230,10 +236,6 @@ def annotate_manifest(figures_dir: str | os.PathLike = "figures") -> dict:
     return manifest
 
 
-def _chip_short(chip: str) -> str:
-    return chip[len("Apple ") :] if chip.startswith("Apple ") else chip
-
-
 def _record_file(record: dict) -> str:
     if record.get("_file"):
         return str(record["_file"])
@@ -242,14 +244,12 @@ def _record_file(record: dict) -> str:
 
 
 def provenance_line(record: dict) -> str:
-    """One record's provenance as a figure label.
+    """One record's provenance as a figure label, naming the kind of machine (``machine_kind``).
 
     recorded: ``recorded on <model> (<chip>), <os> — source: <file> — replayed, not measured here``
-    measured: ``measured here: <model> (<chip>), <os>``
+    measured: ``measured here: <machine kind>``
     """
-    prov = record.get("provenance") or {}
-    chip = _chip_short(str(prov.get("chip", "unknown")))
-    machine = f"{prov.get('machine_model', 'unknown')} ({chip}), {prov.get('os_version', 'unknown')}"
+    machine = machine_kind(record.get("provenance") or {})
     if record.get("origin") == "recorded":
         return f"recorded on {machine} — source: {_record_file(record)} — replayed, not measured here"
     if record.get("origin") == "measured":
@@ -259,10 +259,11 @@ def provenance_line(record: dict) -> str:
     )
 
 
-def measured_here_text() -> str:
-    """``measured here: <this machine>`` for figures of fresh measurements made in this run."""
-    m = machine_description()
-    return f"measured here: {m['machine_model']} ({_chip_short(m['chip'])}), {m['os_version']}"
+def measured_here_text(engine: str = "NumPy") -> str:
+    """``measured here: <kind of machine>, <engine>`` for figures of fresh results made in this run, e.g.
+    ``measured here: Linux x86_64, NumPy``. The kind, not the host: a figure must not change because the
+    kernel was rebuilt (the exact host of a figure that plots wall times goes to its manifest entry)."""
+    return f"measured here: {machine_kind()}, {engine}"
 
 
 def numpy_cpu_note() -> str:
@@ -286,41 +287,110 @@ def provenance_text(records: list[dict] | None = None) -> str:
     return "\n".join(lines)
 
 
-def label_recorded(ax, record: dict, *, loc: str = "lower left") -> str:
-    """Draw ``provenance_line(record)`` visibly inside ``ax`` (a corner, ``LABEL_PLACES``); returns the text."""
-    return label_provenance(ax, provenance_line(record), recorded=record.get("origin") == "recorded", loc=loc)
+# ---- the provenance footer: below every panel, never on the data -----------------------------------------
+
+FOOTER_PT = 9  # provenance footer font size (pt)
 
 
-def label_provenance(ax, text: str, *, recorded: bool, loc: str = "lower left") -> str:
-    """Draw a provenance note inside ``ax``; recorded data in a warm colour, fresh in blue."""
-    if loc not in LABEL_PLACES:
-        raise AnelabInputError(f"label location {loc!r}: use one of {', '.join(LABEL_PLACES)}")
-    x, y, ha, va = LABEL_PLACES[loc]
-    colour = RECORDED_COLOUR if recorded else MEASURED_COLOUR
-    note = ax.text(
-        x,
-        y,
-        text,
-        transform=ax.transAxes,
-        ha=ha,
-        va=va,
-        fontsize=7,
-        zorder=10,
-        color=colour,
-        bbox={"boxstyle": "round,pad=0.25", "facecolor": "white", "alpha": 0.85, "edgecolor": colour},
-    )
-    note.set_in_layout(False)  # a long note must not squeeze the axes
+FOOTER_LINE_PT = 1.3 * FOOTER_PT  # baseline to baseline
+
+
+FOOTER_CHAR_PT = 0.6 * FOOTER_PT  # a generous mean glyph width of DejaVu Sans, to wrap long notes
+
+
+def _panel_name(ax) -> str:
+    """Where ``ax`` sits in its figure's grid, in words ("" for a one-panel figure)."""
+    spec = ax.get_subplotspec() if hasattr(ax, "get_subplotspec") else None
+    if spec is None:
+        return ""
+    nrows, ncols = spec.get_gridspec().get_geometry()
+    if nrows * ncols == 1:
+        return ""
+    row, col = spec.rowspan.start, spec.colspan.start
+    if nrows == 1 and ncols <= 3:
+        return {2: ("left", "right"), 3: ("left", "middle", "right")}[ncols][col]
+    if ncols == 1 and nrows <= 3:
+        return {2: ("top", "bottom"), 3: ("top", "middle", "bottom")}[nrows][row]
+    return f"panel {row * ncols + col + 1}"
+
+
+def _wrapped(text: str, width_pt: float) -> list[str]:
+    import textwrap
+
+    chars = max(20, int(width_pt / FOOTER_CHAR_PT))
+    return [piece for line in text.split("\n") for piece in (textwrap.wrap(line, chars) or [""])]
+
+
+def _draw_footer(fig) -> None:
+    """(Re)draw the figure's footer notes at the bottom, growing the figure by the footer's height so
+    the panels keep their size, and keep the layout engine off the footer band."""
+    for artist in fig.__dict__.pop("_anelab_footer_artists", []):
+        artist.remove()
+    notes = fig.__dict__["_anelab_footer"]
+    base_height = fig.__dict__.setdefault("_anelab_base_height", fig.get_figheight())
+    width_pt = fig.get_figwidth() * 72 - 8
+    lines = [(piece, colour) for text, colour in notes for piece in _wrapped(text, width_pt)]
+    footer_in = (len(lines) * FOOTER_LINE_PT + 6) / 72
+    fig.set_figheight(base_height + footer_in)
+    artists = []
+    for i, (piece, colour) in enumerate(reversed(lines)):
+        y_in = (4 + i * FOOTER_LINE_PT + 0.25 * FOOTER_PT) / 72
+        t = fig.text(4 / 72, y_in, piece, transform=fig.dpi_scale_trans, fontsize=FOOTER_PT, color=colour)
+        t.set_in_layout(False)
+        artists.append(t)
+    fig.__dict__["_anelab_footer_artists"] = artists
+    share = footer_in / fig.get_figheight()
+    engine = fig.get_layout_engine()
+    if engine is not None and hasattr(engine, "set") and "rect" in engine.get():
+        engine.set(rect=(0, share, 1, 1 - share))
+    else:  # no layout engine: squeeze the subplot area above the footer
+        old = fig.__dict__.setdefault("_anelab_old_share", 0.0)
+        pars = fig.subplotpars
+        bottom = share + (pars.bottom - old) / (1 - old) * (1 - share)
+        top = share + (pars.top - old) / (1 - old) * (1 - share)
+        fig.subplots_adjust(bottom=bottom, top=top)
+        fig.__dict__["_anelab_old_share"] = share
+
+
+def add_footer_note(fig, text: str, *, recorded: bool) -> str:
+    """Add one provenance note to ``fig``'s footer (recorded data in a warm colour, fresh in blue); a note
+    already there is not repeated. Returns the text."""
+    notes = fig.__dict__.setdefault("_anelab_footer", [])
+    if all(existing != text for existing, _ in notes):
+        notes.append((text, RECORDED_COLOUR if recorded else MEASURED_COLOUR))
+        _draw_footer(fig)
     return text
 
 
-def label_measured(ax, *, loc: str = "lower left") -> str:
-    """Draw ``measured here: <this machine>`` inside ``ax``."""
-    return label_provenance(ax, measured_here_text(), recorded=False, loc=loc)
+def footer_notes(fig) -> list[str]:
+    """The provenance notes in ``fig``'s footer, in order."""
+    return [text for text, _ in fig.__dict__.get("_anelab_footer", [])]
+
+
+def label_recorded(ax, record: dict) -> str:
+    """Note ``provenance_line(record)`` in the figure's footer, naming ``ax``'s panel; returns the text."""
+    return label_provenance(ax, provenance_line(record), recorded=record.get("origin") == "recorded")
+
+
+def label_provenance(ax, text: str, *, recorded: bool) -> str:
+    """Note where ``ax``'s data came from in the figure's footer, below every panel and never on the
+    data; in a figure of several panels the note starts with the panel's place ("left: ...").
+    Returns ``text``."""
+    panel = _panel_name(ax)
+    add_footer_note(ax.figure, f"{panel}: {text}" if panel else text, recorded=recorded)
+    return text
+
+
+def label_measured(ax, engine: str = "NumPy") -> str:
+    """Note ``measured here: <kind of machine>, <engine>`` in the figure's footer."""
+    return label_provenance(ax, measured_here_text(engine), recorded=False)
 
 
 def label_figure(fig, records: list[dict] | None = None) -> str:
-    """Provenance of a multi-panel figure as its (small, coloured) suptitle: ``provenance_text``."""
-    text = provenance_text(records)
+    """Provenance of a whole figure in its footer: ``compact_provenance(records)`` (one line per kind of
+    machine, then the sources), or ``measured_here_text()`` without records. Returns the text."""
+    from anelab.studies.provenance import compact_provenance
+
+    text = compact_provenance(records) if records else measured_here_text()
     recorded = bool(records) and all(r.get("origin") == "recorded" for r in records)
-    fig.suptitle(text, fontsize=7, color=RECORDED_COLOUR if recorded else MEASURED_COLOUR)
-    return text
+    return add_footer_note(fig, text, recorded=recorded)
