@@ -369,3 +369,55 @@ def test_a_caption_table_entry_without_alt_text_is_refused(tmp_path, monkeypatch
             figures.caption_table()
     finally:
         figures.caption_table.cache_clear()
+
+
+# ---- readable at gallery size ------------------------------------------------------------------------
+
+GALLERY_TEXT_PT = 720  # the gallery's column: max-width 62rem less 2 x 1rem padding = 960 px = 720 pt at 100 %
+
+
+MIN_TICK_PT = 9
+
+
+def tick_label_sizes(svg: bytes) -> list[float]:
+    """Point size at which each tick label of a matplotlib SVG shows in the gallery at 100 % zoom.
+
+    Glyphs are paths, each label a group ``scale(s -s)`` with s = size / 100; a figure wider than the
+    gallery's column is scaled down to it. Superscripts (``10^-3``) are drawn smaller inside a label
+    by design and are not counted."""
+    import xml.etree.ElementTree as ET
+
+    root = ET.fromstring(svg)
+    shrink = min(1.0, GALLERY_TEXT_PT / float(root.get("width").removesuffix("pt")))
+    sizes = []
+    for group in root.iter("{http://www.w3.org/2000/svg}g"):
+        if re.fullmatch(r"[xy]tick_\d+", group.get("id") or ""):
+            for label in group.iter("{http://www.w3.org/2000/svg}g"):
+                m = re.search(r"scale\(([0-9.]+) -", label.get("transform") or "")
+                if m:
+                    sizes.append(round(float(m.group(1)) * 100 * shrink, 2))
+    return sizes
+
+
+def test_every_committed_figure_has_tick_labels_of_9_pt_at_gallery_size():
+    from anelab.paths import FIGURES_DIR
+
+    small = {}
+    for svg in sorted(FIGURES_DIR.glob("*.svg")):
+        sizes = tick_label_sizes(svg.read_bytes())
+        assert sizes, svg.name
+        if min(sizes) < MIN_TICK_PT:
+            small[svg.stem] = min(sizes)
+    assert small == {}
+
+
+def test_small_or_shrunk_tick_labels_are_caught():
+    """Negative controls: 6 pt tick labels (the old tiled_stateful_errors), and 9 pt labels on a figure
+    wider than the gallery, which the browser scales down."""
+    figures.use_style()
+    fig, ax = plt.subplots(figsize=(4, 2))
+    ax.set_xticks([0, 1], ["a", "b"], fontsize=6)
+    assert min(tick_label_sizes(figures.figure_bytes(fig, "svg"))) == 6.0
+    wide, _ = plt.subplots(figsize=(11, 2))
+    assert min(tick_label_sizes(figures.figure_bytes(wide, "svg"))) == round(9 * 720 / 792, 2)
+    plt.close("all")

@@ -7,17 +7,25 @@ otherwise salts its element ids with a random uuid), no date goes into either fi
 the dpi is a named constant. Both files and the manifest are written atomically (temp + rename).
 
 Figures drawn from recorded data (a record with ``origin: "recorded"``, e.g. the seed's M3 tables)
-say so inside the figure: ``label_recorded(ax, record)`` draws
+say so in the figure's footer, below every panel and never on the data: ``label_recorded(ax, record)``
+adds
 
     recorded on Mac15,3 (M3), macOS 27.0 — source: <record file> — replayed, not measured here
 
-and a fresh measurement is labelled ``measured here: <machine>``. ``provenance_text(records)`` is
-the same text for a list of records (what ``save_figure`` stores as the figure's provenance note).
+and a fresh result is labelled with the kind of machine, ``measured here: Linux x86_64, NumPy`` — not
+the host (no kernel build string), so a figure that does not plot wall times is byte-identical on
+every machine of the same kind. Its MANIFEST entry says ``"deterministic": true``; a figure of fresh
+wall times is declared ``deterministic = false`` in ``captions.toml`` and its entry names the exact
+host. ``provenance_text(records)`` is the label for a list of records (what ``save_figure`` stores
+as the figure's provenance note).
 
 Every figure's caption and alt text are declared once, in ``captions.toml`` beside this module
 (``caption_for``), with the provenance kinds it draws (``PROVENANCE_KINDS``: measured here,
 recorded elsewhere, predicted); ``save_figure`` copies them into the manifest entry, and
 ``annotate_manifest`` adds them to an existing manifest without redrawing.
+A caption's facts are claims (``captions.toml``: a phrase and the facts that make it true); the
+notebook passes what its figure shows to ``save_figure(facts=...)`` and ``text_problems`` compares
+the two.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import fcntl
 import hashlib
 import io
 import json
+import math
 import os
 import tomllib
 from functools import cache
@@ -152,14 +161,17 @@ def save_figure(
     caption: str | None = None,
     alt: str | None = None,
     deterministic: bool = True,
+    facts: dict | None = None,
 ) -> dict:
     """Write ``name``.png and ``name``.svg to ``figures_dir`` and record them in its manifest.
 
     notebook: the notebook that drew the figure (file name); parameters: the notebook parameters
-    (JSON-serialisable) it ran with; provenance_note: where the data came from (``provenance_text``).
+    (JSON-serialisable) it ran with; provenance_note: where the data came from (``provenance_text``);
+    facts: what the figure shows that its caption and alt text state in words (counts, thresholds, which
+    bars pass), checked against ``captions.toml`` by the tests; "panels" (``panel_count``) is added.
     caption / alt / deterministic: only for figures outside the study notebooks (e.g. batch summaries);
     a study figure takes them from ``captions.toml``. Returns the manifest entry: {"files": {fmt:
-    {"path", "sha256", "bytes"}}, "notebook", "parameters", "provenance", "deterministic"} plus
+    {"path", "sha256", "bytes"}}, "notebook", "parameters", "provenance", "facts", "deterministic"} plus
     "caption", "alt", "provenance_kinds" when declared, and "host" (``machine_description()``: the
     exact machine, kernel build included) for a figure that is not deterministic — the image itself
     names only the kind of machine, so a deterministic figure and its entry are the same on every
@@ -167,14 +179,17 @@ def save_figure(
     unlike records); the manifest carries no dates, so it is byte-stable when the figures are.
     """
     name = _check_name(name)
+    facts = {"panels": panel_count(fig), **(facts or {})}
     if not notebook:
         raise AnelabInputError("save_figure needs the notebook's file name (notebook=...)")
     try:
         params = json.loads(json.dumps(parameters, sort_keys=True))
+        facts = json.loads(json.dumps(facts, sort_keys=True))
     except TypeError as e:
-        raise AnelabInputError(f"figure {name}: parameters must be JSON-serialisable ({e})") from None
+        raise AnelabInputError(f"figure {name}: parameters and facts must be JSON-serialisable ({e})") from None
     directory = Path(figures_dir)
     entry = {"files": {}, "notebook": str(notebook), "parameters": params, "provenance": str(provenance_note)}
+    entry["facts"] = facts
     declared = caption_for(name) if caption is None else {"caption": caption, "alt": alt or caption}
     entry.update({"deterministic": deterministic, **declared})
     if not entry["deterministic"]:
@@ -195,6 +210,11 @@ def save_figure(
     return entry
 
 
+def panel_count(fig) -> int:
+    """Panels of a figure: its visible axes laid out on a grid (colorbars and insets are not panels)."""
+    return sum(1 for ax in fig.axes if ax.get_visible() and ax.get_subplotspec() is not None)
+
+
 @cache
 def caption_table() -> dict[str, dict]:
     """``captions.toml`` parsed: {figure name: {"caption", "alt", "provenance": [kinds]}}."""
@@ -207,6 +227,9 @@ def caption_table() -> dict[str, dict]:
             )
         if not isinstance(entry.get("deterministic", True), bool):
             raise AnelabInputError(f"{CAPTIONS_FILE.name} [{name}]: deterministic must be true or false")
+        claims = entry.get("claims", {})
+        if not isinstance(claims, dict) or not all(isinstance(facts, dict) and facts for facts in claims.values()):
+            raise AnelabInputError(f"{CAPTIONS_FILE.name} [{name}.claims]: each phrase needs a table of the facts it states")
     return table
 
 
@@ -221,7 +244,54 @@ def caption_for(name: str) -> dict:
         "alt": entry["alt"],
         "provenance_kinds": list(entry["provenance"]),
         "deterministic": entry.get("deterministic", True),
+        "claims": dict(entry.get("claims", {})),
     }
+
+
+PANEL_WORDS = {"two": 2, "three": 3, "four": 4}
+
+
+def stated_panels(text: str) -> int | None:
+    """How many panels a caption or alt text says the figure has: "two panels", "Left: … Right: …",
+    "Top: … Bottom: …"; None when it names no panels."""
+    import re
+
+    words = re.search(r"\b(two|three|four|\d+)\s+(?:[a-z-]+\s+)?panels\b", text, re.IGNORECASE)
+    if words:
+        count = words.group(1).lower()
+        return int(count) if count.isdigit() else PANEL_WORDS[count]
+    sides = sum(bool(re.search(rf"\b{side}( panel)?:", text, re.IGNORECASE)) for side in ("left", "right", "top", "bottom"))
+    return sides if sides >= 2 else None
+
+
+def _same(stated, shown) -> bool:
+    if isinstance(stated, float) or isinstance(shown, float):
+        return isinstance(shown, int | float) and math.isclose(stated, shown, rel_tol=1e-6, abs_tol=1e-12)
+    return stated == shown
+
+
+def text_problems(name: str, entry: dict) -> list[str]:
+    """Where a manifest entry's caption and alt text say something its figure does not show.
+
+    Checked against the figure's own ``facts`` (recorded by ``save_figure`` from the data drawn):
+    the number of panels the texts name, and every claim of ``captions.toml`` — a phrase that must
+    appear in the caption or alt text, with the facts that make it true. Empty when they agree."""
+    problems = []
+    facts = entry.get("facts") or {}
+    for field in ("caption", "alt"):
+        stated = stated_panels(entry.get(field, ""))
+        if stated is not None and stated != facts.get("panels"):
+            problems.append(f"{name}: {field} names {stated} panels; the figure has {facts.get('panels')}")
+    text = f"{entry.get('caption', '')} {entry.get('alt', '')}"
+    for phrase, claimed in (entry.get("claims") or {}).items():
+        if phrase not in text:
+            problems.append(f"{name}: claim {phrase!r} is in neither the caption nor the alt text")
+        for key, value in claimed.items():
+            if key not in facts:
+                problems.append(f"{name}: claim {phrase!r} rests on {key!r}, which the figure does not record")
+            elif not _same(value, facts[key]):
+                problems.append(f"{name}: {phrase!r} says {key} = {value!r}; the figure shows {facts[key]!r}")
+    return problems
 
 
 def annotate_manifest(figures_dir: str | os.PathLike = "figures") -> dict:
