@@ -229,7 +229,9 @@ def caption_table() -> dict[str, dict]:
             raise AnelabInputError(f"{CAPTIONS_FILE.name} [{name}]: deterministic must be true or false")
         claims = entry.get("claims", {})
         if not isinstance(claims, dict) or not all(isinstance(facts, dict) and facts for facts in claims.values()):
-            raise AnelabInputError(f"{CAPTIONS_FILE.name} [{name}.claims]: each phrase needs a table of the facts it states")
+            raise AnelabInputError(
+                f"{CAPTIONS_FILE.name} [{name}.claims]: each phrase needs a table of the facts it states"
+            )
     return table
 
 
@@ -260,7 +262,9 @@ def stated_panels(text: str) -> int | None:
     if words:
         count = words.group(1).lower()
         return int(count) if count.isdigit() else PANEL_WORDS[count]
-    sides = sum(bool(re.search(rf"\b{side}( panel)?:", text, re.IGNORECASE)) for side in ("left", "right", "top", "bottom"))
+    sides = sum(
+        bool(re.search(rf"\b{side}( panel)?:", text, re.IGNORECASE)) for side in ("left", "right", "top", "bottom")
+    )
     return sides if sides >= 2 else None
 
 
