@@ -238,9 +238,18 @@ def read_records(directory: str | os.PathLike, kind: str | None = None) -> list[
     return out
 
 
+def new_file_mode() -> int:
+    """The mode ``open()`` gives a new file under this process's umask (0o644 under the usual 022):
+    a temporary file is created 0o600, and a file renamed into place keeps its mode."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, overwrite: bool = True) -> Path:
     """Write ``data`` to ``path`` via a temporary file in the same directory and rename, so a reader
-    never sees a half-written file.
+    never sees a half-written file. The file gets the mode a plain ``open()`` would give it
+    (readable by the group and others under the usual umask), not the temporary file's 0o600.
 
     With ``overwrite=False`` an existing ``path`` is refused (the new file is linked into place,
     which fails if the name is taken, so two writers cannot both win).
@@ -250,6 +259,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, overwrite: bool 
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), new_file_mode())
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -17,13 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from tqdm.auto import tqdm
-
 from anelab import __version__
 from anelab.errors import AnelabInputError
 from anelab.geometry import AttentionGeometry, chunk_starts, coverage, validate_chunk_and_histories
 from anelab.hf.checkpoint import load_checkpoint
 from anelab.masks import MASKED
+from anelab.progress import tqdm
 from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools
 from anelab.sidecar.format import (
     FORMAT_VERSION,
