@@ -79,6 +79,19 @@ def machine_description() -> dict:
     return {"machine_model": model, "chip": chip, "os_version": os_version}
 
 
+def machine_kind(description: dict | None = None) -> str:
+    """What kind of machine a ``machine_description`` (default: this one) names, without what changes
+    when the same machine is rebooted or patched: ``Linux x86_64`` (no kernel build string), or on a
+    Mac ``Mac15,3 (M3), macOS 27.0`` (the OS release is part of what a Core ML measurement means)."""
+    d = machine_description() if description is None else description
+    model = str(d.get("machine_model", "unknown"))
+    os_version = str(d.get("os_version", "unknown"))
+    if not os_version.startswith("macOS"):
+        return model
+    chip = str(d.get("chip", "unknown")).removeprefix("Apple ")
+    return f"{model} ({chip}), {os_version}"
+
+
 def git_revision() -> str:
     here = REPO_ROOT
     rev = _run(["git", "-C", str(here), "rev-parse", "--short=12", "HEAD"])
