@@ -4,6 +4,7 @@ Plus the runner itself: a failing or hanging notebook is reported as failed, nev
 
 from __future__ import annotations
 
+import html
 import json
 import subprocess
 import sys
@@ -122,7 +123,14 @@ def test_notebook_runs_in_quick_mode(path, tmp_path):
     assert run.executed.is_file() and run.html is not None and run.html.is_file()
     assert run.parameters["quick"] is True
     assert [_snapshot(d) for d in watched] == before, "a quick run wrote into the repository"
-    assert executed_problems(nbformat.read(str(run.executed), as_version=4)) == []
+    executed = nbformat.read(str(run.executed), as_version=4)
+    assert executed_problems(executed) == []
+    page = run.html.read_text()
+    for cell in (c for c in executed.cells if c.cell_type == "code" and "explore.show(" in c.source):
+        # without a kernel or a widget manager, the HTML still holds the explore cell's numbers as text
+        printed = "".join(o.text for o in cell.outputs if o.output_type == "stream")
+        assert all(html.escape(line) in page for line in printed.splitlines() if line.strip())
+        assert "application/vnd.jupyter.widget-state+json" in page  # and the widgets' state, for the manager
     manifest = tmp_path / "figures" / "MANIFEST.json"
     if manifest.exists():
         import hashlib
