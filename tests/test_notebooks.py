@@ -223,8 +223,8 @@ def test_run_parameters_keep_quick_runs_out_of_the_repository(tmp_path):
     quick = notebooks.run_parameters(True, tmp_path)
     assert all(Path(quick[k]).is_relative_to(tmp_path.resolve()) for k in ("figures_dir", "records_dir", "build_dir"))
     full = notebooks.run_parameters(False, tmp_path)
-    assert Path(full["figures_dir"]) == paths.FIGURES_DIR
-    assert Path(full["records_dir"]) == paths.MEASURED_DIR
+    assert notebooks.repo_path(full["figures_dir"]) == paths.FIGURES_DIR  # written repo-relative: "figures"
+    assert notebooks.repo_path(full["records_dir"]) == paths.MEASURED_DIR
     assert notebooks.repo_path("figures") == paths.FIGURES_DIR
     assert notebooks.repo_path(tmp_path) == tmp_path
 
