@@ -39,6 +39,7 @@ import contextlib
 import datetime as _dt
 import hashlib
 import json
+import math
 import os
 import platform
 import re
@@ -271,7 +272,7 @@ def run_notebook(
                 cwd=str(REPO_ROOT),
                 progress_bar=False,
                 log_output=False,
-                execution_timeout=timeout,
+                execution_timeout=math.ceil(timeout),  # papermill takes whole seconds
                 request_save_on_cell_execute=False,
             )
     except PapermillExecutionError as e:
