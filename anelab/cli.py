@@ -337,8 +337,10 @@ PLAN_EXAMPLES = """examples:
       per-history vs stateful vs stateful-tiled sidecars for one family
   anelab plan --checkpoint build/checkpoints/anelab-tiny-hybrid --prompt-tokens 2048
       your model's own layers and heads, costs from the closest recorded family
-  anelab plan --list-families        the families, what is recorded and what is unknown
-  anelab plan --fit-report           predicted vs recorded ratio of every recorded A/B row"""
+  anelab plan --list-families
+      the families, what is recorded and what is unknown
+  anelab plan --fit-report
+      predicted vs recorded ratio of every recorded A/B row"""
 
 
 def _add_plan(sub):

@@ -56,6 +56,12 @@ STUDIES: dict[str, tuple[str, str, str | None]] = {
 }
 
 
+def notebooks_without_a_row(notebook_names: list[str]) -> list[str]:
+    """The notebooks (file names) that ``STUDIES`` does not list: each is a study doctor would forget."""
+    listed = {notebook.rsplit("/", 1)[-1] for notebook, _, _ in STUDIES.values()}
+    return [name for name in notebook_names if name not in listed]
+
+
 def study_mode(anywhere: str | None, needs_runtime: str | None, available: bool) -> str:
     """ "runs here" (every part runs on this machine), "partly" (the runtime part is replayed from
     recorded data) or "replay" (nothing of it runs here)."""
