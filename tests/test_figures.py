@@ -309,9 +309,8 @@ def test_every_committed_figure_has_a_caption_alt_text_and_provenance_kind():
     assert problems == []
     # and the manifest carries what the table says (annotate_manifest / save_figure copy it)
     for name, entry in manifest["figures"].items():
-        assert {k: entry[k] for k in ("caption", "alt", "provenance_kinds", "deterministic")} == figures.caption_for(
-            name
-        )
+        keys = ("caption", "alt", "provenance_kinds", "deterministic", "claims")
+        assert {k: entry[k] for k in keys} == figures.caption_for(name)
 
 
 def test_caption_check_catches_a_bare_entry():

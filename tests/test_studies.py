@@ -232,7 +232,7 @@ def test_compact_provenance():
         "_file": "m.json",
     }
     assert compact_provenance([here], planner=True) == (
-        "measured here: Linux x86_64\nlines: planner (anelab.plan) fitted on these records"
+        "measured here: Linux x86_64\nlines: planner (anelab.studies.planner) fitted on these records"
     )  # the kind of machine (no kernel build string); no source line for this run's own record
     assert compact_provenance([here, recs[2]]).endswith("source: c.json")
     with pytest.raises(AnelabInputError):
