@@ -16,7 +16,7 @@ import numpy as np
 from anelab.geometry import chunk_starts
 from anelab.progress import tqdm
 from anelab.sidecar.compare import relative_error
-from anelab.sidecar.designs import get_design
+from anelab.sidecar.designs import STATEFUL_TILED, get_design
 from anelab.sidecar.evaluate import SavedPackage
 from anelab.sidecar.inspection import largest_working_output
 from anelab.sidecar.prompt import prefill_prompt, prompt_reference
@@ -111,7 +111,7 @@ def tile_error_table(
             chunk,
             None,
             [layer],
-            graph="stateful-tiled",
+            graph=STATEFUL_TILED,
             capacity=capacity,
             key_tile=kt,
             query_tile=query_tile,
