@@ -228,12 +228,13 @@ def test_compact_provenance():
     )
     here = {
         "origin": "measured",
-        "provenance": {"machine_model": "Linux x86_64", "chip": "x86_64", "os_version": "Linux 6"},
+        "provenance": {"machine_model": "Linux x86_64", "chip": "x86_64", "os_version": "Linux 6.18.44-fc-v595"},
         "_file": "m.json",
     }
     assert compact_provenance([here], planner=True) == (
-        "measured here: Linux x86_64 (x86_64), Linux 6\nsource: m.json\nlines: planner (anelab.studies.planner) fitted on these records"
-    )
+        "measured here: Linux x86_64\nlines: planner (anelab.studies.planner) fitted on these records"
+    )  # the kind of machine (no kernel build string); no source line for this run's own record
+    assert compact_provenance([here, recs[2]]).endswith("source: c.json")
     with pytest.raises(AnelabInputError):
         compact_provenance([{**here, "origin": "guessed"}])
 

@@ -38,9 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from anelab.errors import AnelabInputError
+from anelab.progress import tqdm
 from anelab.records import make_record, write_record
 from anelab.runtime.assumptions import CORE_ML_LOAD_DURATION, CORE_ML_PREDICT_DURATION
 from anelab.runtime.interface import (

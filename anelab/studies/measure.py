@@ -20,10 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from anelab.errors import AnelabInputError
 from anelab.paths import BUILD_DIR, MEASURED_DIR
+from anelab.progress import tqdm
 from anelab.records import machine_description, read_records, write_record
 from anelab.runtime.interface import CoreMLRuntime, package_content_hash
 

@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from anelab.errors import AnelabInputError
+from anelab.progress import tqdm
 from anelab.records import make_record, write_record
 from anelab.runtime.assumptions import LOAD_FUNCTION_BY_NAME
 from anelab.runtime.interface import CoreMLRuntime, check_compute_units
