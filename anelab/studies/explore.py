@@ -154,12 +154,13 @@ def budget_explorer(case, compress_ratio: int, kept_blocks: int) -> Explorer:
 def design_explorer(prompt_tokens: int, family: str, key_tile: int = 1024, query_tile: int = 256) -> Explorer:
     """Notebook 06: the stateful, tiled design's arena, ops and predicted ratio per chunk and tiles."""
     from anelab.errors import AnelabInputError
+    from anelab.sidecar.designs import STATEFUL_TILED
     from anelab.studies.planner.design import compare_designs
 
     def describe(chunk: int, key_tile: int, query_tile: int) -> str:
         try:
             [d] = compare_designs(
-                prompt_tokens, family, chunk, ("stateful-tiled",), key_tile=key_tile, query_tile=min(query_tile, chunk)
+                prompt_tokens, family, chunk, (STATEFUL_TILED,), key_tile=key_tile, query_tile=min(query_tile, chunk)
             )
         except AnelabInputError as e:  # a tile this chunk cannot take: say which
             return f"C={chunk}, tiles {key_tile} x {query_tile}: {e}"
