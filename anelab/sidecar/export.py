@@ -44,6 +44,7 @@ from anelab.sidecar.graphs.stateful_tiled import (
     build_stateful_tiled_program,
     validate_mask_mode,
     validate_tiles,
+    window_ring,
 )
 from anelab.sidecar.graphs.tiled import build_tiled_program, validate_key_tile
 from anelab.sidecar.quantize import compress_package, validate_weights_mode
@@ -176,12 +177,25 @@ def selection_from_flags(kept_blocks: int | None, compress_ratio: int | None) ->
     return {"kept_blocks": kept_blocks, "compress_ratio": compress_ratio}
 
 
+def stateful_tiled_layout(
+    window: int | None, key_tile: int | None, query_tile: int | None, chunk: int, capacity: int
+) -> tuple[int, int, int | None]:
+    """(key tile, query tile, ring slots) of one layer's stateful-tiled functions: a full-attention
+    layer tiles its ``capacity`` slots (ring None); a windowed one tiles its ring of about W + C slots
+    (``window_ring``; a given key tile rounds the ring up to whole tiles)."""
+    if window is None:
+        return (*validate_tiles(key_tile, query_tile, chunk, capacity), None)
+    ring, key_tile = window_ring(window, chunk, key_tile)
+    return (*validate_tiles(key_tile, query_tile, chunk, ring), ring)
+
+
 def _capacity_limit(graph: str) -> int:
     return MAX_TILED_STATE_CAPACITY if graph == "stateful-tiled" else MAX_STATE_CAPACITY
 
 
-def selection_indexer_metadata(selection: dict, graph: str) -> dict:
-    """Validate a sparse indexer's parameters and return what the package records about it."""
+def selection_indexer_metadata(selection: dict, graph: str, mask_mode: str = "causal") -> dict:
+    """Validate a sparse indexer's parameters and return what the package records about it (the
+    folded selection reaches a stateful-tiled function through its ``additive`` mask input)."""
     from anelab.masks import dense_exact_window
 
     try:
@@ -194,8 +208,15 @@ def selection_indexer_metadata(selection: dict, graph: str) -> dict:
         raise AnelabInputError(
             f"--selection-kept-blocks and --selection-compress-ratio must be positive, got {kept} and {ratio}"
         )
-    if graph in STATEFUL_GRAPHS:
-        raise AnelabInputError(f"the selection contract is supported for --graph dense or tiled; drop --graph {graph}")
+    if graph == "stateful-tiled" and mask_mode != "additive":
+        raise AnelabInputError(
+            "the selection contract of --graph stateful-tiled needs its mask input: add --mask-mode additive"
+        )
+    if graph == "stateful":
+        raise AnelabInputError(
+            "the selection contract is supported for --graph dense, tiled or stateful-tiled (--mask-mode additive); "
+            "drop --graph stateful"
+        )
     return {
         "kept_blocks": kept,
         "compress_ratio": ratio,
@@ -256,7 +277,8 @@ def export_layer(
         capacity = validate_state_capacity(capacity, chunk, histories, limit=_capacity_limit(graph))
         histories = chunk_starts(capacity, chunk)  # the chunk starts of a prefill that fills the cache
         if graph == "stateful-tiled":
-            tiles = (*validate_tiles(key_tile, query_tile, chunk, capacity), validate_mask_mode(mask_mode))
+            tiles = stateful_tiled_layout(checkpoint.geometry.window_of(layer), key_tile, query_tile, chunk, capacity)
+            tiles = (*tiles[:2], validate_mask_mode(mask_mode), tiles[2])
     else:
         histories = validate_chunk_and_histories(chunk, list(histories))
     builds = function_builds(
@@ -317,10 +339,10 @@ def package_metadata(
     *,
     key_tile: int | None,
     capacity: int | None,
-    tiles: tuple[int, int, str] | None = None,
+    tiles: tuple[int, int, str, int | None] | None = None,
 ) -> SidecarMetadata:
     """What the finished package records about itself (``variants``: the converted functions;
-    ``tiles``: the stateful-tiled graph's (key tile, query tile, mask mode))."""
+    ``tiles``: the stateful-tiled graph's (key tile, query tile, mask mode, ring slots or None))."""
     return SidecarMetadata(
         format_version=FORMAT_VERSION,
         source=str(checkpoint.path),
@@ -333,7 +355,9 @@ def package_metadata(
         weights=weights_mode,
         single_function_weight_bytes=weight_bytes(next(iter(variants.values()))),
         selection_folded=selection is not None,
-        selection_indexer=selection_indexer_metadata(selection, graph) if selection is not None else None,
+        selection_indexer=selection_indexer_metadata(selection, graph, tiles[2] if tiles else "causal")
+        if selection is not None
+        else None,
         ane_verified=gate is not None,
         ane_reason=gate.verified_reason if gate is not None else OFF_MAC_REASON,
         ane_evidence=evidence,
@@ -346,6 +370,7 @@ def package_metadata(
         query_tile=tiles[1] if tiles else None,
         mask_mode=tiles[2] if tiles else None,
         sliding_window=checkpoint.geometry.window_of(layer),
+        ring_slots=tiles[3] if tiles else None,
     )
 
 
@@ -359,17 +384,20 @@ def function_builds(
     key_tile: int | None,
     capacity: int | None,
     decode: bool,
-    tiles: tuple[int, int, str] | None = None,
+    tiles: tuple[int, int, str, int | None] | None = None,
 ) -> dict[str, Callable[[], object]]:
     """Function name -> a builder of its MIL program: ``h<H>`` per history (dense, tiled), or
     ``c<C>`` (and ``c1`` with ``decode``) for the stateful graphs. ``tiles``: (key tile, query tile,
-    mask mode) of the stateful-tiled graph (the decode function's query tile is 1)."""
+    mask mode, ring slots) of the stateful-tiled graph (the decode function's query tile is 1; ring
+    slots: None for a full-attention layer)."""
     if graph == "stateful-tiled":
-        kt, qt, mode = tiles
+        kt, qt, mode, ring = tiles
         widths = [chunk] + ([1] if decode and chunk != 1 else [])
         return {
             stateful_function_name(w): (
-                lambda w=w: build_stateful_tiled_program(geometry, weights, w, capacity, kt, min(qt, w), mode)
+                lambda w=w: build_stateful_tiled_program(
+                    geometry, weights, w, capacity, kt, min(qt, w), mode, slots=ring
+                )
             )
             for w in widths
         }
@@ -431,7 +459,7 @@ def export_sidecars(
             "export: --histories is required (e.g. --histories 0,C,2C); only --graph stateful --capacity N goes without"
         )
     if selection is not None:
-        selection_indexer_metadata(selection, graph)
+        selection_indexer_metadata(selection, graph, mask_mode)
     checkpoint = load_checkpoint(checkpoint_dir)
     validate_graph_options(graph, key_tile, weights_mode, chunk, checkpoint.geometry, capacity=capacity, decode=decode)
     if query_tile is not None and graph != "stateful-tiled":

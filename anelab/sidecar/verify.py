@@ -535,12 +535,18 @@ def fold_comparisons(
 
     indexer = meta.selection_indexer or {}
     ratio = int(indexer.get("compress_ratio", 4))
-    case = foldcheck.make_case(saved, checkpoint_dir, history=max(meta.histories), seed=seed)
-    visible_blocks = (case.history + 1) // ratio
-    kept = max(1, min(int(indexer.get("kept_blocks", 1)), visible_blocks // 4))
-    selection = foldcheck.selection_for(case, kept, ratio, seed=seed)
-    check = foldcheck.fold_check(case, selection, strict=False, evaluator=evaluator)
-    fn, rows = case.function, case.chunk
+    history = meta.state_capacity - meta.chunk if meta.graph == "stateful-tiled" else max(meta.histories)
+    kept = max(1, min(int(indexer.get("kept_blocks", 1)), (history + 1) // ratio // 4))
+    if meta.graph == "stateful-tiled":  # through the state: the cache filled by the package's own calls
+        check = foldcheck.stateful_tiled_fold_check(
+            saved, checkpoint_dir, kept_blocks=kept, compress_ratio=ratio, seed=seed
+        )
+        fn, rows = "+".join(meta.functions), meta.chunk
+    else:
+        case = foldcheck.make_case(saved, checkpoint_dir, history=history, seed=seed)
+        selection = foldcheck.selection_for(case, kept, ratio, seed=seed)
+        check = foldcheck.fold_check(case, selection, strict=False, evaluator=evaluator)
+        fn, rows = case.function, case.chunk
     return [
         Comparison(fn, f"fold: {kept} blocks x {ratio} kept", rows, {"attn_out": check.fold_error}),
         Comparison(fn, "control: causal-only mask", rows, {"attn_out": check.causal_off}, control=True),
@@ -736,9 +742,11 @@ def verify_stateful_tiled_package(
 ) -> VerifyReport:
     """Verify a stateful-tiled sidecar over a whole prompt whose last chunk is partial, then decode
     steps through ``c1`` when present: attn_out rows and the cache slots the prompt wrote, against the
-    fp64 reference. Controls (each must fail): the package told the wrong position (start + 1, over
-    the prompt's whole chunks), a fresh state per call (state not carried), and — with an additive
-    mask input — a changed mask."""
+    fp64 reference (within the layer's sliding window, if any: its cache is a ring and the prompt
+    runs past the window whenever the capacity does). Controls (each must fail): the package told
+    the wrong position (start + 1, over the prompt's whole chunks), a fresh state per call (state not
+    carried), for a windowed layer the window dropped (the reference without it), and — with an
+    additive mask input — a changed mask, plus the fold check when the package records a selection."""
     meta, checkpoint, saved, weights, checkpoint_weights = open_stateful_package(package, checkpoint_dir)
     geometry, capacity, C = checkpoint.geometry, meta.state_capacity, meta.chunk
     prefill = stateful_tiled_prompt_rows(capacity, C)
@@ -753,7 +761,8 @@ def verify_stateful_tiled_package(
         rows = hidden[:whole] if "start_offset" in options else hidden
         return run_stateful_tiled(saved, rows, C, capacity, **{"decode_steps": decode_steps, "fp16": fp16, **options})
 
-    ref = prompt_reference(hidden, weights, geometry, rope_coverage=capacity)
+    window = geometry.window_of(meta.layer)
+    ref = prompt_reference(hidden, weights, geometry, window=window, rope_coverage=capacity)
     whole = (prefill // C) * C  # the wrong-position control runs the whole chunks only (one slot must stay spare)
     cases = [
         ("wrong position (start + 1)", {"start_offset": 1, "decode_steps": 0}),
@@ -764,35 +773,47 @@ def verify_stateful_tiled_package(
     steps = tqdm(total=1 + len(cases) + (meta.weights != "fp16"), desc="verify stateful-tiled", unit="run")
     out, state = run()
     case = f"prompt {prefill} (last chunk partial)+{decode_steps}"
-    report.comparisons.append(Comparison(label, case, P, stateful_tiled_errors(out, state, ref)))
+    report.comparisons.append(Comparison(label, case, P, stateful_tiled_errors(out, state, ref, window)))
+    if window is not None and window < P:  # the window must matter at this prompt, or the check could not see it
+        full = prompt_reference(hidden, weights, geometry, rope_coverage=capacity).attn_out
+        err = {"attn_out": relative_error(out, full)}
+        report.comparisons.append(Comparison(label, "control: window dropped (ref.)", P, err, control=True))
     steps.update()
     for name, options in cases:
         wrong, wrong_state = run(**options)
         part = reference.BlockOutput(
             ref.attn_out[: len(wrong)], ref.k_chunk[:, : len(wrong)], ref.v_chunk[:, : len(wrong)]
         )
-        errs = stateful_tiled_errors(wrong, wrong_state, part)
+        errs = stateful_tiled_errors(wrong, wrong_state, part, window)
         if "start_offset" not in options:  # a fresh state or a changed mask still writes the right cache
             errs = {"attn_out": errs["attn_out"]}
         report.comparisons.append(Comparison(label, f"control: {name}", P, errs, control=True))
         steps.update()
     if meta.weights != "fp16":
         bound = quantize.ERROR_BOUNDS[meta.weights]
-        fp16_ref = prompt_reference(hidden, checkpoint_weights, geometry, rope_coverage=capacity)
-        errs = stateful_tiled_errors(out, state, fp16_ref)
+        fp16_ref = prompt_reference(hidden, checkpoint_weights, geometry, window=window, rope_coverage=capacity)
+        errs = stateful_tiled_errors(out, state, fp16_ref, window)
         report.comparisons.append(Comparison(label, f"{meta.weights} vs fp16 w. (<={bound:g})", P, errs, bound=bound))
         steps.update()
     steps.close()
+    if meta.selection_folded:
+        report.comparisons.extend(fold_comparisons(saved, checkpoint.path, meta, seed=seed))
     return report
 
 
 def stateful_tiled_errors(
-    out: np.ndarray, state: dict[str, np.ndarray], ref: reference.BlockOutput
+    out: np.ndarray, state: dict[str, np.ndarray], ref: reference.BlockOutput, window: int | None = None
 ) -> dict[str, float]:
     """attn_out rows [P, D], and the cache slots the prompt wrote ([Hkv, :P, d]) against the reference
-    K/V [Hkv, P, d] (slots past P hold a partial chunk's padding, dropped by the causal mask)."""
+    K/V [Hkv, P, d] (slots past P hold a partial chunk's padding, dropped by the causal mask). A
+    windowed layer's ring [Hkv, S, d]: slot p mod S of each of the last ``window`` positions p — every
+    key a later call can still see (an older slot may hold a partial chunk's overwritten padding)."""
     P = out.shape[0]
     errs = {"attn_out": relative_error(out, ref.attn_out)}
     for column, name, expected in (("k_chunk", STATE_NAMES[0], ref.k_chunk), ("v_chunk", STATE_NAMES[1], ref.v_chunk)):
-        errs[column] = relative_error(state[name][:, :P], expected)
+        if window is None:
+            errs[column] = relative_error(state[name][:, :P], expected)
+        else:
+            live = np.arange(max(0, P - window), P)
+            errs[column] = relative_error(state[name][:, live % state[name].shape[1]], expected[:, live])
     return errs
