@@ -186,7 +186,7 @@ def validate_ring(
         return capacity
     if slots is None:
         raise AnelabInputError(f"a {window}-token sliding-window layer needs its ring size (window_ring)")
-    if slots < window + chunk - 1 or slots % key_tile:
+    if slots < window + chunk - 1 or (key_tile and slots % key_tile):
         raise AnelabInputError(
             f"a ring of {slots} slots cannot serve a {window}-token window with chunks of {chunk} in key tiles of "
             f"{key_tile}; use window_ring({window}, {chunk}, {key_tile})[0] = {window_ring(window, chunk, key_tile)[0]}"
@@ -323,11 +323,11 @@ def build_stateful_tiled_program(
     ct, mb, types = coremltools_modules()
     g = geometry
     C, N = chunk, capacity
-    key_tile, query_tile = validate_tiles(key_tile, query_tile, C, N)
     validate_mask_mode(mask_mode)
     Hkv, d, G = g.num_kv_heads, g.head_dim, g.group_size
     window = g.window_of(weights.layer)
     S = validate_ring(window, slots, C, N, key_tile, mask_mode)  # cache slots: the capacity, or the ring
+    key_tile, query_tile = validate_tiles(key_tile, query_tile, C, S)
     cos_i, sin_i, _, _ = rope_tables(g, weights.layer, C, 0, coverage=N)
     specs = [mb.StateTensorSpec(shape=(Hkv, S, d), dtype=types.fp16) for _ in STATE_NAMES]
     specs += [mb.TensorSpec(shape=(C, g.hidden_size), dtype=types.fp16), mb.TensorSpec(shape=(1,), dtype=types.int32)]
