@@ -391,7 +391,8 @@ def function_builds(
     mask mode, ring slots) of the stateful-tiled graph (the decode function's query tile is 1; ring
     slots: None for a full-attention layer)."""
     if graph == "stateful-tiled":
-        kt, qt, mode, ring = tiles
+        kt, qt, mode, *ring = tiles  # ring slots: absent or None for a full-attention layer
+        ring = ring[0] if ring else None
         widths = [chunk] + ([1] if decode and chunk != 1 else [])
         return {
             stateful_function_name(w): (
