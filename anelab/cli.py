@@ -387,7 +387,10 @@ def _run_plan(args):
             key_tile=args.tile,
             query_tile=args.query_tile,
         )
-        rows = {Path(args.checkpoint).name: [d.to_dict() for d in plans]}
+        rows = {
+            f"{Path(args.checkpoint).name} ({kind})": [d.to_dict() for d in kind_plans]
+            for kind, kind_plans in plans.items()
+        }
         if args.json:
             _print_json(rows)
         else:

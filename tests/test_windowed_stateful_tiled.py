@@ -183,3 +183,36 @@ def test_windowed_and_selection_refusals(tmp_path, tiny_checkpoint):
     with pytest.raises(AnelabInputError, match="needs its ring size"):
         stateful_tiled.build_stateful_tiled_program(g, w, CHUNK, 32, 4, CHUNK)
     assert not any(tmp_path.glob("*.mlpackage"))
+
+
+def test_planner_prices_the_windowed_layers_as_built(tmp_path, capsys):
+    """plan --checkpoint --design all on a Gemma 3-style model with a 1,024-token window: the windowed
+    layers' stateful-tiled row is one function over a ring of W + C slots whatever the prompt."""
+    import json
+
+    from anelab.cli import main
+
+    ckpt = _gemma3_checkpoint(tmp_path / "m", replace(GEMMA3, sliding_window=1024))
+    rows = {}
+    for prompt in (4096, 16384):
+        argv = ["plan", "--checkpoint", str(ckpt), "--prompt-tokens", str(prompt), "--design", "all"]
+        assert main([*argv, "--chunk", "512", "--json"]) == 0
+        rows[prompt] = {
+            name.rsplit(" ", 1)[-1]: {r["design"]: r for r in plans}
+            for name, plans in json.loads(capsys.readouterr().out).items()
+        }
+    small, large = rows[4096], rows[16384]
+    assert set(small) == {"(full)", "(windowed)"}
+    tiled = small["(windowed)"]["stateful-tiled"]
+    assert (tiled["ring_slots"], tiled["functions_per_layer"], tiled["loads"]) == (1024 + 512, 1, 5)
+    assert tiled["score_entries_computed"] == (4096 // 512) * GEMMA3.num_heads * 512 * 1536  # calls x heads x C x ring
+    assert small["(windowed)"]["per-history"]["loads"] == 5 * (4096 // 512)  # one function per history, as built
+    for key in ("per_call_arena_bytes", "ops_per_function", "ring_slots"):
+        assert large["(windowed)"]["stateful-tiled"][key] == tiled[key]
+    # negative controls: the windowed layers' other designs and the full layer grow with the prompt
+    untiled = small["(windowed)"]["stateful"]
+    assert large["(windowed)"]["stateful"]["per_call_arena_bytes"] > untiled["per_call_arena_bytes"]
+    assert untiled["score_entries_computed"] > tiled["score_entries_computed"]
+    assert large["(full)"]["stateful-tiled"]["ops_per_function"] > small["(full)"]["stateful-tiled"]["ops_per_function"]
+    assert main(["plan", "--checkpoint", str(ckpt), "--prompt-tokens", "4096", "--design", "all"]) == 0
+    assert "(windowed)" in capsys.readouterr().out

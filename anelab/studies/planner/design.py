@@ -13,6 +13,12 @@ The three designs differ in what the runtime loads and what each call computes:
   the arithmetic is the stateful design's (every slot scored; no control flow skips a tile), and the
   op count grows with the tile pairs ``(C / query_tile) x (capacity / key_tile)``.
 
+Sliding-window layers (``window`` W) as built: ``per-history`` and ``stateful`` still score every
+key of the history (the window is only in the mask; RoPE positions are absolute, so a per-history
+windowed layer needs as many functions as a full one); ``stateful-tiled`` keeps a ring of about
+W + C slots (``stateful_tiled.window_ring``), so each call scores ``heads x C x ring`` entries and
+its arena and op count are the ring's, whatever the prompt.
+
 Assumptions (stated in every :class:`DesignPlan`): a load costs what the arena fit says
 (``LoadModel`` power law in score-arena bytes, fitted on Qwen 3.8's recorded loads, floored at the
 smallest recorded load, ``MIN_LOAD_SECONDS``) — whether compile time also grows with the op count is
@@ -28,7 +34,7 @@ from dataclasses import asdict, dataclass
 
 from anelab.errors import AnelabInputError
 from anelab.geometry import GB, chunk_starts, score_bytes
-from anelab.sidecar.graphs.stateful_tiled import validate_tiles, wasted_score_fraction
+from anelab.sidecar.graphs.stateful_tiled import validate_tiles, wasted_score_fraction, window_ring
 from anelab.studies.planner.catalogue import PlanGeometry, chunk_schedule, get_family, require_positive
 from anelab.studies.planner.fit import fit_costs
 from anelab.studies.planner.plan import plan
@@ -83,6 +89,8 @@ class DesignPlan:
     decision: str
     break_even_load_seconds: float | None
     assumptions: tuple
+    window: int | None = None  # the layers' sliding window (None: full attention)
+    ring_slots: int | None = None  # stateful-tiled on windowed layers: cache slots per state
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -140,10 +148,12 @@ def design_plan(
     capacity: int | None = None,
     key_tile: int | None = None,
     query_tile: int | None = None,
+    window: int | None = None,
 ) -> DesignPlan:
     """Predict one design for one prompt (module docstring: model and assumptions). ``capacity``
     defaults to the prompt rounded up to whole chunks (and, for a given key tile, whole key tiles);
-    tiles default as the exporter's (``validate_tiles``)."""
+    tiles default as the exporter's (``validate_tiles``; a windowed layer's ring: ``window_ring``).
+    ``window``: the layers' sliding window W, or None for full attention."""
     if design not in DESIGNS:
         raise AnelabInputError(f"unknown --design {design!r}; use one of: {', '.join(DESIGNS)}")
     require_positive("--prompt-tokens", prompt_tokens)
@@ -152,6 +162,9 @@ def design_plan(
     on_ane = schedule[0].device == "ane"
     calls, heads, n_fa = len(schedule), geometry.num_heads, len(geometry.full_attention_layers)
     used = heads * prompt_tokens * (prompt_tokens + 1) // 2
+    if window is not None:  # a query sees at most W keys
+        used = heads * sum(min(p + 1, window) for p in range(prompt_tokens))
+    ring = None
     assumptions = [
         "ANE attention: recorded rate per score entry (Qwen 3.8 h0 prediction), masked entries included",
         "GPU arm, non-attention and GPU attention: the per-history plan's (plan())",
@@ -178,6 +191,12 @@ def design_plan(
         if design == "stateful":
             kt = qt = None
             arena, ops = score_bytes(heads, chunk, cap), OPS_STATEFUL
+        elif window is not None:  # a ring of about W + C slots: every call scores the ring
+            ring, kt = window_ring(window, chunk, key_tile)
+            kt, qt = validate_tiles(kt, query_tile, chunk, ring)
+            computed = calls * heads * chunk * ring
+            arena, ops = score_bytes(heads, qt, kt), stateful_tiled_ops(chunk, ring, kt, qt)
+            assumptions.append(f"windowed layers: a ring of {ring} slots; ops as a full layer's per tile pair")
         else:
             kt, qt = validate_tiles(key_tile, query_tile, chunk, cap)
             arena, ops = score_bytes(heads, qt, kt), stateful_tiled_ops(chunk, cap, kt, qt)
@@ -211,7 +230,7 @@ def design_plan(
         score_entries_computed=int(computed),
         score_entries_used=int(used),
         wasted_fraction=1.0 - used / computed
-        if design == "per-history"
+        if design == "per-history" or window is not None
         else wasted_score_fraction(prompt_tokens, chunk, cap),
         ops_per_function=int(ops),
         functions_per_layer=functions,
@@ -222,6 +241,8 @@ def design_plan(
         decision="ane" if on_ane and ratio > 1.0 else "gpu",
         break_even_load_seconds=(costs.gpu_prefill_seconds - rest) / loads if loads else None,
         assumptions=tuple(assumptions),
+        window=window,
+        ring_slots=ring,
     )
 
 
