@@ -165,6 +165,7 @@ def _run_export(args):
             "aneCompileVerified": r.metadata.ane_verified,
             "reason": r.metadata.ane_reason,
             "selectionFolded": r.metadata.selection_folded,
+            "window_note": r.window_note,
         }
         for r in results
     ]
@@ -176,6 +177,8 @@ def _run_export(args):
                 f"{s['package']}: functions {','.join(s['functions'])}; coverage {s['coverage']}; "
                 f"weights {s['weight_bytes']:,} B ({s['weight_bytes'] / max(1, s['single_function_weight_bytes']):.3f}x one function)"
             )
+            if s["window_note"]:
+                print(f"  {s['window_note']}")
         if results and not results[0].metadata.ane_verified:
             print(f"aneCompileVerified: false — {results[0].metadata.ane_reason}")
     return 0

@@ -216,3 +216,24 @@ def test_planner_prices_the_windowed_layers_as_built(tmp_path, capsys):
     assert large["(full)"]["stateful-tiled"]["ops_per_function"] > small["(full)"]["stateful-tiled"]["ops_per_function"]
     assert main(["plan", "--checkpoint", str(ckpt), "--prompt-tokens", "4096", "--design", "all"]) == 0
     assert "(windowed)" in capsys.readouterr().out
+
+
+def test_export_says_per_windowed_layer_why_its_functions(tmp_path, capsys):
+    from anelab.cli import main
+
+    ckpt = _gemma3_checkpoint(tmp_path / "m")
+    args = ["export", str(ckpt), "--chunk", str(CHUNK), "--layers", "0,5", "--out", str(tmp_path / "o")]
+    assert main([*args, "--histories", f"0,{CHUNK}"]) == 0
+    out = capsys.readouterr().out
+    assert f"layer 0 slides over {WINDOW} tokens, but needs one function per history (2)" in out
+    assert "layer 5 slides" not in out  # the full layer needs no note (negative control)
+    assert main([*args, "--graph", "stateful-tiled", "--capacity", str(4 * WINDOW)]) == 0
+    out = capsys.readouterr().out
+    assert f"one function per chunk width over a ring of {WINDOW + CHUNK} cache slots" in out
+
+
+def test_inspection_states_the_ring_contract(gemma3):
+    _, results = gemma3
+    notes = {r.metadata.layer: " ".join(inspect_package(r.package)["contract"]) for r in results}
+    assert f"ring of {WINDOW + CHUNK} slots" in notes[0] and "h<H>" not in notes[0]
+    assert "full attention" in notes[5] and "ring" not in notes[5]

@@ -232,6 +232,30 @@ class ExportResult:
     weight_bytes: int
     functions: list[str] = field(default_factory=list)  # the package's function names (h<H>, or c<C> when stateful)
 
+    @property
+    def window_note(self) -> str | None:
+        """For a sliding-window layer: what its functions cost and why (None for full attention)."""
+        return window_note(self.metadata)
+
+
+def window_note(meta: SidecarMetadata) -> str | None:
+    """Per windowed layer, why its package has the functions it has (None for a full-attention layer)."""
+    w, layer = meta.sliding_window, meta.layer
+    if w is None:
+        return None
+    if meta.graph == "stateful-tiled":
+        return f"layer {layer} slides over {w} tokens: one function per chunk width over a ring of {meta.ring_slots} cache slots"
+    if meta.graph == "stateful":
+        return (
+            f"layer {layer} slides over {w} tokens, but its state and mask span all {meta.state_capacity} positions "
+            "(the window is only in the mask); --graph stateful-tiled keeps a ring of about W + C slots"
+        )
+    return (
+        f"layer {layer} slides over {w} tokens, but needs one function per history ({len(meta.histories)}) as a full "
+        "layer does: each h<H> has its RoPE positions built in (no position input); --graph stateful-tiled serves "
+        "it with one function"
+    )
+
 
 def export_layer(
     checkpoint,
