@@ -237,3 +237,43 @@ def test_inspection_states_the_ring_contract(gemma3):
     notes = {r.metadata.layer: " ".join(inspect_package(r.package)["contract"]) for r in results}
     assert f"ring of {WINDOW + CHUNK} slots" in notes[0] and "h<H>" not in notes[0]
     assert "full attention" in notes[5] and "ring" not in notes[5]
+
+
+def test_windowed_tiles_run_fused_with_the_same_bits(windowed_decode, monkeypatch):
+    """The fused online-softmax step recognises the windowed tile (its mask is one add) and skips the
+    ring's tiles wholly outside every row's window, bit for bit as op-by-op evaluation."""
+    from anelab.sidecar import evaluate as evaluate_module
+    from anelab.sidecar import online_step
+    from anelab.sidecar.evaluate import evaluate_with_state
+
+    _, r = windowed_decode
+    saved = SavedPackage(r.package)
+    hidden = np.random.default_rng(7).standard_normal((37, GEMMA3.hidden_size)).astype(np.float16)
+    counts = {"scored": 0, "skipped": 0}
+    real = evaluate_module.run_online_step
+
+    def counted(it, step):
+        before = dict(it.tile_counts)
+        result = real(it, step)
+        for key in counts:
+            counts[key] += it.tile_counts[key] - before[key]
+        return result
+
+    monkeypatch.setattr(evaluate_module, "run_online_step", counted)
+
+    def prefill(fuse: bool):
+        run = lambda f, inputs, state: evaluate_with_state(saved, f, inputs, state, fuse=fuse)  # noqa: E731
+        return run_stateful_tiled(saved, hidden, 8, 48, decode_steps=2, evaluate=run)
+
+    fused, fused_state = prefill(True)
+    assert counts["scored"] > 0 and counts["skipped"] > 0, counts
+    seen = dict(counts)
+    plain, plain_state = prefill(False)
+    assert counts == seen  # op by op: no fused step ran
+    np.testing.assert_array_equal(fused, plain)
+    for name in plain_state:
+        np.testing.assert_array_equal(fused_state[name], plain_state[name])
+    # negative control: skipping tiles that still carry weight is caught by the same comparison
+    monkeypatch.setattr(online_step, "SKIP_MARGIN", -1e9)
+    wrong, _ = prefill(True)
+    assert relative_error(wrong, plain) > 10 * RELATIVE_ERROR_THRESHOLD
