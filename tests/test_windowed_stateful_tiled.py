@@ -11,7 +11,7 @@ from conftest import TINY_SEED
 
 from anelab.errors import AnelabInputError
 from anelab.geometry import AttentionGeometry
-from anelab.hf.checkpoint import load_checkpoint, write_checkpoint
+from anelab.hf.checkpoint import load_checkpoint
 from anelab.hf.config import geometry_from_config
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
 from anelab.sidecar.evaluate import SavedPackage
@@ -21,20 +21,15 @@ from anelab.sidecar.graphs import stateful_tiled
 from anelab.sidecar.inspection import inspect_package
 from anelab.sidecar.prompt import prompt_reference, run_stateful_tiled
 from anelab.sidecar.verify import verify_package
+from anelab.studies.one_function import gemma3_style_geometry, write_gemma3_style_checkpoint
 from anelab.weights import random_attention_weights
 
 WINDOW, CHUNK, KEY_TILE = 8, 4, 4
-# Gemma 3's pattern: five sliding layers, then one full (configuration_gemma3.py: sliding_window_pattern 6)
-GEMMA3 = AttentionGeometry(
-    variant="qwen3", hidden_size=48, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e6, num_layers=6,
-    full_attention_layers=tuple(range(6)), sliding_window=WINDOW, sliding_layers=(0, 1, 2, 3, 4),
-    local_rope_theta=10000.0, query_scale=32**-0.5,
-)  # fmt: skip
+GEMMA3 = gemma3_style_geometry(WINDOW)  # five sliding layers, then one full (Gemma 3's pattern)
 
 
 def _gemma3_checkpoint(directory, geometry: AttentionGeometry = GEMMA3):
-    weights = {i: random_attention_weights(geometry, i, TINY_SEED) for i in geometry.full_attention_layers}
-    return write_checkpoint(directory, geometry, weights, model_type="gemma3_text")
+    return write_gemma3_style_checkpoint(directory, geometry, TINY_SEED)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +44,10 @@ def gemma3(tmp_path_factory):
 def test_gemma3_checkpoint_round_trips_through_config_json(tmp_path):
     ck = load_checkpoint(_gemma3_checkpoint(tmp_path / "m"))
     assert replace(ck.geometry, after_o_proj="") == GEMMA3
-    assert ck.config["layer_types"][4:] == ["sliding_attention", "full_attention"]
+    # the keys transformers' Gemma3TextConfig reads (configuration_gemma3.py), as literal values
+    assert ck.config["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert (ck.config["sliding_window"], ck.config["query_pre_attn_scalar"]) == (WINDOW, 32.0)
+    assert (ck.config["rope_theta"], ck.config["rope_local_base_freq"]) == (1e6, 1e4)
     # negative control: a soft-cap is not a Gemma 3 option, so the writer refuses it (one line)
     with pytest.raises(AnelabInputError, match="no logit soft-cap"):
         _gemma3_checkpoint(tmp_path / "capped", replace(GEMMA3, logit_softcap=30.0))
