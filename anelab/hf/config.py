@@ -549,7 +549,7 @@ def _gemma3_keys(g: AttentionGeometry) -> dict:
             "sliding_attention" if i in g.sliding_layers else "full_attention" for i in range(g.num_layers)
         ],
         "rope_local_base_freq": g.local_rope_theta if g.local_rope_theta is not None else g.rope_theta,
-        "query_pre_attn_scalar": float(scale**-2),
+        "query_pre_attn_scalar": round(float(scale**-2), 9),  # 1 / scale**2, rounded off its float noise
         "attn_logit_softcapping": None,
     }
 
