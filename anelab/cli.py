@@ -75,7 +75,8 @@ def _add_export(sub):
     p.add_argument(
         "--mask-mode",
         default="causal",
-        help="stateful-tiled graph: causal (in-graph, no mask input) | additive (plus a mask input [C, capacity])",
+        help="stateful-tiled graph: causal (in-graph, no mask input; a windowed layer's window too) | additive "
+        "(full-attention layers: plus a mask input [C, capacity], e.g. a folded selection)",
     )
     p.add_argument(
         "--tile",
