@@ -204,7 +204,7 @@ def test_planner_prices_the_windowed_layers_as_built(tmp_path, capsys):
     tiled = small["(windowed)"]["stateful-tiled"]
     assert (tiled["ring_slots"], tiled["functions_per_layer"], tiled["loads"]) == (1024 + 512, 1, 5)
     assert tiled["score_entries_computed"] == (4096 // 512) * GEMMA3.num_heads * 512 * 1536  # calls x heads x C x ring
-    assert small["(windowed)"]["per-history"]["loads"] == 5 * (4096 // 512)  # one function per history, as built
+    assert small["(windowed)"]["dense"]["loads"] == 5 * (4096 // 512)  # one function per history, as built
     for key in ("per_call_arena_bytes", "ops_per_function", "ring_slots"):
         assert large["(windowed)"]["stateful-tiled"][key] == tiled[key]
     # negative controls: the windowed layers' other designs and the full layer grow with the prompt

@@ -39,9 +39,9 @@ from anelab.masks import causal, require_visible_key
 from anelab.selection import Selection, select
 from anelab.sidecar import compare
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, load_matching_checkpoint, relative_error
+from anelab.sidecar.drivers import run_stateful_tiled, stateful_mask
 from anelab.sidecar.evaluate import SavedPackage
 from anelab.sidecar.format import function_name, history_of, read_sidecar_metadata
-from anelab.sidecar.prompt import run_stateful_tiled, stateful_mask
 from anelab.weights import AttentionWeights
 
 # The selection must move the reference by at least this multiple of the pass threshold; below it a
