@@ -256,7 +256,7 @@ def stateful_tiled_fold_check(
     fed the causal-only mask (must miss) and how far the selection moves the reference (must be at
     least ``MIN_MOVE_OVER_THRESHOLD`` x the threshold: else the check is reported vacuous)."""
     meta = read_sidecar_metadata(saved.path)
-    if meta.graph != "stateful-tiled" or meta.mask_mode != "additive":
+    if not meta.state_functions or meta.mask_mode != "additive":
         raise AnelabInputError(
             f"{saved.path.name}: the stateful fold check needs a stateful-tiled package exported with --mask-mode additive"
         )
