@@ -85,7 +85,8 @@ def _add_export(sub):
     p.add_argument(
         "--mask-mode",
         default=None,
-        help="stateful-tiled graph (default causal): causal (in-graph, no mask input) | additive (plus a mask input [C, capacity])",
+        help="stateful-tiled graph (default causal): causal (in-graph, no mask input; a windowed layer's window "
+        "too) | additive (full-attention layers: plus a mask input [C, capacity], e.g. a folded selection)",
     )
     p.add_argument(
         "--tile",
@@ -175,6 +176,7 @@ def _run_export(args):
             "aneCompileVerified": r.metadata.ane_verified,
             "reason": r.metadata.ane_reason,
             "selectionFolded": r.metadata.selection_folded,
+            "window_note": r.window_note,
         }
         for r in results
     ]
@@ -186,6 +188,8 @@ def _run_export(args):
                 f"{s['package']}: functions {','.join(s['functions'])}; coverage {s['coverage']}; "
                 f"weights {s['weight_bytes']:,} B ({s['weight_bytes'] / max(1, s['single_function_weight_bytes']):.3f}x one function)"
             )
+            if s["window_note"]:
+                print(f"  {s['window_note']}")
         if results and not results[0].metadata.ane_verified:
             print(f"aneCompileVerified: false — {results[0].metadata.ane_reason}")
     return 0
@@ -430,7 +434,10 @@ def _run_plan(args):
             key_tile=args.tile,
             query_tile=args.query_tile,
         )
-        rows = {Path(args.checkpoint).name: [d.to_dict() for d in plans]}
+        rows = {
+            f"{Path(args.checkpoint).name} ({kind})": [d.to_dict() for d in kind_plans]
+            for kind, kind_plans in plans.items()
+        }
         if args.json:
             _print_json(rows)
         else:

@@ -475,13 +475,13 @@ def test_olmo2_norms_span_the_projection(tmp_path):
 @pytest.mark.parametrize("name", ["gemma2", "glm4", "smollm3", "olmo2", "llama-rope-yarn", "phi3-longrope"])
 def test_family_options_in_the_stateful_tiled_graph(name, exported):
     """The same block options in the one-function-per-layer design (RoPE table, factor and NoPE from
-    the geometry, softcap in every key tile); a sliding-window layer, whose window the in-graph causal
-    limit does not model, is refused in one line."""
+    the geometry, softcap in every key tile); a sliding-window layer (Gemma 2 with its soft-cap, SmolLM3's
+    NoPE layer) keeps a ring of W + C slots, and its prompt runs past the window."""
     fam = WINDOWED[name]
-    if geometry_from_config(fam.config).window_of(fam.layer) is not None:
-        with pytest.raises(AnelabInputError, match="does not model"):
-            exported(fam, "stateful-tiled")
-        return
+    window = geometry_from_config(fam.config).window_of(fam.layer)
     _, package = exported(fam, "stateful-tiled")
     report = verify_package(package)
     assert report.passed, report.table()
+    assert read_sidecar_metadata(package).ring_slots == (None if window is None else window + CHUNK)
+    dropped = [c for c in report.comparisons if c.case == "control: window dropped (ref.)"]
+    assert len(dropped) == (window is not None) and all(c.passed for c in dropped)

@@ -165,6 +165,7 @@ WRITABLE_MODEL_TYPES = (
     "qwen3_5_text",
     "qwen3_5_moe",
     "qwen3_5_moe_text",
+    "gemma3_text",  # sliding windows (layer_types), its own local RoPE base, query_pre_attn_scalar
 )
 
 # Config keys that change a block's numerics in some transformers model but that no family here models:
@@ -535,6 +536,24 @@ def _interval_of(layers: tuple[int, ...], num_layers: int) -> int | None:
     return None
 
 
+def _gemma3_keys(g: AttentionGeometry) -> dict:
+    """The config.json keys of a Gemma 3 text geometry's options (read back by ``geometry_from_config``:
+    transformers' configuration_gemma3.py): the window and which layers slide, the local RoPE base,
+    the query scale as query_pre_attn_scalar. Options Gemma 3 lacks (a soft-cap) are refused."""
+    if g.logit_softcap is not None or g.rope_layout != "half" or g.no_rope_layers:
+        raise AnelabInputError("gemma3_text has no logit soft-cap, interleaved RoPE or NoPE layers; drop them")
+    scale = g.attention_scale
+    return {
+        "sliding_window": g.sliding_window,
+        "layer_types": [
+            "sliding_attention" if i in g.sliding_layers else "full_attention" for i in range(g.num_layers)
+        ],
+        "rope_local_base_freq": g.local_rope_theta if g.local_rope_theta is not None else g.rope_theta,
+        "query_pre_attn_scalar": round(float(scale**-2), 9),  # 1 / scale**2, rounded off its float noise
+        "attn_logit_softcapping": None,
+    }
+
+
 def config_for_geometry(geometry: AttentionGeometry, model_type: str, family: ModelFamily, dtype: str) -> dict:
     g = geometry
     if not family.hybrid and tuple(g.full_attention_layers) != tuple(range(g.num_layers)):
@@ -575,6 +594,8 @@ def config_for_geometry(geometry: AttentionGeometry, model_type: str, family: Mo
             text["layer_types"] = [
                 "full_attention" if i in g.full_attention_layers else "linear_attention" for i in range(g.num_layers)
             ]
+    if family.window == "gemma3":
+        text.update(_gemma3_keys(g))
     if family.nested_text_config:
         # transformers >= 5 style: RoPE settings live in rope_parameters.
         text["rope_parameters"] = rope

@@ -16,7 +16,8 @@ names a design (``tests/test_designs.py`` walks the tree for the names).
   ``capacity`` slots, every slot scored at once;
 - ``stateful-tiled``: the same functions, attention over key tiles of ``key_tile`` slots and query
   tiles of ``query_tile`` rows, causality in-graph (``mask_mode`` ``causal``) or plus a mask input
-  (``additive``).
+  (``additive``, which also carries a folded selection). A sliding-window layer keeps a ring of about
+  W + C slots instead (its ``layer_layout``: ``stateful_tiled.window_ring``), its window in-graph.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from anelab.sidecar.graphs.stateful_tiled import (
     build_stateful_tiled_program,
     validate_mask_mode,
     validate_tiles,
+    window_ring,
 )
 from anelab.sidecar.graphs.tiled import build_tiled_program, validate_key_tile
 from anelab.sidecar.quantize import validate_weights_mode
@@ -91,6 +93,7 @@ class SidecarOptions:
     mask_mode: str | None = None
     decode: bool = False
     selection: dict | None = field(default=None, hash=False)
+    tile_requested: bool = False  # --tile given (a windowed layer's ring then rounds up to whole tiles of it)
 
     @property
     def coverage(self) -> int:
@@ -110,13 +113,16 @@ class PlannerPricing:
     visited, each priced by the planner's per-history plan). ``call``, for one function per layer:
     (heads, chunk, capacity, key_tile, query_tile) -> (key tile, query tile, score arena bytes of one
     call). ``ops``: (chunk, capacity, key_tile, query_tile) -> non-const MIL ops of one function.
-    ``whole_key_tiles``: a default capacity is rounded up to whole key tiles too.
+    ``whole_key_tiles``: a default capacity is rounded up to whole key tiles too. ``window_ring``: on
+    sliding-window layers, (window, chunk, key_tile) -> (ring slots, key tile) each call scores instead
+    of the capacity (None: the design scores the whole history there too).
     """
 
     one_function_per_layer: bool
     call: Callable[[int, int, int, int | None, int | None], tuple[int | None, int | None, int]] | None
     ops: Callable[[int, int | None, int | None, int | None], int]
     whole_key_tiles: bool = False
+    window_ring: Callable[[int, int, int | None], tuple[int, int]] | None = None
 
 
 def _no_state_options(
@@ -178,7 +184,12 @@ def _state_options(design: Design, geometry: AttentionGeometry, chunk: int, hist
     if "query_tile" in design.option_names:
         kt, qt = validate_tiles(given.get("key_tile"), given.get("query_tile"), chunk, capacity)
         mode = validate_mask_mode("causal" if given.get("mask_mode") is None else given["mask_mode"])
-        tiles = {"key_tile": kt, "query_tile": qt, "mask_mode": mode}
+        tiles = {
+            "key_tile": kt,
+            "query_tile": qt,
+            "mask_mode": mode,
+            "tile_requested": given.get("key_tile") is not None,
+        }
     return SidecarOptions(
         chunk, tuple(chunk_starts(capacity, chunk)), capacity=capacity, decode=bool(given.get("decode")), **tiles
     )
@@ -225,6 +236,9 @@ class Design:
     served_by_arms: bool = False
     mask_input: Callable[[SidecarMetadata], bool] = lambda meta: True
     pricing: PlannerPricing | None = None
+    # (options, the layer's sliding window or None) -> the layer's own metadata fields (key_tile,
+    # query_tile, ring_slots) and its builder's extra arguments; refuses a layer the options cannot serve
+    layer_layout: Callable[[SidecarOptions, int | None], dict] | None = None
 
     # ---- options -----------------------------------------------------------------------------------------
     def options(
@@ -258,6 +272,10 @@ class Design:
             )
         validate_weights_mode(weights, geometry)
         opts = self.options_rule(self, geometry, chunk, histories, given)
+        if selection is not None and "mask_mode" in self.option_names and opts.mask_mode != "additive":
+            raise AnelabInputError(
+                f"the selection contract of --graph {self.name} needs its mask input: add --mask-mode additive"
+            )
         indexer = selection_indexer_metadata(selection) if selection is not None else None
         return SidecarOptions(**{**opts.__dict__, "weights": weights, "selection": indexer})
 
@@ -282,14 +300,24 @@ class Design:
             for name, key in zip(self.function_names(options), keys, strict=True)
         }
 
-    def metadata_fields(self, options: SidecarOptions, functions: list[str]) -> dict:
-        """The design's own fields of ``SidecarMetadata``."""
-        return {
+    def metadata_fields(self, options: SidecarOptions, functions: list[str], window: int | None = None) -> dict:
+        """The design's own fields of ``SidecarMetadata`` for a layer with sliding ``window`` (or None)."""
+        fields = {
             "key_tile": options.key_tile,
             "query_tile": options.query_tile,
             "mask_mode": options.mask_mode,
             "state_capacity": options.capacity,
             "state_functions": list(functions) if self.stateful else None,
+        }
+        return {**fields, **self.layer_fields(options, window)}
+
+    def layer_fields(self, options: SidecarOptions, window: int | None) -> dict:
+        """One layer's own layout fields (a windowed layer's ring); refuses a layer the options cannot
+        serve (one line). Empty for a design without a per-layer layout."""
+        if self.layer_layout is None:
+            return {}
+        return {
+            k: v for k, v in self.layer_layout(options, window).items() if k in ("key_tile", "query_tile", "ring_slots")
         }
 
     def check_metadata(self, meta: SidecarMetadata, where: str) -> SidecarMetadata:
@@ -339,10 +367,34 @@ def _build_stateful(geometry, weights, options: SidecarOptions, width: int):
 
 
 def _build_stateful_tiled(geometry, weights, options: SidecarOptions, width: int):
-    qt = min(options.query_tile, width)  # the decode function's query tile is 1
+    layout = _stateful_tiled_layout(options, geometry.window_of(weights.layer))
+    qt = min(layout["query_tile"], width)  # the decode function's query tile is 1
     return build_stateful_tiled_program(
-        geometry, weights, width, options.capacity, options.key_tile, qt, options.mask_mode
+        geometry,
+        weights,
+        width,
+        options.capacity,
+        layout["key_tile"],
+        qt,
+        options.mask_mode,
+        slots=layout["ring_slots"],
     )
+
+
+def _stateful_tiled_layout(options: SidecarOptions, window: int | None) -> dict:
+    """A full-attention layer tiles its ``capacity`` slots (ring None); a windowed one tiles its ring of
+    about W + C slots (``window_ring``: a requested key tile rounds the ring up to whole tiles of it)
+    and takes no additive mask (its mask would span positions, not ring slots)."""
+    if window is None:
+        return {"key_tile": options.key_tile, "query_tile": options.query_tile, "ring_slots": None}
+    if options.mask_mode == "additive":
+        raise AnelabInputError(
+            "--mask-mode additive is for full-attention layers (its mask spans the positions, not a windowed "
+            "layer's ring); export the windowed layers with --mask-mode causal"
+        )
+    ring, key_tile = window_ring(window, options.chunk, options.key_tile if options.tile_requested else None)
+    key_tile, query_tile = validate_tiles(key_tile, options.query_tile, options.chunk, ring)
+    return {"key_tile": key_tile, "query_tile": query_tile, "ring_slots": ring}
 
 
 def _stateful_call(heads, chunk, capacity, key_tile, query_tile):
@@ -429,8 +481,11 @@ DESIGNS: dict[str, Design] = {
             capacity_limit=MAX_TILED_STATE_CAPACITY,
             verifies_on_device=False,
             mask_input=lambda meta: meta.mask_mode == "additive",
-            pricing=PlannerPricing(True, _stateful_tiled_call, stateful_tiled_ops, whole_key_tiles=True),
-            **_STATEFUL,
+            pricing=PlannerPricing(
+                True, _stateful_tiled_call, stateful_tiled_ops, whole_key_tiles=True, window_ring=window_ring
+            ),
+            layer_layout=_stateful_tiled_layout,
+            **{**_STATEFUL, "takes_selection": True},
         ),
     )
 }

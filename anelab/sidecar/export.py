@@ -135,6 +135,30 @@ class ExportResult:
     weight_bytes: int
     functions: list[str] = field(default_factory=list)  # the package's function names (h<H>, or c<C> when stateful)
 
+    @property
+    def window_note(self) -> str | None:
+        """For a sliding-window layer: what its functions cost and why (None for full attention)."""
+        return window_note(self.metadata)
+
+
+def window_note(meta: SidecarMetadata) -> str | None:
+    """Per windowed layer, why its package has the functions it has (None for a full-attention layer)."""
+    w, layer = meta.sliding_window, meta.layer
+    if w is None:
+        return None
+    if meta.ring_slots is not None:
+        return f"layer {layer} slides over {w} tokens: one function per chunk width over a ring of {meta.ring_slots} cache slots"
+    if meta.state_functions:
+        return (
+            f"layer {layer} slides over {w} tokens, but its state and mask span all {meta.state_capacity} positions "
+            "(the window is only in the mask); --graph stateful-tiled keeps a ring of about W + C slots"
+        )
+    return (
+        f"layer {layer} slides over {w} tokens, but needs one function per history ({len(meta.histories)}) as a full "
+        "layer does: each h<H> has its RoPE positions built in (no position input); --graph stateful-tiled serves "
+        "it with one function"
+    )
+
 
 def export_layer(
     checkpoint,
@@ -225,7 +249,7 @@ def package_metadata(
         anelab=__version__,
         exported_at=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         sliding_window=checkpoint.geometry.window_of(layer),
-        **design.metadata_fields(options, list(variants)),
+        **design.metadata_fields(options, list(variants), checkpoint.geometry.window_of(layer)),
     )
 
 
@@ -276,6 +300,7 @@ def export_sidecars(
                 f"layer {layer} is not a full-attention layer nor a sliding-window one (linear attention is not exported); "
                 f"attention layers: {','.join(map(str, full))}"
             )
+        design.layer_fields(opts, checkpoint.geometry.window_of(layer))  # a layer the options cannot serve: refused now
     results = []
     with tqdm(total=len(layers) * len(design.function_names(opts)), desc="export functions", unit="fn") as bar:
         for layer in layers:

@@ -39,6 +39,7 @@ from anelab.masks import causal, require_visible_key
 from anelab.selection import Selection, select
 from anelab.sidecar import compare
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, load_matching_checkpoint, relative_error
+from anelab.sidecar.drivers import run_stateful_tiled, stateful_mask
 from anelab.sidecar.evaluate import SavedPackage
 from anelab.sidecar.format import function_name, history_of, read_sidecar_metadata
 from anelab.weights import AttentionWeights
@@ -241,3 +242,59 @@ def fold_check(
             f"use fewer kept blocks or a longer history"
         )
     return result
+
+
+def stateful_tiled_fold_check(
+    saved: SavedPackage, checkpoint_dir, *, kept_blocks: int, compress_ratio: int, seed: int = 0
+) -> FoldCheck:
+    """The fold check of a stateful-tiled package with an ``additive`` mask input.
+
+    Random fp16 rows fill the cache through the package (causal mask, chunk by chunk) up to the last
+    whole chunk's start H = capacity - C; that chunk is then run with the indexer's selection (scored
+    from the reference's q/k of all H + C rows) folded into its [C, capacity] mask — slots past
+    H + C dropped — and compared with the fp64 reference under the same mask, beside the same call
+    fed the causal-only mask (must miss) and how far the selection moves the reference (must be at
+    least ``MIN_MOVE_OVER_THRESHOLD`` x the threshold: else the check is reported vacuous)."""
+    meta = read_sidecar_metadata(saved.path)
+    if not meta.state_functions or meta.mask_mode != "additive":
+        raise AnelabInputError(
+            f"{saved.path.name}: the stateful fold check needs a stateful-tiled package exported with --mask-mode additive"
+        )
+    checkpoint = load_matching_checkpoint(meta, checkpoint_dir)
+    weights, geometry, C, N = checkpoint.layer(meta.layer), checkpoint.geometry, meta.chunk, meta.state_capacity
+    H = N - C
+    rng = np.random.default_rng([int(seed), H, C])
+    rows = rng.standard_normal((N, geometry.hidden_size)).astype(np.float16)
+    proj = reference.project(rows.astype(np.float64), np.arange(N), weights, geometry, "fp64", rope_coverage=N)
+    selection = select(proj.q[H:], proj.k, H, kept_blocks, compress_ratio, seed=seed)
+    folded = np.minimum(selection.mask(), causal(C, H))  # [C, N]: N = H + C, nothing past the chunk
+    require_visible_key(folded, H)
+    _, filled = run_stateful_tiled(saved, rows[:H], C, N)
+
+    def package(mask: np.ndarray) -> np.ndarray:
+        state = {name: value.copy() for name, value in filled.items()}
+        out, _ = run_stateful_tiled(saved, rows[H:], C, N, first_start=H, state=state, masks=lambda r, s: mask)
+        return out
+
+    k_hist, v_hist = reference.history_kv(rows[:H].astype(np.float64), weights, geometry, "fp64", rope_coverage=N)
+
+    def truth(mask: np.ndarray) -> np.ndarray:
+        return reference.attention_block(
+            rows[H:].astype(np.float64), k_hist, v_hist, mask.astype(np.float64), weights, geometry,
+            precision="fp64", rope_coverage=N,
+        ).attn_out  # fmt: skip
+
+    expected = truth(folded)
+    return FoldCheck(
+        chunk=C,
+        history=H,
+        kept_blocks=selection.kept_blocks,
+        compress_ratio=selection.compress_ratio,
+        budget=selection.budget,
+        mean_kept_keys=float(selection.keep_counts.mean()),
+        mean_visible_keys=float((H + np.arange(C) + 1).mean()),
+        fold_error=relative_error(package(folded.astype(np.float16)), expected),
+        causal_off=relative_error(package(stateful_mask(C, H, N)), expected),
+        moved=relative_error(truth(causal(C, H)), expected),
+        threshold=float(RELATIVE_ERROR_THRESHOLD),
+    )

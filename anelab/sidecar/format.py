@@ -79,6 +79,11 @@ QUERY_TILE_META = "anelab.queryTile"
 MASK_MODE_META = "anelab.maskMode"
 
 
+# stateful-tiled graph, sliding-window layer only: the K/V state is a ring of this many slots
+# (position p in slot p mod ringSlots; anelab.sidecar.graphs.stateful_tiled), not one slot per position
+RING_SLOTS_META = "anelab.ringSlots"
+
+
 # coremltools' int16 pass casts the stateful graph's RoPE gather positions to int16: positions must stay < 2**15
 MAX_STATE_CAPACITY = 2**15
 
@@ -101,7 +106,9 @@ class SidecarMetadata:
     and tiled graphs; for the stateful graph the starts 0, C, ... of a prefill that fills the cache,
     whose functions are ``state_functions`` (``c<C>``, and ``c1`` for decode) over ``state_capacity``
     cache slots. ``key_tile``: key positions per tile of the tiled graph, or cache slots per tile of
-    the stateful-tiled graph (whose ``query_tile`` and ``mask_mode`` are recorded too).
+    the stateful-tiled graph (whose ``query_tile`` and ``mask_mode`` are recorded too, and for a
+    sliding-window layer the ``ring_slots`` its state holds; ``state_capacity`` is then the positions
+    the package serves, not its cache slots).
     ``sliding_window``: the layer's window W in tokens (None: full attention) — the mask a caller
     feeds must be ``masks.causal(..., window=W)``. ``geometry`` carries the block's options, including
     what the caller applies to attn_out before the residual add (``after_o_proj``) and which rows it
@@ -132,6 +139,7 @@ class SidecarMetadata:
     sliding_window: int | None = None
     query_tile: int | None = None
     mask_mode: str | None = None
+    ring_slots: int | None = None
 
     @property
     def functions(self) -> list[str]:
@@ -221,6 +229,7 @@ _FIELDS = {
     "sliding_window": (SLIDING_WINDOW_META, "json", False),
     "query_tile": (QUERY_TILE_META, "int", False),
     "mask_mode": (MASK_MODE_META, "str", False),
+    "ring_slots": (RING_SLOTS_META, "int", False),
 }
 
 

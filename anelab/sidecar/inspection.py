@@ -71,6 +71,12 @@ def contract_notes(raw: dict[str, str], where: str) -> list[str]:
     g, w = meta.geometry, meta.sliding_window
     if w is None:
         notes = ["mask: masks.causal(C, H) (full attention)"]
+    elif meta.ring_slots is not None:
+        notes = [
+            f"window: in-graph — key j visible from position p iff 0 <= p - j < {w}; the K/V state is a ring of "
+            f"{meta.ring_slots} slots (position p in slot p mod {meta.ring_slots}), so every call scores "
+            f"{meta.ring_slots} keys per row whatever the position (feed no mask)"
+        ]
     else:
         notes = [
             f"mask: masks.causal(C, H, window={w}) — sliding window of {w} tokens (key j visible from position p "

@@ -309,6 +309,8 @@ KERNELS = {  # MIL op name -> kernel(interpreter, op) -> float32/int32 array
     "less_equal": _binary(np.less_equal),
     "greater_equal": _binary(np.greater_equal),
     "equal": _binary(np.equal),
+    "logical_and": _binary(np.logical_and),
+    "logical_or": _binary(np.logical_or),
     "abs": _unary(np.abs),
     "exp": _unary(np.exp),
     "sqrt": _unary(np.sqrt),

@@ -489,12 +489,17 @@ def fold_comparisons(
 
     indexer = meta.selection_indexer or {}
     ratio = int(indexer.get("compress_ratio", 4))
-    case = foldcheck.make_case(saved, checkpoint_dir, history=max(meta.histories), seed=seed)
-    visible_blocks = (case.history + 1) // ratio
-    kept = max(1, min(int(indexer.get("kept_blocks", 1)), visible_blocks // 4))
-    selection = foldcheck.selection_for(case, kept, ratio, seed=seed)
-    check = foldcheck.fold_check(case, selection, strict=False, evaluator=evaluator)
-    fn, rows = case.function, case.chunk
+    history = fold_history(meta)
+    kept = max(1, min(int(indexer.get("kept_blocks", 1)), (history + 1) // ratio // 4))
+    if meta.state_functions:  # through the state: the cache filled by the package's own calls (stateful-tiled)
+        check = foldcheck.stateful_tiled_fold_check(
+            saved, checkpoint_dir, kept_blocks=kept, compress_ratio=ratio, seed=seed
+        )
+    else:
+        case = foldcheck.make_case(saved, checkpoint_dir, history=history, seed=seed)
+        selection = foldcheck.selection_for(case, kept, ratio, seed=seed)
+        check = foldcheck.fold_check(case, selection, strict=False, evaluator=evaluator)
+    fn, rows = fold_label(meta), meta.chunk
     return [
         Comparison(fn, f"fold: {kept} blocks x {ratio} kept", rows, {"attn_out": check.fold_error}),
         Comparison(fn, "control: causal-only mask", rows, {"attn_out": check.causal_off}, control=True),
@@ -507,6 +512,17 @@ def fold_comparisons(
             bound=foldcheck.MIN_MOVE_OVER_THRESHOLD * RELATIVE_ERROR_THRESHOLD,
         ),
     ]
+
+
+def fold_history(meta: SidecarMetadata) -> int:
+    """The chunk start the fold check runs at: the longest history (per-history designs), or the last
+    whole chunk of the state (stateful-tiled)."""
+    return meta.state_capacity - meta.chunk if meta.state_functions else max(meta.histories)
+
+
+def fold_label(meta: SidecarMetadata) -> str:
+    """The function label of the fold check's rows."""
+    return "+".join(meta.state_functions) if meta.state_functions else function_name(fold_history(meta))
 
 
 def per_history_controls(
@@ -524,10 +540,14 @@ def per_history_controls(
         declared.append((name, "control: mask reaches graph"))
         if window is not None and window < history_of(name) + meta.chunk:
             declared.append((name, "control: window dropped"))
-    if meta.selection_folded:
-        longest = function_name(max(meta.histories))
-        declared += [(longest, "control: causal-only mask"), (longest, "control: selection moves ref.")]
-    return declared
+    return declared + fold_controls_declared(meta)
+
+
+def fold_controls_declared(meta: SidecarMetadata) -> list[tuple[str, str]]:
+    """The fold check's two controls when the package records ``selectionFolded``."""
+    if not meta.selection_folded:
+        return []
+    return [(fold_label(meta), "control: causal-only mask"), (fold_label(meta), "control: selection moves ref.")]
 
 
 def stateful_prompt_rows(meta: SidecarMetadata) -> tuple[int, int]:
@@ -558,11 +578,15 @@ def stateful_controls_declared(meta: SidecarMetadata, geometry: AttentionGeometr
 
 def stateful_tiled_controls_declared(meta: SidecarMetadata, geometry: AttentionGeometry) -> list[tuple[str, str]]:
     """The negative controls a stateful-tiled package declares: the wrong position (start + 1), a fresh
-    state per call, and — with an additive mask input — half the mask dropped."""
+    state per call, the window dropped (a windowed layer whose window hides keys within the prompt),
+    with an additive mask input half the mask dropped, and the fold check's when it records a selection."""
     cases = ["control: wrong position (start + 1)", "control: state carried"]
+    window = geometry.window_of(meta.layer)
+    if window is not None and window < sum(stateful_tiled_prompt(meta)):
+        cases.append("control: window dropped (ref.)")
     if meta.mask_mode == "additive":
         cases.append("control: mask reaches graph")
-    return [("+".join(meta.functions), case) for case in cases]
+    return [("+".join(meta.functions), case) for case in cases] + fold_controls_declared(meta)
 
 
 def stateful_report(package, checkpoint, meta, fp16: bool, evaluator: Evaluator | None) -> VerifyReport:
@@ -746,18 +770,27 @@ def stateful_tiled_prompt_rows(capacity: int, chunk: int) -> int:
     return (calls - 1) * chunk + partial_rows(chunk)
 
 
+def stateful_tiled_prompt(meta: SidecarMetadata) -> tuple[int, int]:
+    """(prefill rows, decode steps) of the stateful-tiled check (``stateful_tiled_prompt_rows``, then
+    up to ``DECODE_STEPS`` rows through ``c1`` when the package has it)."""
+    prefill = stateful_tiled_prompt_rows(meta.state_capacity, meta.chunk)
+    has_decode = "c1" in meta.functions and meta.chunk != 1
+    return prefill, min(DECODE_STEPS, meta.state_capacity - prefill) if has_decode else 0
+
+
 def verify_stateful_tiled_package(
     package: str | os.PathLike, checkpoint_dir: str | os.PathLike | None = None, *, seed: int = 0, fp16: bool = True
 ) -> VerifyReport:
     """Verify a stateful-tiled sidecar over a whole prompt whose last chunk is partial, then decode
     steps through ``c1`` when present: attn_out rows and the cache slots the prompt wrote, against the
-    fp64 reference. Controls (each must fail): the package told the wrong position (start + 1, over
-    the prompt's whole chunks), a fresh state per call (state not carried), and — with an additive
-    mask input — a changed mask."""
+    fp64 reference (within the layer's sliding window, if any: its cache is then a ring and the prompt
+    runs past the window whenever the capacity does). Controls (each must fail): the package told the
+    wrong position (start + 1, over the prompt's whole chunks), a fresh state per call (state not
+    carried), a windowed layer's window dropped (the reference without it), with an additive mask
+    input a changed mask, and the fold check when the package records a selection."""
     meta, checkpoint, saved, weights, checkpoint_weights = open_stateful_package(package, checkpoint_dir)
     geometry, capacity, C = checkpoint.geometry, meta.state_capacity, meta.chunk
-    prefill = stateful_tiled_prompt_rows(capacity, C)
-    decode_steps = min(DECODE_STEPS, capacity - prefill) if ("c1" in meta.functions and C != 1) else 0
+    prefill, decode_steps = stateful_tiled_prompt(meta)
     P = prefill + decode_steps
     label = "+".join(meta.functions)
     report = stateful_report(package, checkpoint, meta, fp16, None)
@@ -769,7 +802,8 @@ def verify_stateful_tiled_package(
         rows = hidden[:whole] if "start_offset" in options else hidden
         return run_stateful_tiled(saved, rows, C, capacity, **{"decode_steps": decode_steps, "fp16": fp16, **options})
 
-    ref = prompt_reference(hidden, weights, geometry, rope_coverage=capacity)
+    window = geometry.window_of(meta.layer)
+    ref = prompt_reference(hidden, weights, geometry, window=window, rope_coverage=capacity)
     whole = (prefill // C) * C  # the wrong-position control runs the whole chunks only (one slot must stay spare)
     cases = [
         ("wrong position (start + 1)", {"start_offset": 1, "decode_steps": 0}),
@@ -780,18 +814,27 @@ def verify_stateful_tiled_package(
     steps = tqdm(total=1 + len(cases) + (meta.weights != "fp16"), desc="verify stateful-tiled", unit="run")
     out, state = run()
     case = f"prompt {prefill} (last chunk partial)+{decode_steps}"
-    report.comparisons.append(Comparison(label, case, P, stateful_tiled_errors(out, state, ref)))
+    report.comparisons.append(Comparison(label, case, P, stateful_tiled_errors(out, state, ref, window)))
+    if window is not None and window < P:  # the window must matter at this prompt, or the check could not see it
+        full = prompt_reference(hidden, weights, geometry, rope_coverage=capacity).attn_out
+        err = {"attn_out": relative_error(out, full)}
+        report.comparisons.append(Comparison(label, "control: window dropped (ref.)", P, err, control=True))
     steps.update()
-    report.comparisons += stateful_tiled_controls(run, ref, cases, label, P, steps)
+    report.comparisons += stateful_tiled_controls(run, ref, cases, label, P, steps, window)
     if meta.weights != "fp16":
-        fp16_ref = prompt_reference(hidden, checkpoint_weights, geometry, rope_coverage=capacity)
-        report.comparisons.append(compression_row(label, meta.weights, P, stateful_tiled_errors(out, state, fp16_ref)))
+        fp16_ref = prompt_reference(hidden, checkpoint_weights, geometry, window=window, rope_coverage=capacity)
+        errs = stateful_tiled_errors(out, state, fp16_ref, window)
+        report.comparisons.append(compression_row(label, meta.weights, P, errs))
         steps.update()
     steps.close()
+    if meta.selection_folded:
+        report.comparisons.extend(fold_comparisons(saved, checkpoint.path, meta, seed=seed))
     return report
 
 
-def stateful_tiled_controls(run, ref: reference.BlockOutput, cases, label: str, P: int, steps=None) -> list[Comparison]:
+def stateful_tiled_controls(
+    run, ref: reference.BlockOutput, cases, label: str, P: int, steps=None, window: int | None = None
+) -> list[Comparison]:
     """Each control case ``(name, run options)`` rerun through ``run(**options)`` and compared with the
     reference's rows it covers (the wrong position also with the cache it wrote; a fresh state or a
     changed mask still writes the right cache, so only attn_out counts there)."""
@@ -801,7 +844,7 @@ def stateful_tiled_controls(run, ref: reference.BlockOutput, cases, label: str, 
         part = reference.BlockOutput(
             ref.attn_out[: len(wrong)], ref.k_chunk[:, : len(wrong)], ref.v_chunk[:, : len(wrong)]
         )
-        errs = stateful_tiled_errors(wrong, wrong_state, part)
+        errs = stateful_tiled_errors(wrong, wrong_state, part, window)
         if "start_offset" not in options:
             errs = {"attn_out": errs["attn_out"]}
         controls.append(Comparison(label, f"control: {name}", P, errs, control=True))
@@ -811,12 +854,18 @@ def stateful_tiled_controls(run, ref: reference.BlockOutput, cases, label: str, 
 
 
 def stateful_tiled_errors(
-    out: np.ndarray, state: dict[str, np.ndarray], ref: reference.BlockOutput
+    out: np.ndarray, state: dict[str, np.ndarray], ref: reference.BlockOutput, window: int | None = None
 ) -> dict[str, float]:
     """attn_out rows [P, D], and the cache slots the prompt wrote ([Hkv, :P, d]) against the reference
-    K/V [Hkv, P, d] (slots past P hold a partial chunk's padding, dropped by the causal mask)."""
+    K/V [Hkv, P, d] (slots past P hold a partial chunk's padding, dropped by the causal mask). A
+    windowed layer's ring [Hkv, S, d]: slot p mod S of each of the last ``window`` positions p — every
+    key a later call can still see (an older slot may hold a partial chunk's overwritten padding)."""
     P = out.shape[0]
     errs = {"attn_out": relative_error(out, ref.attn_out)}
     for column, name, expected in (("k_chunk", STATE_NAMES[0], ref.k_chunk), ("v_chunk", STATE_NAMES[1], ref.v_chunk)):
-        errs[column] = relative_error(state[name][:, :P], expected)
+        if window is None:
+            errs[column] = relative_error(state[name][:, :P], expected)
+        else:
+            live = np.arange(max(0, P - window), P)
+            errs[column] = relative_error(state[name][:, live % state[name].shape[1]], expected[:, live])
     return errs

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from anelab.geometry import chunk_starts
+from anelab.geometry import AttentionGeometry, chunk_starts
 from anelab.progress import tqdm
 from anelab.sidecar.compare import relative_error
 from anelab.sidecar.designs import STATEFUL_TILED, get_design
@@ -172,3 +172,100 @@ def prediction_figure(rows: list[dict], family_label: str, recorded_gpu: tuple[f
     ax.set_title(f"PREDICTION — {family_label}: ANE setup + attention per design vs the GPU prefill")
     ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     return fig, ax
+
+
+# ---- a windowed model: Gemma 3's pattern, every layer one stateful-tiled function ---------------------
+GEMMA3_PATTERN = 6  # configuration_gemma3.py: sliding_window_pattern = 6 (five sliding layers, then one full)
+
+
+def gemma3_style_geometry(
+    window: int, *, hidden_size: int = 48, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16
+) -> AttentionGeometry:
+    """Six Gemma 3 text layers (``gemma3_text``: per-head zero-centred q/k norms, query_pre_attn_scalar
+    32, global RoPE base 1e6, local base 1e4): layers 0-4 slide over ``window`` tokens, layer 5 is full."""
+    return AttentionGeometry(
+        variant="qwen3",
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rope_theta=1e6,
+        num_layers=GEMMA3_PATTERN,
+        full_attention_layers=tuple(range(GEMMA3_PATTERN)),
+        sliding_window=window,
+        sliding_layers=tuple(range(GEMMA3_PATTERN - 1)),
+        local_rope_theta=10000.0,
+        query_scale=32**-0.5,
+    )
+
+
+def write_gemma3_style_checkpoint(directory, geometry: AttentionGeometry, seed: int = 0) -> Path:
+    """config.json + safetensors of ``geometry`` (random weights) in the gemma3_text layout, by the
+    project's checkpoint writer."""
+    from anelab.hf.checkpoint import write_checkpoint
+    from anelab.weights import random_attention_weights
+
+    weights = {i: random_attention_weights(geometry, i, seed) for i in geometry.full_attention_layers}
+    return write_checkpoint(directory, geometry, weights, model_type="gemma3_text")
+
+
+def windowed_model_rows(
+    checkpoint_dir, out_root, *, chunk: int, window: int, layers=None, decode: bool = False
+) -> list[dict]:
+    """The attention layers of a windowed model (``layers``, default all) exported as one stateful-tiled
+    function at capacity 4W and verified from disk (a prompt of about 4W, the last chunk partial), plus
+    each layer's largest intermediate at capacity 16W. One row per layer: functions, ring slots, worst
+    error, controls, largest intermediate (bytes) at 4W and 16W."""
+    from anelab.sidecar.export import export_sidecars
+    from anelab.sidecar.inspection import inspect_package
+    from anelab.sidecar.verify import verify_package
+
+    def largest(result) -> int:
+        return max(f["largest_intermediate_bytes"] for f in inspect_package(result.package)["functions"].values())
+
+    options = {"graph": "stateful-tiled", "decode": decode}
+    short, long = (
+        export_sidecars(checkpoint_dir, Path(out_root) / f"{n}W", chunk, None, layers, capacity=n * window, **options)
+        for n in (4, 16)
+    )
+    rows = []
+    for r, r16 in tqdm(list(zip(short, long)), desc="verify layers", unit="layer"):
+        report = verify_package(r.package, checkpoint_dir)
+        rows.append(
+            {
+                "layer": r.metadata.layer,
+                "window": r.metadata.sliding_window,
+                "functions": r.functions,
+                "ring_slots": r.metadata.ring_slots,
+                "passed": report.passed,
+                "worst_error": max(c.worst for c in report.comparisons if not c.control),
+                "controls": {c.case.removeprefix("control: "): c.worst for c in report.comparisons if c.control},
+                "largest_4w": largest(r),
+                "largest_16w": largest(r16),
+            }
+        )
+    return rows
+
+
+def windowed_plan_rows(checkpoint_dir, prompt_tokens: int, chunk: int, family: str | None = None) -> list[dict]:
+    """Per design, a windowed model's functions, loads and planned setup (seconds) over all its
+    attention layers, each kind of layer priced as built (``planner.from_checkpoint.checkpoint_designs``;
+    costs from ``family`` or the closest recorded dense family)."""
+    from anelab.studies.planner.from_checkpoint import checkpoint_designs
+
+    checkpoint_plan, by_kind = checkpoint_designs(checkpoint_dir, prompt_tokens, chunk=chunk, family=family)
+    layers = {"full": len(checkpoint_plan.full_layers), "windowed": len(checkpoint_plan.windowed_layers)}
+    rows = []
+    for i, design in enumerate(DESIGNS):
+        kinds = {kind: plans[i] for kind, plans in by_kind.items()}
+        rows.append(
+            {
+                "design": design,
+                "functions": sum(layers[k] * p.functions_per_layer for k, p in kinds.items()),
+                "loads": sum(p.loads for p in kinds.values()),
+                "setup_seconds": sum(p.setup_seconds for p in kinds.values()),
+                "ring_slots": kinds["windowed"].ring_slots if "windowed" in kinds else None,
+                "windowed_arena_bytes": kinds["windowed"].per_call_arena_bytes if "windowed" in kinds else None,
+            }
+        )
+    return rows

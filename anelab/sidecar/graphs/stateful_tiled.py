@@ -26,6 +26,23 @@ ANE compiler and the NumPy evaluator take a static graph), so every call scores 
 start s does C x capacity score entries where C x (s + C) (less the upper triangle) are used; over a
 prompt of P tokens the used fraction is about P / (2 x capacity) (``wasted_score_fraction``).
 
+Sliding windows (a layer with window W): the cache is a ring of ``slots`` = W + C (rounded up to
+whole key tiles, ``window_ring``) rather than one slot per position. Position p lives in slot
+p mod slots; a call writes its C rows there (a write that runs past the last slot wraps to the
+first: the cache is extended by its first C slots, updated at ``start mod slots``, and the wrapped
+rows folded back by a ``select``, all static shapes). After the write, slot j holds the latest
+position p = j (mod slots) with p <= start + C - 1, so from the call's ``start`` alone each row knows
+every slot's position. Row q = start + i keeps slot j iff its age q - p lies in [0, min(W - 1, q)]
+(the window, and no slot before position 0); per (query tile, key tile) that is two intervals of
+slot indices, formed in int32 and clipped to [-1, key_tile] before the fp16 compare, as the causal
+limit. Why W + C slots are enough: the keys a chunk needs are start - W + 1 .. start + C - 1
+(W + C - 1 positions), and a slot whose content is older than the formula says (the zero padding of
+a partial chunk, later overwritten) is at age >= slots - C + 2 > W from every row that could read it,
+so it is dropped too. Every call therefore scores ``slots`` keys per row whatever the position: a
+windowed layer's largest intermediate and arithmetic depend on W and C, never on the prompt, and the
+tiles wholly outside the window are not in the cache to be scored. Positions are still absolute
+(RoPE by ``start``), bounded by ``capacity`` only through the size of the hi RoPE table.
+
 RoPE without int16: coremltools' ``common::add_int16_cast`` narrows ``gather`` indices to int16 when
 the gathered axis is at most 32,767 long, so a position never indexes a table directly. ``start`` is
 split in int32 into ``hi = start // ROPE_SPLIT`` and ``lo = start - hi * ROPE_SPLIT``; the tables
@@ -47,6 +64,7 @@ from anelab.sidecar.coremltools_import import coremltools_modules
 from anelab.sidecar.format import STATE_NAMES
 from anelab.sidecar.graphs.common import (
     attention_output,
+    cache_for_attention,
     no_rotation,
     project_chunk,
     rope,
@@ -65,6 +83,17 @@ DEFAULT_QUERY_TILE = 256
 MAX_KEY_TILE = 2**11
 # gather indices hi < 32,768 after coremltools' int16 cast: capacity < 32,768 * ROPE_SPLIT
 MAX_TILED_STATE_CAPACITY = (2**15 - 1) * ROPE_SPLIT
+
+
+def window_ring(window: int, chunk: int, key_tile: int | None = None) -> tuple[int, int]:
+    """(ring slots, key tile) of a windowed layer: at least W + C slots in whole key tiles. Without
+    a key tile, the fewest tiles of at most DEFAULT_KEY_TILE slots that hold W + C, evened out (so
+    the ring exceeds W + C by less than one slot per tile)."""
+    need = window + chunk
+    if key_tile is None:
+        tiles = -(-need // DEFAULT_KEY_TILE)
+        key_tile = -(-need // tiles)
+    return -(-need // key_tile) * key_tile, int(key_tile)
 
 
 def validate_tiles(key_tile: int | None, query_tile: int | None, chunk: int, capacity: int) -> tuple[int, int]:
@@ -148,15 +177,97 @@ def _causal_tile_mask(mb, start, r0: int, k0: int, groups: int, query_tile: int,
     return mb.select(cond=visible, a=np.float16(0.0), b=np.float16(MASKED))
 
 
+def validate_ring(
+    window: int | None, slots: int | None, chunk: int, capacity: int, key_tile: int, mask_mode: str
+) -> int:
+    """The cache slots of a layer: ``capacity`` (full attention, no ``slots``), or a windowed layer's
+    ring, which must hold W + C - 1 keys in whole key tiles and takes no additive mask (one line each)."""
+    if window is None:
+        if slots is not None:
+            raise AnelabInputError("a ring of cache slots is for sliding-window layers only; drop slots")
+        return capacity
+    if slots is None:
+        raise AnelabInputError(f"a {window}-token sliding-window layer needs its ring size (window_ring)")
+    if slots < window + chunk - 1 or (key_tile and slots % key_tile):
+        raise AnelabInputError(
+            f"a ring of {slots} slots cannot serve a {window}-token window with chunks of {chunk} in key tiles of "
+            f"{key_tile}; use window_ring({window}, {chunk}, {key_tile})[0] = {window_ring(window, chunk, key_tile)[0]}"
+        )
+    if mask_mode != "causal":
+        raise AnelabInputError(
+            "--mask-mode additive is for full-attention layers (its mask spans the positions, not a windowed "
+            "layer's ring); export the windowed layers with --mask-mode causal"
+        )
+    return slots
+
+
+def _write_ring(mb, cache, new, start, C: int):
+    """The ring cache [Hkv, S, d] with new [Hkv, C, d] written at slots (start + i) mod S, wrapping
+    past slot S - 1 (static shapes: the cache extended by its first C slots, one slice_update at
+    start mod S, the wrapped rows selected back into slots 0 .. C - 1)."""
+    Hkv, S, d = cache.shape
+    offset = mb.sub(x=start, y=mb.mul(x=mb.floor_div(x=start, y=np.int32(S)), y=np.int32(S)))  # start mod S [1]
+    head = mb.slice_by_index(x=cache, begin=[0, 0, 0], end=[Hkv, C, d])
+    extended = mb.concat(values=[cache, head], axis=1)  # [Hkv, S + C, d]: slots S.. alias slots 0..
+    zero = np.zeros(1, np.int32)
+    begin = mb.concat(values=[zero, offset, zero], axis=0)
+    end = mb.concat(
+        values=[np.array([Hkv], np.int32), mb.add(x=offset, y=np.int32(C)), np.array([d], np.int32)], axis=0
+    )
+    extended = mb.slice_update(x=extended, update=new, begin=begin, end=end)
+    # slot j < C was written past the end (at S + j) iff j < offset + C - S
+    wrapped = mb.less(x=np.arange(C, dtype=np.int32).reshape(1, C, 1), y=mb.add(x=offset, y=np.int32(C - S)))
+    tail = mb.slice_by_index(x=extended, begin=[0, S, 0], end=[Hkv, S + C, d])
+    first = mb.select(cond=wrapped, a=tail, b=mb.slice_by_index(x=extended, begin=[0, 0, 0], end=[Hkv, C, d]))
+    rest = mb.slice_by_index(x=extended, begin=[0, C, 0], end=[Hkv, S, d])
+    return mb.concat(values=[first, rest], axis=1)
+
+
+def _window_tile_mask(window: int, slots: int, chunk: int):
+    """The tile limit of a windowed layer's ring (module docstring): a function like
+    ``_causal_tile_mask`` returning the additive mask [groups * query_tile, key_tile] fp16 for rows
+    (g, r0 + i) and ring slots k0..: slot k0 + j is kept iff the age of the position it holds lies in
+    [0, min(window - 1, start + r0 + i)]."""
+
+    def tile_mask(mb, start, r0: int, k0: int, groups: int, query_tile: int, key_tile: int):
+        rows = np.tile(np.arange(r0, r0 + query_tile, dtype=np.int32), groups)
+        # a = (start + C - 1 - k0) mod S: the age of slot k0 from the chunk's last row (kept >= 0 before the mod)
+        shifted = mb.add(x=start, y=np.int32(chunk - 1 - k0 + slots))
+        a = mb.sub(x=shifted, y=mb.mul(x=mb.floor_div(x=shifted, y=np.int32(slots)), y=np.int32(slots)))
+        newest = mb.add(x=a, y=rows + np.int32(1 - chunk))  # [groups * query_tile]: slot k0 + newest has age 0
+        oldest = mb.sub(x=newest, y=mb.minimum(x=mb.add(x=start, y=rows), y=np.int32(window - 1)))
+        visible = None
+        for lift in (0, slots):  # the interval, and its copy one ring later
+            lo, hi = (
+                mb.expand_dims(
+                    x=mb.cast(
+                        x=mb.minimum(
+                            x=mb.maximum(x=mb.add(x=v, y=np.int32(lift)), y=np.int32(-1)), y=np.int32(key_tile)
+                        ),
+                        dtype="fp16",
+                    ),
+                    axes=[1],
+                )
+                for v in (oldest, newest)
+            )  # [groups * query_tile, 1], exact in fp16 (|value| <= key_tile <= MAX_KEY_TILE)
+            slot_ids = np.arange(key_tile, dtype=np.float16)[None, :]
+            inside = mb.logical_and(x=mb.greater_equal(x=slot_ids, y=lo), y=mb.less_equal(x=slot_ids, y=hi))
+            visible = inside if visible is None else mb.logical_or(x=visible, y=inside)
+        return mb.select(cond=visible, a=np.float16(0.0), b=np.float16(MASKED))
+
+    return tile_mask
+
+
 def _online_softmax_rows(
     mb, geometry: AttentionGeometry, q_tile, caches, start, mask, r0: int, dims: tuple[int, int, int, int, int]
 ):
     """Context [Hkv, G * query_tile, d] of one query tile over every key tile of the cache.
 
     q_tile [Hkv, G * query_tile, d] (scaled; rows ordered (g, i)); caches = (keys, values)
-    [Hkv, capacity, d]; mask: None or the additive input [C, capacity]. Every matmul is 3-D with
-    the KV head as its batch (no broadcast batch dimension)."""
-    capacity, key_tile, query_tile, d, G = dims
+    [Hkv, capacity, d]; mask: None or the additive input [C, capacity]; ``dims`` ends with the tile
+    limit (``_causal_tile_mask``, or a windowed layer's ``_window_tile_mask``). Every matmul is 3-D
+    with the KV head as its batch (no broadcast batch dimension)."""
+    capacity, key_tile, query_tile, d, G, limit = dims
     keys, values = caches
     m = l = acc = None
     for k0 in range(0, capacity, key_tile):
@@ -165,7 +276,7 @@ def _online_softmax_rows(
             for c in (keys, values)
         )  # [Hkv, key_tile, d]
         s = softcap(mb, mb.matmul(x=q_tile, y=k_t, transpose_y=True), geometry)  # [Hkv, G * query_tile, key_tile]
-        s = mb.add(x=s, y=_causal_tile_mask(mb, start, r0, k0, G, query_tile, key_tile))
+        s = mb.add(x=s, y=limit(mb, start, r0, k0, G, query_tile, key_tile))
         if mask is not None:
             cols = mb.slice_by_index(x=mask, begin=[r0, k0], end=[r0 + query_tile, k0 + key_tile])
             s = mb.add(x=s, y=mb.tile(x=cols, reps=[G, 1]) if G > 1 else cols)
@@ -192,26 +303,26 @@ def build_stateful_tiled_program(
     key_tile: int,
     query_tile: int,
     mask_mode: str = "causal",
+    slots: int | None = None,
 ):
     """The stateful tiled function for chunks of width ``chunk`` (1 = decode).
 
-    States (fp16): k_cache, v_cache [Hkv, capacity, d] (normed, rotated K; V). Inputs: hidden [C, D]
-    fp16; start [1] int32 (first absolute position; the caller keeps start + C <= capacity); with
-    ``mask_mode="additive"`` also mask [C, capacity] fp16. Output: attn_out [C, D] fp16.
+    States (fp16): k_cache, v_cache [Hkv, S, d] (normed, rotated K; V), S = ``capacity`` for a
+    full-attention layer, the ring ``slots`` (``window_ring``) for a windowed one. Inputs: hidden
+    [C, D] fp16; start [1] int32 (first absolute position; the caller keeps start + C <= capacity,
+    the positions the RoPE tables serve); with ``mask_mode="additive"`` (full-attention layers) also
+    mask [C, capacity] fp16. Output: attn_out [C, D] fp16.
     """
     ct, mb, types = coremltools_modules()
     g = geometry
     C, N = chunk, capacity
-    key_tile, query_tile = validate_tiles(key_tile, query_tile, C, N)
     validate_mask_mode(mask_mode)
     Hkv, d, G = g.num_kv_heads, g.head_dim, g.group_size
-    if g.window_of(weights.layer) is not None:
-        raise AnelabInputError(
-            f"layer {weights.layer} slides over a {g.window_of(weights.layer)}-token window, which the stateful-tiled "
-            "graph does not model (its causal limit is computed in-graph); use --graph stateful or dense"
-        )
+    window = g.window_of(weights.layer)
+    S = validate_ring(window, slots, C, N, key_tile, mask_mode)  # cache slots: the capacity, or the ring
+    key_tile, query_tile = validate_tiles(key_tile, query_tile, C, S)
     cos_i, sin_i, _, _ = rope_tables(g, weights.layer, C, 0, coverage=N)
-    specs = [mb.StateTensorSpec(shape=(Hkv, N, d), dtype=types.fp16) for _ in STATE_NAMES]
+    specs = [mb.StateTensorSpec(shape=(Hkv, S, d), dtype=types.fp16) for _ in STATE_NAMES]
     specs += [mb.TensorSpec(shape=(C, g.hidden_size), dtype=types.fp16), mb.TensorSpec(shape=(1,), dtype=types.int32)]
     if mask_mode == "additive":
         specs.append(mb.TensorSpec(shape=(C, N), dtype=types.fp16))
@@ -226,8 +337,16 @@ def build_stateful_tiled_program(
             rotate = no_rotation
 
         q, gate, k_chunk, v_chunk = project_chunk(mb, g, weights, hidden, C, rotate)
-        caches = update_kv_cache(mb, g, (k_cache, v_cache), (k_chunk, v_chunk), start, C)
-        dims = (N, key_tile, query_tile, d, G)
+        if window is None:
+            caches = update_kv_cache(mb, g, (k_cache, v_cache), (k_chunk, v_chunk), start, C)
+        else:
+            caches = []
+            for state, new in ((k_cache, k_chunk), (v_cache, v_chunk)):
+                updated = _write_ring(mb, mb.read_state(input=state), new, start, C)
+                mb.coreml_update_state(state=state, value=updated)
+                caches.append(cache_for_attention(mb, state, updated))
+        limit = _causal_tile_mask if window is None else _window_tile_mask(window, S, C)
+        dims = (S, key_tile, query_tile, d, G, limit)
         if query_tile == C:  # q [Hkv, G*C, d] is already one query tile
             context = _online_softmax_rows(mb, g, q, caches, start, mask, 0, dims)
         else:

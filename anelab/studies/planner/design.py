@@ -14,6 +14,12 @@ differ in what the runtime loads and what each call computes:
   the arithmetic is the stateful design's (every slot scored; no control flow skips a tile), and the
   op count grows with the tile pairs ``(C / query_tile) x (capacity / key_tile)``.
 
+Sliding-window layers (``window`` W) are priced as built: a design whose pricing declares a
+``window_ring`` (stateful-tiled) keeps a ring of about W + C slots, so each call scores
+``heads x C x ring`` entries and its arena and op count are the ring's, whatever the prompt; the
+others still score every key of the history (the window is only in the mask; RoPE positions are
+absolute, so a per-history windowed layer needs as many functions as a full one).
+
 Assumptions (stated in every :class:`DesignPlan`): a load costs what the arena fit says
 (``LoadModel`` power law in score-arena bytes, fitted on Qwen 3.8's recorded loads, floored at the
 smallest recorded load, ``MIN_LOAD_SECONDS``) — whether compile time also grows with the op count is
@@ -77,6 +83,8 @@ class DesignPlan:
     decision: str
     break_even_load_seconds: float | None
     assumptions: tuple
+    window: int | None = None  # the layers' sliding window (None: full attention)
+    ring_slots: int | None = None  # a ring of cache slots on windowed layers (stateful-tiled)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -129,22 +137,24 @@ def design_plan(
     capacity: int | None = None,
     key_tile: int | None = None,
     query_tile: int | None = None,
+    window: int | None = None,
 ) -> DesignPlan:
     """Predict one design for one prompt (module docstring: model and assumptions). ``capacity``
     defaults to the prompt rounded up to whole chunks (and, for a given key tile, whole key tiles);
-    tiles default as the exporter's (``validate_tiles``)."""
+    tiles default as the exporter's (``validate_tiles``). ``window``: the layers' sliding window W
+    (None: full attention)."""
     pricing = get_design(design, "--design").require_pricing()
     require_positive("--prompt-tokens", prompt_tokens)
     require_positive("--chunk", chunk)
     schedule = chunk_schedule(prompt_tokens, chunk)
     on_ane = schedule[0].device == "ane"
-    used = geometry.num_heads * prompt_tokens * (prompt_tokens + 1) // 2
+    used = geometry.num_heads * sum(min(p + 1, window or p + 1) for p in range(prompt_tokens))  # keys a query sees
     assumptions = [
         "ANE attention: recorded rate per score entry (Qwen 3.8 h0 prediction), masked entries included",
         "GPU arm, non-attention and GPU attention: the per-history plan's (plan())",
     ]
     price = _per_history_terms if not pricing.one_function_per_layer else _one_function_terms
-    t = price(geometry, schedule, chunk, get_design(design), costs, capacity, key_tile, query_tile)
+    t = price(geometry, schedule, chunk, get_design(design), costs, capacity, key_tile, query_tile, window)
     cap, kt, qt, loads, setup, ane_attn, computed = (
         t[k] for k in ("cap", "kt", "qt", "loads", "setup", "ane", "computed")
     )
@@ -167,7 +177,7 @@ def design_plan(
         score_entries_computed=int(computed),
         score_entries_used=int(used),
         wasted_fraction=wasted_score_fraction(prompt_tokens, chunk, cap)
-        if pricing.one_function_per_layer
+        if pricing.one_function_per_layer and t.get("ring") is None and window is None
         else 1.0 - used / computed,
         ops_per_function=int(t["ops"]),
         functions_per_layer=t["functions"],
@@ -178,10 +188,12 @@ def design_plan(
         decision="ane" if on_ane and ratio > 1.0 else "gpu",
         break_even_load_seconds=(costs.gpu_prefill_seconds - rest) / loads if loads else None,
         assumptions=tuple(assumptions),
+        window=window,
+        ring_slots=t.get("ring"),
     )
 
 
-def _per_history_terms(geometry, schedule, chunk, design, costs, capacity, key_tile, query_tile) -> dict:
+def _per_history_terms(geometry, schedule, chunk, design, costs, capacity, key_tile, query_tile, window) -> dict:
     """A per-history design's loads, setup and attention: the per-history plan's (``costs.per_history``)."""
     ph, heads = costs.per_history, geometry.num_heads
     return {
@@ -195,21 +207,27 @@ def _per_history_terms(geometry, schedule, chunk, design, costs, capacity, key_t
     }  # fmt: skip
 
 
-def _one_function_terms(geometry, schedule, chunk, design, costs, capacity, key_tile, query_tile) -> dict:
+def _one_function_terms(geometry, schedule, chunk, design, costs, capacity, key_tile, query_tile, window) -> dict:
     """A design with one function per layer: one load each, priced by the arena fit; every cache slot
-    scored at every call."""
+    scored at every call (on windowed layers, a design with a ``window_ring`` scores its ring)."""
     on_ane, calls, n_fa = schedule[0].device == "ane", len(schedule), len(geometry.full_attention_layers)
     prompt_tokens = schedule[-1].start + schedule[-1].tokens
     cap = capacity if capacity is not None else default_capacity(design, prompt_tokens, chunk, key_tile)
     if cap < calls * chunk or cap % chunk:
         raise AnelabInputError(f"--capacity {cap} must be a multiple of {chunk} holding the prompt ({calls * chunk})")
-    computed = calls * geometry.num_heads * chunk * cap
+    ring = None
+    if window is not None and design.pricing.window_ring is not None:  # the cache is a ring of about W + C slots
+        ring, key_tile = design.pricing.window_ring(window, chunk, key_tile)
+    scored = cap if ring is None else ring
+    computed = calls * geometry.num_heads * chunk * scored
     loads = n_fa if on_ane else 0
-    kt, qt, arena = design.pricing.call(geometry.num_heads, chunk, cap, key_tile, query_tile)
+    kt, qt, arena = design.pricing.call(geometry.num_heads, chunk, scored, key_tile, query_tile)
     assumptions = [
         f"one load per layer ({n_fa}); load by the arena power fit (Qwen 3.8's recorded loads), floored at "
         f"{MIN_LOAD_SECONDS} s; op count's effect on compile time not modelled"
     ]
+    if ring is not None:
+        assumptions.append(f"windowed layers: a ring of {ring} slots; ops as a full layer's per tile pair")
     ph_load = costs.per_history.get("cost_sources", {}).get("load", "")
     if not ph_load.startswith("recorded per history"):
         assumptions.append(
@@ -218,7 +236,8 @@ def _one_function_terms(geometry, schedule, chunk, design, costs, capacity, key_
         )
     return {
         "cap": cap, "kt": kt, "qt": qt, "functions": 1, "computed": computed, "loads": loads, "arena": arena,
-        "ops": design.pricing.ops(chunk, cap, kt, qt), "setup": loads * arena_load_seconds(arena, costs),
+        "ops": design.pricing.ops(chunk, scored, kt, qt), "setup": loads * arena_load_seconds(arena, costs),
+        "ring": ring,
         "ane": costs.ane_seconds_per_entry * computed * n_fa if on_ane else 0.0, "assumptions": assumptions,
     }  # fmt: skip
 

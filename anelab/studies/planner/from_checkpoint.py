@@ -9,6 +9,8 @@ The checkpoint gives the attention layers (full and sliding window), heads, KV h
   GPU arm is planned with a key budget of W; the sidecar still scores every key of its history
   (the window is in the mask, RoPE positions are absolute), so the ANE arm and its setup are the
   same as a full layer's. Offloading a windowed layer therefore pays off later than a full one.
+  ``checkpoint_designs`` (``--design``) prices the designs per kind as built: there the stateful
+  tiled design gives a windowed layer one function over a ring of about W + C cache slots.
 
 A kind is offloaded when its ANE arm beats its GPU arm; the two verdicts combine into one.
 Costs: the recorded dense family closest in heads x head_dim and attention-layer count (or
@@ -172,35 +174,41 @@ def checkpoint_designs(
     chunk: int | None = None,
     key_tile: int | None = None,
     query_tile: int | None = None,
-) -> tuple[CheckpointPlan, list]:
-    """The checkpoint's plan and each sidecar design (``planner.design``) for its full-attention
-    layers: the per-history plan of those layers (costs from ``family`` or the closest recorded dense
-    family) is what the stateful designs are compared with. Windowed layers keep the per-history
-    design (the stateful-tiled graph does not model a window): a checkpoint with no full-attention
-    layer is refused."""
+) -> tuple[CheckpointPlan, dict[str, list]]:
+    """The checkpoint's plan and each sidecar design (``planner.design``) per kind of attention layer:
+    ``{"full": [...], "windowed": [...]}`` (a kind the model lacks is absent). Each kind's per-history
+    plan (costs from ``family`` or the closest recorded dense family) is what its other designs are
+    compared with; windowed layers are priced as built (``design_plan``'s ``window``: the
+    stateful-tiled ring of about W + C slots, the other designs scoring the whole history)."""
     from anelab.studies.planner.design import DESIGNS, DesignCosts, design_plan
 
     checkpoint_plan = plan_from_checkpoint(checkpoint_dir, prompt_tokens, family=family, chunk=chunk)
-    full = checkpoint_plan.parts.get("full")
-    if full is None:
-        raise AnelabInputError(
-            f"{checkpoint_dir}: every attention layer slides over a window; --design compares designs for "
-            "full-attention layers only (drop --design)"
-        )
     fit = fit_costs()
-    costs = DesignCosts(
-        ane_seconds_per_entry=fit.ane_seconds_per_entry,
-        load_power_coef=fit.load_power_coef,
-        load_power_exp=fit.load_power_exp,
-        gpu_prefill_seconds=full["gpu_prefill_seconds"],
-        gpu_attention_seconds=full["gpu_attention_seconds"],
-        non_attention_seconds=full["non_attention_seconds"],
-        per_history=full,
-    )
-    g = full["geometry"]
-    geometry = PlanGeometry(**{**g, "full_attention_layers": tuple(g["full_attention_layers"])})
-    plans = [
-        design_plan(geometry, prompt_tokens, full["chunk"], d, costs, key_tile=key_tile, query_tile=query_tile)
-        for d in (designs or DESIGNS)
-    ]
+    plans = {}
+    for kind, part in checkpoint_plan.parts.items():
+        costs = DesignCosts(
+            ane_seconds_per_entry=fit.ane_seconds_per_entry,
+            load_power_coef=fit.load_power_coef,
+            load_power_exp=fit.load_power_exp,
+            gpu_prefill_seconds=part["gpu_prefill_seconds"],
+            gpu_attention_seconds=part["gpu_attention_seconds"],
+            non_attention_seconds=part["non_attention_seconds"],
+            per_history=part,
+        )
+        g = part["geometry"]
+        geometry = PlanGeometry(**{**g, "full_attention_layers": tuple(g["full_attention_layers"])})
+        window = checkpoint_plan.sliding_window if kind == "windowed" else None
+        plans[kind] = [
+            design_plan(
+                geometry,
+                prompt_tokens,
+                part["chunk"],
+                d,
+                costs,
+                key_tile=key_tile,
+                query_tile=query_tile,
+                window=window,
+            )
+            for d in (designs or DESIGNS)
+        ]
     return checkpoint_plan, plans
