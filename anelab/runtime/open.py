@@ -39,7 +39,7 @@ from anelab.masks import MASKED, causal, dense_exact_window
 from anelab.runtime.assumptions import STATE_SHARED_BY_FUNCTIONS
 from anelab.runtime.interface import NEURAL_ENGINE_UNITS, CoreMLRuntime, check_compute_units
 from anelab.runtime.mac import default_runtime
-from anelab.sidecar.designs import Design, design_of
+from anelab.sidecar.designs import DENSE, Design, design_of
 from anelab.sidecar.format import SidecarMetadata, read_sidecar_metadata
 from anelab.sidecar.prompt import stateful_mask
 
@@ -229,7 +229,7 @@ class Sidecar:
         name = self.design.function_for(1, 0) if self.stateful else None  # a stateful design's width-1 function
         if name is None or name not in functions:
             raise AnelabInputError(
-                f"{self.package}: no decode function c1 (graph {self.metadata.graph or 'dense'}, functions "
+                f"{self.package}: no decode function c1 (graph {self.metadata.graph or DENSE}, functions "
                 f"{','.join(functions) or 'h<H>'}); export a stateful sidecar with --decode, or keep decode on the GPU"
             )
         return name

@@ -36,6 +36,7 @@ def build_probe_package(work: Path) -> Path:
     """A tiny stateful sidecar with decode: c2 [2, 32] and c1 [1, 32] sharing k_cache / v_cache [1, 4, 16]."""
     from anelab.geometry import AttentionGeometry
     from anelab.hf.checkpoint import load_checkpoint, write_checkpoint
+    from anelab.sidecar.designs import STATEFUL
     from anelab.sidecar.export import export_layer
     from anelab.weights import random_attention_weights
 
@@ -46,7 +47,7 @@ def build_probe_package(work: Path) -> Path:
     weights = {0: random_attention_weights(geometry, 0, 7)}
     checkpoint = write_checkpoint(work / "checkpoint", geometry, weights, dtype="F32", shards=1, model_type="llama")
     result = export_layer(
-        load_checkpoint(checkpoint), 0, PROBE_CHUNK, None, work / "sidecar", graph="stateful",
+        load_checkpoint(checkpoint), 0, PROBE_CHUNK, None, work / "sidecar", graph=STATEFUL,
         capacity=PROBE_CAPACITY, decode=True,
     )  # fmt: skip
     return Path(result.package)

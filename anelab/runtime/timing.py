@@ -452,7 +452,7 @@ def predict_timing_child() -> None:
     clock = getattr(runtime, "clock", time.perf_counter)
     result = _predict_one_setting(
         runtime, Path(request["package"]), request["function"], inputs, request["compute_units"],
-        stateful=request["stateful"], warmup=request["warmup"], repeats=request["repeats"], clock=clock,
+        stateful=request["with_state"], warmup=request["warmup"], repeats=request["repeats"], clock=clock,
     )  # fmt: skip
     _answer(result)
 
@@ -465,7 +465,7 @@ def _predict_in_child(runtime, pkg, function, inputs, unit, *, stateful, warmup,
         np.savez(Path(work) / "inputs.npz", **{name: np.asarray(value) for name, value in inputs.items()})
         request = {
             "runtime": runtime.child_spec(), "package": str(Path(pkg).resolve()), "function": function,
-            "inputs": str(Path(work) / "inputs.npz"), "compute_units": unit, "stateful": bool(stateful),
+            "inputs": str(Path(work) / "inputs.npz"), "compute_units": unit, "with_state": bool(stateful),
             "warmup": int(warmup), "repeats": int(repeats),
         }  # fmt: skip
         code, answer, tail = _run_child("anelab.runtime.timing:predict_timing_child", request, PREDICT_CHILD_TIMEOUT_S)

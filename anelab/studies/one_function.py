@@ -223,7 +223,7 @@ def windowed_model_rows(
     def largest(result) -> int:
         return max(f["largest_intermediate_bytes"] for f in inspect_package(result.package)["functions"].values())
 
-    options = {"graph": "stateful-tiled", "decode": decode}
+    options = {"graph": STATEFUL_TILED, "decode": decode}
     short, long = (
         export_sidecars(checkpoint_dir, Path(out_root) / f"{n}W", chunk, None, layers, capacity=n * window, **options)
         for n in (4, 16)
