@@ -182,8 +182,10 @@ def _window(text: dict, family: DecoderFamily) -> int | None:
     return None
 
 
-def _moe_options(text: dict) -> dict:
-    experts = _int(text, "num_experts", 0)
+def _moe_options(text: dict, family: DecoderFamily) -> dict:
+    """Qwen3-MoE's routing keys with transformers' defaults (``num_experts`` 128 when absent,
+    configuration_qwen3_moe.py:100; ``text_config`` has already read ``num_local_experts`` as it)."""
+    experts = _int(text, "num_experts", 128 if family.moe else 0)
     if not experts:
         return {}
     top_k = _int(text, "num_experts_per_tok", 8)
@@ -239,7 +241,7 @@ def load_model(path: str | os.PathLike) -> ModelCheckpoint:
         intermediate=_int(text, "intermediate_size"),
         tied=bool(text.get("tie_word_embeddings", False)),
         window=_window(text, family),
-        **_moe_options(text),
+        **_moe_options(text, family),
     )
 
 
@@ -301,6 +303,8 @@ def write_model_checkpoint(
         "hidden_act": "silu",
         "intermediate_size": int(dense[0].gate_proj.shape[0]) if dense else 0,
     }
+    if DECODER_FAMILIES[model_type].moe:
+        extra["num_experts"] = 0  # transformers' default is 128 routed experts: a dense model says 0
     if routed:
         if not DECODER_FAMILIES[model_type].moe:
             raise AnelabInputError(f"model_type {model_type} has no routed experts; write it as qwen3_moe")
