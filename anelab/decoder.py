@@ -27,6 +27,7 @@ from anelab.errors import AnelabInputError
 from anelab.reference import rms_norm
 
 DTYPE = np.float32
+LINEAR_BLOCK_BYTES = 32 * 2**20  # float32 rows of a file-backed weight (the LM head) converted at a time
 
 
 @dataclass
@@ -60,7 +61,11 @@ class DecoderLayerWeights:
 
 @dataclass
 class HeadWeights:
-    """embed_tokens [V, D], final_norm [D], lm_head [V, D] (the same array as embed_tokens when tied)."""
+    """embed_tokens [V, D], final_norm [D], lm_head [V, D] (the same array as embed_tokens when tied).
+
+    embed_tokens and lm_head are float32 arrays or tensors left in their file (``MappedTensor``: rows
+    read on demand — ``embed`` gathers a prompt's rows, ``lm_logits`` reads vocabulary blocks).
+    """
 
     embed_tokens: np.ndarray
     final_norm: np.ndarray
@@ -134,9 +139,26 @@ def finish_layer(hidden: np.ndarray, attn_out: np.ndarray, layer: DecoderLayerWe
     return h + mlp_forward(rms_norm(h, layer.post_attention_norm, eps), layer.mlp)
 
 
+def linear(x: np.ndarray, weight, block_bytes: int = LINEAR_BLOCK_BYTES) -> np.ndarray:
+    """x [T, K] @ weight [N, K].T -> float32 [T, N].
+
+    ``weight``: a float32 array, or a tensor left in its file (``anelab.hf.safetensors_io.MappedTensor``:
+    ``weight[r0:r1]`` returns those rows as float32), read in row blocks of at most ``block_bytes`` so it
+    is never held whole in float32.
+    """
+    if isinstance(weight, np.ndarray):
+        return x @ weight.T
+    n, k = weight.shape
+    rows = max(1, block_bytes // (4 * k))
+    out = np.empty((x.shape[0], n), DTYPE)
+    for r0 in range(0, n, rows):
+        out[:, r0 : r0 + rows] = x @ np.asarray(weight[r0 : r0 + rows], DTYPE).T
+    return out
+
+
 def lm_logits(hidden: np.ndarray, head: HeadWeights, eps: float) -> np.ndarray:
-    """Final norm and LM head: hidden [T, D] -> logits float32 [T, V]."""
-    return rms_norm(hidden.astype(DTYPE), head.final_norm, eps) @ head.lm_head.T
+    """Final norm and LM head: hidden [T, D] -> logits float32 [T, V] (the LM head read in vocabulary blocks)."""
+    return linear(rms_norm(hidden.astype(DTYPE), head.final_norm, eps), head.lm_head)
 
 
 # ---- deterministic random weights (tests, the embedded dense checkpoint) ---------------------------------
