@@ -16,6 +16,7 @@ the run would reach, a non-SiLU activation, MLP biases.
 from __future__ import annotations
 
 import os
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,8 +25,9 @@ import numpy as np
 from anelab.decoder import DecoderLayerWeights, HeadWeights, MlpWeights, MoeWeights
 from anelab.errors import AnelabInputError
 from anelab.geometry import AttentionGeometry
-from anelab.hf.checkpoint import Checkpoint, load_checkpoint, write_checkpoint
+from anelab.hf.checkpoint import Checkpoint, load_checkpoint, write_checkpoint, write_checkpoint_directory
 from anelab.hf.config import text_config
+from anelab.hf.safetensors_io import LazyTensor
 from anelab.weights import AttentionWeights
 
 
@@ -328,3 +330,60 @@ def write_model_checkpoint(
         extra_tensors=model_tensors(layers, head),
         extra_config=extra,
     )
+
+
+def random_model_tensors(
+    geometry: AttentionGeometry, vocab: int, intermediate: int, seed: int, *, tied: bool, prefix: str = "model."
+) -> dict[str, LazyTensor]:
+    """Every tensor of a dense Llama-layout model under its transformers name, each made when written.
+
+    Projections ~ N(0, 1/fan_in), norms 1 + N(0, 0.1^2), embeddings ~ N(0, 1); each tensor seeded by
+    (seed, its name), so a model larger than memory is written one tensor at a time, deterministically.
+    """
+    g, d = geometry, geometry.hidden_size
+
+    def normal(name: str, shape: tuple[int, ...], scale: float, shift: float = 0.0) -> LazyTensor:
+        def make() -> np.ndarray:
+            rng = np.random.default_rng([int(seed), zlib.crc32(name.encode())])
+            values = rng.standard_normal(shape, dtype=np.float32)
+            values *= np.float32(scale)
+            return values + np.float32(shift) if shift else values
+
+        return LazyTensor(shape, make)
+
+    shapes = {f"{prefix}embed_tokens.weight": ((vocab, d), 1.0, 0.0), f"{prefix}norm.weight": ((d,), 0.1, 1.0)}
+    if not tied:
+        shapes["lm_head.weight"] = ((vocab, d), d**-0.5, 0.0)
+    for layer in range(g.num_layers):
+        base = f"{prefix}layers.{layer}."
+        for param, shape in g.parameter_shapes().items():
+            shapes[f"{base}self_attn.{param}"] = (shape, 0.1, 1.0) if "norm" in param else (shape, shape[-1] ** -0.5, 0)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            shapes[f"{base}{norm}.weight"] = ((d,), 0.1, 1.0)
+        for proj, shape in (("gate", (intermediate, d)), ("up", (intermediate, d)), ("down", (d, intermediate))):
+            shapes[f"{base}mlp.{proj}_proj.weight"] = (shape, shape[1] ** -0.5, 0.0)
+    return {name: normal(name, shape, scale, shift) for name, (shape, scale, shift) in shapes.items()}
+
+
+def write_random_model(
+    directory: str | os.PathLike,
+    geometry: AttentionGeometry,
+    *,
+    vocab: int,
+    intermediate: int,
+    seed: int = 0,
+    tied: bool = False,
+    model_type: str = "llama",
+    dtype: str = "BF16",
+    shards: int = 1,
+) -> Path:
+    """Write a dense model of ``geometry`` with random weights (``random_model_tensors``) one tensor at a time:
+    the benchmarks' 1B- and 8B-shaped checkpoints without holding them in memory."""
+    from anelab.hf.config import MODEL_FAMILIES, config_for_geometry
+
+    if model_type not in ("llama", "mistral", "qwen2", "qwen3"):
+        raise AnelabInputError(f"write_random_model writes dense Llama-layout models, not {model_type!r}")
+    config = config_for_geometry(geometry, model_type, MODEL_FAMILIES[model_type], dtype)
+    config.update(vocab_size=vocab, intermediate_size=intermediate, tie_word_embeddings=tied, hidden_act="silu")
+    tensors = random_model_tensors(geometry, vocab, intermediate, seed, tied=tied)
+    return write_checkpoint_directory(directory, config, tensors, dtype=dtype, shards=shards)
