@@ -254,16 +254,17 @@ def _selection_mask(normed, start, state: _Layer, k_hist, model, indexer: Indexe
     rows = normed.shape[0]
     proj = reference.project(normed, start + np.arange(rows), state.attention, model.geometry)
     sel = select(proj.q, np.concatenate([k_hist, proj.k]), start, indexer.kept_blocks, indexer.compress_ratio)
-    return fold_with_causal(sel.keep_indices, sel.keep_counts, start, width)
+    window = model.geometry.window_of(state.attention.layer)
+    return fold_with_causal(sel.keep_indices, sel.keep_counts, start, width, window=window)
 
 
 def _mask(normed, start, state, k_hist, model, arm: Arm, width: int, *, prefill: bool, layer: int) -> np.ndarray:
-    """Additive mask float16 [width, start + width] for this layer's call."""
+    """Additive mask float16 [width, start + width] for this layer's call (a sliding layer's window included)."""
     if prefill and arm.perturbation is not None and arm.perturbation == Perturbation(layer, "mask_dropped"):
         return np.zeros((width, start + width), np.float16)
     if arm.indexer is not None and (arm.fold or not prefill):
         return _selection_mask(normed, start, state, k_hist, model, arm.indexer, width)
-    return causal(width, start)
+    return causal(width, start, window=model.geometry.window_of(layer))
 
 
 def _attend(model, layer, state: _Layer, normed, start, arm: Arm, sidecars, *, prefill: bool):
@@ -343,7 +344,6 @@ def run_arm(
         raise AnelabInputError(f"the prefill chunk {chunk} differs from the sidecars' width {sidecars.chunk}")
     if prompt.ndim != 1 or prompt.size < 1:
         raise AnelabInputError("the prompt needs at least one token id")
-    model.check_run_length(prompt.size + decode)
     head, g = model.head(), model.geometry
     states = [_Layer(model.attention(i), model.layer(i)) for i in range(model.num_layers)]
     hidden = np.zeros((model.num_layers, prompt.size, g.hidden_size), np.float32)
