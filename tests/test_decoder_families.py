@@ -362,7 +362,144 @@ def _gemma3(nested: bool) -> Case:
     return Case("gemma3" if nested else "gemma3_text", config if nested else text, c, controls)
 
 
-CASES = [_gemma2(), _gemma3(nested=False), _gemma3(nested=True)]
+def _phi3() -> Case:
+    c = Conventions(mlp="fused", fused_qkv=True, rotary=0.5, eps=1e-5, windows={0: 5, 1: 5})
+    config = _config("phi3", c, partial_rotary_factor=0.5, sliding_window=5, rms_norm_eps=1e-5)
+    return Case(
+        "phi3",
+        config,
+        c,
+        {
+            "fused gate_up_proj, gate first": _swap_gate_up,
+            "partial RoPE": lambda m: _geometry(m, partial_rotary_factor=1.0),
+            "sliding windows": lambda m: _geometry(m, sliding_layers=()),
+        },
+    )
+
+
+def _starcoder2() -> Case:
+    c = Conventions(
+        layer_norm=True, mlp="plain", mlp_bias=True, act="gelu_tanh", qkv_bias=True, o_bias=True, tied=True,
+        eps=1e-5, windows={0: 6, 1: 6},
+    )  # fmt: skip
+    config = _config("starcoder2", c, sliding_window=6)  # use_bias, norm_epsilon, tie_word_embeddings: defaults
+    return Case(
+        "starcoder2",
+        config,
+        c,
+        {
+            "LayerNorm": lambda m: _family(m, norm_kind="rms"),
+            "MLP biases": lambda m: setattr(m, "mlp_bias", False),
+            "GELU-tanh": lambda m: setattr(m, "activation", "silu"),
+            "tied embeddings by default": lambda m: setattr(m, "tied", False),
+            "sliding windows": lambda m: _geometry(m, sliding_layers=()),
+        },
+    )
+
+
+def _granite() -> Case:
+    c = Conventions(embed_scale=3.0, residual=0.5, logit_divisor=4.0, scale=0.9)
+    config = _config(
+        "granite", c, embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=4.0, attention_multiplier=0.9
+    )
+    return Case(
+        "granite",
+        config,
+        c,
+        {
+            "embedding_multiplier": lambda m: setattr(m, "embedding_multiplier", 1.0),
+            "residual_multiplier": lambda m: setattr(m, "residual_multiplier", 1.0),
+            "logits_scaling": lambda m: setattr(m, "logit_divisor", 1.0),
+            "attention_multiplier": lambda m: _geometry(m, query_scale=None),
+        },
+    )
+
+
+def _olmo2() -> Case:
+    c = Conventions(norms=(None, None, "post_attention_layernorm", "post_feedforward_layernorm"), qk_norm="projection")
+    config = _config("olmo2", c, rms_norm_eps=1e-6)
+    return Case(
+        "olmo2",
+        config,
+        c,
+        {
+            "post-branch norms": lambda m: _family(m, norms=NormSlots(input=None, mlp=None)),
+            "q/k norm over the projection": lambda m: _geometry(m, qk_norm=None),
+        },
+    )
+
+
+def _smollm3() -> Case:
+    c = Conventions(layers=3, tied=True, no_rope=(1,), windows={1: 4})
+    config = _config("smollm3", c, no_rope_layers=[1, 0, 1], use_sliding_window=True, sliding_window=4)
+    return Case(
+        "smollm3",
+        config,
+        c,
+        {
+            "no-RoPE layers": lambda m: _geometry(m, no_rope_layers=()),
+            "their sliding window": lambda m: _geometry(m, sliding_layers=()),
+        },
+    )
+
+
+def _windowed(model_type: str, windows: dict, layers: int = 2, **keys) -> Case:
+    """Llama-layer families whose sliding window the run reaches (prefill and decode)."""
+    c = Conventions(layers=layers, windows=windows, qkv_bias=model_type == "qwen2")
+    c = replace(c, qk_norm="head") if model_type == "qwen3" else c
+    return Case(
+        model_type, _config(model_type, c, **keys), c, {"sliding windows": lambda m: _geometry(m, sliding_layers=())}
+    )
+
+
+def _glm(model_type: str) -> Case:
+    norms = ("input_layernorm", "post_attention_layernorm")
+    norms += ("post_self_attn_layernorm", "post_mlp_layernorm") if model_type == "glm4" else (None, None)
+    c = Conventions(norms=norms, mlp="fused", rotary=0.5, interleaved=True, qkv_bias=True)
+    config = _config(model_type, c, partial_rotary_factor=0.5, rms_norm_eps=1e-6)  # attention_bias: default true
+    controls = {
+        "fused gate_up_proj, gate first": _swap_gate_up,
+        "interleaved RoPE pairs": lambda m: _geometry(m, rope_layout="half"),
+    }
+    if model_type == "glm4":
+        controls["post-branch norms"] = lambda m: _family(m, norms=NormSlots())
+    return Case(model_type, config, c, controls)
+
+
+def _gemma() -> Case:
+    bf16_sqrt = float(np.float32(np.sqrt(24)).astype(ml_dtypes.bfloat16))
+    c = Conventions(hidden=24, one_plus=True, embed_scale=bf16_sqrt, act="gelu_tanh", tied=True)
+    config = _config("gemma", c, hidden_act="gelu", torch_dtype="bfloat16")  # legacy "gelu" means the tanh form
+    return Case(
+        "gemma",
+        config,
+        c,
+        {
+            "(1 + w) norms": lambda m: _family(m, zero_centred=False),
+            "embedding scale": lambda m: setattr(m, "embedding_multiplier", 1.0),
+            "embedding scale in the model dtype": lambda m: setattr(m, "embedding_multiplier", float(np.sqrt(24))),
+            "GELU-tanh": lambda m: setattr(m, "activation", "silu"),
+        },
+    )
+
+
+CASES = [
+    _gemma2(),
+    _gemma3(nested=False),
+    _gemma3(nested=True),
+    _phi3(),
+    _starcoder2(),
+    _granite(),
+    _olmo2(),
+    _smollm3(),
+    _windowed("ministral", {0: 4}, layer_types=["sliding_attention", "full_attention"], sliding_window=4),
+    _windowed("mistral", {0: 5, 1: 5}, sliding_window=5),
+    _windowed("qwen2", {1: 4}, use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    _windowed("qwen3", {1: 4}, use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    _glm("glm"),
+    _glm("glm4"),
+    _gemma(),
+]
 
 
 def _write(path, case: Case, seed: int) -> dict:
