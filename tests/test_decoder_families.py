@@ -349,7 +349,10 @@ def _gemma3(nested: bool) -> Case:
         torch_dtype="float32",
     )
     del text["rope_theta"]
-    config = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": text}
+    # the wrapper owns lm_head: its tie_word_embeddings decides (modeling_utils.py:2492), not the text config's
+    wrapped = {**text, "tie_word_embeddings": False}
+    config = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": wrapped}
+    config["tie_word_embeddings"] = True
     controls = {
         "q/k norms (1 + w)": lambda m: setattr(
             m.checkpoint, "family", replace(m.checkpoint.family, zero_centred_norm=False)
@@ -543,3 +546,51 @@ def test_each_convention_switched_off_misses(family):
         switch_off(model)
         run = run_arm(model, prompt, Arm("reference"), decode=1, chunk=CHUNK)
         assert _miss(run, hidden, logits) > CONTROL_MARGIN, f"{case.name}: switching off {label} went unnoticed"
+
+
+def test_every_whole_model_family_is_checked_here_or_in_test_decoder():
+    """A row added to DECODER_FAMILIES without a case against the independent forward fails here."""
+    from anelab.hf.model import DECODER_FAMILIES
+
+    checked = {case.name for case in CASES} | {"llama", "qwen2", "qwen3_moe"}  # the last three: tests/test_decoder.py
+    assert set(DECODER_FAMILIES) <= checked, sorted(set(DECODER_FAMILIES) - checked)
+
+
+def test_list_families_says_what_compare_arms_runs_or_why_not(capsys):
+    from anelab.cli import main
+    from anelab.hf.config import MODEL_FAMILIES
+    from anelab.hf.model import DECODER_FAMILIES
+
+    assert main(["export", "--list-families", "--json"]) == 0
+    rows = {r["model_type"]: r["whole_model"] for r in json.loads(capsys.readouterr().out)["families"]}
+    assert set(rows) == set(MODEL_FAMILIES)
+    for model_type, line in rows.items():
+        if model_type in DECODER_FAMILIES:
+            assert line.startswith("runs"), model_type
+        else:
+            assert line.startswith("refused: ") and "linear-attention" in line and MODEL_FAMILIES[model_type].hybrid
+    assert "final_logit_softcapping" in rows["gemma2"] and "c_fc/c_proj" in rows["starcoder2"]
+    assert main(["export", "--list-families"]) == 0
+    assert "whole model (compare-arms): refused: its linear-attention" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "case, change, message",
+    [
+        (_gemma3(nested=True), {"final_logit_softcapping": 5.0}, "final_logit_softcapping=5.0: gemma3 does not apply"),
+        (_granite(), {"mlp_bias": True}, "mlp_bias: true"),
+        (_gemma2(), {"hidden_activation": "gelu"}, "hidden_activation 'gelu' is not modelled"),
+        (_starcoder2(), {"hidden_act": "relu"}, "hidden_act 'relu' is not modelled"),
+    ],
+    ids=["gemma3-ignored-softcap", "granite-mlp-bias", "gemma2-exact-gelu", "starcoder2-relu"],
+)
+def test_unmodelled_options_are_refused_in_one_line(tmp_path, case, change, message):
+    from anelab.errors import AnelabInputError
+
+    _write(tmp_path / "m", case, seed=0)
+    config = json.loads(json.dumps(case.config))
+    (config.get("text_config") or config).update(change)  # Gemma3TextConfig holds the cap; the wrapper ignores it
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(AnelabInputError, match=message.replace("(", r"\(")) as e:
+        load_model(tmp_path / "m")
+    assert "\n" not in str(e.value)

@@ -111,7 +111,8 @@ class DecoderFamily:
                 (self.embedding_scale == "sqrt_hidden", "embeddings x sqrt(hidden) in the model dtype"),
                 (self.embedding_scale == "embedding_multiplier", "embedding_multiplier"),
                 (self.multipliers, "residual_multiplier, logits_scaling"),
-                (self.final_softcap, "final_logit_softcapping"),
+                (self.final_softcap, f"final_logit_softcapping (default {self.final_softcap_default})"),
+                (self.tie_default, "tied embeddings unless tie_word_embeddings is false"),
                 (self.moe, "routed experts"),
             )
             if on
@@ -433,15 +434,17 @@ def load_model(path: str | os.PathLike) -> ModelCheckpoint:
     vocab/intermediate sizes.
     """
     checkpoint = load_checkpoint(path)
-    model_type, text = checkpoint.model_type, text_config(checkpoint.config)
+    text = text_config(checkpoint.config)
+    # a multimodal wrapper (Gemma 3) is its own row: its lm_head, tying and logits belong to the outer class
+    nested, outer = text is not checkpoint.config, checkpoint.config.get("model_type")
+    model_type = outer if nested and outer in DECODER_FAMILIES else checkpoint.model_type
     family = DECODER_FAMILIES.get(model_type)
     if family is None:
         raise AnelabInputError(
             f"model_type {model_type} cannot run whole-model arms: {whole_model_support(model_type)[len('refused: ') :]}; "
             f"supported: {', '.join(DECODER_FAMILIES)}"
         )
-    # tying is decided by the config of the class that owns lm_head: the outer one for a multimodal wrapper
-    tie_source = checkpoint.config if checkpoint.family.nested_text_config else text
+    tie_source = checkpoint.config if nested else text  # tie_word_embeddings of the class that owns lm_head
     return ModelCheckpoint(
         checkpoint=checkpoint,
         family=family,
