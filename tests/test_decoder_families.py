@@ -594,3 +594,29 @@ def test_unmodelled_options_are_refused_in_one_line(tmp_path, case, change, mess
     with pytest.raises(AnelabInputError, match=message.replace("(", r"\(")) as e:
         load_model(tmp_path / "m")
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "olmo2"])
+def test_sidecar_arm_serves_the_family_within_fp16_noise(tmp_path, name):
+    """The saved packages (NumPy evaluation) in the whole model: Gemma 3's windows, local RoPE base and sandwich
+    norms around the sidecar; OLMo 2's raw residual rows into it and its post-norm after it. Control: the
+    window dropped from the arms' masks makes the sidecar arm miss the reference from the sliding layer on."""
+    from anelab.sidecar.export import export_sidecars
+    from anelab.studies.arms import NOISE, compare_runs, open_sidecars
+
+    case = next(c for c in CASES if c.name == name)
+    _write(tmp_path / "m", case, seed=len(name))
+    export_sidecars(tmp_path / "m", tmp_path / "sidecars", CHUNK, [0, CHUNK, 2 * CHUNK])
+    model = load_model(tmp_path / "m")
+    prompt = np.random.default_rng(5).integers(0, VOCAB, PROMPT)
+    reference = run_arm(model, prompt, Arm("reference"), decode=DECODE, chunk=CHUNK)
+    sidecars = open_sidecars(tmp_path / "sidecars", model, PROMPT)
+    sidecar = compare_runs(
+        reference, run_arm(model, prompt, Arm("sidecar", "sidecar"), decode=DECODE, sidecars=sidecars)
+    )
+    assert max(sidecar.layer_diffs) < NOISE and sidecar.prompt_logits_diff < NOISE
+    assert sidecar.greedy_agreement == 1.0
+    if model.geometry.sliding_layers:
+        _geometry(model, sliding_layers=(), local_rope_theta=model.geometry.local_rope_theta)
+        unwindowed = run_arm(model, prompt, Arm("sidecar", "sidecar"), decode=DECODE, sidecars=sidecars)
+        assert compare_runs(reference, unwindowed).first_divergent_layer == min(case.conventions.windows)
