@@ -53,7 +53,13 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
 
 
 # transformers' ACT2FN names modelled here (activations.py); any other is refused by the loader.
-ACTIVATIONS = {"silu": silu, "swish": silu, "gelu_pytorch_tanh": gelu_tanh, "gelu_new": gelu_tanh}
+ACTIVATIONS = {
+    "silu": silu,
+    "swish": silu,
+    "gelu_pytorch_tanh": gelu_tanh,
+    "gelu_python_tanh": gelu_tanh,
+    "gelu_new": gelu_tanh,
+}
 
 
 @dataclass
