@@ -620,3 +620,16 @@ def test_sidecar_arm_serves_the_family_within_fp16_noise(tmp_path, name):
         _geometry(model, sliding_layers=(), local_rope_theta=model.geometry.local_rope_theta)
         unwindowed = run_arm(model, prompt, Arm("sidecar", "sidecar"), decode=DECODE, sidecars=sidecars)
         assert compare_runs(reference, unwindowed).first_divergent_layer == min(case.conventions.windows)
+
+
+def test_compare_arms_runs_a_family_and_refuses_a_hybrid_with_the_listed_reason(tmp_path, tiny_checkpoint, capsys):
+    from anelab.cli import main
+    from anelab.hf.model import whole_model_support
+
+    _write(tmp_path / "gemma2", CASES[0], seed=0)
+    argv = ["--prompt-tokens", str(PROMPT), "--decode", "2", "--chunk", str(CHUNK), "--json"]
+    assert main(["compare-arms", str(tmp_path / "gemma2"), *argv]) == 0
+    assert len(json.loads(capsys.readouterr().out)["tokens"]["reference"]) == 2
+    assert main(["compare-arms", str(tiny_checkpoint("qwen3_next")), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and whole_model_support("qwen3_next").removeprefix("refused: ") in err

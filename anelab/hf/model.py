@@ -441,7 +441,7 @@ def load_model(path: str | os.PathLike) -> ModelCheckpoint:
     family = DECODER_FAMILIES.get(model_type)
     if family is None:
         raise AnelabInputError(
-            f"model_type {model_type} cannot run whole-model arms: {whole_model_support(model_type)[len('refused: ') :]}; "
+            f"model_type {model_type} cannot run whole-model arms: {whole_model_support(model_type).removeprefix('refused: ')}; "
             f"supported: {', '.join(DECODER_FAMILIES)}"
         )
     tie_source = checkpoint.config if nested else text  # tie_word_embeddings of the class that owns lm_head
