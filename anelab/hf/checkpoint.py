@@ -7,6 +7,7 @@ the same layout so tests and notebooks work on small synthetic models.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -179,6 +180,21 @@ class Checkpoint:
             "k_proj.weight": fused[q_rows : q_rows + kv_rows],
             "v_proj.weight": fused[q_rows + kv_rows :],
         }
+
+    def attention_digests(self, layer: int) -> dict[str, str]:
+        """Tensor name -> digest for every tensor of ``layer``'s attention (``{prefix}layers.{L}.self_attn.*``).
+
+        The digest is SHA-256 (16 hex digits) of the name, dtype, shape and stored bytes, read through a
+        memory map: what an exported package records to recognise its checkpoint under any path.
+        """
+        stem = self.tensor_name(int(layer), "")
+        digests = {}
+        for name in sorted(n for n in self.weight_map if n.startswith(stem)):
+            file, entry = self._entry(name)
+            h = hashlib.sha256(f"{name}|{entry.dtype}|{list(entry.shape)}|".encode())
+            h.update(memoryview(file.view(name).reshape(-1).view(np.uint8)))
+            digests[name] = h.hexdigest()[:16]
+        return digests
 
     def tensor_dtype(self, layer: int | None = None) -> str:
         """Storage dtype of a full-attention layer's q_proj (the first such layer by default)."""

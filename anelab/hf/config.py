@@ -261,10 +261,32 @@ REFUSED = (
 )
 
 
+# transformers' ``attribute_map`` of each supported family's text config: the name anelab reads -> the key
+# ``save_pretrained`` writes (``__setattr__`` stores the attribute under the mapped key, configuration_utils.py:653-656).
+# transformers 5.24.0: models/qwen3_moe/configuration_qwen3_moe.py:50-52. No other supported family's text config
+# has one (gemma3's maps image-token ids of the outer config; qwen3_5's maps its vision config's keys).
+ATTRIBUTE_MAPS: dict[str, dict[str, str]] = {"qwen3_moe": {"num_experts": "num_local_experts"}}
+
+
 def text_config(config: dict) -> dict:
-    """The language-model part of a config: ``config["text_config"]`` when nested, else ``config``."""
+    """The language-model part of a config (``config["text_config"]`` when nested, else ``config``), with
+    every ``ATTRIBUTE_MAPS`` spelling read under anelab's name; refuses both spellings with different values."""
     nested = config.get("text_config")
-    return nested if isinstance(nested, dict) else config
+    text = nested if isinstance(nested, dict) else config
+    aliases = ATTRIBUTE_MAPS.get(text.get("model_type") or config.get("model_type"), {})
+    if not any(stored in text for stored in aliases.values()):
+        return text
+    text = dict(text)
+    for name, stored in aliases.items():
+        if stored not in text:
+            continue
+        if name in text and text[name] != text[stored]:
+            raise AnelabInputError(
+                f"config.json sets {name}={text[name]!r} and {stored}={text[stored]!r}, one setting in transformers "
+                f"(attribute_map); keep only {stored}"
+            )
+        text[name] = text.pop(stored)
+    return text
 
 
 def detect_family(config: dict) -> tuple[str, ModelFamily]:

@@ -349,8 +349,10 @@ def _number(text: dict, key: str, default: float) -> float:
     return float(value)
 
 
-def _moe_options(text: dict) -> dict:
-    experts = _int(text, "num_experts", 0)
+def _moe_options(text: dict, family: DecoderFamily) -> dict:
+    """Qwen3-MoE's routing keys with transformers' defaults (``num_experts`` 128 when absent,
+    configuration_qwen3_moe.py:100; ``text_config`` has already read ``num_local_experts`` as it)."""
+    experts = _int(text, "num_experts", 128 if family.moe else 0)
     if not experts:
         return {}
     top_k = _int(text, "num_experts_per_tok", 8)
@@ -454,7 +456,7 @@ def load_model(path: str | os.PathLike) -> ModelCheckpoint:
         activation=_activation(text, family, model_type),
         mlp_bias=_mlp_bias(text, family, model_type),
         **_scalars(checkpoint, family, model_type),
-        **_moe_options(text),
+        **_moe_options(text, family),
     )
 
 
@@ -520,6 +522,8 @@ def write_model_checkpoint(
         "hidden_act": "silu",
         "intermediate_size": int(dense[0].gate_proj.shape[0]) if dense else 0,
     }
+    if DECODER_FAMILIES[model_type].moe:
+        extra["num_experts"] = 0  # transformers' default is 128 routed experts: a dense model says 0
     if routed:
         if not DECODER_FAMILIES[model_type].moe:
             raise AnelabInputError(f"model_type {model_type} has no routed experts; write it as qwen3_moe")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ml_dtypes
@@ -48,6 +48,7 @@ class SafetensorsFile:
     path: Path
     data_start: int
     entries: dict[str, TensorEntry]
+    _mapped: np.memmap | None = field(default=None, repr=False)
 
     @classmethod
     def open(cls, path: Path) -> SafetensorsFile:
@@ -84,21 +85,35 @@ class SafetensorsFile:
             entries[name] = entry
         return cls(path, 8 + n, entries)
 
-    def read(self, name: str) -> np.ndarray:
-        """The tensor ``name`` in its storage dtype (F32 / F16 / BF16), shaped as stored."""
+    def view(self, name: str) -> np.ndarray:
+        """The tensor ``name`` memory-mapped read-only in its storage dtype, shaped as stored (no bytes read
+        until used: the page cache serves them, and they do not count as this process's own memory)."""
         entry = self.entries[name]
+        storage = self._storage(entry)
+        if self._mapped is None:
+            self._mapped = np.memmap(self.path, dtype=np.uint8, mode="r")
+        raw = self._mapped[self.data_start + entry.begin : self.data_start + entry.end]
+        return raw.view(storage).reshape(entry.shape)
+
+    def _storage(self, entry: TensorEntry) -> np.dtype:
         storage = STORAGE_DTYPES.get(entry.dtype)
         if storage is None:
             raise AnelabInputError(
-                f"tensor {name} in {self.path.name} has dtype {entry.dtype}; supported: "
+                f"tensor {entry.name} in {self.path.name} has dtype {entry.dtype}; supported: "
                 f"{', '.join(STORAGE_DTYPES)} (dequantize the checkpoint first)"
             )
         count = int(np.prod(entry.shape, dtype=np.int64))
         if entry.end - entry.begin != count * storage.itemsize:
             raise AnelabInputError(
-                f"tensor {name} in {self.path.name}: {entry.end - entry.begin} bytes do not hold "
+                f"tensor {entry.name} in {self.path.name}: {entry.end - entry.begin} bytes do not hold "
                 f"{entry.dtype} {list(entry.shape)}; the file is corrupt"
             )
+        return storage
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor ``name`` in its storage dtype (F32 / F16 / BF16), shaped as stored (read into memory)."""
+        entry = self.entries[name]
+        storage = self._storage(entry)
         with open(self.path, "rb") as f:
             f.seek(self.data_start + entry.begin)
             raw = f.read(entry.end - entry.begin)

@@ -323,7 +323,8 @@ def package_metadata(
     ``tiles``: the stateful-tiled graph's (key tile, query tile, mask mode))."""
     return SidecarMetadata(
         format_version=FORMAT_VERSION,
-        source=str(checkpoint.path),
+        source=str(Path(checkpoint.path).resolve()),
+        source_tensors=checkpoint.attention_digests(layer),
         layer=layer,
         geometry=checkpoint.geometry.to_dict(),
         chunk=chunk,

@@ -52,6 +52,7 @@ META = {
     "coremltools": "anelab.coremltoolsVersion",
     "anelab": "anelab.version",
     "exported_at": "anelab.exportedAt",
+    "source_tensors": "anelab.sourceTensors",
 }
 
 
@@ -112,6 +113,9 @@ class SidecarMetadata:
     feeds must be ``masks.causal(..., window=W)``. ``geometry`` carries the block's options, including
     what the caller applies to attn_out before the residual add (``after_o_proj``) and which rows it
     feeds (``input_rows``: post-input-norm rows, or the raw residual stream for OLMo 2).
+    ``source``: the checkpoint's absolute path at export; ``source_tensors``: tensor name -> digest of
+    every attention tensor of the layer (``Checkpoint.attention_digests``), which identifies the
+    checkpoint by content (None: exported before digests were recorded).
     """
 
     format_version: int
@@ -138,6 +142,7 @@ class SidecarMetadata:
     sliding_window: int | None = None
     query_tile: int | None = None
     mask_mode: str | None = None
+    source_tensors: dict[str, str] | None = None
 
     @property
     def functions(self) -> list[str]:
@@ -231,6 +236,7 @@ _FIELDS = {
     "sliding_window": (SLIDING_WINDOW_META, "json", False),
     "query_tile": (QUERY_TILE_META, "int", False),
     "mask_mode": (MASK_MODE_META, "str", False),
+    "source_tensors": (META["source_tensors"], "json", False),
 }
 
 

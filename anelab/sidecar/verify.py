@@ -207,6 +207,7 @@ def verify_package(
     functions: list[str] | None = None,
     precision: str = REFERENCE_PRECISION,
     evaluator: Evaluator | None = None,
+    progress: bool = True,
 ) -> VerifyReport:
     """Verify every function of a saved sidecar against the reference (see module docstring).
 
@@ -214,19 +215,22 @@ def verify_package(
     function and must stay under ``REFERENCE_ERROR_BOUND``; "fp64": the exact math, slower).
     ``evaluator``: runs the package's functions instead of the NumPy evaluation (e.g. Core ML on a
     Mac). Every case then also reports the evaluator against the NumPy evaluation of the same package
-    and the NumPy evaluation against the reference: three comparisons per output.
+    and the NumPy evaluation against the reference: three comparisons per output. ``progress``: show
+    this package's own progress bar (``verify_export`` shows one for the whole export instead).
     """
     start = time.perf_counter()
     meta = read_sidecar_metadata(package)
     if meta.graph == "stateful":  # one function per chunk width, K/V in Core ML state
-        return verify_stateful_package(package, checkpoint_dir, seed=seed, fp16=fp16, evaluator=evaluator)
+        return verify_stateful_package(
+            package, checkpoint_dir, seed=seed, fp16=fp16, evaluator=evaluator, progress=progress
+        )
     if meta.graph == "stateful-tiled":
         if evaluator is not None:
             raise AnelabInputError(
                 "verify on the device is not built for --graph stateful-tiled packages yet; verify it with NumPy "
                 "(drop --compute-units)"
             )
-        return verify_stateful_tiled_package(package, checkpoint_dir, seed=seed, fp16=fp16)
+        return verify_stateful_tiled_package(package, checkpoint_dir, seed=seed, fp16=fp16, progress=progress)
     checkpoint = load_matching_checkpoint(meta, checkpoint_dir)
     saved = SavedPackage(package)
     names = functions or list(meta.functions)
@@ -255,7 +259,7 @@ def verify_package(
         "true_window": checkpoint.geometry.window_of(meta.layer),
         "rope_coverage": meta.coverage,
     }
-    with tqdm(total=len(names) * (4 + compressed), desc="verify", unit="case") as bar:
+    with tqdm(total=len(names) * (4 + compressed), desc="verify", unit="case", disable=not progress) as bar:
         for name in names:
             with _timed(seconds, "inputs"):
                 weights = checkpoint_weights
@@ -589,6 +593,7 @@ def verify_stateful_package(
     seed: int = 0,
     fp16: bool = True,
     evaluator: Evaluator | None = None,
+    progress: bool = True,
 ) -> VerifyReport:
     """Verify a stateful sidecar over a multi-chunk prompt (and decode steps when it has ``c1``):
     the attn_out rows and the whole final cache against the fp64 reference over the prompt, then
@@ -628,7 +633,7 @@ def verify_stateful_package(
     def truth(w, **options):
         return prompt_reference(hidden, w, geometry, window=true_window, rope_coverage=capacity, **options)
 
-    steps = tqdm(total=4 + (meta.weights != "fp16"), desc="verify stateful", unit="run")
+    steps = tqdm(total=4 + (meta.weights != "fp16"), desc="verify stateful", unit="run", disable=not progress)
     out, state = run()
     if evaluator is not None:  # the device's state read back (MLState.read_state), as NumPy's is
         state = evaluator.state_arrays(state)
@@ -732,7 +737,12 @@ def stateful_tiled_prompt_rows(capacity: int, chunk: int) -> int:
 
 
 def verify_stateful_tiled_package(
-    package: str | os.PathLike, checkpoint_dir: str | os.PathLike | None = None, *, seed: int = 0, fp16: bool = True
+    package: str | os.PathLike,
+    checkpoint_dir: str | os.PathLike | None = None,
+    *,
+    seed: int = 0,
+    fp16: bool = True,
+    progress: bool = True,
 ) -> VerifyReport:
     """Verify a stateful-tiled sidecar over a whole prompt whose last chunk is partial, then decode
     steps through ``c1`` when present: attn_out rows and the cache slots the prompt wrote, against the
@@ -761,7 +771,9 @@ def verify_stateful_tiled_package(
     ]
     if meta.mask_mode == "additive":
         cases.append(("mask reaches graph", {"masks": lambda r, s: drop_half_mask(stateful_mask(r, s, capacity), rng)}))
-    steps = tqdm(total=1 + len(cases) + (meta.weights != "fp16"), desc="verify stateful-tiled", unit="run")
+    steps = tqdm(
+        total=1 + len(cases) + (meta.weights != "fp16"), desc="verify stateful-tiled", unit="run", disable=not progress
+    )
     out, state = run()
     case = f"prompt {prefill} (last chunk partial)+{decode_steps}"
     report.comparisons.append(Comparison(label, case, P, stateful_tiled_errors(out, state, ref)))

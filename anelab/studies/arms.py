@@ -41,7 +41,12 @@ from anelab.geometry import chunk_starts
 from anelab.hf.model import ModelCheckpoint, load_model
 from anelab.masks import causal, fold_with_causal
 from anelab.selection import select
-from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error, require_same_geometry
+from anelab.sidecar.compare import (
+    RELATIVE_ERROR_THRESHOLD,
+    relative_error,
+    require_same_geometry,
+    require_same_tensors,
+)
 from anelab.sidecar.format import function_name, read_sidecar_metadata
 from anelab.weights import AttentionWeights
 
@@ -119,10 +124,7 @@ def _check_package(path: Path, meta, layer: int, model: ModelCheckpoint) -> None
     if meta.layer != layer:
         raise AnelabInputError(f"{path} records layer {meta.layer}, not {layer}; keep each package under its own name")
     require_same_geometry(meta, model.geometry, model.path)
-    if Path(meta.source).name != model.path.name:
-        raise AnelabInputError(
-            f"{path} was exported from {meta.source}, not from {model.path}; export the sidecars from this checkpoint"
-        )
+    require_same_tensors(meta, model.checkpoint)
     if meta.graph == "stateful":
         raise AnelabInputError(
             f"{path} is a stateful package; whole-model arms run dense or tiled sidecars (h<history>)"
@@ -134,19 +136,22 @@ def open_sidecars(
 ) -> SidecarSet:
     """Check ``directory/layer_<L>.mlpackage`` for every full-attention layer against the checkpoint and prompt.
 
-    Refuses (one line): a missing directory or package, a package from another checkpoint (recorded
-    source or geometry, or h0 not computing this checkpoint's attention on seeded rows), a stateful
+    Refuses (one line): a missing directory or package, a package from another checkpoint (geometry, or
+    the digest of an attention tensor — a package without digests: h0 not computing this checkpoint's
+    attention on seeded rows), a stateful
     package, chunk widths that differ between packages, histories that do not reach the prompt's chunk
     starts. ``runner`` serves the calls (default ``numpy_runner``: the saved programs evaluated with NumPy).
     """
     directory = Path(directory)
     if not directory.is_dir():
         raise AnelabInputError(f"sidecar directory {directory} does not exist; export the sidecars into it first")
-    packages, chunks, histories = {}, {}, {}
+    packages, chunks, histories, undigested = {}, {}, {}, []
     for layer in model.geometry.full_attention_layers:
         path, meta = _package_meta(directory, layer)
         _check_package(path, meta, layer, model)
         packages[layer], chunks[layer], histories[layer] = path, meta.chunk, set(meta.histories)
+        if meta.source_tensors is None:
+            undigested.append(layer)
     widths = sorted(set(chunks.values()))
     if len(widths) > 1:
         a, b = (next(L for L, c in chunks.items() if c == w) for w in widths[:2])
@@ -164,7 +169,7 @@ def open_sidecars(
                 f"{chunk}; re-export with --histories reaching {starts[-1]} or shorten the prompt"
             )
     sidecars = SidecarSet(directory, packages, chunk)
-    for layer in packages:
+    for layer in undigested:
         _check_same_weights(sidecars, layer, model)
     sidecars.runner = runner if runner is not None else numpy_runner(sidecars)
     return sidecars
