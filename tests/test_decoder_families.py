@@ -633,3 +633,22 @@ def test_compare_arms_runs_a_family_and_refuses_a_hybrid_with_the_listed_reason(
     assert main(["compare-arms", str(tiny_checkpoint("qwen3_next")), *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and whole_model_support("qwen3_next").removeprefix("refused: ") in err
+
+
+def test_indexer_arms_sparsify_full_layers_and_sliding_layers_keep_their_window(tmp_path):
+    """Mistral (every layer slides): folded == causal-only bit for bit. Gemma 2 (layer 1 full): the two arms part
+    at layer 1, the first full-attention layer, not before."""
+    from anelab.studies.arms import Indexer, compare_runs
+
+    prompt = np.random.default_rng(5).integers(0, VOCAB, 30)
+    for case, first in ((next(c for c in CASES if c.name == "mistral"), None), (CASES[0], 1)):
+        _write(tmp_path / case.name, case, seed=1)
+        model = load_model(tmp_path / case.name)
+        runs = [
+            run_arm(model, prompt, Arm(name, "reference", Indexer(1, 4), fold=fold), decode=2, chunk=8)
+            for name, fold in (("folded", True), ("causal-only", False))
+        ]
+        pair = compare_runs(*runs)
+        assert pair.first_divergent_layer == first, case.name
+        if first is None:
+            assert np.array_equal(runs[0].hidden, runs[1].hidden)

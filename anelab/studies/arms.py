@@ -7,7 +7,8 @@ An *arm* says who serves each attention layer during prefill and with which mask
   of the saved program off-Mac, or Core ML through ``runtime_runner`` on a Mac), causal mask;
 - mask arms for a sparse-indexed model (``Indexer``): ``folded`` (the QSA-shaped selection of
   ``anelab.selection`` folded into each chunk's mask) vs ``causal-only`` (the causal mask alone — what
-  a sidecar without the fold computes);
+  a sidecar without the fold computes); the indexer sparsifies the full-attention layers, a sliding
+  layer keeps its window (every arm applies a layer's window, ``geometry.window_of``, in prefill and decode);
 - a negative control: any arm with one layer perturbed (``mask_dropped``: that layer attends to
   every key of the chunk's coverage; ``rope_shifted``: that layer's chunks after the first are rotated
   one position late against their cached history — reference-served layers only; a shift of every
@@ -259,17 +260,17 @@ def _selection_mask(normed, start, state: _Layer, k_hist, model, indexer: Indexe
     rows = normed.shape[0]
     proj = reference.project(normed, start + np.arange(rows), state.attention, model.geometry)
     sel = select(proj.q, np.concatenate([k_hist, proj.k]), start, indexer.kept_blocks, indexer.compress_ratio)
-    window = model.geometry.window_of(state.attention.layer)
-    return fold_with_causal(sel.keep_indices, sel.keep_counts, start, width, window=window)
+    return fold_with_causal(sel.keep_indices, sel.keep_counts, start, width)
 
 
 def _mask(normed, start, state, k_hist, model, arm: Arm, width: int, *, prefill: bool, layer: int) -> np.ndarray:
     """Additive mask float16 [width, start + width] for this layer's call (a sliding layer's window included)."""
     if prefill and arm.perturbation is not None and arm.perturbation == Perturbation(layer, "mask_dropped"):
         return np.zeros((width, start + width), np.float16)
-    if arm.indexer is not None and (arm.fold or not prefill):
+    window = model.geometry.window_of(layer)
+    if arm.indexer is not None and (arm.fold or not prefill) and window is None:
         return _selection_mask(normed, start, state, k_hist, model, arm.indexer, width)
-    return causal(width, start, window=model.geometry.window_of(layer))
+    return causal(width, start, window=window)
 
 
 def _attend(model, layer, state: _Layer, normed, start, arm: Arm, sidecars, *, prefill: bool):
