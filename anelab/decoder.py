@@ -93,12 +93,16 @@ def apply_norm(x: np.ndarray, norm: Norm | None, eps: float) -> np.ndarray:
 
 @dataclass
 class MlpWeights:
-    """One gated MLP: gate_proj [I, D], up_proj [I, D], down_proj [D, I] (float32); ``activation`` on the gate."""
+    """One gated MLP: gate_proj [I, D], up_proj [I, D], down_proj [D, I] (float32); ``activation`` on the gate;
+    optional biases gate_bias [I], up_bias [I], down_bias [D] (``mlp_bias``)."""
 
     gate_proj: np.ndarray
     up_proj: np.ndarray
     down_proj: np.ndarray
     activation: str = "silu"
+    gate_bias: np.ndarray | None = None
+    up_bias: np.ndarray | None = None
+    down_bias: np.ndarray | None = None
 
 
 @dataclass
@@ -176,20 +180,23 @@ def _activation(name: str):
     return ACTIVATIONS[name]
 
 
+def _linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    """x [T, in] @ weight [out, in].T (+ bias [out]) -> [T, out]."""
+    y = x @ weight.T
+    if bias is not None:
+        y += bias
+    return y
+
+
 def swiglu(x: np.ndarray, mlp: MlpWeights) -> np.ndarray:
-    """x [T, D] -> down(act(gate(x)) * up(x)) [T, D] (SiLU: SwiGLU; GELU-tanh: GeGLU)."""
-    return (_activation(mlp.activation)(x @ mlp.gate_proj.T) * (x @ mlp.up_proj.T)) @ mlp.down_proj.T
+    """x [T, D] -> down(act(gate(x)) * up(x)) [T, D] (SiLU: SwiGLU; GELU-tanh: GeGLU), biases where present."""
+    gated = _activation(mlp.activation)(_linear(x, mlp.gate_proj, mlp.gate_bias)) * _linear(x, mlp.up_proj, mlp.up_bias)
+    return _linear(gated, mlp.down_proj, mlp.down_bias)
 
 
 def plain_mlp(x: np.ndarray, mlp: PlainMlpWeights) -> np.ndarray:
     """x [T, D] -> c_proj(act(c_fc(x))) [T, D], biases added where present."""
-    h = x @ mlp.fc.T
-    if mlp.fc_bias is not None:
-        h += mlp.fc_bias
-    out = _activation(mlp.activation)(h) @ mlp.proj.T
-    if mlp.proj_bias is not None:
-        out += mlp.proj_bias
-    return out
+    return _linear(_activation(mlp.activation)(_linear(x, mlp.fc, mlp.fc_bias)), mlp.proj, mlp.proj_bias)
 
 
 def route(x: np.ndarray, moe: MoeWeights) -> tuple[np.ndarray, np.ndarray]:

@@ -234,7 +234,7 @@ def test_unmodelled_models_are_refused_in_one_line(tmp_path, tiny_checkpoint):
     config = dict(spec["cfg"])
     for change, message in (
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"mlp_bias": True}, "mlp_bias"),
+        ({"num_experts": 4}, "num_experts"),
         ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
     ):
         (tmp_path / "m" / "config.json").write_text(json.dumps({**config, **change}))

@@ -140,9 +140,10 @@ def _mlp(c, t, p, x):
         return _act(c, x @ t[p + "mlp.c_fc.weight"].T + b("c_fc")) @ t[p + "mlp.c_proj.weight"].T + b("c_proj")
     if c.mlp == "fused":  # Phi-3 / GLM: gate_up_proj output chunked in two, gate first
         gate, up = np.split(x @ t[p + "mlp.gate_up_proj.weight"].T, 2, axis=-1)
-    else:
-        gate, up = x @ t[p + "mlp.gate_proj.weight"].T, x @ t[p + "mlp.up_proj.weight"].T
-    return (_act(c, gate) * up) @ t[p + "mlp.down_proj.weight"].T
+    b = (lambda n: t[p + f"mlp.{n}_proj.bias"]) if c.mlp_bias else (lambda n: 0.0)
+    if c.mlp != "fused":
+        gate, up = x @ t[p + "mlp.gate_proj.weight"].T + b("gate"), x @ t[p + "mlp.up_proj.weight"].T + b("up")
+    return (_act(c, gate) * up) @ t[p + "mlp.down_proj.weight"].T + b("down")
 
 
 def independent_forward(c: Conventions, t: dict, tokens) -> tuple[np.ndarray, np.ndarray]:
@@ -220,6 +221,8 @@ def _tensors(c: Conventions, seed: int) -> dict[str, np.ndarray]:
             for x in ("gate", "up"):
                 t[p + f"mlp.{x}_proj.weight"] = n(INTER, d)
             t[p + "mlp.down_proj.weight"] = n(d, INTER)
+            for x, width in (("gate", INTER), ("up", INTER), ("down", d)) if c.mlp_bias else ():
+                t[p + f"mlp.{x}_proj.bias"] = 0.3 * n(width)
     return {k: np.asarray(v, np.float32) for k, v in t.items()}
 
 
@@ -401,9 +404,15 @@ def _starcoder2() -> Case:
 
 
 def _granite() -> Case:
-    c = Conventions(embed_scale=3.0, residual=0.5, logit_divisor=4.0, scale=0.9)
+    c = Conventions(embed_scale=3.0, residual=0.5, logit_divisor=4.0, scale=0.9, mlp_bias=True)
     config = _config(
-        "granite", c, embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=4.0, attention_multiplier=0.9
+        "granite",
+        c,
+        embedding_multiplier=3.0,
+        residual_multiplier=0.5,
+        logits_scaling=4.0,
+        attention_multiplier=0.9,
+        mlp_bias=True,
     )
     return Case(
         "granite",
@@ -414,6 +423,7 @@ def _granite() -> Case:
             "residual_multiplier": lambda m: setattr(m, "residual_multiplier", 1.0),
             "logits_scaling": lambda m: setattr(m, "logit_divisor", 1.0),
             "attention_multiplier": lambda m: _geometry(m, query_scale=None),
+            "MLP biases (mlp_bias)": lambda m: setattr(m, "mlp_bias", False),
         },
     )
 
@@ -578,11 +588,11 @@ def test_list_families_says_what_compare_arms_runs_or_why_not(capsys):
     "case, change, message",
     [
         (_gemma3(nested=True), {"final_logit_softcapping": 5.0}, "final_logit_softcapping=5.0: gemma3 does not apply"),
-        (_granite(), {"mlp_bias": True}, "mlp_bias: true"),
+        (_granite(), {"num_experts": 4}, "num_experts: routed experts are modelled for qwen3_moe only"),
         (_gemma2(), {"hidden_activation": "gelu"}, "hidden_activation 'gelu' is not modelled"),
         (_starcoder2(), {"hidden_act": "relu"}, "hidden_act 'relu' is not modelled"),
     ],
-    ids=["gemma3-ignored-softcap", "granite-mlp-bias", "gemma2-exact-gelu", "starcoder2-relu"],
+    ids=["gemma3-ignored-softcap", "granite-experts", "gemma2-exact-gelu", "starcoder2-relu"],
 )
 def test_unmodelled_options_are_refused_in_one_line(tmp_path, case, change, message):
     from anelab.errors import AnelabInputError

@@ -11,8 +11,8 @@ come through ``anelab.hf.checkpoint.Checkpoint.layer``.
 
 ``DECODER_FAMILIES`` says what each supported ``model_type`` means for the layers around the
 attention (one row each; transformers file:line in docs/conventions.md §9). Refused with one line:
-hybrid linear-attention layers, activations other than ``decoder.ACTIVATIONS``, biases on a gated
-MLP, a final logit soft-cap transformers stores but does not apply (Gemma 3's multimodal wrapper).
+hybrid linear-attention layers, activations other than ``decoder.ACTIVATIONS``, routed experts outside
+Qwen3-MoE, a final logit soft-cap transformers stores but does not apply (Gemma 3's multimodal wrapper).
 Sliding windows are the geometry's (``geometry.window_of(layer)``): the arms apply them in the mask.
 """
 
@@ -68,7 +68,7 @@ class DecoderFamily:
     norms: which norm slots exist and their tensor names; norm_kind ``rms`` or ``layer`` (LayerNorm with
         bias); zero_centred: norm weights stored as w and applied as (1 + w) (folded at load).
     mlp: ``gated`` (gate/up/down_proj), ``fused`` (gate_up_proj [2I, D], gate rows first) or ``plain``
-        (c_fc / c_proj); mlp_bias_key: config key adding MLP biases (modelled for ``plain``, refused otherwise).
+        (c_fc / c_proj); mlp_bias_key / mlp_bias_default: the config key adding biases to every MLP projection.
     activation_key / activation_default: the config key naming the MLP activation and its default;
         legacy_gelu: ``gelu`` means the tanh approximation (Gemma's config rewrites it).
     tie_default: ``tie_word_embeddings`` when config.json omits it.
@@ -188,7 +188,7 @@ class ModelCheckpoint:
 
     vocab_size V, intermediate I (dense MLP), moe_intermediate (experts), experts E, top_k,
     norm_topk_prob, tied (``tie_word_embeddings``); the per-model values of the family's options:
-    activation, mlp_bias (plain MLP), residual_multiplier, embedding_multiplier, logit_divisor, logit_softcap.
+    activation, mlp_bias, residual_multiplier, embedding_multiplier, logit_divisor, logit_softcap.
     """
 
     checkpoint: Checkpoint
@@ -306,13 +306,18 @@ class ModelCheckpoint:
         return self._gated_mlp(layer, "mlp.", self.intermediate)
 
     def _gated_mlp(self, layer: int, prefix: str, width: int) -> MlpWeights:
+        """``{prefix}{gate,up,down}_proj.weight`` (and ``.bias`` when ``mlp_bias``)."""
         d = self.geometry.hidden_size
         read = self.checkpoint.read_tensor
+        bias = (lambda name, n: read(self._name(layer, name), (n,))) if self.mlp_bias else (lambda name, n: None)
         return MlpWeights(
             gate_proj=read(self._name(layer, f"{prefix}gate_proj.weight"), (width, d)),
             up_proj=read(self._name(layer, f"{prefix}up_proj.weight"), (width, d)),
             down_proj=read(self._name(layer, f"{prefix}down_proj.weight"), (d, width)),
             activation=self.activation,
+            gate_bias=bias(f"{prefix}gate_proj.bias", width),
+            up_bias=bias(f"{prefix}up_proj.bias", width),
+            down_bias=bias(f"{prefix}down_proj.bias", d),
         )
 
     def _fused_mlp(self, layer: int) -> MlpWeights:
@@ -352,6 +357,8 @@ def _number(text: dict, key: str, default: float) -> float:
 def _moe_options(text: dict, family: DecoderFamily) -> dict:
     """Qwen3-MoE's routing keys with transformers' defaults (``num_experts`` 128 when absent,
     configuration_qwen3_moe.py:100; ``text_config`` has already read ``num_local_experts`` as it)."""
+    if not family.moe and text.get("num_experts"):
+        raise AnelabInputError("config.json num_experts: routed experts are modelled for qwen3_moe only; refusing")
     experts = _int(text, "num_experts", 128 if family.moe else 0)
     if not experts:
         return {}
@@ -419,20 +426,11 @@ def _scalars(checkpoint: Checkpoint, family: DecoderFamily, model_type: str) -> 
     return out
 
 
-def _mlp_bias(text: dict, family: DecoderFamily, model_type: str) -> bool:
-    bias = bool(text.get(family.mlp_bias_key, family.mlp_bias_default)) if family.mlp_bias_key else False
-    if bias and family.mlp != "plain":
-        raise AnelabInputError(f"config.json {family.mlp_bias_key}: true (MLP biases) is not modelled; refusing")
-    if not family.moe and text.get("num_experts"):
-        raise AnelabInputError(f"model_type {model_type} with num_experts is not modelled; refusing")
-    return bias
-
-
 def load_model(path: str | os.PathLike) -> ModelCheckpoint:
     """Open a checkpoint for the whole-model forward (reads config.json and headers only).
 
     Refuses (one line) a model_type outside ``DECODER_FAMILIES`` (with the reason ``--list-families``
-    prints), an unmodelled activation, biases on a gated MLP, an ignored final soft-cap, and missing
+    prints), an unmodelled activation, an ignored final soft-cap, and missing
     vocab/intermediate sizes.
     """
     checkpoint = load_checkpoint(path)
@@ -454,7 +452,7 @@ def load_model(path: str | os.PathLike) -> ModelCheckpoint:
         intermediate=_int(text, "intermediate_size"),
         tied=bool(tie_source.get("tie_word_embeddings", family.tie_default)),
         activation=_activation(text, family, model_type),
-        mlp_bias=_mlp_bias(text, family, model_type),
+        mlp_bias=bool(text.get(family.mlp_bias_key, family.mlp_bias_default)) if family.mlp_bias_key else False,
         **_scalars(checkpoint, family, model_type),
         **_moe_options(text, family),
     )
