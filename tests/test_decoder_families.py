@@ -15,6 +15,7 @@ positive match below would break if anelab dropped that convention.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass, field, replace
 
 import ml_dtypes
@@ -640,9 +641,15 @@ def test_compare_arms_runs_a_family_and_refuses_a_hybrid_with_the_listed_reason(
     argv = ["--prompt-tokens", str(PROMPT), "--decode", "2", "--chunk", str(CHUNK), "--json"]
     assert main(["compare-arms", str(tmp_path / "gemma2"), *argv]) == 0
     assert len(json.loads(capsys.readouterr().out)["tokens"]["reference"]) == 2
+    reason = whole_model_support("qwen3_next").removeprefix("refused: ")
     assert main(["compare-arms", str(tiny_checkpoint("qwen3_next")), *argv]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and whole_model_support("qwen3_next").removeprefix("refused: ") in err
+    assert "\n" not in err and reason in err
+    shutil.copytree(tiny_checkpoint("qwen3_next"), tmp_path / "future")  # an unlisted qwen3* hybrid model_type
+    config = json.loads((tmp_path / "future" / "config.json").read_text())
+    (tmp_path / "future" / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_future"}))
+    assert main(["compare-arms", str(tmp_path / "future"), *argv]) == 2
+    assert reason in capsys.readouterr().err
 
 
 def test_indexer_arms_sparsify_full_layers_and_sliding_layers_keep_their_window(tmp_path):

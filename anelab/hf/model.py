@@ -177,7 +177,8 @@ def whole_model_support(model_type: str) -> str:
     family = DECODER_FAMILIES.get(model_type)
     if family is not None:
         return f"runs ({family.describe()})"
-    if MODEL_FAMILIES[model_type].hybrid:
+    attention = MODEL_FAMILIES.get(model_type)
+    if attention is None or attention.hybrid:  # unlisted: detect_family read a qwen3* hybrid as qwen3_next
         return "refused: its linear-attention (Gated DeltaNet) layers are not modelled by the whole-model forward"
     return "refused: its decoder layer is not modelled by the whole-model forward"
 
