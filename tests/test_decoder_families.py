@@ -64,6 +64,8 @@ class Conventions:
     no_rope: tuple = ()
     windows: dict = field(default_factory=dict)  # layer -> W
     local_theta: float | None = None  # RoPE base of the sliding layers
+    rope_ext: tuple | None = None  # longrope: inv_freq / ext, cos and sin x rope_mscale
+    rope_mscale: float = 1.0
     prefix: str = "model."
 
 
@@ -91,8 +93,9 @@ def _rope(c, x, layer):
         return x
     theta = c.local_theta if (c.local_theta and layer in c.windows) else c.theta
     rot = int(D_HEAD * c.rotary)
-    ang = np.arange(x.shape[0])[:, None, None] * theta ** (-np.arange(0, rot, 2) / rot)  # [P, 1, rot/2]
-    cos, sin, out = np.cos(ang), np.sin(ang), x.copy()
+    inv_freq = theta ** (-np.arange(0, rot, 2) / rot) / (np.array(c.rope_ext) if c.rope_ext else 1.0)
+    ang = np.arange(x.shape[0])[:, None, None] * inv_freq  # [P, 1, rot/2]
+    cos, sin, out = np.cos(ang) * c.rope_mscale, np.sin(ang) * c.rope_mscale, x.copy()
     if c.interleaved:
         a, b = x[..., 0:rot:2], x[..., 1:rot:2]
         out[..., 0:rot:2], out[..., 1:rot:2] = a * cos - b * sin, b * cos + a * sin
@@ -384,6 +387,17 @@ def _phi3() -> Case:
     )
 
 
+def _phi3_longrope() -> Case:
+    """Phi-3's long-context RoPE: the prompt (11) is past original_max_position_embeddings (8), so transformers
+    rotates every forward with long_factor and cos/sin x sqrt(1 + ln(64 / 8) / ln 8) (modeling_rope_utils.py:560-576)."""
+    c = replace(_phi3().conventions, windows={}, rope_ext=(2.0, 5.0), rope_mscale=np.sqrt(1 + np.log(8) / np.log(8)))
+    rope = {"type": "longrope", "short_factor": [1.0, 1.5], "long_factor": [2.0, 5.0]}
+    config = _config("phi3", c, partial_rotary_factor=0.5, rms_norm_eps=1e-5, rope_scaling=rope)
+    config.update(original_max_position_embeddings=8, max_position_embeddings=64)
+    controls = {"long factors and attention factor": lambda m: _geometry(m, rope_scaling=None)}
+    return Case("phi3-longrope", config, c, controls)
+
+
 def _starcoder2() -> Case:
     c = Conventions(
         layer_norm=True, mlp="plain", mlp_bias=True, act="gelu_tanh", qkv_bias=True, o_bias=True, tied=True,
@@ -502,6 +516,7 @@ CASES = [
     _gemma3(nested=False),
     _gemma3(nested=True),
     _phi3(),
+    _phi3_longrope(),
     _starcoder2(),
     _granite(),
     _olmo2(),
@@ -607,11 +622,13 @@ def test_unmodelled_options_are_refused_in_one_line(tmp_path, case, change, mess
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("name", ["gemma3_text", "olmo2"])
+@pytest.mark.parametrize("name", ["gemma3_text", "olmo2", "phi3-longrope"])
 def test_sidecar_arm_serves_the_family_within_fp16_noise(tmp_path, name):
     """The saved packages (NumPy evaluation) in the whole model: Gemma 3's windows, local RoPE base and sandwich
-    norms around the sidecar; OLMo 2's raw residual rows into it and its post-norm after it. Control: the
-    window dropped from the arms' masks makes the sidecar arm miss the reference from the sliding layer on."""
+    norms around the sidecar; OLMo 2's raw residual rows into it and its post-norm after it; Phi-3's long-context
+    table (coverage 12 > 8). Controls: the window dropped from the arms' masks makes the sidecar arm miss the
+    reference from the sliding layer on; packages whose coverage picks another RoPE table than the prompt's refused."""
+    from anelab.errors import AnelabInputError
     from anelab.sidecar.export import export_sidecars
     from anelab.studies.arms import NOISE, compare_runs, open_sidecars
 
@@ -627,6 +644,9 @@ def test_sidecar_arm_serves_the_family_within_fp16_noise(tmp_path, name):
     )
     assert max(sidecar.layer_diffs) < NOISE and sidecar.prompt_logits_diff < NOISE
     assert sidecar.greedy_agreement == 1.0
+    if model.geometry.rope_depends_on_coverage:
+        with pytest.raises(AnelabInputError, match="picks another longrope RoPE table"):
+            open_sidecars(tmp_path / "sidecars", model, 6)  # short factors for 6 tokens; the packages hold long
     if model.geometry.sliding_layers:
         _geometry(model, sliding_layers=(), local_rope_theta=model.geometry.local_rope_theta)
         unwindowed = run_arm(model, prompt, Arm("sidecar", "sidecar"), decode=DECODE, sidecars=sidecars)
@@ -669,3 +689,16 @@ def test_indexer_arms_sparsify_full_layers_and_sliding_layers_keep_their_window(
         assert pair.first_divergent_layer == first, case.name
         if first is None:
             assert np.array_equal(runs[0].hidden, runs[1].hidden)
+
+
+def test_a_run_across_a_rope_table_switch_is_refused(tmp_path):
+    """longrope: a 6-token prompt (short factors) whose decode reaches position 8 (long factors in transformers) is
+    refused in one line; the 11-token prompt above (long factors throughout) runs."""
+    from anelab.errors import AnelabInputError
+
+    _write(tmp_path / "m", _phi3_longrope(), seed=0)
+    model = load_model(tmp_path / "m")
+    run_arm(model, np.arange(6), Arm("reference"), decode=3, chunk=CHUNK)  # positions up to 7: short throughout
+    with pytest.raises(AnelabInputError, match="switches RoPE tables") as e:
+        run_arm(model, np.arange(6), Arm("reference"), decode=4, chunk=CHUNK)
+    assert "\n" not in str(e.value)

@@ -235,6 +235,28 @@ class ModelCheckpoint:
     def attention(self, layer: int) -> AttentionWeights:
         return self.checkpoint.layer(layer)
 
+    def rope_coverage(self, prompt_tokens: int, decode: int) -> int | None:
+        """The coverage that picks a run's RoPE table (``dynamic`` / ``longrope``; None for the other types).
+
+        transformers picks those tables per forward from ``max(position_ids) + 1`` (modeling_rope_utils.py:47-49,
+        83-89): the prompt's length at prefill, one more per decoded token, and keeps the keys it cached under
+        earlier tables. The whole-model forward uses the prompt's table for the whole run, so it refuses a run
+        whose decoded tokens would make transformers switch tables (a prompt and decode of ``decode`` tokens).
+        """
+        g = self.geometry
+        if not g.rope_depends_on_coverage:
+            return None
+        last = int(prompt_tokens) + max(int(decode) - 1, 0)  # the last decode forward sees positions 0 .. last - 1
+        for layer in g.full_attention_layers:
+            (start, start_factor), (end, end_factor) = (g.rope_frequencies(layer, c) for c in (prompt_tokens, last))
+            if start_factor != end_factor or not np.array_equal(start, end):
+                raise AnelabInputError(
+                    f"rope_type {g.rope_scaling.rope_type}: transformers switches RoPE tables between the "
+                    f"{prompt_tokens}-token prompt and position {last - 1} of the decode; decode fewer tokens or "
+                    "lengthen the prompt past the switch"
+                )
+        return int(prompt_tokens)
+
     def _name(self, layer: int, param: str) -> str:
         return f"{self.checkpoint.prefix}layers.{layer}.{param}"
 

@@ -150,6 +150,7 @@ def open_sidecars(
     for layer in model.geometry.full_attention_layers:
         path, meta = _package_meta(directory, layer)
         _check_package(path, meta, layer, model)
+        _check_rope_table(path, meta.coverage, layer, model, int(prompt_tokens))
         packages[layer], chunks[layer], histories[layer] = path, meta.chunk, set(meta.histories)
         if meta.source_tensors is None:
             undigested.append(layer)
@@ -174,6 +175,19 @@ def open_sidecars(
         _check_same_weights(sidecars, layer, model)
     sidecars.runner = runner if runner is not None else numpy_runner(sidecars)
     return sidecars
+
+
+def _check_rope_table(path: Path, coverage: int, layer: int, model: ModelCheckpoint, prompt_tokens: int) -> None:
+    """A dynamic / longrope package rotates by the table of its coverage; the run uses the prompt's table."""
+    g = model.geometry
+    if not g.rope_depends_on_coverage:
+        return
+    (have, have_factor), (want, want_factor) = (g.rope_frequencies(layer, c) for c in (coverage, prompt_tokens))
+    if have_factor != want_factor or not np.array_equal(have, want):
+        raise AnelabInputError(
+            f"{path} covers {coverage} positions, which picks another {g.rope_scaling.rope_type} RoPE table than a "
+            f"{prompt_tokens}-token prompt; export the sidecars with histories that end at this prompt's last chunk"
+        )
 
 
 def _check_same_weights(sidecars: SidecarSet, layer: int, model: ModelCheckpoint) -> None:
@@ -247,6 +261,7 @@ class _Layer:
     weights: DecoderLayerWeights
     k: list = field(default_factory=list)  # cached keys, token-major [n, Hkv, d] pieces
     v: list = field(default_factory=list)
+    rope_coverage: int | None = None  # picks a dynamic / longrope table (ModelCheckpoint.rope_coverage)
 
     def history(self, geometry) -> tuple[np.ndarray, np.ndarray]:
         empty = np.zeros((0, geometry.num_kv_heads, geometry.head_dim), np.float32)
@@ -258,7 +273,9 @@ class _Layer:
 def _selection_mask(normed, start, state: _Layer, k_hist, model, indexer: Indexer, width: int) -> np.ndarray:
     """The indexer's selection of these rows (scored on their reference q and every key) folded into a [width, s + width] mask."""
     rows = normed.shape[0]
-    proj = reference.project(normed, start + np.arange(rows), state.attention, model.geometry)
+    proj = reference.project(
+        normed, start + np.arange(rows), state.attention, model.geometry, rope_coverage=state.rope_coverage
+    )
     sel = select(proj.q, np.concatenate([k_hist, proj.k]), start, indexer.kept_blocks, indexer.compress_ratio)
     return fold_with_causal(sel.keep_indices, sel.keep_counts, start, width)
 
@@ -296,8 +313,9 @@ def _attend(model, layer, state: _Layer, normed, start, arm: Arm, sidecars, *, p
     # position of a layer alike (chunk 0 included) would cancel exactly
     shift = 1 if prefill and start > 0 and arm.perturbation == Perturbation(layer, "rope_shifted") else 0
     block = reference.attention_block(
-        normed, k_hist, v_hist, mask.astype(np.float32), state.attention, g, start=start + shift
-    )
+        normed, k_hist, v_hist, mask.astype(np.float32), state.attention, g, start=start + shift,
+        rope_coverage=state.rope_coverage,
+    )  # fmt: skip
     return block.attn_out, block.k_chunk.transpose(1, 0, 2), block.v_chunk.transpose(1, 0, 2)
 
 
@@ -351,7 +369,8 @@ def run_arm(
     if prompt.ndim != 1 or prompt.size < 1:
         raise AnelabInputError("the prompt needs at least one token id")
     head, g = model.head(), model.geometry
-    states = [_Layer(model.attention(i), model.layer(i)) for i in range(model.num_layers)]
+    coverage = model.rope_coverage(prompt.size, decode)
+    states = [_Layer(model.attention(i), model.layer(i), rope_coverage=coverage) for i in range(model.num_layers)]
     hidden = np.zeros((model.num_layers, prompt.size, g.hidden_size), np.float32)
     x = None
     for start in chunk_starts(prompt.size, chunk):
