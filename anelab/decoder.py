@@ -40,6 +40,7 @@ from anelab.reference import rms_norm
 
 DTYPE = np.float32
 NORM_KINDS = ("rms", "layer")
+LINEAR_BLOCK_BYTES = 32 * 2**20  # float32 rows of a file-backed weight (the LM head) converted at a time
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -144,7 +145,11 @@ class DecoderLayerWeights:
 class HeadWeights:
     """embed_tokens [V, D], final_norm, lm_head [V, D] (the same array as embed_tokens when tied), and the
     scalars around them: embeddings times ``embedding_multiplier``; logits divided by ``logit_divisor``,
-    then soft-capped ``cap * tanh(logits / cap)`` when ``logit_softcap`` is set."""
+    then soft-capped ``cap * tanh(logits / cap)`` when ``logit_softcap`` is set.
+
+    embed_tokens and lm_head are float32 arrays or tensors left in their file (``MappedTensor``: rows
+    read on demand — ``embed`` gathers a prompt's rows, ``lm_logits`` reads vocabulary blocks).
+    """
 
     embed_tokens: np.ndarray
     final_norm: Norm
@@ -250,9 +255,26 @@ def finish_layer(hidden: np.ndarray, attn_out: np.ndarray, layer: DecoderLayerWe
     return _residual_add(h, mlp_forward(apply_norm(h, layer.mlp_norm, eps), layer.mlp), layer.mlp_out_norm, layer, eps)
 
 
+def linear(x: np.ndarray, weight, block_bytes: int = LINEAR_BLOCK_BYTES) -> np.ndarray:
+    """x [T, K] @ weight [N, K].T -> float32 [T, N].
+
+    ``weight``: a float32 array, or a tensor left in its file (``anelab.hf.safetensors_io.MappedTensor``:
+    ``weight[r0:r1]`` returns those rows as float32), read in row blocks of at most ``block_bytes`` so it
+    is never held whole in float32.
+    """
+    if isinstance(weight, np.ndarray):
+        return x @ weight.T
+    n, k = weight.shape
+    rows = max(1, block_bytes // (4 * k))
+    out = np.empty((x.shape[0], n), DTYPE)
+    for r0 in range(0, n, rows):
+        out[:, r0 : r0 + rows] = x @ np.asarray(weight[r0 : r0 + rows], DTYPE).T
+    return out
+
+
 def lm_logits(hidden: np.ndarray, head: HeadWeights, eps: float) -> np.ndarray:
-    """Final norm, LM head, logit divisor and soft-cap: hidden [T, D] -> logits float32 [T, V]."""
-    logits = apply_norm(hidden.astype(DTYPE), head.final_norm, eps) @ head.lm_head.T
+    """Final norm, LM head (read in vocabulary blocks), logit divisor and soft-cap: hidden [T, D] -> logits float32 [T, V]."""
+    logits = linear(apply_norm(hidden.astype(DTYPE), head.final_norm, eps), head.lm_head)
     if head.logit_divisor != 1.0:
         logits /= DTYPE(head.logit_divisor)
     if head.logit_softcap is not None:

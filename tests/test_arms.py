@@ -82,8 +82,8 @@ def test_sidecar_arm_equals_reference_within_fp16_noise_on_every_layer(setup):
     )
     run = run_arm(model, prompt, Arm("sidecar", "sidecar"), decode=DECODE, sidecars=sidecars)
     cmp = compare_runs(reference, run)
-    # chunked exactly as a runtime: per chunk start, every layer in order, the last chunk partial
-    assert calls == [(0, 0, 8), (1, 0, 8), (0, 8, 5), (1, 8, 5)]
+    # layer-major: every chunk start of layer 0 (its cache threaded), then of layer 1; the last chunk partial
+    assert calls == [(0, 0, 8), (0, 8, 5), (1, 0, 8), (1, 8, 5)]
     assert all(0 < d < NOISE for d in cmp.layer_diffs), cmp.layer_diffs  # > 0: really served by the package
     assert max(cmp.step_logits_diffs) < NOISE
     assert cmp.first_divergent_layer is None and cmp.greedy_agreement == 1.0

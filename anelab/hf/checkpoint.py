@@ -32,7 +32,15 @@ from anelab.hf.config import (
     geometry_from_config,
     text_config,
 )
-from anelab.hf.safetensors_io import INDEX_FILE, STORAGE_DTYPES, SafetensorsFile, TensorEntry, write_safetensors
+from anelab.hf.safetensors_io import (
+    INDEX_FILE,
+    STORAGE_DTYPES,
+    LazyTensor,
+    MappedTensor,
+    SafetensorsFile,
+    TensorEntry,
+    write_safetensors,
+)
 from anelab.weights import AttentionWeights
 
 _LAYER_KEY = re.compile(r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.self_attn\.(q|qkv)_proj\.weight$")
@@ -93,7 +101,20 @@ class Checkpoint:
             raise AnelabInputError(
                 f"tensor {name} has shape {list(entry.shape)}, expected {list(shape)} from config.json"
             )
-        return file.read(name).astype(np.float32)
+        return file.read_float32(name)
+
+    def map_tensor(self, name: str, shape: tuple[int, ...]) -> MappedTensor:
+        """The tensor ``name`` left in its file (rows read as float32 on demand); refused as ``read_tensor``."""
+        found = self._entry(name)
+        if found is None:
+            raise AnelabInputError(f"tensor {name} is missing from the checkpoint at {self.path}")
+        file, entry = found
+        if entry.shape != tuple(shape):
+            raise AnelabInputError(
+                f"tensor {name} has shape {list(entry.shape)}, expected {list(shape)} from config.json"
+            )
+        file.view(name)  # refuses an unsupported dtype or a truncated tensor now
+        return MappedTensor(file, name)
 
     def _check_layer(self, index: int) -> None:
         g = self.geometry
@@ -432,12 +453,35 @@ def write_checkpoint(
     if clash:
         raise AnelabInputError(f"extra tensor {clash[0]} is an attention tensor; pass attention weights in weights")
     tensors.update(extra_tensors or {})
-    if not isinstance(shards, int) or not 1 <= shards <= len(tensors):
-        raise AnelabInputError(f"shards must be between 1 and the tensor count {len(tensors)}, got {shards}")
     config = config_for_geometry(geometry, model_type, family, dtype)
     if extra_config:
         (config["text_config"] if family.nested_text_config else config).update(extra_config)
+    return write_checkpoint_directory(directory, config, tensors, dtype=dtype, shards=shards)
 
+
+def write_checkpoint_directory(
+    directory: str | os.PathLike,
+    config: dict,
+    tensors: dict[str, np.ndarray | LazyTensor],
+    *,
+    dtype: str = "F32",
+    shards: int = 1,
+) -> Path:
+    """Write config.json and ``tensors`` (full name -> array, or a ``LazyTensor`` made when written: a model
+    larger than memory is written one tensor at a time) as a checkpoint directory, atomically.
+
+    ``shards > 1``: ``model-0000i-of-0000n.safetensors`` (tensors in name order) with the shard index.
+    An existing directory is refused.
+    """
+    directory = Path(directory)
+    if dtype not in STORAGE_DTYPES:
+        raise AnelabInputError(f"dtype {dtype!r} is not supported; use one of {', '.join(STORAGE_DTYPES)}")
+    if directory.exists():
+        raise AnelabInputError(
+            f"{directory} already exists; checkpoints are never overwritten — choose a new directory"
+        )
+    if not isinstance(shards, int) or not 1 <= shards <= len(tensors):
+        raise AnelabInputError(f"shards must be between 1 and the tensor count {len(tensors)}, got {shards}")
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp-"))
     try:

@@ -276,10 +276,11 @@ class ModelCheckpoint:
         )
 
     def head(self) -> HeadWeights:
-        """Embeddings, final norm and LM head (read once; the LM head is the embedding matrix when tied)."""
+        """Embeddings, final norm and LM head: the final norm read now, the embedding and LM head left in their
+        files (``MappedTensor``: rows on demand); the LM head is the embedding matrix when tied."""
         if self._head is None:
             d, v, p = self.geometry.hidden_size, self.vocab_size, self.checkpoint.prefix
-            embed = self.checkpoint.read_tensor(f"{p}embed_tokens.weight", (v, d))
+            embed = self.checkpoint.map_tensor(f"{p}embed_tokens.weight", (v, d))
             if self.tied:
                 lm_head = embed
             elif not self.checkpoint.has_tensor("lm_head.weight"):
@@ -288,7 +289,7 @@ class ModelCheckpoint:
                     "set tie_word_embeddings: true if the model ties its embeddings"
                 )
             else:
-                lm_head = self.checkpoint.read_tensor("lm_head.weight", (v, d))
+                lm_head = self.checkpoint.map_tensor("lm_head.weight", (v, d))
             self._head = HeadWeights(
                 embed,
                 self._norm(f"{p}norm"),

@@ -215,7 +215,8 @@ def numpy_runner(sidecars: SidecarSet) -> SidecarRunner:
     opened: dict[int, SavedPackage] = {}
 
     def run(layer: int, start: int, valid_rows: int, inputs: dict) -> dict:
-        if layer not in opened:
+        if layer not in opened:  # one package open at a time: a layer-major prefill opens each once
+            opened.clear()
             opened[layer] = SavedPackage(sidecars.packages[layer])
         return evaluate(opened[layer], function_name(start), inputs)
 
@@ -255,10 +256,10 @@ class ArmRun:
 
 @dataclass
 class _Layer:
-    """One layer during a run: its weights and its K/V cache so far."""
+    """One layer during a run: its K/V cache so far, and its weights while they are in use (None otherwise)."""
 
-    attention: AttentionWeights
-    weights: DecoderLayerWeights
+    attention: AttentionWeights | None = None
+    weights: DecoderLayerWeights | None = None
     k: list = field(default_factory=list)  # cached keys, token-major [n, Hkv, d] pieces
     v: list = field(default_factory=list)
     rope_coverage: int | None = None  # picks a dynamic / longrope table (ModelCheckpoint.rope_coverage)
@@ -268,6 +269,12 @@ class _Layer:
         k = np.concatenate(self.k) if self.k else empty
         v = np.concatenate(self.v) if self.v else empty
         return k, v
+
+    def load(self, model: ModelCheckpoint, layer: int) -> None:
+        self.attention, self.weights = model.attention(layer), model.layer(layer)
+
+    def unload(self) -> None:
+        self.attention = self.weights = None
 
 
 def _selection_mask(normed, start, state: _Layer, k_hist, model, indexer: Indexer, width: int) -> np.ndarray:
@@ -319,17 +326,55 @@ def _attend(model, layer, state: _Layer, normed, start, arm: Arm, sidecars, *, p
     return block.attn_out, block.k_chunk.transpose(1, 0, 2), block.v_chunk.transpose(1, 0, 2)
 
 
-def _forward_rows(model, states, x, start, arm, sidecars, *, prefill, hidden_out=None) -> np.ndarray:
-    """Rows x [r, D] at ``start`` through every layer (caches appended); returns the last layer's output [r, D]."""
+def _layer_rows(model, layer: int, state: _Layer, x, start: int, arm: Arm, sidecars, *, prefill: bool) -> np.ndarray:
+    """Rows x [r, D] at ``start`` through one loaded layer (its cache appended): the layer's output [r, D]."""
+    normed = attention_input(x, state.weights, model.eps)
+    attn, k, v = _attend(model, layer, state, normed, start, arm, sidecars, prefill=prefill)
+    state.k.append(k.astype(np.float32))
+    state.v.append(v.astype(np.float32))
+    return finish_layer(x, attn, state.weights, model.eps)
+
+
+def _prefill_layer_major(model, states, x, starts, chunk, arm, sidecars, hidden, progress) -> None:
+    """Every chunk through layer 0 (its cache threaded), then through layer 1, ...: each layer's weights are
+    read once and dropped. x [P, D] (the embeddings) is overwritten with each layer's output, kept in hidden."""
     for layer, state in enumerate(states):
-        normed = attention_input(x, state.weights, model.eps)
-        attn, k, v = _attend(model, layer, state, normed, start, arm, sidecars, prefill=prefill)
-        state.k.append(k.astype(np.float32))
-        state.v.append(v.astype(np.float32))
-        x = finish_layer(x, attn, state.weights, model.eps)
-        if hidden_out is not None:
-            hidden_out[layer, start : start + x.shape[0]] = x
-    return x
+        state.load(model, layer)
+        for start in starts:
+            rows = slice(start, start + chunk)
+            x[rows] = _layer_rows(model, layer, state, x[rows].copy(), start, arm, sidecars, prefill=True)
+        hidden[layer] = x
+        state.unload()
+        progress.update()
+
+
+def _prefill_chunk_major(model, states, x, starts, chunk, arm, sidecars, hidden, progress) -> None:
+    """Each chunk through every layer before the next chunk (a runtime's order): every layer's weights held."""
+    for layer, state in enumerate(states):
+        state.load(model, layer)
+    for start in starts:
+        rows = slice(start, start + chunk)
+        y = x[rows].copy()
+        for layer, state in enumerate(states):
+            y = _layer_rows(model, layer, state, y, start, arm, sidecars, prefill=True)
+            hidden[layer, rows] = y
+        x[rows] = y
+    for state in states:
+        state.unload()
+    progress.update(len(states))
+
+
+PREFILL_ORDERS = {"layer": _prefill_layer_major, "chunk": _prefill_chunk_major}
+
+
+def _decode_step(model, states, token: int, position: int, arm: Arm, sidecars, head) -> np.ndarray:
+    """One greedy step on the reference path: each layer's weights read for this step only -> logits [V]."""
+    x = embed(np.array([token]), head)
+    for layer, state in enumerate(states):
+        state.load(model, layer)
+        x = _layer_rows(model, layer, state, x, position, arm, sidecars, prefill=False)
+        state.unload()
+    return lm_logits(x, head, model.eps)[0]
 
 
 def _check_arm(arm: Arm, model: ModelCheckpoint, sidecars: SidecarSet | None) -> None:
@@ -353,16 +398,26 @@ def run_arm(
     decode: int,
     chunk: int | None = None,
     sidecars: SidecarSet | None = None,
+    order: str = "layer",
 ) -> ArmRun:
     """Prefill ``prompt`` (int [P]) chunk by chunk under ``arm``, then decode ``decode`` tokens greedily.
 
     chunk: the prefill chunk (default: the sidecars' width, else ``REFERENCE_CHUNK``); with sidecars it
-    must equal their width. Layer weights are read from the checkpoint once per run.
+    must equal their width. order: ``layer`` (default) streams the weights — every chunk goes through
+    layer 0 with its cache threaded, then layer 1, ..., each layer's weights read once and dropped;
+    ``chunk`` runs each chunk through every layer first (a runtime's order) holding every layer's
+    weights. Both make the same calls on the same inputs: the results are equal bit for bit. Decode
+    reads each layer's weights per step; the embedding rows and the LM head's vocabulary blocks come
+    from the checkpoint's files on demand.
     """
+    from tqdm.auto import tqdm
+
     prompt = np.asarray(prompt)
     _check_arm(arm, model, sidecars)
     if decode < 1:
         raise AnelabInputError(f"decode must be >= 1 token, got {decode}")
+    if order not in PREFILL_ORDERS:
+        raise AnelabInputError(f"prefill order {order!r}: use one of {', '.join(PREFILL_ORDERS)}")
     chunk = (sidecars.chunk if sidecars else REFERENCE_CHUNK) if chunk is None else int(chunk)
     if sidecars is not None and chunk != sidecars.chunk:
         raise AnelabInputError(f"the prefill chunk {chunk} differs from the sidecars' width {sidecars.chunk}")
@@ -370,19 +425,18 @@ def run_arm(
         raise AnelabInputError("the prompt needs at least one token id")
     head, g = model.head(), model.geometry
     coverage = model.rope_coverage(prompt.size, decode)
-    states = [_Layer(model.attention(i), model.layer(i), rope_coverage=coverage) for i in range(model.num_layers)]
+    states = [_Layer(rope_coverage=coverage) for _ in range(model.num_layers)]
     hidden = np.zeros((model.num_layers, prompt.size, g.hidden_size), np.float32)
-    x = None
-    for start in chunk_starts(prompt.size, chunk):
-        x = _forward_rows(model, states, embed(prompt[start : start + chunk], head), start, arm, sidecars,
-                          prefill=True, hidden_out=hidden)  # fmt: skip
-    logits = [lm_logits(x[-1:], head, model.eps)[0]]
-    tokens = [int(np.argmax(logits[0]))]
-    for step in range(1, decode):
-        position = prompt.size + step - 1
-        x = _forward_rows(model, states, embed(np.array([tokens[-1]]), head), position, arm, sidecars, prefill=False)
-        logits.append(lm_logits(x, head, model.eps)[0])
-        tokens.append(int(np.argmax(logits[-1])))
+    x = embed(prompt, head)
+    with tqdm(total=model.num_layers + decode - 1, desc=f"arm {arm.name}", unit="pass", leave=False) as progress:
+        PREFILL_ORDERS[order](model, states, x, chunk_starts(prompt.size, chunk), chunk, arm, sidecars, hidden,
+                              progress)  # fmt: skip
+        logits = [lm_logits(x[-1:], head, model.eps)[0]]
+        tokens = [int(np.argmax(logits[0]))]
+        for step in range(1, decode):
+            logits.append(_decode_step(model, states, tokens[-1], prompt.size + step - 1, arm, sidecars, head))
+            tokens.append(int(np.argmax(logits[-1])))
+            progress.update()
     return ArmRun(arm, hidden, np.stack(logits), np.array(tokens))
 
 
