@@ -623,13 +623,14 @@ def test_unmodelled_options_are_refused_in_one_line(tmp_path, case, change, mess
 
 
 @pytest.mark.parametrize("name", ["gemma3_text", "olmo2", "phi3-longrope"])
-def test_sidecar_arm_serves_the_family_within_fp16_noise(tmp_path, name):
+def test_sidecar_arm_serves_the_family_within_fp16_noise(tmp_path, monkeypatch, name):
     """The saved packages (NumPy evaluation) in the whole model: Gemma 3's windows, local RoPE base and sandwich
     norms around the sidecar; OLMo 2's raw residual rows into it and its post-norm after it; Phi-3's long-context
     table (coverage 12 > 8). Controls: the window dropped from the arms' masks makes the sidecar arm miss the
     reference from the sliding layer on; packages whose coverage picks another RoPE table than the prompt's refused."""
     from anelab.errors import AnelabInputError
     from anelab.sidecar.export import export_sidecars
+    from anelab.studies import arms
     from anelab.studies.arms import NOISE, compare_runs, open_sidecars
 
     case = next(c for c in CASES if c.name == name)
@@ -647,6 +648,9 @@ def test_sidecar_arm_serves_the_family_within_fp16_noise(tmp_path, name):
     if model.geometry.rope_depends_on_coverage:
         with pytest.raises(AnelabInputError, match="picks another longrope RoPE table"):
             open_sidecars(tmp_path / "sidecars", model, 6)  # short factors for 6 tokens; the packages hold long
+        read = arms.read_sidecar_metadata  # packages without tensor digests: h0 checked against the prompt's table
+        monkeypatch.setattr(arms, "read_sidecar_metadata", lambda path: replace(read(path), source_tensors=None))
+        assert open_sidecars(tmp_path / "sidecars", model, PROMPT).packages
     if model.geometry.sliding_layers:
         _geometry(model, sliding_layers=(), local_rope_theta=model.geometry.local_rope_theta)
         unwindowed = run_arm(model, prompt, Arm("sidecar", "sidecar"), decode=DECODE, sidecars=sidecars)

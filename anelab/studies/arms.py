@@ -171,8 +171,8 @@ def open_sidecars(
                 f"{chunk}; re-export with --histories reaching {starts[-1]} or shorten the prompt"
             )
     sidecars = SidecarSet(directory, packages, chunk)
-    for layer in undigested:
-        _check_same_weights(sidecars, layer, model)
+    for layer in undigested:  # a dynamic / longrope h0 rotates by the prompt's table (_check_rope_table)
+        _check_same_weights(sidecars, layer, model, int(prompt_tokens))
     sidecars.runner = runner if runner is not None else numpy_runner(sidecars)
     return sidecars
 
@@ -190,7 +190,7 @@ def _check_rope_table(path: Path, coverage: int, layer: int, model: ModelCheckpo
         )
 
 
-def _check_same_weights(sidecars: SidecarSet, layer: int, model: ModelCheckpoint) -> None:
+def _check_same_weights(sidecars: SidecarSet, layer: int, model: ModelCheckpoint, rope_coverage: int) -> None:
     """Refuse a package whose h0 does not compute this checkpoint's attention (seeded rows, NumPy evaluation):
     the same geometry and directory name can still hold another model's weights."""
     from anelab.sidecar.evaluate import evaluate
@@ -200,7 +200,9 @@ def _check_same_weights(sidecars: SidecarSet, layer: int, model: ModelCheckpoint
     mask = causal(c, 0)
     got = evaluate(sidecars.packages[layer], function_name(0), {"hidden": rows, "mask": mask})["attn_out"]
     empty = np.zeros((0, g.num_kv_heads, g.head_dim), np.float32)
-    want = reference.attention_block(rows, empty, empty, mask.astype(np.float32), model.attention(layer), g).attn_out
+    want = reference.attention_block(
+        rows, empty, empty, mask.astype(np.float32), model.attention(layer), g, rope_coverage=rope_coverage
+    ).attn_out
     if relative_error(got, want) > NOISE:
         raise AnelabInputError(
             f"{sidecars.packages[layer]} does not compute layer {layer} of {model.path} "
