@@ -113,6 +113,7 @@ def _print_families(rows, refused):
         print(f"  RoPE: {', '.join(r['rope_types'])}; windows: {r['windows']}")
         if r["options"]:
             print(f"  options: {'; '.join(r['options'])}")
+        print(f"  whole model (compare-arms): {r['whole_model']}")
     print("refused:")
     for line in refused:
         print(f"  {line}")
@@ -121,8 +122,9 @@ def _print_families(rows, refused):
 def _run_export(args):
     if args.list_families:
         from anelab.hf.config import REFUSED, supported_families
+        from anelab.hf.model import whole_model_support
 
-        rows = supported_families()
+        rows = [{**r, "whole_model": whole_model_support(r["model_type"])} for r in supported_families()]
         _print_json({"families": rows, "refused": list(REFUSED)}) if args.json else _print_families(rows, REFUSED)
         return 0
     missing = [

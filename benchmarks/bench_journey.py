@@ -53,7 +53,10 @@ def write_model(path: Path, shape: str) -> float:
         full_attention_layers=tuple(range(s["layers"])),
     )
     shards = 1 if shape == "quick" else (3 if shape == "1b" else 4)
-    write_random_model(path, g, vocab=s["vocab"], intermediate=s["intermediate"], tied=s["tied"], shards=shards)
+    tile = 2**22 if shape == "8b" else None  # 8B: each tensor tiles a 4M-value random block (minutes, not an hour)
+    write_random_model(
+        path, g, vocab=s["vocab"], intermediate=s["intermediate"], tied=s["tied"], shards=shards, tile=tile
+    )
 
 
 def _env() -> dict:

@@ -214,5 +214,6 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray | LazyTensor], d
             array = value.make() if isinstance(value, LazyTensor) else value
             if list(np.shape(array)) != header[name]["shape"]:
                 raise AnelabInputError(f"tensor {name} was made with shape {list(np.shape(array))}, not {value.shape}")
-            f.write(np.ascontiguousarray(np.asarray(array, dtype=np.float32).astype(storage)).tobytes())
+            stored = array if array.dtype == storage else np.asarray(array, dtype=np.float32).astype(storage)
+            f.write(np.ascontiguousarray(stored).tobytes())
     return offset

@@ -7,7 +7,8 @@ An *arm* says who serves each attention layer during prefill and with which mask
   of the saved program off-Mac, or Core ML through ``runtime_runner`` on a Mac), causal mask;
 - mask arms for a sparse-indexed model (``Indexer``): ``folded`` (the QSA-shaped selection of
   ``anelab.selection`` folded into each chunk's mask) vs ``causal-only`` (the causal mask alone — what
-  a sidecar without the fold computes);
+  a sidecar without the fold computes); the indexer sparsifies the full-attention layers, a sliding
+  layer keeps its window (every arm applies a layer's window, ``geometry.window_of``, in prefill and decode);
 - a negative control: any arm with one layer perturbed (``mask_dropped``: that layer attends to
   every key of the chunk's coverage; ``rope_shifted``: that layer's chunks after the first are rotated
   one position late against their cached history — reference-served layers only; a shift of every
@@ -149,6 +150,7 @@ def open_sidecars(
     for layer in model.geometry.full_attention_layers:
         path, meta = _package_meta(directory, layer)
         _check_package(path, meta, layer, model)
+        _check_rope_table(path, meta.coverage, layer, model, int(prompt_tokens))
         packages[layer], chunks[layer], histories[layer] = path, meta.chunk, set(meta.histories)
         if meta.source_tensors is None:
             undigested.append(layer)
@@ -169,13 +171,26 @@ def open_sidecars(
                 f"{chunk}; re-export with --histories reaching {starts[-1]} or shorten the prompt"
             )
     sidecars = SidecarSet(directory, packages, chunk)
-    for layer in undigested:
-        _check_same_weights(sidecars, layer, model)
+    for layer in undigested:  # a dynamic / longrope h0 rotates by the prompt's table (_check_rope_table)
+        _check_same_weights(sidecars, layer, model, int(prompt_tokens))
     sidecars.runner = runner if runner is not None else numpy_runner(sidecars)
     return sidecars
 
 
-def _check_same_weights(sidecars: SidecarSet, layer: int, model: ModelCheckpoint) -> None:
+def _check_rope_table(path: Path, coverage: int, layer: int, model: ModelCheckpoint, prompt_tokens: int) -> None:
+    """A dynamic / longrope package rotates by the table of its coverage; the run uses the prompt's table."""
+    g = model.geometry
+    if not g.rope_depends_on_coverage:
+        return
+    (have, have_factor), (want, want_factor) = (g.rope_frequencies(layer, c) for c in (coverage, prompt_tokens))
+    if have_factor != want_factor or not np.array_equal(have, want):
+        raise AnelabInputError(
+            f"{path} covers {coverage} positions, which picks another {g.rope_scaling.rope_type} RoPE table than a "
+            f"{prompt_tokens}-token prompt; export the sidecars with histories that end at this prompt's last chunk"
+        )
+
+
+def _check_same_weights(sidecars: SidecarSet, layer: int, model: ModelCheckpoint, rope_coverage: int) -> None:
     """Refuse a package whose h0 does not compute this checkpoint's attention (seeded rows, NumPy evaluation):
     the same geometry and directory name can still hold another model's weights."""
     from anelab.sidecar.evaluate import evaluate
@@ -185,7 +200,9 @@ def _check_same_weights(sidecars: SidecarSet, layer: int, model: ModelCheckpoint
     mask = causal(c, 0)
     got = evaluate(sidecars.packages[layer], function_name(0), {"hidden": rows, "mask": mask})["attn_out"]
     empty = np.zeros((0, g.num_kv_heads, g.head_dim), np.float32)
-    want = reference.attention_block(rows, empty, empty, mask.astype(np.float32), model.attention(layer), g).attn_out
+    want = reference.attention_block(
+        rows, empty, empty, mask.astype(np.float32), model.attention(layer), g, rope_coverage=rope_coverage
+    ).attn_out
     if relative_error(got, want) > NOISE:
         raise AnelabInputError(
             f"{sidecars.packages[layer]} does not compute layer {layer} of {model.path} "
@@ -247,6 +264,7 @@ class _Layer:
     weights: DecoderLayerWeights | None = None
     k: list = field(default_factory=list)  # cached keys, token-major [n, Hkv, d] pieces
     v: list = field(default_factory=list)
+    rope_coverage: int | None = None  # picks a dynamic / longrope table (ModelCheckpoint.rope_coverage)
 
     def history(self, geometry) -> tuple[np.ndarray, np.ndarray]:
         empty = np.zeros((0, geometry.num_kv_heads, geometry.head_dim), np.float32)
@@ -264,18 +282,21 @@ class _Layer:
 def _selection_mask(normed, start, state: _Layer, k_hist, model, indexer: Indexer, width: int) -> np.ndarray:
     """The indexer's selection of these rows (scored on their reference q and every key) folded into a [width, s + width] mask."""
     rows = normed.shape[0]
-    proj = reference.project(normed, start + np.arange(rows), state.attention, model.geometry)
+    proj = reference.project(
+        normed, start + np.arange(rows), state.attention, model.geometry, rope_coverage=state.rope_coverage
+    )
     sel = select(proj.q, np.concatenate([k_hist, proj.k]), start, indexer.kept_blocks, indexer.compress_ratio)
     return fold_with_causal(sel.keep_indices, sel.keep_counts, start, width)
 
 
 def _mask(normed, start, state, k_hist, model, arm: Arm, width: int, *, prefill: bool, layer: int) -> np.ndarray:
-    """Additive mask float16 [width, start + width] for this layer's call."""
+    """Additive mask float16 [width, start + width] for this layer's call (a sliding layer's window included)."""
     if prefill and arm.perturbation is not None and arm.perturbation == Perturbation(layer, "mask_dropped"):
         return np.zeros((width, start + width), np.float16)
-    if arm.indexer is not None and (arm.fold or not prefill):
+    window = model.geometry.window_of(layer)
+    if arm.indexer is not None and (arm.fold or not prefill) and window is None:
         return _selection_mask(normed, start, state, k_hist, model, arm.indexer, width)
-    return causal(width, start)
+    return causal(width, start, window=window)
 
 
 def _attend(model, layer, state: _Layer, normed, start, arm: Arm, sidecars, *, prefill: bool):
@@ -301,8 +322,9 @@ def _attend(model, layer, state: _Layer, normed, start, arm: Arm, sidecars, *, p
     # position of a layer alike (chunk 0 included) would cancel exactly
     shift = 1 if prefill and start > 0 and arm.perturbation == Perturbation(layer, "rope_shifted") else 0
     block = reference.attention_block(
-        normed, k_hist, v_hist, mask.astype(np.float32), state.attention, g, start=start + shift
-    )
+        normed, k_hist, v_hist, mask.astype(np.float32), state.attention, g, start=start + shift,
+        rope_coverage=state.rope_coverage,
+    )  # fmt: skip
     return block.attn_out, block.k_chunk.transpose(1, 0, 2), block.v_chunk.transpose(1, 0, 2)
 
 
@@ -403,9 +425,9 @@ def run_arm(
         raise AnelabInputError(f"the prefill chunk {chunk} differs from the sidecars' width {sidecars.chunk}")
     if prompt.ndim != 1 or prompt.size < 1:
         raise AnelabInputError("the prompt needs at least one token id")
-    model.check_run_length(prompt.size + decode)
     head, g = model.head(), model.geometry
-    states = [_Layer() for _ in range(model.num_layers)]
+    coverage = model.rope_coverage(prompt.size, decode)
+    states = [_Layer(rope_coverage=coverage) for _ in range(model.num_layers)]
     hidden = np.zeros((model.num_layers, prompt.size, g.hidden_size), np.float32)
     x = embed(prompt, head)
     with tqdm(total=model.num_layers + decode - 1, desc=f"arm {arm.name}", unit="pass", leave=False) as progress:
