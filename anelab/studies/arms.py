@@ -48,6 +48,7 @@ from anelab.sidecar.compare import (
     require_same_geometry,
     require_same_tensors,
 )
+from anelab.sidecar.designs import design_of
 from anelab.sidecar.format import function_name, read_sidecar_metadata
 from anelab.weights import AttentionWeights
 
@@ -126,10 +127,6 @@ def _check_package(path: Path, meta, layer: int, model: ModelCheckpoint) -> None
         raise AnelabInputError(f"{path} records layer {meta.layer}, not {layer}; keep each package under its own name")
     require_same_geometry(meta, model.geometry, model.path)
     require_same_tensors(meta, model.checkpoint)
-    if meta.graph == "stateful":
-        raise AnelabInputError(
-            f"{path} is a stateful package; whole-model arms run dense or tiled sidecars (h<history>)"
-        )
 
 
 def open_sidecars(
@@ -137,11 +134,12 @@ def open_sidecars(
 ) -> SidecarSet:
     """Check ``directory/layer_<L>.mlpackage`` for every full-attention layer against the checkpoint and prompt.
 
-    Refuses (one line): a missing directory or package, a package from another checkpoint (geometry, or
-    the digest of an attention tensor — a package without digests: h0 not computing this checkpoint's
-    attention on seeded rows), a stateful
-    package, chunk widths that differ between packages, histories that do not reach the prompt's chunk
-    starts. ``runner`` serves the calls (default ``numpy_runner``: the saved programs evaluated with NumPy).
+    Refuses (one line): a missing directory or package; a package of a design the arms do not serve
+    (``Design.served_by_arms``: the stateful ones keep K/V in state); a package from another checkpoint
+    (geometry, or the digest of an attention tensor — a package without digests: h0 not computing this
+    checkpoint's attention on seeded rows); chunk widths that differ between packages; histories that do
+    not reach the prompt's chunk starts. ``runner`` serves the calls (default ``numpy_runner``: the saved
+    programs evaluated with NumPy).
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -149,6 +147,7 @@ def open_sidecars(
     packages, chunks, histories, undigested = {}, {}, {}, []
     for layer in model.geometry.full_attention_layers:
         path, meta = _package_meta(directory, layer)
+        design_of(meta, str(path)).require_arms(str(path))  # the design first: before anything else is asked
         _check_package(path, meta, layer, model)
         _check_rope_table(path, meta.coverage, layer, model, int(prompt_tokens))
         packages[layer], chunks[layer], histories[layer] = path, meta.chunk, set(meta.histories)

@@ -298,16 +298,8 @@ def plan(
         schedule = [Chunk(c.index, c.start, c.tokens, "gpu") for c in schedule]
     fit = fit_costs(data_dir) if fam is not None else None
     base_costs = _family_costs(fam, prompt_tokens, fit) if fam is not None else None
-    costs = _costs_from_flags(
-        geometry,
-        chunk,
-        hs,
-        load_seconds,
-        gpu_attention_seconds,
-        ane_attention_seconds,
-        non_attention_seconds,
-        base_costs,
-    )
+    flags = (load_seconds, gpu_attention_seconds, ane_attention_seconds, non_attention_seconds)
+    costs = _costs_from_flags(geometry, chunk, hs, *flags, base_costs)
     terms = _prefill_terms(geometry, chunk, schedule, costs)
     coverage_needed = (max(needed) + chunk) if needed else 0
     reason = _reason(terms, prompt_tokens, chunk, fits, coverage_needed, _coverage(hs, chunk), geometry)
