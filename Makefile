@@ -37,7 +37,8 @@ docs: $(STAMP)
 	@test -d build/html || $(PY) -m anelab reproduce
 	$(PY) -m anelab docs
 
-## Open the notebooks in JupyterLab with the project's kernel.
+## Open the notebooks in JupyterLab with the project's kernel (figures go to build/lab/figures; publish with
+## `anelab run NN --publish` or `make reproduce`, or set figures_dir = "figures" in the parameters cell).
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/
 

@@ -19,8 +19,18 @@ EXIT_BAD_INPUT = 2
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (argparse's default also prints usage)
-        raise AnelabInputError(f"{self.prog}: {message} (see --help)")
+    def error(self, message):  # one line, exit 2 (argparse's default also prints usage); main adds "anelab: error:"
+        command = self.prog.removeprefix("anelab").strip()
+        raise AnelabInputError(f"{command + ': ' if command else ''}{message} (see {self.prog} --help)")
+
+    def _check_value(self, action, value):  # an unknown choice (a mistyped command): the closest one, by name
+        if action.choices is not None and value not in action.choices:
+            import difflib
+
+            close = difflib.get_close_matches(value, [str(c) for c in action.choices], n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}?" if close else f"choose from {', '.join(map(str, action.choices))}"
+            raise argparse.ArgumentError(action, f"invalid choice: {value!r}; {hint}")
+        super()._check_value(action, value)
 
 
 def _int_list(text: str) -> list[int]:
@@ -311,11 +321,24 @@ def _add_doctor(sub):
         "doctor", help="is the Core ML runtime available here, versions, which studies run fresh vs replay"
     )
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="on a Mac: exercise every Core ML behaviour anelab relies on, on a tiny package, and print each "
+        "assumption passed / failed (exit 1 if one failed)",
+    )
 
 
 def _run_doctor(args):
     from anelab.runtime.doctor import diagnose, format_report
 
+    if args.probe:
+        from anelab.runtime.mac import default_runtime
+        from anelab.runtime.probe import format_probe, probe_core_ml
+
+        record = probe_core_ml(default_runtime())  # off-Mac: one line naming what it needs, exit 2
+        _print_json(record) if args.json else print(format_probe(record))
+        return 1 if record["results"]["failed"] else 0
     report = diagnose()
     if args.json:
         _print_json(report)
@@ -336,8 +359,28 @@ def _float_list(text: str) -> list[float]:
         raise AnelabInputError(f"expected comma-separated seconds, got {text!r}") from None
 
 
+PLAN_EXAMPLES = """examples:
+  anelab plan --family qwen3.8-125b-a6b-4bit --prompt-tokens 4333
+      the seed's lost case: chunks, variants visited, setup, predicted ratio and the decision
+  anelab plan --prompt-tokens 4333 --design all --family qwen3.8-125b-a6b-4bit
+      per-history vs stateful vs stateful-tiled sidecars for one family
+  anelab plan --checkpoint build/checkpoints/anelab-tiny-hybrid --prompt-tokens 2048
+      your model's own layers and heads, costs from the closest recorded family
+  anelab plan --list-families
+      the families, what is recorded and what is unknown
+  anelab plan --fit-report
+      predicted vs recorded ratio of every recorded A/B row"""
+
+
 def _add_plan(sub):
-    p = sub.add_parser("plan", help="chunks, variants, setup and the ANE-vs-GPU decision for one prompt")
+    p = sub.add_parser(
+        "plan",
+        help="chunks, variants, setup and the ANE-vs-GPU decision for one prompt",
+        description="Chunks, variants, setup and the ANE-vs-GPU decision for one prompt, from the recorded "
+        "data's fitted costs (every number says where it came from).",
+        epilog=PLAN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--family", help="a recorded family (see --list-families); supplies geometry and fitted costs")
     p.add_argument(
         "--checkpoint",
@@ -389,7 +432,7 @@ def _run_plan(args):
             print(planner.format_fit_report(rows, fit, loads))
         return 0
     if args.prompt_tokens is None:
-        raise AnelabInputError("anelab plan: pass --prompt-tokens N (or --list-families / --fit-report)")
+        raise AnelabInputError("plan: pass --prompt-tokens N (or --list-families / --fit-report)")
     if args.checkpoint is not None and args.design:
         from anelab.studies.planner.from_checkpoint import checkpoint_designs
 
@@ -605,7 +648,7 @@ def _run_compare_arms(args):
     from anelab.studies.arms import DEFAULT_DENSE, REFERENCE_CHUNK, Indexer, compare_arms, default_dense, read_tokens
 
     if (args.prompt_tokens is None) == (args.tokens is None):
-        raise AnelabInputError("anelab compare-arms: pass exactly one of --prompt-tokens N or --tokens FILE")
+        raise AnelabInputError("compare-arms: pass exactly one of --prompt-tokens N or --tokens FILE")
     checkpoint, sidecars = args.checkpoint, args.sidecars
     if checkpoint == DEFAULT_DENSE:
         tokens = args.prompt_tokens or read_tokens(args.tokens).size
@@ -755,9 +798,10 @@ def _add_docs(sub):
 
 def _run_docs(args):
     from anelab.paths import FIGURES_DIR
-    from anelab.studies.docs_site import build_docs
+    from anelab.studies.docs_site import build_docs, vendor_widget_manager
 
     index, pages = build_docs(args.figures or FIGURES_DIR, args.html, args.out)
+    print(vendor_widget_manager(args.out))
     for page in pages:
         if page.html is None:
             print(f"{page.stem}: {page.missing}")

@@ -79,6 +79,19 @@ def machine_description() -> dict:
     return {"machine_model": model, "chip": chip, "os_version": os_version}
 
 
+def machine_kind(description: dict | None = None) -> str:
+    """What kind of machine a ``machine_description`` (default: this one) names, without what changes
+    when the same machine is rebooted or patched: ``Linux x86_64`` (no kernel build string), or on a
+    Mac ``Mac15,3 (M3), macOS 27.0`` (the OS release is part of what a Core ML measurement means)."""
+    d = machine_description() if description is None else description
+    model = str(d.get("machine_model", "unknown"))
+    os_version = str(d.get("os_version", "unknown"))
+    if not os_version.startswith("macOS"):
+        return model
+    chip = str(d.get("chip", "unknown")).removeprefix("Apple ")
+    return f"{model} ({chip}), {os_version}"
+
+
 def git_revision() -> str:
     here = REPO_ROOT
     rev = _run(["git", "-C", str(here), "rev-parse", "--short=12", "HEAD"])
@@ -225,9 +238,18 @@ def read_records(directory: str | os.PathLike, kind: str | None = None) -> list[
     return out
 
 
+def new_file_mode() -> int:
+    """The mode ``open()`` gives a new file under this process's umask (0o644 under the usual 022):
+    a temporary file is created 0o600, and a file renamed into place keeps its mode."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, overwrite: bool = True) -> Path:
     """Write ``data`` to ``path`` via a temporary file in the same directory and rename, so a reader
-    never sees a half-written file.
+    never sees a half-written file. The file gets the mode a plain ``open()`` would give it
+    (readable by the group and others under the usual umask), not the temporary file's 0o600.
 
     With ``overwrite=False`` an existing ``path`` is refused (the new file is linked into place,
     which fails if the name is taken, so two writers cannot both win).
@@ -237,6 +259,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, overwrite: bool 
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), new_file_mode())
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

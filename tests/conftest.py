@@ -81,3 +81,17 @@ def tiny_checkpoint(tmp_path_factory):
         return made[key]
 
     return make
+
+
+def as_gate_passed(pkg):
+    """A copy of ``pkg`` beside it whose metadata records ``aneCompileVerified: true``, as a passed ANE gate
+    writes it (the tests' stand-in for a package exported on a Mac; the fake runs no real gate here)."""
+    from pathlib import Path
+
+    from anelab.sidecar.format import META, read_raw_metadata, write_package_metadata
+
+    pkg = Path(pkg)
+    dest = pkg.with_name(f"gated_{pkg.name}")
+    meta = {**read_raw_metadata(pkg), META["ane_verified"]: "true", META["ane_reason"]: "set by a test: a passed gate"}
+    write_package_metadata(pkg, dest, meta)
+    return dest

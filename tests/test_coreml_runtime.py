@@ -24,7 +24,9 @@ from anelab.runtime.interface import COMPUTE_UNITS, RuntimeUnavailableError, cap
 from anelab.runtime.mac import MacRuntime, default_runtime
 
 ALL_UNITS = ["all", "cpu_and_gpu", "cpu_and_ne", "cpu_only"]
-STUDY_NAMES = ["dense_offload", "mask_fold", "gather_sizing", "setup_cost", "tiled_stateful"]
+STUDY_NAMES = [
+    "dense_offload", "mask_fold", "gather_sizing", "setup_cost", "tiled_stateful", "one_function", "whole_model_arms",
+]  # fmt: skip
 
 
 # ---- native output capture -------------------------------------------------------------------------
@@ -183,9 +185,12 @@ def test_doctor_json_off_mac_says_what_runs_and_what_is_replayed(capsys):
     if sys.platform != "darwin":
         assert report["runtime"]["available"] is False
         assert "macOS 15" in report["runtime"]["reason"]
-        for study in report["studies"].values():
-            assert study["mode"] == "replay"
-            assert len(study["runs_here"]) == 1 and len(study["replayed_here"]) == 1
+        for name, study in report["studies"].items():
+            if STUDIES[name][2] is None:  # nothing of it needs the runtime (02)
+                assert study["mode"] == "runs here" and study["replayed_here"] == []
+            else:
+                assert study["mode"] == "partly"
+                assert len(study["runs_here"]) == 1 and len(study["replayed_here"]) == 1
 
 
 def test_doctor_with_an_available_runtime_runs_every_study_fresh():
@@ -198,8 +203,8 @@ def test_doctor_with_an_available_runtime_runs_every_study_fresh():
         "neural_engine_reason": "",
     }
     for name, study in report["studies"].items():
-        assert study["mode"] == "fresh" and study["replayed_here"] == []
-        assert study["runs_here"] == [STUDIES[name][1], STUDIES[name][2]]
+        assert study["mode"] == "runs here" and study["replayed_here"] == []
+        assert study["runs_here"] == [p for p in STUDIES[name][1:] if p is not None]
 
 
 def test_doctor_names_a_missing_neural_engine():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 
@@ -138,11 +139,57 @@ def test_save_figure_writes_files_and_manifest(tmp_path):
     plt.close(fig)
 
 
-def test_recorded_label_appears_in_the_svg():
+def _svg_texts(svg: bytes) -> list[str]:
+    """The text of every label in a matplotlib SVG (glyphs are paths; each label's text is a comment)."""
+    return re.findall(r"<!-- (.*?) -->", svg.decode())
+
+
+def _overlaps(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def _footer_clear_of_panels(fig) -> bool:
+    """Every footer note lies below every panel's full extent (tick labels and axis labels included)."""
+    renderer = fig.canvas.get_renderer()
+    fig.draw(renderer)
+    notes = [t for t in fig.texts if t.get_text()]
+    panels = [ax.get_tightbbox(renderer) for ax in fig.axes]
+    return bool(notes) and not any(_overlaps(t.get_window_extent(renderer), p) for t in notes for p in panels)
+
+
+def test_recorded_label_goes_to_the_footer_below_the_data():
     fig = _figure()
+    height = fig.get_figheight()
     text = figures.label_recorded(fig.axes[0], _recorded())
-    assert text == RECORDED_LABEL
-    assert RECORDED_LABEL in figures.figure_bytes(fig, "svg").decode()
+    assert text == RECORDED_LABEL and figures.footer_notes(fig) == [RECORDED_LABEL]
+    pieces = [t.get_text() for t in sorted(fig.texts, key=lambda t: -t.get_position()[1])]
+    assert len(pieces) > 1 and " ".join(pieces) == RECORDED_LABEL  # wrapped to the figure's width
+    assert set(pieces) <= set(_svg_texts(figures.figure_bytes(fig, "svg")))  # every piece drawn
+    assert fig.get_figheight() > height  # the figure grows; the panel keeps its size
+    assert _footer_clear_of_panels(fig)
+    figures.label_recorded(fig.axes[0], _recorded())
+    assert figures.footer_notes(fig) == [RECORDED_LABEL]  # a note is not repeated
+    plt.close(fig)
+
+
+def test_a_note_inside_the_axes_is_caught_as_on_the_data():
+    """Negative control for the footer check: the old corner label (inside the axes) overlaps the panel."""
+    fig = _figure()
+    fig.axes[0].text(0.01, 0.02, "measured here", transform=fig.axes[0].transAxes)
+    assert not _footer_clear_of_panels(fig)
+    plt.close(fig)
+
+
+def test_panel_notes_name_their_panel():
+    figures.use_style()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(6, 2))
+    figures.label_provenance(right, "planner", recorded=True)
+    figures.label_figure(fig, [_recorded()])
+    assert figures.footer_notes(fig) == [
+        "right: planner",
+        "recorded on Mac15,3 (M3), macOS 27.0 — replayed, not measured here\nsource: probe-m3.json",
+    ]
+    assert _footer_clear_of_panels(fig)
     plt.close(fig)
 
 
@@ -151,10 +198,70 @@ def test_measured_label_and_provenance_text():
     assert figures.provenance_line(measured) == "measured here: Mac15,3 (M3), macOS 27.0"
     assert figures.provenance_text([_recorded(), _recorded()]) == RECORDED_LABEL  # one line per distinct source
     assert figures.provenance_text().startswith("measured here: ")
+    linux = {"machine_model": "Linux x86_64", "chip": "x86_64", "os_version": "Linux 6.18.44-fc-v595"}
+    on_linux = make_record("gather_probe_numpy", {}, {}, provenance_override={**M3, **linux})
+    assert figures.provenance_line(on_linux) == "measured here: Linux x86_64"  # the kind, not the kernel build
+    plt.close("all")
+
+
+# ---- host-independent figures ------------------------------------------------------------------------
+
+LINUX_HOST = {"system": "Linux", "machine": "x86_64", "processor": "x86_64"}
+
+
+def _draw_and_save(tmp_path, monkeypatch, release: str, machine: str = "x86_64", name: str = "gather_sizing"):
+    """Draw and save a figure labelled the way the study notebooks label it, on a host whose kernel
+    build string is ``release``: (png bytes, svg bytes, manifest entry)."""
+    import platform
+
+    monkeypatch.setattr(platform, "system", lambda: "Linux")
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    monkeypatch.setattr(platform, "processor", lambda: machine)
+    monkeypatch.setattr(platform, "release", lambda: release)
+    monkeypatch.setattr(sys, "platform", "linux")
     fig = _figure()
-    figures.label_figure(fig, [_recorded()])
-    assert RECORDED_LABEL in figures.figure_bytes(fig, "svg").decode()
+    figures.label_measured(fig.axes[0])
+    here = make_record("tiled_stateful_numpy", {}, {})
+    figures.label_figure(fig, [here])
+    out = tmp_path / release / machine
+    entry = figures.save_figure(
+        fig, name, figures_dir=out, notebook="n.ipynb", parameters={}, provenance_note=figures.provenance_text([here])
+    )
     plt.close(fig)
+    return (out / f"{name}.png").read_bytes(), (out / f"{name}.svg").read_bytes(), entry
+
+
+def test_a_deterministic_figure_is_identical_on_another_host_of_the_same_kind(tmp_path, monkeypatch):
+    png_a, svg_a, entry_a = _draw_and_save(tmp_path, monkeypatch, "6.18.44-fc-v595")
+    png_b, svg_b, entry_b = _draw_and_save(tmp_path, monkeypatch, "6.18.44-fc-v657")
+    assert (png_a, svg_a) == (png_b, svg_b)
+    assert entry_a == entry_b and entry_a["deterministic"] is True and "host" not in entry_a
+    assert "measured here: Linux x86_64, NumPy" in _svg_texts(svg_a)
+    assert not any("6.18" in t for t in _svg_texts(svg_a)) and "6.18" not in json.dumps(entry_a)
+
+
+def test_another_kind_of_machine_changes_the_figure(tmp_path, monkeypatch):
+    """Negative control: the label is drawn and names the kind, so an arm64 host gives other bytes."""
+    png_a, svg_a, _ = _draw_and_save(tmp_path, monkeypatch, "6.18.44-fc-v595")
+    png_b, svg_b, _ = _draw_and_save(tmp_path, monkeypatch, "6.18.44-fc-v595", machine="aarch64")
+    assert png_a != png_b and svg_a != svg_b
+
+
+def test_a_wall_time_figure_is_marked_and_names_its_exact_host(tmp_path, monkeypatch):
+    _, _, entry = _draw_and_save(tmp_path, monkeypatch, "6.18.44-fc-v657", name="tiled_stateful_numpy_time")
+    assert entry["deterministic"] is False
+    assert entry["host"]["os_version"] == "Linux 6.18.44-fc-v657"  # the exact host: manifest only
+
+
+def test_committed_manifest_says_which_figures_are_deterministic():
+    from anelab.paths import FIGURES_DIR
+
+    manifest = figures.read_manifest(FIGURES_DIR)["figures"]
+    assert {name for name, e in manifest.items() if not e["deterministic"]} == {"tiled_stateful_numpy_time"}
+    for name, entry in manifest.items():
+        assert ("host" in entry) is (not entry["deterministic"]), name
+        if entry["deterministic"]:  # no kernel build string in the entry of a figure that any host redraws
+            assert not re.search(r"Linux \d+\.\d+", json.dumps(entry)), name
 
 
 def test_bad_input_is_refused(tmp_path):
@@ -165,8 +272,6 @@ def test_bad_input_is_refused(tmp_path):
         figures.save_figure(
             fig, "ok", figures_dir=tmp_path, notebook="n", parameters={"x": object()}, provenance_note=""
         )
-    with pytest.raises(AnelabInputError, match="label location"):
-        figures.label_recorded(fig.axes[0], _recorded(), loc="middle")
     with pytest.raises(AnelabInputError, match="figure format"):
         figures.figure_bytes(fig, "pdf")
     (tmp_path / "MANIFEST.json").write_text("{not json")
@@ -204,7 +309,8 @@ def test_every_committed_figure_has_a_caption_alt_text_and_provenance_kind():
     assert problems == []
     # and the manifest carries what the table says (annotate_manifest / save_figure copy it)
     for name, entry in manifest["figures"].items():
-        assert {k: entry[k] for k in ("caption", "alt", "provenance_kinds")} == figures.caption_for(name)
+        keys = ("caption", "alt", "provenance_kinds", "deterministic", "claims")
+        assert {k: entry[k] for k in keys} == figures.caption_for(name)
 
 
 def test_caption_check_catches_a_bare_entry():
@@ -262,3 +368,55 @@ def test_a_caption_table_entry_without_alt_text_is_refused(tmp_path, monkeypatch
             figures.caption_table()
     finally:
         figures.caption_table.cache_clear()
+
+
+# ---- readable at gallery size ------------------------------------------------------------------------
+
+GALLERY_TEXT_PT = 720  # the gallery's column: max-width 62rem less 2 x 1rem padding = 960 px = 720 pt at 100 %
+
+
+MIN_TICK_PT = 9
+
+
+def tick_label_sizes(svg: bytes) -> list[float]:
+    """Point size at which each tick label of a matplotlib SVG shows in the gallery at 100 % zoom.
+
+    Glyphs are paths, each label a group ``scale(s -s)`` with s = size / 100; a figure wider than the
+    gallery's column is scaled down to it. Superscripts (``10^-3``) are drawn smaller inside a label
+    by design and are not counted."""
+    import xml.etree.ElementTree as ET
+
+    root = ET.fromstring(svg)
+    shrink = min(1.0, GALLERY_TEXT_PT / float(root.get("width").removesuffix("pt")))
+    sizes = []
+    for group in root.iter("{http://www.w3.org/2000/svg}g"):
+        if re.fullmatch(r"[xy]tick_\d+", group.get("id") or ""):
+            for label in group.iter("{http://www.w3.org/2000/svg}g"):
+                m = re.search(r"scale\(([0-9.]+) -", label.get("transform") or "")
+                if m:
+                    sizes.append(round(float(m.group(1)) * 100 * shrink, 2))
+    return sizes
+
+
+def test_every_committed_figure_has_tick_labels_of_9_pt_at_gallery_size():
+    from anelab.paths import FIGURES_DIR
+
+    small = {}
+    for svg in sorted(FIGURES_DIR.glob("*.svg")):
+        sizes = tick_label_sizes(svg.read_bytes())
+        assert sizes, svg.name
+        if min(sizes) < MIN_TICK_PT:
+            small[svg.stem] = min(sizes)
+    assert small == {}
+
+
+def test_small_or_shrunk_tick_labels_are_caught():
+    """Negative controls: 6 pt tick labels (the old tiled_stateful_errors), and 9 pt labels on a figure
+    wider than the gallery, which the browser scales down."""
+    figures.use_style()
+    fig, ax = plt.subplots(figsize=(4, 2))
+    ax.set_xticks([0, 1], ["a", "b"], fontsize=6)
+    assert min(tick_label_sizes(figures.figure_bytes(fig, "svg"))) == 6.0
+    wide, _ = plt.subplots(figsize=(11, 2))
+    assert min(tick_label_sizes(figures.figure_bytes(wide, "svg"))) == round(9 * 720 / 792, 2)
+    plt.close("all")

@@ -4,6 +4,8 @@ command exits 2 with one line and ``--dry-run`` lists the steps."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from anelab.cli import main
@@ -53,12 +55,14 @@ def test_every_step_writes_records_tagged_with_the_package_and_provenance(measur
     records = read_records(config.records)
     assert len(records) == len(first["written"]) and first["skipped"] == []
     steps = {r["parameters"]["measure"]["step"] for r in records}
-    assert steps == {"export", "verify", "load", "block_ab", "gather_probe"}
+    assert steps == {"probe", "export", "verify", "load", "block_ab", "gather_probe"}
     kinds = sorted({r["kind"] for r in records})
     assert kinds == [
-        "ane_gate", "composition_load_timing", "device_verify", "gather_probe_assignment", "load_memory",
-        "load_timing", "predict_timing",
+        "ane_gate", "composition_load_timing", "core_ml_probe", "device_verify", "gather_probe_assignment",
+        "load_memory", "load_timing", "predict_timing",
     ]  # fmt: skip
+    probe = next(r for r in records if r["kind"] == "core_ml_probe")
+    assert probe["results"]["failed"] == [] and len(probe["results"]["assumptions"]) == 13
     for r in records:
         assert len(r["parameters"]["measure"]["package_sha256"]) == 64
         assert {"chip", "os_version", "coremltools"} <= set(r["provenance"])
@@ -77,8 +81,9 @@ def test_a_second_run_skips_what_is_recorded_and_again_measures_again(measured):
     config, runtime, first = measured
     before = len(read_records(config.records))
     second = measure(config, runtime=runtime, clock=runtime.clock, echo=lambda _: None)
-    assert second["written"] == [] and second["skipped"] == [name for name, _ in STEPS[1:]]
-    assert len(read_records(config.records)) == before
+    assert second["skipped"] == [name for name, _ in STEPS[2:]]  # the probe is first contact: never skipped
+    assert [Path(p).name.split("-")[0] for p in second["written"]] == ["core_ml_probe"]
+    assert len(read_records(config.records)) == before + 1
     # --again: the same records no longer count as done (a full re-run is what the first run did)
     from dataclasses import replace
 

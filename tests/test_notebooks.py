@@ -4,6 +4,7 @@ Plus the runner itself: a failing or hanging notebook is reported as failed, nev
 
 from __future__ import annotations
 
+import html
 import json
 import subprocess
 import sys
@@ -37,6 +38,43 @@ def _tiny_notebook(path: Path, body: str, parameters: str | None = "quick: bool 
     nb.cells.append(nbformat.v4.new_code_cell(body))
     nbformat.write(nb, str(path))
     return path
+
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+def executed_problems(nb) -> list[str]:
+    """What a reader of an executed notebook would stumble on: stderr blocks (text progress bars),
+    widgets outside the explore cells (empty gaps where progress bars were), an explore cell whose
+    numbers are not printed as text, or a dataclass repr printed instead of numbers."""
+    problems = []
+    for i, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
+        outputs = cell.get("outputs", [])
+        texts = "".join(o.get("text", "") for o in outputs if o.output_type == "stream" and o.name == "stdout")
+        if any(o.output_type == "stream" and o.name == "stderr" for o in outputs):
+            problems.append(f"code cell {i}: stderr output")
+        widgets = [o for o in outputs if WIDGET_VIEW in o.get("data", {})]
+        if "explore.show(" in cell.source:
+            if len(widgets) != 1 or not texts.strip():
+                problems.append(f"code cell {i}: an explore cell needs its text printed and one widget")
+        elif widgets:
+            problems.append(f"code cell {i}: {len(widgets)} widget output(s) outside an explore cell")
+        if "Point(" in texts:
+            problems.append(f"code cell {i}: a dataclass repr printed")
+    return problems
+
+
+def test_executed_notebook_checks_catch_noise():
+    """Negative control for ``executed_problems``: stderr, a stray widget and a bare repr are caught."""
+    nb = nbformat.v4.new_notebook()
+    noisy = nbformat.v4.new_code_cell("for i in tqdm(range(3)): pass")
+    noisy.outputs = [nbformat.v4.new_output("stream", name="stderr", text="100%|###| 3/3\n")]
+    bar = nbformat.v4.new_code_cell("x")
+    bar.outputs = [nbformat.v4.new_output("display_data", data={WIDGET_VIEW: {"model_id": "1"}, "text/plain": ""})]
+    widget = nbformat.v4.new_code_cell("explore.show(e)")
+    widget.outputs = [nbformat.v4.new_output("stream", name="stdout", text="BudgetPoint(kept_blocks=7)\n")]
+    nb.cells += [noisy, bar, widget]
+    assert len(executed_problems(nb)) == 4
 
 
 def test_the_studies_are_discovered_in_order():
@@ -85,6 +123,14 @@ def test_notebook_runs_in_quick_mode(path, tmp_path):
     assert run.executed.is_file() and run.html is not None and run.html.is_file()
     assert run.parameters["quick"] is True
     assert [_snapshot(d) for d in watched] == before, "a quick run wrote into the repository"
+    executed = nbformat.read(str(run.executed), as_version=4)
+    assert executed_problems(executed) == []
+    page = run.html.read_text()
+    for cell in (c for c in executed.cells if c.cell_type == "code" and "explore.show(" in c.source):
+        # without a kernel or a widget manager, the HTML still holds the explore cell's numbers as text
+        printed = "".join(o.text for o in cell.outputs if o.output_type == "stream")
+        assert all(html.escape(line) in page for line in printed.splitlines() if line.strip())
+        assert "application/vnd.jupyter.widget-state+json" in page  # and the widgets' state, for the manager
     manifest = tmp_path / "figures" / "MANIFEST.json"
     if manifest.exists():
         import hashlib
@@ -177,8 +223,8 @@ def test_run_parameters_keep_quick_runs_out_of_the_repository(tmp_path):
     quick = notebooks.run_parameters(True, tmp_path)
     assert all(Path(quick[k]).is_relative_to(tmp_path.resolve()) for k in ("figures_dir", "records_dir", "build_dir"))
     full = notebooks.run_parameters(False, tmp_path)
-    assert Path(full["figures_dir"]) == paths.FIGURES_DIR
-    assert Path(full["records_dir"]) == paths.MEASURED_DIR
+    assert notebooks.repo_path(full["figures_dir"]) == paths.FIGURES_DIR  # written repo-relative: "figures"
+    assert notebooks.repo_path(full["records_dir"]) == paths.MEASURED_DIR
     assert notebooks.repo_path("figures") == paths.FIGURES_DIR
     assert notebooks.repo_path(tmp_path) == tmp_path
 

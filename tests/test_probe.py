@@ -200,7 +200,11 @@ def test_measure_probes_on_runtime_with_fake(probes, tmp_path):
     )
     assert [r["graph"] for r in rows] == ["full-scores", "gather"]
     assert rows[1]["assignment"]["neural_engine"] == 9
-    assert rows[1]["predict"]["median_s"] == pytest.approx(0.25)
+    assert rows[1]["predict"]["median_s"] == pytest.approx(0.27)  # + 0.02 s converting the outputs
+    assert rows[1]["predict"]["core_ml_predict_s"]["median_s"] == pytest.approx(0.25)
+    # the probes never passed the ANE gate: their cpu_and_ne predicts ran in a child process only
+    assert [c for c in runtime.calls if c[0] == "predict"] == []
+    assert {c[3] for c in runtime.child_calls() if c[0] == "predict"} == {"cpu_and_ne"}
     assert rows[1]["load"]["median_s"] == pytest.approx(6.0)  # every timed load is cold (a fresh copy)
     assert len(read_records(tmp_path)) == 4  # load + predict record per probe
     off = FakeRuntime(available=False)

@@ -42,6 +42,7 @@ def _inputs(**shapes) -> dict:
 def test_loading_an_mlpackage_compiles_it_every_time_into_a_temporary_copy(tmp_path):
     runtime = FakeRuntime({"h0": FakeFunction(cold_load_s=6.0, warm_load_s=1.0, teardown_s=0.0)})
     pkg = _package(tmp_path)
+    runtime.prepare_process()  # the process's one-time import and sw_vers, before the clock
     start = runtime.clock()
     first = runtime.load_path(pkg, None, "cpu_and_ne")
     second = runtime.load_path(pkg, None, "cpu_and_ne")
@@ -56,6 +57,7 @@ def test_loading_an_mlpackage_compiles_it_every_time_into_a_temporary_copy(tmp_p
 def test_the_runtime_compiles_once_and_the_second_load_of_the_compiled_copy_is_warm(tmp_path):
     runtime = FakeRuntime({"h0": FakeFunction(cold_load_s=6.0, warm_load_s=1.0, teardown_s=0.0)})
     pkg = _package(tmp_path)
+    runtime.prepare_process()
     start = runtime.clock()
     runtime.load(pkg, None, "cpu_and_ne")
     runtime.load(pkg, None, "cpu_and_ne")
@@ -81,10 +83,9 @@ def test_releasing_a_handle_costs_its_teardown(tmp_path):
     "inputs, match",
     [
         (_inputs(hidden=(4, 8)), "Feature mask is required but not specified"),
-        (_inputs(hidden=(4, 8), mask=(4, 4), k_history=(0, 2, 4)), 'Provided key "k_history"'),
         (_inputs(hidden=(4, 8), mask=(4, 5)), "the provided shape \\(4, 5\\) is not compatible"),
     ],
-    ids=["missing", "extra", "wrong-shape"],
+    ids=["missing", "wrong-shape"],
 )
 def test_predict_fails_like_core_ml(tmp_path, inputs, match):
     runtime = FakeRuntime({"h0": FakeFunction(**SIGNATURE)})
@@ -112,14 +113,15 @@ def test_fp16_inputs_are_cast_in_the_callers_dict_and_cost_time(tmp_path):
     inputs = {"hidden": np.zeros((4, 8), np.float16), "mask": np.zeros((4, 4), np.float16)}
     before = runtime.clock()
     runtime.predict(handle, inputs)
-    assert runtime.clock() - before == pytest.approx(0.55)
+    # input cast 0.05 + Core ML 0.5 + outputs to NumPy 0.02 (default output_convert_s)
+    assert runtime.clock() - before == pytest.approx(0.57) and runtime.predict_duration_s(handle) == 0.5
     assert inputs["hidden"].dtype == np.float32  # coremltools mutates the caller's dict
     # prepare_inputs converts once, into a new dict: predict then costs the prediction only
     given = {"hidden": np.zeros((4, 8), np.float16), "mask": np.zeros((4, 4), np.float16)}
     ready = prepare_inputs(given)
     before = runtime.clock()
     runtime.predict(handle, ready)
-    assert runtime.clock() - before == pytest.approx(0.5) and given["hidden"].dtype == np.float16
+    assert runtime.clock() - before == pytest.approx(0.52) and given["hidden"].dtype == np.float16
 
 
 # ---- messages --------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ coremltools cast fp16 inputs inside the caller's dict (defect 10).
 
 from __future__ import annotations
 
+import enum
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,15 +23,23 @@ from anelab.runtime.mac import MacRuntime
 class CoreMLToolsStandIn:
     """The parts of coremltools 9.0 MacRuntime uses, recording each call (behaviour per the 9.0 sources)."""
 
-    ComputeUnit = SimpleNamespace(CPU_ONLY="CPU_ONLY", CPU_AND_GPU="CPU_AND_GPU", CPU_AND_NE="CPU_AND_NE", ALL="ALL")
+    ComputeUnit = enum.Enum("ComputeUnit", ["ALL", "CPU_AND_GPU", "CPU_ONLY", "CPU_AND_NE"])  # coremltools/__init__.py
 
     def __init__(self):
         self.calls: list[tuple] = []
         stand_in = self
+        compute_unit = self.ComputeUnit
 
         class CompiledMLModel:
-            def __init__(self, path, compute_units="ALL", function_name=None):
-                stand_in.calls.append(("CompiledMLModel", path, compute_units, function_name))
+            def __init__(self, path, compute_units=compute_unit.ALL, function_name=None):
+                if not isinstance(compute_units, compute_unit):  # _compiled_model.py:46-47
+                    raise TypeError('The "compute_units" parameter must be of type: "coremltools.ComputeUnit".')
+                stand_in.calls.append(("CompiledMLModel", path, compute_units.name, function_name))
+                # the native proxy's own durations (CoreMLPython.mm:1041-1055)
+                self._proxy = SimpleNamespace(
+                    get_load_duration_in_nano_seconds=lambda: 2_500_000_000,
+                    get_last_predict_duration_in_nano_seconds=lambda: 40_000_000,
+                )
                 if function_name == "missing":  # Core ML refuses: CompiledMLModel raises (no warning)
                     raise RuntimeError('{\n    NSLocalizedDescription = "function missing not found";\n}')
                 self.function_name = function_name
@@ -55,12 +64,23 @@ class CoreMLToolsStandIn:
             return SimpleNamespace(__proxy__=object())
 
         def compile_model(path, destination_path=None):
+            if not path.rstrip("/").endswith((".mlpackage", ".mlmodel")):  # utils.py:1098-1100,1112-1119
+                raise ValueError(
+                    f"Invalid model file path: '{path}'.Expected a file with .mlpackage or .model extension. "
+                )
+            if destination_path is not None and not destination_path.rstrip("/").endswith(".mlmodelc"):
+                raise Exception('"destination_path" parameter must have ".mlmodelc" file extension.')  # :1134-1135
             stand_in.calls.append(("compile_model", path, destination_path))
             Path(destination_path).mkdir(parents=True)
             return destination_path
 
         self.models = SimpleNamespace(CompiledMLModel=CompiledMLModel, MLModel=MLModel)
-        self.utils = SimpleNamespace(compile_model=compile_model)
+
+        def macos_version():  # utils.py:959-968: sw_vers in a subprocess, lru-cached
+            stand_in.calls.append(("_macos_version",))
+            return (15, 2)
+
+        self.utils = SimpleNamespace(compile_model=compile_model, _macos_version=macos_version)
 
     def named(self, kind):
         return [c for c in self.calls if c[0] == kind]
@@ -138,8 +158,9 @@ def test_the_timed_predict_gets_inputs_already_converted_and_the_callers_dict_is
 
     runtime, ct, pkg = mac
     given = {"hidden": np.zeros((4, 8), np.float16)}
-    record = time_predict(runtime, pkg, "h0", given, ["cpu_and_ne"], warmup=0, repeats=1, clock=FakeClock())
-    assert "error" not in record["results"]["cpu_and_ne"]
+    record = time_predict(runtime, pkg, "h0", given, ["cpu_only"], warmup=0, repeats=1, clock=FakeClock())
+    assert "error" not in record["results"]["cpu_only"]
+    assert record["results"]["cpu_only"]["core_ml_predict_s"]["samples_s"] == [0.04]  # the proxy's own duration
     assert ct.named("predict")[0][2] == {"hidden": np.float32}  # converted before the call
     assert given["hidden"].dtype == np.float16
 
@@ -148,3 +169,34 @@ def test_the_compute_plan_is_refused_for_anything_but_a_compiled_copy(mac):
     runtime, _, pkg = mac
     with pytest.raises(ValueError, match="needs a compiled .mlmodelc"):  # coremltools 9.0 would abort (#2757)
         runtime.plan_path(pkg, "cpu_and_ne")
+
+
+def test_compute_units_reach_coremltools_as_the_enum_it_demands(mac):
+    """``CompiledMLModel`` raises TypeError for anything but ``ct.ComputeUnit`` (_compiled_model.py:46-47)."""
+    runtime, ct, pkg = mac
+    runtime.load(pkg, "h0", "cpu_and_gpu")
+    assert ct.named("CompiledMLModel")[-1][2] == "CPU_AND_GPU"
+    compiled = str(runtime.compiled_path(pkg))
+    with pytest.raises(TypeError, match="coremltools.ComputeUnit"):  # control: a string, as a kinder stand-in took it
+        ct.models.CompiledMLModel(compiled, "CPU_AND_GPU", function_name="h0")
+
+
+def test_the_compile_keeps_coremltools_suffix_rules(mac, tmp_path):
+    """compile_model demands <x>.mlpackage -> <y>.mlmodelc (utils.py:1098-1100,1112-1119,1134-1135)."""
+    runtime, ct, pkg = mac
+    runtime.compile(pkg)  # the cache path ends .mlmodelc
+    odd = tmp_path / "not_a_package"
+    odd.mkdir()
+    (odd / "Manifest.json").write_text("{}")
+    with pytest.raises(RuntimeLoadError, match="Invalid model file path"):
+        runtime.compile(odd)
+
+
+def test_prepare_process_runs_the_first_use_work_and_durations_come_from_the_proxy(mac):
+    runtime, ct, pkg = mac
+    done = runtime.prepare_process()
+    assert ct.named("_macos_version") and any("sw_vers" in step for step in done)
+    handle = runtime.load(pkg, "h0", "cpu_only")
+    assert runtime.load_duration_s(handle) == 2.5
+    runtime.predict(handle, {"hidden": np.zeros((4, 8), np.float32)})
+    assert runtime.predict_duration_s(handle) == 0.04

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import as_gate_passed
 
 from anelab.cli import main
 from anelab.errors import AnelabInputError
@@ -18,7 +19,7 @@ from anelab.sidecar.export import export_layer
 def sidecar(tiny_checkpoint, tmp_path_factory):
     ckpt = tiny_checkpoint("llama")
     out = tmp_path_factory.mktemp("verify-device")
-    return export_layer(load_checkpoint(ckpt), 0, 8, [0, 8], out).package, ckpt
+    return as_gate_passed(export_layer(load_checkpoint(ckpt), 0, 8, [0, 8], out).package), ckpt
 
 
 def test_off_mac_the_flag_exits_2_with_one_line(sidecar, capsys):
@@ -67,7 +68,7 @@ def stateful(tiny_checkpoint, tmp_path_factory):
     ckpt = tiny_checkpoint("llama")
     out = tmp_path_factory.mktemp("verify-device-stateful")
     pkg = export_layer(load_checkpoint(ckpt), 0, 4, None, out, graph="stateful", capacity=16, decode=True).package
-    return pkg, ckpt
+    return as_gate_passed(pkg), ckpt
 
 
 def test_a_stateful_sidecar_verifies_on_the_device_through_its_state(stateful):
@@ -117,9 +118,11 @@ def test_the_fold_check_runs_on_the_device_too(tiny_checkpoint, tmp_path):
     """A package recording the fold contract: its fold rows are the device's (predict calls under the
     folded and the causal-only mask), and a device that ignores its mask fails the fold row."""
     ckpt = tiny_checkpoint("qwen3")
-    pkg = export_layer(
-        load_checkpoint(ckpt), 0, 32, [0, 32], tmp_path, selection={"kept_blocks": 2, "compress_ratio": 4}
-    ).package
+    pkg = as_gate_passed(
+        export_layer(
+            load_checkpoint(ckpt), 0, 32, [0, 32], tmp_path, selection={"kept_blocks": 2, "compress_ratio": 4}
+        ).package
+    )
     runtime = FakeRuntime(numerics=True)
     report = verify_on_device(pkg, ckpt, compute_units="cpu_and_ne", runtime=runtime)
     fold_rows = [c for c in report.comparisons if c.case.startswith("fold:") or c.case == "control: causal-only mask"]

@@ -228,12 +228,13 @@ def test_compact_provenance():
     )
     here = {
         "origin": "measured",
-        "provenance": {"machine_model": "Linux x86_64", "chip": "x86_64", "os_version": "Linux 6"},
+        "provenance": {"machine_model": "Linux x86_64", "chip": "x86_64", "os_version": "Linux 6.18.44-fc-v595"},
         "_file": "m.json",
     }
     assert compact_provenance([here], planner=True) == (
-        "measured here: Linux x86_64 (x86_64), Linux 6\nsource: m.json\nlines: planner (anelab.studies.planner) fitted on these records"
-    )
+        "measured here: Linux x86_64\nlines: planner (anelab.studies.planner) fitted on these records"
+    )  # the kind of machine (no kernel build string); no source line for this run's own record
+    assert compact_provenance([here, recs[2]]).endswith("source: c.json")
     with pytest.raises(AnelabInputError):
         compact_provenance([{**here, "origin": "guessed"}])
 
@@ -304,8 +305,11 @@ def _package(tmp_path: Path, name: str = "layer_1.mlpackage") -> Path:
 def test_time_attention_ab_and_table(tiny_checkpoint, tmp_path):
     g = load_checkpoint(tiny_checkpoint("qwen3_next", "F32")).geometry
     clock = FakeClock()
-    fast_ne = FakeFunction(predict_s={"cpu_and_gpu": 0.020, "cpu_and_ne": 0.005})
-    no_ne = FakeFunction(predict_s={"cpu_and_gpu": 0.030}, unloadable_units=frozenset({"cpu_and_ne"}))
+    # output_convert_s=0: the wall time is Core ML's alone, so the table's seconds are the scripted ones
+    fast_ne = FakeFunction(predict_s={"cpu_and_gpu": 0.020, "cpu_and_ne": 0.005}, output_convert_s=0.0)
+    no_ne = FakeFunction(
+        predict_s={"cpu_and_gpu": 0.030}, unloadable_units=frozenset({"cpu_and_ne"}), output_convert_s=0.0
+    )
     runtime = FakeRuntime({"h0": fast_ne, "h8": no_ne}, clock=clock)
     records = time_attention_ab(
         runtime, _package(tmp_path), g, chunk=8, histories=[0, 8], repeats=2, clock=clock, out_dir=tmp_path / "records"
@@ -333,6 +337,7 @@ def test_measure_load_memory_with_a_scripted_rss(tmp_path):
             {"function": "h0", "rss_bytes": 1500, "delta_bytes": 500},
             {"function": "h8", "rss_bytes": 1800, "delta_bytes": 800},
         ],
+        "read": "after the package was compiled and coremltools imported, before the first load",
     }
     with pytest.raises(RuntimeUnavailableError):
         measure_load_memory(FakeRuntime(available=False), _package(tmp_path, "b.mlpackage"), ["h0"], rss=lambda: 0)

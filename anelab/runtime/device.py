@@ -13,7 +13,8 @@ import os
 
 import numpy as np
 
-from anelab.runtime.interface import CoreMLRuntime, check_compute_units, prepare_inputs
+from anelab.runtime.assumptions import STATE_SHARED_BY_FUNCTIONS
+from anelab.runtime.interface import CoreMLRuntime, check_compute_units, prepare_inputs, require_gate_verdict
 from anelab.runtime.mac import default_runtime
 from anelab.sidecar.format import STATE_NAMES
 
@@ -25,6 +26,7 @@ class CoreMLEvaluator:
         self.runtime, self.package, self.compute_units = runtime, package, check_compute_units(compute_units)
         self.name = f"Core ML predict ({compute_units}, {runtime.name})"
         self._handles: dict = {}
+        self._made_by: dict[int, str] = {}  # id(state) -> the function whose handle made it
 
     def handle(self, function: str):
         if function not in self._handles:
@@ -32,14 +34,18 @@ class CoreMLEvaluator:
         return self._handles[function]
 
     def make_state(self, function: str):
-        """A fresh Core ML state (``MLState``) for a stateful function; Core ML lets the package's functions share it."""
-        return self.runtime.make_state(self.handle(function))
+        """A fresh Core ML state (``MLState``) for a stateful function, remembered as made by ``function``."""
+        state = self.runtime.make_state(self.handle(function))
+        self._made_by[id(state)] = function
+        return state
 
     def state_arrays(self, state) -> dict[str, np.ndarray]:
         """The K/V cache a Core ML state holds after the calls (``MLState.read_state``), name -> array."""
         return {name: np.asarray(state.read_state(name)) for name in STATE_NAMES}
 
     def __call__(self, function: str, inputs: dict, state=None) -> dict:
+        if state is not None and self._made_by.get(id(state), function) != function:  # c1 after c<C>
+            self.runtime.require_assumptions(STATE_SHARED_BY_FUNCTIONS)
         out = self.runtime.predict(self.handle(function), prepare_inputs(inputs), state=state)
         return {name: np.asarray(value) for name, value in out.items()}
 
@@ -52,12 +58,17 @@ def verify_on_device(
     seed: int = 0,
     runtime: CoreMLRuntime | None = None,
 ):
-    """``anelab.sidecar.verify.verify_package`` with Core ML as the evaluator; refuses off-Mac (one line)."""
+    """``anelab.sidecar.verify.verify_package`` with Core ML as the evaluator; refuses off-Mac (one line).
+
+    Under ``cpu_and_ne`` / ``all`` a package the ANE gate never passed is refused before anything
+    loads: its predicts would run in this process, and a failed ANE compile can kill it (#2758).
+    """
     from anelab.sidecar.verify import verify_package
 
     check_compute_units(compute_units)
     runtime = runtime if runtime is not None else default_runtime()
     runtime.require_available()
+    require_gate_verdict(package, compute_units, "verify it on the device")
     return verify_package(
         package, checkpoint_dir, seed=seed, evaluator=CoreMLEvaluator(runtime, package, compute_units)
     )

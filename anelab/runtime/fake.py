@@ -1,22 +1,44 @@
 """A ``CoreMLRuntime`` for tests that behaves like Core ML through coremltools 9.0 — never kinder.
 
-What it mirrors (see /work/notes/coreml-9.0-behaviour.md for the coremltools 9.0 sources):
+Each rule copies a line of coremltools at tag 9.0 (apple/coremltools; ``.mm`` files under
+``coremlpython/``, ``.py`` files under ``coremltools/models/``):
 
-- loading an ``.mlpackage`` compiles it afresh on EVERY load (``compile_s`` on the clock) into a
-  temporary ``<stem>_<uuid>.mlmodelc`` that is deleted when the handle dies; a ``.mlmodelc`` loads
-  as it is. The device-specialisation cache is keyed by the compiled path: the first load of a
-  compiled path is cold (``cold_load_s``), later loads of the same path are warm (``warm_load_s``);
-- releasing a handle costs ``teardown_s`` (the native destructor unloads the model and deletes a
-  temporary copy);
-- ``predict`` fails like Core ML: an extra input name, a missing one, a wrong shape, a stateful
-  function called without a state, each a ``RuntimePredictError``; fp16 arrays are cast to fp32
-  in the CALLER's dict (``convert_s`` on the clock), as coremltools does;
+- **compile** (``compile_to``): the source must end ``.mlpackage`` or ``.mlmodel`` (ValueError,
+  ``utils.py:1098-1100,1112-1119``) and the destination ``.mlmodelc`` (``utils.py:1134-1135``);
+  ``compile_s`` on the clock;
+- **first use**: the first availability check of a process imports coremltools and its native module
+  (``import_s``); the first compile or ``CompiledMLModel`` of a process runs ``sw_vers`` in a
+  subprocess (``first_use_s``; ``_compiled_model.py:34`` and ``utils.py:1103`` -> ``utils.py:959-968``,
+  lru-cached so once per process); ``prepare_process`` does both before any clock starts;
+- **load**: an ``.mlpackage`` is compiled afresh on EVERY load into a temporary
+  ``<stem>_<uuid>.mlmodelc`` deleted when the handle dies (``CoreMLPython.mm:457-466,436-443``);
+  a ``.mlmodelc`` loads as it is. The first load of a compiled path is cold (``cold_load_s``),
+  later loads warm (``warm_load_s``); the load seconds are the handle's Core ML load duration
+  (``load_duration_s``; ``CoreMLPython.mm:500-503,517,1041-1047``). Releasing a handle costs
+  ``teardown_s``;
+- **inputs**: fp16 arrays are cast to fp32 in the CALLER's dict first (``model.py:1064-1067``,
+  ``convert_s``), so a read-only fp16 array passes; then only int32, fp32 and fp64 arrays are
+  accepted (``CoreMLPythonArray.mm:10-31``) and only writable ones (``mutable_data()``,
+  ``CoreMLPythonArray.mm:55``): anything else prints ``Error: value type not convertible:`` to
+  stdout and fails with "value type not convertible" (``CoreMLPythonUtils.mm:397-409``);
+- **input names**: a handle loaded from an ``.mlpackage`` (``MLModel``) refuses an extra input name
+  (KeyError, ``model.py:1055-1060``); a ``CompiledMLModel`` never checks names
+  (``_compiled_model.py:227-231``), so an extra input is ignored; a missing input, a wrong shape, or
+  a stateful function without a state fail in Core ML (``CoreMLPythonUtils.mm:38-43``);
+- **predict clock**: Core ML's own prediction (``predict_s``, what ``predict_duration_s`` reports,
+  ``CoreMLPython.mm:543-562``) and, outside it, the output conversion to NumPy (``output_convert_s``:
+  fp16 outputs concatenated to fp32 and copied, ``CoreMLPythonUtils.mm:448-484``);
+- **state**: ``make_state`` gives a fresh ``MLState``; ``read_state`` of an unknown name raises
+  (``CoreMLPython.mm:693-712``);
 - ANE compiler messages arrive where Core ML puts them: on fd 1, on fd 2, only at process exit
   (``atexit``), or only in the unified log (a per-process file read by ``read_unified_log``);
 - the compute plan needs a compiled ``.mlmodelc``: an ``.mlpackage`` aborts the process (SIGABRT,
   apple/coremltools#2757); a scripted ``predict_signal`` kills the process at predict (#2758).
   In-process (tests) a crash raises ``FakeCrash`` (a ``BaseException``, as uncatchable by
   ``except Exception`` as a signal); in a child process (``real_crashes=True``) it is a real signal.
+
+``lacks``: names of ``anelab.runtime.assumptions`` this fake Mac breaks (a Mac where the probe would
+fail them), e.g. ``one_state_shared_by_two_functions`` or ``unified_log_readable``.
 
 Functions are identified by name: ``load(pkg, "h4096", ...)`` is function ``h4096``; a
 single-function package loaded with ``function=None`` is identified by its file stem (the exporter
@@ -39,6 +61,7 @@ from pathlib import Path
 
 import numpy as np
 
+from anelab.runtime.assumptions import FP16_OUTPUTS_AS_FP32, FP32_FEEDS_FP16_INPUTS, STATE_BY_NAME
 from anelab.runtime.interface import (
     ASSIGNMENT_KEYS,
     CoreMLRuntime,
@@ -85,7 +108,9 @@ class FakeFunction:
     predict_signal: e.g. "SIGKILL": the process dies at the first predict (no exception).
     assignment:    operations per preferred device (neural_engine, gpu, cpu[, unreported]); total derived.
     inputs / states / output_shapes: name -> shape; ``None``: read from the package's spec when it has one.
-    cold_load_s / warm_load_s / teardown_s / convert_s: seconds on the clock.
+    cold_load_s / warm_load_s / teardown_s / convert_s: seconds on the clock (convert_s: the fp16 -> fp32
+                   cast of inputs coremltools does in the caller's dict).
+    output_convert_s: seconds per predict converting the outputs to NumPy, outside Core ML's duration.
     predict_s:     seconds per predict, by compute-units setting (missing setting: ``predict_default_s``).
     outputs:       what ``predict`` returns (a copy); empty: zeros of the output shapes.
     """
@@ -109,6 +134,7 @@ class FakeFunction:
     warm_load_s: float = 1.0
     teardown_s: float = 0.2
     convert_s: float = 0.05
+    output_convert_s: float = 0.02
     predict_s: dict[str, float] = field(default_factory=dict)
     predict_default_s: float = 0.5
     outputs: dict = field(default_factory=dict)
@@ -142,11 +168,17 @@ class _CallList(list):
 
 
 class FakeHandle:
-    """A loaded function; releasing it costs ``teardown_s`` and deletes a temporary compiled copy."""
+    """A loaded function; releasing it costs ``teardown_s`` and deletes a temporary compiled copy.
+
+    ``temporary``: loaded from an ``.mlpackage`` (an ``MLModel``), else from a ``.mlmodelc``
+    (a ``CompiledMLModel``). ``load_s`` / ``last_predict_s``: Core ML's own durations.
+    """
 
     def __init__(self, runtime: FakeRuntime, package: str, compiled: Path, name: str, units: str, temporary: bool):
         self.runtime, self.package, self.compiled = runtime, package, compiled
         self.function, self.compute_units, self.temporary = name, units, temporary
+        self.load_s: float | None = None
+        self.last_predict_s: float | None = None
 
     def __getitem__(self, key):  # older callers read handle["function"]
         return {"package": self.package, "function": self.function, "compute_units": self.compute_units}[key]
@@ -163,7 +195,10 @@ class FakeHandle:
 
 class FakeState(dict):
     """A fresh ``MLState``: state name -> zeros; ``read_state(name)`` as coremltools 9.0's ``MLState``
-    (a bad name raises ``RuntimeError``, CoreMLPython.mm at 9.0)."""
+    (a bad name raises ``RuntimeError``, ``CoreMLPython.mm:697-704``). ``made_by``: the function whose
+    handle made it."""
+
+    made_by: str | None = None
 
     def read_state(self, name: str) -> np.ndarray:
         if name not in self:
@@ -193,6 +228,9 @@ class FakeRuntime(CoreMLRuntime):
         real_crashes: bool = False,
         calls_file: str | os.PathLike | None = None,
         numerics: bool = False,
+        import_s: float = 0.8,
+        first_use_s: float = 0.3,
+        lacks: frozenset[str] | set[str] = frozenset(),
     ):
         self.functions = dict(functions or {})
         self.default = default if default is not None else FakeFunction()
@@ -205,6 +243,9 @@ class FakeRuntime(CoreMLRuntime):
         self.log_dir = Path(log_dir) if log_dir is not None else own / "log"
         self.real_crashes = real_crashes
         self.numerics = numerics  # predict computes the saved program (NumPy), outputs fp32 as Core ML returns them
+        self.import_s, self.first_use_s = float(import_s), float(first_use_s)
+        self.lacks = frozenset(lacks)
+        self._imported = self._first_used = False  # this process's one-time work done (see prepare_process)
         self._saved: dict = {}
         self.calls: list[tuple] = _CallList(calls_file)
         self.loads: list[tuple[str, str, str]] = []  # (package path, function, compute units)
@@ -238,6 +279,9 @@ class FakeRuntime(CoreMLRuntime):
                 "real_crashes": True,
                 "calls_file": str(self.log_dir / "child-calls.jsonl"),
                 "numerics": self.numerics,
+                "import_s": self.import_s,
+                "first_use_s": self.first_use_s,
+                "lacks": sorted(self.lacks),
             },
         }
 
@@ -248,7 +292,21 @@ class FakeRuntime(CoreMLRuntime):
 
     # availability ---------------------------------------------------------------------------------
     def available(self) -> bool:
+        if self._available and not self._imported:  # the first check imports coremltools' native module
+            self._imported = True
+            self.clock.advance(self.import_s)
         return self._available
+
+    def _first_use(self) -> None:
+        """``_macos_version()``'s ``sw_vers`` subprocess, once per process (utils.py:959-968, lru-cached)."""
+        if not self._first_used:
+            self._first_used = True
+            self.clock.advance(self.first_use_s)
+
+    def prepare_process(self):
+        self.require_available()
+        self._first_use()
+        return ["imported coremltools (fake: import_s)", "ran _macos_version() (fake: first_use_s)"]
 
     def unavailable_reason(self) -> str:
         return "" if self._available else self._reason
@@ -294,6 +352,11 @@ class FakeRuntime(CoreMLRuntime):
                     f.write(f"{time.time():.6f}\t{line}\n")
 
     def read_unified_log(self, pid, start, end):
+        from anelab.runtime.assumptions import UNIFIED_LOG_READABLE
+        from anelab.runtime.interface import UnifiedLogUnavailable
+
+        if UNIFIED_LOG_READABLE in self.lacks:
+            raise UnifiedLogUnavailable("'log show' did not finish within 120 s")
         path = self.log_dir / f"{int(pid)}.log"
         if not path.is_file():
             return ""
@@ -328,6 +391,19 @@ class FakeRuntime(CoreMLRuntime):
 
     # compile / load -------------------------------------------------------------------------------
     def compile_to(self, pkg, dest):
+        source, target = str(pkg).rstrip("/"), str(dest).rstrip("/")
+        if not source.endswith((".mlpackage", ".mlmodel")):  # utils.py:1098-1100, 1112-1119
+            raise RuntimeLoadError(
+                f"{pkg}: does not compile: Invalid model file path: '{pkg}'.Expected a file with .mlpackage or "
+                f".model extension."
+            )
+        if not target.endswith(".mlmodelc"):  # utils.py:1134-1135
+            raise RuntimeLoadError(
+                f'{pkg}: does not compile: "destination_path" parameter must have ".mlmodelc" file extension.'
+            )
+        if not Path(pkg).is_dir():
+            raise RuntimeLoadError(f"{pkg}: does not compile: no such package")
+        self._first_use()  # compile_model checks _macos_version() (utils.py:1103)
         self.calls.append(("compile", str(pkg)))
         self.compiles.append(str(pkg))
         self.clock.advance(self.compile_s)
@@ -356,6 +432,7 @@ class FakeRuntime(CoreMLRuntime):
         else:
             if not path.is_dir():
                 raise RuntimeLoadError(f"{path}: does not load: not a compiled model directory")
+            self._first_use()  # CompiledMLModel._init_check: _macos_version() (_compiled_model.py:34)
             compiled = path
         package = self._source(compiled)
         name = self.function_of(compiled, function)
@@ -367,50 +444,93 @@ class FakeRuntime(CoreMLRuntime):
         if f.exit_stderr:
             atexit.register(self._emit, 2, f.exit_stderr)
         key = (str(compiled), name, compute_units)
-        self.clock.advance(f.warm_load_s if key in self._specialised else f.cold_load_s)
+        load_s = f.warm_load_s if key in self._specialised else f.cold_load_s
+        self.clock.advance(load_s)
         self._specialised.add(key)
         if f.load_error is not None:
             raise RuntimeLoadError(f"{package}: function {name} does not load: {f.load_error}")
         if compute_units in f.unloadable_units:
             raise RuntimeLoadError(f"{package}: function {name} does not load under {compute_units}")
         self.loads.append((package, name, compute_units))
-        return FakeHandle(self, package, compiled, name, compute_units, temporary)
+        handle = FakeHandle(self, package, compiled, name, compute_units, temporary)
+        handle.load_s = load_s
+        return handle
 
     def load_duration_s(self, handle):
-        return None  # as CompiledMLModel in coremltools 9.0: no public load duration
+        from anelab.runtime.assumptions import CORE_ML_LOAD_DURATION
+
+        return None if CORE_ML_LOAD_DURATION in self.lacks else handle.load_s
+
+    def predict_duration_s(self, handle):
+        from anelab.runtime.assumptions import CORE_ML_PREDICT_DURATION
+
+        return None if CORE_ML_PREDICT_DURATION in self.lacks else handle.last_predict_s
 
     # predict --------------------------------------------------------------------------------------
     def make_state(self, handle):
+        self.require_assumptions(STATE_BY_NAME)
         sig = self._signature(handle.function, handle.package)
         states = (sig[1] if sig else None) or self.script(handle.function).states or {}
-        return FakeState({k: np.zeros(s, np.float16) for k, s in states.items()})
+        state = FakeState({k: np.zeros(s, np.float16) for k, s in states.items()})
+        state.made_by = handle.function
+        return state
 
     def predict(self, handle, inputs, state=None):
         self.require_available()
+        self.require_assumptions(FP32_FEEDS_FP16_INPUTS, FP16_OUTPUTS_AS_FP32)
         name, units = handle.function, handle.compute_units
         self.calls.append(("predict", handle.package, name, units))
         f = self.script(name)
-        if not isinstance(inputs, dict):
+        if not isinstance(inputs, dict):  # model.py:878-884
             raise TypeError(f'"data" parameter must be either a dict or list of dict, but got {type(inputs)}.')
         fp16 = [k for k, v in inputs.items() if isinstance(v, np.ndarray) and v.dtype == np.float16]
-        for k in fp16:  # coremltools: fp16 -> fp32 in the caller's dict (rdar://92239209)
+        for k in fp16:  # coremltools: fp16 -> fp32 in the caller's dict (model.py:1064-1067)
             inputs[k] = inputs[k].astype(np.float32)
         if fp16:
             self.clock.advance(f.convert_s)
+        self._refuse_unconvertible(inputs)
         self._emit(2, f.predict_stderr)
         if f.predict_signal:
             self._crash(f.predict_signal, f"predict of {name}")
         sig = self._signature(name, handle.package)
         if sig is not None:
-            self._check(name, inputs, state, *sig)
+            self._check(name, inputs, state, *sig, names_checked=handle.temporary)
+        self._refuse_foreign_state(handle, state)
         if f.predict_error is not None:
             raise RuntimePredictError(f"predict failed: {f.predict_error}")
-        self.clock.advance(f.predict_s.get(units, f.predict_default_s))
+        handle.last_predict_s = f.predict_s.get(units, f.predict_default_s)
+        self.clock.advance(handle.last_predict_s)  # Core ML's own prediction (CoreMLPython.mm:543-562)
+        self.clock.advance(f.output_convert_s)  # outputs to NumPy, fp16 -> fp32 copies (CoreMLPythonUtils.mm:448-484)
         if f.outputs:
             return dict(f.outputs)
         if self.numerics:
             return self._compute(handle.package, name, inputs, state)
         return {k: np.zeros(s, np.float32) for k, s in (sig[2] if sig else {}).items()}
+
+    @staticmethod
+    def _refuse_unconvertible(inputs: dict) -> None:
+        """int32 / fp32 / fp64 writable arrays only (CoreMLPythonArray.mm:10-31, 55); anything else is printed
+        to stdout and refused (CoreMLPythonUtils.mm:397-409), as MacRuntime.predict reports it."""
+        for value in inputs.values():
+            if not isinstance(value, np.ndarray):
+                continue
+            kind, size = value.dtype.kind, value.dtype.itemsize
+            supported = (kind, size) in {("i", 4), ("f", 4), ("f", 8)}
+            if not supported or not value.flags.writeable:
+                print("Error: value type not convertible:")
+                print(value)
+                raise RuntimePredictError("predict failed: value type not convertible")
+
+    def _refuse_foreign_state(self, handle, state) -> None:
+        """A Mac that lacks ``one_state_shared_by_two_functions`` refuses a state another function's handle made."""
+        from anelab.runtime.assumptions import STATE_SHARED_BY_FUNCTIONS
+
+        made_by = getattr(state, "made_by", None)
+        if STATE_SHARED_BY_FUNCTIONS in self.lacks and made_by not in (None, handle.function):
+            raise RuntimePredictError(
+                f'predict failed: {{ NSLocalizedDescription = "The state was created by function {made_by}, '
+                f'not {handle.function}."; }}'
+            )
 
     def _compute(self, package: str, name: str, inputs: dict, state) -> dict:
         """What the saved program computes (NumPy), as Core ML hands it back: fp32 copies."""
@@ -429,9 +549,11 @@ class FakeRuntime(CoreMLRuntime):
         return {k: np.asarray(v, dtype=np.float32) for k, v in out.items()}
 
     @staticmethod
-    def _check(name, inputs, state, expected, states, _outputs) -> None:
-        for key in inputs:
-            if key not in expected:
+    def _check(name, inputs, state, expected, states, _outputs, *, names_checked: bool) -> None:
+        for (
+            key
+        ) in inputs:  # MLModel checks names (model.py:1055-1060); CompiledMLModel does not (_compiled_model.py:227-231)
+            if names_checked and key not in expected:
                 raise RuntimePredictError(
                     f'predict failed: Provided key "{key}", in the input dict, does not match any of the model '
                     f"input name(s), which are: {set(expected)}"
@@ -460,6 +582,10 @@ class FakeRuntime(CoreMLRuntime):
         compiled = Path(compiled)
         if compiled.suffix != ".mlmodelc":  # coremltools 9.0 #2757: libc++abi terminate, SIGABRT
             self._crash("SIGABRT", f"MLComputePlan.load_from_path({compiled.name})")
+        from anelab.runtime.assumptions import COMPUTE_PLAN_OF_COMPILED
+
+        if COMPUTE_PLAN_OF_COMPILED in self.lacks:
+            raise RuntimeError("MLComputePlan: the plan could not be loaded (this fake Mac lacks it)")
         name = self.function_of(compiled, None)
         self.calls.append(("compute_plan", self._source(compiled), name, compute_units))
         f = self.script(name)

@@ -35,8 +35,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from anelab.paths import REPO_ROOT
+from anelab.runtime.assumptions import (
+    COMPILE_TO_MLMODELC,
+    COMPUTE_PLAN_OF_COMPILED,
+    LOAD_FUNCTION_BY_NAME,
+    NATIVE_OUTPUT_ON_FDS,
+    UNIFIED_LOG_READABLE,
+)
 from anelab.runtime.interface import (
     CoreMLRuntime,
+    UnifiedLogUnavailable,
     capture_native_output,
     prepare_inputs,
     runtime_from_spec,
@@ -46,6 +54,16 @@ from anelab.runtime.interface import (
 # The compute units every gate step asks for: CPU + Neural Engine, so an ANE refusal cannot hide
 # behind a GPU placement (with "all", Core ML may legitimately prefer the GPU).
 GATE_COMPUTE_UNITS = "cpu_and_ne"
+
+
+# the Core ML behaviours the gate's evidence rests on (refused by name when the probe found one false)
+GATE_ASSUMPTIONS = (
+    COMPILE_TO_MLMODELC,
+    LOAD_FUNCTION_BY_NAME,
+    COMPUTE_PLAN_OF_COMPILED,
+    NATIVE_OUTPUT_ON_FDS,
+    UNIFIED_LOG_READABLE,
+)
 
 
 CHILD_TIMEOUT_S = 1800.0  # an ANE compile of a large variant takes minutes; a VM without an ANE can hang
@@ -192,6 +210,7 @@ class ChildReport:
     leftover_stderr: str
     unified_log: str
     texts: list[tuple[str, str, str | None]] = field(default_factory=list)  # (where, text, function or None)
+    unified_log_error: str = ""  # why the unified log could not be read ("": it was read)
 
     def last_step(self) -> tuple[str, str]:
         started = [e for e in self.events if e["what"] == "started"]
@@ -240,9 +259,11 @@ def run_child(runtime: CoreMLRuntime, package: Path, functions: list, steps: lis
             code = None
         end = time.time()
         events = [json.loads(line) for line in result.read_text().splitlines()] if result.is_file() else []
-    report = ChildReport(
-        events, code if code is not None else -9999, out, err, runtime.read_unified_log(proc.pid, start, end)
-    )
+    try:
+        log, log_error = runtime.read_unified_log(proc.pid, start, end), ""
+    except UnifiedLogUnavailable as e:
+        log, log_error = "", str(e)
+    report = ChildReport(events, code if code is not None else -9999, out, err, log, unified_log_error=log_error)
     for e in events:
         if e["what"] == "output":
             step = e["step"] + (f" of {e['function']}" if e["function"] else "")
@@ -304,12 +325,21 @@ def _refuse_on(report: ChildReport, label_of, name: str) -> None:
             function=function or name,
             stderr_text=everything,
         )
+    if report.unified_log_error:  # an unread log is not a clean log
+        raise AneGateError(
+            f"ANE gate verdict unknown for {label_of(None)}: the unified log could not be read "
+            f"({report.unified_log_error}), so an ANE compiler failure reported only there would be missed; "
+            f"the sidecar is not exported — check that 'log show' works (docs/mac-runbook.md) and export again",
+            function=name,
+            stderr_text=everything,
+        )
 
 
 # ---- the gate -------------------------------------------------------------------------------------
 def refuse_without_neural_engine(runtime: CoreMLRuntime) -> None:
     """Refuse up front (nothing loaded) where the runtime is missing, the Mac is not arm64, or no ANE is listed."""
     runtime.require_available()
+    runtime.require_assumptions(*GATE_ASSUMPTIONS)
     reason = runtime.neural_engine_reason()
     if reason:
         raise AneGateError(f"ANE gate: {reason}; nothing was loaded and the sidecar is not exported")

@@ -26,6 +26,7 @@ import numpy as np
 
 from anelab.errors import AnelabInputError
 from anelab.paths import BUILD_DIR
+from anelab.runtime.assumptions import COMPILE_TO_MLMODELC, COMPUTE_PLAN_OF_COMPILED, LOAD_FUNCTION_BY_NAME
 
 COMPUTE_UNITS = frozenset({"cpu_only", "cpu_and_gpu", "cpu_and_ne", "all"})
 
@@ -55,6 +56,49 @@ class RuntimeLoadError(RuntimeError):
 
 class RuntimePredictError(RuntimeError):
     """A prediction failed (missing/extra input, wrong shape, missing state, or the framework's error)."""
+
+
+class UnifiedLogUnavailable(RuntimeError):
+    """``log show`` failed or timed out: what the unified log held is unknown (never "clean")."""
+
+
+class UngatedPackageError(AnelabInputError):
+    """A predict under the Neural Engine was asked, in this process, of a package the ANE gate never passed."""
+
+
+class AssumptionFailedError(AnelabInputError):
+    """Code relies on a Core ML behaviour that ``anelab doctor --probe`` found false on this Mac."""
+
+
+GATE_VERDICT_KEY = "aneCompileVerified"  # the sidecar metadata key the ANE gate writes (true / false)
+
+
+def gate_verdict(pkg: str | os.PathLike) -> str:
+    """The package's ANE gate verdict as recorded in its metadata: "true", "false" or "absent" (none, or no
+    readable spec)."""
+    from anelab.sidecar.format import read_raw_metadata
+
+    try:
+        return read_raw_metadata(pkg).get(GATE_VERDICT_KEY, "absent") or "absent"
+    except AnelabInputError:  # no readable spec: no verdict either
+        return "absent"
+
+
+def require_gate_verdict(pkg: str | os.PathLike, compute_units: str, doing: str) -> None:
+    """Refuse ``doing`` under ``cpu_and_ne`` / ``all`` in this process unless the gate passed ``pkg``.
+
+    A failed ANE compile can kill the process at the first predict (apple/coremltools#2758): only a
+    package whose metadata records ``aneCompileVerified: true`` is predicted in the measuring process.
+    """
+    if compute_units not in NEURAL_ENGINE_UNITS:
+        return
+    verdict = gate_verdict(pkg)
+    if verdict != "true":
+        raise UngatedPackageError(
+            f"{pkg}: refusing to {doing} under {compute_units} in this process: the ANE gate never passed this "
+            f"package ({GATE_VERDICT_KEY}: {verdict}) and a failed ANE compile can kill the process at its first "
+            f"predict (apple/coremltools#2758); export it on a Mac so the gate runs, or use cpu_only / cpu_and_gpu"
+        )
 
 
 def check_compute_units(name: str) -> str:
@@ -211,6 +255,7 @@ class CoreMLRuntime(abc.ABC):
     name = "abstract"
     load_description = "abstract"  # what one load() does, recorded with load timings
     cache_dir: Path = COMPILED_CACHE_DIR
+    ignore_probe_file = False  # True while ``anelab doctor --probe`` judges the assumptions afresh
 
     @abc.abstractmethod
     def available(self) -> bool:
@@ -247,6 +292,7 @@ class CoreMLRuntime(abc.ABC):
         from anelab.sidecar.format import require_package
 
         self.require_available()
+        self.require_assumptions(COMPILE_TO_MLMODELC)
         pkg = require_package(pkg)
         dest = self.compiled_path(pkg)
         if dest.is_dir():
@@ -272,6 +318,7 @@ class CoreMLRuntime(abc.ABC):
         """
         check_compute_units(compute_units)
         self.require_available()
+        self.require_assumptions(LOAD_FUNCTION_BY_NAME)
         return self.load_path(self.compile(pkg), function, compute_units)
 
     @abc.abstractmethod
@@ -283,10 +330,25 @@ class CoreMLRuntime(abc.ABC):
         """Core ML's own load duration of ``handle`` (excludes any compile), where coremltools exposes it."""
         return None
 
+    def prepare_process(self) -> list[str]:
+        """Do this process's one-time Core ML work before any clock starts; return what was done.
+
+        The first availability check imports coremltools' native module; the first compile or
+        ``CompiledMLModel`` runs ``sw_vers`` in a subprocess (coremltools 9.0 ``_compiled_model.py:34``
+        -> ``utils.py:959-968``, cached afterwards). A load timed after this holds the load only.
+        """
+        self.require_available()
+        return ["checked the runtime is available"]
+
     # predict ----------------------------------------------------------------------------------------
     @abc.abstractmethod
     def make_state(self, handle: Any) -> Any:
         """A fresh state for a stateful function (Core ML ``MLState``); one state may serve every function."""
+
+    def predict_duration_s(self, handle: Any) -> float | None:
+        """Core ML's own duration of ``handle``'s last predict (``[MLModel predictionFromFeatures:]`` alone,
+        coremltools 9.0 ``CoreMLPython.mm:543-562``): no input or output conversion. None where not exposed."""
+        return None
 
     @abc.abstractmethod
     def predict(self, handle: Any, inputs: dict, state: Any = None) -> dict:
@@ -303,6 +365,7 @@ class CoreMLRuntime(abc.ABC):
         """
         check_compute_units(compute_units)
         self.require_available()
+        self.require_assumptions(COMPUTE_PLAN_OF_COMPILED)
         return self.plan_path(self.compile(pkg), compute_units)
 
     @abc.abstractmethod
@@ -311,7 +374,9 @@ class CoreMLRuntime(abc.ABC):
 
     # evidence ---------------------------------------------------------------------------------------
     def read_unified_log(self, pid: int, start: float, end: float) -> str:
-        """Unified-log lines of process ``pid`` between two ``time.time()`` stamps ("" where there is no log)."""
+        """Unified-log lines of process ``pid`` between two ``time.time()`` stamps ("" where there is no log).
+
+        Raises ``UnifiedLogUnavailable`` when the log could not be read (its contents are then unknown)."""
         return ""
 
     @abc.abstractmethod
@@ -326,6 +391,37 @@ class CoreMLRuntime(abc.ABC):
         """Raise ``RuntimeUnavailableError`` (one line, the reason) unless ``available()``."""
         if not self.available():
             raise RuntimeUnavailableError(self.unavailable_reason())
+
+    # assumptions probed by ``anelab doctor --probe`` ----------------------------------------------
+    @property
+    def probe_file(self) -> Path:
+        """Where this machine's latest probe verdicts live (beside the compiled-copy cache)."""
+        return Path(self.cache_dir).parent / "core-ml-probe.json"
+
+    def failed_assumptions(self) -> dict[str, str]:
+        """Assumptions the latest probe on this machine found false: name -> what it saw ({} if never probed)."""
+        import json
+
+        path = self.probe_file
+        if self.ignore_probe_file or not path.is_file():
+            return {}
+        stamp = path.stat().st_mtime_ns
+        cached = getattr(self, "_failed_cache", None)
+        if cached is None or cached[0] != stamp:
+            verdicts = json.loads(path.read_text()).get("assumptions", {})
+            failed = {name: v.get("detail", "") for name, v in verdicts.items() if not v.get("passed")}
+            self._failed_cache = cached = (stamp, failed)
+        return cached[1]
+
+    def require_assumptions(self, *names: str) -> None:
+        """Refuse, naming the assumption, when the probe found one of ``names`` false on this machine."""
+        failed = self.failed_assumptions()
+        for name in names:
+            if name in failed:
+                raise AssumptionFailedError(
+                    f"refusing to measure: it relies on the Core ML assumption {name!r}, which 'anelab doctor --probe' "
+                    f"found false on this Mac ({failed[name]}); see docs/mac-runbook.md"
+                )
 
 
 def runtime_from_spec(spec: dict) -> CoreMLRuntime:

@@ -17,14 +17,18 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from anelab.runtime.assumptions import FP16_OUTPUTS_AS_FP32, FP32_FEEDS_FP16_INPUTS, STATE_BY_NAME
 from anelab.runtime.interface import (
     MIN_MACOS,
     CoreMLRuntime,
     RuntimeLoadError,
     RuntimePredictError,
+    UnifiedLogUnavailable,
     check_compute_units,
     empty_assignment,
 )
+
+LOG_SHOW_TIMEOUT_S = 120.0
 
 
 def _macos_version() -> tuple[int, ...]:
@@ -178,14 +182,35 @@ class MacRuntime(CoreMLRuntime):
             raise RuntimeLoadError(f"{label} does not load: {_one_line(err) if err else 'no Core ML model proxy'}")
         return model
 
-    def load_duration_s(self, handle):
+    def prepare_process(self):
+        """Import coremltools and its native module, and run ``_macos_version()`` (``sw_vers``, lru-cached,
+        coremltools 9.0 ``utils.py:959-968``) that the first ``CompiledMLModel`` would run (``_compiled_model.py:34``)."""
+        self.require_available()
+        ct = self._ct()
+        macos_version = getattr(ct.utils, "_macos_version", None)
+        if macos_version is not None:
+            macos_version()
+        return [
+            "imported coremltools and coremltools.libcoremlpython",
+            "ran coremltools.models.utils._macos_version() (sw_vers subprocess, cached for the process)",
+        ]
+
+    @staticmethod
+    def _proxy_seconds(handle, getter_name: str) -> float | None:
         proxy = getattr(handle, "_proxy", None) or getattr(handle, "__proxy__", None)
-        getter = getattr(proxy, "get_load_duration_in_nano_seconds", None)
+        getter = getattr(proxy, getter_name, None)
         value = getter() if getter is not None else None
         return None if value is None else value / 1e9
 
+    def load_duration_s(self, handle):
+        return self._proxy_seconds(handle, "get_load_duration_in_nano_seconds")  # CoreMLPython.mm:1041-1047
+
+    def predict_duration_s(self, handle):
+        return self._proxy_seconds(handle, "get_last_predict_duration_in_nano_seconds")  # CoreMLPython.mm:1049-1055
+
     # predict --------------------------------------------------------------------------------------
     def make_state(self, handle):
+        self.require_assumptions(STATE_BY_NAME)
         try:
             return handle.make_state()
         except Exception as e:
@@ -193,6 +218,7 @@ class MacRuntime(CoreMLRuntime):
 
     def predict(self, handle, inputs, state=None):
         self.require_available()
+        self.require_assumptions(FP32_FEEDS_FP16_INPUTS, FP16_OUTPUTS_AS_FP32)
         try:
             return handle.predict(inputs) if state is None else handle.predict(inputs, state=state)
         except (RuntimeError, KeyError, TypeError, ValueError) as e:
@@ -250,9 +276,15 @@ class MacRuntime(CoreMLRuntime):
         cmd = ["log", "show", "--style", "compact", "--info", "--debug", "--predicate", f"processID == {int(pid)}"]
         cmd += ["--start", window[0], "--end", window[1]]
         try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=LOG_SHOW_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise UnifiedLogUnavailable(f"'log show' did not finish within {LOG_SHOW_TIMEOUT_S:.0f} s") from None
         except (OSError, subprocess.SubprocessError) as e:
-            return f"(log show failed: {type(e).__name__})"
+            raise UnifiedLogUnavailable(f"'log show' failed ({type(e).__name__}: {e})") from None
+        if done.returncode != 0:
+            tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:160]
+            raise UnifiedLogUnavailable(f"'log show' exited with status {done.returncode} ({tail})")
+        return done.stdout
 
 
 def default_runtime() -> CoreMLRuntime:

@@ -17,8 +17,11 @@ reads only the package metadata and refuses:
 Functions are then loaded lazily through the runtime (from the package's compiled copy), named by
 the package's design: one ``h<s>`` per chunk start s, or, for a stateful design (functions ``c<C>`` /
 ``c1``, K/V in Core ML state), one function served through one state shared by its functions:
-``predict`` passes it (and the ``start`` input), ``reset_state`` starts a new prompt. A design whose
-package takes no mask input (stateful-tiled, causal mask mode) is fed none.
+``predict`` runs the prefill chunks through ``c<C>`` (passing the state and the ``start`` input),
+``decode`` the following rows through ``c1`` on the same state (refused when the package has no
+``c1``, or where ``anelab doctor --probe`` found that one state does not serve two functions'
+handles), ``reset_state`` starts a new prompt. A design whose package takes no mask input
+(stateful-tiled, causal mask mode) is fed none.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import numpy as np
 from anelab.errors import AnelabInputError
 from anelab.geometry import chunk_starts
 from anelab.masks import MASKED, causal, dense_exact_window
+from anelab.runtime.assumptions import STATE_SHARED_BY_FUNCTIONS
 from anelab.runtime.interface import NEURAL_ENGINE_UNITS, CoreMLRuntime, check_compute_units
 from anelab.runtime.mac import default_runtime
 from anelab.sidecar.designs import Design, design_of
@@ -68,6 +72,7 @@ class Sidecar:
     dense_exact_window: int | None = None
     _handles: dict = field(default_factory=dict, repr=False)
     _state: Any = field(default=None, repr=False)
+    _state_made_by: str | None = field(default=None, repr=False)
 
     @property
     def design(self) -> Design:
@@ -105,12 +110,13 @@ class Sidecar:
             return stateful_mask(self.chunk, int(start), self.metadata.state_capacity, self.sliding_window)
         return causal(self.chunk, int(start), valid_rows=rows, window=self.sliding_window)
 
-    def _refuse_keys_outside_the_window(self, start: int, mask: np.ndarray) -> None:
+    def _refuse_keys_outside_the_window(self, start: int, mask: np.ndarray, widest: np.ndarray | None = None) -> None:
         """A windowed layer's mask must hide every key outside its window: a mask that shows one would
-        silently compute full attention where the model slides."""
+        silently compute full attention where the model slides. ``widest``: the widest allowed mask
+        (default ``mask_for(start)``)."""
         if self.sliding_window is None:
             return
-        allowed = self.mask_for(start) > MASKED / 2
+        allowed = (self.mask_for(start) if widest is None else widest) > MASKED / 2
         visible = np.asarray(mask, dtype=np.float32) > MASKED / 2
         if visible.shape != allowed.shape:
             raise AnelabInputError(f"mask must have shape {list(allowed.shape)}, got {list(visible.shape)}")
@@ -171,7 +177,7 @@ class Sidecar:
 
     def reset_state(self) -> None:
         """A stateful sidecar: start a new prompt (a fresh state at the next predict)."""
-        self._state = None
+        self._state = self._state_made_by = None
 
     def _complete_inputs(self, start: int, inputs: dict, valid_rows: int | None) -> dict:
         """The inputs this package's design declares: the default mask, the ``start`` of a stateful call."""
@@ -206,9 +212,58 @@ class Sidecar:
         handle = self.handle_for(start, valid_rows)
         if not self.stateful:
             return self.runtime.predict(handle, prepare_inputs(inputs))
+        return self._predict_on_state(self.function_for(start, valid_rows), handle, inputs)
+
+    def _predict_on_state(self, name: str, handle, inputs: dict) -> dict:
+        from anelab.runtime.interface import prepare_inputs
+
         if self._state is None:
-            self._state = self.runtime.make_state(handle)
+            self._state, self._state_made_by = self.runtime.make_state(handle), name
+        elif self._state_made_by != name:  # c1 on the state c<C> made: Core ML documents no such sharing
+            self.runtime.require_assumptions(STATE_SHARED_BY_FUNCTIONS)
         return self.runtime.predict(handle, prepare_inputs(inputs), state=self._state)
+
+    def decode_function(self) -> str:
+        """The decode function ``c1`` of a stateful sidecar exported with decode (nothing is loaded)."""
+        functions = self.metadata.state_functions or []
+        name = self.design.function_for(1, 0) if self.stateful else None  # a stateful design's width-1 function
+        if name is None or name not in functions:
+            raise AnelabInputError(
+                f"{self.package}: no decode function c1 (graph {self.metadata.graph or 'dense'}, functions "
+                f"{','.join(functions) or 'h<H>'}); export a stateful sidecar with --decode, or keep decode on the GPU"
+            )
+        return name
+
+    def decode(self, position: int, inputs: dict) -> dict:
+        """Run one decode row at ``position`` through ``c1`` on the state the prefill left.
+
+        inputs: hidden [1, D]; ``start`` [1] int32 and ``mask`` [1, capacity] default to ``position``
+        and the causal (windowed) mask of that row. Refuses before the first prefill (no state), a
+        position past the state's capacity, and a package without ``c1``.
+        """
+        name = self.decode_function()
+        position, capacity = int(position), self.metadata.state_capacity
+        if not 0 <= position < capacity:
+            raise AnelabInputError(
+                f"{self.package}: decode position {position} is outside the state's 0..{capacity - 1}"
+            )
+        if self._state is None:
+            raise AnelabInputError(
+                f"{self.package}: decode needs the prompt's K/V in the state; run predict (the prefill) first"
+            )
+        inputs = dict(inputs)
+        inputs.setdefault("start", np.array([position], np.int32))
+        if self.takes_mask:
+            widest = stateful_mask(1, position, capacity, self.sliding_window)
+            inputs.setdefault("mask", widest)
+            self._refuse_keys_outside_the_window(position, inputs["mask"], widest)
+        elif "mask" in inputs:
+            raise AnelabInputError(
+                f"{self.package}: this package takes no mask input (causality in-graph); drop the mask"
+            )
+        if name not in self._handles:
+            self._handles[name] = self.runtime.load(self.package, name, self.compute_units)
+        return self._predict_on_state(name, self._handles[name], inputs)
 
 
 def open_sidecar(

@@ -9,11 +9,17 @@ Three measurements from the ANE prefill research seed ("Qwen 3.8: the ANE loses"
   beside another history; beside a variant that cannot load) — does the load track the function's
   own specialisation or the package?;
 - ``time_predict``: one prediction per compute-units setting, inputs converted once (untimed; the
-  conversion is timed apart) and a failed prediction recorded as an error, not fatal.
+  conversion is timed apart) and a failed prediction recorded as an error, not fatal. Each sample
+  is the wall time of ``predict`` AND Core ML's own predict duration; their gap is the conversion
+  share. A package the ANE gate never passed is predicted under ``cpu_and_ne`` / ``all`` only in a
+  child process (a failed ANE compile can kill the process, apple/coremltools#2758).
 
-The clock stops while the handle is still alive (a handle's release — unloading the model — is
-not part of a load). Each returns a record (``anelab.records.make_record``, origin ``"measured"``)
-and writes it to ``out_dir`` when one is given. ``clock`` is injectable so tests run on a fake clock.
+Every timing record names its components (``parameters.components``) and what the process did
+before the clock started (``parameters.before_clock``: the import of coremltools and its first-use
+``sw_vers``, ``CoreMLRuntime.prepare_process``). The clock stops while the handle is still alive
+(a handle's release — unloading the model — is not part of a load). Each returns a record
+(``anelab.records.make_record``, origin ``"measured"``) and writes it to ``out_dir`` when one is given. ``clock`` is
+injectable so tests run on a fake clock.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -31,15 +38,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from anelab.errors import AnelabInputError
+from anelab.progress import tqdm
 from anelab.records import make_record, write_record
+from anelab.runtime.assumptions import CORE_ML_LOAD_DURATION, CORE_ML_PREDICT_DURATION
 from anelab.runtime.interface import (
+    NEURAL_ENGINE_UNITS,
     CoreMLRuntime,
     RuntimeLoadError,
     RuntimePredictError,
     check_compute_units,
+    gate_verdict,
     prepare_inputs,
 )
 
@@ -57,6 +66,30 @@ COLD_CHILD_TIMEOUT_S = 1800.0  # one cold load of a large variant (the ANE compi
 
 
 WARM_LOAD_MEANING = "the next load of the same compiled .mlmodelc path, after a warm-up load of it"
+
+
+LOAD_COMPONENTS = {
+    "samples_s": "the load call alone: CompiledMLModel(<copy>.mlmodelc, compute units, function_name) = argument "
+    "checks + [MLModel modelWithContentsOfURL:configuration:] (coremltools 9.0 CoreMLPython.mm:445-519); "
+    "no import, no sw_vers (done before the clock, see before_clock), no compile",
+    "core_ml_load_s": "modelWithContentsOfURL alone, Core ML's own load duration (CoreMLPython.mm:500-503)",
+    "compile": "ct.utils.compile_model of each fresh copy, timed on its own (cold loads only)",
+}
+
+
+PREDICT_COMPONENTS = {
+    "samples_s": "wall time of one predict call: coremltools wraps the prepared arrays as MLMultiArray "
+    "(CoreMLPythonUtils.mm:45-66), Core ML predicts, the outputs are converted to NumPy (fp16 outputs "
+    "concatenated to fp32 and copied, CoreMLPythonUtils.mm:443-487)",
+    "core_ml_predict_s": "[MLModel predictionFromFeatures:] alone, Core ML's own duration (CoreMLPython.mm:543-562)",
+    "conversion_share": "1 - median core_ml_predict_s / median samples_s: the share of the wall time spent "
+    "converting inputs and outputs outside Core ML",
+    "input_conversion_s": "prepare_inputs once before the timed calls (contiguous arrays, fp16 -> fp32); "
+    "not in samples_s",
+}
+
+
+PREDICT_CHILD_TIMEOUT_S = 1800.0  # a first predict under the Neural Engine compiles for it (minutes when large)
 
 
 @dataclass(frozen=True)
@@ -143,22 +176,6 @@ def _fresh_compile_factory(runtime: CoreMLRuntime, pkg: Path, work: Path, clock,
     return make
 
 
-def _load_parameters(runtime, pkg: Path, function, compute_units, cold, fresh_process, warmup, repeats) -> dict:
-    """What a ``load_timing`` record states about how its loads were made."""
-    fresh = ", in a fresh process" if fresh_process else ""
-    return {
-        "package": pkg.name,
-        "function": function,
-        "compute_units": compute_units,
-        "cold": bool(cold),
-        "meaning": ("first load of a freshly compiled .mlmodelc" + fresh) if cold else WARM_LOAD_MEANING,
-        "warmup": int(warmup),
-        "repeats": int(repeats),
-        "runtime": runtime.name,
-        "load": runtime.load_description,
-    }
-
-
 def time_load(
     runtime: CoreMLRuntime,
     pkg: str | os.PathLike,
@@ -184,7 +201,9 @@ def time_load(
 
     check_compute_units(compute_units)
     runtime.require_available()
+    runtime.require_assumptions(CORE_ML_LOAD_DURATION)
     pkg = require_package(pkg)
+    before_clock = runtime.prepare_process()
     work = Path(tempfile.mkdtemp(prefix=".anelab-load-")) if cold else None
     compile_s: list[float] = []
     own: list[float] = []
@@ -229,6 +248,7 @@ def time_load(
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)
     parameters = _load_parameters(runtime, pkg, function, compute_units, cold, fresh_process, warmup, repeats)
+    parameters["before_clock"] = fresh_before_clock(before_clock) if cold and fresh_process else before_clock
     results = stats.to_dict()
     if compile_s:
         results["compile"] = TimingStats.of(compile_s).to_dict()
@@ -236,42 +256,96 @@ def time_load(
     return _finish("load_timing", parameters, results, [COLD_LOAD_CAVEAT] if cold else [], out_dir)
 
 
+def _load_parameters(runtime, pkg: Path, function, compute_units, cold, fresh_process, warmup, repeats) -> dict:
+    """A load record's parameters: what was loaded, how, what a sample holds (``components``)."""
+    meaning = "first load of a freshly compiled .mlmodelc" + (", in a fresh process" if fresh_process else "")
+    return {
+        "package": pkg.name,
+        "function": function,
+        "compute_units": compute_units,
+        "cold": bool(cold),
+        "meaning": meaning if cold else WARM_LOAD_MEANING,
+        "warmup": int(warmup),
+        "repeats": int(repeats),
+        "runtime": runtime.name,
+        "load": runtime.load_description,
+        "components": LOAD_COMPONENTS,
+    }
+
+
+def fresh_before_clock(steps: list[str]) -> list[str]:
+    """What a fresh cold-load process did before its clock started (``steps``: ``prepare_process()``'s)."""
+    return ["started a new Python process and rebuilt the runtime", *steps]
+
+
 def cold_load_child() -> None:
-    """Entry point of a fresh-process cold load: JSON request on stdin, JSON answer as the last stdout line."""
+    """Entry point of a fresh-process cold load: JSON request on stdin, JSON answer as the last stdout line.
+
+    The process imports coremltools and does its first-use work (``prepare_process``) BEFORE the
+    clock starts, so the sample is the load call alone.
+    """
     from anelab.runtime.interface import runtime_from_spec
 
     request = json.loads(sys.stdin.read())
     runtime = runtime_from_spec(request["runtime"])
     clock = getattr(runtime, "clock", time.perf_counter)  # a fake's own clock; perf_counter on a Mac
+    before_clock = runtime.prepare_process()
     start = clock()
     handle = runtime.load_path(request["path"], request["function"], request["compute_units"])
     seconds = clock() - start
-    answer = {"seconds": seconds, "core_ml_load_s": runtime.load_duration_s(handle)}
+    answer = {"seconds": seconds, "core_ml_load_s": runtime.load_duration_s(handle), "before_clock": before_clock}
+    _answer(answer)
+
+
+def _answer(answer: dict) -> None:
+    """A child's JSON answer as the last line of its stdout."""
     sys.stdout.write("\n" + json.dumps(answer) + "\n")
     sys.stdout.flush()
 
 
-def measure_in_fresh_processes(runtime, fresh_copy, function, compute_units, *, warmup, repeats, own) -> TimingStats:
-    """Cold loads, each in a new Python process rebuilt from ``runtime.child_spec()``; the copy is made here."""
+def _child_env() -> dict:
     from anelab.paths import REPO_ROOT
 
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def _run_child(entry: str, request: dict, timeout: float) -> tuple[int, dict | None, str]:
+    """Run ``entry`` (``"module:function"``) in a new Python process; (exit status, answer or None, last stderr line)."""
+    module, _, function = entry.partition(":")
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", f"from {module} import {function}; {function}()"],
+            input=json.dumps(request), capture_output=True, text=True, env=_child_env(), timeout=timeout,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return -9999, None, f"no answer within {timeout:.0f} s"
+    lines = done.stdout.strip().splitlines()
+    tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
+    answer = json.loads(lines[-1]) if done.returncode == 0 and lines else None
+    return done.returncode, answer, tail
+
+
+def _describe_status(code: int) -> str:
+    if code == -9999:
+        return "did not finish in time"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def measure_in_fresh_processes(runtime, fresh_copy, function, compute_units, *, warmup, repeats, own) -> TimingStats:
+    """Cold loads, each in a new Python process rebuilt from ``runtime.child_spec()``; the copy is made here."""
     _check_counts(warmup, repeats)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     samples = []
     for i in tqdm(range(int(warmup) + int(repeats)), desc=f"cold load {function} (fresh process)", leave=False):
         request = {"runtime": runtime.child_spec(), "path": str(fresh_copy()), "function": function,
                    "compute_units": compute_units}  # fmt: skip
-        done = subprocess.run(
-            [sys.executable, "-c", "from anelab.runtime.timing import cold_load_child; cold_load_child()"],
-            input=json.dumps(request), capture_output=True, text=True, env=env, timeout=COLD_CHILD_TIMEOUT_S,
-        )  # fmt: skip
-        lines = done.stdout.strip().splitlines()
-        if done.returncode != 0 or not lines:
-            tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
-            raise RuntimeLoadError(
-                f"{function}: the cold load in a fresh process failed (exit {done.returncode}): {tail}"
-            )
-        answer = json.loads(lines[-1])
+        code, answer, tail = _run_child("anelab.runtime.timing:cold_load_child", request, COLD_CHILD_TIMEOUT_S)
+        if answer is None:
+            raise RuntimeLoadError(f"{function}: the cold load in a fresh process failed (exit {code}): {tail}")
         if i >= int(warmup):
             samples.append(float(answer["seconds"]))
             if answer["core_ml_load_s"] is not None:
@@ -334,7 +408,8 @@ def time_compositions(
 
 
 def _predict_one_setting(runtime, pkg, function, inputs, unit, *, stateful, warmup, repeats, clock) -> dict:
-    """Load (untimed), convert the inputs once (timed apart), time predict only; errors become entries."""
+    """Load (untimed), convert the inputs once (timed apart), time predict (wall and Core ML's own
+    duration); errors become entries. Runs in whichever process calls it."""
     try:
         handle = runtime.load(pkg, function, unit)
     except RuntimeLoadError as e:
@@ -342,6 +417,7 @@ def _predict_one_setting(runtime, pkg, function, inputs, unit, *, stateful, warm
     start = clock()
     ready = prepare_inputs(inputs)
     conversion_s = clock() - start
+    own: list[float | None] = []
     try:
         state = runtime.make_state(handle) if stateful else None
         stats = measure(
@@ -350,10 +426,52 @@ def _predict_one_setting(runtime, pkg, function, inputs, unit, *, stateful, warm
             repeats=repeats,
             clock=clock,
             desc=f"predict {function} {unit}",
+            keep=lambda _: own.append(runtime.predict_duration_s(handle)),
         )
     except (RuntimePredictError, RuntimeError, KeyError, ValueError, TypeError) as e:
         return {"error": f"predict: {' '.join(str(e).split())}"}
-    return {**stats.to_dict(), "input_conversion_s": conversion_s}
+    core_ml = [s for s in own[-int(repeats) :] if s is not None]
+    result = {**stats.to_dict(), "input_conversion_s": conversion_s, "core_ml_predict_s": None}
+    if len(core_ml) == int(repeats):
+        result["core_ml_predict_s"] = TimingStats.of(core_ml).to_dict()
+        result["conversion_share"] = 1.0 - statistics.median(core_ml) / stats.median if stats.median > 0 else None
+    return result
+
+
+def predict_timing_child() -> None:
+    """Entry point of a predict timed in a child process: JSON request on stdin (inputs in an .npz)."""
+    import numpy as np
+
+    from anelab.runtime.interface import runtime_from_spec
+
+    request = json.loads(sys.stdin.read())
+    runtime = runtime_from_spec(request["runtime"])
+    with np.load(request["inputs"]) as data:
+        inputs = {name: data[name] for name in data.files}
+    runtime.prepare_process()
+    clock = getattr(runtime, "clock", time.perf_counter)
+    result = _predict_one_setting(
+        runtime, Path(request["package"]), request["function"], inputs, request["compute_units"],
+        stateful=request["stateful"], warmup=request["warmup"], repeats=request["repeats"], clock=clock,
+    )  # fmt: skip
+    _answer(result)
+
+
+def _predict_in_child(runtime, pkg, function, inputs, unit, *, stateful, warmup, repeats) -> dict:
+    """``_predict_one_setting`` in a new Python process: a crash there is recorded, not shared."""
+    import numpy as np
+
+    with tempfile.TemporaryDirectory(prefix="anelab-predict-") as work:
+        np.savez(Path(work) / "inputs.npz", **{name: np.asarray(value) for name, value in inputs.items()})
+        request = {
+            "runtime": runtime.child_spec(), "package": str(Path(pkg).resolve()), "function": function,
+            "inputs": str(Path(work) / "inputs.npz"), "compute_units": unit, "stateful": bool(stateful),
+            "warmup": int(warmup), "repeats": int(repeats),
+        }  # fmt: skip
+        code, answer, tail = _run_child("anelab.runtime.timing:predict_timing_child", request, PREDICT_CHILD_TIMEOUT_S)
+    if answer is None:
+        return {"error": f"predict in a child process {_describe_status(code)} (last stderr line: {tail!r})"}
+    return answer
 
 
 def time_predict(
@@ -381,13 +499,22 @@ def time_predict(
     if not units:
         raise AnelabInputError("time_predict needs at least one compute-units setting")
     runtime.require_available()
+    runtime.require_assumptions(CORE_ML_PREDICT_DURATION)
     pkg = Path(pkg)
-    results = {
-        unit: _predict_one_setting(
-            runtime, pkg, function, inputs, unit, stateful=stateful, warmup=warmup, repeats=repeats, clock=clock
-        )
-        for unit in units
-    }
+    verdict = gate_verdict(pkg)
+    before_clock = runtime.prepare_process()
+    results, processes = {}, {}
+    for unit in units:
+        if unit in NEURAL_ENGINE_UNITS and verdict != "true":  # never in this process: #2758 can kill it
+            processes[unit] = f"a child process (the ANE gate never passed this package: aneCompileVerified {verdict})"
+            results[unit] = _predict_in_child(
+                runtime, pkg, function, inputs, unit, stateful=stateful, warmup=warmup, repeats=repeats
+            )
+        else:
+            processes[unit] = "this process"
+            results[unit] = _predict_one_setting(
+                runtime, pkg, function, inputs, unit, stateful=stateful, warmup=warmup, repeats=repeats, clock=clock
+            )
     shapes = {name: list(getattr(value, "shape", ())) for name, value in inputs.items()}
     parameters = {
         "package": pkg.name,
@@ -398,5 +525,8 @@ def time_predict(
         "input_shapes": shapes,
         "runtime": runtime.name,
         "timed": "predict only; inputs converted once beforehand (input_conversion_s)",
+        "components": PREDICT_COMPONENTS,
+        "before_clock": before_clock,
+        "process": processes,
     }
     return _finish("predict_timing", parameters, results, [], out_dir)

@@ -17,12 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from tqdm.auto import tqdm
-
 from anelab import __version__
 from anelab.errors import AnelabInputError
 from anelab.geometry import AttentionGeometry
 from anelab.hf.checkpoint import load_checkpoint
+from anelab.progress import tqdm
 from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools
 from anelab.sidecar.designs import (
     DEFAULT_DESIGN,

@@ -39,12 +39,12 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from anelab import reference
 from anelab.errors import AnelabInputError
 from anelab.geometry import AttentionGeometry
 from anelab.masks import MASKED, causal
+from anelab.progress import tqdm
 from anelab.sidecar import quantize
 from anelab.sidecar.compare import (
     OUTPUTS,

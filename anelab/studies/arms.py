@@ -594,7 +594,7 @@ def compare_arms(
     random prompt of ``prompt_tokens`` ids. ``compute_units``: serve the sidecars through Core ML
     (``runtime_runner``; ``runtime`` defaults to this machine's, refused off-Mac) instead of NumPy.
     """
-    from tqdm.std import tqdm
+    from anelab.progress import tqdm
 
     model = load_model(checkpoint)
     prompt = random_prompt(model.vocab_size, prompt_tokens or 0, seed) if tokens is None else np.asarray(tokens)
@@ -666,9 +666,8 @@ def window_sweep(
     chunk: int | None = None,
 ) -> list[WindowPoint]:
     """For each kept-blocks value: the folded arm against the causal-only arm (on the sidecars when given)."""
-    from tqdm.std import tqdm
-
     from anelab.masks import dense_exact_window
+    from anelab.progress import tqdm
 
     served = "sidecar" if sidecars is not None else "reference"
     points = []

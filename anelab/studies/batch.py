@@ -28,10 +28,9 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from anelab.errors import AnelabInputError
 from anelab.paths import NOTEBOOK_DIR, RUNS_DIR
+from anelab.progress import tqdm
 from anelab.studies import notebooks
 from anelab.studies.notebooks import threads_per_run
 
@@ -141,18 +140,35 @@ def job_commands(
         yield job_command(run, threads, runs_root)
 
 
-def _execute(run: PlannedRun, threads: int, timeout: float | None) -> dict:
-    """Worker: one run, never raising (an error becomes a failed result)."""
+def _execute_once(run: PlannedRun, threads: int, timeout: float | None, retried: str = "") -> dict:
+    """One attempt of one run, never raising (an error becomes a failed result)."""
     started = time.perf_counter()
     try:
-        notebooks.run_study(run.notebook, run.parameters, out=run.run_dir, threads=threads, timeout=timeout)
+        done = notebooks.run_study(run.notebook, run.parameters, out=run.run_dir, threads=threads, timeout=timeout)
+        if retried:  # the second attempt says why it exists
+            notebooks.write_result(
+                run.run_dir, run.notebook, run.parameters, threads, ok=done.ok, error=done.error,
+                seconds=done.seconds, timed_out=done.timed_out, retried=retried,
+            )  # fmt: skip
     except Exception as e:  # a crash outside the notebook (kernel start, disk) is recorded as the run's failure
         message = " ".join(f"{type(e).__name__}: {e}".split())
         seconds = time.perf_counter() - started
         notebooks.write_result(
-            run.run_dir, run.notebook, run.parameters, threads, ok=False, error=message, seconds=seconds
-        )
+            run.run_dir, run.notebook, run.parameters, threads, ok=False, error=message, seconds=seconds,
+            retried=retried,
+        )  # fmt: skip
     return notebooks.read_result(run.run_dir) or {"status": "failed", "error": "no result written"}
+
+
+def _execute(run: PlannedRun, threads: int, timeout: float | None) -> dict:
+    """Worker: one run; a run whose cell timed out is run once more (a hang is often transient, e.g.
+    a kernel that never answered), and its result says so in ``retried``."""
+    result = _execute_once(run, threads, timeout)
+    if result.get("status") != "ok" and result.get("timed_out"):
+        print(f"{run.study} {run.run_dir.name}: timed out ({result.get('error', '')}); retrying once", flush=True)
+        notebooks.clear_run_directory(run.run_dir)
+        result = _execute_once(run, threads, timeout, retried=f"first attempt timed out: {result.get('error', '')}")
+    return result
 
 
 def pending(planned: list[PlannedRun], resume: bool) -> tuple[list[PlannedRun], list[PlannedRun]]:
@@ -196,6 +212,7 @@ def run_batch(
                     result = future.result()
                     results[run.run_dir] = result
                     state = "ok" if result.get("status") == "ok" else f"FAILED ({result.get('error', '')})"
+                    state += " (retried once after a timeout)" if result.get("retried") else ""
                     tqdm.write(f"{run.study} {run.run_dir.name}: {state}")
                     bar.update(1)
     return {run.run_dir: results[run.run_dir] for run in planned}

@@ -112,7 +112,7 @@ def summary_figure(rows: list[dict], study: str, out_dir: str | os.PathLike, gri
     ax.set_ylabel(f"{y_name} ({headline.unit})")
     ax.set_title(f"{study}: {headline.label}", fontsize=8)
     ax.legend(fontsize=7)
-    note = figures.label_measured(ax, loc="lower right")
+    note = figures.label_measured(ax)
     runs = sum(len(v) for v in points.values())
     figures.save_figure(
         fig,

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from anelab.errors import AnelabInputError
 from anelab.geometry import FP16_BYTES, AttentionGeometry, chunk_starts, score_arena_bytes, score_bytes
+from anelab.progress import tqdm
 from anelab.records import make_record
 from anelab.sidecar.designs import DENSE, STATEFUL, TILED, design_of
 from anelab.sidecar.prompt import prefill_prompt, prompt_reference

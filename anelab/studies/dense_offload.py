@@ -8,10 +8,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from anelab.errors import AnelabInputError
 from anelab.paths import DATA_DIR
+from anelab.progress import tqdm
 from anelab.records import read_records
 from anelab.runtime.interface import CoreMLRuntime, check_compute_units
 from anelab.studies.planner.catalogue import REFERENCE_CHUNK, REFERENCE_TOKENS, get_family

@@ -109,3 +109,13 @@ def build_docs(
             shutil.copyfile(html_dir / f"{page.stem}.html", out_dir / page.html)
     index = atomic_write_text(out_dir / "index.html", render(pages))
     return index, pages
+
+
+def vendor_widget_manager(out_dir: str | os.PathLike = "build/docs") -> str:
+    """Vendor the pinned widget manager into the docs folder; one line saying what happened."""
+    from anelab.studies import widget_manager
+
+    bundle, why_not = widget_manager.vendor(out_dir)
+    if bundle is None:
+        return f"widgets: not vendored ({why_not}); the explore cells read as printed text"
+    return f"widgets: {widget_manager.PACKAGE}@{widget_manager.VERSION} -> {bundle}"

@@ -7,17 +7,25 @@ otherwise salts its element ids with a random uuid), no date goes into either fi
 the dpi is a named constant. Both files and the manifest are written atomically (temp + rename).
 
 Figures drawn from recorded data (a record with ``origin: "recorded"``, e.g. the seed's M3 tables)
-say so inside the figure: ``label_recorded(ax, record)`` draws
+say so in the figure's footer, below every panel and never on the data: ``label_recorded(ax, record)``
+adds
 
     recorded on Mac15,3 (M3), macOS 27.0 — source: <record file> — replayed, not measured here
 
-and a fresh measurement is labelled ``measured here: <machine>``. ``provenance_text(records)`` is
-the same text for a list of records (what ``save_figure`` stores as the figure's provenance note).
+and a fresh result is labelled with the kind of machine, ``measured here: Linux x86_64, NumPy`` — not
+the host (no kernel build string), so a figure that does not plot wall times is byte-identical on
+every machine of the same kind. Its MANIFEST entry says ``"deterministic": true``; a figure of fresh
+wall times is declared ``deterministic = false`` in ``captions.toml`` and its entry names the exact
+host. ``provenance_text(records)`` is the label for a list of records (what ``save_figure`` stores
+as the figure's provenance note).
 
 Every figure's caption and alt text are declared once, in ``captions.toml`` beside this module
 (``caption_for``), with the provenance kinds it draws (``PROVENANCE_KINDS``: measured here,
 recorded elsewhere, predicted); ``save_figure`` copies them into the manifest entry, and
 ``annotate_manifest`` adds them to an existing manifest without redrawing.
+A caption's facts are claims (``captions.toml``: a phrase and the facts that make it true); the
+notebook passes what its figure shows to ``save_figure(facts=...)`` and ``text_problems`` compares
+the two.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import fcntl
 import hashlib
 import io
 import json
+import math
 import os
 import tomllib
 from functools import cache
@@ -34,7 +43,7 @@ from pathlib import Path
 
 from anelab import __version__
 from anelab.errors import AnelabInputError
-from anelab.records import atomic_write_bytes, atomic_write_text, machine_description
+from anelab.records import atomic_write_bytes, atomic_write_text, machine_description, machine_kind
 
 DPI = 120
 
@@ -61,14 +70,6 @@ STYLE = {
     "svg.fonttype": "path",
     "path.simplify": True,
     "figure.constrained_layout.use": True,
-}
-
-
-LABEL_PLACES = {  # loc -> (x, y, ha, va) in axes coordinates
-    "lower left": (0.01, 0.02, "left", "bottom"),
-    "lower right": (0.99, 0.02, "right", "bottom"),
-    "upper left": (0.01, 0.98, "left", "top"),
-    "upper right": (0.99, 0.98, "right", "top"),
 }
 
 
@@ -159,27 +160,40 @@ def save_figure(
     provenance_note: str,
     caption: str | None = None,
     alt: str | None = None,
+    deterministic: bool = True,
+    facts: dict | None = None,
 ) -> dict:
     """Write ``name``.png and ``name``.svg to ``figures_dir`` and record them in its manifest.
 
     notebook: the notebook that drew the figure (file name); parameters: the notebook parameters
-    (JSON-serialisable) it ran with; provenance_note: where the data came from (``provenance_text``).
-    caption / alt: only for figures outside the study notebooks (e.g. batch summaries); a study
-    figure takes them from ``captions.toml``. Returns the manifest entry: {"files": {fmt: {"path",
-    "sha256", "bytes"}}, "notebook", "parameters", "provenance"} plus "caption", "alt",
-    "provenance_kinds" when declared. An entry of the same name is replaced (figures are regenerated,
+    (JSON-serialisable) it ran with; provenance_note: where the data came from (``provenance_text``);
+    facts: what the figure shows that its caption and alt text state in words (counts, thresholds, which
+    bars pass), checked against ``captions.toml`` by the tests; "panels" (``panel_count``) is added.
+    caption / alt / deterministic: only for figures outside the study notebooks (e.g. batch summaries);
+    a study figure takes them from ``captions.toml``. Returns the manifest entry: {"files": {fmt:
+    {"path", "sha256", "bytes"}}, "notebook", "parameters", "provenance", "facts", "deterministic"} plus
+    "caption", "alt", "provenance_kinds" when declared, and "host" (``machine_description()``: the
+    exact machine, kernel build included) for a figure that is not deterministic — the image itself
+    names only the kind of machine, so a deterministic figure and its entry are the same on every
+    machine of that kind. An entry of the same name is replaced (figures are regenerated,
     unlike records); the manifest carries no dates, so it is byte-stable when the figures are.
     """
     name = _check_name(name)
+    facts = {"panels": panel_count(fig), **(facts or {})}
     if not notebook:
         raise AnelabInputError("save_figure needs the notebook's file name (notebook=...)")
     try:
         params = json.loads(json.dumps(parameters, sort_keys=True))
+        facts = json.loads(json.dumps(facts, sort_keys=True))
     except TypeError as e:
-        raise AnelabInputError(f"figure {name}: parameters must be JSON-serialisable ({e})") from None
+        raise AnelabInputError(f"figure {name}: parameters and facts must be JSON-serialisable ({e})") from None
     directory = Path(figures_dir)
     entry = {"files": {}, "notebook": str(notebook), "parameters": params, "provenance": str(provenance_note)}
-    entry.update(caption_for(name) if caption is None else {"caption": caption, "alt": alt or caption})
+    entry["facts"] = facts
+    declared = caption_for(name) if caption is None else {"caption": caption, "alt": alt or caption}
+    entry.update({"deterministic": deterministic, **declared})
+    if not entry["deterministic"]:
+        entry["host"] = machine_description()
     with _locked(directory):
         for fmt in FORMATS:
             data = figure_bytes(fig, fmt)
@@ -196,6 +210,11 @@ def save_figure(
     return entry
 
 
+def panel_count(fig) -> int:
+    """Panels of a figure: its visible axes laid out on a grid (colorbars and insets are not panels)."""
+    return sum(1 for ax in fig.axes if ax.get_visible() and ax.get_subplotspec() is not None)
+
+
 @cache
 def caption_table() -> dict[str, dict]:
     """``captions.toml`` parsed: {figure name: {"caption", "alt", "provenance": [kinds]}}."""
@@ -206,16 +225,77 @@ def caption_table() -> dict[str, dict]:
             raise AnelabInputError(
                 f"{CAPTIONS_FILE.name} [{name}]: needs caption, alt and provenance (some of {', '.join(PROVENANCE_KINDS)})"
             )
+        if not isinstance(entry.get("deterministic", True), bool):
+            raise AnelabInputError(f"{CAPTIONS_FILE.name} [{name}]: deterministic must be true or false")
+        claims = entry.get("claims", {})
+        if not isinstance(claims, dict) or not all(isinstance(facts, dict) and facts for facts in claims.values()):
+            raise AnelabInputError(
+                f"{CAPTIONS_FILE.name} [{name}.claims]: each phrase needs a table of the facts it states"
+            )
     return table
 
 
 def caption_for(name: str) -> dict:
-    """{"caption", "alt", "provenance_kinds"} of a study figure ({} when ``captions.toml`` has none;
-    the tests require one for every figure in the committed manifest and every notebook)."""
+    """{"caption", "alt", "provenance_kinds", "deterministic"} of a study figure ({} when ``captions.toml``
+    has none; the tests require one for every figure in the committed manifest and every notebook)."""
     entry = caption_table().get(name)
     if entry is None:
         return {}
-    return {"caption": entry["caption"], "alt": entry["alt"], "provenance_kinds": list(entry["provenance"])}
+    return {
+        "caption": entry["caption"],
+        "alt": entry["alt"],
+        "provenance_kinds": list(entry["provenance"]),
+        "deterministic": entry.get("deterministic", True),
+        "claims": dict(entry.get("claims", {})),
+    }
+
+
+PANEL_WORDS = {"two": 2, "three": 3, "four": 4}
+
+
+def stated_panels(text: str) -> int | None:
+    """How many panels a caption or alt text says the figure has: "two panels", "Left: … Right: …",
+    "Top: … Bottom: …"; None when it names no panels."""
+    import re
+
+    words = re.search(r"\b(two|three|four|\d+)\s+(?:[a-z-]+\s+)?panels\b", text, re.IGNORECASE)
+    if words:
+        count = words.group(1).lower()
+        return int(count) if count.isdigit() else PANEL_WORDS[count]
+    sides = sum(
+        bool(re.search(rf"\b{side}( panel)?:", text, re.IGNORECASE)) for side in ("left", "right", "top", "bottom")
+    )
+    return sides if sides >= 2 else None
+
+
+def _same(stated, shown) -> bool:
+    if isinstance(stated, float) or isinstance(shown, float):
+        return isinstance(shown, int | float) and math.isclose(stated, shown, rel_tol=1e-6, abs_tol=1e-12)
+    return stated == shown
+
+
+def text_problems(name: str, entry: dict) -> list[str]:
+    """Where a manifest entry's caption and alt text say something its figure does not show.
+
+    Checked against the figure's own ``facts`` (recorded by ``save_figure`` from the data drawn):
+    the number of panels the texts name, and every claim of ``captions.toml`` — a phrase that must
+    appear in the caption or alt text, with the facts that make it true. Empty when they agree."""
+    problems = []
+    facts = entry.get("facts") or {}
+    for field in ("caption", "alt"):
+        stated = stated_panels(entry.get(field, ""))
+        if stated is not None and stated != facts.get("panels"):
+            problems.append(f"{name}: {field} names {stated} panels; the figure has {facts.get('panels')}")
+    text = f"{entry.get('caption', '')} {entry.get('alt', '')}"
+    for phrase, claimed in (entry.get("claims") or {}).items():
+        if phrase not in text:
+            problems.append(f"{name}: claim {phrase!r} is in neither the caption nor the alt text")
+        for key, value in claimed.items():
+            if key not in facts:
+                problems.append(f"{name}: claim {phrase!r} rests on {key!r}, which the figure does not record")
+            elif not _same(value, facts[key]):
+                problems.append(f"{name}: {phrase!r} says {key} = {value!r}; the figure shows {facts[key]!r}")
+    return problems
 
 
 def annotate_manifest(figures_dir: str | os.PathLike = "figures") -> dict:
@@ -230,10 +310,6 @@ def annotate_manifest(figures_dir: str | os.PathLike = "figures") -> dict:
     return manifest
 
 
-def _chip_short(chip: str) -> str:
-    return chip[len("Apple ") :] if chip.startswith("Apple ") else chip
-
-
 def _record_file(record: dict) -> str:
     if record.get("_file"):
         return str(record["_file"])
@@ -242,14 +318,12 @@ def _record_file(record: dict) -> str:
 
 
 def provenance_line(record: dict) -> str:
-    """One record's provenance as a figure label.
+    """One record's provenance as a figure label, naming the kind of machine (``machine_kind``).
 
     recorded: ``recorded on <model> (<chip>), <os> — source: <file> — replayed, not measured here``
-    measured: ``measured here: <model> (<chip>), <os>``
+    measured: ``measured here: <machine kind>``
     """
-    prov = record.get("provenance") or {}
-    chip = _chip_short(str(prov.get("chip", "unknown")))
-    machine = f"{prov.get('machine_model', 'unknown')} ({chip}), {prov.get('os_version', 'unknown')}"
+    machine = machine_kind(record.get("provenance") or {})
     if record.get("origin") == "recorded":
         return f"recorded on {machine} — source: {_record_file(record)} — replayed, not measured here"
     if record.get("origin") == "measured":
@@ -259,10 +333,11 @@ def provenance_line(record: dict) -> str:
     )
 
 
-def measured_here_text() -> str:
-    """``measured here: <this machine>`` for figures of fresh measurements made in this run."""
-    m = machine_description()
-    return f"measured here: {m['machine_model']} ({_chip_short(m['chip'])}), {m['os_version']}"
+def measured_here_text(engine: str = "NumPy") -> str:
+    """``measured here: <kind of machine>, <engine>`` for figures of fresh results made in this run, e.g.
+    ``measured here: Linux x86_64, NumPy``. The kind, not the host: a figure must not change because the
+    kernel was rebuilt (the exact host of a figure that plots wall times goes to its manifest entry)."""
+    return f"measured here: {machine_kind()}, {engine}"
 
 
 def numpy_cpu_note() -> str:
@@ -286,41 +361,110 @@ def provenance_text(records: list[dict] | None = None) -> str:
     return "\n".join(lines)
 
 
-def label_recorded(ax, record: dict, *, loc: str = "lower left") -> str:
-    """Draw ``provenance_line(record)`` visibly inside ``ax`` (a corner, ``LABEL_PLACES``); returns the text."""
-    return label_provenance(ax, provenance_line(record), recorded=record.get("origin") == "recorded", loc=loc)
+# ---- the provenance footer: below every panel, never on the data -----------------------------------------
+
+FOOTER_PT = 9  # provenance footer font size (pt)
 
 
-def label_provenance(ax, text: str, *, recorded: bool, loc: str = "lower left") -> str:
-    """Draw a provenance note inside ``ax``; recorded data in a warm colour, fresh in blue."""
-    if loc not in LABEL_PLACES:
-        raise AnelabInputError(f"label location {loc!r}: use one of {', '.join(LABEL_PLACES)}")
-    x, y, ha, va = LABEL_PLACES[loc]
-    colour = RECORDED_COLOUR if recorded else MEASURED_COLOUR
-    note = ax.text(
-        x,
-        y,
-        text,
-        transform=ax.transAxes,
-        ha=ha,
-        va=va,
-        fontsize=7,
-        zorder=10,
-        color=colour,
-        bbox={"boxstyle": "round,pad=0.25", "facecolor": "white", "alpha": 0.85, "edgecolor": colour},
-    )
-    note.set_in_layout(False)  # a long note must not squeeze the axes
+FOOTER_LINE_PT = 1.3 * FOOTER_PT  # baseline to baseline
+
+
+FOOTER_CHAR_PT = 0.6 * FOOTER_PT  # a generous mean glyph width of DejaVu Sans, to wrap long notes
+
+
+def _panel_name(ax) -> str:
+    """Where ``ax`` sits in its figure's grid, in words ("" for a one-panel figure)."""
+    spec = ax.get_subplotspec() if hasattr(ax, "get_subplotspec") else None
+    if spec is None:
+        return ""
+    nrows, ncols = spec.get_gridspec().get_geometry()
+    if nrows * ncols == 1:
+        return ""
+    row, col = spec.rowspan.start, spec.colspan.start
+    if nrows == 1 and ncols <= 3:
+        return {2: ("left", "right"), 3: ("left", "middle", "right")}[ncols][col]
+    if ncols == 1 and nrows <= 3:
+        return {2: ("top", "bottom"), 3: ("top", "middle", "bottom")}[nrows][row]
+    return f"panel {row * ncols + col + 1}"
+
+
+def _wrapped(text: str, width_pt: float) -> list[str]:
+    import textwrap
+
+    chars = max(20, int(width_pt / FOOTER_CHAR_PT))
+    return [piece for line in text.split("\n") for piece in (textwrap.wrap(line, chars) or [""])]
+
+
+def _draw_footer(fig) -> None:
+    """(Re)draw the figure's footer notes at the bottom, growing the figure by the footer's height so
+    the panels keep their size, and keep the layout engine off the footer band."""
+    for artist in fig.__dict__.pop("_anelab_footer_artists", []):
+        artist.remove()
+    notes = fig.__dict__["_anelab_footer"]
+    base_height = fig.__dict__.setdefault("_anelab_base_height", fig.get_figheight())
+    width_pt = fig.get_figwidth() * 72 - 8
+    lines = [(piece, colour) for text, colour in notes for piece in _wrapped(text, width_pt)]
+    footer_in = (len(lines) * FOOTER_LINE_PT + 6) / 72
+    fig.set_figheight(base_height + footer_in)
+    artists = []
+    for i, (piece, colour) in enumerate(reversed(lines)):
+        y_in = (4 + i * FOOTER_LINE_PT + 0.25 * FOOTER_PT) / 72
+        t = fig.text(4 / 72, y_in, piece, transform=fig.dpi_scale_trans, fontsize=FOOTER_PT, color=colour)
+        t.set_in_layout(False)
+        artists.append(t)
+    fig.__dict__["_anelab_footer_artists"] = artists
+    share = footer_in / fig.get_figheight()
+    engine = fig.get_layout_engine()
+    if engine is not None and hasattr(engine, "set") and "rect" in engine.get():
+        engine.set(rect=(0, share, 1, 1 - share))
+    else:  # no layout engine: squeeze the subplot area above the footer
+        old = fig.__dict__.setdefault("_anelab_old_share", 0.0)
+        pars = fig.subplotpars
+        bottom = share + (pars.bottom - old) / (1 - old) * (1 - share)
+        top = share + (pars.top - old) / (1 - old) * (1 - share)
+        fig.subplots_adjust(bottom=bottom, top=top)
+        fig.__dict__["_anelab_old_share"] = share
+
+
+def add_footer_note(fig, text: str, *, recorded: bool) -> str:
+    """Add one provenance note to ``fig``'s footer (recorded data in a warm colour, fresh in blue); a note
+    already there is not repeated. Returns the text."""
+    notes = fig.__dict__.setdefault("_anelab_footer", [])
+    if all(existing != text for existing, _ in notes):
+        notes.append((text, RECORDED_COLOUR if recorded else MEASURED_COLOUR))
+        _draw_footer(fig)
     return text
 
 
-def label_measured(ax, *, loc: str = "lower left") -> str:
-    """Draw ``measured here: <this machine>`` inside ``ax``."""
-    return label_provenance(ax, measured_here_text(), recorded=False, loc=loc)
+def footer_notes(fig) -> list[str]:
+    """The provenance notes in ``fig``'s footer, in order."""
+    return [text for text, _ in fig.__dict__.get("_anelab_footer", [])]
+
+
+def label_recorded(ax, record: dict) -> str:
+    """Note ``provenance_line(record)`` in the figure's footer, naming ``ax``'s panel; returns the text."""
+    return label_provenance(ax, provenance_line(record), recorded=record.get("origin") == "recorded")
+
+
+def label_provenance(ax, text: str, *, recorded: bool) -> str:
+    """Note where ``ax``'s data came from in the figure's footer, below every panel and never on the
+    data; in a figure of several panels the note starts with the panel's place ("left: ...").
+    Returns ``text``."""
+    panel = _panel_name(ax)
+    add_footer_note(ax.figure, f"{panel}: {text}" if panel else text, recorded=recorded)
+    return text
+
+
+def label_measured(ax, engine: str = "NumPy") -> str:
+    """Note ``measured here: <kind of machine>, <engine>`` in the figure's footer."""
+    return label_provenance(ax, measured_here_text(engine), recorded=False)
 
 
 def label_figure(fig, records: list[dict] | None = None) -> str:
-    """Provenance of a multi-panel figure as its (small, coloured) suptitle: ``provenance_text``."""
-    text = provenance_text(records)
+    """Provenance of a whole figure in its footer: ``compact_provenance(records)`` (one line per kind of
+    machine, then the sources), or ``measured_here_text()`` without records. Returns the text."""
+    from anelab.studies.provenance import compact_provenance
+
+    text = compact_provenance(records) if records else measured_here_text()
     recorded = bool(records) and all(r.get("origin") == "recorded" for r in records)
-    fig.suptitle(text, fontsize=7, color=RECORDED_COLOUR if recorded else MEASURED_COLOUR)
-    return text
+    return add_footer_note(fig, text, recorded=recorded)

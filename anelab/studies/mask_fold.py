@@ -115,8 +115,8 @@ def budget_sweep(
 ) -> list[BudgetPoint]:
     """``budget_point`` for each kept_blocks value, all against the widest budget's output.
 
-    Progress goes to stderr as plain text (``tqdm.std``), which an executed notebook keeps readable."""
-    from tqdm.std import tqdm
+    Progress: a bar on a terminal or in JupyterLab, none in a headless run (``anelab.progress``)."""
+    from anelab.progress import tqdm
 
     baseline = _baseline(case, compress_ratio)
     projection = vocab_projection(case.geometry.hidden_size, seed=case.seed)

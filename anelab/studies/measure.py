@@ -1,6 +1,7 @@
 """``anelab measure``: on a Mac, every Core ML measurement taken fresh in one run, each result a record.
 
-Steps (``STEPS``), in order: doctor -> export with the ANE gate -> verify on the device -> load
+Steps (``STEPS``), in order: doctor -> probe (every Core ML assumption, recorded by name; later steps
+that rely on a failed one refuse naming it) -> export with the ANE gate -> verify on the device -> load
 timings (cold/warm per function, package compositions, memory vs functions) -> the attention
 block's A/B per compute units over the histories -> gather probe timing. Every result is written to
 ``data/measured/`` as a record whose provenance names the chip, the OS and coremltools, and whose
@@ -12,21 +13,25 @@ lists the steps anywhere (``--dry-run``); everything else needs the Core ML runt
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from anelab.errors import AnelabInputError
 from anelab.paths import BUILD_DIR, MEASURED_DIR
+from anelab.progress import tqdm
 from anelab.records import machine_description, read_records, write_record
 from anelab.runtime.interface import CoreMLRuntime, package_content_hash
 
 STEPS: tuple[tuple[str, str], ...] = (
     ("doctor", "check the Core ML runtime (macOS 15+, coremltools' native module) and a Neural Engine (arm64)"),
+    (
+        "probe",
+        "probe every Core ML behaviour the code relies on, on a tiny package (what 'anelab doctor --probe' does)",
+    ),
     ("export", "export the layer with the ANE gate (each variant in its own process: load, predict, compute plan)"),
     ("verify", "verify on the device: Core ML predict vs reference, vs NumPy, NumPy vs reference, per compute units"),
     ("load", "load timings: cold and warm per function, compositions (alone / beside h<C>), memory vs functions"),
@@ -114,6 +119,18 @@ def _doctor(run: MeasureRun) -> None:
             f"anelab measure needs a Mac with the Core ML runtime and a Neural Engine: {reason}; "
             f"'anelab measure --dry-run' lists the steps anywhere"
         )
+
+
+def _probe(run: MeasureRun, echo) -> None:
+    """First contact: every Core ML assumption checked on a tiny package and recorded (never skipped)."""
+    from anelab.runtime.probe import probe_core_ml
+
+    record = probe_core_ml(run.runtime)
+    verdicts = json.dumps(record["results"]["assumptions"], sort_keys=True).encode()
+    run.keep("probe", hashlib.sha256(verdicts).hexdigest(), [record])
+    failed = record["results"]["failed"]
+    if failed:
+        echo(f"probe: {', '.join(failed)} failed on this Mac; the steps relying on them refuse naming them")
 
 
 def _export(run: MeasureRun, checkpoint: Path, layer: int, histories: list[int], out: Path):
@@ -234,6 +251,8 @@ def measure(
     run = MeasureRun(config, runtime if runtime is not None else default_runtime(), clock, memory)
     _doctor(run)
     steps = tqdm(total=len(STEPS), desc="anelab measure", unit="step")
+    steps.update()
+    _probe(run, echo)
     steps.update()
     checkpoint = Path(config.checkpoint) if config.checkpoint else default_checkpoint_dir(BUILD_DIR / "checkpoints")
     layer = config.layer if config.layer is not None else load_checkpoint(checkpoint).geometry.full_attention_layers[0]

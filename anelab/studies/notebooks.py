@@ -16,8 +16,12 @@ runs each notebook with the repository root as working directory, and a notebook
 JupyterLab (cwd ``notebooks/``) resolves its defaults the same way.
 
 Each run has an execution timeout (seconds any one cell may take; papermill stops the kernel and
-the run fails), leaves the executed copy in ``<build>/notebooks/`` and an HTML export in
-``<build>/html/``, and prints one progress line.
+the run fails, marked ``timed_out``), sized from the last run's cell durations (``cell_timeout``) so
+a hung cell becomes a recorded failure in minutes, not an hour. The kernel runs headless
+(``anelab.progress.HEADLESS_VARIABLE``): no progress bars, and the explore cells print their numbers
+as text beside disabled controls (``anelab.studies.explore``). A run leaves the executed copy in
+``<build>/notebooks/`` and an HTML export in ``<build>/html/``, and prints one progress line.
+Injected paths inside the repository are written relative to its root, as a reader would type them.
 
 ``anelab run`` (``run_study``) runs one study into a run directory ``runs/<study>/<run id>/``:
 the executed notebook and its HTML, ``figures/``, ``records/``, ``build/`` (scratch),
@@ -35,6 +39,7 @@ import contextlib
 import datetime as _dt
 import hashlib
 import json
+import math
 import os
 import platform
 import re
@@ -44,10 +49,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from anelab.errors import AnelabInputError
 from anelab.paths import FIGURES_DIR, MEASURED_DIR, NOTEBOOK_DIR, REPO_ROOT, RUNS_DIR
+from anelab.progress import HEADLESS_VARIABLE, tqdm
 from anelab.records import atomic_write_text, machine_description, read_json_file
 
 ANELAB_KERNEL = "anelab"  # the Makefile installs it into the venv (ipykernel --sys-prefix)
@@ -59,7 +63,16 @@ FALLBACK_KERNEL = "python3"  # jupyter_client runs a "python" kernelspec with th
 QUICK_TIMEOUT = 120  # seconds per cell in quick runs
 
 
-FULL_TIMEOUT = 3600  # seconds per cell in full runs
+FULL_TIMEOUT = 3600  # seconds per cell in full runs with no earlier run to size it from
+
+
+TIMEOUT_FACTOR = 4  # a cell may take this many times the longest cell of the last run (plus the margin)
+
+
+TIMEOUT_MARGIN = 60  # seconds added to the scaled duration (kernel start, a busy shared machine)
+
+
+FULL_TIMEOUT_FLOOR = 300  # seconds: a full run's sized timeout is never shorter
 
 
 INJECTED = ("quick", "figures_dir", "records_dir", "build_dir")
@@ -77,6 +90,13 @@ def repo_path(path: str | os.PathLike) -> Path:
     """``path`` itself if absolute, else relative to the repository root."""
     p = Path(path)
     return p if p.is_absolute() else REPO_ROOT / p
+
+
+def repo_relative(path: str | os.PathLike) -> str:
+    """``path`` as a notebook's parameters cell shows it: relative to the repository root when it lies
+    inside it (``repo_path`` turns it back), else absolute."""
+    p = Path(path).resolve()
+    return str(p.relative_to(REPO_ROOT)) if p.is_relative_to(REPO_ROOT) else str(p)
 
 
 def read_notebook(path: str | os.PathLike) -> dict:
@@ -166,6 +186,8 @@ class NotebookRun:
     ok: bool
     error: str = ""
     parameters: dict = field(default_factory=dict)
+    timed_out: bool = False  # a cell ran past the timeout (``timeout`` seconds)
+    timeout: float | None = None
 
     def line(self) -> str:
         where = self.html if self.html is not None else self.executed
@@ -180,22 +202,30 @@ def run_parameters(quick: bool, build: Path) -> dict:
     if quick:
         return {
             "quick": True,
-            "figures_dir": str(build / "figures"),
-            "records_dir": str(build / "records"),
-            "build_dir": str(build),
+            "figures_dir": repo_relative(build / "figures"),
+            "records_dir": repo_relative(build / "records"),
+            "build_dir": repo_relative(build),
         }
-    return {"quick": False, "figures_dir": str(FIGURES_DIR), "records_dir": str(MEASURED_DIR), "build_dir": str(build)}
+    return {
+        "quick": False,
+        "figures_dir": repo_relative(FIGURES_DIR),
+        "records_dir": repo_relative(MEASURED_DIR),
+        "build_dir": repo_relative(build),
+    }
 
 
 def export_html(executed: Path, dest: Path) -> Path:
-    """Export an executed notebook to HTML (nbconvert), written atomically."""
+    """Export an executed notebook to HTML (nbconvert), written atomically. Its widgets are rendered
+    by the locally served html-manager bundle (``widget_manager.RENDERER_URL``, vendored by ``make
+    docs``), never one from a CDN; require.js is not loaded (the standalone bundle does not need it)."""
     import nbformat
     from nbconvert import HTMLExporter
 
     from anelab.records import atomic_write_text
+    from anelab.studies.widget_manager import RENDERER_URL
 
     nb = nbformat.read(str(executed), as_version=4)
-    body, _ = HTMLExporter().from_notebook_node(nb)
+    body, _ = HTMLExporter(widget_renderer_url=RENDERER_URL, require_js_url="").from_notebook_node(nb)
     return atomic_write_text(dest, body)
 
 
@@ -216,6 +246,7 @@ def run_notebook(
     parameters; html: also export ``<build>/html/<name>.html``.
     """
     import papermill
+    from nbclient.exceptions import CellTimeoutError
     from papermill.exceptions import PapermillExecutionError
 
     path = Path(path).resolve()
@@ -225,33 +256,74 @@ def run_notebook(
     build = Path(build).resolve()
     params = {**run_parameters(quick, build), **(parameters or {})}
     params = {k: v for k, v in params.items() if k in declared}
-    timeout = timeout if timeout is not None else (QUICK_TIMEOUT if quick else FULL_TIMEOUT)
     executed = build / "notebooks" / path.name
+    timeout = timeout if timeout is not None else cell_timeout(path, quick, [executed, *previous_runs(path)])
     executed.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    error = ""
+    error, timed_out = "", False
     try:
-        papermill.execute_notebook(
-            str(path),
-            str(executed),
-            parameters=params,
-            kernel_name=kernel or kernel_name(),
-            language="python",
-            cwd=str(REPO_ROOT),
-            progress_bar=False,
-            log_output=False,
-            execution_timeout=timeout,
-            request_save_on_cell_execute=False,
-        )
+        with kernel_environment({HEADLESS_VARIABLE: "1"}):
+            papermill.execute_notebook(
+                str(path),
+                str(executed),
+                parameters=params,
+                kernel_name=kernel or kernel_name(),
+                language="python",
+                cwd=str(REPO_ROOT),
+                progress_bar=False,
+                log_output=False,
+                execution_timeout=math.ceil(timeout),  # papermill takes whole seconds
+                request_save_on_cell_execute=False,
+            )
     except PapermillExecutionError as e:
         error = f"cell {e.exec_count}: {e.ename}: {str(e.evalue).splitlines()[0] if e.evalue else ''}"
-    except Exception as e:  # kernel death, cell timeout (nbclient raises its own types)
+    except CellTimeoutError as e:
+        error, timed_out = f"CellTimeoutError: a cell ran past {timeout:.0f} s ({str(e).splitlines()[0]})", True
+    except Exception as e:  # kernel death (nbclient raises its own types)
         error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     seconds = time.perf_counter() - started
     html_path = None
     if html and executed.exists():
         html_path = export_html(executed, build / "html" / (path.stem + ".html"))
-    return NotebookRun(path.name, executed, html_path, seconds, ok=not error, error=error, parameters=params)
+    return NotebookRun(
+        path.name, executed, html_path, seconds, ok=not error, error=error, parameters=params,
+        timed_out=timed_out, timeout=timeout,
+    )  # fmt: skip
+
+
+def previous_runs(notebook: Path) -> list[Path]:
+    """Executed copies of earlier runs to size a timeout from, besides the run's own build: the one
+    ``make reproduce`` leaves in ``build/notebooks/``."""
+    return [REPO_ROOT / "build" / "notebooks" / notebook.name]
+
+
+def last_cell_seconds(executed: Path, quick: bool) -> list[float] | None:
+    """The cell durations of a finished earlier run (papermill's per-cell metadata in its executed
+    copy), or None when there is no readable copy, it ran with another ``quick``, or a cell failed."""
+    try:
+        nb = json.loads(Path(executed).read_text())
+        run = nb["metadata"]["papermill"]
+        if bool(run["parameters"].get("quick", False)) != bool(quick):
+            return None
+        cells = [c.get("metadata", {}).get("papermill", {}) for c in nb["cells"] if c.get("cell_type") == "code"]
+        if any(c.get("exception") or c.get("status") not in ("completed", None) for c in cells):
+            return None
+        return [float(c["duration"]) for c in cells if c.get("duration") is not None]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def cell_timeout(notebook: Path, quick: bool, previous: list[Path]) -> float:
+    """Seconds any one cell may take: ``TIMEOUT_FACTOR`` x the longest cell of the first readable
+    earlier run in ``previous`` (same ``quick``) + ``TIMEOUT_MARGIN``, at least ``QUICK_TIMEOUT``
+    (quick) or ``FULL_TIMEOUT_FLOOR`` (full) and at most ``FULL_TIMEOUT``; with no earlier run,
+    ``QUICK_TIMEOUT`` or ``FULL_TIMEOUT``."""
+    for executed in previous:
+        durations = last_cell_seconds(executed, quick)
+        if durations:
+            floor = QUICK_TIMEOUT if quick else FULL_TIMEOUT_FLOOR
+            return float(min(FULL_TIMEOUT, max(floor, TIMEOUT_FACTOR * max(durations) + TIMEOUT_MARGIN)))
+    return float(QUICK_TIMEOUT if quick else FULL_TIMEOUT)
 
 
 def previous_seconds(build: str | os.PathLike, notebook: str | os.PathLike) -> float | None:
@@ -476,13 +548,10 @@ def read_result(run_dir: str | os.PathLike) -> dict | None:
 
 
 @contextlib.contextmanager
-def thread_limits(threads: int | None):
-    """Cap the BLAS/OpenMP threads of kernels started inside the block (they inherit the environment)."""
-    if threads is None:
-        yield
-        return
-    saved = {k: os.environ.get(k) for k in THREAD_VARIABLES}
-    os.environ.update({k: str(int(threads)) for k in THREAD_VARIABLES})
+def kernel_environment(variables: dict[str, str]):
+    """Set ``variables`` for kernels started inside the block (they inherit the environment)."""
+    saved = {k: os.environ.get(k) for k in variables}
+    os.environ.update(variables)
     try:
         yield
     finally:
@@ -491,6 +560,16 @@ def thread_limits(threads: int | None):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextlib.contextmanager
+def thread_limits(threads: int | None):
+    """Cap the BLAS/OpenMP threads of kernels started inside the block (they inherit the environment)."""
+    if threads is None:
+        yield
+        return
+    with kernel_environment({k: str(int(threads)) for k in THREAD_VARIABLES}):
+        yield
 
 
 def run_study(
@@ -517,15 +596,17 @@ def run_study(
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / PARAMETERS_FILE, json.dumps(parameters, indent=2, sort_keys=True) + "\n")
     injected = {
-        "figures_dir": str(FIGURES_DIR if publish else (run_dir / "figures").resolve()),
-        "records_dir": str((run_dir / "records").resolve()),
-        "build_dir": str((run_dir / "build").resolve()),
+        "figures_dir": repo_relative(FIGURES_DIR if publish else run_dir / "figures"),
+        "records_dir": repo_relative(run_dir / "records"),
+        "build_dir": repo_relative(run_dir / "build"),
     }
     quick = bool(parameters.get("quick", False))
     with thread_limits(threads):
         run = run_notebook(notebook, quick=quick, build=run_dir, timeout=timeout, parameters={**injected, **parameters})
     _move_outputs(run, run_dir, notebook, publish)
-    write_result(run_dir, notebook, parameters, threads, ok=run.ok, error=run.error, seconds=run.seconds)
+    write_result(
+        run_dir, notebook, parameters, threads, ok=run.ok, error=run.error, seconds=run.seconds, timed_out=run.timed_out
+    )
     return run
 
 
@@ -551,10 +632,22 @@ def _move_outputs(run: NotebookRun, run_dir: Path, notebook: Path, publish: bool
 
 
 def write_result(
-    run_dir: Path, notebook: Path, parameters: dict, threads: int | None, *, ok: bool, error: str, seconds: float
+    run_dir: Path,
+    notebook: Path,
+    parameters: dict,
+    threads: int | None,
+    *,
+    ok: bool,
+    error: str,
+    seconds: float,
+    timed_out: bool = False,
+    retried: str = "",
 ) -> Path:
-    """Write the run's ``result.json`` (last, atomically): the marker of a finished run."""
+    """Write the run's ``result.json`` (last, atomically): the marker of a finished run. ``timed_out``:
+    a cell ran past the timeout; ``retried``: why this is the second attempt (``anelab batch``)."""
     result = {
+        "timed_out": timed_out,
+        **({"retried": retried} if retried else {}),
         "study": notebook.stem,
         "notebook": notebook.name,
         "run_id": Path(run_dir).name,

@@ -12,12 +12,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from anelab.geometry import chunk_starts
+from anelab.progress import tqdm
 from anelab.sidecar.compare import relative_error
 from anelab.sidecar.designs import STATEFUL_TILED, get_design
-from anelab.sidecar.evaluate import SavedPackage, state_signatures, var_bytes
+from anelab.sidecar.evaluate import SavedPackage
+from anelab.sidecar.inspection import largest_working_output
 from anelab.sidecar.prompt import prefill_prompt, prompt_reference
 from anelab.studies.planner.design import DESIGNS, compare_designs
 
@@ -30,15 +31,12 @@ def intermediate_profile(package: str | os.PathLike) -> dict[str, dict]:
     updated), and the score entries one call computes (outputs of every ``matmul(., K, transpose_y)``)."""
     saved = SavedPackage(package)
     out = {}
-    for name in saved.functions:
-        cache_shapes = {tuple(s.shape) for s in state_signatures(saved, name).values()}
+    for name, info in saved.functions.items():
         ops = [op for op in saved.mil_function(name).operations if op.op_type != "const"]
-        sizes = [(var_bytes(v), tuple(v.shape or ()), op.op_type) for op in ops for v in op.outputs]
-        working = [s for s in sizes if s[1] not in cache_shapes]
-        top = max(working)
+        top = largest_working_output(saved, name)
         out[name] = {
             "ops": len(ops),
-            "largest_bytes": max(s[0] for s in sizes),
+            "largest_bytes": info.largest_intermediate_bytes,
             "largest_working_bytes": top[0],
             "largest_working_shape": list(top[1]),
             "largest_working_op": top[2],

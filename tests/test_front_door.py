@@ -1,0 +1,174 @@
+"""The front door: doctor's study table, the CLI's errors and help, inspect's arena vs state, where a
+lab session writes its figures, and the mode of generated files. Each test failed on the code before
+issue 24 (doctor listed 5 of 7 studies, "anelab: error: anelab: ...", no "did you mean", ...)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+from conftest import TINY_GEOMETRIES
+
+from anelab.cli import PLAN_EXAMPLES, main
+from anelab.records import atomic_write_text
+from anelab.runtime.doctor import diagnose, format_report, notebooks_without_a_row
+from anelab.runtime.fake import FakeRuntime
+from anelab.runtime.mac import MacRuntime
+from anelab.studies import notebooks
+
+# ---- doctor: one table of the studies ---------------------------------------------------------------
+
+
+def test_doctor_table_lists_every_notebook():
+    names = [p.name for p in notebooks.discover_notebooks()]
+    assert len(names) == 7
+    assert notebooks_without_a_row(names) == []
+    # negative control: the next notebook, without a row, is caught
+    assert notebooks_without_a_row([*names, "08_next_study.ipynb"]) == ["08_next_study.ipynb"]
+
+
+def test_doctor_json_lists_seven_studies_with_an_accurate_mode(capsys):
+    assert main(["doctor", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    listed = sorted(s["notebook"].rsplit("/", 1)[-1] for s in report["studies"].values())
+    assert listed == [p.name for p in notebooks.discover_notebooks()]
+    if not MacRuntime().available():
+        modes = {name: s["mode"] for name, s in report["studies"].items()}
+        assert modes["mask_fold"] == "runs here"  # the README: 02 runs everything here
+        assert {m for n, m in modes.items() if n != "mask_fold"} == {"partly"}
+    # with the runtime every study runs here (the fake stands in for a Mac)
+    assert {s["mode"] for s in diagnose(FakeRuntime())["studies"].values()} == {"runs here"}
+
+
+def test_doctor_says_the_runtime_sentence_once(capsys):
+    report = diagnose(MacRuntime())
+    if report["runtime"]["available"]:
+        pytest.skip("a Mac with Core ML: the runtime is available, no reason sentence to repeat")
+    text = format_report(report)
+    assert text.count(report["runtime"]["reason"]) == 1
+    assert "Neural Engine:   unavailable (no Core ML runtime, above)" in text
+
+
+# ---- the CLI's errors and help ---------------------------------------------------------------------
+
+
+def test_a_mistyped_command_gets_did_you_mean_and_one_prefix(capsys):
+    assert main(["verfy"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("anelab: error: ") and err.count("anelab:") == 1
+    assert "did you mean 'verify'?" in err
+    # negative control: a word close to no command gets the list, not a guess
+    assert main(["xyzzy"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean" not in err and "verify" in err
+
+
+@pytest.mark.parametrize("argv", [["plan", "--bogus"], ["plan"], ["run", "02", "--threads"], ["compare-arms"]])
+def test_every_cli_error_has_one_prefix(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("anelab: error: ") and err.count("anelab:") == 1, err
+
+
+def test_plan_help_has_examples_that_run(capsys, tiny_checkpoint):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert "examples:" in out and "anelab plan --family qwen3.8-125b-a6b-4bit --prompt-tokens 4333" in out
+    commands = [line.split()[2:] for line in PLAN_EXAMPLES.splitlines() if line.strip().startswith("anelab plan")]
+    assert len(commands) == 5
+    for argv in commands:
+        if "--checkpoint" in argv:  # the example's path is the embedded default; the tiny one here
+            argv = [str(tiny_checkpoint("qwen3")) if a.startswith("build/") else a for a in argv]
+        assert main(["plan", *argv]) == 0, argv
+        capsys.readouterr()
+    # negative control: the same example with an unknown family is refused
+    assert main(["plan", "--family", "no-such-family", "--prompt-tokens", "4333"]) == 2
+
+
+# ---- inspect: the arena without the state, the state apart -------------------------------------------
+
+
+def test_inspect_reports_the_arena_and_the_state_apart(tiny_checkpoint, tmp_path, capsys):
+    from anelab.sidecar.export import export_sidecars
+    from anelab.sidecar.inspection import inspect_package
+
+    ckpt = tiny_checkpoint("qwen3_next")
+    layer = TINY_GEOMETRIES["qwen3_next"].full_attention_layers[-1]
+    g = TINY_GEOMETRIES["qwen3_next"]
+    info = {}
+    for capacity in (32, 128):
+        [r] = export_sidecars(
+            ckpt, tmp_path / f"c{capacity}", 8, None, [layer], graph="stateful-tiled", capacity=capacity,
+            key_tile=8, query_tile=4,
+        )  # fmt: skip
+        info[capacity] = inspect_package(r.package)["functions"]["c8"]
+    # the state: K and V, [kv_heads, capacity, head_dim] fp16 each
+    for capacity, f in info.items():
+        assert f["state_bytes"] == 2 * g.num_kv_heads * capacity * g.head_dim * 2
+    assert info[32]["arena_bytes"] == info[128]["arena_bytes"] > 0  # tiled: flat in the capacity
+    assert info[32]["arena_op"] not in ("read_state", "slice_update")
+    # negative control: the old single number is the cache's own read, and grows with the capacity
+    assert info[128]["largest_intermediate_bytes"] > info[32]["largest_intermediate_bytes"]
+    assert info[128]["largest_intermediate_bytes"] == g.num_kv_heads * 128 * g.head_dim * 2
+    assert main(["inspect", str(tmp_path / "c128" / f"layer_{layer}.mlpackage")]) == 0
+    out = capsys.readouterr().out
+    assert f"arena    {info[128]['arena_bytes']:,} B" in out and f"state    {info[128]['state_bytes']:,} B" in out
+
+
+def test_inspect_of_a_stateless_package_has_no_state(tiny_checkpoint, tmp_path):
+    from anelab.sidecar.export import export_sidecars
+    from anelab.sidecar.inspection import inspect_package
+
+    layer = TINY_GEOMETRIES["qwen3"].full_attention_layers[0]
+    [r] = export_sidecars(tiny_checkpoint("qwen3"), tmp_path, 8, [0, 8], [layer])
+    for f in inspect_package(r.package)["functions"].values():
+        assert f["state_bytes"] == 0 and f["arena_bytes"] == f["largest_intermediate_bytes"]
+
+
+# ---- a lab session writes figures under build/ --------------------------------------------------------
+
+
+def _default_figures_dir(path) -> str:
+    return notebooks.declared_parameters(path)["figures_dir"]["default"].strip("\"'")
+
+
+def _writes_under_build(figures_dir: str) -> bool:
+    return notebooks.repo_path(figures_dir).resolve().is_relative_to(notebooks.REPO_ROOT / "build")
+
+
+@pytest.mark.parametrize("path", notebooks.discover_notebooks(), ids=lambda p: p.name)
+def test_a_lab_session_writes_figures_under_build(path):
+    assert _writes_under_build(_default_figures_dir(path))
+    assert not _writes_under_build("figures")  # negative control: the committed folder is not build/
+
+
+# ---- generated files are readable by the group ------------------------------------------------------------
+
+
+def _mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_atomic_writes_get_the_umask_mode(tmp_path):
+    saved = os.umask(0o022)
+    try:
+        assert _mode(atomic_write_text(tmp_path / "index.html", "x")) == 0o644
+        os.umask(0o077)  # negative control: a private umask keeps files private
+        assert _mode(atomic_write_text(tmp_path / "private.json", "x")) == 0o600
+    finally:
+        os.umask(saved)
+
+
+def test_gallery_index_is_readable_by_the_group(tmp_path):
+    from anelab.paths import FIGURES_DIR
+    from anelab.studies.docs_site import build_docs
+
+    saved = os.umask(0o022)
+    try:
+        index, _ = build_docs(FIGURES_DIR, tmp_path / "html", tmp_path / "docs")
+    finally:
+        os.umask(saved)
+    assert _mode(index) == 0o644
