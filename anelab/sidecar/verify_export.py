@@ -14,9 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from anelab.errors import AnelabInputError
+from anelab.progress import tqdm
 from anelab.sidecar.compare import Comparison
 from anelab.sidecar.format import read_sidecar_metadata
 from anelab.sidecar.verify import VerifyReport, verify_package

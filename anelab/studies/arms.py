@@ -411,7 +411,7 @@ def run_arm(
     reads each layer's weights per step; the embedding rows and the LM head's vocabulary blocks come
     from the checkpoint's files on demand.
     """
-    from tqdm.auto import tqdm
+    from anelab.progress import tqdm
 
     prompt = np.asarray(prompt)
     _check_arm(arm, model, sidecars)
