@@ -124,6 +124,7 @@ def _print_families(rows, refused):
         print(f"  RoPE: {', '.join(r['rope_types'])}; windows: {r['windows']}")
         if r["options"]:
             print(f"  options: {'; '.join(r['options'])}")
+        print(f"  whole model (compare-arms): {r['whole_model']}")
     print("refused:")
     for line in refused:
         print(f"  {line}")
@@ -132,8 +133,9 @@ def _print_families(rows, refused):
 def _run_export(args):
     if args.list_families:
         from anelab.hf.config import REFUSED, supported_families
+        from anelab.hf.model import whole_model_support
 
-        rows = supported_families()
+        rows = [{**r, "whole_model": whole_model_support(r["model_type"])} for r in supported_families()]
         _print_json({"families": rows, "refused": list(REFUSED)}) if args.json else _print_families(rows, REFUSED)
         return 0
     missing = [
@@ -253,8 +255,10 @@ def _run_evaluate(args):
 
 
 def _add_verify(sub):
-    p = sub.add_parser("verify", help="check a saved package against the NumPy reference, with negative controls")
-    p.add_argument("package")
+    p = sub.add_parser(
+        "verify", help="check a saved package (or every package of an export directory) against the NumPy reference"
+    )
+    p.add_argument("package", help="a layer_<L>.mlpackage, or an export directory: every package, one summary table")
     p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the one the package records)")
     p.add_argument("--fp32", action="store_true", help="evaluate the package in fp32 instead of emulating fp16 storage")
     p.add_argument(
@@ -271,9 +275,21 @@ def _run_verify(args):
     if args.compute_units is not None:
         from anelab.runtime.device import verify_on_device
 
-        report = verify_on_device(args.package, args.checkpoint, compute_units=args.compute_units)
+        def verify_one(package, checkpoint):
+            return verify_on_device(package, checkpoint, compute_units=args.compute_units)
     else:
-        report = verify_package(args.package, args.checkpoint, fp16=not args.fp32)
+
+        def verify_one(package, checkpoint):
+            return verify_package(package, checkpoint, fp16=not args.fp32)
+
+    path = Path(args.package)
+    if path.is_dir() and not (path / "Manifest.json").exists():  # an export directory
+        from anelab.sidecar.verify_export import verify_export
+
+        on_device = verify_one if args.compute_units is not None else None  # None: NumPy, no per-package bars
+        report = verify_export(path, args.checkpoint, fp16=not args.fp32, verify_one=on_device)
+    else:
+        report = verify_one(path, args.checkpoint)
     if args.json:
         _print_json(report.to_dict())
     else:

@@ -56,8 +56,11 @@ def test_saved_package_matches_reference_for_every_function(exported, variant):
     assert all(c.worst > 10 * RELATIVE_ERROR_THRESHOLD for c in controls)
 
 
-def test_package_from_a_different_checkpoint_fails_verification(exported, tiny_checkpoint, tmp_path):
-    """Negative control for the whole chain: same geometry, other weights -> FAIL."""
+def test_package_from_a_different_checkpoint_fails_verification(exported, tiny_checkpoint, tmp_path, monkeypatch):
+    """Negative control for the whole chain: same geometry, other weights -> refused by the recorded tensor
+    digests; with that check off, the numbers alone -> FAIL."""
+    import anelab.sidecar.compare as compare_module
+
     ckpt, pkg = exported["qwen3_next"]
     g = TINY_GEOMETRIES["qwen3_next"]
     other = write_checkpoint(
@@ -66,6 +69,9 @@ def test_package_from_a_different_checkpoint_fails_verification(exported, tiny_c
         {i: random_attention_weights(g, i, seed=99) for i in g.full_attention_layers},
         model_type="qwen3_next",
     )
+    with pytest.raises(AnelabInputError, match=r"tensor model\.layers\.\d+\.self_attn\.\S+ differs"):
+        verify_package(pkg, other)
+    monkeypatch.setattr(compare_module, "require_same_tensors", lambda meta, checkpoint: None)
     report = verify_package(pkg, other)
     assert not report.passed
     assert not report.vacuous

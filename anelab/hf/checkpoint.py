@@ -7,6 +7,7 @@ the same layout so tests and notebooks work on small synthetic models.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -31,7 +32,15 @@ from anelab.hf.config import (
     geometry_from_config,
     text_config,
 )
-from anelab.hf.safetensors_io import INDEX_FILE, STORAGE_DTYPES, SafetensorsFile, TensorEntry, write_safetensors
+from anelab.hf.safetensors_io import (
+    INDEX_FILE,
+    STORAGE_DTYPES,
+    LazyTensor,
+    MappedTensor,
+    SafetensorsFile,
+    TensorEntry,
+    write_safetensors,
+)
 from anelab.weights import AttentionWeights
 
 _LAYER_KEY = re.compile(r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.self_attn\.(q|qkv)_proj\.weight$")
@@ -92,7 +101,20 @@ class Checkpoint:
             raise AnelabInputError(
                 f"tensor {name} has shape {list(entry.shape)}, expected {list(shape)} from config.json"
             )
-        return file.read(name).astype(np.float32)
+        return file.read_float32(name)
+
+    def map_tensor(self, name: str, shape: tuple[int, ...]) -> MappedTensor:
+        """The tensor ``name`` left in its file (rows read as float32 on demand); refused as ``read_tensor``."""
+        found = self._entry(name)
+        if found is None:
+            raise AnelabInputError(f"tensor {name} is missing from the checkpoint at {self.path}")
+        file, entry = found
+        if entry.shape != tuple(shape):
+            raise AnelabInputError(
+                f"tensor {name} has shape {list(entry.shape)}, expected {list(shape)} from config.json"
+            )
+        file.view(name)  # refuses an unsupported dtype or a truncated tensor now
+        return MappedTensor(file, name)
 
     def _check_layer(self, index: int) -> None:
         g = self.geometry
@@ -179,6 +201,21 @@ class Checkpoint:
             "k_proj.weight": fused[q_rows : q_rows + kv_rows],
             "v_proj.weight": fused[q_rows + kv_rows :],
         }
+
+    def attention_digests(self, layer: int) -> dict[str, str]:
+        """Tensor name -> digest for every tensor of ``layer``'s attention (``{prefix}layers.{L}.self_attn.*``).
+
+        The digest is SHA-256 (16 hex digits) of the name, dtype, shape and stored bytes, read through a
+        memory map: what an exported package records to recognise its checkpoint under any path.
+        """
+        stem = self.tensor_name(int(layer), "")
+        digests = {}
+        for name in sorted(n for n in self.weight_map if n.startswith(stem)):
+            file, entry = self._entry(name)
+            h = hashlib.sha256(f"{name}|{entry.dtype}|{list(entry.shape)}|".encode())
+            h.update(memoryview(file.view(name).reshape(-1).view(np.uint8)))
+            digests[name] = h.hexdigest()[:16]
+        return digests
 
     def tensor_dtype(self, layer: int | None = None) -> str:
         """Storage dtype of a full-attention layer's q_proj (the first such layer by default)."""
@@ -438,12 +475,35 @@ def write_checkpoint(
     if clash:
         raise AnelabInputError(f"extra tensor {clash[0]} is an attention tensor; pass attention weights in weights")
     tensors.update(extra_tensors or {})
-    if not isinstance(shards, int) or not 1 <= shards <= len(tensors):
-        raise AnelabInputError(f"shards must be between 1 and the tensor count {len(tensors)}, got {shards}")
     config = config_for_geometry(geometry, model_type, family, dtype)
     if extra_config:
         (config["text_config"] if family.nested_text_config else config).update(extra_config)
+    return write_checkpoint_directory(directory, config, tensors, dtype=dtype, shards=shards)
 
+
+def write_checkpoint_directory(
+    directory: str | os.PathLike,
+    config: dict,
+    tensors: dict[str, np.ndarray | LazyTensor],
+    *,
+    dtype: str = "F32",
+    shards: int = 1,
+) -> Path:
+    """Write config.json and ``tensors`` (full name -> array, or a ``LazyTensor`` made when written: a model
+    larger than memory is written one tensor at a time) as a checkpoint directory, atomically.
+
+    ``shards > 1``: ``model-0000i-of-0000n.safetensors`` (tensors in name order) with the shard index.
+    An existing directory is refused.
+    """
+    directory = Path(directory)
+    if dtype not in STORAGE_DTYPES:
+        raise AnelabInputError(f"dtype {dtype!r} is not supported; use one of {', '.join(STORAGE_DTYPES)}")
+    if directory.exists():
+        raise AnelabInputError(
+            f"{directory} already exists; checkpoints are never overwritten — choose a new directory"
+        )
+    if not isinstance(shards, int) or not 1 <= shards <= len(tensors):
+        raise AnelabInputError(f"shards must be between 1 and the tensor count {len(tensors)}, got {shards}")
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp-"))
     try:

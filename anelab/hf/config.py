@@ -27,6 +27,8 @@ class ModelFamily:
     ``sliding_window`` when the key is absent. ``scale``: which config key replaces head_dim ** -0.5.
     ``partial_rotary``: the model slices ``rotary_dim`` (else a factor != 1 is refused).
     ``after_o_proj`` / ``input_rows``: what the caller applies around the sidecar (never inside it).
+    ``eps_key`` / ``eps_default``: the config key of every norm's epsilon (q/k norms and the decoder's) and
+    transformers' default when it is absent.
     """
 
     variant: str
@@ -51,6 +53,8 @@ class ModelFamily:
     bias_key: str = "attention_bias"
     bias_default: bool = False
     default_theta: float = 10000.0
+    eps_key: str = "rms_norm_eps"
+    eps_default: float = 1e-6
     input_rows: str = "post_input_norm"
     after_o_proj: str = ""
 
@@ -108,13 +112,21 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         after_o_proj=_GEMMA2_AFTER,
     ),
     "phi3": ModelFamily(
-        "llama", "Phi3ForCausalLM", qkv_bias=False, o_bias=False, window="global", partial_rotary=True, fused_qkv=True
+        "llama",
+        "Phi3ForCausalLM",
+        qkv_bias=False,
+        o_bias=False,
+        window="global",
+        partial_rotary=True,
+        fused_qkv=True,
+        eps_default=1e-5,
     ),
     "olmo2": ModelFamily(
         "llama",
         "Olmo2ForCausalLM",
         qk_norm="projection",
         input_rows="residual",
+        eps_default=1e-5,
         after_o_proj="post_attention_layernorm (RMSNorm, weight multiplied in fp32) on attn_out, then the residual add",
     ),
     "granite": ModelFamily("llama", "GraniteForCausalLM", scale="attention_multiplier"),
@@ -127,6 +139,7 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         partial_rotary_factor=0.5,
         partial_rotary=True,
         rope_layout="interleaved",
+        eps_default=1.5625e-7,
     ),
     "glm4": ModelFamily(
         "llama",
@@ -137,13 +150,20 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         partial_rotary_factor=0.5,
         partial_rotary=True,
         rope_layout="interleaved",
+        eps_default=1.5625e-7,
         after_o_proj="post_self_attn_layernorm (RMSNorm) on attn_out, then the residual add",
     ),
     "smollm3": ModelFamily(
         "llama", "SmolLM3ForCausalLM", window="smollm3", no_rope_interval=True, default_theta=2000000.0
     ),
     "starcoder2": ModelFamily(
-        "llama", "Starcoder2ForCausalLM", window="global", bias_key="use_bias", bias_default=True
+        "llama",
+        "Starcoder2ForCausalLM",
+        window="global",
+        bias_key="use_bias",
+        bias_default=True,
+        eps_key="norm_epsilon",
+        eps_default=1e-5,
     ),
 }
 MODEL_FAMILIES["gemma3"] = replace(
@@ -242,10 +262,32 @@ REFUSED = (
 )
 
 
+# transformers' ``attribute_map`` of each supported family's text config: the name anelab reads -> the key
+# ``save_pretrained`` writes (``__setattr__`` stores the attribute under the mapped key, configuration_utils.py:653-656).
+# transformers 5.24.0: models/qwen3_moe/configuration_qwen3_moe.py:50-52. No other supported family's text config
+# has one (gemma3's maps image-token ids of the outer config; qwen3_5's maps its vision config's keys).
+ATTRIBUTE_MAPS: dict[str, dict[str, str]] = {"qwen3_moe": {"num_experts": "num_local_experts"}}
+
+
 def text_config(config: dict) -> dict:
-    """The language-model part of a config: ``config["text_config"]`` when nested, else ``config``."""
+    """The language-model part of a config (``config["text_config"]`` when nested, else ``config``), with
+    every ``ATTRIBUTE_MAPS`` spelling read under anelab's name; refuses both spellings with different values."""
     nested = config.get("text_config")
-    return nested if isinstance(nested, dict) else config
+    text = nested if isinstance(nested, dict) else config
+    aliases = ATTRIBUTE_MAPS.get(text.get("model_type") or config.get("model_type"), {})
+    if not any(stored in text for stored in aliases.values()):
+        return text
+    text = dict(text)
+    for name, stored in aliases.items():
+        if stored not in text:
+            continue
+        if name in text and text[name] != text[stored]:
+            raise AnelabInputError(
+                f"config.json sets {name}={text[name]!r} and {stored}={text[stored]!r}, one setting in transformers "
+                f"(attribute_map); keep only {stored}"
+            )
+        text[name] = text.pop(stored)
+    return text
 
 
 def detect_family(config: dict) -> tuple[str, ModelFamily]:
@@ -497,7 +539,7 @@ def geometry_from_config(config: dict) -> AttentionGeometry:
         )
     head_dim = text.get("head_dim") or family.head_dim or hidden // heads
     head_dim = _config_int({"head_dim": head_dim}, "head_dim")
-    eps = text.get("rms_norm_eps", 1e-6)
+    eps = _config_number(text, family.eps_key, family.eps_default)
 
     attention_bias = bool(text.get(family.bias_key, family.bias_default))
     qkv_bias = attention_bias if family.qkv_bias is None else family.qkv_bias

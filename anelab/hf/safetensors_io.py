@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import mmap
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ml_dtypes
@@ -48,6 +50,7 @@ class SafetensorsFile:
     path: Path
     data_start: int
     entries: dict[str, TensorEntry]
+    _mapped: mmap.mmap | None = field(default=None, repr=False)
 
     @classmethod
     def open(cls, path: Path) -> SafetensorsFile:
@@ -84,50 +87,133 @@ class SafetensorsFile:
             entries[name] = entry
         return cls(path, 8 + n, entries)
 
-    def read(self, name: str) -> np.ndarray:
-        """The tensor ``name`` in its storage dtype (F32 / F16 / BF16), shaped as stored."""
+    def view(self, name: str) -> np.ndarray:
+        """The tensor ``name`` memory-mapped read-only in its storage dtype, shaped as stored (no bytes read
+        until used; ``release`` drops the pages touched from this process's resident memory)."""
         entry = self.entries[name]
+        storage = self._storage(entry)
+        if self._mapped is None:
+            with open(self.path, "rb") as f:
+                self._mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        count = (entry.end - entry.begin) // storage.itemsize
+        flat = np.frombuffer(self._mapped, dtype=storage, count=count, offset=self.data_start + entry.begin)
+        return flat.reshape(entry.shape)
+
+    def release(self, name: str | None = None) -> None:
+        """Drop the mapped pages of tensor ``name`` (None: of the whole file) from resident memory; the page
+        cache keeps them, so a later read is served from memory without counting as this process's."""
+        if self._mapped is None:
+            return
+        begin, end = 0, len(self._mapped)
+        if name is not None:
+            entry = self.entries[name]
+            begin = (self.data_start + entry.begin) // mmap.PAGESIZE * mmap.PAGESIZE
+            end = min(end, self.data_start + entry.end)
+        if end > begin:
+            self._mapped.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+
+    def read_float32(self, name: str) -> np.ndarray:
+        """The tensor ``name`` converted to a new float32 array through the memory map (pages released after)."""
+        out = to_float32(self.view(name))
+        self.release(name)
+        return out
+
+    def _storage(self, entry: TensorEntry) -> np.dtype:
         storage = STORAGE_DTYPES.get(entry.dtype)
         if storage is None:
             raise AnelabInputError(
-                f"tensor {name} in {self.path.name} has dtype {entry.dtype}; supported: "
+                f"tensor {entry.name} in {self.path.name} has dtype {entry.dtype}; supported: "
                 f"{', '.join(STORAGE_DTYPES)} (dequantize the checkpoint first)"
             )
         count = int(np.prod(entry.shape, dtype=np.int64))
         if entry.end - entry.begin != count * storage.itemsize:
             raise AnelabInputError(
-                f"tensor {name} in {self.path.name}: {entry.end - entry.begin} bytes do not hold "
+                f"tensor {entry.name} in {self.path.name}: {entry.end - entry.begin} bytes do not hold "
                 f"{entry.dtype} {list(entry.shape)}; the file is corrupt"
             )
+        return storage
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor ``name`` in its storage dtype (F32 / F16 / BF16), shaped as stored (read into memory)."""
+        entry = self.entries[name]
+        storage = self._storage(entry)
         with open(self.path, "rb") as f:
             f.seek(self.data_start + entry.begin)
             raw = f.read(entry.end - entry.begin)
         return np.frombuffer(raw, dtype=storage).reshape(entry.shape)
 
 
-def write_safetensors(path: Path, tensors: dict[str, np.ndarray], dtype: str) -> int:
-    """Write ``tensors`` (cast to ``dtype``) as one safetensors file; return the data bytes.
+def to_float32(stored: np.ndarray) -> np.ndarray:
+    """A new float32 array of F32 / F16 / BF16 values [...]: bf16 is the upper half of a float32, so its bits
+    are copied into the upper halves of a zeroed float32 array (several times faster than a dtype cast)."""
+    if stored.dtype != STORAGE_DTYPES["BF16"]:
+        return np.array(stored, dtype=np.float32)
+    out = np.zeros(stored.shape, np.float32)
+    out.view(np.uint16).reshape(*stored.shape, 2)[..., 1] = stored.view(np.uint16)  # little-endian: high half second
+    return out
+
+
+@dataclass(frozen=True)
+class MappedTensor:
+    """A 2-D tensor [N, K] left in its safetensors file: ``tensor[rows]`` (a slice or an index array) returns
+    those rows as float32, read through the memory map and released after. ``np.asarray`` reads it whole."""
+
+    file: SafetensorsFile
+    name: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.file.entries[self.name].shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    dtype = np.dtype(np.float32)
+
+    def __getitem__(self, rows) -> np.ndarray:
+        out = to_float32(np.asarray(self.file.view(self.name)[rows]))
+        self.file.release(self.name)
+        return out
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        whole = self.file.read_float32(self.name)
+        return whole if dtype is None else whole.astype(dtype)
+
+
+@dataclass(frozen=True)
+class LazyTensor:
+    """A tensor made when the writer reaches it (``make()`` -> array of ``shape``): a writer holds one at a time."""
+
+    shape: tuple[int, ...]
+    make: Callable[[], np.ndarray]
+
+
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray | LazyTensor], dtype: str) -> int:
+    """Write ``tensors`` (cast to ``dtype``; a ``LazyTensor`` made in its turn) as one safetensors file;
+    return the data bytes.
 
     Byte-deterministic: tensors in name order, compact sorted JSON, header padded with spaces to
     a multiple of 8 (as the safetensors library does).
     """
     storage = STORAGE_DTYPES[dtype]
     header: dict = {"__metadata__": {"format": "pt"}}
-    blobs, offset = [], 0
+    offset = 0
     for name in sorted(tensors):
-        blob = np.ascontiguousarray(np.asarray(tensors[name], dtype=np.float32).astype(storage)).tobytes()
-        header[name] = {
-            "dtype": dtype,
-            "shape": list(tensors[name].shape),
-            "data_offsets": [offset, offset + len(blob)],
-        }
-        blobs.append(blob)
-        offset += len(blob)
+        shape = [int(n) for n in tensors[name].shape]
+        size = int(np.prod(shape, dtype=np.int64)) * storage.itemsize
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
     text = json.dumps(header, separators=(",", ":"), sort_keys=True).encode("utf-8")
     text += b" " * (-len(text) % 8)
     with open(path, "wb") as f:
         f.write(len(text).to_bytes(8, "little"))
         f.write(text)
-        for blob in blobs:
-            f.write(blob)
+        for name in sorted(tensors):
+            value = tensors[name]
+            array = value.make() if isinstance(value, LazyTensor) else value
+            if list(np.shape(array)) != header[name]["shape"]:
+                raise AnelabInputError(f"tensor {name} was made with shape {list(np.shape(array))}, not {value.shape}")
+            stored = array if array.dtype == storage else np.asarray(array, dtype=np.float32).astype(storage)
+            f.write(np.ascontiguousarray(stored).tobytes())
     return offset

@@ -103,7 +103,28 @@ def load_matching_checkpoint(meta: SidecarMetadata, checkpoint_dir: str | os.Pat
         )
     checkpoint = load_checkpoint(source)
     require_same_geometry(meta, checkpoint.geometry, source)
+    require_same_tensors(meta, checkpoint)
     return checkpoint
+
+
+def require_same_tensors(meta: SidecarMetadata, checkpoint: Checkpoint) -> None:
+    """Refuse (one line, naming the first differing tensor) a checkpoint whose attention tensors of the
+    package's layer differ from those it was built from; the path does not matter (a copy or a new
+    revision with the same tensors is accepted). A package that records no digests is not judged here."""
+    if meta.source_tensors is None:
+        return
+    have = checkpoint.attention_digests(meta.layer)
+    for name in sorted(set(meta.source_tensors) | set(have)):
+        if meta.source_tensors.get(name) != have.get(name):
+            how = (
+                "is missing"
+                if name not in have
+                else ("was not in the exported layer" if name not in meta.source_tensors else "differs")
+            )
+            raise AnelabInputError(
+                f"checkpoint {checkpoint.path}: tensor {name} {how} from the checkpoint layer_{meta.layer} was "
+                f"exported from ({meta.source}); pass that checkpoint or re-export"
+            )
 
 
 def require_same_geometry(meta: SidecarMetadata, geometry: AttentionGeometry, source: str | os.PathLike) -> None:

@@ -406,15 +406,17 @@ def _stateful_tiled_call(heads, chunk, capacity, key_tile, query_tile):
     return kt, qt, score_bytes(heads, qt, kt)
 
 
-def _verify_stateful(package, checkpoint_dir, *, seed, fp16, functions, precision, evaluator):
+def _verify_stateful(package, checkpoint_dir, *, seed, fp16, functions, precision, evaluator, progress=True):
     """A stateful package verifies over one whole prompt through its state (fp64 reference): no subset."""
     _refuse_function_subset(functions)
-    return verify_cases.verify_stateful_package(package, checkpoint_dir, seed=seed, fp16=fp16, evaluator=evaluator)
+    return verify_cases.verify_stateful_package(
+        package, checkpoint_dir, seed=seed, fp16=fp16, evaluator=evaluator, progress=progress
+    )
 
 
-def _verify_stateful_tiled(package, checkpoint_dir, *, seed, fp16, functions, precision, evaluator):
+def _verify_stateful_tiled(package, checkpoint_dir, *, seed, fp16, functions, precision, evaluator, progress=True):
     _refuse_function_subset(functions)
-    return verify_cases.verify_stateful_tiled_package(package, checkpoint_dir, seed=seed, fp16=fp16)
+    return verify_cases.verify_stateful_tiled_package(package, checkpoint_dir, seed=seed, fp16=fp16, progress=progress)
 
 
 def _refuse_function_subset(functions) -> None:

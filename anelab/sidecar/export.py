@@ -231,7 +231,8 @@ def package_metadata(
     """What the finished package records about itself (``variants``: the converted functions)."""
     return SidecarMetadata(
         format_version=FORMAT_VERSION,
-        source=str(checkpoint.path),
+        source=str(Path(checkpoint.path).resolve()),
+        source_tensors=checkpoint.attention_digests(layer),
         layer=layer,
         geometry=checkpoint.geometry.to_dict(),
         chunk=options.chunk,

@@ -52,6 +52,7 @@ META = {
     "coremltools": "anelab.coremltoolsVersion",
     "anelab": "anelab.version",
     "exported_at": "anelab.exportedAt",
+    "source_tensors": "anelab.sourceTensors",
 }
 
 
@@ -113,6 +114,9 @@ class SidecarMetadata:
     feeds must be ``masks.causal(..., window=W)``. ``geometry`` carries the block's options, including
     what the caller applies to attn_out before the residual add (``after_o_proj``) and which rows it
     feeds (``input_rows``: post-input-norm rows, or the raw residual stream for OLMo 2).
+    ``source``: the checkpoint's absolute path at export; ``source_tensors``: tensor name -> digest of
+    every attention tensor of the layer (``Checkpoint.attention_digests``), which identifies the
+    checkpoint by content (None: exported before digests were recorded).
     """
 
     format_version: int
@@ -140,6 +144,7 @@ class SidecarMetadata:
     query_tile: int | None = None
     mask_mode: str | None = None
     ring_slots: int | None = None
+    source_tensors: dict[str, str] | None = None
 
     @property
     def functions(self) -> list[str]:
@@ -230,6 +235,7 @@ _FIELDS = {
     "query_tile": (QUERY_TILE_META, "int", False),
     "mask_mode": (MASK_MODE_META, "str", False),
     "ring_slots": (RING_SLOTS_META, "int", False),
+    "source_tensors": (META["source_tensors"], "json", False),
 }
 
 

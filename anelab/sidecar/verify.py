@@ -50,18 +50,27 @@ def verify_package(
     functions: list[str] | None = None,
     precision: str = REFERENCE_PRECISION,
     evaluator: Evaluator | None = None,
+    progress: bool = True,
 ) -> VerifyReport:
     """Verify a saved sidecar against the reference with its design's cases and negative controls.
 
     ``functions``: only these functions (per-history designs); ``precision``: the reference's ("fp32":
     its own error against fp64 is measured on a slice and bounded; "fp64"); ``evaluator``: runs the
     package instead of the NumPy evaluation (Core ML on a Mac), beside it. A request the design cannot
-    serve is refused in one line.
+    serve is refused in one line. ``progress``: show this package's own progress bar (``verify_export``
+    shows one for the whole export instead).
     """
     meta = read_sidecar_metadata(package)
     design = design_of(meta, str(package))
     if evaluator is not None:
         design.require_device_verify()
     return design.verify(
-        package, checkpoint_dir, seed=seed, fp16=fp16, functions=functions, precision=precision, evaluator=evaluator
+        package,
+        checkpoint_dir,
+        seed=seed,
+        fp16=fp16,
+        functions=functions,
+        precision=precision,
+        evaluator=evaluator,
+        progress=progress,
     )

@@ -227,6 +227,7 @@ def verify_per_history_package(
     functions: list[str] | None = None,
     precision: str = REFERENCE_PRECISION,
     evaluator: Evaluator | None = None,
+    progress: bool = True,
 ) -> VerifyReport:
     """Verify every function h<H> of a saved dense or tiled sidecar against the reference (module docstring).
 
@@ -258,7 +259,7 @@ def verify_per_history_package(
                   checkpoint.geometry.window_of(meta.layer), meta.coverage, report.seconds, report.reference_checks)  # fmt: skip
     compressed = meta.weights != "fp16"
     compression = (checkpoint.layer(meta.layer), meta.weights) if compressed else None
-    with tqdm(total=len(names) * (4 + compressed), desc="verify", unit="case") as run.progress:
+    with tqdm(total=len(names) * (4 + compressed), desc="verify", unit="case", disable=not progress) as run.progress:
         for inputs, weights, rng in function_cases(meta, checkpoint, saved, names, seed=seed, run=run):
             report.comparisons += function_comparisons(run, inputs, weights, rng, compression=compression)
     if meta.selection_folded:
@@ -623,6 +624,7 @@ def verify_stateful_package(
     seed: int = 0,
     fp16: bool = True,
     evaluator: Evaluator | None = None,
+    progress: bool = True,
 ) -> VerifyReport:
     """Verify a stateful sidecar over a multi-chunk prompt (and decode steps when it has ``c1``):
     the attn_out rows and the whole final cache against the fp64 reference over the prompt, then
@@ -646,7 +648,7 @@ def verify_stateful_package(
     def truth(w, **options):
         return prompt_reference(hidden, w, geometry, window=true_window, rope_coverage=capacity, **options)
 
-    steps = tqdm(total=4 + (meta.weights != "fp16"), desc="verify stateful", unit="run")
+    steps = tqdm(total=4 + (meta.weights != "fp16"), desc="verify stateful", unit="run", disable=not progress)
     out, state = run()
     if evaluator is not None:  # the device's state read back (MLState.read_state), as NumPy's is
         state = evaluator.state_arrays(state)
@@ -779,7 +781,12 @@ def stateful_tiled_prompt(meta: SidecarMetadata) -> tuple[int, int]:
 
 
 def verify_stateful_tiled_package(
-    package: str | os.PathLike, checkpoint_dir: str | os.PathLike | None = None, *, seed: int = 0, fp16: bool = True
+    package: str | os.PathLike,
+    checkpoint_dir: str | os.PathLike | None = None,
+    *,
+    seed: int = 0,
+    fp16: bool = True,
+    progress: bool = True,
 ) -> VerifyReport:
     """Verify a stateful-tiled sidecar over a whole prompt whose last chunk is partial, then decode
     steps through ``c1`` when present: attn_out rows and the cache slots the prompt wrote, against the
@@ -811,7 +818,9 @@ def verify_stateful_tiled_package(
     ]
     if meta.mask_mode == "additive":
         cases.append(("mask reaches graph", {"masks": lambda r, s: drop_half_mask(stateful_mask(r, s, capacity), rng)}))
-    steps = tqdm(total=1 + len(cases) + (meta.weights != "fp16"), desc="verify stateful-tiled", unit="run")
+    steps = tqdm(
+        total=1 + len(cases) + (meta.weights != "fp16"), desc="verify stateful-tiled", unit="run", disable=not progress
+    )
     out, state = run()
     case = f"prompt {prefill} (last chunk partial)+{decode_steps}"
     report.comparisons.append(Comparison(label, case, P, stateful_tiled_errors(out, state, ref, window)))

@@ -7,7 +7,8 @@ An *arm* says who serves each attention layer during prefill and with which mask
   of the saved program off-Mac, or Core ML through ``runtime_runner`` on a Mac), causal mask;
 - mask arms for a sparse-indexed model (``Indexer``): ``folded`` (the QSA-shaped selection of
   ``anelab.selection`` folded into each chunk's mask) vs ``causal-only`` (the causal mask alone — what
-  a sidecar without the fold computes);
+  a sidecar without the fold computes); the indexer sparsifies the full-attention layers, a sliding
+  layer keeps its window (every arm applies a layer's window, ``geometry.window_of``, in prefill and decode);
 - a negative control: any arm with one layer perturbed (``mask_dropped``: that layer attends to
   every key of the chunk's coverage; ``rope_shifted``: that layer's chunks after the first are rotated
   one position late against their cached history — reference-served layers only; a shift of every
@@ -41,7 +42,12 @@ from anelab.geometry import chunk_starts
 from anelab.hf.model import ModelCheckpoint, load_model
 from anelab.masks import causal, fold_with_causal
 from anelab.selection import select
-from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error, require_same_geometry
+from anelab.sidecar.compare import (
+    RELATIVE_ERROR_THRESHOLD,
+    relative_error,
+    require_same_geometry,
+    require_same_tensors,
+)
 from anelab.sidecar.designs import design_of
 from anelab.sidecar.format import function_name, read_sidecar_metadata
 from anelab.weights import AttentionWeights
@@ -120,10 +126,7 @@ def _check_package(path: Path, meta, layer: int, model: ModelCheckpoint) -> None
     if meta.layer != layer:
         raise AnelabInputError(f"{path} records layer {meta.layer}, not {layer}; keep each package under its own name")
     require_same_geometry(meta, model.geometry, model.path)
-    if Path(meta.source).name != model.path.name:
-        raise AnelabInputError(
-            f"{path} was exported from {meta.source}, not from {model.path}; export the sidecars from this checkpoint"
-        )
+    require_same_tensors(meta, model.checkpoint)
 
 
 def open_sidecars(
@@ -133,19 +136,23 @@ def open_sidecars(
 
     Refuses (one line): a missing directory or package; a package of a design the arms do not serve
     (``Design.served_by_arms``: the stateful ones keep K/V in state); a package from another checkpoint
-    (recorded source or geometry, or h0 not computing this checkpoint's attention on seeded rows); chunk
-    widths that differ between packages; histories that do not reach the prompt's chunk starts.
-    ``runner`` serves the calls (default ``numpy_runner``: the saved programs evaluated with NumPy).
+    (geometry, or the digest of an attention tensor — a package without digests: h0 not computing this
+    checkpoint's attention on seeded rows); chunk widths that differ between packages; histories that do
+    not reach the prompt's chunk starts. ``runner`` serves the calls (default ``numpy_runner``: the saved
+    programs evaluated with NumPy).
     """
     directory = Path(directory)
     if not directory.is_dir():
         raise AnelabInputError(f"sidecar directory {directory} does not exist; export the sidecars into it first")
-    packages, chunks, histories = {}, {}, {}
+    packages, chunks, histories, undigested = {}, {}, {}, []
     for layer in model.geometry.full_attention_layers:
         path, meta = _package_meta(directory, layer)
         design_of(meta, str(path)).require_arms(str(path))  # the design first: before anything else is asked
         _check_package(path, meta, layer, model)
+        _check_rope_table(path, meta.coverage, layer, model, int(prompt_tokens))
         packages[layer], chunks[layer], histories[layer] = path, meta.chunk, set(meta.histories)
+        if meta.source_tensors is None:
+            undigested.append(layer)
     widths = sorted(set(chunks.values()))
     if len(widths) > 1:
         a, b = (next(L for L, c in chunks.items() if c == w) for w in widths[:2])
@@ -163,13 +170,26 @@ def open_sidecars(
                 f"{chunk}; re-export with --histories reaching {starts[-1]} or shorten the prompt"
             )
     sidecars = SidecarSet(directory, packages, chunk)
-    for layer in packages:
-        _check_same_weights(sidecars, layer, model)
+    for layer in undigested:  # a dynamic / longrope h0 rotates by the prompt's table (_check_rope_table)
+        _check_same_weights(sidecars, layer, model, int(prompt_tokens))
     sidecars.runner = runner if runner is not None else numpy_runner(sidecars)
     return sidecars
 
 
-def _check_same_weights(sidecars: SidecarSet, layer: int, model: ModelCheckpoint) -> None:
+def _check_rope_table(path: Path, coverage: int, layer: int, model: ModelCheckpoint, prompt_tokens: int) -> None:
+    """A dynamic / longrope package rotates by the table of its coverage; the run uses the prompt's table."""
+    g = model.geometry
+    if not g.rope_depends_on_coverage:
+        return
+    (have, have_factor), (want, want_factor) = (g.rope_frequencies(layer, c) for c in (coverage, prompt_tokens))
+    if have_factor != want_factor or not np.array_equal(have, want):
+        raise AnelabInputError(
+            f"{path} covers {coverage} positions, which picks another {g.rope_scaling.rope_type} RoPE table than a "
+            f"{prompt_tokens}-token prompt; export the sidecars with histories that end at this prompt's last chunk"
+        )
+
+
+def _check_same_weights(sidecars: SidecarSet, layer: int, model: ModelCheckpoint, rope_coverage: int) -> None:
     """Refuse a package whose h0 does not compute this checkpoint's attention (seeded rows, NumPy evaluation):
     the same geometry and directory name can still hold another model's weights."""
     from anelab.sidecar.evaluate import evaluate
@@ -179,7 +199,9 @@ def _check_same_weights(sidecars: SidecarSet, layer: int, model: ModelCheckpoint
     mask = causal(c, 0)
     got = evaluate(sidecars.packages[layer], function_name(0), {"hidden": rows, "mask": mask})["attn_out"]
     empty = np.zeros((0, g.num_kv_heads, g.head_dim), np.float32)
-    want = reference.attention_block(rows, empty, empty, mask.astype(np.float32), model.attention(layer), g).attn_out
+    want = reference.attention_block(
+        rows, empty, empty, mask.astype(np.float32), model.attention(layer), g, rope_coverage=rope_coverage
+    ).attn_out
     if relative_error(got, want) > NOISE:
         raise AnelabInputError(
             f"{sidecars.packages[layer]} does not compute layer {layer} of {model.path} "
@@ -194,7 +216,8 @@ def numpy_runner(sidecars: SidecarSet) -> SidecarRunner:
     opened: dict[int, SavedPackage] = {}
 
     def run(layer: int, start: int, valid_rows: int, inputs: dict) -> dict:
-        if layer not in opened:
+        if layer not in opened:  # one package open at a time: a layer-major prefill opens each once
+            opened.clear()
             opened[layer] = SavedPackage(sidecars.packages[layer])
         return evaluate(opened[layer], function_name(start), inputs)
 
@@ -234,12 +257,13 @@ class ArmRun:
 
 @dataclass
 class _Layer:
-    """One layer during a run: its weights and its K/V cache so far."""
+    """One layer during a run: its K/V cache so far, and its weights while they are in use (None otherwise)."""
 
-    attention: AttentionWeights
-    weights: DecoderLayerWeights
+    attention: AttentionWeights | None = None
+    weights: DecoderLayerWeights | None = None
     k: list = field(default_factory=list)  # cached keys, token-major [n, Hkv, d] pieces
     v: list = field(default_factory=list)
+    rope_coverage: int | None = None  # picks a dynamic / longrope table (ModelCheckpoint.rope_coverage)
 
     def history(self, geometry) -> tuple[np.ndarray, np.ndarray]:
         empty = np.zeros((0, geometry.num_kv_heads, geometry.head_dim), np.float32)
@@ -247,22 +271,31 @@ class _Layer:
         v = np.concatenate(self.v) if self.v else empty
         return k, v
 
+    def load(self, model: ModelCheckpoint, layer: int) -> None:
+        self.attention, self.weights = model.attention(layer), model.layer(layer)
+
+    def unload(self) -> None:
+        self.attention = self.weights = None
+
 
 def _selection_mask(normed, start, state: _Layer, k_hist, model, indexer: Indexer, width: int) -> np.ndarray:
     """The indexer's selection of these rows (scored on their reference q and every key) folded into a [width, s + width] mask."""
     rows = normed.shape[0]
-    proj = reference.project(normed, start + np.arange(rows), state.attention, model.geometry)
+    proj = reference.project(
+        normed, start + np.arange(rows), state.attention, model.geometry, rope_coverage=state.rope_coverage
+    )
     sel = select(proj.q, np.concatenate([k_hist, proj.k]), start, indexer.kept_blocks, indexer.compress_ratio)
     return fold_with_causal(sel.keep_indices, sel.keep_counts, start, width)
 
 
 def _mask(normed, start, state, k_hist, model, arm: Arm, width: int, *, prefill: bool, layer: int) -> np.ndarray:
-    """Additive mask float16 [width, start + width] for this layer's call."""
+    """Additive mask float16 [width, start + width] for this layer's call (a sliding layer's window included)."""
     if prefill and arm.perturbation is not None and arm.perturbation == Perturbation(layer, "mask_dropped"):
         return np.zeros((width, start + width), np.float16)
-    if arm.indexer is not None and (arm.fold or not prefill):
+    window = model.geometry.window_of(layer)
+    if arm.indexer is not None and (arm.fold or not prefill) and window is None:
         return _selection_mask(normed, start, state, k_hist, model, arm.indexer, width)
-    return causal(width, start)
+    return causal(width, start, window=window)
 
 
 def _attend(model, layer, state: _Layer, normed, start, arm: Arm, sidecars, *, prefill: bool):
@@ -288,22 +321,61 @@ def _attend(model, layer, state: _Layer, normed, start, arm: Arm, sidecars, *, p
     # position of a layer alike (chunk 0 included) would cancel exactly
     shift = 1 if prefill and start > 0 and arm.perturbation == Perturbation(layer, "rope_shifted") else 0
     block = reference.attention_block(
-        normed, k_hist, v_hist, mask.astype(np.float32), state.attention, g, start=start + shift
-    )
+        normed, k_hist, v_hist, mask.astype(np.float32), state.attention, g, start=start + shift,
+        rope_coverage=state.rope_coverage,
+    )  # fmt: skip
     return block.attn_out, block.k_chunk.transpose(1, 0, 2), block.v_chunk.transpose(1, 0, 2)
 
 
-def _forward_rows(model, states, x, start, arm, sidecars, *, prefill, hidden_out=None) -> np.ndarray:
-    """Rows x [r, D] at ``start`` through every layer (caches appended); returns the last layer's output [r, D]."""
+def _layer_rows(model, layer: int, state: _Layer, x, start: int, arm: Arm, sidecars, *, prefill: bool) -> np.ndarray:
+    """Rows x [r, D] at ``start`` through one loaded layer (its cache appended): the layer's output [r, D]."""
+    normed = attention_input(x, state.weights, model.eps)
+    attn, k, v = _attend(model, layer, state, normed, start, arm, sidecars, prefill=prefill)
+    state.k.append(k.astype(np.float32))
+    state.v.append(v.astype(np.float32))
+    return finish_layer(x, attn, state.weights, model.eps)
+
+
+def _prefill_layer_major(model, states, x, starts, chunk, arm, sidecars, hidden, progress) -> None:
+    """Every chunk through layer 0 (its cache threaded), then through layer 1, ...: each layer's weights are
+    read once and dropped. x [P, D] (the embeddings) is overwritten with each layer's output, kept in hidden."""
     for layer, state in enumerate(states):
-        normed = attention_input(x, state.weights, model.eps)
-        attn, k, v = _attend(model, layer, state, normed, start, arm, sidecars, prefill=prefill)
-        state.k.append(k.astype(np.float32))
-        state.v.append(v.astype(np.float32))
-        x = finish_layer(x, attn, state.weights, model.eps)
-        if hidden_out is not None:
-            hidden_out[layer, start : start + x.shape[0]] = x
-    return x
+        state.load(model, layer)
+        for start in starts:
+            rows = slice(start, start + chunk)
+            x[rows] = _layer_rows(model, layer, state, x[rows].copy(), start, arm, sidecars, prefill=True)
+        hidden[layer] = x
+        state.unload()
+        progress.update()
+
+
+def _prefill_chunk_major(model, states, x, starts, chunk, arm, sidecars, hidden, progress) -> None:
+    """Each chunk through every layer before the next chunk (a runtime's order): every layer's weights held."""
+    for layer, state in enumerate(states):
+        state.load(model, layer)
+    for start in starts:
+        rows = slice(start, start + chunk)
+        y = x[rows].copy()
+        for layer, state in enumerate(states):
+            y = _layer_rows(model, layer, state, y, start, arm, sidecars, prefill=True)
+            hidden[layer, rows] = y
+        x[rows] = y
+    for state in states:
+        state.unload()
+    progress.update(len(states))
+
+
+PREFILL_ORDERS = {"layer": _prefill_layer_major, "chunk": _prefill_chunk_major}
+
+
+def _decode_step(model, states, token: int, position: int, arm: Arm, sidecars, head) -> np.ndarray:
+    """One greedy step on the reference path: each layer's weights read for this step only -> logits [V]."""
+    x = embed(np.array([token]), head)
+    for layer, state in enumerate(states):
+        state.load(model, layer)
+        x = _layer_rows(model, layer, state, x, position, arm, sidecars, prefill=False)
+        state.unload()
+    return lm_logits(x, head, model.eps)[0]
 
 
 def _check_arm(arm: Arm, model: ModelCheckpoint, sidecars: SidecarSet | None) -> None:
@@ -327,36 +399,45 @@ def run_arm(
     decode: int,
     chunk: int | None = None,
     sidecars: SidecarSet | None = None,
+    order: str = "layer",
 ) -> ArmRun:
     """Prefill ``prompt`` (int [P]) chunk by chunk under ``arm``, then decode ``decode`` tokens greedily.
 
     chunk: the prefill chunk (default: the sidecars' width, else ``REFERENCE_CHUNK``); with sidecars it
-    must equal their width. Layer weights are read from the checkpoint once per run.
+    must equal their width. order: ``layer`` (default) streams the weights — every chunk goes through
+    layer 0 with its cache threaded, then layer 1, ..., each layer's weights read once and dropped;
+    ``chunk`` runs each chunk through every layer first (a runtime's order) holding every layer's
+    weights. Both make the same calls on the same inputs: the results are equal bit for bit. Decode
+    reads each layer's weights per step; the embedding rows and the LM head's vocabulary blocks come
+    from the checkpoint's files on demand.
     """
+    from anelab.progress import tqdm
+
     prompt = np.asarray(prompt)
     _check_arm(arm, model, sidecars)
     if decode < 1:
         raise AnelabInputError(f"decode must be >= 1 token, got {decode}")
+    if order not in PREFILL_ORDERS:
+        raise AnelabInputError(f"prefill order {order!r}: use one of {', '.join(PREFILL_ORDERS)}")
     chunk = (sidecars.chunk if sidecars else REFERENCE_CHUNK) if chunk is None else int(chunk)
     if sidecars is not None and chunk != sidecars.chunk:
         raise AnelabInputError(f"the prefill chunk {chunk} differs from the sidecars' width {sidecars.chunk}")
     if prompt.ndim != 1 or prompt.size < 1:
         raise AnelabInputError("the prompt needs at least one token id")
-    model.check_run_length(prompt.size + decode)
     head, g = model.head(), model.geometry
-    states = [_Layer(model.attention(i), model.layer(i)) for i in range(model.num_layers)]
+    coverage = model.rope_coverage(prompt.size, decode)
+    states = [_Layer(rope_coverage=coverage) for _ in range(model.num_layers)]
     hidden = np.zeros((model.num_layers, prompt.size, g.hidden_size), np.float32)
-    x = None
-    for start in chunk_starts(prompt.size, chunk):
-        x = _forward_rows(model, states, embed(prompt[start : start + chunk], head), start, arm, sidecars,
-                          prefill=True, hidden_out=hidden)  # fmt: skip
-    logits = [lm_logits(x[-1:], head, model.eps)[0]]
-    tokens = [int(np.argmax(logits[0]))]
-    for step in range(1, decode):
-        position = prompt.size + step - 1
-        x = _forward_rows(model, states, embed(np.array([tokens[-1]]), head), position, arm, sidecars, prefill=False)
-        logits.append(lm_logits(x, head, model.eps)[0])
-        tokens.append(int(np.argmax(logits[-1])))
+    x = embed(prompt, head)
+    with tqdm(total=model.num_layers + decode - 1, desc=f"arm {arm.name}", unit="pass", leave=False) as progress:
+        PREFILL_ORDERS[order](model, states, x, chunk_starts(prompt.size, chunk), chunk, arm, sidecars, hidden,
+                              progress)  # fmt: skip
+        logits = [lm_logits(x[-1:], head, model.eps)[0]]
+        tokens = [int(np.argmax(logits[0]))]
+        for step in range(1, decode):
+            logits.append(_decode_step(model, states, tokens[-1], prompt.size + step - 1, arm, sidecars, head))
+            tokens.append(int(np.argmax(logits[-1])))
+            progress.update()
     return ArmRun(arm, hidden, np.stack(logits), np.array(tokens))
 
 

@@ -1,0 +1,136 @@
+"""Verification of every package of one export directory: one progress bar, one summary row per layer.
+
+Each ``layer_<L>.mlpackage`` is verified as ``anelab verify PKG`` would (``verify.verify_package``: its
+comparisons with the reference and its negative controls). The summary keeps, per layer, the worst
+error of the comparisons that must stay under their bound and the weakest margin by which a negative
+control landed above its bound (a margin <= 1x means the control did not fail: the check is vacuous).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from anelab.errors import AnelabInputError
+from anelab.progress import tqdm
+from anelab.sidecar.compare import Comparison
+from anelab.sidecar.format import read_sidecar_metadata
+from anelab.sidecar.verify import VerifyReport, verify_package
+
+_PACKAGE = re.compile(r"^layer_(\d+)\.mlpackage$")
+
+# (package, checkpoint directory or None) -> its report; verify_package without its own progress bar by default
+VerifyOne = Callable[[Path, "str | os.PathLike | None"], VerifyReport]
+
+
+def _bound(c: Comparison, threshold: float) -> float:
+    return threshold if c.bound is None else c.bound
+
+
+@dataclass
+class LayerVerdict:
+    """One package's summary: design (graph and weight mode), worst checked error against its bound, and
+    the weakest control margin (control error / its bound; None when the package has no control)."""
+
+    layer: int
+    package: str
+    design: str
+    report: VerifyReport
+
+    @property
+    def worst(self) -> Comparison | None:
+        checked = [c for c in self.report.comparisons if not c.control]
+        return max(checked, key=lambda c: c.worst / _bound(c, self.report.threshold), default=None)
+
+    @property
+    def weakest_control_margin(self) -> float | None:
+        controls = [c.worst / _bound(c, self.report.threshold) for c in self.report.comparisons if c.control]
+        return min(controls, default=None)
+
+    @property
+    def result(self) -> str:
+        return "ok" if self.report.passed else ("VACUOUS" if self.report.vacuous else "FAIL")
+
+    def to_dict(self) -> dict:
+        worst = self.worst
+        return {
+            "layer": self.layer,
+            "package": self.package,
+            "design": self.design,
+            "worst_error": None if worst is None else worst.worst,
+            "worst_bound": None if worst is None else _bound(worst, self.report.threshold),
+            "weakest_control_margin": self.weakest_control_margin,
+            "passed": self.report.passed,
+            "report": self.report.to_dict(),
+        }
+
+
+@dataclass
+class ExportVerifyReport:
+    """Every package of one export directory, verified (``passed``: all of them, and at least one)."""
+
+    directory: str
+    layers: list[LayerVerdict]
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.layers) and all(v.report.passed for v in self.layers)
+
+    def table(self) -> str:
+        lines = [
+            f"verify {self.directory}: {len(self.layers)} packages",
+            f"{'layer':>5}  {'design':<22} {'worst error':>12} {'(bound)':>9}  {'weakest control':>15}  result",
+        ]
+        for v in self.layers:
+            worst, margin = v.worst, v.weakest_control_margin
+            error = f"{worst.worst:>12.2e} {_bound(worst, v.report.threshold):>9.0e}" if worst else f"{'-':>12} {'':>9}"
+            control = f"{margin:>14.0f}x" if margin is not None else f"{'none':>15}"
+            lines.append(f"{v.layer:>5}  {v.design:<22} {error}  {control}  {v.result}")
+        failed = [str(v.layer) for v in self.layers if not v.report.passed]
+        lines.append("PASSED: every package" if self.passed else f"FAILED: layer {', '.join(failed)}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"directory": self.directory, "passed": self.passed, "layers": [v.to_dict() for v in self.layers]}
+
+
+def export_packages(directory: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(layer, path) of every ``layer_<L>.mlpackage`` in an export directory, by layer; refuses an empty one."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise AnelabInputError(f"{directory}: no such directory; pass a package or an 'anelab export --out' directory")
+    found = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _PACKAGE.match(p.name)))
+    if not found:
+        raise AnelabInputError(
+            f"{directory} is not an .mlpackage and holds no layer_<L>.mlpackage; pass a package or an export directory"
+        )
+    return found
+
+
+def verify_export(
+    directory: str | os.PathLike,
+    checkpoint_dir: str | os.PathLike | None = None,
+    *,
+    fp16: bool = True,
+    verify_one: VerifyOne | None = None,
+) -> ExportVerifyReport:
+    """Verify every ``layer_<L>.mlpackage`` of ``directory`` against its checkpoint (``checkpoint_dir``, else
+    the one each package records), with one progress bar over the packages. ``verify_one`` replaces the
+    NumPy verification of one package (e.g. on the device)."""
+    if verify_one is None:
+
+        def verify_one(package, checkpoint):
+            return verify_package(package, checkpoint, fp16=fp16, progress=False)
+
+    verdicts = []
+    packages = export_packages(directory)
+    with tqdm(packages, desc="verify packages", unit="pkg") as bar:
+        for layer, path in bar:
+            bar.set_postfix_str(f"layer {layer}")
+            meta = read_sidecar_metadata(path)
+            design = meta.graph if meta.weights == "fp16" else f"{meta.graph} {meta.weights}"
+            verdicts.append(LayerVerdict(layer, str(path), design, verify_one(path, checkpoint_dir)))
+    return ExportVerifyReport(str(directory), verdicts)
