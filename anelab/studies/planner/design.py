@@ -13,10 +13,11 @@ The three designs differ in what the runtime loads and what each call computes:
   the arithmetic is the stateful design's (every slot scored; no control flow skips a tile), and the
   op count grows with the tile pairs ``(C / query_tile) x (capacity / key_tile)``.
 
-Assumptions (stated in every :class:`DesignPlan`): a load costs what the arena fit says
-(``LoadModel`` power law in score-arena bytes, fitted on Qwen 3.8's recorded loads, floored at the
-smallest recorded load, ``MIN_LOAD_SECONDS``) — whether compile time also grows with the op count is
-not recorded anywhere, so ``break_even_load_seconds`` says how slow one load may be before the design
+Assumptions (stated in every :class:`DesignPlan`): a load costs what the one load model says for
+its score arena (``LoadModel.at_arena``: Qwen 3.8's recorded load where the arena and geometry are
+recorded, else the power law in score-arena bytes, floored at the smallest recorded load) — the same
+arena costs the same in every design; whether compile time also grows with the op count is not
+recorded anywhere, so ``break_even_load_seconds`` says how slow one load may be before the design
 loses; ANE attention costs the recorded rate per score entry, masked entries included; the GPU arm,
 non-attention and GPU attention come from :func:`anelab.studies.planner.plan.plan` unchanged.
 """
@@ -27,14 +28,13 @@ import math
 from dataclasses import asdict, dataclass
 
 from anelab.errors import AnelabInputError
-from anelab.geometry import GB, chunk_starts, score_bytes
+from anelab.geometry import chunk_starts, score_bytes
 from anelab.sidecar.graphs.stateful_tiled import validate_tiles, wasted_score_fraction
 from anelab.studies.planner.catalogue import PlanGeometry, chunk_schedule, get_family, require_positive
-from anelab.studies.planner.fit import fit_costs
+from anelab.studies.planner.fit import LoadModel, fit_costs
 from anelab.studies.planner.plan import plan
 
 DESIGNS = ("per-history", "stateful", "stateful-tiled")
-MIN_LOAD_SECONDS = 0.133  # smallest recorded load: dense chunk-32 probe graph (data/ane-gather-probe.json)
 # non-const MIL ops of one function as built (before coremltools' passes), counted on built programs
 # (tests/test_stateful_tiled.py checks the formulas): a stateful-tiled function has a fixed part
 # (projections, RoPE, cache update, output) and ~25 ops per (query tile, key tile) pair.
@@ -49,8 +49,7 @@ class DesignCosts:
     """What the design comparison takes from the fitted cost model and from the per-history plan."""
 
     ane_seconds_per_entry: float
-    load_power_coef: float
-    load_power_exp: float
+    load: LoadModel  # the plan's load model (one for every design)
     gpu_prefill_seconds: float
     gpu_attention_seconds: float  # all of it moves to the ANE when the prompt is at least one chunk
     non_attention_seconds: float
@@ -76,6 +75,7 @@ class DesignPlan:
     wasted_fraction: float
     ops_per_function: int
     functions_per_layer: int
+    load_source: str  # where one load's seconds came from (recorded / fitted / extrapolated / flag)
     ane_attention_seconds: float
     gpu_prefill_seconds: float
     ane_prefill_seconds: float
@@ -111,18 +111,12 @@ def family_design_costs(family: str, prompt_tokens: int, chunk: int) -> DesignCo
     fit = fit_costs()
     return DesignCosts(
         ane_seconds_per_entry=fit.ane_seconds_per_entry,
-        load_power_coef=fit.load_power_coef,
-        load_power_exp=fit.load_power_exp,
+        load=fit.recorded_load_model(),
         gpu_prefill_seconds=p.gpu_prefill_seconds,
         gpu_attention_seconds=p.gpu_attention_seconds,
         non_attention_seconds=p.non_attention_seconds,
         per_history=p.to_dict(),
     )
-
-
-def arena_load_seconds(arena_bytes: int, costs: DesignCosts) -> float:
-    """One load by the arena fit, floored at the smallest recorded load."""
-    return max(MIN_LOAD_SECONDS, costs.load_power_coef * (arena_bytes / GB) ** costs.load_power_exp)
 
 
 def stateful_tiled_ops(chunk: int, capacity: int, key_tile: int, query_tile: int) -> int:
@@ -162,6 +156,8 @@ def design_plan(
         loads = ph["variants_visited"]
         arena, ops, functions = geometry.score_arena_bytes(chunk, schedule[-1].start), OPS_PER_HISTORY, calls
         setup, ane_attn = ph["setup_seconds"], ph["ane_attention_seconds"]
+        sources = sorted({v["source"] for v in ph["load_seconds"].values()})
+        load_source = "; ".join(sources) if sources else "no load"
         cap = kt = qt = None
         assumptions.append("loads: recorded per history where they apply, else the arena fit (as plan())")
     else:
@@ -181,18 +177,13 @@ def design_plan(
         else:
             kt, qt = validate_tiles(key_tile, query_tile, chunk, cap)
             arena, ops = score_bytes(heads, qt, kt), stateful_tiled_ops(chunk, cap, kt, qt)
-        setup = loads * arena_load_seconds(arena, costs)
+        each, load_source = costs.load.at_arena(heads, geometry.head_dim, chunk, int(arena))
+        setup = loads * each
         ane_attn = costs.ane_seconds_per_entry * computed * n_fa if on_ane else 0.0
         assumptions.append(
-            f"one load per layer ({n_fa}); load by the arena power fit (Qwen 3.8's recorded loads), floored at "
-            f"{MIN_LOAD_SECONDS} s; op count's effect on compile time not modelled"
+            f"one load per layer ({n_fa}); load by the one load model at the function's score arena "
+            f"({load_source}); op count's effect on compile time not modelled"
         )
-        ph_load = costs.per_history.get("cost_sources", {}).get("load", "")
-        if not ph_load.startswith("recorded per history"):
-            assumptions.append(
-                f"this family's per-history loads come from '{ph_load}', not from the arena fit: "
-                "compare its designs' setup with care"
-            )
     offloaded = costs.gpu_attention_seconds if on_ane else 0.0
     rest = costs.non_attention_seconds + costs.gpu_attention_seconds - offloaded + ane_attn
     ane_total = rest + setup
@@ -215,6 +206,7 @@ def design_plan(
         else wasted_score_fraction(prompt_tokens, chunk, cap),
         ops_per_function=int(ops),
         functions_per_layer=functions,
+        load_source=load_source,
         ane_attention_seconds=ane_attn,
         gpu_prefill_seconds=costs.gpu_prefill_seconds,
         ane_prefill_seconds=ane_total,

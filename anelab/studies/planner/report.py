@@ -46,7 +46,7 @@ def format_fit_report(rows: list[dict], fit: dict, loads: list[dict]) -> str:
     out.append(
         f"rates: ANE {fit['ane_seconds_per_entry']:.3g} s/entry (recorded h0), dense GPU "
         f"{fit['gpu_dense_seconds_per_entry']:.3g}, sparse GPU {fit['gpu_sparse_seconds_per_entry']:.3g} s/entry (fitted); "
-        f"dense setup {fit['dense_setup_seconds_per_variant']:.3g} s/variant (fitted)"
+        "the dense A/B rows hold no load term (their measured runs follow a warm-up)"
     )
     out.append(
         f"load = {fit['load_power_coef']:.3g} s x (score arena / GB) ^ {fit['load_power_exp']:.3g}: "
