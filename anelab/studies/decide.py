@@ -23,6 +23,7 @@ already exported and verified with the same hash (and the same export request) i
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -104,13 +105,10 @@ def plan_designs(config: DecideConfig, prompt_tokens: int | None = None) -> tupl
     """(per-history plan of the full-attention layers, design plans, design -> ArmCosts) at ``prompt_tokens``."""
     from anelab.studies.planner.from_checkpoint import checkpoint_designs
 
-    tokens = prompt_tokens or config.prompt_tokens
-    user = config.user_gpu
-    if prompt_tokens not in (None, config.prompt_tokens) and "gpu_prefill_seconds" in user:
-        user = {}  # the sweep scales the user's number itself (sweep())
     checkpoint_plan, designs = checkpoint_designs(
-        config.checkpoint, tokens, None, family=config.family, chunk=config.chunk, **user
-    )
+        config.checkpoint, prompt_tokens or config.prompt_tokens, None, family=config.family, chunk=config.chunk,
+        **config.user_gpu,
+    )  # fmt: skip
     full = checkpoint_plan.parts["full"]
     arms = {d.design: plan_arm_costs(full, d.to_dict()) for d in designs}
     return {**full, "cost_family": checkpoint_plan.cost_family}, [d.to_dict() for d in designs], arms
@@ -131,6 +129,8 @@ def check_request(config: DecideConfig):
     from anelab.hf.checkpoint import load_checkpoint
     from anelab.hf.model import load_model
 
+    if config.design != "auto" and config.design not in EXPORTS:
+        raise AnelabInputError(f"unknown --design {config.design!r}; use auto or one of: {', '.join(EXPORTS)}")
     if not Path(config.checkpoint).exists():
         raise AnelabInputError(f"checkpoint {config.checkpoint} does not exist; pass a model directory (config.json)")
     checkpoint = load_checkpoint(config.checkpoint)
@@ -156,12 +156,16 @@ def check_request(config: DecideConfig):
 
 # ---- evidence: export, verify (resumable) ----------------------------------------------------------------------
 def _export_request(design: dict, chunk: int, prompt_tokens: int) -> dict:
+    """What to export: the functions the prompt visits, or a state of the planned capacity — at least two
+    chunks, which verification of a stateful package needs (the report names a larger capacity)."""
     graph, _ = EXPORTS[design["design"]]
     request = {"graph": graph, "chunk": chunk}
     if design["capacity"] is None:
         request["histories"] = chunk_starts(prompt_tokens, chunk)
     else:
-        request.update(capacity=design["capacity"], key_tile=design["key_tile"], query_tile=design["query_tile"])
+        unit = math.lcm(chunk, design["key_tile"] or chunk)
+        capacity = -(-max(design["capacity"], 2 * chunk) // unit) * unit
+        request.update(capacity=capacity, key_tile=design["key_tile"], query_tile=design["query_tile"])
     return request
 
 
@@ -208,6 +212,7 @@ def export_and_verify(config: DecideConfig, design: dict, layers: list, bar) -> 
             evidence[design["design"]] = kept
             atomic_write_text(evidence_path, json.dumps(evidence, indent=2, sort_keys=True))
         summaries[layer] = {**known["verify"], "reused": reused, "package": str(pkg), "sha256": known["sha256"]}
+        summaries[layer]["capacity"] = request.get("capacity")
         bar.update(1)
     return directory, summaries
 
@@ -362,9 +367,9 @@ def sweep(config: DecideConfig, candidate: str, measured: dict | None, user_fact
     chunk = next(d for d in plan_designs(config)[1] if d["design"] == candidate)["chunk"]
     top = max(2 * config.prompt_tokens, 4 * chunk)
     grid = sorted({int(round(chunk * (top / chunk) ** (i / (SWEEP_POINTS - 1)))) for i in range(SWEEP_POINTS)})
-    rows = []
+    rows, modelled = [], replace(config, gpu_prefill_seconds=None, gpu_tokens_per_second=None)
     for tokens in tqdm(sorted(set(grid) | {config.prompt_tokens}), desc="sweep", unit="prompt", leave=False):
-        _, designs, arms = plan_designs(config, tokens)
+        _, designs, arms = plan_designs(modelled, tokens)
         design = next(d for d in designs if d["design"] == candidate)
         costs = with_measured(arms[candidate], measured, design, tokens)
         if user_factor is not None:

@@ -32,13 +32,6 @@ def seconds(x: float) -> str:
     return f"{x:.3f}" if x == 0 or abs(x) >= 0.01 else f"{x:.3g}"
 
 
-class _VerdictView:
-    """The fields ``thresholds_sentence`` reads, from a verdict dict."""
-
-    def __init__(self, d: dict):
-        self.__dict__.update(d)
-
-
 def verdict_lines(decision: dict) -> list[str]:
     """The verdict section as plain lines (report.md and ``anelab decide``'s output)."""
     v, ck = decision["verdict"], decision["checkpoint"]
@@ -52,7 +45,7 @@ def verdict_lines(decision: dict) -> list[str]:
         f"GPU arm {seconds(gpu['value'])} s [{seconds(gpu['low'])} .. {seconds(gpu['high'])}] ({gpu['kind']}); "
         f"ANE arm {seconds(ane['value'])} s [{seconds(ane['low'])} .. {seconds(ane['high'])}] ({ane['kind']}); "
         f"predicted ratio {v['predicted_ratio']:.2f}x (GPU / ANE)",
-        f"thresholds: {thresholds_sentence(_VerdictView(v))}",
+        f"thresholds: {thresholds_sentence(v)}",
     ]
     for what, command in v["settle"]:
         lines.append(f"to settle it: {what}: {command}")

@@ -130,3 +130,24 @@ def format_designs(rows: dict[str, list[dict]]) -> str:
     for design in first:
         out.append(f"assumptions ({design['design']}): " + "; ".join(design["assumptions"]))
     return "\n".join(out)
+
+
+def format_verdict(v: dict) -> str:
+    """A three-way verdict (``planner.verdict.Verdict.to_dict()``): the decision, both arms with their
+    intervals and provenance, the thresholds, every deciding cost's envelope, and what would settle it."""
+    from anelab.studies.planner.verdict import thresholds_sentence
+
+    gpu, ane = v["gpu_prefill"], v["ane_prefill"]
+
+    def span(c):
+        return f"{c['value']:.4g} s [{c['low']:.4g} .. {c['high']:.4g}]"
+
+    out = [
+        f"verdict: {v['decision']} — {v['reason']}",
+        f"GPU arm {span(gpu)} ({gpu['kind']}); ANE arm {span(ane)} ({ane['kind']}); "
+        f"predicted ratio {v['predicted_ratio']:.2f}x (GPU / ANE)",
+        f"thresholds: {thresholds_sentence(v)}",
+        "envelope: " + "; ".join(f"{name.replace('_', ' ')} {span(c)} {c['kind']}" for name, c in v["costs"].items()),
+    ]
+    out += [f"to settle it: {what}: {command}" for what, command in v["settle"]]
+    return "\n".join(out)

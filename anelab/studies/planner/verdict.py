@@ -194,20 +194,20 @@ def plan_arm_costs(plan: dict, design: dict | None = None, data_dir: str | Path 
     )
 
 
-def thresholds_sentence(v: Verdict) -> str:
+def thresholds_sentence(v: dict) -> str:
     """ "The ANE wins if one layer load <= X s and the GPU prefill of this prompt >= Y s" (each at the other's
-    central value), or why there is no threshold."""
-    if v.max_load_per_layer_seconds is None:
+    central value), or why there is no threshold. ``v``: ``Verdict.to_dict()``."""
+    x, y = v["max_load_per_layer_seconds"], v["min_gpu_prefill_seconds"]
+    if x is None:
         return "no threshold: the ANE does not run this prompt"
-    x = v.max_load_per_layer_seconds
     if x <= 0:
         return (
-            f"no load is fast enough: the ANE's attention alone ({v.costs['ane_attention']['value']:.1f} s) is no "
-            f"faster than the GPU attention it replaces at a GPU prefill of {v.gpu_prefill['value']:.1f} s"
+            f"no load is fast enough: the ANE's attention alone ({v['costs']['ane_attention']['value']:.3g} s) is no "
+            f"faster than the GPU attention it replaces at a GPU prefill of {v['gpu_prefill']['value']:.4g} s"
         )
     text = f"the ANE wins if one layer's loads for this prompt take <= {x:.3g} s"
-    if v.min_gpu_prefill_seconds is not None:
-        text += f" and the GPU prefill of this prompt takes >= {v.min_gpu_prefill_seconds:.4g} s"
+    if y is not None:
+        text += f" and the GPU prefill of this prompt takes >= {y:.4g} s"
     return text + " (each at the other's central value)"
 
 
