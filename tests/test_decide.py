@@ -10,7 +10,6 @@ import base64
 import json
 import re
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -58,7 +57,9 @@ def test_modelled_plan_by_hand():
     assert v.decision == "gpu"
 
 
-@pytest.mark.parametrize("seconds, decision", [(HAND_BREAK_EVEN_GPU * 0.98, "gpu"), (HAND_BREAK_EVEN_GPU * 1.02, "ane")])
+@pytest.mark.parametrize(
+    "seconds, decision", [(HAND_BREAK_EVEN_GPU * 0.98, "gpu"), (HAND_BREAK_EVEN_GPU * 1.02, "ane")]
+)
 def test_gpu_prefill_seconds_moves_the_verdict_across_the_threshold(seconds, decision):
     v = _verdict(gpu_prefill_seconds=seconds)
     assert v.gpu_prefill["value"] == pytest.approx(seconds)
@@ -241,10 +242,24 @@ def test_decide_refuses_bad_input_in_one_line(model, tmp_path, capsys):
     unsupported.mkdir()
     (unsupported / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
     _refused(["decide", str(unsupported), "--prompt-tokens", "64"], capsys, "bert")
-    measure = ["decide", str(model), "--prompt-tokens", "64", "--chunk", "32", "--out", str(tmp_path / "o"), "--measure"]
+    measure = [
+        "decide",
+        str(model),
+        "--prompt-tokens",
+        "64",
+        "--chunk",
+        "32",
+        "--out",
+        str(tmp_path / "o"),
+        "--measure",
+    ]
     _refused(measure, capsys, "--measure")
     assert not (tmp_path / "o").exists()  # refused before anything is written
-    _refused(["decide", str(model), "--prompt-tokens", "64", "--design", "nope", "--out", str(tmp_path / "p")], capsys, "nope")
+    _refused(
+        ["decide", str(model), "--prompt-tokens", "64", "--design", "nope", "--out", str(tmp_path / "p")],
+        capsys,
+        "nope",
+    )
 
 
 def test_decide_cli_prints_the_verdict(model, tmp_path, capsys):
