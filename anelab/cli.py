@@ -387,6 +387,8 @@ def _run_plan(args):
             chunk=args.chunk,
             key_tile=args.tile,
             query_tile=args.query_tile,
+            gpu_prefill_seconds=args.gpu_prefill_seconds,
+            gpu_tokens_per_second=args.gpu_tokens_per_second,
         )
         rows = {Path(args.checkpoint).name: [d.to_dict() for d in plans]}
         if args.json:
@@ -394,6 +396,7 @@ def _run_plan(args):
         else:
             print(f"costs: {checkpoint_plan.cost_family or 'flags'} — {checkpoint_plan.cost_family_reason}")
             print(planner.format_designs(rows))
+            _print_design_verdicts(checkpoint_plan.parts["full"], rows[Path(args.checkpoint).name])
         return 0
     if args.checkpoint is not None:
         return _run_plan_checkpoint(args)
@@ -434,6 +437,16 @@ def _run_plan(args):
         gpu_tokens_per_second=args.gpu_tokens_per_second,
     ).to_dict()
     return _print_plan(args, result, planner.format_plan(result), [result])
+
+
+def _print_design_verdicts(full: dict, designs: list[dict]) -> None:
+    """Each design's three-way verdict (the same envelope ``decide`` reports)."""
+    from anelab.studies.planner.report import format_verdict
+    from anelab.studies.planner.verdict import decide_arms, plan_arm_costs
+
+    for design in designs:
+        print(f"--- three-way verdict ({design['design']}) ---")
+        print(format_verdict(decide_arms(plan_arm_costs(full, design)).to_dict()))
 
 
 def _add_user_gpu(p) -> None:

@@ -90,6 +90,9 @@ class Decision:
 def settle_commands(config: DecideConfig) -> dict:
     """For each deciding cost: the measurement that settles it and the exact command."""
     base = f"anelab decide {config.checkpoint} --prompt-tokens {config.prompt_tokens} --out {config.out}"
+    for flag, value in (("--chunk", config.chunk), ("--family", config.family)):
+        base += f" {flag} {value}" if value is not None else ""
+    base += f" --design {config.design}" if config.design != "auto" else ""
     mac = ("time this model's own loads and ANE predictions on a Mac (Core ML, cold and warm)", base + " --measure")
     return {
         "load_per_layer": mac,

@@ -87,7 +87,7 @@ def format_plan(d: dict) -> str:
         f"{d['ane_attention_seconds']:.1f} s, attention saved {d['attention_saved_seconds']:.1f} s)"
     )
     out.append(f"predicted ratio {d['predicted_ratio']:.2f}x (GPU / ANE)")
-    out.append(f"decision: {d['decision']} — {d['reason']}")
+    out.append(f"central-cost decision: {d['decision']} — {d['reason']}")
     return "\n".join(out)
 
 
@@ -105,7 +105,7 @@ def format_checkpoint_plan(d: dict) -> str:
     out.append(
         f"combined: GPU {d['gpu_prefill_seconds']:.1f} s, ANE {d['ane_prefill_seconds']:.1f} s "
         f"(offloaded: {', '.join(d['offloaded']) or 'none'}); predicted ratio {d['predicted_ratio']:.2f}x; "
-        f"decision: {d['decision']}"
+        f"central-cost decision: {d['decision']}"
     )
     return "\n".join(out)
 
