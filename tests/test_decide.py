@@ -271,3 +271,9 @@ def test_decide_cli_prints_the_verdict(model, tmp_path, capsys):
     d = json.loads((out / "decision.json").read_text())
     assert d["verdict"]["gpu_prefill"]["kind"] == "yours" and d["verdict"]["gpu_prefill"]["value"] == 5.0
     assert np.isclose(d["sweep"][[r["prompt_tokens"] for r in d["sweep"]].index(64)]["gpu"]["value"], 5.0)
+
+
+def test_a_prompt_the_ane_does_not_run_is_gpu_without_thresholds():
+    v = decide_arms(plan_arm_costs(plan(1000, family="qwen3.8-125b-a6b-4bit").to_dict()))
+    assert v.decision == "gpu" and "short prompt" in v.reason
+    assert v.max_load_per_layer_seconds is None and v.min_gpu_prefill_seconds is None

@@ -307,19 +307,11 @@ def plan(
         schedule = [Chunk(c.index, c.start, c.tokens, "gpu") for c in schedule]
     fit = fit_costs(data_dir) if fam is not None else None
     base_costs = _family_costs(fam, prompt_tokens, fit) if fam is not None else None
-    costs = _costs_from_flags(
-        geometry,
-        chunk,
-        hs,
-        load_seconds,
-        gpu_attention_seconds,
-        ane_attention_seconds,
-        non_attention_seconds,
-        base_costs,
-    )
+    flags = (load_seconds, gpu_attention_seconds, ane_attention_seconds, non_attention_seconds)
+    costs = _costs_from_flags(geometry, chunk, hs, *flags, base_costs)
     terms = _prefill_terms(geometry, chunk, schedule, costs, loads_in_arm)
     user_gpu = _user_gpu_seconds(prompt_tokens, gpu_prefill_seconds, gpu_tokens_per_second)
-    if user_gpu is not None:
+    if user_gpu is not None:  # the user's GPU arm replaces the modelled one (the split kept)
         costs = _scaled_gpu_costs(costs, user_gpu / terms.gpu_total, user_gpu, gpu_prefill_seconds is not None)
         terms = _prefill_terms(geometry, chunk, schedule, costs, loads_in_arm)
     coverage_needed = (max(needed) + chunk) if needed else 0
