@@ -391,7 +391,7 @@ def decide(config: DecideConfig) -> Decision:
     config.out.mkdir(parents=True, exist_ok=True)
     layers = list(checkpoint.geometry.full_attention_layers)
     commands = settle_commands(config)
-    with tqdm(total=2 + 2 * len(layers) + bool(runtime), desc="decide", unit="step") as bar:
+    with tqdm(total=3 + len(layers) + bool(runtime), desc="decide", unit="step") as bar:
         bar.set_postfix_str("plan every design")
         plan, designs, arms = plan_designs(config)
         verdicts = {name: decide_arms(c, commands) for name, c in arms.items()}
