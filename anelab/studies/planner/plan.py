@@ -33,13 +33,16 @@ Where costs come from (:func:`fit_costs`, reading the records in ``data/``):
 
 - ANE rate: one measured h0 prediction of Qwen 3.8 (0.43 s for 24 x 4,096 x 4,096 entries),
   assumed to hold for every family (all are head_dim 256 here).
-- Dense GPU rate and the dense per-variant setup: one weighted least-squares fit over every dense
-  A/B row (Qwen 3.5 and the 35B, both widths); each row contributes
-  ``gpu - ane = gpu_attention - ane_attention - setup`` (non-attention cancels).
+- Dense GPU rate: one weighted least-squares fit over every dense A/B row (Qwen 3.5 and the 35B,
+  both widths); each row contributes ``gpu - ane = gpu_attention - ane_attention - setup``
+  (non-attention cancels; setup is the 35B's note, and none for Qwen 3.5 — see below).
 - Sparse GPU rate: the two Qwen 3.8 rows, the same way.
-- Loads: Qwen 3.8's three recorded ``MLModel(contentsOf:)`` times where history, chunk and heads
-  match; otherwise a power law in score-arena bytes fitted on those three; the 35B's ~0.5 s per
-  layer-chunk from the runtime's note; dense Qwen 3.5: the fitted per-variant setup.
+- Loads — one load model for every family and design (``LoadModel.at_arena``): Qwen 3.8's three
+  recorded ``MLModel(contentsOf:)`` times where arena, chunk and heads match; otherwise a power law
+  in score-arena bytes fitted on those three ("fitted" inside their range at their geometry,
+  "extrapolated" elsewhere), never below the smallest recorded load; the 35B keeps the runtime's
+  ~0.5 s per layer-chunk note. ``planner.envelope`` gives each cost its interval and
+  ``planner.verdict`` the three-way verdict.
 - Non-attention: per family, the mean residual of its rows at the reference workload.
 
 :func:`predicted_vs_recorded` reports how well that recovers each recorded ratio, in-sample and
@@ -47,8 +50,10 @@ leave-one-out.
 
 What the fit says that the seed does not (read these before trusting a decomposition):
 
-- The dense per-variant setup fits below zero and is pinned at 0: the dense A/B rows leave no room
-  for the ~0.5 s per layer-chunk the runtime's note gives the 35B (the 35B keeps its note).
+- A dense per-variant setup fitted beside the rate comes out below zero: the Qwen 3.5 A/B rows'
+  measured runs (after a warm-up run) hold no load. So none is fitted: those rows are the *warm*
+  protocol (``loads_in_arm=False`` reproduces them), while a plan pays each visited function's load
+  per prompt by the one load model — extrapolated at Qwen 3.5's heads, hence a ``depends`` verdict.
 - Qwen 3.8's recorded ANE arm (273.5 s) holds the 244 s of loads only if its non-attention prefill
   is ~5 s, so the fit puts ~186 s of its GPU prefill into sparse attention (a gather rate 3.4x the
   dense GPU rate per score entry). Either the GPU's gather path is that slow, or the recorded ANE
