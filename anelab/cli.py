@@ -467,7 +467,7 @@ def _print_plan(args, result: dict, text: str, parts: list[dict]) -> int:
         ),
         "load_per_layer": (
             "time your model's own loads and ANE predictions on a Mac",
-            f"anelab decide CHECKPOINT --prompt-tokens {args.prompt_tokens} --measure",
+            f"anelab decide {args.checkpoint or 'CHECKPOINT'} --prompt-tokens {args.prompt_tokens} --measure",
         ),
     }
     commands["ane_attention"] = commands["load_per_layer"]
