@@ -67,15 +67,15 @@ def _add_export(sub):
     )
     p.add_argument(
         "--graph",
-        default="dense",
-        help="graph form: dense | tiled (online softmax over key tiles) | stateful (K/V as Core ML state) | "
-        "stateful-tiled (K/V in state, key and query tiles)",
+        default=None,
+        help="sidecar design (anelab.sidecar.designs; default dense): dense | tiled (online softmax over key tiles) | "
+        "stateful (K/V as Core ML state) | stateful-tiled (K/V in state, key and query tiles)",
     )
     p.add_argument("--query-tile", type=int, default=None, help="stateful-tiled graph: chunk rows per query tile")
     p.add_argument(
         "--mask-mode",
-        default="causal",
-        help="stateful-tiled graph: causal (in-graph, no mask input) | additive (plus a mask input [C, capacity])",
+        default=None,
+        help="stateful-tiled graph (default causal): causal (in-graph, no mask input) | additive (plus a mask input [C, capacity])",
     )
     p.add_argument(
         "--tile",
@@ -352,7 +352,7 @@ def _add_plan(sub):
     p.add_argument(
         "--design",
         type=lambda t: t.split(","),
-        help="compare sidecar designs: per-history,stateful,stateful-tiled (or 'all'); every family unless --family",
+        help="compare sidecar designs: dense,stateful,stateful-tiled (or 'all'); every family unless --family",
     )
     p.add_argument("--tile", type=int, help="--design stateful-tiled: cache slots per key tile")
     p.add_argument("--query-tile", type=int, help="--design stateful-tiled: chunk rows per query tile")

@@ -96,3 +96,98 @@ def test_every_module_states_its_job_in_its_first_docstring_line(path):
         return
     doc = ast.get_docstring(ast.parse(path.read_text()))
     assert doc and doc.splitlines()[0].strip(), f"{path} has no one-line docstring stating its job"
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the anelab modules it imports (module-level or inside functions), this tree's only."""
+    modules = {module_name(path, root): path for path in sorted(root.rglob("*.py"))}
+    return {
+        me: {target for _, target, _ in anelab_imports(path, root) if target in modules and target != me}
+        for me, path in modules.items()
+    }
+
+
+def import_circles(root: Path = PACKAGE) -> list[list[str]]:
+    """Every set of modules that import each other round a circle (strongly connected, more than one
+    module), inside a layer too: Tarjan's algorithm over ``import_graph``."""
+    graph = import_graph(root)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            members = []
+            while True:
+                member = stack.pop()
+                members.append(member)
+                if member == module:
+                    break
+            if len(members) > 1:
+                circles.append(sorted(members))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return circles
+
+
+def test_no_import_circle_anywhere():
+    assert import_circles() == []
+
+
+def test_an_import_circle_inside_a_layer_is_caught(tmp_path):
+    """Negative control: the circle issue 19 broke (studies.batch <-> studies.notebooks), put back by a
+    function-level import, is found; so is a three-module circle."""
+    import shutil
+
+    copy = tmp_path / "anelab"
+    shutil.copytree(PACKAGE, copy)
+    notebooks = copy / "studies" / "notebooks.py"
+    notebooks.write_text(
+        notebooks.read_text() + "\n\ndef _late():\n    from anelab.studies.batch import read_grid  # noqa\n"
+    )
+    verify = copy / "sidecar" / "verify_cases.py"
+    verify.write_text(
+        verify.read_text() + "\n\ndef _late():\n    from anelab.sidecar.designs import get_design  # noqa\n"
+    )
+    circles = import_circles(copy)
+    assert ["anelab.studies.batch", "anelab.studies.notebooks"] in circles, circles
+    assert any({"anelab.sidecar.designs", "anelab.sidecar.verify_cases"} <= set(c) for c in circles), circles
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(root: Path = PACKAGE, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """``path:line name (n lines)`` for every function (methods and nested ones too) longer than ``limit``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name} ({lines} lines)")
+    return found
+
+
+def test_no_function_is_over_80_lines():
+    assert long_functions() == []
+
+
+def test_a_long_function_is_caught(tmp_path):
+    """Negative control: an 81-line function (a docstring and 79 statements) is found, an 80-line one is not."""
+    body = "\n".join(f"    x{i} = {i}" for i in range(79))
+    (tmp_path / "anelab").mkdir()
+    (tmp_path / "anelab" / "long.py").write_text(f'def long():\n    """81 lines."""\n{body}\n')
+    (tmp_path / "anelab" / "fits.py").write_text(f"def fits():\n{body}\n")
+    assert long_functions(tmp_path / "anelab") == ["anelab/long.py:1 long (81 lines)"]

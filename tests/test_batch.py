@@ -103,7 +103,7 @@ def test_bad_grid_exits_2_with_one_line_and_writes_nothing(case, tmp_path, capsy
 def test_bad_jobs_and_missing_grid_exit_2(tmp_path, capsys):
     grid = GRIDS / "02_mask_fold.toml"
     runs = tmp_path / "runs"
-    for argv in (["--jobs", "0"], ["--jobs", str(batch.available_cores() + 1)]):
+    for argv in (["--jobs", "0"], ["--jobs", str(notebooks.available_cores() + 1)]):
         code, _, err = _main(["batch", grid, *argv, "--runs", runs], capsys)
         assert code == 2 and "--jobs" in err and err.count("\n") == 1
     code, _, err = _main(["batch", tmp_path / "absent.toml", "--runs", runs], capsys)
@@ -202,7 +202,7 @@ def test_two_run_grid_with_two_jobs_through_papermill(tmp_path, capsys):
     ok, failed = notebooks.read_result(ok_dir), notebooks.read_result(failed_dir)
     assert ok["status"] == "ok" and ok["parameters"] == OK_RUN
     assert failed["status"] == "failed" and "repeats must be a positive integer" in failed["error"]
-    assert ok["threads"] == failed["threads"] == batch.available_cores() // 2
+    assert ok["threads"] == failed["threads"] == notebooks.available_cores() // 2
     (a0, a1), (b0, b1) = _interval(ok), _interval(failed)
     assert a0 < b1 and b0 < a1, "the two runs did not overlap: not run in parallel"
     for d in (ok_dir, failed_dir):
@@ -211,7 +211,7 @@ def test_two_run_grid_with_two_jobs_through_papermill(tmp_path, capsys):
     assert json.loads((ok_dir / "figures" / "MANIFEST.json").read_text())["figures"]
     [record] = read_records(ok_dir / "records")
     rows = {r["graph"]: r for r in record["results"]["rows"]}
-    expected = rows["gather"]["largest_intermediate_bytes"] / rows["dense"]["largest_intermediate_bytes"]
+    expected = rows["gather"]["largest_intermediate_bytes"] / rows["full-scores"]["largest_intermediate_bytes"]
 
     summary = runs / "batch-grid"
     table = list(csv.DictReader(io.StringIO((summary / "summary.csv").read_text())))

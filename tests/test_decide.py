@@ -125,7 +125,7 @@ def test_a_zero_second_load_flag_is_refused():
 def test_the_same_arena_costs_the_same_in_every_design(model):
     # per-history h0 at chunk C and stateful c<C> with capacity C score the same heads x C x C arena
     # (4 heads x 4,096 x 4,096 x 2 B = 134 MB: above the floor of the smallest recorded load)
-    _, designs = checkpoint_designs(model, 4096, ["per-history", "stateful"], chunk=4096)
+    _, designs = checkpoint_designs(model, 4096, ["dense", "stateful"], chunk=4096)
     per_history, stateful = designs
     assert per_history.per_call_arena_bytes == stateful.per_call_arena_bytes == 4 * 4096 * 4096 * 2
     assert per_history.load_seconds_each == pytest.approx(stateful.load_seconds_each)
@@ -156,7 +156,7 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def decided(model, tmp_path_factory):
     out = tmp_path_factory.mktemp("decide-out")
-    return decide(DecideConfig(model, PROMPT, out, design="per-history", chunk=CHUNK)), out
+    return decide(DecideConfig(model, PROMPT, out, design="dense", chunk=CHUNK)), out
 
 
 def test_decide_labels_extrapolated_costs_and_says_depends(decided):
@@ -176,7 +176,7 @@ def test_decide_evidence_verify_and_arms(decided):
     verify = decision.evidence["verify"]
     assert sorted(verify) == ["0", "1"] and all(r["passed"] and not r["vacuous"] for r in verify.values())
     arms = decision.evidence["arms"]
-    assert arms["served_by"] == "per-history" and arms["chunk"] == CHUNK and arms["prompt_tokens"] == PROMPT
+    assert arms["served_by"] == "dense" and arms["chunk"] == CHUNK and arms["prompt_tokens"] == PROMPT
     assert arms["greedy_agreement"] == 1.0 and arms["first_divergent_layer"] is None
     assert len(arms["layer_differences"]) == 2
 
@@ -194,12 +194,12 @@ def test_report_html_is_self_contained_with_its_figure(decided):
 
 def test_decide_is_resumable_and_notices_a_changed_package(decided, model):
     _, out = decided
-    again = decide(DecideConfig(model, PROMPT, out, design="per-history", chunk=CHUNK))
+    again = decide(DecideConfig(model, PROMPT, out, design="dense", chunk=CHUNK))
     assert all(r["reused"] for r in again.evidence["verify"].values())
     # negative control: a package whose bytes changed is exported and verified again (the old one set aside)
-    pkg = out / "sidecars" / "per-history" / "layer_1.mlpackage"
+    pkg = out / "sidecars" / "dense" / "layer_1.mlpackage"
     (next(pkg.rglob("Manifest.json"))).write_text(next(pkg.rglob("Manifest.json")).read_text() + " ")
-    third = decide(DecideConfig(model, PROMPT, out, design="per-history", chunk=CHUNK))
+    third = decide(DecideConfig(model, PROMPT, out, design="dense", chunk=CHUNK))
     assert third.evidence["verify"]["0"]["reused"] and not third.evidence["verify"]["1"]["reused"]
     assert (pkg.parent / "layer_1.mlpackage.stale-1").exists()
 
@@ -212,7 +212,7 @@ def test_a_fake_mac_run_replaces_predicted_costs_with_measured_ones(decided, mod
     functions = {f"h{s}": FakeFunction(cold_load_s=0.25 + s / 1000, predict_s={"cpu_and_ne": 0.01}) for s in (0, 32)}
     fake = FakeRuntime(functions)
     config = DecideConfig(
-        model, PROMPT, tmp_path / "run", design="per-history", chunk=CHUNK, measure=True, runtime=fake, repeats=2
+        model, PROMPT, tmp_path / "run", design="dense", chunk=CHUNK, measure=True, runtime=fake, repeats=2
     )
     config.clock = fake.clock
     decision = decide(config)
@@ -226,7 +226,7 @@ def test_a_fake_mac_run_replaces_predicted_costs_with_measured_ones(decided, mod
     assert "measured records replaced the predicted costs" in md and "measured on this Mac" in md
     assert list((tmp_path / "run" / "measured").glob("*.json"))  # every timing is a record
     # control: the plan without the measurement still prices the loads by the arena law
-    assert decision.verdicts["per-history"]["costs"]["load_per_layer"]["kind"] == "extrapolated"
+    assert decision.verdicts["dense"]["costs"]["load_per_layer"]["kind"] == "extrapolated"
 
 
 # ---- bad input: one line, exit 2 -------------------------------------------------------------------------------
@@ -264,7 +264,7 @@ def test_decide_refuses_bad_input_in_one_line(model, tmp_path, capsys):
 
 def test_decide_cli_prints_the_verdict(model, tmp_path, capsys):
     out = tmp_path / "cli"
-    argv = ["decide", str(model), "--prompt-tokens", "64", "--chunk", "32", "--design", "per-history"]
+    argv = ["decide", str(model), "--prompt-tokens", "64", "--chunk", "32", "--design", "dense"]
     assert main(argv + ["--out", str(out), "--gpu-prefill-seconds", "5"]) == 0
     text = capsys.readouterr().out
     assert "verdict:" in text and "your numbers: GPU prefill: yours (--gpu-prefill-seconds 5)" in text

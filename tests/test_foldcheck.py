@@ -1,4 +1,4 @@
-"""The mask-fold study (anelab.foldcheck): each check passes on the right mask and fails on a wrong
+"""The mask-fold study (anelab.sidecar.foldcheck): each check passes on the right mask and fails on a wrong
 one, a wrong window, or a selection too close to the causal mask (vacuous).
 
 Packages are exported once per module from the tiny qwen3_next checkpoint at two chunk widths.

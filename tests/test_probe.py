@@ -1,4 +1,4 @@
-"""Gather-graph probes (anelab.gather probe section): built, saved, inspected and evaluated from disk.
+"""Gather-graph probes (anelab.studies.gather_probe): built, saved, inspected and evaluated from disk.
 
 The truth here is a dense masked softmax written in this file (a different formulation from
 ``gather.selected_attention``, which walks the rows); byte sizes are hand formulas of the shapes.
@@ -80,7 +80,7 @@ def test_saved_probe_agrees_with_numpy_and_control_fails(probes, graph):
 
 def test_op_counts_and_arena_bytes(probes):
     shape, _, results = probes
-    dense, gath = results["dense"], results["gather"]
+    dense, gath = results["full-scores"], results["gather"]
     assert "gather" not in dense.op_counts and dense.op_counts["softmax"] == 1 and dense.op_counts["matmul"] == 2
     assert gath.op_counts["gather"] == 1 and gath.op_counts["softmax"] == 1
     # dense: the [H, C, T] fp16 score arena is the biggest tensor (T=32 > d=16)
@@ -98,7 +98,7 @@ def test_converter_narrows_small_gather_indices_to_int16(probes):
     narrowing = results["gather"].index_narrowing
     assert narrowing and {c["dtype"] for c in narrowing} == {"int16"}
     assert all(c["limit"] == 32767 for c in narrowing)
-    assert results["dense"].index_narrowing == []
+    assert results["full-scores"].index_narrowing == []
 
 
 def test_positions_past_int16_are_gathered_correctly(tmp_path):
@@ -177,7 +177,7 @@ def test_cli_probe_json_and_record(tmp_path, capsys):
     )
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert [r["graph"] for r in out["rows"]] == ["dense", "gather"]
+    assert [r["graph"] for r in out["rows"]] == ["full-scores", "gather"]
     assert all(r["agrees"] for r in out["rows"])
     assert out["rows"][0]["total"] == 32 and out["rows"][0]["budget"] == 19
     assert "not ANE" in out["timing"]
@@ -198,7 +198,7 @@ def test_measure_probes_on_runtime_with_fake(probes, tmp_path):
     rows = gather.measure_probes_on_runtime(
         runtime, list(results.values()), inputs, tmp_path, repeats=2, clock=runtime.clock
     )
-    assert [r["graph"] for r in rows] == ["dense", "gather"]
+    assert [r["graph"] for r in rows] == ["full-scores", "gather"]
     assert rows[1]["assignment"]["neural_engine"] == 9
     assert rows[1]["predict"]["median_s"] == pytest.approx(0.25)
     assert rows[1]["load"]["median_s"] == pytest.approx(6.0)  # every timed load is cold (a fresh copy)
@@ -206,3 +206,16 @@ def test_measure_probes_on_runtime_with_fake(probes, tmp_path):
     off = FakeRuntime(available=False)
     with pytest.raises(AnelabInputError):
         gather.measure_probes_on_runtime(off, list(results.values()), inputs, tmp_path)
+
+
+@pytest.mark.parametrize("recorded_as", ["dense", "full-scores"])
+def test_a_record_from_before_the_rename_is_read_under_the_new_name(recorded_as):
+    """Records written before the full-scores probe had its name call it "dense" (the seed's
+    data/ane-gather-probe.json among them): the headline reads both; a record without it has no ratio."""
+    from anelab.studies.headlines import _probe_ratio
+
+    rows = [{"graph": recorded_as, "chunk": 32, "x": 4.0}, {"graph": "gather", "chunk": 32, "x": 10.0}]
+    assert _probe_ratio("x")([{"results": {"rows": rows}}]) == 2.5
+    assert gather.probe_graph_name(recorded_as) == gather.FULL_SCORES
+    other = [{**rows[0], "graph": "tiled"}, rows[1]]  # negative control: no full-scores row under any name
+    assert _probe_ratio("x")([{"results": {"rows": other}}]) is None

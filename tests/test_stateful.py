@@ -126,7 +126,7 @@ def test_bad_stateful_requests_are_refused(package, tiny_checkpoint, tmp_path, c
         export_sidecars(ckpt, tmp_path, CHUNK, None, [LAYER], graph="stateful", capacity=20)
     with pytest.raises(AnelabInputError, match="needs --capacity"):
         export_sidecars(ckpt, tmp_path, CHUNK, None, [LAYER], graph="stateful")
-    with pytest.raises(AnelabInputError, match="stateful only"):
+    with pytest.raises(AnelabInputError, match="--capacity applies to --graph stateful or stateful-tiled, not dense"):
         export_sidecars(ckpt, tmp_path, CHUNK, [0], [LAYER], capacity=24)
     with pytest.raises(AnelabInputError, match="exceeds 32768"):
         export_sidecars(ckpt, tmp_path, CHUNK, None, [LAYER], graph="stateful", capacity=40000)

@@ -15,6 +15,7 @@ from anelab.masks import causal
 from anelab.sidecar import evaluate as evaluate_module
 from anelab.sidecar import online_step
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
+from anelab.sidecar.designs import OPS_PER_TILE_PAIR, stateful_tiled_ops
 from anelab.sidecar.evaluate import SavedPackage, evaluate_with_state, new_state
 from anelab.sidecar.export import export_sidecars, function_builds
 from anelab.sidecar.format import MASK_MODE_META, read_raw_metadata, read_sidecar_metadata
@@ -22,7 +23,7 @@ from anelab.sidecar.graphs import stateful_tiled
 from anelab.sidecar.prompt import prefill_prompt, prompt_reference, run_stateful_tiled
 from anelab.sidecar.verify import verify_package
 from anelab.studies.one_function import intermediate_profile, tile_error_table
-from anelab.studies.planner.design import OPS_PER_TILE_PAIR, compare_designs, stateful_tiled_ops
+from anelab.studies.planner.design import compare_designs
 from anelab.weights import random_attention_weights
 
 CHUNK, CAPACITY, KEY_TILE, QUERY_TILE = 8, 32, 8, 4
@@ -250,8 +251,8 @@ def test_planner_op_count_formula_matches_built_programs(tiny_checkpoint):
     counts = {}
     for capacity, kt, qt in ((32, 8, 4), (64, 8, 8), (64, 16, 2)):
         build = function_builds(
-            ck.geometry, ck.layer(LAYER), "stateful-tiled", CHUNK, [], key_tile=kt, capacity=capacity,
-            decode=False, tiles=(kt, qt, "causal"),
+            ck.geometry, ck.layer(LAYER), "stateful-tiled", CHUNK, None, key_tile=kt, capacity=capacity,
+            query_tile=qt,
         )["c8"]  # fmt: skip
         ops = [op for op in build().functions["main"].operations if op.op_type != "const"]
         counts[(capacity, kt, qt)] = len(ops)
@@ -263,8 +264,8 @@ def test_planner_op_count_formula_matches_built_programs(tiny_checkpoint):
 
 def test_planner_prints_three_designs_for_qwen38(capsys):
     designs = {d.design: d for d in compare_designs(4333, "qwen3.8-125b-a6b-4bit", 4096)}
-    assert designs["per-history"].loads == 24 and designs["stateful"].loads == designs["stateful-tiled"].loads == 12
-    assert designs["per-history"].decision == "gpu" and round(designs["per-history"].predicted_ratio, 2) == 0.72
+    assert designs["dense"].loads == 24 and designs["stateful"].loads == designs["stateful-tiled"].loads == 12
+    assert designs["dense"].decision == "gpu" and round(designs["dense"].predicted_ratio, 2) == 0.72
     assert designs["stateful-tiled"].per_call_arena_bytes == 24 * 256 * 1024 * 2
     assert designs["stateful"].per_call_arena_bytes == 24 * 4096 * 8192 * 2
     # 2 calls x 4096 rows x 8192 slots scored; P(P+1)/2 used
@@ -273,7 +274,7 @@ def test_planner_prints_three_designs_for_qwen38(capsys):
     out = capsys.readouterr().out
     assert code == 0
     lines = [x for x in out.splitlines() if x.startswith("qwen3.8-125b-a6b-4bit")]
-    assert [x.split()[1] for x in lines] == ["per-history", "stateful", "stateful-tiled"]
+    assert [x.split()[1] for x in lines] == ["dense", "stateful", "stateful-tiled"]
     assert "0.72x  gpu" in lines[0] and "assumptions (stateful-tiled)" in out
     assert main(["plan", "--prompt-tokens", "4333", "--design", "sideways"]) == 2
 

@@ -232,7 +232,7 @@ def test_compact_provenance():
         "_file": "m.json",
     }
     assert compact_provenance([here], planner=True) == (
-        "measured here: Linux x86_64 (x86_64), Linux 6\nsource: m.json\nlines: planner (anelab.plan) fitted on these records"
+        "measured here: Linux x86_64 (x86_64), Linux 6\nsource: m.json\nlines: planner (anelab.studies.planner) fitted on these records"
     )
     with pytest.raises(AnelabInputError):
         compact_provenance([{**here, "origin": "guessed"}])

@@ -12,7 +12,7 @@ from anelab.errors import AnelabInputError
 from anelab.hf.checkpoint import load_checkpoint
 from anelab.masks import causal
 from anelab.sidecar import compare
-from anelab.sidecar import verify as verify_module
+from anelab.sidecar import verify_cases as verify_module
 from anelab.sidecar.compare import (
     REFERENCE_ERROR_BOUND,
     random_function_inputs,

@@ -236,9 +236,9 @@ def test_plan_checkpoint_compares_the_designs(capsys, tmp_path):
     assert main([*argv, "--json"]) == 0
     [rows] = json.loads(capsys.readouterr().out).values()
     by_design = {r["design"]: r for r in rows}
-    assert set(by_design) == {"per-history", "stateful", "stateful-tiled"}
+    assert set(by_design) == {"dense", "stateful", "stateful-tiled"}
     # 2 full-attention layers x 5 chunk starts of a 4,333-token prompt at chunk 1,024, against one load per layer
-    assert by_design["per-history"]["loads"] == 2 * 5
+    assert by_design["dense"]["loads"] == 2 * 5
     assert by_design["stateful"]["loads"] == by_design["stateful-tiled"]["loads"] == 2
     assert by_design["stateful-tiled"]["per_call_arena_bytes"] < by_design["stateful"]["per_call_arena_bytes"]
     assert all(r["gpu_prefill_seconds"] == rows[0]["gpu_prefill_seconds"] for r in rows)  # one GPU arm

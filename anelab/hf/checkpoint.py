@@ -357,6 +357,39 @@ def _layer_tensors(
     return tensors
 
 
+def _writable_family(model_type: str, geometry: AttentionGeometry):
+    """The family table's entry for ``model_type``, refused (one line) when anelab cannot write its layout
+    or it is not the geometry's variant."""
+    if model_type not in MODEL_FAMILIES:
+        raise AnelabInputError(f"unknown model_type {model_type!r}; supported: {', '.join(MODEL_FAMILIES)}")
+    if model_type not in WRITABLE_MODEL_TYPES:
+        raise AnelabInputError(
+            f"write_checkpoint writes {', '.join(WRITABLE_MODEL_TYPES)} layouts, not {model_type!r}; "
+            "write its config.json and tensors directly"
+        )
+    family = MODEL_FAMILIES[model_type]
+    if family.variant != geometry.variant:
+        raise AnelabInputError(
+            f"model_type {model_type} is the {family.variant} variant but the geometry is {geometry.variant}"
+        )
+    return family
+
+
+def _write_tensor_files(directory: Path, tensors: dict[str, np.ndarray], dtype: str, shards: int) -> None:
+    """``model.safetensors``, or ``shards`` files ``model-0000i-of-0000n.safetensors`` and their index."""
+    names = sorted(tensors)
+    if shards == 1:
+        write_safetensors(directory / "model.safetensors", tensors, dtype)
+        return
+    weight_map, total = {}, 0
+    for i, group in enumerate(np.array_split(np.arange(len(names)), shards), start=1):
+        file = f"model-{i:05d}-of-{shards:05d}.safetensors"
+        total += write_safetensors(directory / file, {names[j]: tensors[names[j]] for j in group}, dtype)
+        weight_map.update({names[j]: file for j in group})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
 def write_checkpoint(
     directory: str | os.PathLike,
     geometry: AttentionGeometry,
@@ -384,18 +417,7 @@ def write_checkpoint(
     if dtype not in STORAGE_DTYPES:
         raise AnelabInputError(f"dtype {dtype!r} is not supported; use one of {', '.join(STORAGE_DTYPES)}")
     model_type = model_type or DEFAULT_MODEL_TYPES[geometry.variant]
-    if model_type not in MODEL_FAMILIES:
-        raise AnelabInputError(f"unknown model_type {model_type!r}; supported: {', '.join(MODEL_FAMILIES)}")
-    if model_type not in WRITABLE_MODEL_TYPES:
-        raise AnelabInputError(
-            f"write_checkpoint writes {', '.join(WRITABLE_MODEL_TYPES)} layouts, not {model_type!r}; "
-            "write its config.json and tensors directly"
-        )
-    family = MODEL_FAMILIES[model_type]
-    if family.variant != geometry.variant:
-        raise AnelabInputError(
-            f"model_type {model_type} is the {family.variant} variant but the geometry is {geometry.variant}"
-        )
+    family = _writable_family(model_type, geometry)
     if directory.exists():
         raise AnelabInputError(
             f"{directory} already exists; checkpoints are never overwritten — choose a new directory"
@@ -426,17 +448,7 @@ def write_checkpoint(
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp-"))
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        names = sorted(tensors)
-        if shards == 1:
-            write_safetensors(tmp / "model.safetensors", tensors, dtype)
-        else:
-            weight_map, total = {}, 0
-            for i, group in enumerate(np.array_split(np.arange(len(names)), shards), start=1):
-                file = f"model-{i:05d}-of-{shards:05d}.safetensors"
-                total += write_safetensors(tmp / file, {names[j]: tensors[names[j]] for j in group}, dtype)
-                weight_map.update({names[j]: file for j in group})
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        _write_tensor_files(tmp, tensors, dtype, shards)
         os.rename(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -11,9 +11,14 @@ reads only the package metadata and refuses:
   chunk past the dense-exact window with no selection ("refuses to attend densely": a causal mask
   there attends to keys the model's indexer drops).
 
-Functions are then loaded lazily, one per chunk start, through the runtime (from the package's
-compiled copy). A stateful sidecar (functions ``c<C>`` / ``c1``, K/V in Core ML state) is served
-through one state shared by its functions: ``predict`` passes it, ``reset_state`` starts a new prompt.
+- a package whose design (``anelab.sidecar.designs``) is unknown or whose metadata lacks what that
+  design needs to be opened.
+
+Functions are then loaded lazily through the runtime (from the package's compiled copy), named by
+the package's design: one ``h<s>`` per chunk start s, or, for a stateful design (functions ``c<C>`` /
+``c1``, K/V in Core ML state), one function served through one state shared by its functions:
+``predict`` passes it (and the ``start`` input), ``reset_state`` starts a new prompt. A design whose
+package takes no mask input (stateful-tiled, causal mask mode) is fed none.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from anelab.geometry import chunk_starts
 from anelab.masks import MASKED, causal, dense_exact_window
 from anelab.runtime.interface import NEURAL_ENGINE_UNITS, CoreMLRuntime, check_compute_units
 from anelab.runtime.mac import default_runtime
-from anelab.sidecar.format import SidecarMetadata, function_name, read_sidecar_metadata, stateful_function_name
+from anelab.sidecar.designs import Design, design_of
+from anelab.sidecar.format import SidecarMetadata, read_sidecar_metadata
 from anelab.sidecar.prompt import stateful_mask
 
 
@@ -64,8 +70,18 @@ class Sidecar:
     _state: Any = field(default=None, repr=False)
 
     @property
+    def design(self) -> Design:
+        return design_of(self.metadata, str(self.package))
+
+    @property
     def stateful(self) -> bool:
-        return self.metadata.graph == "stateful"
+        """K/V in Core ML state: one state carried between calls, a ``start`` input."""
+        return self.design.stateful
+
+    @property
+    def takes_mask(self) -> bool:
+        """Whether the package's functions take a ``mask`` input (a causal-only stateful-tiled one does not)."""
+        return self.design.mask_input(self.metadata)
 
     @property
     def chunk(self) -> int:
@@ -131,9 +147,7 @@ class Sidecar:
                 f"re-export with --histories reaching {start} or keep this prompt on the GPU"
             )
         self._refuse_dense_past_window(start + rows)
-        if self.stateful:  # the prefill function c<C>; the history lives in the state, not in the name
-            return stateful_function_name(self.chunk)
-        return function_name(start)
+        return self.design.function_for(self.chunk, start)  # stateful: c<C>, the history lives in the state
 
     def _refuse_dense_past_window(self, keys_seen: int) -> None:
         if self.sparse_indexed and self.selection is None and keys_seen > self.dense_exact_window:
@@ -159,22 +173,37 @@ class Sidecar:
         """A stateful sidecar: start a new prompt (a fresh state at the next predict)."""
         self._state = None
 
+    def _complete_inputs(self, start: int, inputs: dict, valid_rows: int | None) -> dict:
+        """The inputs this package's design declares: the default mask, the ``start`` of a stateful call."""
+        if self.takes_mask:
+            if "mask" not in inputs:
+                inputs["mask"] = self.mask_for(start, valid_rows)
+            self._refuse_keys_outside_the_window(start, inputs["mask"])
+        elif "mask" in inputs:
+            raise AnelabInputError(
+                f"{self.package}: this --graph {self.metadata.graph} package takes no mask input (mask mode "
+                f"{self.metadata.mask_mode}: causality in-graph); drop the mask or export with --mask-mode additive"
+            )
+        if self.stateful:
+            given = inputs.setdefault("start", np.array([start], np.int32))
+            if int(np.asarray(given).reshape(-1)[0]) != start:
+                raise AnelabInputError(f"the start input {given} differs from the chunk start {start}; pass one start")
+        return inputs
+
     def predict(self, start: int, inputs: dict, valid_rows: int | None = None) -> dict:
         """Run the chunk at ``start``.
 
         Dense/tiled: inputs hidden [C, D], k_history / v_history [start, Hkv, d], mask [C, start + C].
-        Stateful: hidden [C, D], start [1] int32, mask [C, capacity]; the sidecar's state is passed
-        (created with the first call, shared by ``c<C>`` and ``c1``). Without a ``mask`` the chunk is
-        fed ``mask_for(start, valid_rows)``; a windowed layer's mask is refused when it shows a key
-        outside the window.
+        Stateful: hidden [C, D], start [1] int32 (added when missing), mask [C, capacity] when the
+        package takes one; the sidecar's state is passed (created with the first call, shared by
+        ``c<C>`` and ``c1``). Without a ``mask`` the chunk is fed ``mask_for(start, valid_rows)``; a
+        windowed layer's mask is refused when it shows a key outside the window, and a mask given to a
+        package without a mask input is refused (its causality is in-graph).
         """
         from anelab.runtime.interface import prepare_inputs
 
+        inputs = self._complete_inputs(int(start), dict(inputs), valid_rows)
         handle = self.handle_for(start, valid_rows)
-        inputs = dict(inputs)
-        if "mask" not in inputs:
-            inputs["mask"] = self.mask_for(start, valid_rows)
-        self._refuse_keys_outside_the_window(int(start), inputs["mask"])
         if not self.stateful:
             return self.runtime.predict(handle, prepare_inputs(inputs))
         if self._state is None:
@@ -205,6 +234,7 @@ def open_sidecar(
     check_compute_units(compute_units)
     pkg = Path(pkg)
     meta = read_sidecar_metadata(pkg)
+    design_of(meta, str(pkg))  # an unknown design, or metadata lacking what it needs, is refused here
     if compute_units in NEURAL_ENGINE_UNITS and not meta.ane_verified:
         raise AnelabInputError(
             f"{pkg}: not verified for the Neural Engine (aneCompileVerified is false: {meta.ane_reason or 'no reason recorded'}); "

@@ -143,6 +143,22 @@ def _fresh_compile_factory(runtime: CoreMLRuntime, pkg: Path, work: Path, clock,
     return make
 
 
+def _load_parameters(runtime, pkg: Path, function, compute_units, cold, fresh_process, warmup, repeats) -> dict:
+    """What a ``load_timing`` record states about how its loads were made."""
+    fresh = ", in a fresh process" if fresh_process else ""
+    return {
+        "package": pkg.name,
+        "function": function,
+        "compute_units": compute_units,
+        "cold": bool(cold),
+        "meaning": ("first load of a freshly compiled .mlmodelc" + fresh) if cold else WARM_LOAD_MEANING,
+        "warmup": int(warmup),
+        "repeats": int(repeats),
+        "runtime": runtime.name,
+        "load": runtime.load_description,
+    }
+
+
 def time_load(
     runtime: CoreMLRuntime,
     pkg: str | os.PathLike,
@@ -212,21 +228,7 @@ def time_load(
     finally:
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)
-    parameters = {
-        "package": pkg.name,
-        "function": function,
-        "compute_units": compute_units,
-        "cold": bool(cold),
-        "meaning": (
-            ("first load of a freshly compiled .mlmodelc" + (", in a fresh process" if fresh_process else ""))
-            if cold
-            else WARM_LOAD_MEANING
-        ),
-        "warmup": int(warmup),
-        "repeats": int(repeats),
-        "runtime": runtime.name,
-        "load": runtime.load_description,
-    }
+    parameters = _load_parameters(runtime, pkg, function, compute_units, cold, fresh_process, warmup, repeats)
     results = stats.to_dict()
     if compile_s:
         results["compile"] = TimingStats.of(compile_s).to_dict()

@@ -71,12 +71,6 @@ STATE_FUNCTIONS_META = "anelab.stateFunctions"
 SLIDING_WINDOW_META = "slidingWindow"
 
 
-GRAPHS = ("dense", "tiled", "stateful", "stateful-tiled")
-
-
-STATEFUL_GRAPHS = ("stateful", "stateful-tiled")  # K/V in Core ML state: functions c<C> (and c1)
-
-
 # stateful-tiled graph only: query rows per tile, and how a mask reaches the function
 # ("causal": computed in-graph from the start input; "additive": plus a mask input [C, capacity])
 QUERY_TILE_META = "anelab.queryTile"
@@ -141,9 +135,10 @@ class SidecarMetadata:
 
     @property
     def functions(self) -> list[str]:
-        """The package's function names, in the order they were merged."""
-        if self.graph in STATEFUL_GRAPHS:
-            return list(self.state_functions or [])
+        """The package's function names, in the order they were merged: a stateful design's recorded
+        ``state_functions``, else one ``h<H>`` per history."""
+        if self.state_functions:
+            return list(self.state_functions)
         return [function_name(h) for h in self.histories]
 
     def to_strings(self) -> dict[str, str]:
@@ -173,11 +168,6 @@ class SidecarMetadata:
                     f"{where}: sidecar metadata '{key}' is malformed ({raw[:60]!r}); re-export it"
                 ) from None
         meta_obj = cls(**values)
-        if meta_obj.graph in STATEFUL_GRAPHS and (meta_obj.state_capacity is None or not meta_obj.state_functions):
-            raise AnelabInputError(
-                f"{where}: stateful sidecar metadata lacks '{STATE_CAPACITY_META}' or '{STATE_FUNCTIONS_META}'; "
-                "re-export it with 'anelab export'"
-            )
         if meta_obj.ane_evidence is None:
             meta_obj.ane_evidence = {}
         return meta_obj

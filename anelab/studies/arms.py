@@ -42,6 +42,7 @@ from anelab.hf.model import ModelCheckpoint, load_model
 from anelab.masks import causal, fold_with_causal
 from anelab.selection import select
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error, require_same_geometry
+from anelab.sidecar.designs import design_of
 from anelab.sidecar.format import function_name, read_sidecar_metadata
 from anelab.weights import AttentionWeights
 
@@ -123,10 +124,6 @@ def _check_package(path: Path, meta, layer: int, model: ModelCheckpoint) -> None
         raise AnelabInputError(
             f"{path} was exported from {meta.source}, not from {model.path}; export the sidecars from this checkpoint"
         )
-    if meta.graph == "stateful":
-        raise AnelabInputError(
-            f"{path} is a stateful package; whole-model arms run dense or tiled sidecars (h<history>)"
-        )
 
 
 def open_sidecars(
@@ -134,10 +131,11 @@ def open_sidecars(
 ) -> SidecarSet:
     """Check ``directory/layer_<L>.mlpackage`` for every full-attention layer against the checkpoint and prompt.
 
-    Refuses (one line): a missing directory or package, a package from another checkpoint (recorded
-    source or geometry, or h0 not computing this checkpoint's attention on seeded rows), a stateful
-    package, chunk widths that differ between packages, histories that do not reach the prompt's chunk
-    starts. ``runner`` serves the calls (default ``numpy_runner``: the saved programs evaluated with NumPy).
+    Refuses (one line): a missing directory or package; a package of a design the arms do not serve
+    (``Design.served_by_arms``: the stateful ones keep K/V in state); a package from another checkpoint
+    (recorded source or geometry, or h0 not computing this checkpoint's attention on seeded rows); chunk
+    widths that differ between packages; histories that do not reach the prompt's chunk starts.
+    ``runner`` serves the calls (default ``numpy_runner``: the saved programs evaluated with NumPy).
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -145,6 +143,7 @@ def open_sidecars(
     packages, chunks, histories = {}, {}, {}
     for layer in model.geometry.full_attention_layers:
         path, meta = _package_meta(directory, layer)
+        design_of(meta, str(path)).require_arms(str(path))  # the design first: before anything else is asked
         _check_package(path, meta, layer, model)
         packages[layer], chunks[layer], histories[layer] = path, meta.chunk, set(meta.histories)
     widths = sorted(set(chunks.values()))

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from anelab.errors import AnelabInputError
 from anelab.paths import NOTEBOOK_DIR, RUNS_DIR
 from anelab.studies import notebooks
+from anelab.studies.notebooks import threads_per_run
 
 STUDY_KEYS = ("fixed", "vary", "runs")
 
@@ -48,25 +49,6 @@ class PlannedRun:
     @property
     def study(self) -> str:
         return self.notebook.stem
-
-
-def available_cores() -> int:
-    """CPU cores this process may use (its affinity mask where the OS has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
-
-
-def threads_per_run(jobs: int, cores: int | None = None) -> int:
-    """BLAS threads for each of ``jobs`` concurrent runs so that jobs x threads <= cores.
-
-    ``jobs`` must lie in 1..cores (refused in one line otherwise)."""
-    cores = available_cores() if cores is None else cores
-    if not isinstance(jobs, int) or jobs < 1:
-        raise AnelabInputError(f"--jobs must be at least 1, got {jobs}")
-    if jobs > cores:
-        raise AnelabInputError(f"--jobs {jobs} exceeds the {cores} cores here; use --jobs {cores} or fewer")
-    return cores // jobs
 
 
 def read_grid(path: str | os.PathLike) -> dict:

@@ -63,12 +63,14 @@ WEIGHT_BYTES_SOURCE = (
 
 
 SETUP_SOURCE = (
-    "planner load model (anelab.plan.fit_costs().recorded_load_model()): Qwen 3.8's recorded "
+    "planner load model (anelab.studies.planner.fit.fit_costs().recorded_load_model()): Qwen 3.8's recorded "
     "variant loads where history, chunk and heads match, else a power law in score-arena bytes"
 )
 
 
-NUMPY_EVALUATOR = "anelab.mil_eval: NumPy evaluation of the saved MIL program on this machine's CPU (not the ANE)"
+NUMPY_EVALUATOR = (
+    "anelab.sidecar.evaluate: NumPy evaluation of the saved MIL program on this machine's CPU (not the ANE)"
+)
 
 
 # ---- the computed sweep -------------------------------------------------------------------------------
@@ -262,6 +264,7 @@ def export_designs(
     what does not depend on the history, such as a weight compression. Packages go to
     ``out_root/<design>-<weights_mode>[-ends]/layer_<L>.mlpackage``. Returns {design: ExportResult}.
     """
+    from anelab.sidecar.designs import get_design
     from anelab.sidecar.export import export_sidecars
 
     unknown = [d for d in designs if d not in DESIGNS]
@@ -269,16 +272,14 @@ def export_designs(
         raise AnelabInputError(f"unknown design {unknown[0]!r}; choose from {', '.join(DESIGNS)}")
     starts = chunk_starts(prompt_tokens, chunk)
     out = {}
+    given = {"key_tile": min(key_tile, chunk), "capacity": len(starts) * chunk, "decode": decode}
     for design in designs:
-        histories = starts
-        extra = {"key_tile": min(key_tile, chunk)} if design == "tiled" else {}
-        if design == "stateful":
-            extra = {"capacity": len(starts) * chunk, "decode": decode}
-        elif ends_only:
-            histories = sorted({starts[0], starts[-1]})
+        extra = {k: v for k, v in given.items() if k in get_design(design).option_names}
+        ends = ends_only and not get_design(design).stateful  # a stateful package has one prefill function anyway
+        histories = sorted({starts[0], starts[-1]}) if ends else starts
         [result] = export_sidecars(
             checkpoint_dir,
-            Path(out_root) / (f"{design}-{weights_mode}" + ("-ends" if ends_only and design != "stateful" else "")),
+            Path(out_root) / (f"{design}-{weights_mode}" + ("-ends" if ends else "")),
             chunk,
             histories,
             [layer],

@@ -33,11 +33,10 @@ from tqdm.auto import tqdm
 from anelab.errors import AnelabInputError
 from anelab.geometry import chunk_starts
 from anelab.records import atomic_write_text
+from anelab.sidecar.designs import DESIGNS, PRICED, get_design
 from anelab.studies.planner.envelope import MEASURED, YOURS, Cost
 from anelab.studies.planner.verdict import ArmCosts, Verdict, decide_arms, plan_arm_costs
 
-# design -> (export graph, whether the whole-model arms serve its packages)
-EXPORTS = {"per-history": ("dense", True), "stateful": ("stateful", False), "stateful-tiled": ("stateful-tiled", False)}
 ARMS_DECODE = 8  # greedy tokens decoded after the prefill in the arms
 SWEEP_POINTS = 16  # prompt lengths on the figure
 
@@ -132,8 +131,9 @@ def check_request(config: DecideConfig):
     from anelab.hf.checkpoint import load_checkpoint
     from anelab.hf.model import load_model
 
-    if config.design != "auto" and config.design not in EXPORTS:
-        raise AnelabInputError(f"unknown --design {config.design!r}; use auto or one of: {', '.join(EXPORTS)}")
+    if config.design != "auto" and config.design not in PRICED:
+        get_design(config.design, "--design")  # a renamed design is refused with its new name
+        raise AnelabInputError(f"unknown --design {config.design!r}; use auto or one of: {', '.join(PRICED)}")
     if not Path(config.checkpoint).exists():
         raise AnelabInputError(f"checkpoint {config.checkpoint} does not exist; pass a model directory (config.json)")
     checkpoint = load_checkpoint(config.checkpoint)
@@ -161,8 +161,7 @@ def check_request(config: DecideConfig):
 def _export_request(design: dict, chunk: int, prompt_tokens: int) -> dict:
     """What to export: the functions the prompt visits, or a state of the planned capacity — at least two
     chunks, which verification of a stateful package needs (the report names a larger capacity)."""
-    graph, _ = EXPORTS[design["design"]]
-    request = {"graph": graph, "chunk": chunk}
+    request = {"graph": design["design"], "chunk": chunk}
     if design["capacity"] is None:
         request["histories"] = chunk_starts(prompt_tokens, chunk)
     else:
@@ -248,11 +247,10 @@ def run_arms(config: DecideConfig, candidate: dict, directory: Path, bar) -> dic
     from anelab.studies.arms import compare_arms
 
     served_by = candidate["design"]
-    if not EXPORTS[candidate["design"]][1]:
-        per_history = {**candidate, "design": "per-history", "capacity": None, "key_tile": None, "query_tile": None}
-        layers = sorted(int(k) for k in _layers_of(config))
-        directory, _ = export_and_verify(config, per_history, layers, bar)
-        served_by = "per-history"
+    if not get_design(served_by).served_by_arms:
+        served_by = next(name for name in PRICED if DESIGNS[name].served_by_arms and not DESIGNS[name].stateful)
+        per_history = {**candidate, "design": served_by, "capacity": None, "key_tile": None, "query_tile": None}
+        directory, _ = export_and_verify(config, per_history, _layers_of(config), bar)
     bar.set_postfix_str("whole-model arms")
     report = compare_arms(config.checkpoint, directory, config.prompt_tokens, decode=config.decode)
     pair = report.pairs[0]
@@ -261,7 +259,7 @@ def run_arms(config: DecideConfig, candidate: dict, directory: Path, bar) -> dic
         "served_by": served_by,
         "note": ""
         if served_by == candidate["design"]
-        else f"the arms served every layer from per-history packages of the same chunk ({candidate['chunk']}): "
+        else f"the arms served every layer from {served_by} packages of the same chunk ({candidate['chunk']}): "
         f"compare_arms does not serve {candidate['design']} packages",
         "prompt_tokens": int(report.prompt.size),
         "chunk": report.chunk,
@@ -305,7 +303,7 @@ def measure_packages(config: DecideConfig, runtime, package: Path, candidate: di
         )
         loads[function] = {"cold": _stats(cold), "warm": _stats(warm)}
     predicts = {}
-    if candidate["capacity"] is None:  # per-history functions h<s>: the A/B inputs of dense_offload
+    if not get_design(candidate["design"]).stateful:  # functions h<s>: the A/B inputs of dense_offload
         geometry = load_checkpoint(config.checkpoint).geometry
         histories = chunk_starts(config.prompt_tokens, candidate["chunk"])
         for record in time_attention_ab(
@@ -329,21 +327,18 @@ def with_measured(costs: ArmCosts, measured: dict | None, design: dict, prompt_t
     the prompt visits was measured (loads: cold; ANE attention: ``cpu_and_ne`` predictions)."""
     if not measured or not costs.runs_on_ane:
         return costs
-    chunk = design["chunk"]
-    if design["capacity"] is None:
-        functions = [f"h{s}" for s in chunk_starts(prompt_tokens, chunk)]
-    else:
-        functions = [f"c{chunk}"]
+    chunk, registered = design["chunk"], get_design(design["design"])
+    functions = list(dict.fromkeys(registered.function_for(chunk, s) for s in chunk_starts(prompt_tokens, chunk)))
     loads = [measured["loads"].get(f, {}).get("cold") for f in functions]
     basis = f"measured on this Mac ({measured['runtime']} runtime): cold loads of {', '.join(functions)}"
     if all(loads):
         costs = replace(costs, load_per_layer=_summed(loads, MEASURED, basis))
     calls = len(chunk_starts(prompt_tokens, chunk))
     predicts = [measured["predicts"].get(f, {}).get("cpu_and_ne") for f in functions]
-    if design["capacity"] is None and all(predicts):
+    if not registered.stateful and all(predicts):
         ane = _summed(predicts, MEASURED, f"measured on this Mac: cpu_and_ne predictions of {', '.join(functions)}")
         costs = replace(costs, ane_attention=ane.scaled(costs.layers))
-    elif design["capacity"] is not None and all(predicts):
+    elif registered.stateful and all(predicts):
         costs = replace(
             costs, ane_attention=_summed(predicts * calls, MEASURED, "measured on this Mac").scaled(costs.layers)
         )
@@ -399,7 +394,7 @@ def decide(config: DecideConfig) -> Decision:
         candidate = next(d for d in designs if d["design"] == name)
         bar.update(1)
         directory, verified = export_and_verify(config, candidate, layers, bar)
-        if not EXPORTS[name][1]:
+        if not get_design(name).served_by_arms:
             bar.total += len(layers)
         arms_summary = run_arms(config, candidate, directory, bar)
         measured, final = None, verdicts[name]

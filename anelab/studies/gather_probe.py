@@ -1,4 +1,4 @@
-"""Gather probe graphs: a dense and a gather attention program built, saved and evaluated from disk."""
+"""Gather probe graphs: a full-scores and a gather attention program built, saved and evaluated from disk."""
 
 from __future__ import annotations
 
@@ -13,7 +13,17 @@ from anelab.errors import AnelabInputError
 from anelab.masks import MASKED
 from anelab.studies.gather_sizing import GatherSizing, positive_int
 
-PROBE_GRAPHS = ("dense", "gather")
+# the probe graphs: ``full-scores`` scores every key and adds the folded mask; ``gather`` gathers the
+# selected keys. (Not sidecar designs: ``anelab.sidecar.designs`` names those.)
+FULL_SCORES, GATHER = PROBE_GRAPHS = ("full-scores", "gather")
+# records written before the full-scores probe had its name (the seed's data/ane-gather-probe.json among
+# them) call it "dense"; they are read under the new name and never rewritten
+RECORDED_PROBE_NAMES = {"dense": FULL_SCORES}
+
+
+def probe_graph_name(recorded: str) -> str:
+    """A probe graph's name as a record states it, read under its current name."""
+    return RECORDED_PROBE_NAMES.get(recorded, recorded)
 
 
 INDEX_LIMITS = {"int16": 2**15 - 1, "uint16": 2**16 - 1, "int8": 2**7 - 1, "uint8": 2**8 - 1}
@@ -58,8 +68,8 @@ class ProbeShape:
         }
 
 
-def build_dense_probe_program(shape: ProbeShape):
-    """MIL program ``main(q, k, v, mask) -> out``: the masked dense attention core (see above)."""
+def build_full_scores_probe_program(shape: ProbeShape):
+    """MIL program ``main(q, k, v, mask) -> out``: the masked attention core over every key (see above)."""
     from anelab.sidecar.coremltools_import import coremltools_modules
 
     ct, mb, types = coremltools_modules()
@@ -191,7 +201,7 @@ class ProbeInputs:
 
     def for_graph(self, graph: str, selection=None) -> dict:
         sel = self.selection if selection is None else selection
-        if graph == "dense":
+        if graph == FULL_SCORES:
             return {"q": self.q, "k": self.k, "v": self.v, "mask": sel.mask()}
         return {
             "q": self.q,
@@ -232,7 +242,7 @@ class ProbeResult:
 
     op_counts: non-const MIL ops by type in the saved program; largest_intermediate_bytes: the
     biggest tensor any op produces (fp16 bytes); arena_bytes: the analytic size of the graph's
-    defining tensor (dense: scores [H, C, T]; gather: gathered keys + values [H, C, budget, 2d]).
+    defining tensor (full-scores: scores [H, C, T]; gather: gathered keys + values [H, C, budget, 2d]).
     relative_error: ||package - selected_attention|| / ||selected_attention||;
     control_error: the same with the package fed a different (seeded random-score) selection —
     a negative control that must land above the threshold.
@@ -289,7 +299,7 @@ def save_probe(graph: str, shape: ProbeShape, out_dir) -> Path:
         raise AnelabInputError(f"unknown probe graph {graph!r}; use one of {', '.join(PROBE_GRAPHS)}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    prog = build_dense_probe_program(shape) if graph == "dense" else build_gather_probe_program(shape)
+    prog = build_full_scores_probe_program(shape) if graph == FULL_SCORES else build_gather_probe_program(shape)
     dest = out_dir / f"probe_{graph}_c{shape.chunk}_t{shape.total}_b{shape.budget}.mlpackage"
     tmp = out_dir / f".{dest.name}.{os.getpid()}.tmp.mlpackage"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -334,7 +344,7 @@ def run_probe(
     )
     control = evaluate(saved, "main", inputs.for_graph(graph, wrong))["out"]
     sizing = shape.sizing()
-    arena = sizing.dense_score_bytes if graph == "dense" else sizing.gather_key_bytes + sizing.gather_value_bytes
+    arena = sizing.dense_score_bytes if graph == FULL_SCORES else sizing.gather_key_bytes + sizing.gather_value_bytes
     info = saved.function("main")
     return ProbeResult(
         graph,
@@ -364,7 +374,7 @@ def probe(
     seed: int = 0,
     graphs: tuple[str, ...] = PROBE_GRAPHS,
 ) -> list[ProbeResult]:
-    """Build, save and evaluate the dense and gather probes at one chunk (``anelab probe``).
+    """Build, save and evaluate the full-scores and gather probes at one chunk (``anelab probe``).
 
     history defaults to 3 x chunk (total = 4 x chunk); the budget is the indexer's
     kept_blocks x compress_ratio + compress_ratio - 1. out_dir: where the packages go (default: a
@@ -417,7 +427,7 @@ def probe_record(results: list[ProbeResult], repeats: int) -> dict:
         {
             "shape": results[0].shape.to_dict(),
             "repeats": int(repeats),
-            "evaluator": "anelab.mil_eval (NumPy, fp16 storage emulated)",
+            "evaluator": "anelab.sidecar.evaluate (NumPy, fp16 storage emulated)",
         },
         {"rows": [r.to_dict() for r in results]},
         unknown=["ANE op assignment, load and predict times (need a Mac; see anelab.runtime.timing)"],

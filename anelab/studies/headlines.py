@@ -36,17 +36,19 @@ def _widest(records: list[dict]) -> dict | None:
 
 
 def _probe_ratio(field: str) -> Callable[[list[dict]], float | None]:
-    """gather / dense of ``field`` at the first probe chunk of the last ``gather_probe_numpy`` record."""
+    """gather / full-scores of ``field`` at the first probe chunk of the last ``gather_probe_numpy`` record
+    (a record from before the rename calls the full-scores probe "dense": ``gather_probe.probe_graph_name``)."""
+    from anelab.studies.gather_probe import FULL_SCORES, GATHER, probe_graph_name
 
     def value(records: list[dict]) -> float | None:
         if not records:
             return None
         rows = records[-1]["results"]["rows"]
         chunk = rows[0]["chunk"]
-        by_graph = {r["graph"]: r[field] for r in rows if r["chunk"] == chunk}
-        if not by_graph.get("dense") or "gather" not in by_graph:
+        by_graph = {probe_graph_name(r["graph"]): r[field] for r in rows if r["chunk"] == chunk}
+        if not by_graph.get(FULL_SCORES) or GATHER not in by_graph:
             return None
-        return by_graph["gather"] / by_graph["dense"]
+        return by_graph[GATHER] / by_graph[FULL_SCORES]
 
     return value
 

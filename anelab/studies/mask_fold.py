@@ -296,7 +296,7 @@ def study_record(studies: list[WidthStudy], parameters: dict) -> dict:
             **parameters,
             "threshold": RELATIVE_ERROR_THRESHOLD,
             "min_move_over_threshold": MIN_MOVE_OVER_THRESHOLD,
-            "evaluator": "anelab.mil_eval (saved package, NumPy, fp16 storage emulated)",
+            "evaluator": "anelab.sidecar.evaluate (saved package, NumPy, fp16 storage emulated)",
             "reference": "anelab.reference fp64",
         },
         {"widths": {str(s.chunk): s.to_dict() for s in studies}},

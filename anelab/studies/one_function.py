@@ -16,11 +16,12 @@ from tqdm.auto import tqdm
 
 from anelab.geometry import chunk_starts
 from anelab.sidecar.compare import relative_error
+from anelab.sidecar.designs import get_design
 from anelab.sidecar.evaluate import SavedPackage, state_signatures, var_bytes
 from anelab.sidecar.prompt import prefill_prompt, prompt_reference
 from anelab.studies.planner.design import DESIGNS, compare_designs
 
-PACKAGE_DESIGNS = {"per-history": "dense", "stateful": "stateful", "stateful-tiled": "stateful-tiled"}
+DESIGN_COLOURS = ("tab:red", "tab:orange", "tab:blue")  # one per design of DESIGNS, in order
 
 
 def intermediate_profile(package: str | os.PathLike) -> dict[str, dict]:
@@ -66,22 +67,12 @@ def export_three(
     from anelab.sidecar.export import export_sidecars
 
     histories = chunk_starts(prompt_tokens, chunk)
-    capacity = len(histories) * chunk
-    options = {
-        "per-history": {"graph": "dense"},
-        "stateful": {"graph": "stateful", "capacity": capacity, "decode": decode},
-        "stateful-tiled": {
-            "graph": "stateful-tiled",
-            "capacity": capacity,
-            "decode": decode,
-            "key_tile": key_tile,
-            "query_tile": query_tile,
-        },
-    }
+    given = {"capacity": len(histories) * chunk, "decode": decode, "key_tile": key_tile, "query_tile": query_tile}
     out = {}
     for design in DESIGNS:
+        options = {k: v for k, v in given.items() if k in get_design(design).option_names}
         [out[design]] = export_sidecars(
-            checkpoint_dir, Path(out_root) / design, chunk, histories, [layer], **options[design]
+            checkpoint_dir, Path(out_root) / design, chunk, histories, [layer], graph=design, **options
         )
     return out
 
@@ -166,16 +157,13 @@ def prediction_figure(rows: list[dict], family_label: str, recorded_gpu: tuple[f
     chunks = sorted({r["chunk"] for r in rows})
     fig, ax = plt.subplots(figsize=(8.6, 5.2))
     width = 0.27
-    colours = {"per-history": "tab:red", "stateful": "tab:orange", "stateful-tiled": "tab:blue"}
-    for i, design in enumerate(DESIGNS):
+    for i, (design, colour) in enumerate(zip(DESIGNS, DESIGN_COLOURS, strict=True)):
         by_chunk = {r["chunk"]: r for r in rows if r["design"] == design}
         xs = np.arange(len(chunks)) + (i - 1) * width
         setup = [by_chunk[c]["setup_seconds"] for c in chunks]
         attn = [by_chunk[c]["ane_attention_seconds"] for c in chunks]
-        ax.bar(xs, setup, width, color=colours[design], label=f"{design}: setup (loads)")
-        ax.bar(
-            xs, attn, width, bottom=setup, color=colours[design], alpha=0.45, hatch="//", label=f"{design}: attention"
-        )
+        ax.bar(xs, setup, width, color=colour, label=f"{design}: setup (loads)")
+        ax.bar(xs, attn, width, bottom=setup, color=colour, alpha=0.45, hatch="//", label=f"{design}: attention")
     gpu = [next(r["gpu_prefill_seconds"] for r in rows if r["chunk"] == c) for c in chunks]
     ax.plot(np.arange(len(chunks)), gpu, "k--", marker="_", label="GPU prefill, planner (fitted on the records)")
     if recorded_gpu is not None:

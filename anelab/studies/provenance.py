@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from anelab.errors import AnelabInputError
 
-PLANNER_NOTE = "lines: planner (anelab.plan) fitted on these records"
+PLANNER_NOTE = "lines: planner (anelab.studies.planner) fitted on these records"
 
 
 SOURCE_LINE_CHARS = 64  # wrap a label's source list past this many characters

@@ -1,8 +1,9 @@
 """Compare sidecar designs for one prompt: per-history functions, one stateful function, one stateful tiled one.
 
-The three designs differ in what the runtime loads and what each call computes:
+The designs the planner prices (``anelab.sidecar.designs``: each declares its ``PlannerPricing``)
+differ in what the runtime loads and what each call computes:
 
-- ``per-history``: one function ``h<s>`` per chunk start s and full-attention layer (the seed's
+- ``dense``: one function ``h<s>`` per chunk start s and full-attention layer (the seed's
   design): loads = layers x chunks visited, each costing the recorded / fitted load at its score
   arena ``heads x C x (s + C)``; attention scores ``heads x C x (s + C)`` entries per layer-chunk.
 - ``stateful``: one function ``c<C>`` per layer, K/V in state of ``capacity`` slots: loads = layers;
@@ -24,24 +25,17 @@ non-attention and GPU attention come from :func:`anelab.studies.planner.plan.pla
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 from anelab.errors import AnelabInputError
-from anelab.geometry import chunk_starts, score_bytes
-from anelab.sidecar.graphs.stateful_tiled import validate_tiles, wasted_score_fraction
+from anelab.geometry import chunk_starts
+from anelab.sidecar.designs import PRICED, default_capacity, get_design
+from anelab.sidecar.graphs.stateful_tiled import wasted_score_fraction
 from anelab.studies.planner.catalogue import PlanGeometry, chunk_schedule, get_family, require_positive
 from anelab.studies.planner.fit import LoadModel, fit_costs
 from anelab.studies.planner.plan import plan
 
-DESIGNS = ("per-history", "stateful", "stateful-tiled")
-# non-const MIL ops of one function as built (before coremltools' passes), counted on built programs
-# (tests/test_stateful_tiled.py checks the formulas): a stateful-tiled function has a fixed part
-# (projections, RoPE, cache update, output) and ~25 ops per (query tile, key tile) pair.
-OPS_STATEFUL_TILED_BASE = 100
-OPS_PER_TILE_PAIR = 25
-OPS_STATEFUL = 82
-OPS_PER_HISTORY = 92
+DESIGNS = PRICED  # the designs the planner prices, named as everywhere else
 
 
 @dataclass(frozen=True)
@@ -119,11 +113,6 @@ def family_design_costs(family: str, prompt_tokens: int, chunk: int) -> DesignCo
     )
 
 
-def stateful_tiled_ops(chunk: int, capacity: int, key_tile: int, query_tile: int) -> int:
-    """Approximate non-const MIL ops of one stateful-tiled function (see ``OPS_PER_TILE_PAIR``)."""
-    return OPS_STATEFUL_TILED_BASE + OPS_PER_TILE_PAIR * (chunk // query_tile) * (capacity // key_tile)
-
-
 def design_plan(
     geometry: PlanGeometry,
     prompt_tokens: int,
@@ -138,52 +127,22 @@ def design_plan(
     """Predict one design for one prompt (module docstring: model and assumptions). ``capacity``
     defaults to the prompt rounded up to whole chunks (and, for a given key tile, whole key tiles);
     tiles default as the exporter's (``validate_tiles``)."""
-    if design not in DESIGNS:
-        raise AnelabInputError(f"unknown --design {design!r}; use one of: {', '.join(DESIGNS)}")
+    pricing = get_design(design, "--design").require_pricing()
     require_positive("--prompt-tokens", prompt_tokens)
     require_positive("--chunk", chunk)
     schedule = chunk_schedule(prompt_tokens, chunk)
     on_ane = schedule[0].device == "ane"
-    calls, heads, n_fa = len(schedule), geometry.num_heads, len(geometry.full_attention_layers)
-    used = heads * prompt_tokens * (prompt_tokens + 1) // 2
+    used = geometry.num_heads * prompt_tokens * (prompt_tokens + 1) // 2
     assumptions = [
         "ANE attention: recorded rate per score entry (Qwen 3.8 h0 prediction), masked entries included",
         "GPU arm, non-attention and GPU attention: the per-history plan's (plan())",
     ]
-    if design == "per-history":
-        ph = costs.per_history
-        computed = sum(heads * chunk * (c.start + chunk) for c in schedule)
-        loads = ph["variants_visited"]
-        arena, ops, functions = geometry.score_arena_bytes(chunk, schedule[-1].start), OPS_PER_HISTORY, calls
-        setup, ane_attn = ph["setup_seconds"], ph["ane_attention_seconds"]
-        sources = sorted({v["source"] for v in ph["load_seconds"].values()})
-        load_source = "; ".join(sources) if sources else "no load"
-        cap = kt = qt = None
-        assumptions.append("loads: recorded per history where they apply, else the arena fit (as plan())")
-    else:
-        cap = capacity if capacity is not None else calls * chunk
-        if capacity is None and design == "stateful-tiled" and key_tile is not None:  # whole key tiles too
-            unit = math.lcm(chunk, key_tile)
-            cap = -(-cap // unit) * unit
-        if cap < calls * chunk or cap % chunk:
-            raise AnelabInputError(
-                f"--capacity {cap} must be a multiple of {chunk} holding the prompt ({calls * chunk})"
-            )
-        computed = calls * heads * chunk * cap
-        loads, functions = n_fa if on_ane else 0, 1
-        if design == "stateful":
-            kt = qt = None
-            arena, ops = score_bytes(heads, chunk, cap), OPS_STATEFUL
-        else:
-            kt, qt = validate_tiles(key_tile, query_tile, chunk, cap)
-            arena, ops = score_bytes(heads, qt, kt), stateful_tiled_ops(chunk, cap, kt, qt)
-        each, load_source = costs.load.at_arena(heads, geometry.head_dim, chunk, int(arena))
-        setup = loads * each
-        ane_attn = costs.ane_seconds_per_entry * computed * n_fa if on_ane else 0.0
-        assumptions.append(
-            f"one load per layer ({n_fa}); load by the one load model at the function's score arena "
-            f"({load_source}); op count's effect on compile time not modelled"
-        )
+    price = _per_history_terms if not pricing.one_function_per_layer else _one_function_terms
+    t = price(geometry, schedule, chunk, get_design(design), costs, capacity, key_tile, query_tile)
+    cap, kt, qt, loads, setup, ane_attn, computed = (
+        t[k] for k in ("cap", "kt", "qt", "loads", "setup", "ane", "computed")
+    )
+    assumptions += t["assumptions"]
     offloaded = costs.gpu_attention_seconds if on_ane else 0.0
     rest = costs.non_attention_seconds + costs.gpu_attention_seconds - offloaded + ane_attn
     ane_total = rest + setup
@@ -198,15 +157,15 @@ def design_plan(
         loads=loads,
         load_seconds_each=setup / loads if loads else 0.0,
         setup_seconds=setup,
-        per_call_arena_bytes=int(arena),
+        per_call_arena_bytes=int(t["arena"]),
         score_entries_computed=int(computed),
         score_entries_used=int(used),
-        wasted_fraction=1.0 - used / computed
-        if design == "per-history"
-        else wasted_score_fraction(prompt_tokens, chunk, cap),
-        ops_per_function=int(ops),
-        functions_per_layer=functions,
-        load_source=load_source,
+        wasted_fraction=wasted_score_fraction(prompt_tokens, chunk, cap)
+        if pricing.one_function_per_layer
+        else 1.0 - used / computed,
+        ops_per_function=int(t["ops"]),
+        functions_per_layer=t["functions"],
+        load_source=t["load_source"],
         ane_attention_seconds=ane_attn,
         gpu_prefill_seconds=costs.gpu_prefill_seconds,
         ane_prefill_seconds=ane_total,
@@ -215,6 +174,44 @@ def design_plan(
         break_even_load_seconds=(costs.gpu_prefill_seconds - rest) / loads if loads else None,
         assumptions=tuple(assumptions),
     )
+
+
+def _per_history_terms(geometry, schedule, chunk, design, costs, capacity, key_tile, query_tile) -> dict:
+    """A per-history design's loads, setup and attention: the per-history plan's (``costs.per_history``)."""
+    ph, heads = costs.per_history, geometry.num_heads
+    return {
+        "cap": None, "kt": None, "qt": None, "functions": len(schedule),
+        "computed": sum(heads * chunk * (c.start + chunk) for c in schedule),
+        "loads": ph["variants_visited"],
+        "arena": geometry.score_arena_bytes(chunk, schedule[-1].start),
+        "ops": design.pricing.ops(chunk, None, None, None),
+        "setup": ph["setup_seconds"], "ane": ph["ane_attention_seconds"],
+        "load_source": "; ".join(sorted({v["source"] for v in ph["load_seconds"].values()})) or "no load",
+        "assumptions": ["loads: recorded per history where they apply, else the arena fit (as plan())"],
+    }  # fmt: skip
+
+
+def _one_function_terms(geometry, schedule, chunk, design, costs, capacity, key_tile, query_tile) -> dict:
+    """A design with one function per layer: one load each, priced by the arena fit; every cache slot
+    scored at every call."""
+    on_ane, calls, n_fa = schedule[0].device == "ane", len(schedule), len(geometry.full_attention_layers)
+    prompt_tokens = schedule[-1].start + schedule[-1].tokens
+    cap = capacity if capacity is not None else default_capacity(design, prompt_tokens, chunk, key_tile)
+    if cap < calls * chunk or cap % chunk:
+        raise AnelabInputError(f"--capacity {cap} must be a multiple of {chunk} holding the prompt ({calls * chunk})")
+    computed = calls * geometry.num_heads * chunk * cap
+    loads = n_fa if on_ane else 0
+    kt, qt, arena = design.pricing.call(geometry.num_heads, chunk, cap, key_tile, query_tile)
+    each, load_source = costs.load.at_arena(geometry.num_heads, geometry.head_dim, chunk, int(arena))
+    assumptions = [
+        f"one load per layer ({n_fa}); load by the one load model at the function's score arena "
+        f"({load_source}); op count's effect on compile time not modelled"
+    ]
+    return {
+        "cap": cap, "kt": kt, "qt": qt, "functions": 1, "computed": computed, "loads": loads, "arena": arena,
+        "ops": design.pricing.ops(chunk, cap, kt, qt), "setup": loads * each, "load_source": load_source,
+        "ane": costs.ane_seconds_per_entry * computed * n_fa if on_ane else 0.0, "assumptions": assumptions,
+    }  # fmt: skip
 
 
 def compare_designs(

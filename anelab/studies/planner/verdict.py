@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from anelab.sidecar.designs import DEFAULT_DESIGN
 from anelab.studies.planner.catalogue import EXTRAPOLATED, FITTED
 from anelab.studies.planner.envelope import (
     ANE_RATE_BAND,
@@ -181,7 +182,7 @@ def plan_arm_costs(plan: dict, design: dict | None = None, data_dir: str | Path 
         load = replace(load, low=load.value)
     runs = bool(loads) and plan["fits"] and plan["variants_visited"] > 0
     return ArmCosts(
-        design=design["design"] if design else "per-history",
+        design=design["design"] if design else DEFAULT_DESIGN,
         layers=layers,
         loads_per_layer=loads,
         runs_on_ane=runs,

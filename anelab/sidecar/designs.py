@@ -1,0 +1,464 @@
+"""The sidecar designs — dense, tiled, stateful, stateful-tiled — each declared once, in one registry.
+
+A :class:`Design` is everything the rest of anelab may ask about one kind of sidecar: its name (the
+one vocabulary of ``--graph``, ``--design``, the package's ``anelab.graph``, the planner, notebooks
+and records), its options (one frozen, validated :class:`SidecarOptions`), how a chunk start maps to
+a function name, the builder of each function's MIL program, the prompt driver, the verification and
+the negative controls it declares, what opening it needs (a state, a mask input), whether the
+whole-model arms serve it, and what the planner prices. export, verify, the prompt driver,
+``open_sidecar``, the arms, the planner and the CLI ask the design; nothing outside this module
+compares design names (``tests/test_designs.py`` walks the tree for such comparisons).
+
+- ``dense``: one function ``h<s>`` per chunk start s (the research seed's design), K/V history an
+  input, all ``s + C`` keys scored at once;
+- ``tiled``: the same functions, online softmax over key tiles of ``key_tile`` positions;
+- ``stateful``: one function ``c<C>`` (and ``c1`` for decode) per layer, K/V in Core ML state of
+  ``capacity`` slots, every slot scored at once;
+- ``stateful-tiled``: the same functions, attention over key tiles of ``key_tile`` slots and query
+  tiles of ``query_tile`` rows, causality in-graph (``mask_mode`` ``causal``) or plus a mask input
+  (``additive``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from anelab.errors import AnelabInputError
+from anelab.geometry import AttentionGeometry, chunk_starts, coverage, score_bytes, validate_chunk_and_histories
+from anelab.masks import MASKED, dense_exact_window
+from anelab.sidecar import drivers, verify_cases
+from anelab.sidecar.format import (
+    MAX_STATE_CAPACITY,
+    STATE_CAPACITY_META,
+    STATE_FUNCTIONS_META,
+    SidecarMetadata,
+    function_name,
+    stateful_function_name,
+)
+from anelab.sidecar.graphs.common import SidecarShape
+from anelab.sidecar.graphs.dense import build_dense_program
+from anelab.sidecar.graphs.stateful import build_stateful_program
+from anelab.sidecar.graphs.stateful_tiled import (
+    MAX_TILED_STATE_CAPACITY,
+    build_stateful_tiled_program,
+    validate_mask_mode,
+    validate_tiles,
+)
+from anelab.sidecar.graphs.tiled import build_tiled_program, validate_key_tile
+from anelab.sidecar.quantize import validate_weights_mode
+from anelab.weights import AttentionWeights
+
+# Non-const MIL ops of one function as built (before coremltools' passes), counted on built programs
+# (tests/test_stateful_tiled.py checks the formulas): a stateful-tiled function has a fixed part
+# (projections, RoPE, cache update, output) and ~25 ops per (query tile, key tile) pair.
+OPS_STATEFUL_TILED_BASE = 100
+OPS_PER_TILE_PAIR = 25
+OPS_STATEFUL = 82
+OPS_PER_HISTORY = 92
+
+# the flags each option comes from, as a user types them (for one-line refusals)
+FLAGS = {
+    "key_tile": "--tile",
+    "query_tile": "--query-tile",
+    "capacity": "--capacity",
+    "decode": "--decode",
+    "mask_mode": "--mask-mode",
+    "selection": "the selection contract (--selection-kept-blocks / --selection-compress-ratio)",
+}
+
+
+@dataclass(frozen=True)
+class SidecarOptions:
+    """One export's options, validated against its design and the checkpoint's geometry.
+
+    ``histories``: the chunk starts the package serves (per-history designs: one function each;
+    stateful designs: the starts 0, C, ... of a prefill that fills the cache). ``key_tile``: key
+    positions per tile (tiled) or cache slots per tile (stateful-tiled). ``selection``: what the
+    package records about a sparse indexer (``selectionIndexer``), or None for a dense model.
+    """
+
+    chunk: int
+    histories: tuple[int, ...]
+    weights: str = "fp16"
+    key_tile: int | None = None
+    query_tile: int | None = None
+    capacity: int | None = None
+    mask_mode: str | None = None
+    decode: bool = False
+    selection: dict | None = field(default=None, hash=False)
+
+    @property
+    def coverage(self) -> int:
+        return coverage(list(self.histories), self.chunk)
+
+    @property
+    def widths(self) -> list[int]:
+        """Chunk widths of a stateful design's functions: the chunk, and 1 for decode."""
+        return [self.chunk] + ([1] if self.decode and self.chunk != 1 else [])
+
+
+@dataclass(frozen=True)
+class PlannerPricing:
+    """What the planner prices for a design.
+
+    ``one_function_per_layer``: the design loads one function per layer (False: one per chunk start
+    visited, each priced by the planner's per-history plan). ``call``, for one function per layer:
+    (heads, chunk, capacity, key_tile, query_tile) -> (key tile, query tile, score arena bytes of one
+    call). ``ops``: (chunk, capacity, key_tile, query_tile) -> non-const MIL ops of one function.
+    ``whole_key_tiles``: a default capacity is rounded up to whole key tiles too.
+    """
+
+    one_function_per_layer: bool
+    call: Callable[[int, int, int, int | None, int | None], tuple[int | None, int | None, int]] | None
+    ops: Callable[[int, int | None, int | None, int | None], int]
+    whole_key_tiles: bool = False
+
+
+def _no_state_options(
+    design: Design, geometry: AttentionGeometry, chunk: int, histories, given: dict
+) -> SidecarOptions:
+    """A per-history design's options: the histories are required (multiples of the chunk)."""
+    if histories is None:
+        raise AnelabInputError(
+            f"export: --histories is required for --graph {design.name} (e.g. --histories 0,C,2C); "
+            "only a stateful design goes without"
+        )
+    key_tile = validate_key_tile(chunk if given.get("key_tile") is None else given["key_tile"], chunk)
+    return SidecarOptions(
+        chunk,
+        tuple(validate_chunk_and_histories(chunk, list(histories))),
+        key_tile=key_tile if "key_tile" in design.option_names else None,
+    )
+
+
+def validate_state_capacity(
+    capacity: int | None, chunk: int, histories: list[int] | None, *, limit: int = MAX_STATE_CAPACITY
+) -> int:
+    """The stateful graph's cache slots: given, or the coverage of ``histories``; never smaller than
+    that coverage, a multiple of the chunk, at most ``limit`` (MAX_STATE_CAPACITY for --graph
+    stateful, whose RoPE positions pass through int16; MAX_TILED_STATE_CAPACITY for stateful-tiled)."""
+    if chunk <= 0:
+        raise AnelabInputError(f"--chunk must be a positive integer, got {chunk}")
+    cover = coverage(validate_chunk_and_histories(chunk, list(histories)), chunk) if histories else None
+    if capacity is None:
+        if cover is None:
+            raise AnelabInputError(
+                "--graph stateful needs --capacity N (cache slots per state) or --histories to derive it"
+            )
+        capacity = cover
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+        raise AnelabInputError(f"--capacity must be a positive integer, got {capacity!r}")
+    if cover is not None and capacity < cover:
+        raise AnelabInputError(
+            f"state capacity {capacity} is smaller than the coverage {cover}; use --capacity {cover} or more"
+        )
+    if capacity % chunk:
+        raise AnelabInputError(
+            f"state capacity {capacity} is not a multiple of the chunk {chunk}; use --capacity {-(-capacity // chunk) * chunk}"
+        )
+    if capacity > limit:
+        hint = " or --graph stateful-tiled" if limit == MAX_STATE_CAPACITY else ""
+        raise AnelabInputError(
+            f"state capacity {capacity} exceeds {limit} (Core ML casts RoPE gather indices to int16); "
+            f"use a smaller --capacity{hint}"
+        )
+    return capacity
+
+
+def _state_options(design: Design, geometry: AttentionGeometry, chunk: int, histories, given: dict) -> SidecarOptions:
+    """A stateful design's options: capacity (default: the histories' coverage) and, when tiled,
+    the key / query tiles and the mask mode."""
+    capacity = validate_state_capacity(given.get("capacity"), chunk, histories, limit=design.capacity_limit)
+    tiles = {}
+    if "query_tile" in design.option_names:
+        kt, qt = validate_tiles(given.get("key_tile"), given.get("query_tile"), chunk, capacity)
+        mode = validate_mask_mode("causal" if given.get("mask_mode") is None else given["mask_mode"])
+        tiles = {"key_tile": kt, "query_tile": qt, "mask_mode": mode}
+    return SidecarOptions(
+        chunk, tuple(chunk_starts(capacity, chunk)), capacity=capacity, decode=bool(given.get("decode")), **tiles
+    )
+
+
+def selection_indexer_metadata(selection: dict) -> dict:
+    """Validate a sparse indexer's parameters and return what the package records about it."""
+    try:
+        kept, ratio = int(selection["kept_blocks"]), int(selection["compress_ratio"])
+    except (KeyError, TypeError, ValueError):
+        raise AnelabInputError(
+            "a sparse indexer needs both --selection-kept-blocks and --selection-compress-ratio"
+        ) from None
+    if kept <= 0 or ratio <= 0:
+        raise AnelabInputError(
+            f"--selection-kept-blocks and --selection-compress-ratio must be positive, got {kept} and {ratio}"
+        )
+    return {
+        "kept_blocks": kept,
+        "compress_ratio": ratio,
+        "dense_exact_window": dense_exact_window(kept, ratio),
+        "masked_value": float(MASKED),
+    }
+
+
+@dataclass(frozen=True)
+class Design:
+    """One sidecar design (see the module docstring). Callables take the design's validated options."""
+
+    name: str
+    summary: str
+    stateful: bool  # K/V kept in Core ML state: functions c<C> (+ c1), a ``start`` input, one state per prompt
+    option_names: frozenset[str]  # options beyond chunk / histories / weights this design takes
+    builder: Callable[[AttentionGeometry, AttentionWeights, SidecarOptions, int], object]
+    drive_prompt: Callable  # (saved, meta, hidden [P, D] fp16, fp16) -> attn_out [P, D]
+    verify: Callable  # (package, checkpoint_dir, seed=, fp16=, functions=, precision=, evaluator=) -> VerifyReport
+    # (metadata, geometry) -> the negative controls its verification declares, (function label, case):
+    # a report passes only when each of them ran and failed as it must
+    controls: Callable[[SidecarMetadata, AttentionGeometry], list[tuple[str, str]]]
+    options_rule: Callable[..., SidecarOptions]
+    capacity_limit: int | None = None
+    verifies_on_device: bool = True
+    takes_selection: bool = False
+    served_by_arms: bool = False
+    mask_input: Callable[[SidecarMetadata], bool] = lambda meta: True
+    pricing: PlannerPricing | None = None
+
+    # ---- options -----------------------------------------------------------------------------------------
+    def options(
+        self,
+        geometry: AttentionGeometry,
+        chunk: int,
+        histories: list[int] | None,
+        *,
+        weights: str = "fp16",
+        selection: dict | None = None,
+        **given,
+    ) -> SidecarOptions:
+        """Validate one export's options; refuse (one line) an option this design does not take.
+        ``given``: key_tile, query_tile, capacity, decode, mask_mode (None / False: not given)."""
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+            raise AnelabInputError(f"--chunk must be a positive integer, got {chunk!r}")
+        unknown = [k for k in given if k not in FLAGS]
+        if unknown:
+            raise TypeError(f"unknown sidecar option {unknown[0]!r}")
+        stray = [k for k, v in given.items() if v not in (None, False) and k not in self.option_names]
+        if selection is not None and not self.takes_selection:
+            stray.append("selection")
+        if stray:
+            takers = [
+                d.name
+                for d in DESIGNS.values()
+                if stray[0] in d.option_names or stray[0] == "selection" and d.takes_selection
+            ]
+            raise AnelabInputError(
+                f"{FLAGS[stray[0]]} applies to --graph {' or '.join(takers)}, not {self.name}; drop it or change --graph"
+            )
+        validate_weights_mode(weights, geometry)
+        opts = self.options_rule(self, geometry, chunk, histories, given)
+        indexer = selection_indexer_metadata(selection) if selection is not None else None
+        return SidecarOptions(**{**opts.__dict__, "weights": weights, "selection": indexer})
+
+    # ---- functions -----------------------------------------------------------------------------------------
+    def function_names(self, options: SidecarOptions) -> list[str]:
+        """The package's function names, in merge order."""
+        if self.stateful:
+            return [stateful_function_name(w) for w in options.widths]
+        return [function_name(h) for h in options.histories]
+
+    def function_for(self, chunk: int, start: int) -> str:
+        """The function that serves the chunk starting at ``start``."""
+        return stateful_function_name(chunk) if self.stateful else function_name(start)
+
+    def builds(
+        self, geometry: AttentionGeometry, weights: AttentionWeights, options: SidecarOptions
+    ) -> dict[str, Callable[[], object]]:
+        """Function name -> a builder of its MIL program (built on demand: one at a time in memory)."""
+        keys = options.widths if self.stateful else list(options.histories)
+        return {
+            name: (lambda key=key: self.builder(geometry, weights, options, key))
+            for name, key in zip(self.function_names(options), keys, strict=True)
+        }
+
+    def metadata_fields(self, options: SidecarOptions, functions: list[str]) -> dict:
+        """The design's own fields of ``SidecarMetadata``."""
+        return {
+            "key_tile": options.key_tile,
+            "query_tile": options.query_tile,
+            "mask_mode": options.mask_mode,
+            "state_capacity": options.capacity,
+            "state_functions": list(functions) if self.stateful else None,
+        }
+
+    def check_metadata(self, meta: SidecarMetadata, where: str) -> SidecarMetadata:
+        """Refuse metadata lacking what this design needs to be opened (one line)."""
+        if self.stateful and (meta.state_capacity is None or not meta.state_functions):
+            raise AnelabInputError(
+                f"{where}: stateful sidecar metadata lacks '{STATE_CAPACITY_META}' or '{STATE_FUNCTIONS_META}'; "
+                "re-export it with 'anelab export'"
+            )
+        return meta
+
+    # ---- asks that must be refused in one line -------------------------------------------------------------
+    def require_arms(self, where: str) -> None:
+        if not self.served_by_arms:
+            served = ", ".join(d.name for d in DESIGNS.values() if d.served_by_arms)
+            raise AnelabInputError(
+                f"{where} is a --graph {self.name} package; the whole-model arms thread each layer's K/V between "
+                f"calls as inputs, which only --graph {served} packages take: re-export with --graph {served.split(',')[0]}"
+            )
+
+    def require_device_verify(self) -> None:
+        if not self.verifies_on_device:
+            raise AnelabInputError(
+                f"verify on the device is not built for --graph {self.name} packages yet; verify it with NumPy "
+                "(drop --compute-units)"
+            )
+
+    def require_pricing(self) -> PlannerPricing:
+        if self.pricing is None:
+            priced = ", ".join(d.name for d in DESIGNS.values() if d.pricing is not None)
+            raise AnelabInputError(f"the planner does not price --design {self.name}; use one of: {priced}")
+        return self.pricing
+
+
+# ---- the four designs -------------------------------------------------------------------------------------------
+def _build_dense(geometry, weights, options: SidecarOptions, history: int):
+    return build_dense_program(geometry, weights, SidecarShape(options.chunk, history, options.coverage))
+
+
+def _build_tiled(geometry, weights, options: SidecarOptions, history: int):
+    shape = SidecarShape(options.chunk, history, options.coverage)
+    return build_tiled_program(geometry, weights, shape, options.key_tile)
+
+
+def _build_stateful(geometry, weights, options: SidecarOptions, width: int):
+    return build_stateful_program(geometry, weights, width, options.capacity)
+
+
+def _build_stateful_tiled(geometry, weights, options: SidecarOptions, width: int):
+    qt = min(options.query_tile, width)  # the decode function's query tile is 1
+    return build_stateful_tiled_program(
+        geometry, weights, width, options.capacity, options.key_tile, qt, options.mask_mode
+    )
+
+
+def _stateful_call(heads, chunk, capacity, key_tile, query_tile):
+    return None, None, score_bytes(heads, chunk, capacity)
+
+
+def _stateful_tiled_call(heads, chunk, capacity, key_tile, query_tile):
+    kt, qt = validate_tiles(key_tile, query_tile, chunk, capacity)
+    return kt, qt, score_bytes(heads, qt, kt)
+
+
+def _verify_stateful(package, checkpoint_dir, *, seed, fp16, functions, precision, evaluator):
+    """A stateful package verifies over one whole prompt through its state (fp64 reference): no subset."""
+    _refuse_function_subset(functions)
+    return verify_cases.verify_stateful_package(package, checkpoint_dir, seed=seed, fp16=fp16, evaluator=evaluator)
+
+
+def _verify_stateful_tiled(package, checkpoint_dir, *, seed, fp16, functions, precision, evaluator):
+    _refuse_function_subset(functions)
+    return verify_cases.verify_stateful_tiled_package(package, checkpoint_dir, seed=seed, fp16=fp16)
+
+
+def _refuse_function_subset(functions) -> None:
+    if functions is not None:
+        raise AnelabInputError(
+            "a stateful package is verified over a whole prompt through all its functions; drop the function list"
+        )
+
+
+def stateful_tiled_ops(chunk: int, capacity: int, key_tile: int, query_tile: int) -> int:
+    """Approximate non-const MIL ops of one stateful-tiled function (see ``OPS_PER_TILE_PAIR``)."""
+    return OPS_STATEFUL_TILED_BASE + OPS_PER_TILE_PAIR * (chunk // query_tile) * (capacity // key_tile)
+
+
+_PER_HISTORY = dict(
+    stateful=False,
+    options_rule=_no_state_options,
+    drive_prompt=drivers.prefill_per_history,
+    verify=verify_cases.verify_per_history_package,
+    controls=lambda meta, geometry: verify_cases.per_history_controls(meta, geometry, meta.functions),
+    takes_selection=True,
+    served_by_arms=True,
+)
+_STATEFUL = dict(stateful=True, options_rule=_state_options, takes_selection=False, served_by_arms=False)
+
+DESIGNS: dict[str, Design] = {
+    d.name: d
+    for d in (
+        Design(
+            "dense",
+            "one function h<s> per chunk start s; K/V history an input; all s + C keys scored at once",
+            option_names=frozenset(),
+            builder=_build_dense,
+            pricing=PlannerPricing(False, None, lambda c, cap, kt, qt: OPS_PER_HISTORY),
+            **_PER_HISTORY,
+        ),
+        Design(
+            "tiled",
+            "one function h<s> per chunk start s; online softmax over key tiles of --tile positions",
+            option_names=frozenset({"key_tile"}),
+            builder=_build_tiled,
+            **_PER_HISTORY,
+        ),
+        Design(
+            "stateful",
+            "one function c<C> (+ c1) per layer; K/V in Core ML state; every slot scored at once",
+            option_names=frozenset({"capacity", "decode"}),
+            builder=_build_stateful,
+            drive_prompt=drivers.prefill_stateful,
+            verify=_verify_stateful,
+            controls=verify_cases.stateful_controls_declared,
+            capacity_limit=MAX_STATE_CAPACITY,
+            pricing=PlannerPricing(True, _stateful_call, lambda c, cap, kt, qt: OPS_STATEFUL),
+            **_STATEFUL,
+        ),
+        Design(
+            "stateful-tiled",
+            "one function c<C> (+ c1) per layer; K/V in state; key tiles x query tiles, causality in-graph",
+            option_names=frozenset({"capacity", "decode", "key_tile", "query_tile", "mask_mode"}),
+            builder=_build_stateful_tiled,
+            drive_prompt=drivers.prefill_stateful_tiled,
+            verify=_verify_stateful_tiled,
+            controls=verify_cases.stateful_tiled_controls_declared,
+            capacity_limit=MAX_TILED_STATE_CAPACITY,
+            verifies_on_device=False,
+            mask_input=lambda meta: meta.mask_mode == "additive",
+            pricing=PlannerPricing(True, _stateful_tiled_call, stateful_tiled_ops, whole_key_tiles=True),
+            **_STATEFUL,
+        ),
+    )
+}
+DEFAULT_DESIGN = "dense"
+PRICED = tuple(name for name, d in DESIGNS.items() if d.pricing is not None)
+
+
+RENAMED = {"per-history": "dense"}  # earlier names of a design (the planner's), refused with the new one
+
+
+def get_design(name: str, flag: str = "--graph") -> Design:
+    """The design called ``name``; refuse an unknown one naming the known ones."""
+    if name in RENAMED:
+        raise AnelabInputError(f"{flag} {name!r} is now called {RENAMED[name]!r}; use {flag} {RENAMED[name]}")
+    if name not in DESIGNS:
+        raise AnelabInputError(f"unknown {flag} {name!r}; supported: {', '.join(DESIGNS)}")
+    return DESIGNS[name]
+
+
+def design_of(meta: SidecarMetadata, where: str = "sidecar") -> Design:
+    """The design of a package's metadata (refused in one line when its metadata lacks what it needs)."""
+    design = get_design(meta.graph or DEFAULT_DESIGN)
+    design.check_metadata(meta, where)
+    return design
+
+
+def default_capacity(design: Design, prompt_tokens: int, chunk: int, key_tile: int | None) -> int:
+    """The planner's default capacity: the prompt in whole chunks (and whole key tiles when the design
+    tiles its cache and a key tile is given)."""
+    cap = -(-prompt_tokens // chunk) * chunk
+    if design.pricing is not None and design.pricing.whole_key_tiles and key_tile is not None:
+        unit = math.lcm(chunk, key_tile)
+        cap = -(-cap // unit) * unit
+    return cap
