@@ -284,18 +284,13 @@ def plan(
 ) -> PrefillPlan:
     """Plan the prefill of one prompt and decide ANE offload vs GPU.
 
-    ``family`` supplies geometry and fitted costs (see :data:`FAMILIES`); any geometry or cost
-    argument overrides it, and without a family all of them are needed. Cost arguments:
-    ``load_seconds`` — one value for every variant, or one per history; ``gpu_attention_seconds``
-    / ``ane_attention_seconds`` — one full-attention layer's attention for a full chunk at history
-    0 (other layer-chunks scale with their score entries); ``non_attention_seconds`` — the rest of
-    this prompt's prefill. ``histories`` defaults to the multiples of ``chunk`` the prompt needs
-    (capped at the family's recorded ``max_history``). A prompt past coverage raises
-    :class:`AnelabInputError` naming the coverage needed, unless ``allow_past_coverage`` (then the
-    plan says ``fits=False`` and stays on the GPU). ``gpu_prefill_seconds`` (or ``prompt_tokens /
-    gpu_tokens_per_second``): the user's own GPU prefill of this prompt; the GPU arm becomes it, split
-    into attention and the rest in the modelled proportion. ``loads_in_arm=False``: the ANE arm leaves
-    the loads out (the warm protocol of the recorded dense A/B rows); ``setup_seconds`` still prices them.
+    ``family`` supplies geometry and fitted costs (:data:`FAMILIES`); any geometry or cost argument
+    overrides it (without a family all are needed): ``load_seconds`` (one, or one per history);
+    ``gpu_attention_seconds`` / ``ane_attention_seconds`` (one layer, full chunk at history 0, scaled
+    by score entries); ``non_attention_seconds``; the user's ``gpu_prefill_seconds`` or
+    ``gpu_tokens_per_second`` (:func:`_costs_and_terms`). ``histories`` defaults to the chunk starts
+    the prompt needs (capped at the family's ``max_history``); a prompt past coverage is refused
+    unless ``allow_past_coverage`` (then ``fits=False``, on the GPU).
     """
     fam = get_family(family) if family is not None else None
     chunk = REFERENCE_CHUNK if chunk is None and fam is not None else chunk
@@ -311,14 +306,9 @@ def plan(
     if not fits:
         schedule = [Chunk(c.index, c.start, c.tokens, "gpu") for c in schedule]
     fit = fit_costs(data_dir) if fam is not None else None
-    base_costs = _family_costs(fam, prompt_tokens, fit) if fam is not None else None
     flags = (load_seconds, gpu_attention_seconds, ane_attention_seconds, non_attention_seconds)
-    costs = _costs_from_flags(geometry, chunk, hs, *flags, base_costs)
-    terms = _prefill_terms(geometry, chunk, schedule, costs, loads_in_arm)
-    user_gpu = _user_gpu_seconds(prompt_tokens, gpu_prefill_seconds, gpu_tokens_per_second)
-    if user_gpu is not None:  # the user's GPU arm replaces the modelled one (the split kept)
-        costs = _scaled_gpu_costs(costs, user_gpu / terms.gpu_total, user_gpu, gpu_prefill_seconds is not None)
-        terms = _prefill_terms(geometry, chunk, schedule, costs, loads_in_arm)
+    user = (gpu_prefill_seconds, gpu_tokens_per_second)
+    costs, terms = _costs_and_terms(fam, fit, geometry, prompt_tokens, chunk, hs, schedule, flags, user, loads_in_arm)
     coverage_needed = (max(needed) + chunk) if needed else 0
     reason = _reason(terms, prompt_tokens, chunk, fits, coverage_needed, _coverage(hs, chunk), geometry)
     return PrefillPlan(
@@ -349,6 +339,21 @@ def plan(
         provenance=_provenance(fam, geometry, prompt_tokens, chunk, costs, terms, fit),
         loads_in_arm=loads_in_arm,
     )
+
+
+def _costs_and_terms(fam, fit, geometry, prompt_tokens, chunk, hs, schedule, flags, user, loads_in_arm):
+    """(PlanCosts, PrefillTerms): the family's costs with the flags over them; the user's GPU prefill
+    ``user`` = (seconds, tokens per second) replaces the GPU arm, split into attention and the rest in
+    the modelled proportion. ``loads_in_arm=False``: the ANE arm leaves the loads out (the warm
+    protocol of the recorded dense A/B rows); ``setup_seconds`` still prices them."""
+    base_costs = _family_costs(fam, prompt_tokens, fit) if fam is not None else None
+    costs = _costs_from_flags(geometry, chunk, hs, *flags, base_costs)
+    terms = _prefill_terms(geometry, chunk, schedule, costs, loads_in_arm)
+    user_gpu = _user_gpu_seconds(prompt_tokens, *user)
+    if user_gpu is not None:
+        costs = _scaled_gpu_costs(costs, user_gpu / terms.gpu_total, user_gpu, user[0] is not None)
+        terms = _prefill_terms(geometry, chunk, schedule, costs, loads_in_arm)
+    return costs, terms
 
 
 def _user_gpu_seconds(prompt_tokens: int, seconds: float | None, tokens_per_second: float | None) -> float | None:
