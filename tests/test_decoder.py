@@ -33,8 +33,10 @@ def _write(path, config: dict, tensors: dict) -> None:
     )
 
 
-def _tiny_model(path, kind: str) -> dict:
-    """Write a tiny checkpoint; returns the spec the independent forward reads (float64 tensors + options)."""
+def _tiny_model(path, kind: str, sparse_step: int = 1) -> dict:
+    """Write a tiny checkpoint; returns the spec the independent forward reads (float64 tensors + options).
+    Qwen3-MoE: ``sparse_step`` 1 routes every layer but the MLP-only layer 1; a larger step routes layer L
+    iff (L + 1) % step == 0 and lists no MLP-only layer (transformers' rule, below)."""
     rng = np.random.default_rng({"llama": 1, "qwen3_moe": 2, "qwen2": 3}[kind])
     hidden, vocab, inter = 16, 24, 20
     heads, kv, d, layers = {"llama": (4, 2, 4, 2), "qwen3_moe": (2, 1, 8, 3), "qwen2": (4, 4, 4, 2)}[kind]
@@ -58,7 +60,7 @@ def _tiny_model(path, kind: str) -> dict:
     }
     if kind == "qwen3_moe":
         config.update(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, moe_intermediate_size=12)
-        config.update(mlp_only_layers=[1], decoder_sparse_step=1)
+        config.update(mlp_only_layers=[1] if sparse_step == 1 else [], decoder_sparse_step=sparse_step)
     for L in range(layers):
         p = f"model.layers.{L}."
         t[p + "input_layernorm.weight"] = 1 + 0.1 * n(hidden)
@@ -73,7 +75,8 @@ def _tiny_model(path, kind: str) -> dict:
         if kind == "qwen2":
             for x, width in (("q", heads * d), ("k", kv * d), ("v", kv * d)):
                 t[p + f"self_attn.{x}_proj.bias"] = 0.3 * n(width)
-        experts = [f"mlp.experts.{e}." for e in range(4)] if kind == "qwen3_moe" and L != 1 else ["mlp."]
+        routed = L != 1 if sparse_step == 1 else (L + 1) % sparse_step == 0
+        experts = [f"mlp.experts.{e}." for e in range(4)] if kind == "qwen3_moe" and routed else ["mlp."]
         width = 12 if len(experts) > 1 else inter
         if len(experts) > 1:
             t[p + "mlp.gate.weight"] = n(4, hidden)
@@ -275,3 +278,23 @@ def test_the_whole_model_writer_round_trips_a_moe_model(tmp_path):
     assert np.array_equal(model.layer(1).mlp.gate_proj, layers[1].mlp.gate_proj)
     with pytest.raises(AnelabInputError, match="no routed experts"):
         write_model_checkpoint(tmp_path / "bad", g, attention, layers, head, model_type="qwen3")
+
+
+def test_qwen3_moe_with_a_sparse_step_routes_every_other_layer(tmp_path):
+    """``decoder_sparse_step`` 2 (every config above uses 1): layer L routes to experts iff it is not
+    MLP-only and (L + 1) % 2 == 0 (transformers ``models/qwen3_moe/modeling_qwen3_moe.py``,
+    ``Qwen3MoeDecoderLayer.__init__``), so of three layers only layer 1 does. The reference arm matches the
+    independent forward, which reads each layer's MLP from the tensors alone. Negative control: the same
+    checkpoint declared with step 1 asks layer 0 for experts it does not have, and is refused."""
+    spec = _tiny_model(tmp_path / "moe-step2", "qwen3_moe", sparse_step=2)
+    model = load_model(tmp_path / "moe-step2")
+    assert model.sparse_step == 2 and [model.is_moe_layer(L) for L in range(3)] == [False, True, False]
+    assert [isinstance(model.layer(L).mlp, MoeWeights) for L in range(3)] == [False, True, False]
+    prompt = np.random.default_rng(7).integers(0, spec["cfg"]["vocab_size"], PROMPT)
+    run = run_arm(model, prompt, Arm("reference"), decode=2, chunk=CHUNK)
+    hidden, _ = independent_forward(spec, prompt)
+    assert max(relative_error(run.hidden[L], hidden[L]) for L in range(3)) < 1e-5
+    config = tmp_path / "moe-step2" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "decoder_sparse_step": 1}))
+    with pytest.raises(AnelabInputError):
+        load_model(tmp_path / "moe-step2").layer(0)

@@ -1,4 +1,4 @@
-"""One registry of sidecar designs (``anelab.sidecar.designs``): nothing else compares design names, and every
+"""One registry of sidecar designs (``anelab.sidecar.designs``): nothing else names a design, and every
 design is served by ``open_sidecar`` and the whole-model arms — or refused in one line before anything loads.
 
 Issue 19's bug: ``runtime/open.py`` asked only ``graph == "stateful"``, so a stateful-tiled package was opened
@@ -33,6 +33,9 @@ from anelab.weights import random_attention_weights
 PACKAGE = Path(__file__).resolve().parent.parent / "anelab"
 REGISTRY = PACKAGE / "sidecar" / "designs.py"
 NAMES = set(DESIGNS) | set(RENAMED)
+# the one other word that spells a design name: the full-scores probe graph as records written before its
+# rename call it (gather_probe.RECORDED_PROBE_NAMES) — a record's word, read under the new name, not a design
+RECORD_WORDS = {("anelab/studies/gather_probe.py", "dense")}
 CHUNK, PROMPT = 8, 13  # two chunk starts (0, 8); the second chunk is partial (5 rows)
 GEOMETRY = AttentionGeometry(
     variant="qwen3", hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, num_layers=2,
@@ -40,48 +43,53 @@ GEOMETRY = AttentionGeometry(
 )  # fmt: skip
 
 
-# ---- nobody outside the registry compares design names ------------------------------------------------------
-def _names_in(node: ast.AST) -> list[str]:
-    """Design names a comparison operand spells out: a string constant, or one inside a tuple / list / set."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return [node.value] if node.value in NAMES else []
-    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-        return [n for elt in node.elts for n in _names_in(elt)]
-    return []
+# ---- nobody outside the registry names a design ------------------------------------------------------------
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the docstring constants of a module, its classes and functions (prose may name a design)."""
+    bodies = (n.body for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef)))
+    return {id(b[0].value) for b in bodies if b and isinstance(b[0], ast.Expr) and isinstance(b[0].value, ast.Constant)}
 
 
-def design_name_comparisons(root: Path = PACKAGE) -> list[str]:
-    """``path:line: 'name'`` for every ==, !=, in, not in or match case on a design name outside the registry."""
+def design_names_outside_the_registry(root: Path = PACKAGE) -> list[str]:
+    """``path:line: 'name'`` for every string constant spelling a design name (a comparison, a dict key, an
+    argument, a default...) outside ``sidecar/designs.py``; docstrings and longer text are prose."""
     found = []
     for path in sorted(root.rglob("*.py")):
         if path.relative_to(root) == REGISTRY.relative_to(PACKAGE):
             continue
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            operands = []
-            if isinstance(node, ast.Compare):
-                operands = [node.left, *node.comparators]
-            elif isinstance(node, ast.MatchValue):
-                operands = [node.value]
-            for name in (n for op in operands for n in _names_in(op)):
-                found.append(f"{path.relative_to(root.parent)}:{node.lineno}: {name!r}")
+        tree = ast.parse(path.read_text(), filename=str(path))
+        prose = _docstrings(tree)
+        for node in ast.walk(tree):
+            where = str(path.relative_to(root.parent))
+            if isinstance(node, ast.Constant) and node.value in NAMES and id(node) not in prose:
+                if (where, node.value) in RECORD_WORDS:
+                    continue
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno}: {node.value!r}")
     return found
 
 
-def test_only_the_registry_compares_design_names():
-    assert design_name_comparisons() == []
+def test_only_the_registry_names_a_design():
+    assert design_names_outside_the_registry() == []
 
 
-def test_a_design_name_comparison_is_caught(tmp_path):
-    """Negative control: issue 19's check put back into runtime/open.py, and a planner-style tuple test."""
+def test_a_design_name_outside_the_registry_is_caught(tmp_path):
+    """Negative control: issue 19's check put back into runtime/open.py, a planner-style tuple test and a
+    design passed by name; a docstring naming a design is prose and is not flagged."""
     copy = tmp_path / "anelab"
     shutil.copytree(PACKAGE, copy)
     opened = copy / "runtime" / "open.py"
     opened.write_text(opened.read_text() + '\n\ndef _stateful(meta):\n    return meta.graph == "stateful"\n')
     plan = copy / "studies" / "planner" / "design.py"
-    plan.write_text(plan.read_text() + '\n\ndef _per(d):\n    return d in ("per-history", "x")\n')
-    found = design_name_comparisons(copy)
+    plan.write_text(
+        plan.read_text() + '\n\ndef _per(d):\n    """Per-history: "dense"."""\n    return d in ("per-history", "x")\n'
+    )
+    sweep = copy / "studies" / "chunk_sweep.py"
+    sweep.write_text(sweep.read_text() + '\n\ndef _export(f):\n    return f(graph="stateful-tiled")\n')
+    found = design_names_outside_the_registry(copy)
     assert any("open.py" in f and "'stateful'" in f for f in found), found
     assert any("design.py" in f and "'per-history'" in f for f in found), found
+    assert any("chunk_sweep.py" in f and "'stateful-tiled'" in f for f in found), found
+    assert not any("design.py" in f and "'dense'" in f for f in found), found  # the docstring
 
 
 def test_an_old_or_unknown_design_name_is_refused_in_one_line():
@@ -89,6 +97,14 @@ def test_an_old_or_unknown_design_name_is_refused_in_one_line():
         get_design("per-history", "--design")
     with pytest.raises(AnelabInputError, match="unknown --graph 'flash'; supported: dense, tiled, stateful"):
         get_design("flash")
+
+
+def test_an_option_the_design_does_not_take_is_refused_even_when_falsy():
+    """A key tile of 0 given to the dense design is refused, not read as "not given"; None is not given."""
+    dense = get_design("dense")
+    with pytest.raises(AnelabInputError, match="--tile applies to --graph tiled or stateful-tiled, not dense"):
+        dense.options(GEOMETRY, CHUNK, [0], key_tile=0)
+    assert dense.options(GEOMETRY, CHUNK, [0, CHUNK], key_tile=None).histories == (0, CHUNK)
 
 
 # ---- every design x (open, predict through the fake, a prompt through the arms) ------------------------------

@@ -57,3 +57,41 @@ def test_truncation_would_be_caught():
     with np.errstate(over="ignore"):
         expected = x.astype(np.float16).astype(np.float32)
     assert not np.array_equal(chopped, expected)
+
+
+# ---- the evaluator's per-op fp16 rounding, tested directly ----------------------------------------------------
+def _add_then_subtract_one(tmp_path, n: int):
+    """A saved program y = (x + 1) - 1 over fp16 x [n]: stored in fp16, x + 1 keeps only x's bits above
+    2**-10, so y differs from x wherever x has lower bits."""
+    from anelab.sidecar.coremltools_import import coremltools_modules
+    from anelab.sidecar.evaluate import SavedPackage
+    from anelab.sidecar.export import convert_program
+
+    ct, mb, types = coremltools_modules()
+
+    @mb.program(input_specs=[mb.TensorSpec((n,), types.fp16)], opset_version=ct.target.iOS18)
+    def prog(x):
+        one = np.float16(1.0)
+        return mb.sub(x=mb.add(x=x, y=one, name="x_plus_one"), y=one, name="y")
+
+    return SavedPackage(convert_program(prog, tmp_path / "add_sub.mlpackage"))
+
+
+def test_the_evaluator_rounds_every_fp16_op_result(tmp_path, monkeypatch):
+    """Each op's fp16 result is rounded before the next op reads it: the evaluation equals NumPy's float16
+    arithmetic step by step (each op computed exactly, then rounded), bit for bit. Negative controls: the
+    same program with fp16=False, and with the evaluator's rounding switched off, both miss it."""
+    from anelab.sidecar import evaluate as evaluator
+
+    x = np.random.default_rng(0).uniform(1e-4, 1e-2, 64).astype(np.float16)
+    saved = _add_then_subtract_one(tmp_path, x.size)
+    one = np.float16(1.0)
+    expected = (x + one) - one  # float16 + float16 in NumPy: the exact sum rounded to fp16, per op
+    assert np.count_nonzero(expected != x) > 48  # the intermediate rounding is visible at the output
+    got = evaluator.evaluate(saved, "main", {"x": x})["y"]
+    assert got.dtype == np.float16 and np.array_equal(got, expected)
+    unrounded = evaluator.evaluate(saved, "main", {"x": x}, fp16=False)["y"]
+    assert not np.array_equal(unrounded.astype(np.float16), expected)
+    np.testing.assert_allclose(unrounded, x.astype(np.float32), rtol=1e-4)
+    monkeypatch.setattr(evaluator, "round_to_fp16", lambda a, scratch=None: a)  # the rounding switched off
+    assert not np.array_equal(evaluator.evaluate(saved, "main", {"x": x})["y"], expected)

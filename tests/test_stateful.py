@@ -15,7 +15,7 @@ from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
 from anelab.sidecar.evaluate import SavedPackage, evaluate_with_state, new_state
 from anelab.sidecar.export import export_sidecars
 from anelab.sidecar.format import STATE_CAPACITY_META, read_raw_metadata, read_sidecar_metadata, weight_bytes
-from anelab.sidecar.graphs import stateful as stateful_graph
+from anelab.sidecar.graphs import common as graphs_common
 from anelab.sidecar.prompt import DECODE_STEPS, run_stateful
 from anelab.sidecar.verify import verify_package
 
@@ -106,7 +106,7 @@ def test_second_read_state_hazard_is_caught(tiny_checkpoint, tmp_path, monkeypat
     """Attending over a second read_state (instead of the slice_update result): coremltools merges it
     with the first read, so the saved graph attends over the cache as it was *before* this chunk.
     The cache itself is still right — only the multi-chunk attn_out comparison catches it."""
-    monkeypatch.setattr(stateful_graph, "_cache_for_attention", lambda mb, state, updated: mb.read_state(input=state))
+    monkeypatch.setattr(graphs_common, "cache_for_attention", lambda mb, state, updated: mb.read_state(input=state))
     ckpt = tiny_checkpoint(VARIANT)
     [r] = export_sidecars(ckpt, tmp_path, CHUNK, None, [LAYER], graph="stateful", capacity=CAPACITY)
     fn = SavedPackage(r.package).mil_function("c8")

@@ -19,6 +19,7 @@ from anelab.sidecar.designs import OPS_PER_TILE_PAIR, stateful_tiled_ops
 from anelab.sidecar.evaluate import SavedPackage, evaluate_with_state, new_state
 from anelab.sidecar.export import export_sidecars, function_builds
 from anelab.sidecar.format import MASK_MODE_META, read_raw_metadata, read_sidecar_metadata
+from anelab.sidecar.graphs import common as graphs_common
 from anelab.sidecar.graphs import stateful_tiled
 from anelab.sidecar.prompt import prefill_prompt, prompt_reference, run_stateful_tiled
 from anelab.sidecar.verify import verify_package
@@ -79,7 +80,7 @@ def test_prefill_prompt_matches_the_reference(package):
 def test_second_read_state_hazard_is_caught(tiny_checkpoint, tmp_path, monkeypatch):
     """Tiles read from a second read_state: coremltools merges it with the first, so attention sees the
     cache as it was before this chunk. Verification must fail on attn_out (and not call itself vacuous)."""
-    monkeypatch.setattr(stateful_tiled, "_cache_for_attention", lambda mb, state, updated: mb.read_state(input=state))
+    monkeypatch.setattr(graphs_common, "cache_for_attention", lambda mb, state, updated: mb.read_state(input=state))
     ckpt = tiny_checkpoint(VARIANT)
     pkg = _export(ckpt, tmp_path)
     fn = SavedPackage(pkg).mil_function("c8")

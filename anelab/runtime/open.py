@@ -181,7 +181,7 @@ class Sidecar:
             self._refuse_keys_outside_the_window(start, inputs["mask"])
         elif "mask" in inputs:
             raise AnelabInputError(
-                f"{self.package}: this --graph {self.metadata.graph} package takes no mask input (mask mode "
+                f"{self.package}: this --graph {self.design.name} package takes no mask input (mask mode "
                 f"{self.metadata.mask_mode}: causality in-graph); drop the mask or export with --mask-mode additive"
             )
         if self.stateful:

@@ -7,7 +7,7 @@ a function name, the builder of each function's MIL program, the prompt driver, 
 the negative controls it declares, what opening it needs (a state, a mask input), whether the
 whole-model arms serve it, and what the planner prices. export, verify, the prompt driver,
 ``open_sidecar``, the arms, the planner and the CLI ask the design; nothing outside this module
-compares design names (``tests/test_designs.py`` walks the tree for such comparisons).
+names a design (``tests/test_designs.py`` walks the tree for the names).
 
 - ``dense``: one function ``h<s>`` per chunk start s (the research seed's design), K/V history an
   input, all ``s + C`` keys scored at once;
@@ -49,6 +49,9 @@ from anelab.sidecar.graphs.stateful_tiled import (
 from anelab.sidecar.graphs.tiled import build_tiled_program, validate_key_tile
 from anelab.sidecar.quantize import validate_weights_mode
 from anelab.weights import AttentionWeights
+
+# the designs' names: written here and nowhere else (tests/test_designs.py)
+DENSE, TILED, STATEFUL, STATEFUL_TILED = "dense", "tiled", "stateful", "stateful-tiled"
 
 # Non-const MIL ops of one function as built (before coremltools' passes), counted on built programs
 # (tests/test_stateful_tiled.py checks the formulas): a stateful-tiled function has a fixed part
@@ -241,7 +244,7 @@ class Design:
         unknown = [k for k in given if k not in FLAGS]
         if unknown:
             raise TypeError(f"unknown sidecar option {unknown[0]!r}")
-        stray = [k for k, v in given.items() if v not in (None, False) and k not in self.option_names]
+        stray = [k for k, v in given.items() if v is not None and v is not False and k not in self.option_names]
         if selection is not None and not self.takes_selection:
             stray.append("selection")
         if stray:
@@ -389,7 +392,7 @@ DESIGNS: dict[str, Design] = {
     d.name: d
     for d in (
         Design(
-            "dense",
+            DENSE,
             "one function h<s> per chunk start s; K/V history an input; all s + C keys scored at once",
             option_names=frozenset(),
             builder=_build_dense,
@@ -397,14 +400,14 @@ DESIGNS: dict[str, Design] = {
             **_PER_HISTORY,
         ),
         Design(
-            "tiled",
+            TILED,
             "one function h<s> per chunk start s; online softmax over key tiles of --tile positions",
             option_names=frozenset({"key_tile"}),
             builder=_build_tiled,
             **_PER_HISTORY,
         ),
         Design(
-            "stateful",
+            STATEFUL,
             "one function c<C> (+ c1) per layer; K/V in Core ML state; every slot scored at once",
             option_names=frozenset({"capacity", "decode"}),
             builder=_build_stateful,
@@ -416,7 +419,7 @@ DESIGNS: dict[str, Design] = {
             **_STATEFUL,
         ),
         Design(
-            "stateful-tiled",
+            STATEFUL_TILED,
             "one function c<C> (+ c1) per layer; K/V in state; key tiles x query tiles, causality in-graph",
             option_names=frozenset({"capacity", "decode", "key_tile", "query_tile", "mask_mode"}),
             builder=_build_stateful_tiled,
@@ -431,11 +434,11 @@ DESIGNS: dict[str, Design] = {
         ),
     )
 }
-DEFAULT_DESIGN = "dense"
+DEFAULT_DESIGN = DENSE
 PRICED = tuple(name for name, d in DESIGNS.items() if d.pricing is not None)
 
 
-RENAMED = {"per-history": "dense"}  # earlier names of a design (the planner's), refused with the new one
+RENAMED = {"per-history": DENSE}  # earlier names of a design (the planner's), refused with the new one
 
 
 def get_design(name: str, flag: str = "--graph") -> Design:
@@ -449,7 +452,7 @@ def get_design(name: str, flag: str = "--graph") -> Design:
 
 def design_of(meta: SidecarMetadata, where: str = "sidecar") -> Design:
     """The design of a package's metadata (refused in one line when its metadata lacks what it needs)."""
-    design = get_design(meta.graph or DEFAULT_DESIGN)
+    design = get_design(meta.graph or DEFAULT_DESIGN)  # a package from before anelab.graph existed: dense
     design.check_metadata(meta, where)
     return design
 

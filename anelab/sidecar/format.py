@@ -115,7 +115,7 @@ class SidecarMetadata:
     chunk: int
     histories: list[int]
     coverage: int
-    graph: str = "dense"
+    graph: str | None = None  # the design (anelab.sidecar.designs); None: recorded before the key existed
     weights: str = "fp16"
     single_function_weight_bytes: int = 0
     selection_folded: bool = False

@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 from anelab.errors import AnelabInputError
 from anelab.geometry import FP16_BYTES, AttentionGeometry, chunk_starts, score_arena_bytes, score_bytes
 from anelab.records import make_record
+from anelab.sidecar.designs import DENSE, STATEFUL, TILED, design_of
 from anelab.sidecar.prompt import prefill_prompt, prompt_reference
 from anelab.studies import planner
 
@@ -47,7 +48,7 @@ DEFAULT_CHUNKS = (64, 128, 256, 512, 1024, 4096)
 DEFAULT_KEY_TILE = 64  # key positions per tile of the tiled design (capped at the chunk)
 
 
-DESIGNS = ("dense", "tiled", "stateful")
+DESIGNS = (DENSE, TILED, STATEFUL)  # the designs this study sweeps
 
 
 FLOPS_PER_MAC = 2
@@ -379,7 +380,9 @@ def time_numpy_prefill(
 
     stats = measure(run, warmup=warmup, repeats=repeats, clock=clock)
     P = hidden.shape[0]
-    return PrefillTiming(meta.graph, meta.chunk, P, -(-P // meta.chunk), stats, relative_error(outputs[0], expected))
+    return PrefillTiming(
+        design_of(meta).name, meta.chunk, P, -(-P // meta.chunk), stats, relative_error(outputs[0], expected)
+    )
 
 
 def numpy_prefill_record(

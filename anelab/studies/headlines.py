@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from anelab.records import read_records
+from anelab.sidecar.designs import DENSE, STATEFUL, TILED
 
 
 @dataclass(frozen=True)
@@ -129,11 +130,11 @@ HEADLINES: dict[str, tuple[Headline, ...]] = {
     ),
     "05_tiled_stateful": (
         Headline("largest_intermediate_dense", "largest intermediate, dense design", "B", "design_comparison",
-                 _largest_intermediate("dense")),
+                 _largest_intermediate(DENSE)),
         Headline("largest_intermediate_tiled", "largest intermediate, tiled design", "B", "design_comparison",
-                 _largest_intermediate("tiled")),
+                 _largest_intermediate(TILED)),
         Headline("largest_intermediate_stateful", "largest intermediate, stateful design", "B", "design_comparison",
-                 _largest_intermediate("stateful")),
+                 _largest_intermediate(STATEFUL)),
         Headline("worst_graph_error", "worst graph error over designs and weight modes", "relative",
                  "design_comparison", _worst_graph_error),
     ),

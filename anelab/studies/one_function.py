@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from anelab.geometry import chunk_starts
 from anelab.sidecar.compare import relative_error
-from anelab.sidecar.designs import get_design
+from anelab.sidecar.designs import STATEFUL_TILED, get_design
 from anelab.sidecar.evaluate import SavedPackage, state_signatures, var_bytes
 from anelab.sidecar.prompt import prefill_prompt, prompt_reference
 from anelab.studies.planner.design import DESIGNS, compare_designs
@@ -113,7 +113,7 @@ def tile_error_table(
             chunk,
             None,
             [layer],
-            graph="stateful-tiled",
+            graph=STATEFUL_TILED,
             capacity=capacity,
             key_tile=kt,
             query_tile=query_tile,

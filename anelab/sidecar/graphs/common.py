@@ -220,3 +220,30 @@ def project_chunk(mb, g: AttentionGeometry, weights: AttentionWeights, hidden, C
     q = mb.mul(x=q, y=np.float16(g.attention_scale))
     q = mb.reshape(x=mb.transpose(x=q, perm=[1, 0, 2]), shape=[Hkv, g.group_size * C, d])
     return q, gate, k_chunk, v_chunk
+
+
+def cache_for_attention(mb, state, updated):
+    """The cache the attention reads after this chunk's update: the ``slice_update`` result itself.
+
+    Not a second ``read_state``: coremltools' ``common::remove_redundant_ops`` merges a second
+    ``read_state`` of the same state with the first, so it would silently read the cache as it was
+    *before* the update (tests/test_stateful.py and tests/test_stateful_tiled.py swap this function to
+    show verification catches it).
+    """
+    return updated
+
+
+def update_kv_cache(mb, g: AttentionGeometry, states, chunk_kv, start, C: int) -> list:
+    """Write the chunk's K and V ([Hkv, C, d] each) at slots [start, start + C) of the states ``k_cache``
+    / ``v_cache`` [Hkv, capacity, d] (``slice_update``), update the states, and return the two caches the
+    attention reads (``cache_for_attention``). ``start``: the int32 [1] input."""
+    zero = np.zeros(1, np.int32)
+    begin = mb.concat(values=[zero, start, zero], axis=0)
+    size = [np.array([g.num_kv_heads], np.int32), mb.add(x=start, y=np.int32(C)), np.array([g.head_dim], np.int32)]
+    end = mb.concat(values=size, axis=0)
+    caches = []
+    for state, new in zip(states, chunk_kv, strict=True):
+        updated = mb.slice_update(x=mb.read_state(input=state), update=new, begin=begin, end=end)
+        mb.coreml_update_state(state=state, value=updated)
+        caches.append(cache_for_attention(mb, state, updated))
+    return caches

@@ -7,18 +7,16 @@ import numpy as np
 from anelab.geometry import AttentionGeometry
 from anelab.sidecar.coremltools_import import coremltools_modules
 from anelab.sidecar.format import STATE_NAMES
-from anelab.sidecar.graphs.common import linear, no_rotation, project_chunk, rope, rope_position_tables, softcap
+from anelab.sidecar.graphs.common import (
+    linear,
+    no_rotation,
+    project_chunk,
+    rope,
+    rope_position_tables,
+    softcap,
+    update_kv_cache,
+)
 from anelab.weights import AttentionWeights
-
-
-def _cache_for_attention(mb, state, updated):
-    """The cache the attention reads after this chunk's update: the ``slice_update`` result itself.
-
-    Not a second ``read_state``: coremltools' ``common::remove_redundant_ops`` merges a second
-    ``read_state`` of the same state with the first, so it would silently read the cache as it was
-    *before* the update (tests/test_stateful.py swaps this function to show verification catches it).
-    """
-    return updated
 
 
 def build_stateful_program(geometry: AttentionGeometry, weights: AttentionWeights, chunk: int, capacity: int):
@@ -53,17 +51,7 @@ def build_stateful_program(geometry: AttentionGeometry, weights: AttentionWeight
         sin = mb.expand_dims(x=mb.gather(x=sin_table, indices=positions, axis=0), axes=[1])
         rotate = (lambda x, name: rope(mb, x, cos, sin, g, name)) if g.uses_rope(weights.layer) else no_rotation
         q, gate, k_chunk, v_chunk = project_chunk(mb, g, weights, hidden, C, rotate)
-        zero = np.zeros(1, np.int32)
-        begin = mb.concat(values=[zero, start, zero], axis=0)
-        end = mb.concat(
-            values=[np.array([Hkv], np.int32), mb.add(x=start, y=np.int32(C)), np.array([d], np.int32)], axis=0
-        )
-        caches = []
-        for state, new in ((k_cache, k_chunk), (v_cache, v_chunk)):
-            updated = mb.slice_update(x=mb.read_state(input=state), update=new, begin=begin, end=end)  # [Hkv, N, d]
-            mb.coreml_update_state(state=state, value=updated)
-            caches.append(_cache_for_attention(mb, state, updated))
-        keys, values = caches
+        keys, values = update_kv_cache(mb, g, (k_cache, v_cache), (k_chunk, v_chunk), start, C)  # [Hkv, N, d]
         scores = mb.matmul(x=q, y=keys, transpose_y=True)  # [Hkv, G*C, N]
         scores = softcap(mb, mb.reshape(x=scores, shape=[Hkv, G, C, N]), g)
         probs = mb.softmax(x=mb.add(x=scores, y=mask), axis=-1)

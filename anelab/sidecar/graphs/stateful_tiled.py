@@ -45,7 +45,15 @@ from anelab.geometry import AttentionGeometry
 from anelab.masks import MASKED
 from anelab.sidecar.coremltools_import import coremltools_modules
 from anelab.sidecar.format import STATE_NAMES
-from anelab.sidecar.graphs.common import attention_output, no_rotation, project_chunk, rope, rope_tables, softcap
+from anelab.sidecar.graphs.common import (
+    attention_output,
+    no_rotation,
+    project_chunk,
+    rope,
+    rope_tables,
+    softcap,
+    update_kv_cache,
+)
 from anelab.weights import AttentionWeights
 
 ROPE_SPLIT = 256  # start = hi * ROPE_SPLIT + lo: both gather indices stay far below int16's 32,767
@@ -124,13 +132,6 @@ def _start_rotation(mb, geometry: AttentionGeometry, layer: int, capacity: int, 
     cos = mb.sub(x=mb.mul(x=cos_hi, y=cos_lo), y=mb.mul(x=sin_hi, y=sin_lo))  # cos(a + b)
     sin = mb.add(x=mb.mul(x=sin_hi, y=cos_lo), y=mb.mul(x=cos_hi, y=sin_lo))  # sin(a + b)
     return mb.expand_dims(x=cos, axes=[0]), mb.expand_dims(x=sin, axes=[0])
-
-
-def _cache_for_attention(mb, state, updated):
-    """The cache the attention tiles read: the ``slice_update`` result, never a second ``read_state``
-    (coremltools' ``remove_redundant_ops`` would merge it with the first and read the stale cache;
-    tests swap this function to show verification catches that)."""
-    return updated
 
 
 def _causal_tile_mask(mb, start, r0: int, k0: int, groups: int, query_tile: int, key_tile: int):
@@ -225,16 +226,7 @@ def build_stateful_tiled_program(
             rotate = no_rotation
 
         q, gate, k_chunk, v_chunk = project_chunk(mb, g, weights, hidden, C, rotate)
-        zero = np.zeros(1, np.int32)
-        begin = mb.concat(values=[zero, start, zero], axis=0)
-        end = mb.concat(
-            values=[np.array([Hkv], np.int32), mb.add(x=start, y=np.int32(C)), np.array([d], np.int32)], axis=0
-        )
-        caches = []
-        for state, new in ((k_cache, k_chunk), (v_cache, v_chunk)):
-            updated = mb.slice_update(x=mb.read_state(input=state), update=new, begin=begin, end=end)
-            mb.coreml_update_state(state=state, value=updated)
-            caches.append(_cache_for_attention(mb, state, updated))
+        caches = update_kv_cache(mb, g, (k_cache, v_cache), (k_chunk, v_chunk), start, C)
         dims = (N, key_tile, query_tile, d, G)
         if query_tile == C:  # q [Hkv, G*C, d] is already one query tile
             context = _online_softmax_rows(mb, g, q, caches, start, mask, 0, dims)

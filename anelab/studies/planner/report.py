@@ -23,7 +23,7 @@ def format_family_table(rows: list[dict]) -> str:
         out.append(
             f"  heads {fact('num_heads', g['num_heads'])}; kv heads {fact('num_kv_heads', g['num_kv_heads'])}; "
             f"head_dim {fact('head_dim', g['head_dim'])}; sparse budget "
-            f"{fact('sparse_budget', g['sparse_budget'] or 'dense')}; max history {cap}"
+            f"{fact('sparse_budget', g['sparse_budget'] or 'none (every key)')}; max history {cap}"
         )
         out.append(f"  records: {', '.join(f['records'])}")
         out.append(f"  unknown: {'; '.join(f['unknown'])}")
