@@ -408,6 +408,7 @@ def _add_plan(sub):
     p.add_argument("--gpu-attention-seconds", type=float, help="one layer's GPU attention, full chunk at history 0")
     p.add_argument("--ane-attention-seconds", type=float, help="one layer's ANE attention, full chunk at history 0")
     p.add_argument("--non-attention-seconds", type=float, help="the rest of this prompt's prefill")
+    _add_user_gpu(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--list-families", action="store_true", help="list the families, what is recorded and unknown")
     p.add_argument("--fit-report", action="store_true", help="predicted vs recorded ratio of every recorded A/B row")
@@ -449,6 +450,8 @@ def _run_plan(args):
             chunk=args.chunk,
             key_tile=args.tile,
             query_tile=args.query_tile,
+            gpu_prefill_seconds=args.gpu_prefill_seconds,
+            gpu_tokens_per_second=args.gpu_tokens_per_second,
         )
         rows = {
             f"{Path(args.checkpoint).name} ({kind})": [d.to_dict() for d in kind_plans]
@@ -459,6 +462,8 @@ def _run_plan(args):
         else:
             print(f"costs: {checkpoint_plan.cost_family or 'flags'} — {checkpoint_plan.cost_family_reason}")
             print(planner.format_designs(rows))
+            if "full" in plans:
+                _print_design_verdicts(checkpoint_plan.parts["full"], rows[f"{Path(args.checkpoint).name} (full)"])
         return 0
     if args.checkpoint is not None:
         return _run_plan_checkpoint(args)
@@ -495,8 +500,53 @@ def _run_plan(args):
         gpu_attention_seconds=args.gpu_attention_seconds,
         ane_attention_seconds=args.ane_attention_seconds,
         non_attention_seconds=args.non_attention_seconds,
+        gpu_prefill_seconds=args.gpu_prefill_seconds,
+        gpu_tokens_per_second=args.gpu_tokens_per_second,
     ).to_dict()
-    _print_json(result) if args.json else print(planner.format_plan(result))
+    return _print_plan(args, result, planner.format_plan(result), [result])
+
+
+def _print_design_verdicts(full: dict, designs: list[dict]) -> None:
+    """Each design's three-way verdict (the same envelope ``decide`` reports)."""
+    from anelab.studies.planner.report import format_verdict
+    from anelab.studies.planner.verdict import decide_arms, plan_arm_costs
+
+    for design in designs:
+        print(f"--- three-way verdict ({design['design']}) ---")
+        print(format_verdict(decide_arms(plan_arm_costs(full, design)).to_dict()))
+
+
+def _add_user_gpu(p) -> None:
+    p.add_argument("--gpu-prefill-seconds", type=float, help="your GPU runtime's prefill of this prompt (seconds)")
+    p.add_argument("--gpu-tokens-per-second", type=float, help="your GPU runtime's prefill speed (tokens/s)")
+
+
+def _print_plan(args, result: dict, text: str, parts: list[dict]) -> int:
+    """The plan and, for each part, its three-way verdict with thresholds and envelope (``planner.verdict``)."""
+    from anelab.studies.planner.report import format_verdict
+    from anelab.studies.planner.verdict import decide_arms, plan_arm_costs
+
+    where = f"--checkpoint {args.checkpoint}" if args.checkpoint else f"--family {result.get('family')}"
+    commands = {
+        "gpu_prefill": (
+            f"time your GPU runtime's prefill of a {args.prompt_tokens:,}-token prompt (seconds, S)",
+            f"anelab plan {where} --prompt-tokens {args.prompt_tokens} --gpu-prefill-seconds S",
+        ),
+        "load_per_layer": (
+            "time your model's own loads and ANE predictions on a Mac",
+            f"anelab decide {args.checkpoint or 'CHECKPOINT'} --prompt-tokens {args.prompt_tokens} --measure",
+        ),
+    }
+    commands["ane_attention"] = commands["load_per_layer"]
+    verdicts = [decide_arms(plan_arm_costs(part), commands).to_dict() for part in parts]
+    if args.json:
+        _print_json({**result, "verdicts": verdicts})
+        return 0
+    print(text)
+    for part, verdict in zip(parts, verdicts):
+        kind = f" ({len(part['geometry']['full_attention_layers'])} layers)" if len(parts) > 1 else ""
+        print(f"--- three-way verdict{kind} ---")
+        print(format_verdict(verdict))
     return 0
 
 
@@ -519,12 +569,10 @@ def _run_plan_checkpoint(args):
         gpu_attention_seconds=args.gpu_attention_seconds,
         ane_attention_seconds=args.ane_attention_seconds,
         non_attention_seconds=args.non_attention_seconds,
+        gpu_prefill_seconds=args.gpu_prefill_seconds,
+        gpu_tokens_per_second=args.gpu_tokens_per_second,
     ).to_dict()
-    if args.json:
-        _print_json(result)
-        return 0
-    print(planner.format_checkpoint_plan(result))
-    return 0
+    return _print_plan(args, result, planner.format_checkpoint_plan(result), list(result["parts"].values()))
 
 
 _register("plan", _add_plan, _run_plan)
@@ -682,6 +730,57 @@ _register("compare-arms", _add_compare_arms, _run_compare_arms)
 
 
 # <<< section: compare-arms
+# >>> section: decide
+def _add_decide(sub):
+    p = sub.add_parser(
+        "decide",
+        help="plan every design for a checkpoint, export + verify the candidate, run the whole-model arms, "
+        "(on a Mac) measure, and write report.html / report.md / decision.json",
+    )
+    p.add_argument("checkpoint", help="model directory (config.json + safetensors)")
+    p.add_argument("--prompt-tokens", type=int, required=True, help="your prompt length in tokens")
+    _add_user_gpu(p)
+    p.add_argument(
+        "--design", default="auto", help="auto (best predicted ratio) | per-history | stateful | stateful-tiled"
+    )
+    p.add_argument("--chunk", type=int, default=None, help="prefill chunk = sidecar width (default: the cost family's)")
+    p.add_argument("--family", default=None, help="recorded dense family for the costs (default: the closest)")
+    p.add_argument("--out", default=None, help="report directory (default: decide-<checkpoint name>)")
+    p.add_argument("--measure", action="store_true", help="on a Mac: time the packages and plan again with the times")
+    p.add_argument("--repeats", type=int, default=3, help="--measure: timed repeats per measurement (default 3)")
+    p.add_argument("--json", action="store_true", help="print decision.json's verdict as JSON")
+
+
+def _run_decide(args):
+    from anelab.studies.decide import DecideConfig, decide
+    from anelab.studies.decide_report import verdict_lines
+
+    out = Path(args.out) if args.out else Path(f"decide-{Path(args.checkpoint).name}")
+    config = DecideConfig(
+        checkpoint=Path(args.checkpoint),
+        prompt_tokens=args.prompt_tokens,
+        out=out,
+        design=args.design,
+        chunk=args.chunk,
+        family=args.family,
+        gpu_prefill_seconds=args.gpu_prefill_seconds,
+        gpu_tokens_per_second=args.gpu_tokens_per_second,
+        measure=args.measure,
+        repeats=args.repeats,
+    )
+    decision = decide(config).to_dict()
+    if args.json:
+        _print_json(decision["verdict"])
+    else:
+        print("\n".join(verdict_lines(decision)))
+        print(f"report: {out / 'report.html'} (also report.md, decision.json)")
+    return 0
+
+
+_register("decide", _add_decide, _run_decide)
+# <<< section: decide
+
+
 # >>> section: studies (run / batch / records / docs)
 def _add_run(sub):
     p = sub.add_parser("run", help="one papermill run of a study into runs/<study>/<run id>/")

@@ -125,7 +125,7 @@ def test_break_even_reproduces_the_seeds_verdicts():
     assert loses.searched_up_to == 12288  # the recorded cap: max-history 8192 + chunk
     assert not any(lo <= SEED_TOKENS <= hi for lo, hi in loses.win_intervals)  # 0.72x: stays on the GPU
     assert loses.wins_from is None
-    wins = break_even("qwen3.5-2b-4bit", max_tokens=8192)
+    wins = break_even("qwen3.5-2b-4bit", max_tokens=8192, loads_in_arm=False)  # the rows' warm protocol
     assert any(lo <= SEED_TOKENS <= hi for lo, hi in wins.win_intervals)  # 1.38x: offload
     assert wins.first_win == 4096  # a shorter prompt is one partial chunk
 
@@ -216,7 +216,7 @@ def test_ratio_sweep():
 def test_format_plan():
     text = format_plan(plan(SEED_TOKENS, family="qwen3.8-125b-a6b-4bit").to_dict())
     assert "decision: gpu" in text and "variants visited: 24" in text and "4,333 tokens" in text
-    assert "decision: ane" in format_plan(plan(SEED_TOKENS, family="qwen3.5-2b-4bit").to_dict())
+    assert "decision: ane" in format_plan(plan(SEED_TOKENS, family="qwen3.5-2b-4bit", loads_in_arm=False).to_dict())
 
 
 def test_compact_provenance():

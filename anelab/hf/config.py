@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from anelab.errors import AnelabInputError
 from anelab.geometry import AttentionGeometry
@@ -638,9 +638,12 @@ def config_for_geometry(geometry: AttentionGeometry, model_type: str, family: Mo
             ]
     if family.window == "gemma3":
         text.update(_gemma3_keys(g))
+    scaling = _rope_scaling_dict(g)
+    if g.max_position_embeddings is not None:
+        text["max_position_embeddings"] = g.max_position_embeddings
     if family.nested_text_config:
         # transformers >= 5 style: RoPE settings live in rope_parameters.
-        text["rope_parameters"] = rope
+        text["rope_parameters"] = {**rope, **scaling}
         return {
             "architectures": [family.architecture],
             "model_type": model_type,
@@ -648,4 +651,15 @@ def config_for_geometry(geometry: AttentionGeometry, model_type: str, family: Mo
             "torch_dtype": TORCH_DTYPE_NAMES[dtype],
         }
     text.update({k: v for k, v in rope.items() if k != "rope_type"})
+    if scaling:
+        text["rope_scaling"] = scaling
     return {"architectures": [family.architecture], **text}
+
+
+def _rope_scaling_dict(g: AttentionGeometry) -> dict:
+    """The geometry's RoPE scaling as config.json writes it (``rope_type`` and its set fields), {} for default."""
+    if g.rope_scaling is None or g.rope_scaling.rope_type == "default":
+        return {}
+    values = {f.name: getattr(g.rope_scaling, f.name) for f in fields(g.rope_scaling)}
+    skip = ("rope_theta", "partial_rotary_factor")
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items() if v is not None and k not in skip}

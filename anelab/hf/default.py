@@ -91,3 +91,56 @@ def _generated(directory: Path, make) -> Path:
 def dense_checkpoint_dir(root: str | os.PathLike = CHECKPOINTS_DIR) -> Path:
     """``root/anelab-tiny-dense``, generated on first use (the whole-model arms' default checkpoint)."""
     return _generated(Path(root) / DENSE_CHECKPOINT, make_dense_checkpoint)
+
+
+# ---- the shape of a real model, for decide's tests and benchmark ----------------------------------------------
+LLAMA32_1B = dict(hidden_size=2048, num_heads=32, num_kv_heads=8, head_dim=64, num_layers=16, intermediate=8192)
+LLAMA32_1B_ROPE = dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+
+def llama32_1b_geometry(scale: int = 1, num_layers: int | None = None) -> AttentionGeometry:
+    """Llama-3.2-1B's attention (meta-llama/Llama-3.2-1B config.json: hidden 2048, 32 heads x 64, 8 KV
+    heads, 16 layers, rope_theta 500000, llama3 RoPE factor 32) with heads and hidden divided by ``scale``."""
+    from anelab.rope import RopeScaling
+
+    s = LLAMA32_1B
+    if s["num_heads"] % scale or s["num_kv_heads"] % scale:
+        raise AnelabInputError(f"scale {scale} must divide the 32 heads and 8 KV heads")
+    return AttentionGeometry(
+        variant="llama",
+        hidden_size=s["hidden_size"] // scale,
+        num_heads=s["num_heads"] // scale,
+        num_kv_heads=s["num_kv_heads"] // scale,
+        head_dim=s["head_dim"],
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        num_layers=num_layers or s["num_layers"],
+        full_attention_layers=tuple(range(num_layers or s["num_layers"])),
+        rope_scaling=RopeScaling("llama3", **LLAMA32_1B_ROPE),
+        max_position_embeddings=131072,
+    )
+
+
+def make_llama32_1b_shaped(
+    directory: str | os.PathLike,
+    *,
+    scale: int = 1,
+    num_layers: int | None = None,
+    vocab: int = 128256,
+    intermediate: int | None = None,
+    shards: int = 2,
+    seed: int = 0,
+) -> Path:
+    """A whole Llama-3.2-1B-shaped model with random weights (BF16, sharded, tied embeddings as the 1B's),
+    written by the project's writer: ``scale`` divides hidden and heads, ``intermediate`` defaults to 4 x hidden."""
+    from anelab.decoder import random_head_weights, random_layer_weights
+    from anelab.hf.model import write_model_checkpoint
+
+    g = llama32_1b_geometry(scale, num_layers)
+    width = intermediate or LLAMA32_1B["intermediate"] // scale
+    attention = {layer: random_attention_weights(g, layer, seed) for layer in g.full_attention_layers}
+    layers = {i: random_layer_weights(i, g.hidden_size, width, seed) for i in range(g.num_layers)}
+    head = random_head_weights(vocab, g.hidden_size, seed, tied=True)
+    return write_model_checkpoint(
+        directory, g, attention, layers, head, model_type="llama", dtype="BF16", shards=shards
+    )

@@ -25,6 +25,7 @@ writes a record (origin ``measured``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -161,7 +162,9 @@ class LoadPricer:
         pg = planner.PlanGeometry(g.num_layers, tuple(g.full_attention_layers), g.num_heads, g.num_kv_heads, g.head_dim)
         fit = planner.fit_costs(data_dir)
         arenas = [score_arena_bytes(fit.recorded_load_heads, fit.recorded_load_chunk, h) for h in fit.recorded_loads]
-        return cls(pg, fit.recorded_load_model(), (min(arenas), max(arenas)), floor_seconds)
+        # the sweep shows the power law itself at kB arenas: its own floor (``floor_seconds``), not the planner's
+        model = dataclasses.replace(fit.recorded_load_model(), floor_seconds=None)
+        return cls(pg, model, (min(arenas), max(arenas)), floor_seconds)
 
     def load(self, chunk: int, history: int) -> tuple[float, str]:
         """(seconds, source) of loading a function whose score arena is that of h<history> at ``chunk``."""

@@ -1,7 +1,8 @@
 """The cost planner: predicts the offload win before anything is built.
 
 ``catalogue`` (recorded model families, plan geometry), ``fit`` (per-token costs and the load model
-fitted on the seeds' records), ``plan`` (one prompt's schedule, setup and verdict).
+fitted on the seeds' records), ``plan`` (one prompt's schedule, setup and verdict), ``envelope`` (each
+cost's source and interval), ``verdict`` (ane / gpu / depends with thresholds).
 """
 
 from anelab.studies.planner.catalogue import (

@@ -12,6 +12,8 @@ from anelab.geometry import AttentionGeometry, chunk_starts, score_arena_bytes
 
 # how each figure in a plan is known
 RECORDED, DERIVED, ASSUMED, FITTED, UNKNOWN, FLAG = "recorded", "derived", "assumed", "fitted", "unknown", "flag"
+# a fitted law used outside the range (geometry, arena, prompt length or chunk) its records cover
+EXTRAPOLATED = "extrapolated"
 
 
 REFERENCE_TOKENS = 4333  # the seed's workload: 23,000-character prompt, ~4,333 tokens

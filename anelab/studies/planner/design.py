@@ -20,10 +20,11 @@ Sliding-window layers (``window`` W) are priced as built: a design whose pricing
 others still score every key of the history (the window is only in the mask; RoPE positions are
 absolute, so a per-history windowed layer needs as many functions as a full one).
 
-Assumptions (stated in every :class:`DesignPlan`): a load costs what the arena fit says
-(``LoadModel`` power law in score-arena bytes, fitted on Qwen 3.8's recorded loads, floored at the
-smallest recorded load, ``MIN_LOAD_SECONDS``) — whether compile time also grows with the op count is
-not recorded anywhere, so ``break_even_load_seconds`` says how slow one load may be before the design
+Assumptions (stated in every :class:`DesignPlan`): a load costs what the one load model says for
+its score arena (``LoadModel.at_arena``: Qwen 3.8's recorded load where the arena and geometry are
+recorded, else the power law in score-arena bytes, floored at the smallest recorded load) — the same
+arena costs the same in every design; whether compile time also grows with the op count is not
+recorded anywhere, so ``break_even_load_seconds`` says how slow one load may be before the design
 loses; ANE attention costs the recorded rate per score entry, masked entries included; the GPU arm,
 non-attention and GPU attention come from :func:`anelab.studies.planner.plan.plan` unchanged.
 """
@@ -33,15 +34,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from anelab.errors import AnelabInputError
-from anelab.geometry import GB, chunk_starts
+from anelab.geometry import chunk_starts
 from anelab.sidecar.designs import PRICED, default_capacity, get_design
 from anelab.sidecar.graphs.stateful_tiled import wasted_score_fraction
 from anelab.studies.planner.catalogue import PlanGeometry, chunk_schedule, get_family, require_positive
-from anelab.studies.planner.fit import fit_costs
+from anelab.studies.planner.fit import LoadModel, fit_costs
 from anelab.studies.planner.plan import plan
 
 DESIGNS = PRICED  # the designs the planner prices, named as everywhere else
-MIN_LOAD_SECONDS = 0.133  # smallest recorded load: full-scores chunk-32 probe graph (data/ane-gather-probe.json)
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,7 @@ class DesignCosts:
     """What the design comparison takes from the fitted cost model and from the per-history plan."""
 
     ane_seconds_per_entry: float
-    load_power_coef: float
-    load_power_exp: float
+    load: LoadModel  # the plan's load model (one for every design)
     gpu_prefill_seconds: float
     gpu_attention_seconds: float  # all of it moves to the ANE when the prompt is at least one chunk
     non_attention_seconds: float
@@ -76,6 +75,7 @@ class DesignPlan:
     wasted_fraction: float
     ops_per_function: int
     functions_per_layer: int
+    load_source: str  # where one load's seconds came from (recorded / fitted / extrapolated / flag)
     ane_attention_seconds: float
     gpu_prefill_seconds: float
     ane_prefill_seconds: float
@@ -113,18 +113,12 @@ def family_design_costs(family: str, prompt_tokens: int, chunk: int) -> DesignCo
     fit = fit_costs()
     return DesignCosts(
         ane_seconds_per_entry=fit.ane_seconds_per_entry,
-        load_power_coef=fit.load_power_coef,
-        load_power_exp=fit.load_power_exp,
+        load=fit.recorded_load_model(),
         gpu_prefill_seconds=p.gpu_prefill_seconds,
         gpu_attention_seconds=p.gpu_attention_seconds,
         non_attention_seconds=p.non_attention_seconds,
         per_history=p.to_dict(),
     )
-
-
-def arena_load_seconds(arena_bytes: int, costs: DesignCosts) -> float:
-    """One load by the arena fit, floored at the smallest recorded load."""
-    return max(MIN_LOAD_SECONDS, costs.load_power_coef * (arena_bytes / GB) ** costs.load_power_exp)
 
 
 def design_plan(
@@ -181,6 +175,7 @@ def design_plan(
         else 1.0 - used / computed,
         ops_per_function=int(t["ops"]),
         functions_per_layer=t["functions"],
+        load_source=t["load_source"],
         ane_attention_seconds=ane_attn,
         gpu_prefill_seconds=costs.gpu_prefill_seconds,
         ane_prefill_seconds=ane_total,
@@ -203,6 +198,7 @@ def _per_history_terms(geometry, schedule, chunk, design, costs, capacity, key_t
         "arena": geometry.score_arena_bytes(chunk, schedule[-1].start),
         "ops": design.pricing.ops(chunk, None, None, None),
         "setup": ph["setup_seconds"], "ane": ph["ane_attention_seconds"],
+        "load_source": "; ".join(sorted({v["source"] for v in ph["load_seconds"].values()})) or "no load",
         "assumptions": ["loads: recorded per history where they apply, else the arena fit (as plan())"],
     }  # fmt: skip
 
@@ -222,21 +218,16 @@ def _one_function_terms(geometry, schedule, chunk, design, costs, capacity, key_
     computed = calls * geometry.num_heads * chunk * scored
     loads = n_fa if on_ane else 0
     kt, qt, arena = design.pricing.call(geometry.num_heads, chunk, scored, key_tile, query_tile)
+    each, load_source = costs.load.at_arena(geometry.num_heads, geometry.head_dim, chunk, int(arena))
     assumptions = [
-        f"one load per layer ({n_fa}); load by the arena power fit (Qwen 3.8's recorded loads), floored at "
-        f"{MIN_LOAD_SECONDS} s; op count's effect on compile time not modelled"
+        f"one load per layer ({n_fa}); load by the one load model at the function's score arena "
+        f"({load_source}); op count's effect on compile time not modelled"
     ]
     if ring is not None:
         assumptions.append(f"windowed layers: a ring of {ring} slots; ops as a full layer's per tile pair")
-    ph_load = costs.per_history.get("cost_sources", {}).get("load", "")
-    if not ph_load.startswith("recorded per history"):
-        assumptions.append(
-            f"this family's per-history loads come from '{ph_load}', not from the arena fit: "
-            "compare its designs' setup with care"
-        )
     return {
         "cap": cap, "kt": kt, "qt": qt, "functions": 1, "computed": computed, "loads": loads, "arena": arena,
-        "ops": design.pricing.ops(chunk, scored, kt, qt), "setup": loads * arena_load_seconds(arena, costs),
+        "ops": design.pricing.ops(chunk, scored, kt, qt), "setup": loads * each, "load_source": load_source,
         "ring": ring,
         "ane": costs.ane_seconds_per_entry * computed * n_fa if on_ane else 0.0, "assumptions": assumptions,
     }  # fmt: skip

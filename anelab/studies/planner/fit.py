@@ -10,11 +10,13 @@ from pathlib import Path
 import numpy as np
 
 from anelab.errors import AnelabInputError
-from anelab.geometry import GB
+from anelab.geometry import GB, score_arena_bytes
 from anelab.paths import DATA_DIR
 from anelab.records import read_records
 from anelab.studies.planner.catalogue import (
+    EXTRAPOLATED,
     FAMILIES,
+    FITTED,
     RECORDED,
     REFERENCE_CHUNK,
     REFERENCE_TOKENS,
@@ -26,14 +28,18 @@ from anelab.studies.planner.catalogue import (
 )
 
 
-# ---- loads ------------------------------------------------------------------------------------
+# ---- loads ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LoadModel:
-    """Seconds to load one sidecar variant (``MLModel(contentsOf:)``), by history.
+    """Seconds to load one sidecar function (``MLModel(contentsOf:)``), by its score arena.
 
     Lookup order: ``by_history`` (valid only at ``recorded_chunk`` and ``recorded_heads``), then
     ``flat`` (every variant the same), then the power law ``power_coef * (arena / 1e9) ** power_exp``
-    in the variant's score-arena bytes.
+    in the function's score-arena bytes — the one load model every design is priced with, so the same
+    arena costs the same whichever design holds it. ``recorded_arenas`` (bytes, with ``by_history``)
+    mark where the law is "fitted" (inside their range, at the recorded heads / head_dim / chunk)
+    and where it is "extrapolated"; ``floor_seconds`` is the smallest load ever recorded (a
+    function cannot be priced below it however small its arena).
     """
 
     by_history: dict[int, float] = field(default_factory=dict)
@@ -43,6 +49,8 @@ class LoadModel:
     power_coef: float | None = None
     power_exp: float | None = None
     source: str = UNKNOWN
+    recorded_head_dim: int | None = None
+    floor_seconds: float | None = None
 
     def seconds(self, geometry: PlanGeometry, chunk: int, history: int) -> tuple[float, str]:
         """(seconds, where the number came from) for the variant ``h<history>`` at this chunk."""
@@ -50,10 +58,30 @@ class LoadModel:
             return self.by_history[history], self.source
         if self.flat is not None:
             return self.flat, self.source
-        if self.power_coef is not None:
-            arena = geometry.score_arena_bytes(chunk, history)
-            return self.power_coef * (arena / GB) ** self.power_exp, "fitted (power law in score-arena bytes)"
-        raise AnelabInputError("no load time for this variant; pass --load-seconds")
+        return self.at_arena(geometry.num_heads, geometry.head_dim, chunk, geometry.score_arena_bytes(chunk, history))
+
+    def at_arena(self, num_heads: int, head_dim: int | None, chunk: int, arena_bytes: int) -> tuple[float, str]:
+        """(seconds, source) of a function whose score arena is ``arena_bytes`` (any design): the
+        recorded load of that arena at the recorded geometry, else the power law — "fitted" inside
+        the recorded arenas at the recorded heads, head_dim and chunk, "extrapolated" elsewhere."""
+        same_geometry = (num_heads, chunk) == (self.recorded_heads, self.recorded_chunk) and head_dim in (
+            None,
+            self.recorded_head_dim,
+        )
+        if same_geometry:
+            for history, seconds in self.by_history.items():
+                if score_arena_bytes(num_heads, chunk, history) == arena_bytes:
+                    return seconds, self.source
+        if self.flat is not None:
+            return self.flat, self.source
+        if self.power_coef is None:
+            raise AnelabInputError("no load time for this variant; pass --load-seconds")
+        seconds = self.power_coef * (arena_bytes / GB) ** self.power_exp
+        if self.floor_seconds is not None and seconds < self.floor_seconds:
+            return self.floor_seconds, f"{EXTRAPOLATED} (arena fit below the smallest recorded load: floored there)"
+        arenas = [score_arena_bytes(self.recorded_heads, self.recorded_chunk, h) for h in self.by_history]
+        inside = same_geometry and bool(arenas) and min(arenas) <= arena_bytes <= max(arenas)
+        return seconds, f"{FITTED if inside else EXTRAPOLATED} (power law in score-arena bytes)"
 
 
 def fit_load_power(arena_bytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
@@ -64,6 +92,16 @@ def fit_load_power(arena_bytes: Sequence[float], seconds: Sequence[float]) -> tu
         raise AnelabInputError("a load fit needs loads at two or more different score-arena sizes")
     exp, log_coef = np.polyfit(x, y, 1)
     return float(np.exp(log_coef)), float(exp)
+
+
+def _loo_log_residuals(arena_bytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, ...]:
+    """ln(recorded / predicted) of each recorded load, predicted by the power law fitted on the others."""
+    out = []
+    for i in range(len(seconds)):
+        keep = [j for j in range(len(seconds)) if j != i]
+        coef, exp = fit_load_power([arena_bytes[j] for j in keep], [seconds[j] for j in keep])
+        out.append(float(np.log(seconds[i] / (coef * (arena_bytes[i] / GB) ** exp))))
+    return tuple(out)
 
 
 # ---- recorded rows and the fit ----------------------------------------------------------------
@@ -87,12 +125,14 @@ class CostFit:
     ane_seconds_per_entry: float
     gpu_dense_seconds_per_entry: float
     gpu_sparse_seconds_per_entry: float
-    dense_setup_seconds_per_variant: float
     load_power_coef: float
     load_power_exp: float
     recorded_loads: dict  # history -> seconds (Qwen 3.8) at recorded_load_chunk, recorded_load_heads
     recorded_load_chunk: int
     recorded_load_heads: int
+    recorded_load_head_dim: int
+    min_recorded_load_seconds: float  # the smallest load any record holds (data/ane-gather-probe.json)
+    load_log_loo_residuals: tuple  # leave-one-out residuals of the power law, ln(recorded / predicted)
     non_attention_seconds: dict  # family -> seconds at REFERENCE_TOKENS
     non_attention_clamped: tuple  # families whose fitted non-attention was negative, set to 0
     rows: tuple  # ABRow used
@@ -106,6 +146,8 @@ class CostFit:
             power_coef=self.load_power_coef,
             power_exp=self.load_power_exp,
             source=RECORDED,
+            recorded_head_dim=self.recorded_load_head_dim,
+            floor_seconds=self.min_recorded_load_seconds,
         )
 
     def to_dict(self) -> dict:
@@ -113,6 +155,7 @@ class CostFit:
         d["rows"] = [asdict(r) for r in self.rows]
         d["recorded_loads"] = {str(k): v for k, v in self.recorded_loads.items()}
         d["non_attention_clamped"] = list(self.non_attention_clamped)
+        d["load_log_loo_residuals"] = list(self.load_log_loo_residuals)
         return d
 
 
@@ -151,7 +194,7 @@ class _RowTerms:
     gpu_entries: float
     ane_entries: float
     variants: int
-    fixed_setup: float | None  # seconds, or None when the setup is the fitted dense per-variant setup
+    fixed_setup: float | None  # seconds, or None when the row's measured ANE arm holds no load (dense rows)
 
 
 def _row_terms(row: ABRow, recorded_load: LoadModel) -> _RowTerms:
@@ -194,20 +237,18 @@ def _fit(records: list[dict], exclude_ane: tuple[str, str] | None = None) -> Cos
     paired = [r for r in rows if r.ane_seconds is not None and (r.record, r.family) != exclude_ane]
     terms = {(r.record, r.family): _row_terms(r, recorded_load) for r in rows}
 
-    # dense: gpu - ane + ane_attention + fixed_setup = g * gpu_entries - s * variants (s: Qwen 3.5 only)
+    # dense: gpu - ane + ane_attention + fixed_setup = g * gpu_entries. The Qwen 3.5 rows hold no load
+    # term: a per-variant setup fitted beside the rate comes out negative (their measured runs follow a
+    # warm-up run, so the loads were evidently paid before the clock), so none is fitted.
     dense = [r for r in paired if not FAMILIES[r.family].sparse]
+    if not dense:
+        raise AnelabInputError("no dense A/B rows to fit; restore data/v5.5-ane-matrix-3.json")
     t = [terms[(r.record, r.family)] for r in dense]
     y = np.array(
         [r.gpu_seconds - r.ane_seconds + ane_rate * x.ane_entries + (x.fixed_setup or 0.0) for r, x in zip(dense, t)]
     )
     w = np.array([1.0 / r.ane_seconds for r in dense])  # residuals relative to the ANE time ~ ratio error
-    e_gpu = np.array([x.gpu_entries for x in t])
-    v_fit = np.array([-float(x.variants) if x.fixed_setup is None else 0.0 for x in t])
-    if not dense:
-        raise AnelabInputError("no dense A/B rows to fit; restore data/v5.5-ane-matrix-3.json")
-    g_dense, s_dense = _wls([e_gpu, v_fit], y, w) if np.any(v_fit) else (_wls([e_gpu], y, w)[0], 0.0)
-    if s_dense < 0:  # a negative setup is unphysical: pin it at zero and refit the rate
-        s_dense, g_dense = 0.0, _wls([e_gpu], y, w)[0]
+    g_dense = _wls([np.array([x.gpu_entries for x in t])], y, w)[0]
 
     sparse = [r for r in paired if FAMILIES[r.family].sparse]
     if not sparse:
@@ -226,24 +267,26 @@ def _fit(records: list[dict], exclude_ane: tuple[str, str] | None = None) -> Cos
             x = terms[(r.record, r.family)]
             residuals.append(r.gpu_seconds - gpu_rate * x.gpu_entries)
             if r.ane_seconds is not None and (r.record, r.family) != exclude_ane:
-                setup = x.fixed_setup if x.fixed_setup is not None else s_dense * x.variants
-                residuals.append(r.ane_seconds - ane_rate * x.ane_entries - setup)
+                residuals.append(r.ane_seconds - ane_rate * x.ane_entries - (x.fixed_setup or 0.0))
         if residuals:
             n = float(np.mean(residuals))
             if n < 0:
                 clamped.append(name)
                 n = 0.0
             non_attention[name] = n
+    probe = _by_file(records, "ane-gather-probe.json")
     return CostFit(
         float(ane_rate),
         float(g_dense),
         float(g_sparse),
-        float(s_dense),
         coef,
         exp,
         by_history,
         chunk_l,
         heads_l,
+        FAMILIES["qwen3.8-125b-a6b-4bit"].geometry.head_dim,
+        float(min(r["load_seconds"] for r in probe["results"]["rows"])),
+        _loo_log_residuals(arenas, list(by_history.values())),
         non_attention,
         tuple(clamped),
         tuple(rows),
@@ -301,6 +344,6 @@ def predicted_ane_seconds(row: ABRow, fit: CostFit) -> tuple[float, bool]:
     family = FAMILIES[row.family]
     x = _row_terms(row, fit.recorded_load_model())
     gpu_rate = fit.gpu_sparse_seconds_per_entry if family.sparse else fit.gpu_dense_seconds_per_entry
-    setup = x.fixed_setup if x.fixed_setup is not None else fit.dense_setup_seconds_per_variant * x.variants
+    setup = x.fixed_setup or 0.0
     n = row.gpu_seconds - gpu_rate * x.gpu_entries
     return max(n, 0.0) + fit.ane_seconds_per_entry * x.ane_entries + setup, n < 0

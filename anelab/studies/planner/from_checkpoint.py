@@ -89,6 +89,8 @@ def plan_from_checkpoint(
 
     ``cost_flags``: ``load_seconds``, ``gpu_attention_seconds``, ``ane_attention_seconds``,
     ``non_attention_seconds`` as :func:`plan` takes them; with all four no family is used.
+    ``gpu_prefill_seconds`` / ``gpu_tokens_per_second``: the user's GPU prefill of the prompt (a model
+    with windowed layers is refused: one number cannot be split between its kinds of layer).
     """
     from anelab.hf.checkpoint import load_checkpoint
 
@@ -97,6 +99,12 @@ def plan_from_checkpoint(
     windowed = [i for i in g.full_attention_layers if i in g.sliding_layers]
     full = [i for i in g.full_attention_layers if i not in g.sliding_layers]
     all_costs = all(cost_flags.get(k) is not None for k in _COST_FLAGS)
+    user_gpu = {k: cost_flags.get(k) for k in _USER_GPU_FLAGS if cost_flags.get(k) is not None}
+    if user_gpu and windowed and full:
+        raise AnelabInputError(
+            f"{checkpoint_dir} has windowed and full-attention layers; --gpu-prefill-seconds cannot be split "
+            "between them: pass --gpu-attention-seconds and --non-attention-seconds instead"
+        )
     if family is not None:
         if get_family(family).sparse:
             raise AnelabInputError(
@@ -123,11 +131,13 @@ def plan_from_checkpoint(
                 head_dim=g.head_dim,
                 sparse_budget=budget,
                 **{k: v for k, v in cost_flags.items() if k in _COST_FLAGS},
+                **user_gpu,
             ).to_dict()
     return _combine(checkpoint, g, full, windowed, family if not all_costs else None, reason, parts)
 
 
 _COST_FLAGS = ("load_seconds", "gpu_attention_seconds", "ane_attention_seconds", "non_attention_seconds")
+_USER_GPU_FLAGS = ("gpu_prefill_seconds", "gpu_tokens_per_second")
 
 
 def _combine(checkpoint, g, full, windowed, family, reason, parts) -> CheckpointPlan:
@@ -174,22 +184,23 @@ def checkpoint_designs(
     chunk: int | None = None,
     key_tile: int | None = None,
     query_tile: int | None = None,
+    **cost_flags,
 ) -> tuple[CheckpointPlan, dict[str, list]]:
     """The checkpoint's plan and each sidecar design (``planner.design``) per kind of attention layer:
     ``{"full": [...], "windowed": [...]}`` (a kind the model lacks is absent). Each kind's per-history
     plan (costs from ``family`` or the closest recorded dense family) is what its other designs are
-    compared with; windowed layers are priced as built (``design_plan``'s ``window``: the
-    stateful-tiled ring of about W + C slots, the other designs scoring the whole history)."""
+    compared with; every design is priced by the one load model at its score arena; windowed layers
+    are priced as built (``design_plan``'s ``window``: the stateful-tiled ring of about W + C slots,
+    the other designs scoring the whole history). ``cost_flags`` go to :func:`plan_from_checkpoint`."""
     from anelab.studies.planner.design import DESIGNS, DesignCosts, design_plan
 
-    checkpoint_plan = plan_from_checkpoint(checkpoint_dir, prompt_tokens, family=family, chunk=chunk)
+    checkpoint_plan = plan_from_checkpoint(checkpoint_dir, prompt_tokens, family=family, chunk=chunk, **cost_flags)
     fit = fit_costs()
     plans = {}
     for kind, part in checkpoint_plan.parts.items():
         costs = DesignCosts(
             ane_seconds_per_entry=fit.ane_seconds_per_entry,
-            load_power_coef=fit.load_power_coef,
-            load_power_exp=fit.load_power_exp,
+            load=fit.recorded_load_model(),
             gpu_prefill_seconds=part["gpu_prefill_seconds"],
             gpu_attention_seconds=part["gpu_attention_seconds"],
             non_attention_seconds=part["non_attention_seconds"],
@@ -208,7 +219,7 @@ def checkpoint_designs(
                 key_tile=key_tile,
                 query_tile=query_tile,
                 window=window,
-            )
+            )  # fmt: skip
             for d in (designs or DESIGNS)
         ]
     return checkpoint_plan, plans

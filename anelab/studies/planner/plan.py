@@ -33,13 +33,16 @@ Where costs come from (:func:`fit_costs`, reading the records in ``data/``):
 
 - ANE rate: one measured h0 prediction of Qwen 3.8 (0.43 s for 24 x 4,096 x 4,096 entries),
   assumed to hold for every family (all are head_dim 256 here).
-- Dense GPU rate and the dense per-variant setup: one weighted least-squares fit over every dense
-  A/B row (Qwen 3.5 and the 35B, both widths); each row contributes
-  ``gpu - ane = gpu_attention - ane_attention - setup`` (non-attention cancels).
+- Dense GPU rate: one weighted least-squares fit over every dense A/B row (Qwen 3.5 and the 35B,
+  both widths); each row contributes ``gpu - ane = gpu_attention - ane_attention - setup``
+  (non-attention cancels; setup is the 35B's note, and none for Qwen 3.5 — see below).
 - Sparse GPU rate: the two Qwen 3.8 rows, the same way.
-- Loads: Qwen 3.8's three recorded ``MLModel(contentsOf:)`` times where history, chunk and heads
-  match; otherwise a power law in score-arena bytes fitted on those three; the 35B's ~0.5 s per
-  layer-chunk from the runtime's note; dense Qwen 3.5: the fitted per-variant setup.
+- Loads — one load model for every family and design (``LoadModel.at_arena``): Qwen 3.8's three
+  recorded ``MLModel(contentsOf:)`` times where arena, chunk and heads match; otherwise a power law
+  in score-arena bytes fitted on those three ("fitted" inside their range at their geometry,
+  "extrapolated" elsewhere), never below the smallest recorded load; the 35B keeps the runtime's
+  ~0.5 s per layer-chunk note. ``planner.envelope`` gives each cost its interval and
+  ``planner.verdict`` the three-way verdict.
 - Non-attention: per family, the mean residual of its rows at the reference workload.
 
 :func:`predicted_vs_recorded` reports how well that recovers each recorded ratio, in-sample and
@@ -47,8 +50,10 @@ leave-one-out.
 
 What the fit says that the seed does not (read these before trusting a decomposition):
 
-- The dense per-variant setup fits below zero and is pinned at 0: the dense A/B rows leave no room
-  for the ~0.5 s per layer-chunk the runtime's note gives the 35B (the 35B keeps its note).
+- A dense per-variant setup fitted beside the rate comes out below zero: the Qwen 3.5 A/B rows'
+  measured runs (after a warm-up run) hold no load. So none is fitted: those rows are the *warm*
+  protocol (``loads_in_arm=False`` reproduces them), while a plan pays each visited function's load
+  per prompt by the one load model — extrapolated at Qwen 3.5's heads, hence a ``depends`` verdict.
 - Qwen 3.8's recorded ANE arm (273.5 s) holds the 244 s of loads only if its non-attention prefill
   is ~5 s, so the fit puts ~186 s of its GPU prefill into sparse attention (a gather rate 3.4x the
   dense GPU rate per score entry). Either the GPU's gather path is that slow, or the recorded ANE
@@ -70,7 +75,7 @@ from anelab.geometry import chunk_starts, validate_chunk_and_histories
 from anelab.geometry import coverage as _coverage
 from anelab.paths import DATA_DIR
 from anelab.studies.planner.catalogue import (
-    FITTED,
+    EXTRAPOLATED,
     FLAG,
     RECORDED,
     REFERENCE_CHUNK,
@@ -85,6 +90,7 @@ from anelab.studies.planner.catalogue import (
     positive_seconds,
     require_positive,
 )
+from anelab.studies.planner.envelope import YOURS, ane_kind, gpu_kind, kind_of, worst_kind
 from anelab.studies.planner.fit import CostFit, LoadModel, cached_fit, fit_costs, predicted_ane_seconds
 
 
@@ -101,15 +107,12 @@ class PlanCosts:
 
 
 def _family_costs(family: Family, prompt_tokens: int, fit: CostFit) -> PlanCosts:
-    if family.sparse:
-        load = fit.recorded_load_model()
-        load_source = "recorded per history (seed-38-variant-loads.json); power fit elsewhere"
-    elif family.setup_note_seconds is not None:
+    if family.setup_note_seconds is not None:
         load = LoadModel(flat=family.setup_note_seconds, source=RECORDED)
         load_source = "recorded ~0.5 s per layer-chunk (seed-35b-setup-note.json)"
-    else:
-        load = LoadModel(flat=fit.dense_setup_seconds_per_variant, source=FITTED)
-        load_source = "fitted dense per-variant setup (A/B rows)"
+    else:  # the one load model: Qwen 3.8's recorded loads, the power law in score-arena bytes elsewhere
+        load = fit.recorded_load_model()
+        load_source = "recorded per history (seed-38-variant-loads.json); power fit in score-arena bytes elsewhere"
     return PlanCosts(
         gpu_seconds_per_entry=fit.gpu_sparse_seconds_per_entry if family.sparse else fit.gpu_dense_seconds_per_entry,
         ane_seconds_per_entry=fit.ane_seconds_per_entry,
@@ -157,6 +160,9 @@ class PrefillPlan:
     keys_per_query: dict
     cost_sources: dict
 
+    provenance: dict  # cost -> kind (envelope.KINDS): load, gpu_prefill, ane_attention
+    loads_in_arm: bool  # False: the warm protocol of the recorded dense A/B rows (loads paid before the clock)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -201,6 +207,8 @@ def _costs_from_flags(
     if load_seconds is not None:
         values = [load_seconds] if isinstance(load_seconds, (int, float)) else list(load_seconds)
         values = [positive_seconds("--load-seconds", v) for v in values]
+        if min(values) <= 0:
+            raise AnelabInputError("--load-seconds must be above 0: no function loads in no time")
         if len(values) == 1:
             load = LoadModel(flat=values[0], source=FLAG)
         elif len(values) == len(histories):
@@ -270,18 +278,19 @@ def plan(
     non_attention_seconds: float | None = None,
     allow_past_coverage: bool = False,
     data_dir: str | Path | None = None,
+    gpu_prefill_seconds: float | None = None,
+    gpu_tokens_per_second: float | None = None,
+    loads_in_arm: bool = True,
 ) -> PrefillPlan:
     """Plan the prefill of one prompt and decide ANE offload vs GPU.
 
-    ``family`` supplies geometry and fitted costs (see :data:`FAMILIES`); any geometry or cost
-    argument overrides it, and without a family all of them are needed. Cost arguments:
-    ``load_seconds`` — one value for every variant, or one per history; ``gpu_attention_seconds``
-    / ``ane_attention_seconds`` — one full-attention layer's attention for a full chunk at history
-    0 (other layer-chunks scale with their score entries); ``non_attention_seconds`` — the rest of
-    this prompt's prefill. ``histories`` defaults to the multiples of ``chunk`` the prompt needs
-    (capped at the family's recorded ``max_history``). A prompt past coverage raises
-    :class:`AnelabInputError` naming the coverage needed, unless ``allow_past_coverage`` (then the
-    plan says ``fits=False`` and stays on the GPU).
+    ``family`` supplies geometry and fitted costs (:data:`FAMILIES`); any geometry or cost argument
+    overrides it (without a family all are needed): ``load_seconds`` (one, or one per history);
+    ``gpu_attention_seconds`` / ``ane_attention_seconds`` (one layer, full chunk at history 0, scaled
+    by score entries); ``non_attention_seconds``; the user's ``gpu_prefill_seconds`` or
+    ``gpu_tokens_per_second`` (:func:`_costs_and_terms`). ``histories`` defaults to the chunk starts
+    the prompt needs (capped at the family's ``max_history``); a prompt past coverage is refused
+    unless ``allow_past_coverage`` (then ``fits=False``, on the GPU).
     """
     fam = get_family(family) if family is not None else None
     chunk = REFERENCE_CHUNK if chunk is None and fam is not None else chunk
@@ -297,10 +306,9 @@ def plan(
     if not fits:
         schedule = [Chunk(c.index, c.start, c.tokens, "gpu") for c in schedule]
     fit = fit_costs(data_dir) if fam is not None else None
-    base_costs = _family_costs(fam, prompt_tokens, fit) if fam is not None else None
     flags = (load_seconds, gpu_attention_seconds, ane_attention_seconds, non_attention_seconds)
-    costs = _costs_from_flags(geometry, chunk, hs, *flags, base_costs)
-    terms = _prefill_terms(geometry, chunk, schedule, costs)
+    user = (gpu_prefill_seconds, gpu_tokens_per_second)
+    costs, terms = _costs_and_terms(fam, fit, geometry, prompt_tokens, chunk, hs, schedule, flags, user, loads_in_arm)
     coverage_needed = (max(needed) + chunk) if needed else 0
     reason = _reason(terms, prompt_tokens, chunk, fits, coverage_needed, _coverage(hs, chunk), geometry)
     return PrefillPlan(
@@ -328,7 +336,67 @@ def plan(
         reason=reason,
         keys_per_query=terms.keys,
         cost_sources={**costs.sources, "histories": hs_source},
+        provenance=_provenance(fam, geometry, prompt_tokens, chunk, costs, terms, fit),
+        loads_in_arm=loads_in_arm,
     )
+
+
+def _costs_and_terms(fam, fit, geometry, prompt_tokens, chunk, hs, schedule, flags, user, loads_in_arm):
+    """(PlanCosts, PrefillTerms): the family's costs with the flags over them; the user's GPU prefill
+    ``user`` = (seconds, tokens per second) replaces the GPU arm, split into attention and the rest in
+    the modelled proportion. ``loads_in_arm=False``: the ANE arm leaves the loads out (the warm
+    protocol of the recorded dense A/B rows); ``setup_seconds`` still prices them."""
+    base_costs = _family_costs(fam, prompt_tokens, fit) if fam is not None else None
+    costs = _costs_from_flags(geometry, chunk, hs, *flags, base_costs)
+    terms = _prefill_terms(geometry, chunk, schedule, costs, loads_in_arm)
+    user_gpu = _user_gpu_seconds(prompt_tokens, *user)
+    if user_gpu is not None:
+        costs = _scaled_gpu_costs(costs, user_gpu / terms.gpu_total, user_gpu, user[0] is not None)
+        terms = _prefill_terms(geometry, chunk, schedule, costs, loads_in_arm)
+    return costs, terms
+
+
+def _user_gpu_seconds(prompt_tokens: int, seconds: float | None, tokens_per_second: float | None) -> float | None:
+    if seconds is not None and tokens_per_second is not None:
+        raise AnelabInputError("pass --gpu-prefill-seconds or --gpu-tokens-per-second, not both")
+    if seconds is not None:
+        if positive_seconds("--gpu-prefill-seconds", seconds) <= 0:
+            raise AnelabInputError("--gpu-prefill-seconds must be above 0")
+        return float(seconds)
+    if tokens_per_second is not None:
+        if positive_seconds("--gpu-tokens-per-second", tokens_per_second) <= 0:
+            raise AnelabInputError("--gpu-tokens-per-second must be above 0")
+        return prompt_tokens / float(tokens_per_second)
+    return None
+
+
+def _scaled_gpu_costs(costs: PlanCosts, factor: float, user_seconds: float, as_seconds: bool) -> PlanCosts:
+    """The user's GPU prefill replaces the modelled GPU arm: GPU attention and non-attention scale alike."""
+    flag = "--gpu-prefill-seconds" if as_seconds else "--gpu-tokens-per-second"
+    split = f"{YOURS} ({flag}: {user_seconds:.4g} s for this prompt, split in the modelled attention share)"
+    sources = {**costs.sources, "gpu_attention": split, "non_attention": split, "gpu_prefill": split}
+    return PlanCosts(
+        costs.gpu_seconds_per_entry * factor,
+        costs.ane_seconds_per_entry,
+        costs.load,
+        costs.non_attention_seconds * factor,
+        sources,
+    )
+
+
+def _provenance(fam, geometry, prompt_tokens, chunk, costs: PlanCosts, terms, fit) -> dict:
+    """Kind of each deciding cost (``envelope.KINDS``): the loads, the GPU prefill, the ANE attention."""
+    loads = [kind_of(v["source"]) for v in terms.load_by_history.values()]
+    gpu_source = costs.sources.get("gpu_prefill") or costs.sources.get("gpu_attention", "")
+    if gpu_source.startswith(YOURS):
+        gpu = YOURS
+    elif gpu_source.startswith("flag"):
+        gpu = YOURS if costs.sources.get("non_attention", "").startswith("flag") else EXTRAPOLATED
+    else:
+        gpu = gpu_kind(fam.name if fam else None, geometry, prompt_tokens, chunk, fit)
+    ane_source = costs.sources.get("ane_attention", "")
+    ane = YOURS if ane_source.startswith("flag") else ane_kind(geometry, chunk, fit)
+    return {"load": worst_kind(loads) if loads else None, "gpu_prefill": gpu, "ane_attention": ane}
 
 
 def plan_geometry(
@@ -400,7 +468,9 @@ class PrefillTerms:
     decision: str
 
 
-def _prefill_terms(geometry: PlanGeometry, chunk: int, schedule: list[Chunk], costs: PlanCosts) -> PrefillTerms:
+def _prefill_terms(
+    geometry: PlanGeometry, chunk: int, schedule: list[Chunk], costs: PlanCosts, loads_in_arm: bool = True
+) -> PrefillTerms:
     """Attention on each device, setup (one load per (layer, history) variant) and the verdict."""
     ane_chunks = [c for c in schedule if c.device == "ane"]
     layers = geometry.full_attention_layers
@@ -420,7 +490,7 @@ def _prefill_terms(geometry: PlanGeometry, chunk: int, schedule: list[Chunk], co
     setup = n_fa * sum(v["seconds"] for v in load_by_history.values())
     n = costs.non_attention_seconds
     gpu_total = n + gpu_all
-    ane_total = n + gpu_all - gpu_offloaded + ane_attn + setup
+    ane_total = n + gpu_all - gpu_offloaded + ane_attn + (setup if loads_in_arm else 0.0)
     if ane_total <= 0:
         raise AnelabInputError("every cost is zero; pass non-zero --gpu-attention-seconds or --non-attention-seconds")
     ratio = gpu_total / ane_total
@@ -484,7 +554,8 @@ def predicted_vs_recorded(data_dir: str | Path | None = None) -> list[dict]:
       measured GPU seconds as given and predicts its ANE seconds.
     - ``leave_one_out``: the same, with the row's ANE time held out of the fit.
     - ``plan``: what :func:`plan` says for the family at the row's prompt and chunk (non-attention
-      from the family fit, scaled by tokens) — no measured time of the row as input.
+      from the family fit, scaled by tokens) — no measured time of the row as input; for the dense
+      Qwen 3.5 rows under their warm protocol (``loads_in_arm=False``: their arm holds no load).
     Errors are (predicted - recorded) / recorded.
     """
     directory = str(Path(data_dir or DATA_DIR).resolve())
@@ -495,7 +566,11 @@ def predicted_vs_recorded(data_dir: str | Path | None = None) -> list[dict]:
             continue
         pred_in, clamped_in = predicted_ane_seconds(row, fit)
         pred_loo, clamped_loo = predicted_ane_seconds(row, cached_fit(directory, (row.record, row.family)))
-        planned = plan(row.prompt_tokens, family=row.family, chunk=row.chunk, data_dir=directory).predicted_ratio
+        fam = get_family(row.family)
+        warm = not fam.sparse and fam.setup_note_seconds is None  # the dense rows' arm holds no load
+        planned = plan(
+            row.prompt_tokens, family=row.family, chunk=row.chunk, data_dir=directory, loads_in_arm=not warm
+        ).predicted_ratio
         r_in, r_loo = row.gpu_seconds / pred_in, row.gpu_seconds / pred_loo
         out.append(
             {

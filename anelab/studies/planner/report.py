@@ -46,7 +46,7 @@ def format_fit_report(rows: list[dict], fit: dict, loads: list[dict]) -> str:
     out.append(
         f"rates: ANE {fit['ane_seconds_per_entry']:.3g} s/entry (recorded h0), dense GPU "
         f"{fit['gpu_dense_seconds_per_entry']:.3g}, sparse GPU {fit['gpu_sparse_seconds_per_entry']:.3g} s/entry (fitted); "
-        f"dense setup {fit['dense_setup_seconds_per_variant']:.3g} s/variant (fitted)"
+        "the dense A/B rows hold no load term (their measured runs follow a warm-up)"
     )
     out.append(
         f"load = {fit['load_power_coef']:.3g} s x (score arena / GB) ^ {fit['load_power_exp']:.3g}: "
@@ -87,7 +87,7 @@ def format_plan(d: dict) -> str:
         f"{d['ane_attention_seconds']:.1f} s, attention saved {d['attention_saved_seconds']:.1f} s)"
     )
     out.append(f"predicted ratio {d['predicted_ratio']:.2f}x (GPU / ANE)")
-    out.append(f"decision: {d['decision']} — {d['reason']}")
+    out.append(f"central-cost decision: {d['decision']} — {d['reason']}")
     return "\n".join(out)
 
 
@@ -105,7 +105,7 @@ def format_checkpoint_plan(d: dict) -> str:
     out.append(
         f"combined: GPU {d['gpu_prefill_seconds']:.1f} s, ANE {d['ane_prefill_seconds']:.1f} s "
         f"(offloaded: {', '.join(d['offloaded']) or 'none'}); predicted ratio {d['predicted_ratio']:.2f}x; "
-        f"decision: {d['decision']}"
+        f"central-cost decision: {d['decision']}"
     )
     return "\n".join(out)
 
@@ -129,4 +129,25 @@ def format_designs(rows: dict[str, list[dict]]) -> str:
     first = next(iter(rows.values()))
     for design in first:
         out.append(f"assumptions ({design['design']}): " + "; ".join(design["assumptions"]))
+    return "\n".join(out)
+
+
+def format_verdict(v: dict) -> str:
+    """A three-way verdict (``planner.verdict.Verdict.to_dict()``): the decision, both arms with their
+    intervals and provenance, the thresholds, every deciding cost's envelope, and what would settle it."""
+    from anelab.studies.planner.verdict import thresholds_sentence
+
+    gpu, ane = v["gpu_prefill"], v["ane_prefill"]
+
+    def span(c):
+        return f"{c['value']:.4g} s [{c['low']:.4g} .. {c['high']:.4g}]"
+
+    out = [
+        f"verdict: {v['decision']} — {v['reason']}",
+        f"GPU arm {span(gpu)} ({gpu['kind']}); ANE arm {span(ane)} ({ane['kind']}); "
+        f"predicted ratio {v['predicted_ratio']:.2f}x (GPU / ANE)",
+        f"thresholds: {thresholds_sentence(v)}",
+        "envelope: " + "; ".join(f"{name.replace('_', ' ')} {span(c)} {c['kind']}" for name, c in v["costs"].items()),
+    ]
+    out += [f"to settle it: {what}: {command}" for what, command in v["settle"]]
     return "\n".join(out)

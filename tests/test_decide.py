@@ -1,0 +1,279 @@
+"""anelab decide and the planner's envelope: provenance kinds, one load model, intervals, three-way verdicts.
+
+The model is Llama-3.2-1B's shape scaled down (``make_llama32_1b_shaped``: heads and hidden / 8, 2
+layers, llama3 RoPE, BF16, two shards). Expected numbers are worked by hand from the flags given.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+
+from anelab.cli import main
+from anelab.hf.default import make_llama32_1b_shaped
+from anelab.studies.decide import DecideConfig, decide
+from anelab.studies.planner import FAMILIES, plan
+from anelab.studies.planner.design import DESIGNS, compare_designs
+from anelab.studies.planner.envelope import Cost
+from anelab.studies.planner.fit import fit_costs
+from anelab.studies.planner.from_checkpoint import checkpoint_designs
+from anelab.studies.planner.verdict import ArmCosts, decide_arms, plan_arm_costs
+
+CHUNK, PROMPT = 32, 64
+
+# a hand-checkable custom plan: 4 layers, 8 heads, chunk 256, a 512-token prompt (two full chunks)
+# GPU attention per layer: 0.5 s (h0) + 1.0 s (h256, twice the keys) -> 6 s; GPU arm 2 + 6 = 8 s, share 0.75
+# ANE attention per layer 0.1 + 0.2 -> 1.2 s; loads 4 layers x 2 functions x 1 s = 8 s
+# the ANE wins iff 0.75 S > 1.2 + 8, i.e. S > 12.2667 s
+HAND = dict(
+    chunk=256,
+    num_layers=4,
+    full_attention_layers=[0, 1, 2, 3],
+    num_heads=8,
+    load_seconds=1.0,
+    gpu_attention_seconds=0.5,
+    ane_attention_seconds=0.1,
+    non_attention_seconds=2.0,
+)
+HAND_BREAK_EVEN_GPU = (1.2 + 8.0) / 0.75
+
+
+def _verdict(**kwargs):
+    return decide_arms(plan_arm_costs(plan(512, **HAND, **kwargs).to_dict()))
+
+
+# ---- the user's GPU number moves the verdict as the arithmetic says -------------------------------------------
+def test_modelled_plan_by_hand():
+    v = _verdict()
+    assert v.gpu_prefill["value"] == pytest.approx(8.0) and v.gpu_prefill["kind"] == "yours"
+    assert v.costs["load_per_layer"]["value"] == pytest.approx(2.0)
+    assert v.min_gpu_prefill_seconds == pytest.approx(HAND_BREAK_EVEN_GPU)
+    assert v.max_load_per_layer_seconds == pytest.approx((0.75 * 8.0 - 1.2) / 4)
+    assert v.decision == "gpu"
+
+
+@pytest.mark.parametrize(
+    "seconds, decision", [(HAND_BREAK_EVEN_GPU * 0.98, "gpu"), (HAND_BREAK_EVEN_GPU * 1.02, "ane")]
+)
+def test_gpu_prefill_seconds_moves_the_verdict_across_the_threshold(seconds, decision):
+    v = _verdict(gpu_prefill_seconds=seconds)
+    assert v.gpu_prefill["value"] == pytest.approx(seconds)
+    assert v.decision == decision
+    assert v.gain_seconds[1] == pytest.approx(0.75 * seconds - 9.2)
+
+
+def test_gpu_tokens_per_second_is_the_same_number():
+    assert _verdict(gpu_tokens_per_second=512 / 13.0).gpu_prefill["value"] == pytest.approx(13.0)
+    assert _verdict(gpu_tokens_per_second=512 / 13.0).decision == "ane"
+
+
+def test_cli_plan_prints_the_verdict_on_both_sides(capsys):
+    argv = ["plan", "--prompt-tokens", "512", "--chunk", "256", "--layers", "4", "--full-attention-layers", "0,1,2,3"]
+    argv += ["--heads", "8", "--load-seconds", "1", "--gpu-attention-seconds", "0.5", "--ane-attention-seconds", "0.1"]
+    argv += ["--non-attention-seconds", "2"]
+    for seconds, decision in (("12", "gpu"), ("12.5", "ane")):
+        assert main(argv + ["--gpu-prefill-seconds", seconds]) == 0
+        out = capsys.readouterr().out
+        assert f"verdict: {decision}" in out and "thresholds:" in out and "envelope:" in out
+        assert "GPU prefill of this prompt takes >= 12.27 s" in out
+
+
+# ---- intervals and extrapolation make "depends" ------------------------------------------------------------------
+def _arms(load: Cost, gpu: Cost) -> ArmCosts:
+    return ArmCosts("x", 2, 1, True, gpu, 0.5, Cost.point(1.0, "recorded", "test"), load)
+
+
+def test_an_interval_across_the_break_even_is_depends():
+    # gain = 0.5 S - 1 - 2 L; S = 20 -> 9 - 2 L: break-even L = 4.5 s per layer
+    gpu = Cost.point(20.0, "recorded", "test")
+    assert decide_arms(_arms(Cost.band(3.0, 1.4, "fitted", "t"), gpu)).decision == "ane"  # L <= 4.2
+    assert decide_arms(_arms(Cost.band(3.0, 1.6, "fitted", "t"), gpu)).decision == "depends"  # L up to 4.8
+    assert decide_arms(_arms(Cost.band(6.0, 1.2, "fitted", "t"), gpu)).decision == "gpu"  # L >= 5.0
+    # the same numbers, extrapolated: depends however far from the line
+    assert decide_arms(_arms(Cost.band(3.0, 1.4, "extrapolated", "t"), gpu)).decision == "depends"
+
+
+def test_qwen38_verdict_stands_on_its_records():
+    v = decide_arms(plan_arm_costs(plan(4333, family="qwen3.8-125b-a6b-4bit").to_dict()))
+    assert v.decision == "gpu" and not v.extrapolated
+    assert v.costs["load_per_layer"] == pytest.approx({**v.costs["load_per_layer"], "value": 6.7 + 13.6})
+    assert v.costs["load_per_layer"]["kind"] == "recorded"
+    assert v.max_load_per_layer_seconds < 6.7 + 13.6  # the recorded loads are past the threshold
+
+
+# ---- one load model, never 0 s ------------------------------------------------------------------------------------
+def test_no_plan_shows_a_zero_second_load():
+    floor = fit_costs().min_recorded_load_seconds
+    for family in FAMILIES:
+        for tokens in (4333, 9000):
+            p = plan(tokens, family=family, allow_past_coverage=True)
+            assert all(v["seconds"] >= floor for v in p.load_seconds.values()), family
+            for d in compare_designs(tokens, family, 4096, DESIGNS):
+                assert d.loads == 0 or d.load_seconds_each >= floor, (family, d.design)
+
+
+def test_a_zero_second_load_flag_is_refused():
+    with pytest.raises(Exception, match="above 0"):
+        plan(512, **{**HAND, "load_seconds": 0.0})
+
+
+def test_the_same_arena_costs_the_same_in_every_design(model):
+    # per-history h0 at chunk C and stateful c<C> with capacity C score the same heads x C x C arena
+    # (4 heads x 4,096 x 4,096 x 2 B = 134 MB: above the floor of the smallest recorded load)
+    _, by_kind = checkpoint_designs(model, 4096, ["dense", "stateful"], chunk=4096)
+    per_history, stateful = by_kind["full"]
+    assert per_history.per_call_arena_bytes == stateful.per_call_arena_bytes == 4 * 4096 * 4096 * 2
+    assert per_history.load_seconds_each == pytest.approx(stateful.load_seconds_each)
+    assert stateful.load_seconds_each > fit_costs().min_recorded_load_seconds
+    # negative control: a longer prompt gives the stateful function a larger arena, and a dearer load
+    _, longer = checkpoint_designs(model, 4 * 4096, ["stateful"], chunk=4096)
+    assert longer["full"][0].load_seconds_each > stateful.load_seconds_each
+
+
+def test_load_kinds_follow_the_records():
+    load = fit_costs().recorded_load_model()
+    recorded = load.at_arena(24, 256, 4096, 24 * 4096 * 4096 * 2)
+    inside = load.at_arena(24, 256, 4096, 24 * 4096 * 6144 * 2)
+    elsewhere = load.at_arena(32, 64, 4096, 24 * 4096 * 6144 * 2)
+    assert recorded == (6.7, "recorded")
+    assert inside[1].startswith("fitted") and elsewhere[1].startswith("extrapolated")
+    assert inside[0] == pytest.approx(elsewhere[0])  # the same law, labelled by where it stands
+
+
+# ---- anelab decide -------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_llama32_1b_shaped(
+        tmp_path_factory.mktemp("decide") / "llama-1b-shaped", scale=8, num_layers=2, vocab=96, intermediate=64
+    )
+
+
+@pytest.fixture(scope="module")
+def decided(model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("decide-out")
+    return decide(DecideConfig(model, PROMPT, out, design="dense", chunk=CHUNK)), out
+
+
+def test_decide_labels_extrapolated_costs_and_says_depends(decided):
+    decision, out = decided
+    d = json.loads((out / "decision.json").read_text())
+    v = d["verdict"]
+    assert v["decision"] == "depends"
+    assert set(v["extrapolated"]) == {"gpu_prefill", "ane_attention", "load_per_layer"}
+    assert v["max_load_per_layer_seconds"] is not None and v["min_gpu_prefill_seconds"] > 0
+    assert any("--measure" in command for _, command in v["settle"])
+    assert any("--gpu-prefill-seconds S" in command for _, command in v["settle"])
+    assert d["checkpoint"]["rope"] == "llama3" and d["checkpoint"]["heads"] == 4
+
+
+def test_decide_evidence_verify_and_arms(decided):
+    decision, _ = decided
+    verify = decision.evidence["verify"]
+    assert sorted(verify) == ["0", "1"] and all(r["passed"] and not r["vacuous"] for r in verify.values())
+    arms = decision.evidence["arms"]
+    assert arms["served_by"] == "dense" and arms["chunk"] == CHUNK and arms["prompt_tokens"] == PROMPT
+    assert arms["greedy_agreement"] == 1.0 and arms["first_divergent_layer"] is None
+    assert len(arms["layer_differences"]) == 2
+
+
+def test_report_html_is_self_contained_with_its_figure(decided):
+    _, out = decided
+    html = (out / "report.html").read_text()
+    uris = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html)
+    assert len(uris) == 1 and base64.b64decode(uris[0])[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not re.search(r'src="(?!data:)', html)  # nothing fetched from elsewhere
+    assert 'class="verdict depends"' in html and "extrapolated" in html
+    md = (out / "report.md").read_text()
+    assert "## Verdict" in md and "## What would change the answer" in md and "(prefill_vs_prompt.png)" in md
+
+
+def test_decide_is_resumable_and_notices_a_changed_package(decided, model):
+    _, out = decided
+    again = decide(DecideConfig(model, PROMPT, out, design="dense", chunk=CHUNK))
+    assert all(r["reused"] for r in again.evidence["verify"].values())
+    # negative control: a package whose bytes changed is exported and verified again (the old one set aside)
+    pkg = out / "sidecars" / "dense" / "layer_1.mlpackage"
+    (next(pkg.rglob("Manifest.json"))).write_text(next(pkg.rglob("Manifest.json")).read_text() + " ")
+    third = decide(DecideConfig(model, PROMPT, out, design="dense", chunk=CHUNK))
+    assert third.evidence["verify"]["0"]["reused"] and not third.evidence["verify"]["1"]["reused"]
+    assert (pkg.parent / "layer_1.mlpackage.stale-1").exists()
+
+
+def test_a_fake_mac_run_replaces_predicted_costs_with_measured_ones(decided, model, tmp_path):
+    from anelab.runtime.fake import FakeFunction, FakeRuntime
+
+    _, out = decided
+    shutil.copytree(out, tmp_path / "run", ignore=shutil.ignore_patterns("measured"))
+    functions = {f"h{s}": FakeFunction(cold_load_s=0.25 + s / 1000, predict_s={"cpu_and_ne": 0.01}) for s in (0, 32)}
+    fake = FakeRuntime(functions)
+    config = DecideConfig(
+        model, PROMPT, tmp_path / "run", design="dense", chunk=CHUNK, measure=True, runtime=fake, repeats=2
+    )
+    config.clock = fake.clock
+    decision = decide(config)
+    v = decision.verdict
+    assert decision.measured and all(r["reused"] for r in decision.evidence["verify"].values())
+    assert v["costs"]["load_per_layer"]["kind"] == "measured on this Mac"
+    assert v["costs"]["load_per_layer"]["value"] == pytest.approx(0.25 + 0.282)  # h0 + h32 cold loads
+    assert v["costs"]["ane_attention"]["value"] == pytest.approx(2 * (0.01 + 0.01))  # 2 layers x 2 calls
+    assert "load_per_layer" not in v["extrapolated"] and "ane_attention" not in v["extrapolated"]
+    md = (tmp_path / "run" / "report.md").read_text()
+    assert "measured records replaced the predicted costs" in md and "measured on this Mac" in md
+    assert list((tmp_path / "run" / "measured").glob("*.json"))  # every timing is a record
+    # control: the plan without the measurement still prices the loads by the arena law
+    assert decision.verdicts["dense"]["costs"]["load_per_layer"]["kind"] == "extrapolated"
+
+
+# ---- bad input: one line, exit 2 -------------------------------------------------------------------------------
+def _refused(argv, capsys, needle):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err
+
+
+def test_decide_refuses_bad_input_in_one_line(model, tmp_path, capsys):
+    _refused(["decide", str(tmp_path / "nope"), "--prompt-tokens", "64"], capsys, "does not exist")
+    unsupported = tmp_path / "bert"
+    unsupported.mkdir()
+    (unsupported / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
+    _refused(["decide", str(unsupported), "--prompt-tokens", "64"], capsys, "bert")
+    measure = [
+        "decide",
+        str(model),
+        "--prompt-tokens",
+        "64",
+        "--chunk",
+        "32",
+        "--out",
+        str(tmp_path / "o"),
+        "--measure",
+    ]
+    _refused(measure, capsys, "--measure")
+    assert not (tmp_path / "o").exists()  # refused before anything is written
+    _refused(
+        ["decide", str(model), "--prompt-tokens", "64", "--design", "nope", "--out", str(tmp_path / "p")],
+        capsys,
+        "nope",
+    )
+
+
+def test_decide_cli_prints_the_verdict(model, tmp_path, capsys):
+    out = tmp_path / "cli"
+    argv = ["decide", str(model), "--prompt-tokens", "64", "--chunk", "32", "--design", "dense"]
+    assert main(argv + ["--out", str(out), "--gpu-prefill-seconds", "5"]) == 0
+    text = capsys.readouterr().out
+    assert "verdict:" in text and "your numbers: GPU prefill: yours (--gpu-prefill-seconds 5)" in text
+    d = json.loads((out / "decision.json").read_text())
+    assert d["verdict"]["gpu_prefill"]["kind"] == "yours" and d["verdict"]["gpu_prefill"]["value"] == 5.0
+    assert np.isclose(d["sweep"][[r["prompt_tokens"] for r in d["sweep"]].index(64)]["gpu"]["value"], 5.0)
+
+
+def test_a_prompt_the_ane_does_not_run_is_gpu_without_thresholds():
+    v = decide_arms(plan_arm_costs(plan(1000, family="qwen3.8-125b-a6b-4bit").to_dict()))
+    assert v.decision == "gpu" and "short prompt" in v.reason
+    assert v.max_load_per_layer_seconds is None and v.min_gpu_prefill_seconds is None
