@@ -439,32 +439,7 @@ def _run_plan(args):
     if args.prompt_tokens is None:
         raise AnelabInputError("plan: pass --prompt-tokens N (or --list-families / --fit-report)")
     if args.checkpoint is not None and args.design:
-        from anelab.studies.planner.from_checkpoint import checkpoint_designs
-
-        designs = None if args.design == ["all"] else args.design
-        checkpoint_plan, plans = checkpoint_designs(
-            args.checkpoint,
-            args.prompt_tokens,
-            designs,
-            family=args.family,
-            chunk=args.chunk,
-            key_tile=args.tile,
-            query_tile=args.query_tile,
-            gpu_prefill_seconds=args.gpu_prefill_seconds,
-            gpu_tokens_per_second=args.gpu_tokens_per_second,
-        )
-        rows = {
-            f"{Path(args.checkpoint).name} ({kind})": [d.to_dict() for d in kind_plans]
-            for kind, kind_plans in plans.items()
-        }
-        if args.json:
-            _print_json(rows)
-        else:
-            print(f"costs: {checkpoint_plan.cost_family or 'flags'} — {checkpoint_plan.cost_family_reason}")
-            print(planner.format_designs(rows))
-            if "full" in plans:
-                _print_design_verdicts(checkpoint_plan.parts["full"], rows[f"{Path(args.checkpoint).name} (full)"])
-        return 0
+        return _run_plan_checkpoint_designs(args)
     if args.checkpoint is not None:
         return _run_plan_checkpoint(args)
     if args.design:
@@ -504,6 +479,37 @@ def _run_plan(args):
         gpu_tokens_per_second=args.gpu_tokens_per_second,
     ).to_dict()
     return _print_plan(args, result, planner.format_plan(result), [result])
+
+
+def _run_plan_checkpoint_designs(args) -> int:
+    """``plan --checkpoint CK --design ...``: every design per kind of attention layer, with verdicts."""
+    from anelab.studies import planner
+    from anelab.studies.planner.from_checkpoint import checkpoint_designs
+
+    designs = None if args.design == ["all"] else args.design
+    checkpoint_plan, plans = checkpoint_designs(
+        args.checkpoint,
+        args.prompt_tokens,
+        designs,
+        family=args.family,
+        chunk=args.chunk,
+        key_tile=args.tile,
+        query_tile=args.query_tile,
+        gpu_prefill_seconds=args.gpu_prefill_seconds,
+        gpu_tokens_per_second=args.gpu_tokens_per_second,
+    )
+    rows = {
+        f"{Path(args.checkpoint).name} ({kind})": [d.to_dict() for d in kind_plans]
+        for kind, kind_plans in plans.items()
+    }
+    if args.json:
+        _print_json(rows)
+    else:
+        print(f"costs: {checkpoint_plan.cost_family or 'flags'} — {checkpoint_plan.cost_family_reason}")
+        print(planner.format_designs(rows))
+        if "full" in plans:
+            _print_design_verdicts(checkpoint_plan.parts["full"], rows[f"{Path(args.checkpoint).name} (full)"])
+    return 0
 
 
 def _print_design_verdicts(full: dict, designs: list[dict]) -> None:
