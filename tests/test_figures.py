@@ -492,15 +492,20 @@ def small_font_settings(source: str) -> list[str]:
     return [m.group(0) for m in SMALL_FONT.finditer(source) if m.group(1) is None or float(m.group(1)) < MIN_TICK_PT]
 
 
-def test_no_notebook_sets_text_below_9_pt():
-    """The notebooks draw every figure; the committed SVGs follow after `anelab reproduce`."""
+def test_no_notebook_or_study_sets_text_below_9_pt():
+    """The notebooks and anelab/studies draw every figure; the committed SVGs follow after `anelab reproduce`."""
+    from pathlib import Path
+
+    import anelab.studies
     from anelab.studies.notebooks import discover_notebooks, read_notebook
 
     found = {
         path.name: small_font_settings("".join("".join(c["source"]) for c in read_notebook(path)["cells"]))
         for path in discover_notebooks()
     }
-    assert len(found) >= 7 and all(v == [] for v in found.values()), found
+    assert len(found) >= 7
+    found |= {p.name: small_font_settings(p.read_text()) for p in Path(anelab.studies.__file__).parent.glob("*.py")}
+    assert all(v == [] for v in found.values()), found
     # negative controls: the old cells of mask_fold_checks and arms_per_layer_difference
     assert small_font_settings('ax.bar_label(bars, fontsize=6); ax.legend(fontsize=6.5, loc="upper left")') == [
         "fontsize=6",
