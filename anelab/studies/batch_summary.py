@@ -110,8 +110,8 @@ def summary_figure(rows: list[dict], study: str, out_dir: str | os.PathLike, gri
     ax.errorbar(xs, means, yerr=[low, high], fmt="s-", capsize=3, label="mean, min-max over the other parameters")
     ax.set_xlabel(x_name)
     ax.set_ylabel(f"{y_name} ({headline.unit})")
-    ax.set_title(f"{study}: {headline.label}", fontsize=8)
-    ax.legend(fontsize=7)
+    ax.set_title(f"{study}: {headline.label}")
+    ax.legend()
     note = figures.label_measured(ax)
     runs = sum(len(v) for v in points.values())
     figures.save_figure(

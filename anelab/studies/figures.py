@@ -37,6 +37,7 @@ import io
 import json
 import math
 import os
+import re
 import tomllib
 from functools import cache
 from pathlib import Path
@@ -296,6 +297,30 @@ def text_problems(name: str, entry: dict) -> list[str]:
             elif not _same(value, facts[key]):
                 problems.append(f"{name}: {phrase!r} says {key} = {value!r}; the figure shows {facts[key]!r}")
     return problems
+
+
+STATED_NUMBER = re.compile(
+    r"(?<![\w.,])(?<!Qwen )(?<!notebook )\d+(?:,\d{3})*(?:\.\d+)?(?:e-?\d+)?(?![\w.]|,\d|-bit)|\bthresholds?\b",
+    re.IGNORECASE,
+)  # a number in a text, not one inside a name (fp16, h0, M3, Qwen 3.8, notebook 02, 4-bit), or "threshold"
+
+
+def unclaimed_statements(entry: dict) -> list[str]:
+    """The numbers (and "threshold" words) a caption or alt text states outside every claim phrase.
+
+    entry: a ``captions.toml`` entry or a manifest entry ({"caption", "alt", "claims"}). A number in a
+    claim phrase is checked against the figure's facts by ``text_problems``; one outside every phrase
+    is checked by nothing, so a text that states a fact must declare it as a claim. Numbers that are
+    part of a name (``STATED_NUMBER``) are not listed. Empty when every number is claimed."""
+    phrases = list(entry.get("claims") or {})
+    loose = []
+    for field in ("caption", "alt"):
+        text = entry.get(field, "")
+        spans = [(m.start(), m.end()) for p in phrases for m in re.finditer(re.escape(p), text)]
+        for match in STATED_NUMBER.finditer(text):
+            if not any(start <= match.start() and match.end() <= end for start, end in spans):
+                loose.append(match.group(0))
+    return loose
 
 
 def annotate_manifest(figures_dir: str | os.PathLike = "figures") -> dict:

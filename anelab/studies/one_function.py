@@ -170,7 +170,7 @@ def prediction_figure(rows: list[dict], family_label: str, recorded_gpu: tuple[f
     ax.set_xlabel("chunk width C (tokens)")
     ax.set_ylabel("seconds (predicted)")
     ax.set_title(f"PREDICTION — {family_label}: ANE setup + attention per design vs the GPU prefill")
-    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    ax.legend(ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     return fig, ax
 
 
