@@ -445,25 +445,11 @@ def text_sizes(svg: bytes) -> list[float]:
     return sizes
 
 
-# Committed figures drawn before the notebooks' legends and annotations went to 9 pt (issue 24c); after
-# `anelab reproduce` none of them has smaller text, and this set should be emptied.
-SMALL_TEXT_BEFORE_REPRODUCE = {
-    "arms_per_layer_difference", "dense_offload_matrix", "dense_offload_narrow_sidecar",
-    "dense_offload_predicted_vs_recorded", "dense_offload_prompt_length", "dense_offload_share",
-    "gather_probe_m3_recorded", "gather_probe_programs", "gather_sizing", "mask_fold_budget_sweep",
-    "mask_fold_checks", "mask_fold_greedy_vs_raw", "one_function_intermediate", "one_function_prediction",
-    "one_function_tile_error", "setup_break_even", "setup_package_size", "setup_variants_visited",
-    "setup_vs_saved", "tiled_stateful_arena_arithmetic", "tiled_stateful_functions_setup",
-    "tiled_stateful_largest_intermediate", "tiled_stateful_numpy_time",
-}  # fmt: skip
-
-
 def test_every_committed_figure_has_text_of_9_pt_at_gallery_size():
     from anelab.paths import FIGURES_DIR
 
     small = {svg.stem for svg in FIGURES_DIR.glob("*.svg") if min(text_sizes(svg.read_bytes())) < MIN_TICK_PT}
-    assert small <= SMALL_TEXT_BEFORE_REPRODUCE
-    assert {"arms_logits_vs_greedy", "tiled_stateful_errors", "setup_load_vs_arena"} - small  # redrawn in 24
+    assert small == set()  # legends, annotations, ticks and titles alike (the size check reads every text)
 
 
 def test_small_legend_and_annotation_text_is_caught():

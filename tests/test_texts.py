@@ -140,12 +140,10 @@ NOT_YET_CLAIMED = {
     "one_function_prediction",
 }
 
+
 # Claims added to captions.toml whose facts the committed figures predate: until `anelab reproduce`
 # redraws them, the only problem allowed is "which the figure does not record"; a wrong value is caught
 # before and after.
-FACTS_AWAIT_REPRODUCE = {"mask_fold_checks", "one_function_tile_error", "arms_logits_vs_greedy"}
-
-
 def test_every_number_a_caption_states_is_a_claim():
     loose = {name: figures.unclaimed_statements(entry) for name, entry in figures.caption_table().items()}
     assert {name for name, numbers in loose.items() if numbers} == NOT_YET_CLAIMED
@@ -171,8 +169,6 @@ def test_every_claim_of_the_table_holds_on_the_committed_figures():
         if name not in manifest or not declared.get("claims"):
             continue
         found = figures.text_problems(name, {**manifest[name], **figures.caption_for(name)})
-        if name in FACTS_AWAIT_REPRODUCE:
-            found = [p for p in found if not p.endswith("which the figure does not record")]
         problems[name] = found
     assert problems and all(found == [] for found in problems.values()), problems
     claimed = {name for name, entry in figures.caption_table().items() if entry.get("claims")}

@@ -88,7 +88,7 @@ def figure_png(decision: dict) -> bytes:
         xycoords=("data", "axes fraction"),
         ha="left",
         va="top",
-        fontsize=8,
+        fontsize=9,
         xytext=(4, 0),
         textcoords="offset points",
     )
@@ -97,13 +97,13 @@ def figure_png(decision: dict) -> bytes:
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("prefill time (s)")
     ax.set_title(f"{Path(decision['checkpoint']['path']).name}: ANE ({decision['candidate']}) vs GPU prefill")
-    ax.legend(loc="lower right", fontsize=8, title="shaded: interval; (provenance)", title_fontsize=7)
+    ax.legend(loc="lower right", fontsize=9, title="shaded: interval; (provenance)", title_fontsize=9)
     provenance = "predicted by anelab's planner from the seeds' M3 records (data/)"
     if decision["measured"]:
         provenance += "; measured on this Mac where marked"
     if decision["yours"]:
         provenance += "; your GPU number where marked 'yours'"
-    fig.text(0.01, 0.01, provenance, fontsize=6.5, color="0.35")
+    fig.text(0.01, 0.01, provenance, fontsize=9, color="0.35")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
