@@ -66,7 +66,9 @@ def test_a_claim_missing_from_the_text_or_the_figure_is_caught():
     ]
     unrecorded = {**entry, "facts": {k: v for k, v in entry["facts"].items() if k != "refused_gb"}}
     assert figures.text_problems("setup_load_vs_arena", unrecorded) == [
-        "setup_load_vs_arena: claim 'from 3.2 GB' rests on 'refused_gb', which the figure does not record"
+        "setup_load_vs_arena: claim 'from 3.2 GB' rests on 'refused_gb', which the figure does not record",
+        "setup_load_vs_arena: claim 'the 3.2 GB h12288 variant is refused' rests on 'refused_gb', which the figure "
+        "does not record",
     ]
     moved = {**entry, "facts": {**entry["facts"], "y_axis_from_seconds": -12.0}}  # the old linear fit's axis
     assert figures.text_problems("setup_load_vs_arena", moved) == [
