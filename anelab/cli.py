@@ -367,7 +367,7 @@ PLAN_EXAMPLES = """examples:
   anelab plan --family qwen3.8-125b-a6b-4bit --prompt-tokens 4333
       the seed's lost case: chunks, variants visited, setup, predicted ratio and the decision
   anelab plan --prompt-tokens 4333 --design all --family qwen3.8-125b-a6b-4bit
-      per-history vs stateful vs stateful-tiled sidecars for one family
+      dense (one function per history) vs stateful vs stateful-tiled sidecars for one family
   anelab plan --checkpoint build/checkpoints/anelab-tiny-hybrid --prompt-tokens 2048
       your model's own layers and heads, costs from the closest recorded family
   anelab plan --list-families
@@ -746,9 +746,7 @@ def _add_decide(sub):
     p.add_argument("checkpoint", help="model directory (config.json + safetensors)")
     p.add_argument("--prompt-tokens", type=int, required=True, help="your prompt length in tokens")
     _add_user_gpu(p)
-    p.add_argument(
-        "--design", default="auto", help="auto (best predicted ratio) | per-history | stateful | stateful-tiled"
-    )
+    p.add_argument("--design", default="auto", help="auto (best predicted ratio) | dense | stateful | stateful-tiled")
     p.add_argument("--chunk", type=int, default=None, help="prefill chunk = sidecar width (default: the cost family's)")
     p.add_argument("--family", default=None, help="recorded dense family for the costs (default: the closest)")
     p.add_argument("--out", default=None, help="report directory (default: decide-<checkpoint name>)")
