@@ -91,8 +91,8 @@ class Checkpoint:
         """Whether the checkpoint maps a tensor of this full name."""
         return name in self.weight_map
 
-    def read_tensor(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        """The tensor ``name`` as float32, read lazily; refuses a missing one or a shape other than ``shape``."""
+    def _checked_file(self, name: str, shape: tuple[int, ...]):
+        """The file holding ``name``; refuses (one line) a missing tensor or a shape other than ``shape``."""
         found = self._entry(name)
         if found is None:
             raise AnelabInputError(f"tensor {name} is missing from the checkpoint at {self.path}")
@@ -101,18 +101,16 @@ class Checkpoint:
             raise AnelabInputError(
                 f"tensor {name} has shape {list(entry.shape)}, expected {list(shape)} from config.json"
             )
+        return file
+
+    def read_tensor(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """The tensor ``name`` as float32, read lazily; refuses a missing one or a shape other than ``shape``."""
+        file = self._checked_file(name, shape)
         return file.read_float32(name)
 
     def map_tensor(self, name: str, shape: tuple[int, ...]) -> MappedTensor:
         """The tensor ``name`` left in its file (rows read as float32 on demand); refused as ``read_tensor``."""
-        found = self._entry(name)
-        if found is None:
-            raise AnelabInputError(f"tensor {name} is missing from the checkpoint at {self.path}")
-        file, entry = found
-        if entry.shape != tuple(shape):
-            raise AnelabInputError(
-                f"tensor {name} has shape {list(entry.shape)}, expected {list(shape)} from config.json"
-            )
+        file = self._checked_file(name, shape)
         file.view(name)  # refuses an unsupported dtype or a truncated tensor now
         return MappedTensor(file, name)
 
