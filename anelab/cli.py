@@ -67,6 +67,9 @@ def _add_export(sub):
     )
     p.add_argument("--chunk", type=int, help="chunk width C (rows per call)")
     p.add_argument(
+        "--jobs", type=int, default=None, help="layers exported at once off-Mac (default: up to 2, one per core)"
+    )
+    p.add_argument(
         "--histories",
         type=_int_list,
         default=None,
@@ -166,6 +169,7 @@ def _run_export(args):
         gate=gate,
         query_tile=args.query_tile,
         mask_mode=args.mask_mode,
+        jobs=args.jobs,
     )
     summary = [
         {
@@ -262,6 +266,9 @@ def _add_verify(sub):
     p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the one the package records)")
     p.add_argument("--fp32", action="store_true", help="evaluate the package in fp32 instead of emulating fp16 storage")
     p.add_argument(
+        "--jobs", type=int, default=None, help="packages of an export directory verified at once (default: up to 2)"
+    )
+    p.add_argument(
         "--compute-units",
         default=None,
         help="on a Mac: run every case through Core ML predict (cpu_and_ne | cpu_and_gpu | cpu_only) beside NumPy",
@@ -287,7 +294,7 @@ def _run_verify(args):
         from anelab.sidecar.verify_export import verify_export
 
         on_device = verify_one if args.compute_units is not None else None  # None: NumPy, no per-package bars
-        report = verify_export(path, args.checkpoint, fp16=not args.fp32, verify_one=on_device)
+        report = verify_export(path, args.checkpoint, fp16=not args.fp32, verify_one=on_device, jobs=args.jobs)
     else:
         report = verify_one(path, args.checkpoint)
     if args.json:
@@ -845,13 +852,14 @@ def _add_batch(sub):
 def _run_batch(args):
     from pathlib import Path
 
+    from anelab.parallel import threads_per_run
     from anelab.paths import RUNS_DIR
     from anelab.studies import batch
     from anelab.studies.batch_summary import write_summary
 
     root = Path(args.runs) if args.runs else RUNS_DIR
     jobs = 1 if args.jobs is None else args.jobs
-    threads = batch.threads_per_run(jobs)
+    threads = threads_per_run(jobs)
     planned = batch.plan_grid(args.grid, root)
     if args.emit_jobs:  # --threads only when --jobs says how many run at once on the machine running them
         for line in batch.job_commands(planned, threads=None if args.jobs is None else threads, runs_root=args.runs):

@@ -47,7 +47,7 @@ def one_run(path: Path, build: str, threads: int) -> dict:
 
 
 def stress(repeats: int, jobs: int, root: Path) -> list[dict]:
-    from anelab.studies.batch import threads_per_run
+    from anelab.parallel import threads_per_run
 
     todo = [(nb, str(root / f"{nb.stem}-{i}")) for i in range(repeats) for nb in widget_notebooks()]
     results = []

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from anelab import cli
+from anelab import cli, parallel
 from anelab.errors import AnelabInputError
 from anelab.records import read_records
 from anelab.studies import batch, notebooks
@@ -69,12 +69,12 @@ def test_every_study_has_an_example_grid():
 
 
 def test_threads_keep_jobs_times_threads_within_the_cores():
-    assert batch.threads_per_run(1, cores=8) == 8
-    assert batch.threads_per_run(3, cores=8) == 2
-    assert batch.threads_per_run(2, cores=2) == 1
+    assert parallel.threads_per_run(1, cores=8) == 8
+    assert parallel.threads_per_run(3, cores=8) == 2
+    assert parallel.threads_per_run(2, cores=2) == 1
     for jobs in (0, -1, 3):
         with pytest.raises(AnelabInputError, match="--jobs"):
-            batch.threads_per_run(jobs, cores=2)
+            parallel.threads_per_run(jobs, cores=2)
 
 
 BAD_GRIDS = {
@@ -103,7 +103,7 @@ def test_bad_grid_exits_2_with_one_line_and_writes_nothing(case, tmp_path, capsy
 def test_bad_jobs_and_missing_grid_exit_2(tmp_path, capsys):
     grid = GRIDS / "02_mask_fold.toml"
     runs = tmp_path / "runs"
-    for argv in (["--jobs", "0"], ["--jobs", str(notebooks.available_cores() + 1)]):
+    for argv in (["--jobs", "0"], ["--jobs", str(parallel.available_cores() + 1)]):
         code, _, err = _main(["batch", grid, *argv, "--runs", runs], capsys)
         assert code == 2 and "--jobs" in err and err.count("\n") == 1
     code, _, err = _main(["batch", tmp_path / "absent.toml", "--runs", runs], capsys)
@@ -202,7 +202,7 @@ def test_two_run_grid_with_two_jobs_through_papermill(tmp_path, capsys):
     ok, failed = notebooks.read_result(ok_dir), notebooks.read_result(failed_dir)
     assert ok["status"] == "ok" and ok["parameters"] == OK_RUN
     assert failed["status"] == "failed" and "repeats must be a positive integer" in failed["error"]
-    assert ok["threads"] == failed["threads"] == notebooks.available_cores() // 2
+    assert ok["threads"] == failed["threads"] == parallel.available_cores() // 2
     (a0, a1), (b0, b1) = _interval(ok), _interval(failed)
     assert a0 < b1 and b0 < a1, "the two runs did not overlap: not run in parallel"
     for d in (ok_dir, failed_dir):

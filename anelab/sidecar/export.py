@@ -9,6 +9,7 @@ metadata is written back (the merge drops it). The ANE gate is injected by the c
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import os
 import shutil
 import tempfile
@@ -17,10 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 from anelab import __version__
 from anelab.errors import AnelabInputError
 from anelab.geometry import AttentionGeometry
 from anelab.hf.checkpoint import load_checkpoint
+from anelab.parallel import default_jobs, process_map, threads_per_run
 from anelab.progress import tqdm
 from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools
 from anelab.sidecar.designs import (
@@ -29,7 +33,7 @@ from anelab.sidecar.designs import (
     SidecarOptions,
     get_design,
 )
-from anelab.sidecar.format import FORMAT_VERSION, SidecarMetadata, weight_bytes, write_package_metadata
+from anelab.sidecar.format import FORMAT_VERSION, SidecarMetadata, weight_bytes
 from anelab.sidecar.quantize import compress_package
 from anelab.weights import AttentionWeights
 
@@ -50,8 +54,43 @@ class VariantGate(Protocol):
         """Every function of the merged package loads under its name, or raise."""
 
 
-def convert_program(prog, dest: Path) -> Path:
-    """Convert a MIL program to an fp16 mlprogram for macOS 15 / iOS 18 and save it (no load)."""
+# The passes of coremltools 9.0's default pipeline that change a sidecar package, in the default order.
+# The other 85 of its 95 passes are fusions and clean-ups for patterns a sidecar graph never contains
+# (convolutions, layer norms, GELU, quantisation, ...) or whose work on it a later pass undoes
+# (fuse_transpose_matmul and reduce_transposes only rename ops that topological_reorder renames again):
+# the package is the same without them, yet each walks and re-validates the whole graph.
+# tests/test_export_passes.py converts every design of every family with both pipelines and requires
+# byte-identical packages, and shows that leaving out a kept pass changes the package.
+SIDECAR_PASSES = (
+    "common::const_elimination",  # constant sub-graphs of the cache writes (stateful)
+    "common::noop_elimination",
+    "common::dead_code_elimination",
+    "common::remove_redundant_ops",  # the ring's duplicated reads (windowed stateful-tiled)
+    "common::canonicalize_inplace_pattern",  # state writes (stateful)
+    "common::prefer_state_in_downstream",
+    "common::guard_negative_gather_indices",
+    "common::add_int16_cast",  # gather indices and positions narrowed (wrap past 32767)
+    "common::const_deduplication",  # one RoPE table per function
+    "common::topological_reorder",
+)
+
+
+def sidecar_pass_pipeline(passes: tuple[str, ...] = SIDECAR_PASSES):
+    """coremltools' default pass pipeline reduced to ``passes``, kept in the default order (a pass the
+    default pipeline lacks means another coremltools: refused rather than run in a made-up order)."""
+    ct, _, _ = coremltools_modules()
+    default = list(ct.PassPipeline.DEFAULT.passes)
+    unknown = sorted(set(passes) - set(default))
+    if unknown:
+        raise RuntimeError(f"coremltools {ct.__version__}'s default pipeline has no pass {unknown[0]}")
+    return ct.PassPipeline([p for p in default if p in passes], pipeline_name="anelab-sidecar")
+
+
+def convert_program(prog, dest: Path, pipeline=None) -> Path:
+    """Convert a MIL program to an fp16 mlprogram for macOS 15 / iOS 18 and save it (no load).
+
+    ``pipeline``: the pass pipeline (default ``sidecar_pass_pipeline()``; ``ct.PassPipeline.DEFAULT`` gives
+    the same package, more slowly)."""
     ct, _, _ = coremltools_modules()
     with quiet_coremltools():
         model = ct.convert(
@@ -60,21 +99,82 @@ def convert_program(prog, dest: Path) -> Path:
             minimum_deployment_target=ct.target.macOS15,
             compute_precision=ct.precision.FLOAT16,
             skip_model_load=True,
+            pass_pipeline=sidecar_pass_pipeline() if pipeline is None else pipeline,
         )
         model.save(str(dest))
     return dest
 
 
-def merge_functions(variants: dict[str, Path], dest: Path, default: str) -> Path:
-    """Merge single-function packages into one multifunction package (weights stored once)."""
+def merge_functions(
+    variants: dict[str, Path], dest: Path, default: str, metadata: dict[str, str] | None = None
+) -> Path:
+    """Merge single-function packages into one multifunction package at ``dest`` (weights stored once),
+    with ``metadata`` as its user-defined metadata.
+
+    What ``ct.utils.save_multifunction`` does (a test compares the packages byte for byte), minus its
+    cost: it reloads each function, matches constants across functions with ``np.allclose`` and converts
+    the merged program through the whole default pipeline with every pass skipped — yet validated after
+    each of the 95. Here constants are matched by exact value and the merged program goes through no
+    main pipeline; the metadata is written in the same save (``save_multifunction`` drops it).
+    """
     ct, _, _ = coremltools_modules()
-    desc = ct.utils.MultiFunctionDescriptor()
-    for name, path in variants.items():
-        desc.add_function(str(path), src_function_name="main", target_function_name=name)
-    desc.default_function_name = default
+    from coremltools import _SPECIFICATION_VERSION_IOS_18, proto
+    from coremltools.converters.mil.converter import mil_convert
+    from coremltools.converters.mil.frontend.milproto import load as milproto_load
+    from coremltools.converters.mil.mil import Program
+
+    merged, functions, version = Program(), [], _SPECIFICATION_VERSION_IOS_18
     with quiet_coremltools():
-        ct.utils.save_multifunction(desc, str(dest))
+        for name, path in variants.items():
+            spec = ct.utils.load_spec(str(path))
+            version = max(version, spec.specificationVersion)
+            weights_dir = str(path / "Data" / "com.apple.CoreML" / "weights")
+            merged.add_function(name, milproto_load.load(spec, version, weights_dir).functions["main"])
+            d = spec.description
+            functions.append(
+                proto.Model_pb2.FunctionDescription(name=name, input=d.input, output=d.output, state=d.state)
+            )
+        share_identical_constants(merged)
+        merged.default_function_name = default
+        merged.skip_all_passes = merged.export_as_multifunction = True
+        model = mil_convert(
+            merged,
+            convert_from="milinternal",
+            convert_to="mlprogram",
+            compute_units=ct.ComputeUnit.CPU_ONLY,
+            specification_version=version,
+            model_description=proto.Model_pb2.ModelDescription(functions=functions, defaultFunctionName=default),
+            skip_model_load=True,
+            main_pipeline=ct.PassPipeline.EMPTY,
+        )
+        model.user_defined_metadata.update(metadata or {})
+        model.save(str(dest))
     return dest
+
+
+def share_identical_constants(program) -> None:
+    """Give every group of equal constants across the functions of ``program`` one weight id, so that the
+    saved package stores their value once (coremltools' cross-function const deduplication, with equal
+    meaning bit-equal rather than ``np.allclose``)."""
+    import hashlib
+
+    groups: dict[tuple, list[list]] = {}
+    for function in program.functions.values():
+        for op in function.operations:
+            value = op.outputs[0].val if op.op_type == "const" else None
+            if not isinstance(value, np.ndarray) or value.size < 1:
+                continue
+            head = hashlib.sha1(np.ascontiguousarray(value.reshape(-1)[:100])).hexdigest()
+            candidates = groups.setdefault((op.outputs[0].dtype, value.shape, head), [])
+            same = next((group for group in candidates if np.array_equal(group[0].outputs[0].val, value)), None)
+            if same is None:
+                candidates.append([op])
+            else:
+                same.append(op)
+    shared = [group for candidates in groups.values() for group in candidates if len(group) > 1]
+    for index, group in enumerate(shared):
+        for op in group:
+            op.weight_id = str(index)
 
 
 def _replace_dir(src: Path, dest: Path) -> None:
@@ -207,12 +307,10 @@ def export_design(
     try:
         variants = convert_variants(builds, work, options.weights, progress)
         evidence = gate.check_variants(variants) if gate is not None else {}  # per variant, before the merge
-        merged = merge_functions(variants, work / "merged.mlpackage", next(iter(variants)))
-        if gate is not None:  # ... then every function of the merged package must load under its name
-            gate.check_merged_loads(merged, list(variants))
         meta = package_metadata(checkpoint, layer, design, options, variants, gate, evidence)
-        final = work / f"layer_{layer}.mlpackage"
-        write_package_metadata(merged, final, meta.to_strings())
+        final = merge_functions(variants, work / "merged.mlpackage", next(iter(variants)), meta.to_strings())
+        if gate is not None:  # ... then every function of the merged package must load under its name
+            gate.check_merged_loads(final, list(variants))
         _replace_dir(final, dest)
         return ExportResult(package=dest, metadata=meta, weight_bytes=weight_bytes(dest), functions=list(variants))
     finally:
@@ -286,11 +384,17 @@ def export_sidecars(
     *,
     graph: str | None = DEFAULT_DESIGN,
     gate: VariantGate | None = None,
+    jobs: int | None = None,
     **options,
 ) -> list[ExportResult]:
     """Export ``layer_<L>.mlpackage`` for each requested attention layer (default: all full and
     sliding-window ones). ``graph`` and ``options``: as ``export_layer``; every option is validated
-    before the checkpoint's weights are read."""
+    before the checkpoint's weights are read.
+
+    ``jobs``: layers exported at once in worker processes (default ``anelab.parallel.default_jobs``);
+    with an ANE ``gate`` one at a time (the gate loads every variant on the device), so a ``jobs`` above 1
+    is refused there. The packages do not depend on ``jobs`` (a test compares them byte for byte).
+    """
     checkpoint = load_checkpoint(checkpoint_dir)
     design, opts = sidecar_options(graph, checkpoint.geometry, chunk, histories, **options)
     full = list(checkpoint.geometry.full_attention_layers)  # full and sliding-window attention layers
@@ -302,9 +406,39 @@ def export_sidecars(
                 f"attention layers: {','.join(map(str, full))}"
             )
         design.layer_fields(opts, checkpoint.geometry.window_of(layer))  # a layer the options cannot serve: refused now
-    results = []
-    with tqdm(total=len(layers) * len(design.function_names(opts)), desc="export functions", unit="fn") as bar:
-        for layer in layers:
-            bar.set_postfix_str(f"layer {layer}")
-            results.append(export_design(checkpoint, layer, design, opts, out_dir, gate=gate, progress=bar))
-    return results
+    jobs = _export_jobs(jobs, gate, len(layers))
+    per_layer = len(design.function_names(opts))
+    with tqdm(total=len(layers) * per_layer, desc="export functions", unit="fn") as bar:
+        if jobs == 1:
+            results = []
+            for layer in layers:
+                bar.set_postfix_str(f"layer {layer}")
+                results.append(export_design(checkpoint, layer, design, opts, out_dir, gate=gate, progress=bar))
+            return results
+        work = [(str(checkpoint.path), layer, design.name, opts, str(out_dir)) for layer in layers]
+        return process_map(_export_in_worker, work, jobs=jobs, on_result=lambda job, _: bar.update(per_layer))
+
+
+def _export_jobs(jobs: int | None, gate: VariantGate | None, layers: int) -> int:
+    if gate is not None:
+        if jobs is not None and jobs > 1:
+            raise AnelabInputError(
+                f"--jobs {jobs}: with the ANE gate every variant is loaded on the device one at a time; drop --jobs"
+            )
+        return 1
+    if jobs is None:
+        return default_jobs(layers)
+    threads_per_run(jobs)  # 1..cores, else refused in one line
+    return jobs
+
+
+def _export_in_worker(job: tuple[str, int, str, SidecarOptions, str]) -> ExportResult:
+    """One layer's package in a worker process (no gate): ``job`` = (checkpoint directory, layer, design name,
+    options, output directory)."""
+    checkpoint_dir, layer, design_name, options, out_dir = job
+    return export_design(_worker_checkpoint(checkpoint_dir), layer, get_design(design_name), options, out_dir)
+
+
+@functools.lru_cache(maxsize=1)
+def _worker_checkpoint(checkpoint_dir: str):
+    return load_checkpoint(checkpoint_dir)

@@ -8,6 +8,7 @@ import os
 import numpy as np
 
 from anelab.errors import AnelabInputError
+from anelab.parallel import THREAD_CAP_VARIABLES
 
 # A GEMM below this many FLOPs runs on one BLAS thread: waking OpenBLAS's other threads costs more than
 # they save (measured: a 8 MFLOP matmul took 8.2 ms on 2 threads and 0.7 ms on one on a busy 2-core machine).
@@ -16,7 +17,6 @@ _controller = []
 
 
 MAX_WORKERS = 8  # fused attention tiles run on up to this many threads
-THREAD_CAP_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def worker_count(items: int) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from anelab.errors import AnelabInputError
+from anelab.parallel import default_jobs, process_map
 from anelab.progress import tqdm
 from anelab.sidecar.compare import Comparison
 from anelab.sidecar.format import read_sidecar_metadata
@@ -116,21 +117,40 @@ def verify_export(
     *,
     fp16: bool = True,
     verify_one: VerifyOne | None = None,
+    jobs: int | None = None,
 ) -> ExportVerifyReport:
     """Verify every ``layer_<L>.mlpackage`` of ``directory`` against its checkpoint (``checkpoint_dir``, else
     the one each package records), with one progress bar over the packages. ``verify_one`` replaces the
-    NumPy verification of one package (e.g. on the device)."""
-    if verify_one is None:
-
-        def verify_one(package, checkpoint):
-            return verify_package(package, checkpoint, fp16=fp16, progress=False)
-
-    verdicts = []
+    NumPy verification of one package (e.g. on the device: then one package at a time, and a ``jobs``
+    above 1 is refused). ``jobs``: packages verified at once in worker processes (default
+    ``anelab.parallel.default_jobs``); the reports do not depend on it."""
     packages = export_packages(directory)
-    with tqdm(packages, desc="verify packages", unit="pkg") as bar:
-        for layer, path in bar:
-            bar.set_postfix_str(f"layer {layer}")
-            meta = read_sidecar_metadata(path)
-            design = meta.graph if meta.weights == "fp16" else f"{meta.graph} {meta.weights}"
-            verdicts.append(LayerVerdict(layer, str(path), design, verify_one(path, checkpoint_dir)))
+    if verify_one is not None:
+        if jobs is not None and jobs > 1:
+            raise AnelabInputError(f"--jobs {jobs}: packages are verified on the device one at a time; drop --jobs")
+        jobs = 1
+    elif jobs is None:
+        jobs = default_jobs(len(packages))
+    checkpoint = None if checkpoint_dir is None else str(checkpoint_dir)
+    work = [(str(path), checkpoint, fp16) for _, path in packages]
+    with tqdm(total=len(packages), desc="verify packages", unit="pkg") as bar:
+        if verify_one is None:
+            reports = process_map(_verify_numpy, work, jobs=jobs, on_result=lambda job, _: bar.update())
+        else:
+            reports = []
+            for layer, path in packages:
+                bar.set_postfix_str(f"layer {layer}")
+                reports.append(verify_one(path, checkpoint_dir))
+                bar.update()
+    verdicts = []
+    for (layer, path), report in zip(packages, reports, strict=True):
+        meta = read_sidecar_metadata(path)
+        design = meta.graph if meta.weights == "fp16" else f"{meta.graph} {meta.weights}"
+        verdicts.append(LayerVerdict(layer, str(path), design, report))
     return ExportVerifyReport(str(directory), verdicts)
+
+
+def _verify_numpy(job: tuple[str, str | None, bool]) -> VerifyReport:
+    """One package's NumPy verification (in a worker process): ``job`` = (package, checkpoint or None, fp16)."""
+    package, checkpoint, fp16 = job
+    return verify_package(package, checkpoint, fp16=fp16, progress=False)

@@ -29,10 +29,10 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from anelab.errors import AnelabInputError
+from anelab.parallel import threads_per_run
 from anelab.paths import NOTEBOOK_DIR, RUNS_DIR
 from anelab.progress import tqdm
 from anelab.studies import notebooks
-from anelab.studies.notebooks import threads_per_run
 
 STUDY_KEYS = ("fixed", "vary", "runs")
 

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from anelab.errors import AnelabInputError
+from anelab.parallel import threads_per_run
 from anelab.paths import FIGURES_DIR, MEASURED_DIR, NOTEBOOK_DIR, REPO_ROOT, RUNS_DIR
 from anelab.progress import HEADLESS_VARIABLE, tqdm
 from anelab.records import atomic_write_text, machine_description, read_json_file
@@ -386,24 +387,7 @@ def run_all_notebooks(
     return not failed
 
 
-# ---- the core budget of concurrent runs (notebook runs here, grid runs in anelab.studies.batch) ----
-def available_cores() -> int:
-    """CPU cores this process may use (its affinity mask where the OS has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
-
-
-def threads_per_run(jobs: int, cores: int | None = None) -> int:
-    """BLAS threads for each of ``jobs`` concurrent runs so that jobs x threads <= cores.
-
-    ``jobs`` must lie in 1..cores (refused in one line otherwise)."""
-    cores = available_cores() if cores is None else cores
-    if not isinstance(jobs, int) or jobs < 1:
-        raise AnelabInputError(f"--jobs must be at least 1, got {jobs}")
-    if jobs > cores:
-        raise AnelabInputError(f"--jobs {jobs} exceeds the {cores} cores here; use --jobs {cores} or fewer")
-    return cores // jobs
+# ---- the core budget of concurrent runs: anelab.parallel (available_cores, threads_per_run) ----
 
 
 def _run_pool(notebooks: list[Path], quick: bool, build, timeout: float | None, jobs: int, bar) -> list[NotebookRun]:

@@ -59,7 +59,7 @@ def reproduce_jobs(device_available: bool | None = None) -> int:
     device, so they run one at a time and no study disturbs another's timings. Without it, nothing is
     timed on a device: ``MAX_JOBS`` at once, or every core when there are fewer (each study is one
     kernel running its cells in order, so two keep two cores busy)."""
-    from anelab.studies.notebooks import available_cores
+    from anelab.parallel import available_cores
 
     if device_available is None:
         from anelab.runtime.mac import default_runtime
