@@ -128,7 +128,8 @@ def docs(tmp_path_factory) -> dict:
     assert run.ok, run.error
     out = root / "docs"
     assert cli.main(["docs", "--html", str(run.html.parent), "--out", str(out)]) == 0
-    assert (out / widget_manager.BUNDLE).is_file(), "the widget manager was not vendored (npm pack failed?)"
+    if not (out / widget_manager.BUNDLE).is_file():
+        pytest.fail(f"the widget manager was not vendored: {widget_manager.vendor(out)[1]}")
     return {"out": out, "executed": run.executed, "page": out / "notebooks" / f"{NOTEBOOK}.html"}
 
 
