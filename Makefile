@@ -51,10 +51,11 @@ docs: $(STAMP)
 	@test -d build/html || $(PY) -m anelab reproduce
 	$(PY) -m anelab docs
 
-## Open the notebooks in JupyterLab with the project's kernel (figures go to build/lab/figures; publish with
-## `anelab run NN --publish` or `make reproduce`, or set figures_dir = "figures" in the parameters cell).
+## Open the notebooks in JupyterLab with the project's kernel. Figures go to build/lab/figures; `make lab PUBLISH=1`
+## writes them to the committed figures/ (as do `anelab run NN --publish`, `make reproduce`, figures_dir = "figures").
+PUBLISH ?= 0
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/
+	ANELAB_PUBLISH=$(PUBLISH) $(VENV)/bin/jupyter lab notebooks/
 
 ## Performance benchmarks (ratios measured in one run; not part of the tests; also re-runs the studies).
 benchmarks: $(STAMP)

@@ -92,6 +92,29 @@ def repo_path(path: str | os.PathLike) -> Path:
     return p if p.is_absolute() else REPO_ROOT / p
 
 
+LAB_FIGURES_DIR = "build/lab/figures"  # the parameters cells' figures_dir: where a lab session's figures go
+
+
+PUBLISH_VARIABLE = "ANELAB_PUBLISH"  # set to 1 by `make lab PUBLISH=1`: a lab session publishes to figures/
+
+
+def publishing() -> bool:
+    """Whether this process (a notebook kernel) was started to publish: ``ANELAB_PUBLISH`` is 1/true/yes."""
+    return os.environ.get(PUBLISH_VARIABLE, "").strip().lower() in TRUE_WORDS
+
+
+def figures_destination(figures_dir: str | os.PathLike) -> Path:
+    """Where a notebook saves its figures (each notebook's first code cell calls this on its parameter).
+
+    ``figures_dir`` as given (``repo_path``), except the lab default ``LAB_FIGURES_DIR``, which is the
+    committed ``figures/`` when the kernel was started to publish (``make lab PUBLISH=1`` sets
+    ``ANELAB_PUBLISH=1``). A run that injects its own ``figures_dir`` (papermill, ``anelab run``) gets it.
+    """
+    if Path(figures_dir) == Path(LAB_FIGURES_DIR) and publishing():
+        return FIGURES_DIR
+    return repo_path(figures_dir)
+
+
 def repo_relative(path: str | os.PathLike) -> str:
     """``path`` as a notebook's parameters cell shows it: relative to the repository root when it lies
     inside it (``repo_path`` turns it back), else absolute."""
@@ -262,7 +285,7 @@ def run_notebook(
     started = time.perf_counter()
     error, timed_out = "", False
     try:
-        with kernel_environment({HEADLESS_VARIABLE: "1"}):
+        with kernel_environment({HEADLESS_VARIABLE: "1", PUBLISH_VARIABLE: "0"}):  # figures where injected
             papermill.execute_notebook(
                 str(path),
                 str(executed),
