@@ -22,6 +22,7 @@ import pytest
 from PIL import Image
 
 from anelab import cli
+from anelab.errors import AnelabInputError
 from anelab.paths import FIGURES_DIR
 from anelab.studies import browser, notebooks, widget_manager
 from anelab.studies.figures import read_manifest
@@ -117,6 +118,18 @@ def widget_text(dom: str) -> dict[str, list[str]]:
     parser = WidgetText()
     parser.feed(dom)
     return parser.text
+
+
+def test_a_missing_browser_is_refused_in_one_line_naming_the_install(monkeypatch, tmp_path):
+    assert browser.find_chromium()  # control: this machine has one (make test installs it)
+    monkeypatch.setenv(browser.BROWSER_VARIABLE, str(tmp_path / "no-such-browser"))
+    with pytest.raises(AnelabInputError, match="is not an executable.*apt-get install"):
+        browser.find_chromium()
+    monkeypatch.delenv(browser.BROWSER_VARIABLE)
+    monkeypatch.setattr(browser, "CANDIDATES", ("chromium", "chromium-browser"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(AnelabInputError, match="no Chromium found.*apt-get install"):
+        browser.find_chromium()
 
 
 @pytest.fixture(scope="module")
@@ -230,3 +243,38 @@ def test_without_its_state_or_manager_the_widget_is_not_shown(docs, explore_cell
     shutil.copytree(docs["out"], no_manager, ignore=shutil.ignore_patterns("widgets", "figures"))
     text = widget_text(browser.dump_dom(no_manager / "notebooks" / f"{NOTEBOOK}.html"))
     assert text == {}
+
+
+# ---- nothing from the network ----------------------------------------------------------------------------
+
+REMOTE_SCRIPT = re.compile(r"""(?:\bsrc\s*=\s*|import\(\s*)["'](?:https?:)?//""")  # a script fetched from elsewhere
+
+NEEDS_A_RENDERER = re.compile(r"\$[^$\n]+\$|\\\(|\\\[|\\begin\{|```mermaid|\b(?:Latex|Math)\(")  # TeX, mermaid
+
+
+def test_the_notebook_page_loads_no_script_from_the_network(docs):
+    """No MathJax, mermaid or widget manager from a CDN: an offline reader's page is complete.
+    Control: nbconvert's stock export of the same notebook fetches MathJax from a CDN."""
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    assert REMOTE_SCRIPT.findall(docs["page"].read_text()) == []
+    stock, _ = HTMLExporter().from_notebook_node(nbformat.read(str(docs["executed"]), as_version=4))
+    assert REMOTE_SCRIPT.findall(stock)
+
+
+def renderer_needs(nb: dict) -> list[str]:
+    """What in a notebook's sources would need MathJax or mermaid, which its HTML does not load."""
+    return [m for c in nb["cells"] for m in NEEDS_A_RENDERER.findall("".join(c.get("source", "")))]
+
+
+@pytest.mark.parametrize("path", notebooks.discover_notebooks(), ids=lambda p: p.name)
+def test_no_notebook_writes_tex_or_mermaid(path):
+    assert renderer_needs(notebooks.read_notebook(path)) == []
+
+
+def test_tex_and_mermaid_are_caught():
+    """Control of the check above."""
+    for source in ("cost is $O(P^2)$", "\\(x\\)", "```mermaid\ngraph TD\n```", "display(Math(r'x'))"):
+        assert renderer_needs({"cells": [{"source": source}]}), source
+    assert renderer_needs({"cells": [{"source": "chunk 4,096 at ~4,333 tokens (1.38x)"}]}) == []

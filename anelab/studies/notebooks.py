@@ -237,18 +237,26 @@ def run_parameters(quick: bool, build: Path) -> dict:
     }
 
 
+NOTEBOOK_TEMPLATE = "executed_notebook.html.j2"  # in anelab/studies/templates: JupyterLab's page, no CDN scripts
+
+
 def export_html(executed: Path, dest: Path) -> Path:
     """Export an executed notebook to HTML (nbconvert), written atomically. Its widgets are rendered
     by the locally served html-manager bundle (``widget_manager.RENDERER_URL``, vendored by ``make
-    docs``), never one from a CDN; require.js is not loaded (the standalone bundle does not need it)."""
+    docs``), never one from a CDN; the page loads no other script from the network (``NOTEBOOK_TEMPLATE``
+    drops MathJax, mermaid and require.js, which the notebooks do not use)."""
     import nbformat
     from nbconvert import HTMLExporter
 
     from anelab.records import atomic_write_text
+    from anelab.studies.docs_site import TEMPLATE_DIR
     from anelab.studies.widget_manager import RENDERER_URL
 
     nb = nbformat.read(str(executed), as_version=4)
-    body, _ = HTMLExporter(widget_renderer_url=RENDERER_URL, require_js_url="").from_notebook_node(nb)
+    exporter = HTMLExporter(
+        widget_renderer_url=RENDERER_URL, template_file=NOTEBOOK_TEMPLATE, extra_template_paths=[str(TEMPLATE_DIR)]
+    )
+    body, _ = exporter.from_notebook_node(nb)
     return atomic_write_text(dest, body)
 
 
