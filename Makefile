@@ -30,7 +30,7 @@ measure: $(STAMP)
 test: $(STAMP) test-tools
 	$(PY) -m ruff check anelab tests benchmarks
 	$(PY) -m ruff format --check anelab tests benchmarks
-	$(PY) -m pytest -n 2 --dist loadgroup -q
+	$(PY) -m pytest -n 2 -q
 
 ## What the browser test (tests/test_browser.py) needs, each only when missing: Chromium (Debian's package,
 ## installed with apt-get when run as root; elsewhere install it or set ANELAB_CHROMIUM) and the pinned

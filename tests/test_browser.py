@@ -4,14 +4,17 @@ its quick mode, linked from the gallery), and the DOM after the scripts ran and 
 show the figures and the explore cell's widget. Controls: broken and blank figure files, the page
 without its widget state, the page without the vendored widget manager.
 
-One run of notebook 02 (~15 s) serves every test here (a module fixture; the tests share an xdist
-group so ``make test``'s ``--dist loadgroup`` runs them in one worker). Chromium: ``make test``
+One run of notebook 02 (~15 s) serves every test here, in every xdist worker: the first worker to
+need it builds the docs under a file lock in the session's shared temporary folder, the others wait
+and reuse them (xdist_group does not group tests under pytest 9.2 here). Chromium: ``make test``
 installs it when missing (``anelab.studies.browser``).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import re
 import shutil
 from html.parser import HTMLParser
@@ -26,8 +29,6 @@ from anelab.errors import AnelabInputError
 from anelab.paths import FIGURES_DIR
 from anelab.studies import browser, notebooks, widget_manager
 from anelab.studies.figures import read_manifest
-
-pytestmark = pytest.mark.xdist_group("browser")
 
 NOTEBOOK = "02_mask_fold"
 EXPLORE_CALL = "explore.show("  # the source of notebook 02's explore cell
@@ -67,7 +68,7 @@ def probed(page: Path, *, only_explore_cell: bool = False) -> Path:
     """A copy of ``page`` beside it (its relative links still resolve) with ``PROBE`` appended."""
     script = PROBE.replace("ONLY_EXPLORE_CELL", "true" if only_explore_cell else "false")
     script = script.replace("EXPLORE_CALL", EXPLORE_CALL)
-    copy = page.with_name(f"probe-{page.name}")
+    copy = page.with_name(f"probe-{os.getpid()}-{page.name}")  # workers share the docs folder
     copy.write_text(page.read_text().replace("</body>", script + "</body>"))
     return copy
 
@@ -132,18 +133,30 @@ def test_a_missing_browser_is_refused_in_one_line_naming_the_install(monkeypatch
         browser.find_chromium()
 
 
-@pytest.fixture(scope="module")
-def docs(tmp_path_factory) -> dict:
+def build_docs(root: Path) -> dict:
     """Notebook 02 run headless in its quick mode, then the gallery built from the committed figures
     as ``anelab docs`` builds it, with that notebook's HTML linked and the widget manager vendored."""
-    root = tmp_path_factory.mktemp("browser")
     run = notebooks.run_notebook(notebooks.resolve_notebook(NOTEBOOK), quick=True, build=root / "build")
     assert run.ok, run.error
     out = root / "docs"
     assert cli.main(["docs", "--html", str(run.html.parent), "--out", str(out)]) == 0
     if not (out / widget_manager.BUNDLE).is_file():
         pytest.fail(f"the widget manager was not vendored: {widget_manager.vendor(out)[1]}")
-    return {"out": out, "executed": run.executed, "page": out / "notebooks" / f"{NOTEBOOK}.html"}
+    return {"out": str(out), "executed": str(run.executed), "page": str(out / "notebooks" / f"{NOTEBOOK}.html")}
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory) -> dict:
+    """``build_docs`` once per test session, shared by the xdist workers (a file lock around it)."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "browser-docs"
+    root.mkdir(exist_ok=True)
+    with open(root / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        built = root / "built.json"
+        if not built.is_file():
+            built.write_text(json.dumps(build_docs(root)))
+        return {k: Path(v) for k, v in json.loads(built.read_text()).items()}
 
 
 # ---- the gallery ---------------------------------------------------------------------------------------
@@ -234,7 +247,7 @@ def test_without_its_state_or_manager_the_widget_is_not_shown(docs, explore_cell
     page = docs["page"].read_text()
     state = re.compile(r'<script type="application/vnd.jupyter.widget-state\+json">.*?</script>', re.S)
     assert state.search(page)
-    no_state = docs["page"].with_name("no-state.html")
+    no_state = docs["page"].with_name(f"no-state-{os.getpid()}.html")
     no_state.write_text(state.sub("", page))
     text, shown, png = render_explore_cell(no_state, tmp_path)
     assert text == {} and shown["slider"] is None
