@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import statistics
 import sys
@@ -101,7 +102,8 @@ def screenshot(out: Path) -> str:
         png = browser.screenshot(page, out / "02_explore.png", window=(1000, 700))
     except AnelabInputError as e:
         return f"screenshot: {e}"
-    rendered = dom.count("widget-slider"), dom.count("widget-html")
+    classes = ("widget-slider", "widget-html")  # elements carrying the class, not the CSS rules naming it
+    rendered = [len(re.findall(rf'class="[^"]*\b{c}(?=[\s"])', dom)) for c in classes]
     return (
         f"screenshot: {png} ({png.stat().st_size} B); rendered DOM of the full page: "
         f"{rendered[0]} slider element(s), {rendered[1]} HTML widget element(s) (0 means the manager did not run)"
