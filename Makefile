@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: reproduce test lab install clean benchmarks docs measure
+.PHONY: reproduce test lab install clean benchmarks docs measure test-tools
 
 $(PY):
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=/path/to/python3.11 ...'"; exit 2; }
@@ -27,20 +27,35 @@ measure: $(STAMP)
 	$(PY) -m anelab measure
 
 ## Run the linter and the test suite (CI calls this).
-test: $(STAMP)
+test: $(STAMP) test-tools
 	$(PY) -m ruff check anelab tests benchmarks
 	$(PY) -m ruff format --check anelab tests benchmarks
 	$(PY) -m pytest -n 2 -q
+
+## What the browser test (tests/test_browser.py) needs, each only when missing: Chromium (Debian's package,
+## installed with apt-get when run as root; elsewhere install it or set ANELAB_CHROMIUM) and the pinned
+## widget manager (npm pack into build/vendor/, as make docs vendors it).
+test-tools: $(STAMP)
+	@$(PY) -c 'from anelab.studies.browser import find_chromium; find_chromium()' 2>/dev/null || \
+	{ if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing chromium (apt-get) for tests/test_browser.py"; \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1 || \
+	    { apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends chromium >/dev/null; }; \
+	  else echo "note: no Chromium here; tests/test_browser.py will fail until it is installed (or ANELAB_CHROMIUM set)"; fi; }
+	@$(PY) -c 'from anelab.studies.widget_manager import fetch_tarball; fetch_tarball()' 2>/dev/null || \
+	echo "note: the widget manager could not be fetched (npm pack); tests/test_browser.py will say why"
 
 ## Figure gallery for the docs: build/docs/index.html (runs the studies first if build/html is missing).
 docs: $(STAMP)
 	@test -d build/html || $(PY) -m anelab reproduce
 	$(PY) -m anelab docs
 
-## Open the notebooks in JupyterLab with the project's kernel (figures go to build/lab/figures; publish with
-## `anelab run NN --publish` or `make reproduce`, or set figures_dir = "figures" in the parameters cell).
+## Open the notebooks in JupyterLab with the project's kernel. Figures go to build/lab/figures; `make lab PUBLISH=1`
+## writes them to the committed figures/ (as do `anelab run NN --publish`, `make reproduce`, figures_dir = "figures").
+PUBLISH ?= 0
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/
+	ANELAB_PUBLISH=$(PUBLISH) $(VENV)/bin/jupyter lab notebooks/
 
 ## Performance benchmarks (ratios measured in one run; not part of the tests; also re-runs the studies).
 benchmarks: $(STAMP)

@@ -7,8 +7,10 @@ Before issue 24, notebook 02's ``widgets.interact`` cell hung a headless run for
 papermill#723). Prints per notebook: runs, ok, failed, hangs, median and slowest seconds.
 
 ``--screenshot DIR`` also renders notebook 02's executed HTML in headless Chromium with the vendored
-widget manager (``anelab.studies.widget_manager``; needs npm once and ``chromium``): the DOM after
-the scripts ran must hold the rendered slider, and a PNG of the explore cell is written to DIR.
+widget manager (``anelab.studies.widget_manager``; needs npm once and ``chromium``, run by
+``anelab.studies.browser``): the DOM after the scripts ran must hold the rendered slider, and a PNG
+of the explore cell is written to DIR. The same check, with controls, is a test:
+``tests/test_browser.py``.
 
     python benchmarks/bench_widget_stress.py --repeats 20 [--jobs 2] [--screenshot build/widget-shots]
 """
@@ -17,9 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -79,11 +81,9 @@ def screenshot(out: Path) -> str:
     """Render notebook 02's explore cell (executed headless) in Chromium with the vendored manager."""
     import nbformat
 
-    from anelab.studies import widget_manager
+    from anelab.errors import AnelabInputError
+    from anelab.studies import browser, widget_manager
 
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
-        return "screenshot: no chromium (apt-get install chromium)"
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     bundle, why_not = widget_manager.vendor(out)
@@ -97,22 +97,15 @@ def screenshot(out: Path) -> str:
     page = notebooks.export_html(out / "explore.ipynb", out / "notebooks" / "02_explore.html")
     full = out / "notebooks" / "02_mask_fold.html"
     shutil.copyfile(run.html, full)
-    flags = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--allow-file-access-from-files",
-        "--virtual-time-budget=15000",
-    ]
-    dom = subprocess.run([chromium, *flags, "--dump-dom", full.as_uri()], capture_output=True, text=True, timeout=180)
-    rendered = dom.stdout.count("widget-slider"), dom.stdout.count("widget-html")
-    png = out / "02_explore.png"
-    subprocess.run(
-        [chromium, *flags, "--window-size=1000,700", f"--screenshot={png}", page.as_uri()],
-        capture_output=True, timeout=180,
-    )  # fmt: skip
+    try:
+        dom = browser.dump_dom(full)
+        png = browser.screenshot(page, out / "02_explore.png", window=(1000, 700))
+    except AnelabInputError as e:
+        return f"screenshot: {e}"
+    classes = ("widget-slider", "widget-html")  # elements carrying the class, not the CSS rules naming it
+    rendered = [len(re.findall(rf'class="[^"]*\b{c}(?=[\s"])', dom)) for c in classes]
     return (
-        f"screenshot: {png} ({png.stat().st_size if png.exists() else 0} B); rendered DOM of the full page: "
+        f"screenshot: {png} ({png.stat().st_size} B); rendered DOM of the full page: "
         f"{rendered[0]} slider element(s), {rendered[1]} HTML widget element(s) (0 means the manager did not run)"
     )
 

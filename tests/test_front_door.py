@@ -144,6 +144,93 @@ def test_a_lab_session_writes_figures_under_build(path):
     assert not _writes_under_build("figures")  # negative control: the committed folder is not build/
 
 
+def test_the_publish_switch_sends_only_the_lab_default_to_the_committed_figures(monkeypatch):
+    lab = notebooks.LAB_FIGURES_DIR
+    monkeypatch.delenv(notebooks.PUBLISH_VARIABLE, raising=False)
+    assert notebooks.figures_destination(lab) == notebooks.REPO_ROOT / "build" / "lab" / "figures"
+    monkeypatch.setenv(notebooks.PUBLISH_VARIABLE, "0")  # control: switched off
+    assert notebooks.figures_destination(lab) == notebooks.REPO_ROOT / "build" / "lab" / "figures"
+    monkeypatch.setenv(notebooks.PUBLISH_VARIABLE, "1")
+    assert notebooks.figures_destination(lab) == notebooks.REPO_ROOT / "figures"
+    assert notebooks.figures_destination("build/x/figures") == notebooks.REPO_ROOT / "build" / "x" / "figures"
+
+
+@pytest.mark.parametrize("path", notebooks.discover_notebooks(), ids=lambda p: p.name)
+def test_every_notebook_saves_its_figures_where_the_switch_says(path):
+    nb = notebooks.read_notebook(path)
+    code = [
+        "".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code" and c not in notebooks.parameter_cells(nb)
+    ]
+    assert _default_figures_dir(path) == notebooks.LAB_FIGURES_DIR
+    assert sum("FIGURES, RECORDS, BUILD = figures_destination(figures_dir)," in c for c in code) == 1
+    saves = [line for c in code for line in c.splitlines() if "save_figure(" in line]
+    assert saves and all("figures_dir=FIGURES" in line for line in saves)
+    assert not any("repo_path(figures_dir)" in c for c in code)  # a notebook bypassing the switch is caught here
+
+
+def _make_lab_command(*overrides: str) -> str:
+    import shutil
+    import subprocess
+
+    make = shutil.which("make")
+    assert make, "make is needed (the README's two commands are make targets)"
+    done = subprocess.run(
+        [make, "-n", "lab", "VENV=/nonexistent-venv", *overrides],
+        cwd=notebooks.REPO_ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return [line for line in done.stdout.splitlines() if "jupyter lab" in line][-1]
+
+
+def test_make_lab_publishes_only_when_told():
+    assert _make_lab_command().startswith(f"{notebooks.PUBLISH_VARIABLE}=0 ")
+    assert _make_lab_command("PUBLISH=1").startswith(f"{notebooks.PUBLISH_VARIABLE}=1 ")
+
+
+LAB_BODY = """from pathlib import Path
+import anelab.studies.notebooks as n
+n.REPO_ROOT, n.FIGURES_DIR = Path({root!r}), Path({root!r}) / "figures"  # a copy of the repository layout
+out = n.figures_destination(figures_dir)
+out.mkdir(parents=True, exist_ok=True)
+(out / "f.txt").write_text("figure")
+"""
+
+
+def _lab_notebook(path, root) -> dict:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell('quick: bool = False\nfigures_dir: str = "build/lab/figures"')
+    cell.metadata["tags"] = ["parameters"]
+    nb.cells = [cell, nbformat.v4.new_code_cell(LAB_BODY.format(root=str(root)))]
+    nbformat.write(nb, str(path))
+    return nb
+
+
+def test_a_lab_kernel_writes_figures_to_build_unless_started_to_publish(tmp_path):
+    """A kernel started as JupyterLab starts it (inheriting make lab's environment) runs the lab default;
+    under papermill (anelab run, make reproduce) the switch is off whatever the caller's environment."""
+    from nbclient import NotebookClient
+
+    for publish, root in (("0", tmp_path / "plain"), ("1", tmp_path / "published")):
+        nb = _lab_notebook(tmp_path / f"lab{publish}.ipynb", root)
+        with notebooks.kernel_environment({notebooks.PUBLISH_VARIABLE: publish}):
+            NotebookClient(nb, kernel_name=notebooks.kernel_name(), timeout=60).execute()
+    assert (tmp_path / "plain" / "build" / "lab" / "figures" / "f.txt").is_file()
+    assert not (tmp_path / "plain" / "figures").exists()
+    assert (tmp_path / "published" / "figures" / "f.txt").is_file()
+    assert not (tmp_path / "published" / "build").exists()
+    guarded = tmp_path / "guarded"
+    _lab_notebook(tmp_path / "guarded.ipynb", guarded)
+    with notebooks.kernel_environment({notebooks.PUBLISH_VARIABLE: "1"}):
+        run = notebooks.run_notebook(
+            tmp_path / "guarded.ipynb", quick=False, build=tmp_path / "build", html=False,
+            parameters={"figures_dir": notebooks.LAB_FIGURES_DIR}, timeout=60,
+        )  # fmt: skip
+    assert run.ok, run.error
+    assert (guarded / "build" / "lab" / "figures" / "f.txt").is_file() and not (guarded / "figures").exists()
+
+
 # ---- generated files are readable by the group ------------------------------------------------------------
 
 

@@ -93,6 +93,29 @@ def repo_path(path: str | os.PathLike) -> Path:
     return p if p.is_absolute() else REPO_ROOT / p
 
 
+LAB_FIGURES_DIR = "build/lab/figures"  # the parameters cells' figures_dir: where a lab session's figures go
+
+
+PUBLISH_VARIABLE = "ANELAB_PUBLISH"  # set to 1 by `make lab PUBLISH=1`: a lab session publishes to figures/
+
+
+def publishing() -> bool:
+    """Whether this process (a notebook kernel) was started to publish: ``ANELAB_PUBLISH`` is 1/true/yes."""
+    return os.environ.get(PUBLISH_VARIABLE, "").strip().lower() in TRUE_WORDS
+
+
+def figures_destination(figures_dir: str | os.PathLike) -> Path:
+    """Where a notebook saves its figures (each notebook's first code cell calls this on its parameter).
+
+    ``figures_dir`` as given (``repo_path``), except the lab default ``LAB_FIGURES_DIR``, which is the
+    committed ``figures/`` when the kernel was started to publish (``make lab PUBLISH=1`` sets
+    ``ANELAB_PUBLISH=1``). A run that injects its own ``figures_dir`` (papermill, ``anelab run``) gets it.
+    """
+    if Path(figures_dir) == Path(LAB_FIGURES_DIR) and publishing():
+        return FIGURES_DIR
+    return repo_path(figures_dir)
+
+
 def repo_relative(path: str | os.PathLike) -> str:
     """``path`` as a notebook's parameters cell shows it: relative to the repository root when it lies
     inside it (``repo_path`` turns it back), else absolute."""
@@ -215,18 +238,26 @@ def run_parameters(quick: bool, build: Path) -> dict:
     }
 
 
+NOTEBOOK_TEMPLATE = "executed_notebook.html.j2"  # in anelab/studies/templates: JupyterLab's page, no CDN scripts
+
+
 def export_html(executed: Path, dest: Path) -> Path:
     """Export an executed notebook to HTML (nbconvert), written atomically. Its widgets are rendered
     by the locally served html-manager bundle (``widget_manager.RENDERER_URL``, vendored by ``make
-    docs``), never one from a CDN; require.js is not loaded (the standalone bundle does not need it)."""
+    docs``), never one from a CDN; the page loads no other script from the network (``NOTEBOOK_TEMPLATE``
+    drops MathJax, mermaid and require.js, which the notebooks do not use)."""
     import nbformat
     from nbconvert import HTMLExporter
 
     from anelab.records import atomic_write_text
+    from anelab.studies.docs_site import TEMPLATE_DIR
     from anelab.studies.widget_manager import RENDERER_URL
 
     nb = nbformat.read(str(executed), as_version=4)
-    body, _ = HTMLExporter(widget_renderer_url=RENDERER_URL, require_js_url="").from_notebook_node(nb)
+    exporter = HTMLExporter(
+        widget_renderer_url=RENDERER_URL, template_file=NOTEBOOK_TEMPLATE, extra_template_paths=[str(TEMPLATE_DIR)]
+    )
+    body, _ = exporter.from_notebook_node(nb)
     return atomic_write_text(dest, body)
 
 
@@ -263,7 +294,7 @@ def run_notebook(
     started = time.perf_counter()
     error, timed_out = "", False
     try:
-        with kernel_environment({HEADLESS_VARIABLE: "1"}):
+        with kernel_environment({HEADLESS_VARIABLE: "1", PUBLISH_VARIABLE: "0"}):  # figures where injected
             papermill.execute_notebook(
                 str(path),
                 str(executed),
