@@ -123,6 +123,7 @@ def test_a_notebook_titled_with_another_study_number_is_caught():
 
 # ---- every stated number is a claim -----------------------------------------------------------------
 
+
 def test_every_number_a_caption_states_is_a_claim():
     """Every number (and "threshold") in every caption and alt text lies inside a claim phrase, whose facts the
     figure records: run parameters (chunk, prompt tokens, band widths) echoed by the cell that draws it, and
