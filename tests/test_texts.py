@@ -123,33 +123,16 @@ def test_a_notebook_titled_with_another_study_number_is_caught():
 
 # ---- every stated number is a claim -----------------------------------------------------------------
 
-# Figures whose caption or alt text still states numbers no claim covers (issue 24's remainder): each
-# needs `facts=` in its notebook cell and a [name.claims] table. The test fails when one of these gets
-# its claims (remove it here) and when any other figure states an unclaimed number.
-NOT_YET_CLAIMED = {
-    "dense_offload_matrix",
-    "dense_offload_share",
-    "dense_offload_prompt_length",
-    "dense_offload_narrow_sidecar",
-    "dense_offload_predicted_vs_recorded",
-    "mask_fold_budget_sweep",
-    "mask_fold_greedy_vs_raw",
-    "gather_sizing",
-    "gather_probe_m3_recorded",
-    "setup_package_composition",
-    "tiled_stateful_arena_arithmetic",
-    "arms_per_layer_difference",
-    "one_function_prediction",
-}
 
-
-# Claims added to captions.toml whose facts the committed figures predate: until `anelab reproduce`
-# redraws them, the only problem allowed is "which the figure does not record"; a wrong value is caught
-# before and after.
 def test_every_number_a_caption_states_is_a_claim():
+    """Every number (and "threshold") in every caption and alt text lies inside a claim phrase, whose facts the
+    figure records: run parameters (chunk, prompt tokens, band widths) echoed by the cell that draws it, and
+    results (counts, which bars pass) computed from the data it draws."""
     loose = {name: figures.unclaimed_statements(entry) for name, entry in figures.caption_table().items()}
-    assert {name for name, numbers in loose.items() if numbers} == NOT_YET_CLAIMED
-    assert len(loose) - len(NOT_YET_CLAIMED) >= 17
+    assert {name: numbers for name, numbers in loose.items() if numbers} == {}
+    assert len(loose) >= 30  # every figure's texts were read
+    claimed = {name for name, entry in figures.caption_table().items() if entry.get("claims")}
+    assert len(claimed) >= 18  # the 5 claimed first, and the 13 whose run parameters and results became facts
 
 
 def test_an_unclaimed_number_is_caught():
@@ -184,3 +167,95 @@ def test_a_claim_added_before_reproduce_still_fails_on_a_wrong_value():
     assert figures.text_problems("tiled_stateful_errors", entry) == [
         "tiled_stateful_errors: 'though above 1 %' says weights_above_threshold = 9; the figure shows 3"
     ]
+
+
+# ---- every claim catches a wrong value --------------------------------------------------------------
+
+
+def _wrong(value):
+    """A value of the same kind as ``value`` that differs from it (the fact a broken figure would record)."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int | float):
+        return value * 2 + 1
+    if isinstance(value, str):
+        return value + " (another)"
+    if isinstance(value, list):
+        return value + value[-1:] if value else [0]
+    if isinstance(value, dict):
+        return {key: _wrong(item) for key, item in value.items()}
+    return 0  # None: a figure that drew nothing
+
+
+CLAIMED_FACTS = sorted(
+    (name, phrase, key)
+    for name, entry in figures.caption_table().items()
+    for phrase, facts in entry.get("claims", {}).items()
+    for key in facts
+)
+
+
+def test_every_figure_with_a_stated_number_has_a_claim_to_break():
+    assert {name for name, _, _ in CLAIMED_FACTS} >= {
+        "dense_offload_matrix",
+        "dense_offload_share",
+        "dense_offload_prompt_length",
+        "dense_offload_narrow_sidecar",
+        "dense_offload_predicted_vs_recorded",
+        "mask_fold_budget_sweep",
+        "mask_fold_greedy_vs_raw",
+        "gather_sizing",
+        "gather_probe_m3_recorded",
+        "setup_package_composition",
+        "tiled_stateful_arena_arithmetic",
+        "arms_per_layer_difference",
+        "one_function_prediction",
+    }
+
+
+@pytest.mark.parametrize(("name", "phrase", "key"), CLAIMED_FACTS)
+def test_a_wrong_fact_under_a_claim_is_caught(name, phrase, key):
+    """Negative control for every claim: the committed figure's fact replaced by a wrong value of its kind."""
+    entry = {**_committed()[name], **figures.caption_for(name)}
+    recorded = entry["facts"][key]
+    assert _wrong(recorded) != recorded
+    broken = {**entry, "facts": {**entry["facts"], key: _wrong(recorded)}}
+    stated = entry["claims"][phrase][key]
+    assert f"{name}: {phrase!r} says {key} = {stated!r}; the figure shows {_wrong(recorded)!r}" in (
+        figures.text_problems(name, broken)
+    )
+
+
+@pytest.mark.parametrize("value", [True, 3, 0.01, "gather chunk 64", [1024, 4095], {"1024": True}, [], None])
+def test_a_wrong_value_differs_from_the_value(value):
+    assert not figures._same(_wrong(value), value)
+
+
+def test_the_old_budget_sweep_alt_text_is_caught_by_the_data():
+    """Negative control: mask_fold_budget_sweep's alt text said the points lay above the threshold; 4 of 20 do not."""
+    entry = _committed()["mask_fold_budget_sweep"]
+    old = {
+        **entry,
+        "alt": "Log-log lines of relative change, package circles and reference crosses coinciding, above a dashed threshold.",
+        "claims": {"above a dashed threshold": {"points_above_threshold": entry["facts"]["points"]}},
+    }
+    assert figures.text_problems("mask_fold_budget_sweep", old) == [
+        f"mask_fold_budget_sweep: 'above a dashed threshold' says points_above_threshold = {entry['facts']['points']}; "
+        f"the figure shows {entry['facts']['points_above_threshold']}"
+    ]
+    assert figures.unclaimed_statements({**old, "claims": {}}) == ["threshold"]
+
+
+@pytest.mark.parametrize(
+    ("stated", "shown", "same"),
+    [
+        ([1e-4, 1e-3], [0.00010000000000000002, 0.001], True),  # 10.0 ** -4 as a figure computes it
+        ([1.3, 20], [1.3, 21], False),
+        ({"1024": True, "4096": False}, {"1024": True, "4096": False}, True),
+        ({"1024": True, "4096": False}, {"1024": True}, False),
+        (True, 1, False),  # a count is not a yes/no
+        (0.01, 0.0100000001, True),
+    ],
+)
+def test_claimed_and_recorded_facts_compare_inside_lists_and_tables(stated, shown, same):
+    assert figures._same(stated, shown) is same

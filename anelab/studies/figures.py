@@ -270,6 +270,13 @@ def stated_panels(text: str) -> int | None:
 
 
 def _same(stated, shown) -> bool:
+    """A claimed fact equals the recorded one: floats to 1e-6 (also inside lists and tables), the rest exactly."""
+    if isinstance(stated, list) and isinstance(shown, list):
+        return len(stated) == len(shown) and all(_same(a, b) for a, b in zip(stated, shown, strict=True))
+    if isinstance(stated, dict) and isinstance(shown, dict):
+        return stated.keys() == shown.keys() and all(_same(stated[k], shown[k]) for k in stated)
+    if isinstance(stated, bool) or isinstance(shown, bool):
+        return stated is shown
     if isinstance(stated, float) or isinstance(shown, float):
         return isinstance(shown, int | float) and math.isclose(stated, shown, rel_tol=1e-6, abs_tol=1e-12)
     return stated == shown
