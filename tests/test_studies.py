@@ -240,15 +240,39 @@ def test_compact_provenance():
 
 
 # ---- measured here: package sizes -----------------------------------------------------------------
+def _handmade_package(path, source: str):
+    from coremltools import proto
+
+    (path / "Data/com.apple.CoreML/weights").mkdir(parents=True)
+    (path / "Manifest.json").write_bytes(b"{}")
+    (path / "Data/com.apple.CoreML/weights/weight.bin").write_bytes(b"w" * 100)
+    spec = proto.Model_pb2.Model(specificationVersion=9)
+    spec.description.metadata.shortDescription = "a program"
+    spec.description.metadata.userDefined["anelab.source"] = source
+    (path / "Data/com.apple.CoreML/model.mlmodel").write_bytes(spec.SerializeToString())
+    return path
+
+
 def test_package_size_of_a_handmade_package(tmp_path):
-    pkg = tmp_path / "x.mlpackage"
-    (pkg / "Data/com.apple.CoreML/weights").mkdir(parents=True)
-    (pkg / "Manifest.json").write_bytes(b"{}")
-    (pkg / "Data/com.apple.CoreML/weights/weight.bin").write_bytes(b"w" * 100)
-    (pkg / "Data/com.apple.CoreML/model.mlmodel").write_bytes(b"m" * 30)
-    assert package_size(pkg) == {"weight_bytes": 100, "spec_bytes": 30, "total_bytes": 132}
+    from coremltools import proto
+
+    pkg = _handmade_package(tmp_path / "x.mlpackage", "/a/checkout/build/checkpoints/model")
+    bare = proto.Model_pb2.Model(specificationVersion=9)
+    bare.description.metadata.shortDescription = "a program"
+    spec_bytes = len(bare.SerializeToString())
+    assert package_size(pkg) == {"weight_bytes": 100, "spec_bytes": spec_bytes, "total_bytes": 102 + spec_bytes}
     with pytest.raises(AnelabInputError, match="not an .mlpackage"):
         package_size(tmp_path)
+
+
+def test_package_size_does_not_depend_on_where_the_checkout_lies(tmp_path):
+    """The same program exported from a checkout elsewhere records a longer checkpoint path: same sizes
+    (control: the spec files themselves differ in size)."""
+    here = _handmade_package(tmp_path / "a.mlpackage", "/work/main/build/checkpoints/model")
+    there = _handmade_package(tmp_path / "b.mlpackage", "/home/someone/src/anelab-clone/build/checkpoints/model")
+    spec = "Data/com.apple.CoreML/model.mlmodel"
+    assert (here / spec).stat().st_size != (there / spec).stat().st_size
+    assert package_size(here) == package_size(there)
 
 
 @pytest.fixture(scope="module")

@@ -129,16 +129,25 @@ def break_even_setup(p: PrefillPlan) -> float | None:
 
 # ---- measured here: package size against the number of functions ------------------------------
 def package_size(pkg: str | os.PathLike) -> dict:
-    """Bytes of one .mlpackage: ``weight_bytes`` (weight.bin), ``spec_bytes`` (model.mlmodel), ``total_bytes`` (all files)."""
+    """Bytes of one .mlpackage: ``weight_bytes`` (weight.bin), ``spec_bytes`` (model.mlmodel), ``total_bytes``
+    (all files) — the spec counted without its user-defined metadata, which records the checkpoint's
+    absolute path (a checkout elsewhere would change the sizes, not the programs)."""
+    from anelab.sidecar.coremltools_import import coremltools_modules
     from anelab.sidecar.format import WEIGHTS_RELATIVE, require_package
 
     pkg = require_package(pkg)
     total = sum(f.stat().st_size for f in pkg.rglob("*") if f.is_file())
     weights = pkg / WEIGHTS_RELATIVE
-    spec = pkg / "Data" / "com.apple.CoreML" / "model.mlmodel"
+    spec_file = pkg / "Data" / "com.apple.CoreML" / "model.mlmodel"
+    spec_bytes = 0
+    if spec_file.is_file():
+        spec = coremltools_modules()[0].utils.load_spec(str(spec_file))
+        spec.description.metadata.userDefined.clear()
+        spec_bytes = len(spec.SerializeToString(deterministic=True))
+        total -= spec_file.stat().st_size - spec_bytes
     return {
         "weight_bytes": weights.stat().st_size if weights.is_file() else 0,
-        "spec_bytes": spec.stat().st_size if spec.is_file() else 0,
+        "spec_bytes": spec_bytes,
         "total_bytes": total,
     }
 
