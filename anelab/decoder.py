@@ -44,8 +44,14 @@ LINEAR_BLOCK_BYTES = 32 * 2**20  # float32 rows of a file-backed weight (the LM 
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    """x * sigmoid(x), with sigmoid as 0.5 * (1 + tanh(x / 2)) (no overflow for large |x|)."""
-    return x * (0.5 * (1.0 + np.tanh(0.5 * x)))
+    """x * sigmoid(x), with sigmoid as 0.5 * (1 + tanh(x / 2)) (no overflow for large |x|); one new array,
+    computed in place (the same operations in the same order as the plain expression)."""
+    out = np.multiply(x, 0.5)
+    np.tanh(out, out=out)
+    out += 1.0
+    out *= 0.5
+    out *= x
+    return out
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
@@ -262,25 +268,40 @@ def linear(x: np.ndarray, weight, block_bytes: int = LINEAR_BLOCK_BYTES) -> np.n
     ``weight[r0:r1]`` returns those rows as float32), read in row blocks of at most ``block_bytes`` so it
     is never held whole in float32.
     """
+    return linear_each([x], weight, block_bytes)[0]
+
+
+def linear_each(xs: list[np.ndarray], weight, block_bytes: int = LINEAR_BLOCK_BYTES) -> list[np.ndarray]:
+    """``[linear(x, weight) for x in xs]`` reading a file-backed ``weight`` once: each row block is converted
+    once and every x [T_i, K] multiplied by it on its own (the same products as separate calls)."""
     if isinstance(weight, np.ndarray):
-        return x @ weight.T
+        return [x @ weight.T for x in xs]
     n, k = weight.shape
     rows = max(1, block_bytes // (4 * k))
-    out = np.empty((x.shape[0], n), DTYPE)
+    outs = [np.empty((x.shape[0], n), DTYPE) for x in xs]
     for r0 in range(0, n, rows):
-        out[:, r0 : r0 + rows] = x @ np.asarray(weight[r0 : r0 + rows], DTYPE).T
-    return out
+        block = np.asarray(weight[r0 : r0 + rows], DTYPE)
+        for x, out in zip(xs, outs, strict=True):
+            out[:, r0 : r0 + rows] = x @ block.T
+    return outs
 
 
 def lm_logits(hidden: np.ndarray, head: HeadWeights, eps: float) -> np.ndarray:
     """Final norm, LM head (read in vocabulary blocks), logit divisor and soft-cap: hidden [T, D] -> logits float32 [T, V]."""
-    logits = linear(apply_norm(hidden.astype(DTYPE), head.final_norm, eps), head.lm_head)
-    if head.logit_divisor != 1.0:
-        logits /= DTYPE(head.logit_divisor)
-    if head.logit_softcap is not None:
-        cap = DTYPE(head.logit_softcap)
-        logits = cap * np.tanh(logits / cap)
-    return logits
+    return lm_logits_each([hidden], head, eps)[0]
+
+
+def lm_logits_each(hiddens: list[np.ndarray], head: HeadWeights, eps: float) -> list[np.ndarray]:
+    """``lm_logits`` of several hidden states [T_i, D] with the LM head's blocks read once for all of them."""
+    normed = [apply_norm(h.astype(DTYPE), head.final_norm, eps) for h in hiddens]
+    outs = linear_each(normed, head.lm_head)
+    for logits in outs:
+        if head.logit_divisor != 1.0:
+            logits /= DTYPE(head.logit_divisor)
+        if head.logit_softcap is not None:
+            cap = DTYPE(head.logit_softcap)
+            logits[...] = cap * np.tanh(logits / cap)
+    return outs
 
 
 # ---- deterministic random weights (tests, the embedded dense checkpoint) ---------------------------------

@@ -262,6 +262,21 @@ def test_decide_refuses_bad_input_in_one_line(model, tmp_path, capsys):
     )
 
 
+def test_decide_refuses_a_model_with_sliding_window_layers(tmp_path, capsys):
+    """decide prices full-attention layers only: a model with windowed layers (Gemma 3: 5 windowed to 1 full)
+    is refused in one line that names them and the command that plans it, before anything is written."""
+    from test_families import FAMILIES, write_family_checkpoint
+
+    gemma3 = write_family_checkpoint(tmp_path / "g3", next(f for f in FAMILIES if f.name == "gemma3_text"))
+    argv = ["decide", str(gemma3), "--prompt-tokens", "64", "--chunk", "32", "--out", str(tmp_path / "o")]
+    _refused(argv, capsys, "has sliding-window layers")
+    assert not (tmp_path / "o").exists()
+    # control: the same family without its windows is not refused for them
+    llama = write_family_checkpoint(tmp_path / "llama", next(f for f in FAMILIES if f.name == "llama"))
+    main(["decide", str(llama), "--prompt-tokens", "64", "--chunk", "32", "--out", str(tmp_path / "p"), "--measure"])
+    assert "sliding-window" not in capsys.readouterr().err
+
+
 def test_decide_cli_prints_the_verdict(model, tmp_path, capsys):
     out = tmp_path / "cli"
     argv = ["decide", str(model), "--prompt-tokens", "64", "--chunk", "32", "--design", "dense"]

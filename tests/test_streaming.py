@@ -20,7 +20,7 @@ from anelab.hf.checkpoint import write_checkpoint_directory
 from anelab.hf.model import load_model, write_model_checkpoint
 from anelab.hf.safetensors_io import LazyTensor, MappedTensor, SafetensorsFile, to_float32, write_safetensors
 from anelab.sidecar.export import export_sidecars
-from anelab.studies.arms import Arm, Perturbation, open_sidecars, run_arm
+from anelab.studies.arms import Arm, Perturbation, open_sidecars, run_arm, run_arms
 from anelab.weights import random_attention_weights
 
 CHUNK, PROMPT, DECODE = 4, 10, 3  # chunk starts 0, 4, 8: the last chunk partial
@@ -59,6 +59,28 @@ def test_layer_major_prefill_equals_chunk_major_bit_for_bit(bf16_model, arm):
         assert not np.array_equal(other.hidden, runs[0].hidden)
     with pytest.raises(AnelabInputError, match="prefill order"):
         run_arm(model, prompt, arm, decode=1, chunk=CHUNK, sidecars=sidecars, order="diagonal")
+
+
+def test_arms_decoding_in_lockstep_equal_each_arm_alone_and_share_each_weight_read(bf16_model, monkeypatch):
+    root, model = bf16_model
+    sidecars = open_sidecars(root / "sidecars", model, PROMPT)
+    prompt = np.random.default_rng(3).integers(0, model.vocab_size, PROMPT)
+    arms = [Arm("reference"), Arm("sidecar", "sidecar"), Arm("shifted", perturbation=Perturbation(1, "rope_shifted"))]
+    alone = {arm.name: run_arm(model, prompt, arm, decode=DECODE, sidecars=sidecars) for arm in arms}
+    reads = []
+    real_layer = type(model).layer
+    monkeypatch.setattr(type(model), "layer", lambda self, i: reads.append(i) or real_layer(self, i))
+    together = run_arms(model, prompt, arms, decode=DECODE, sidecars=sidecars)
+    for arm in arms:
+        a, b = alone[arm.name], together[arm.name]
+        assert np.array_equal(a.hidden, b.hidden) and np.array_equal(a.logits, b.logits)
+        assert np.array_equal(a.tokens, b.tokens)
+    # control: the arms do differ, so equal runs are not equal by construction
+    assert not np.array_equal(together["reference"].logits, together["sidecar"].logits)
+    # every arm's prefill reads each layer once; each decode step reads it once for all three arms
+    assert len(reads) == model.num_layers * (len(arms) + DECODE - 1)
+    with pytest.raises(AnelabInputError, match="arm names must differ"):
+        run_arms(model, prompt, [Arm("reference"), Arm("reference")], decode=1, chunk=CHUNK)
 
 
 def test_the_head_stays_in_its_file_and_reads_rows_and_blocks(bf16_model):

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from anelab import reference
-from anelab.decoder import DecoderLayerWeights, attention_input, embed, finish_layer, lm_logits
+from anelab.decoder import DecoderLayerWeights, attention_input, embed, finish_layer, lm_logits_each
 from anelab.errors import AnelabInputError
 from anelab.geometry import chunk_starts
 from anelab.hf.model import ModelCheckpoint, load_model
@@ -368,14 +368,20 @@ def _prefill_chunk_major(model, states, x, starts, chunk, arm, sidecars, hidden,
 PREFILL_ORDERS = {"layer": _prefill_layer_major, "chunk": _prefill_chunk_major}
 
 
-def _decode_step(model, states, token: int, position: int, arm: Arm, sidecars, head) -> np.ndarray:
-    """One greedy step on the reference path: each layer's weights read for this step only -> logits [V]."""
-    x = embed(np.array([token]), head)
-    for layer, state in enumerate(states):
-        state.load(model, layer)
-        x = _layer_rows(model, layer, state, x, position, arm, sidecars, prefill=False)
-        state.unload()
-    return lm_logits(x, head, model.eps)[0]
+def _decode_step_together(model, runs: list[tuple[Arm, list[_Layer]]], tokens: list[int], position: int, sidecars,
+                          head) -> list[np.ndarray]:  # fmt: skip
+    """One greedy step of every arm on the reference path: each layer's weights (and the LM head's blocks) read
+    once for all arms, every arm's row through them on its own -> one logits row [V] per arm."""
+    xs = [embed(np.array([token]), head) for token in tokens]
+    for layer in range(model.num_layers):
+        shared = runs[0][1][layer]
+        shared.load(model, layer)
+        for i, (arm, states) in enumerate(runs):
+            states[layer].attention, states[layer].weights = shared.attention, shared.weights
+            xs[i] = _layer_rows(model, layer, states[layer], xs[i], position, arm, sidecars, prefill=False)
+        for _, states in runs:
+            states[layer].unload()
+    return [rows[0] for rows in lm_logits_each(xs, head, model.eps)]
 
 
 def _check_arm(arm: Arm, model: ModelCheckpoint, sidecars: SidecarSet | None) -> None:
@@ -401,20 +407,70 @@ def run_arm(
     sidecars: SidecarSet | None = None,
     order: str = "layer",
 ) -> ArmRun:
-    """Prefill ``prompt`` (int [P]) chunk by chunk under ``arm``, then decode ``decode`` tokens greedily.
+    """Prefill ``prompt`` (int [P]) chunk by chunk under ``arm``, then decode ``decode`` tokens greedily
+    (``run_arms`` with one arm)."""
+    return run_arms(model, prompt, [arm], decode=decode, chunk=chunk, sidecars=sidecars, order=order)[arm.name]
+
+
+def run_arms(
+    model: ModelCheckpoint,
+    prompt: np.ndarray,
+    arms: list[Arm],
+    *,
+    decode: int,
+    chunk: int | None = None,
+    sidecars: SidecarSet | None = None,
+    order: str = "layer",
+) -> dict[str, ArmRun]:
+    """Each arm's prefill of ``prompt`` (int [P]) chunk by chunk, then the arms' greedy decodes of ``decode``
+    tokens in lockstep -> arm name -> its run.
 
     chunk: the prefill chunk (default: the sidecars' width, else ``REFERENCE_CHUNK``); with sidecars it
     must equal their width. order: ``layer`` (default) streams the weights — every chunk goes through
     layer 0 with its cache threaded, then layer 1, ..., each layer's weights read once and dropped;
     ``chunk`` runs each chunk through every layer first (a runtime's order) holding every layer's
     weights. Both make the same calls on the same inputs: the results are equal bit for bit. Decode
-    reads each layer's weights per step; the embedding rows and the LM head's vocabulary blocks come
-    from the checkpoint's files on demand.
+    reads each layer's weights once per step for all arms (and the LM head's vocabulary blocks, the
+    embedding rows on demand from the checkpoint's files); each arm's row goes through them on its own,
+    so an arm's results are bit for bit those of running it alone.
     """
     from anelab.progress import tqdm
 
     prompt = np.asarray(prompt)
-    _check_arm(arm, model, sidecars)
+    chunk = _check_run(model, prompt, arms, decode, chunk, sidecars, order)
+    head, g = model.head(), model.geometry
+    coverage = model.rope_coverage(prompt.size, decode)
+    prefilled = []
+    for arm in arms:
+        states = [_Layer(rope_coverage=coverage) for _ in range(model.num_layers)]
+        hidden = np.zeros((model.num_layers, prompt.size, g.hidden_size), np.float32)
+        x = embed(prompt, head)
+        with tqdm(total=model.num_layers, desc=f"arm {arm.name}: prefill", unit="layer", leave=False) as progress:
+            PREFILL_ORDERS[order](model, states, x, chunk_starts(prompt.size, chunk), chunk, arm, sidecars, hidden,
+                                  progress)  # fmt: skip
+        prefilled.append((arm, states, hidden, x[-1:]))
+    logits = [[rows[0]] for rows in lm_logits_each([last for *_, last in prefilled], head, model.eps)]
+    tokens = [[int(np.argmax(rows[0]))] for rows in logits]
+    runs = [(arm, states) for arm, states, _, _ in prefilled]
+    for step in tqdm(range(1, decode), desc="decode", unit="token", leave=False, disable=decode < 2):
+        step_logits = _decode_step_together(
+            model, runs, [t[-1] for t in tokens], prompt.size + step - 1, sidecars, head
+        )
+        for arm_logits, arm_tokens, row in zip(logits, tokens, step_logits, strict=True):
+            arm_logits.append(row)
+            arm_tokens.append(int(np.argmax(row)))
+    return {
+        arm.name: ArmRun(arm, hidden, np.stack(arm_logits), np.array(arm_tokens))
+        for (arm, _, hidden, _), arm_logits, arm_tokens in zip(prefilled, logits, tokens, strict=True)
+    }
+
+
+def _check_run(model, prompt: np.ndarray, arms: list[Arm], decode: int, chunk, sidecars, order: str) -> int:
+    """Refuse what ``run_arms`` cannot run (one line each); the prefill chunk it uses."""
+    for arm in arms:
+        _check_arm(arm, model, sidecars)
+    if len({arm.name for arm in arms}) != len(arms):
+        raise AnelabInputError(f"arm names must differ: {', '.join(arm.name for arm in arms)}")
     if decode < 1:
         raise AnelabInputError(f"decode must be >= 1 token, got {decode}")
     if order not in PREFILL_ORDERS:
@@ -424,21 +480,7 @@ def run_arm(
         raise AnelabInputError(f"the prefill chunk {chunk} differs from the sidecars' width {sidecars.chunk}")
     if prompt.ndim != 1 or prompt.size < 1:
         raise AnelabInputError("the prompt needs at least one token id")
-    head, g = model.head(), model.geometry
-    coverage = model.rope_coverage(prompt.size, decode)
-    states = [_Layer(rope_coverage=coverage) for _ in range(model.num_layers)]
-    hidden = np.zeros((model.num_layers, prompt.size, g.hidden_size), np.float32)
-    x = embed(prompt, head)
-    with tqdm(total=model.num_layers + decode - 1, desc=f"arm {arm.name}", unit="pass", leave=False) as progress:
-        PREFILL_ORDERS[order](model, states, x, chunk_starts(prompt.size, chunk), chunk, arm, sidecars, hidden,
-                              progress)  # fmt: skip
-        logits = [lm_logits(x[-1:], head, model.eps)[0]]
-        tokens = [int(np.argmax(logits[0]))]
-        for step in range(1, decode):
-            logits.append(_decode_step(model, states, tokens[-1], prompt.size + step - 1, arm, sidecars, head))
-            tokens.append(int(np.argmax(logits[-1])))
-            progress.update()
-    return ArmRun(arm, hidden, np.stack(logits), np.array(tokens))
+    return chunk
 
 
 # ---- comparisons ---------------------------------------------------------------------------------------------
@@ -594,7 +636,6 @@ def compare_arms(
     random prompt of ``prompt_tokens`` ids. ``compute_units``: serve the sidecars through Core ML
     (``runtime_runner``; ``runtime`` defaults to this machine's, refused off-Mac) instead of NumPy.
     """
-    from anelab.progress import tqdm
 
     model = load_model(checkpoint)
     prompt = random_prompt(model.vocab_size, prompt_tokens or 0, seed) if tokens is None else np.asarray(tokens)
@@ -609,9 +650,7 @@ def compare_arms(
     if indexer is not None:
         served = "sidecar" if sidecar_set is not None else "reference"
         arms += [Arm("folded", served, indexer, fold=True), Arm("causal-only", served, indexer, fold=False)]
-    runs = {}
-    for arm in tqdm(arms, desc="arms", unit="arm"):
-        runs[arm.name] = run_arm(model, prompt, arm, decode=decode, chunk=chunk, sidecars=sidecar_set)
+    runs = run_arms(model, prompt, arms, decode=decode, chunk=chunk, sidecars=sidecar_set)
     order = [("reference", "sidecar"), ("folded", "causal-only")]
     pairs = [compare_runs(runs[a], runs[b]) for a, b in order if a in runs and b in runs]
     used = sidecar_set.chunk if sidecar_set else (chunk or REFERENCE_CHUNK)
@@ -673,11 +712,9 @@ def window_sweep(
     points = []
     for kb in tqdm(list(kept_blocks), desc="indexer budgets", unit="budget"):
         indexer = Indexer(int(kb), int(compress_ratio))
-        runs = [
-            run_arm(model, prompt, Arm(name, served, indexer, fold=fold), decode=decode, chunk=chunk, sidecars=sidecars)
-            for name, fold in (("folded", True), ("causal-only", False))
-        ]
-        points.append(WindowPoint(int(kb), dense_exact_window(kb, compress_ratio), compare_runs(*runs)))
+        arms = [Arm(name, served, indexer, fold=fold) for name, fold in (("folded", True), ("causal-only", False))]
+        runs = run_arms(model, prompt, arms, decode=decode, chunk=chunk, sidecars=sidecars)
+        points.append(WindowPoint(int(kb), dense_exact_window(kb, compress_ratio), compare_runs(*runs.values())))
     return points
 
 
