@@ -174,3 +174,20 @@ def test_a_scripted_predict_signal_is_not_an_exception(tmp_path):
         except Exception:  # what a caller's error handling would do: it cannot catch a signal
             pytest.fail("a crash must not be catchable as an Exception")
     assert e.value.signal_name == "SIGKILL"
+
+
+def test_the_fakes_own_temporary_folder_goes_with_it_and_a_given_one_stays(tmp_path):
+    """Core ML deletes a temporary compiled model with its handle; the fake's own folder (compiled copies,
+    logs) is removed with the runtime, while a folder the caller passed is the caller's (control)."""
+    import gc
+
+    from anelab.runtime.fake import FakeRuntime
+
+    runtime = FakeRuntime()
+    runtime.cache_dir.mkdir(parents=True)
+    own = runtime.cache_dir.parent
+    given = FakeRuntime(cache_dir=tmp_path / "cache", log_dir=tmp_path / "log")
+    given.cache_dir.mkdir()
+    del runtime, given
+    gc.collect()
+    assert not own.exists() and (tmp_path / "cache").is_dir()

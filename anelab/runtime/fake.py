@@ -56,6 +56,7 @@ import signal
 import tempfile
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -239,6 +240,7 @@ class FakeRuntime(CoreMLRuntime):
         self.clock = clock if clock is not None else FakeClock()
         self.machine, self.neural_engine, self.compile_s = machine, neural_engine, float(compile_s)
         own = Path(tempfile.gettempdir()) / f"anelab-fake-{uuid.uuid4().hex}"  # created when first written
+        weakref.finalize(self, shutil.rmtree, own, True)  # and removed with the runtime (given dirs are the caller's)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else own / "compiled"
         self.log_dir = Path(log_dir) if log_dir is not None else own / "log"
         self.real_crashes = real_crashes
