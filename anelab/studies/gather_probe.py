@@ -292,9 +292,7 @@ class ProbeResult:
 
 def save_probe(graph: str, shape: ProbeShape, out_dir) -> Path:
     """Build one probe graph and save it as ``out_dir/probe_<graph>_c<chunk>_t<total>_b<budget>.mlpackage``
-    (fp16 mlprogram, macOS 15 — the exporter's ``convert_program`` with coremltools' whole default pass
-    pipeline: the sidecars' shorter one is proven only on sidecar graphs)."""
-    from anelab.sidecar.coremltools_import import coremltools_modules
+    (fp16 mlprogram, macOS 15 — the exporter's ``convert_program``)."""
     from anelab.sidecar.export import convert_program
 
     if graph not in PROBE_GRAPHS:
@@ -305,7 +303,7 @@ def save_probe(graph: str, shape: ProbeShape, out_dir) -> Path:
     dest = out_dir / f"probe_{graph}_c{shape.chunk}_t{shape.total}_b{shape.budget}.mlpackage"
     tmp = out_dir / f".{dest.name}.{os.getpid()}.tmp.mlpackage"
     shutil.rmtree(tmp, ignore_errors=True)
-    convert_program(prog, tmp, pipeline=coremltools_modules()[0].PassPipeline.DEFAULT)
+    convert_program(prog, tmp)
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(tmp, dest)
     return dest
