@@ -188,10 +188,10 @@ def _read_evidence(path: Path) -> dict:
 
 def export_and_verify(config: DecideConfig, design: dict, layers: list, bar) -> tuple[Path, dict]:
     """Each layer's package of ``design`` exported and verified, reusing what ``evidence.json`` holds
-    for the same request and content hash. Returns (directory, layer -> verification summary)."""
+    for the same request and content hash; the others in worker processes (``anelab.parallel``), the
+    evidence written as each layer finishes. Returns (directory, layer -> verification summary)."""
+    from anelab.parallel import default_jobs, process_map
     from anelab.runtime.interface import package_content_hash
-    from anelab.sidecar.export import export_sidecars
-    from anelab.sidecar.verify import verify_package
 
     directory = config.out / "sidecars" / design["design"]
     evidence_path = config.out / "evidence.json"
@@ -200,29 +200,49 @@ def export_and_verify(config: DecideConfig, design: dict, layers: list, bar) -> 
     kept = evidence.get(design["design"], {})
     if kept.get("request") != request:
         kept = {"request": request, "layers": {}}
-    summaries = {}
+    reused = {}
     for layer in layers:
         pkg = directory / f"layer_{layer}.mlpackage"
         known = kept["layers"].get(str(layer))
-        reused = known is not None and pkg.exists() and package_content_hash(pkg) == known["sha256"]
-        if not reused:
-            bar.set_postfix_str(f"export layer {layer}")
-            if pkg.exists():
-                _set_aside(pkg)
-            options = {k: v for k, v in request.items() if k not in ("chunk", "histories")}
-            export_sidecars(
-                config.checkpoint, directory, request["chunk"], request.get("histories"), [layer], **options
-            )
-            bar.set_postfix_str(f"verify layer {layer}")
-            report = verify_package(pkg, config.checkpoint)
-            known = {"sha256": package_content_hash(pkg), "verify": _verify_summary(report)}
-            kept["layers"][str(layer)] = known
-            evidence[design["design"]] = kept
-            atomic_write_text(evidence_path, json.dumps(evidence, indent=2, sort_keys=True))
-        summaries[layer] = {**known["verify"], "reused": reused, "package": str(pkg), "sha256": known["sha256"]}
-        summaries[layer]["capacity"] = request.get("capacity")
+        reused[layer] = known is not None and pkg.exists() and package_content_hash(pkg) == known["sha256"]
+        if not reused[layer] and pkg.exists():
+            _set_aside(pkg)
+    todo = [layer for layer in layers if not reused[layer]]
+    bar.update(len(layers) - len(todo))
+
+    def record(job, known) -> None:
+        kept["layers"][str(job[2])] = known
+        evidence[design["design"]] = kept
+        atomic_write_text(evidence_path, json.dumps(evidence, indent=2, sort_keys=True))
+        bar.set_postfix_str(f"exported and verified layer {job[2]}")
         bar.update(1)
+
+    if todo:
+        bar.set_postfix_str(f"export and verify {len(todo)} layers")
+        jobs = [(str(config.checkpoint), str(directory), layer, request) for layer in todo]
+        process_map(_export_and_verify_layer, jobs, jobs=default_jobs(len(todo)), on_result=record)
+    summaries = {}
+    for layer in layers:
+        known = kept["layers"][str(layer)]
+        pkg = directory / f"layer_{layer}.mlpackage"
+        summaries[layer] = {**known["verify"], "reused": reused[layer], "package": str(pkg), "sha256": known["sha256"]}
+        summaries[layer]["capacity"] = request.get("capacity")
     return directory, summaries
+
+
+def _export_and_verify_layer(job: tuple[str, str, int, dict]) -> dict:
+    """One layer exported as ``request`` asks and verified (in a worker process): its evidence entry.
+    ``job`` = (checkpoint, output directory, layer, request)."""
+    from anelab.runtime.interface import package_content_hash
+    from anelab.sidecar.export import export_sidecars
+    from anelab.sidecar.verify import verify_package
+
+    checkpoint, directory, layer, request = job
+    options = {k: v for k, v in request.items() if k not in ("chunk", "histories")}
+    export_sidecars(checkpoint, directory, request["chunk"], request.get("histories"), [layer], jobs=1, **options)
+    pkg = Path(directory) / f"layer_{layer}.mlpackage"
+    report = verify_package(pkg, checkpoint, progress=False)
+    return {"sha256": package_content_hash(pkg), "verify": _verify_summary(report)}
 
 
 def _set_aside(pkg: Path) -> None:
