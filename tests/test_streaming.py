@@ -20,7 +20,7 @@ from anelab.hf.checkpoint import write_checkpoint_directory
 from anelab.hf.model import load_model, write_model_checkpoint
 from anelab.hf.safetensors_io import LazyTensor, MappedTensor, SafetensorsFile, to_float32, write_safetensors
 from anelab.sidecar.export import export_sidecars
-from anelab.studies.arms import Arm, Perturbation, open_sidecars, run_arm, run_arms
+from anelab.studies.arms import Arm, Perturbation, compare_runs, open_sidecars, run_arm, run_arms
 from anelab.weights import random_attention_weights
 
 CHUNK, PROMPT, DECODE = 4, 10, 3  # chunk starts 0, 4, 8: the last chunk partial
@@ -77,10 +77,29 @@ def test_arms_decoding_in_lockstep_equal_each_arm_alone_and_share_each_weight_re
         assert np.array_equal(a.tokens, b.tokens)
     # control: the arms do differ, so equal runs are not equal by construction
     assert not np.array_equal(together["reference"].logits, together["sidecar"].logits)
-    # every arm's prefill reads each layer once; each decode step reads it once for all three arms
-    assert len(reads) == model.num_layers * (len(arms) + DECODE - 1)
+    # the prefill reads each layer once for all three arms, and so does each decode step
+    assert len(reads) == model.num_layers * DECODE
     with pytest.raises(AnelabInputError, match="arm names must differ"):
         run_arms(model, prompt, [Arm("reference"), Arm("reference")], decode=1, chunk=CHUNK)
+
+
+def test_per_layer_differences_computed_during_the_prefill_equal_those_from_kept_states(bf16_model):
+    """compare-arms keeps no [L, P, D] hidden states: the differences it computes as each layer finishes are
+    the ones compare_runs computes from kept states, bit for bit; a pair never asked for is refused."""
+    root, model = bf16_model
+    sidecars = open_sidecars(root / "sidecars", model, PROMPT)
+    prompt = np.random.default_rng(4).integers(0, model.vocab_size, PROMPT)
+    arms = [Arm("reference"), Arm("sidecar", "sidecar")]
+    kept = run_arms(model, prompt, arms, decode=DECODE, sidecars=sidecars)
+    lean = run_arms(model, prompt, arms, decode=DECODE, sidecars=sidecars, keep_hidden=False,
+                    layer_pairs=(("reference", "sidecar"),))  # fmt: skip
+    assert lean["sidecar"].hidden is None and lean["reference"].hidden is None
+    want, got = compare_runs(kept["reference"], kept["sidecar"]), compare_runs(lean["reference"], lean["sidecar"])
+    assert got.layer_diffs == want.layer_diffs and len(got.layer_diffs) == model.num_layers
+    assert got.step_logits_diffs == want.step_logits_diffs
+    assert min(want.layer_diffs) > 0  # control: the arms differ at every layer, so the equality is not vacuous
+    with pytest.raises(AnelabInputError, match="no differences for this pair"):
+        compare_runs(lean["sidecar"], lean["reference"])
 
 
 def test_the_head_stays_in_its_file_and_reads_rows_and_blocks(bf16_model):

@@ -244,15 +244,19 @@ def runtime_runner(sidecars: SidecarSet, *, compute_units: str = "cpu_and_ne", r
 class ArmRun:
     """What one arm produced.
 
-    hidden  [L, P, D] float32 — the hidden state after every layer at every prompt position
+    hidden  [L, P, D] float32 — the hidden state after every layer at every prompt position (None when the
+            run did not keep it: ``layer_diffs`` then holds what comparisons need)
     logits  [N, V] float32 — row 0 at the last prompt position, row i after feeding decoded token i-1
     tokens  [N] int — the greedy continuation (argmax of each logits row)
+    layer_diffs  arm name -> per layer, the relative difference of this arm's hidden state from that arm's
+            (computed during the prefill, for the pairs the run was asked for)
     """
 
     arm: Arm
-    hidden: np.ndarray
+    hidden: np.ndarray | None
     logits: np.ndarray
     tokens: np.ndarray
+    layer_diffs: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -336,16 +340,36 @@ def _layer_rows(model, layer: int, state: _Layer, x, start: int, arm: Arm, sidec
     return finish_layer(x, attn, state.weights, model.eps)
 
 
-def _prefill_layer_major(model, states, x, starts, chunk, arm, sidecars, hidden, progress) -> None:
+@dataclass
+class _Prefill:
+    """One arm during the prefill: its layers' caches, its rows x [P, D] (the embeddings, then each layer's
+    output in turn) and, when kept, every layer's output hidden [L, P, D]."""
+
+    arm: Arm
+    states: list[_Layer]
+    x: np.ndarray
+    hidden: np.ndarray | None
+
+
+def _prefill_layer_major(model, runs: list[_Prefill], starts, chunk, sidecars, diffs: dict, progress) -> None:
     """Every chunk through layer 0 (its cache threaded), then through layer 1, ...: each layer's weights are
-    read once and dropped. x [P, D] (the embeddings) is overwritten with each layer's output, kept in hidden."""
-    for layer, state in enumerate(states):
-        state.load(model, layer)
-        for start in starts:
-            rows = slice(start, start + chunk)
-            x[rows] = _layer_rows(model, layer, state, x[rows].copy(), start, arm, sidecars, prefill=True)
-        hidden[layer] = x
-        state.unload()
+    read once for all arms and dropped, every arm's chunks through them on its own. After each layer, the
+    relative difference of arm b's rows from arm a's is appended to ``diffs[(a, b)]`` (indices into runs)."""
+    for layer in range(model.num_layers):
+        runs[0].states[layer].load(model, layer)
+        for run in runs:
+            state = run.states[layer]
+            state.attention, state.weights = runs[0].states[layer].attention, runs[0].states[layer].weights
+            for start in starts:
+                rows = slice(start, start + chunk)
+                run.x[rows] = _layer_rows(model, layer, state, run.x[rows].copy(), start, run.arm, sidecars,
+                                          prefill=True)  # fmt: skip
+            if run.hidden is not None:
+                run.hidden[layer] = run.x
+        for a, b in diffs:
+            diffs[(a, b)].append(relative_error(runs[b].x, runs[a].x))
+        for run in runs:
+            run.states[layer].unload()
         progress.update()
 
 
@@ -421,48 +445,64 @@ def run_arms(
     chunk: int | None = None,
     sidecars: SidecarSet | None = None,
     order: str = "layer",
+    keep_hidden: bool = True,
+    layer_pairs: tuple[tuple[str, str], ...] = (),
 ) -> dict[str, ArmRun]:
     """Each arm's prefill of ``prompt`` (int [P]) chunk by chunk, then the arms' greedy decodes of ``decode``
     tokens in lockstep -> arm name -> its run.
 
     chunk: the prefill chunk (default: the sidecars' width, else ``REFERENCE_CHUNK``); with sidecars it
-    must equal their width. order: ``layer`` (default) streams the weights — every chunk goes through
-    layer 0 with its cache threaded, then layer 1, ..., each layer's weights read once and dropped;
-    ``chunk`` runs each chunk through every layer first (a runtime's order) holding every layer's
-    weights. Both make the same calls on the same inputs: the results are equal bit for bit. Decode
-    reads each layer's weights once per step for all arms (and the LM head's vocabulary blocks, the
-    embedding rows on demand from the checkpoint's files); each arm's row goes through them on its own,
-    so an arm's results are bit for bit those of running it alone.
+    must equal their width. order: ``layer`` (default) streams the weights — every chunk of every arm goes
+    through layer 0 with its cache threaded, then layer 1, ..., each layer's weights read once for all
+    arms and dropped; ``chunk`` runs each arm's chunks through every layer first (a runtime's order)
+    holding every layer's weights. Both make the same calls on the same inputs: the results are equal
+    bit for bit. Decode reads each layer's weights once per step for all arms (and the LM head's
+    vocabulary blocks, the embedding rows on demand from the checkpoint's files). Every arm's rows go
+    through the shared weights on their own, so an arm's results are bit for bit those of running it alone.
+
+    ``layer_pairs`` (a, b): arm b's per-layer relative difference from arm a, computed as each layer
+    finishes (``ArmRun.layer_diffs``); ``keep_hidden=False`` then drops each layer's hidden states
+    [P, D] once compared instead of keeping [L, P, D] per arm (1.9 GB for two arms of an 8B model).
     """
     from anelab.progress import tqdm
 
     prompt = np.asarray(prompt)
     chunk = _check_run(model, prompt, arms, decode, chunk, sidecars, order)
+    names = [arm.name for arm in arms]
+    pairs = {(names.index(a), names.index(b)): [] for a, b in layer_pairs}
     head, g = model.head(), model.geometry
     coverage = model.rope_coverage(prompt.size, decode)
-    prefilled = []
-    for arm in arms:
-        states = [_Layer(rope_coverage=coverage) for _ in range(model.num_layers)]
-        hidden = np.zeros((model.num_layers, prompt.size, g.hidden_size), np.float32)
-        x = embed(prompt, head)
-        with tqdm(total=model.num_layers, desc=f"arm {arm.name}: prefill", unit="layer", leave=False) as progress:
-            PREFILL_ORDERS[order](model, states, x, chunk_starts(prompt.size, chunk), chunk, arm, sidecars, hidden,
-                                  progress)  # fmt: skip
-        prefilled.append((arm, states, hidden, x[-1:]))
-    logits = [[rows[0]] for rows in lm_logits_each([last for *_, last in prefilled], head, model.eps)]
+    keep = keep_hidden or order != "layer"  # the chunk-major order compares afterwards, from the kept states
+    runs = [
+        _Prefill(arm, [_Layer(rope_coverage=coverage) for _ in range(model.num_layers)], embed(prompt, head),
+                 np.zeros((model.num_layers, prompt.size, g.hidden_size), np.float32) if keep else None)
+        for arm in arms
+    ]  # fmt: skip
+    starts = chunk_starts(prompt.size, chunk)
+    with tqdm(total=model.num_layers * (1 if order == "layer" else len(arms)), desc="prefill", unit="layer",
+              leave=False) as progress:  # fmt: skip
+        if order == "layer":
+            _prefill_layer_major(model, runs, starts, chunk, sidecars, pairs, progress)
+        else:
+            for run in runs:
+                _prefill_chunk_major(model, run.states, run.x, starts, chunk, run.arm, sidecars, run.hidden, progress)
+            for a, b in pairs:
+                pairs[(a, b)] = [relative_error(runs[b].hidden[i], runs[a].hidden[i]) for i in range(model.num_layers)]
+    logits = [[rows[0]] for rows in lm_logits_each([run.x[-1:] for run in runs], head, model.eps)]
     tokens = [[int(np.argmax(rows[0]))] for rows in logits]
-    runs = [(arm, states) for arm, states, _, _ in prefilled]
+    stepping = [(run.arm, run.states) for run in runs]
     for step in tqdm(range(1, decode), desc="decode", unit="token", leave=False, disable=decode < 2):
-        step_logits = _decode_step_together(
-            model, runs, [t[-1] for t in tokens], prompt.size + step - 1, sidecars, head
-        )
+        step_logits = _decode_step_together(model, stepping, [t[-1] for t in tokens], prompt.size + step - 1,
+                                            sidecars, head)  # fmt: skip
         for arm_logits, arm_tokens, row in zip(logits, tokens, step_logits, strict=True):
             arm_logits.append(row)
             arm_tokens.append(int(np.argmax(row)))
-    return {
-        arm.name: ArmRun(arm, hidden, np.stack(arm_logits), np.array(arm_tokens))
-        for (arm, _, hidden, _), arm_logits, arm_tokens in zip(prefilled, logits, tokens, strict=True)
-    }
+    results = {}
+    for i, (run, arm_logits, arm_tokens) in enumerate(zip(runs, logits, tokens, strict=True)):
+        diffs = {names[a]: d for (a, b), d in pairs.items() if b == i}
+        hidden = run.hidden if keep_hidden else None
+        results[run.arm.name] = ArmRun(run.arm, hidden, np.stack(arm_logits), np.array(arm_tokens), diffs)
+    return results
 
 
 def _check_run(model, prompt: np.ndarray, arms: list[Arm], decode: int, chunk, sidecars, order: str) -> int:
@@ -526,10 +566,20 @@ class PairComparison:
 
 
 def compare_runs(a: ArmRun, b: ArmRun, noise: float = NOISE) -> PairComparison:
-    """Per-layer hidden, per-step logits and greedy comparison of two runs of one prompt."""
-    if a.hidden.shape != b.hidden.shape or a.tokens.shape != b.tokens.shape:
+    """Per-layer hidden, per-step logits and greedy comparison of two runs of one prompt (the per-layer
+    differences from the kept hidden states, else from those ``run_arms`` computed for the pair)."""
+    if a.tokens.shape != b.tokens.shape or (a.hidden is not None and b.hidden is not None
+                                            and a.hidden.shape != b.hidden.shape):  # fmt: skip
         raise AnelabInputError(f"arms {a.arm.name} and {b.arm.name} ran different prompts or decode lengths")
-    layers = [relative_error(b.hidden[i], a.hidden[i]) for i in range(a.hidden.shape[0])]
+    if a.hidden is not None and b.hidden is not None:
+        layers = [relative_error(b.hidden[i], a.hidden[i]) for i in range(a.hidden.shape[0])]
+    elif a.arm.name in b.layer_diffs:
+        layers = list(b.layer_diffs[a.arm.name])
+    else:
+        raise AnelabInputError(
+            f"arms {a.arm.name} and {b.arm.name} kept no hidden states and no differences for this pair; "
+            "run them with layer_pairs or keep_hidden"
+        )
     steps = [relative_error(b.logits[i], a.logits[i]) for i in range(a.logits.shape[0])]
     differ = np.flatnonzero(a.tokens != b.tokens)
     beyond = [i for i, d in enumerate(layers) if d > noise]
@@ -650,9 +700,12 @@ def compare_arms(
     if indexer is not None:
         served = "sidecar" if sidecar_set is not None else "reference"
         arms += [Arm("folded", served, indexer, fold=True), Arm("causal-only", served, indexer, fold=False)]
-    runs = run_arms(model, prompt, arms, decode=decode, chunk=chunk, sidecars=sidecar_set)
     order = [("reference", "sidecar"), ("folded", "causal-only")]
-    pairs = [compare_runs(runs[a], runs[b]) for a, b in order if a in runs and b in runs]
+    names = {arm.name for arm in arms}
+    wanted = tuple((a, b) for a, b in order if a in names and b in names)
+    runs = run_arms(model, prompt, arms, decode=decode, chunk=chunk, sidecars=sidecar_set, keep_hidden=False,
+                    layer_pairs=wanted)  # fmt: skip
+    pairs = [compare_runs(runs[a], runs[b]) for a, b in wanted]
     used = sidecar_set.chunk if sidecar_set else (chunk or REFERENCE_CHUNK)
     return ArmsReport(model.path, prompt, decode, used, runs, pairs)
 
@@ -713,7 +766,8 @@ def window_sweep(
     for kb in tqdm(list(kept_blocks), desc="indexer budgets", unit="budget"):
         indexer = Indexer(int(kb), int(compress_ratio))
         arms = [Arm(name, served, indexer, fold=fold) for name, fold in (("folded", True), ("causal-only", False))]
-        runs = run_arms(model, prompt, arms, decode=decode, chunk=chunk, sidecars=sidecars)
+        runs = run_arms(model, prompt, arms, decode=decode, chunk=chunk, sidecars=sidecars, keep_hidden=False,
+                        layer_pairs=(("folded", "causal-only"),))  # fmt: skip
         points.append(WindowPoint(int(kb), dense_exact_window(kb, compress_ratio), compare_runs(*runs.values())))
     return points
 
