@@ -102,3 +102,11 @@ def test_verifying_in_two_processes_gives_the_same_reports(tmp_path, tiny_checkp
         ]
     with pytest.raises(AnelabInputError, match="on the device one at a time"):
         verify_export(tmp_path / "sidecars", verify_one=lambda p, c: None, jobs=2)
+
+
+def test_too_many_jobs_for_verify_is_one_line_before_any_work(tmp_path, tiny_checkpoint, capsys):
+    export_sidecars(tiny_checkpoint("llama"), tmp_path / "sidecars", CHUNK, [0], jobs=1)
+    capsys.readouterr()
+    assert main(["verify", str(tmp_path / "sidecars"), "--jobs", str(parallel.available_cores() + 1)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [err.strip()] and "--jobs" in err and "verify packages" not in err

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from anelab.errors import AnelabInputError
-from anelab.parallel import default_jobs, process_map
+from anelab.parallel import default_jobs, process_map, threads_per_run
 from anelab.progress import tqdm
 from anelab.sidecar.compare import Comparison
 from anelab.sidecar.format import read_sidecar_metadata
@@ -131,6 +131,7 @@ def verify_export(
         jobs = 1
     elif jobs is None:
         jobs = default_jobs(len(packages))
+    threads_per_run(jobs)  # 1..cores, else refused in one line before anything runs
     checkpoint = None if checkpoint_dir is None else str(checkpoint_dir)
     work = [(str(path), checkpoint, fp16) for _, path in packages]
     with tqdm(total=len(packages), desc="verify packages", unit="pkg") as bar:

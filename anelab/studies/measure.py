@@ -36,7 +36,10 @@ STEPS: tuple[tuple[str, str], ...] = (
     ("verify", "verify on the device: Core ML predict vs reference, vs NumPy, NumPy vs reference, per compute units"),
     ("load", "load timings: cold and warm per function, compositions (alone / beside h<C>), memory vs functions"),
     ("block_ab", "the attention block's predict per compute units over the histories (A/B)"),
-    ("gather_probe", "gather probe: ANE operation counts, load and predict timing of the full-scores and gather probes"),
+    (
+        "gather_probe",
+        "gather probe: ANE operation counts, load and predict timing of the full-scores and gather probes",
+    ),
 )
 
 
