@@ -284,3 +284,37 @@ def test_unavailable_runtime_is_refused_after_the_metadata_checks(packages):
     # a metadata refusal still comes first, so it can be read off-Mac
     _refused(runtime, "aneCompileVerified", packages["unverified"], compute_units="cpu_and_ne", chunk=CHUNK)
     assert runtime.calls == []
+
+
+def test_a_weight_the_functions_share_is_converted_once(tmp_path, tiny_checkpoint, monkeypatch):
+    """The saved package stores the projections once for all its functions; read back, each function has
+    its own const of them: their float32 values are one array (cached by content), while consts whose
+    values differ between functions (the RoPE tables of h0 and h4) keep their own (control)."""
+    from anelab.sidecar import evaluate as evaluate_module
+    from anelab.sidecar.evaluate import SavedPackage
+    from anelab.sidecar.export import export_sidecars
+
+    monkeypatch.setattr(evaluate_module, "SHARED_CONST_ELEMENTS", 16)  # the tiny model's weights are small
+    [result] = export_sidecars(tiny_checkpoint("llama"), tmp_path, 4, [0, 4], [0], jobs=1)
+    saved = SavedPackage(result.package)
+
+    def consts(name):
+        ops = saved.mil_function(name).operations
+        return [op.outputs[0] for op in ops if op.op_type == "const" and np.asarray(op.outputs[0].val).size >= 16]
+
+    h0, h4 = consts("h0"), consts("h4")
+    shared = same_values = differ = 0
+    for a in h0:
+        for b in h4:
+            va, vb = np.asarray(a.val), np.asarray(b.val)
+            if va.shape != vb.shape or va.dtype != vb.dtype:
+                continue
+            if np.array_equal(va, vb):
+                same_values += 1
+                shared += saved.const_value(a) is saved.const_value(b)
+            else:
+                differ += 1
+                assert saved.const_value(a) is not saved.const_value(b)
+                assert np.array_equal(saved.const_value(b), vb.astype(saved.const_value(b).dtype))
+    assert same_values >= 4 and shared == same_values  # q, k, v, o at least
+    assert differ >= 1

@@ -24,6 +24,7 @@ updated in place, as Core ML updates an ``MLState``; a read that other ops still
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,8 @@ from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremlt
 from anelab.sidecar.format import require_package
 from anelab.sidecar.kernels import KERNELS, worker_count
 from anelab.sidecar.online_step import find_online_steps, run_online_step
+
+SHARED_CONST_ELEMENTS = 1 << 16  # consts this large (weights, RoPE tables) are also cached by content
 
 # ops that only move or select values: with fp16 inputs their outputs are fp16-exact already
 VALUE_PRESERVING_OPS = frozenset(
@@ -172,6 +175,7 @@ class SavedPackage:
             info.op_counts = dict(sorted(counts.items()))
             info.largest_intermediate_bytes = largest
         self._const_cache: dict[int, np.ndarray] = {}
+        self._by_content: dict[tuple, np.ndarray] = {}  # large consts by (dtype, shape, sha1 of their bytes)
 
     def mil_function(self, name: str):
         key = name if name in self.program.functions else "main"
@@ -183,14 +187,28 @@ class SavedPackage:
         return self.functions[name]
 
     def const_value(self, var) -> np.ndarray:
-        """A const var's value as float32/int32/bool NumPy array (cached per package)."""
+        """A const var's value as float32/int32/bool NumPy array (cached per package; read-only by contract).
+
+        A weight the package's functions share (one blob in the file, one const per function once loaded)
+        is converted once: consts of ``SHARED_CONST_ELEMENTS`` values or more are also cached by content,
+        so the four functions of an 8B layer hold one fp32 copy of its weights (168 MB), not four."""
         key = id(var)
         if key not in self._const_cache:
-            val = np.asarray(var.val)
-            if val.dtype.kind == "f":
-                val = val.astype(np.float32)
-            elif val.dtype.kind in "iu":
-                val = val.astype(np.int32) if val.dtype.itemsize <= 4 else val.astype(np.int64)
+            raw = np.asarray(var.val)
+            content = None
+            if raw.size >= SHARED_CONST_ELEMENTS:
+                raw = np.ascontiguousarray(raw)
+                content = (raw.dtype.str, raw.shape, hashlib.sha1(raw.view(np.uint8)).digest())
+            if content is not None and content in self._by_content:
+                val = self._by_content[content]
+            else:
+                val = raw
+                if val.dtype.kind == "f":
+                    val = val.astype(np.float32)
+                elif val.dtype.kind in "iu":
+                    val = val.astype(np.int32) if val.dtype.itemsize <= 4 else val.astype(np.int64)
+                if content is not None:
+                    self._by_content[content] = val
             self._const_cache[key] = val
         return self._const_cache[key]
 
