@@ -274,6 +274,14 @@ def _swap_gate_up(model):
     model.layer = swapped
 
 
+GEMMA_CONTROLS = {  # Gemma 1's conventions, each switched off; Gemma 2 adds its own
+    "(1 + w) norms": lambda m: _family(m, zero_centred=False),
+    "embedding scale": lambda m: setattr(m, "embedding_multiplier", 1.0),
+    "embedding scale in the model dtype": lambda m: setattr(m, "embedding_multiplier", float(np.sqrt(24))),
+    "GELU-tanh": lambda m: setattr(m, "activation", "silu"),
+}
+
+
 def _gemma2() -> Case:
     bf16_sqrt = float(np.float32(np.sqrt(24)).astype(ml_dtypes.bfloat16))  # 4.90625, not 4.89898
     c = Conventions(
@@ -309,10 +317,7 @@ def _gemma2() -> Case:
         config,
         c,
         {
-            "(1 + w) norms": lambda m: _family(m, zero_centred=False),
-            "embedding scale": lambda m: setattr(m, "embedding_multiplier", 1.0),
-            "embedding scale in the model dtype": lambda m: setattr(m, "embedding_multiplier", float(np.sqrt(24))),
-            "GELU-tanh": lambda m: setattr(m, "activation", "silu"),
+            **GEMMA_CONTROLS,
             "post-branch norms": lambda m: _family(m, norms=NormSlots(mlp="pre_feedforward_layernorm")),
             "final logit soft-cap": lambda m: setattr(m, "logit_softcap", None),
             "attention soft-cap": lambda m: _geometry(m, logit_softcap=None),
@@ -503,10 +508,7 @@ def _gemma() -> Case:
         config,
         c,
         {
-            "(1 + w) norms": lambda m: _family(m, zero_centred=False),
-            "embedding scale": lambda m: setattr(m, "embedding_multiplier", 1.0),
-            "embedding scale in the model dtype": lambda m: setattr(m, "embedding_multiplier", float(np.sqrt(24))),
-            "GELU-tanh": lambda m: setattr(m, "activation", "silu"),
+            **GEMMA_CONTROLS,
         },
     )
 

@@ -325,3 +325,12 @@ def test_export_without_the_runtime_records_not_verified_with_the_reason(checkpo
     assert meta.ane_verified is False and meta.ane_reason == OFF_MAC_REASON and meta.ane_evidence == {}
     if isinstance(runtime, FakeRuntime):
         assert runtime.calls == []  # nothing was loaded or asked
+
+
+def test_a_child_process_end_is_described_in_words():
+    from anelab.runtime.interface import CHILD_TIMED_OUT, describe_child_exit
+
+    assert describe_child_exit(CHILD_TIMED_OUT, "did not finish within 5 s") == "did not finish within 5 s"
+    assert describe_child_exit(-9) == "was killed by SIGKILL"
+    assert describe_child_exit(-200) == "was killed by signal 200"
+    assert describe_child_exit(3) == "exited with status 3"

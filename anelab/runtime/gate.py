@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -43,9 +42,11 @@ from anelab.runtime.assumptions import (
     UNIFIED_LOG_READABLE,
 )
 from anelab.runtime.interface import (
+    CHILD_TIMED_OUT,
     CoreMLRuntime,
     UnifiedLogUnavailable,
     capture_native_output,
+    describe_child_exit,
     prepare_inputs,
     runtime_from_spec,
     zero_inputs,
@@ -67,6 +68,7 @@ GATE_ASSUMPTIONS = (
 
 
 CHILD_TIMEOUT_S = 1800.0  # an ANE compile of a large variant takes minutes; a VM without an ANE can hang
+CHILD_TIMEOUT_TEXT = f"did not finish within {CHILD_TIMEOUT_S:.0f} s (a hung ANE compile?)"
 
 
 VERIFIED_REASON = (
@@ -263,7 +265,9 @@ def run_child(runtime: CoreMLRuntime, package: Path, functions: list, steps: lis
         log, log_error = runtime.read_unified_log(proc.pid, start, end), ""
     except UnifiedLogUnavailable as e:
         log, log_error = "", str(e)
-    report = ChildReport(events, code if code is not None else -9999, out, err, log, unified_log_error=log_error)
+    report = ChildReport(
+        events, code if code is not None else CHILD_TIMED_OUT, out, err, log, unified_log_error=log_error
+    )
     for e in events:
         if e["what"] == "output":
             step = e["step"] + (f" of {e['function']}" if e["function"] else "")
@@ -277,17 +281,6 @@ def run_child(runtime: CoreMLRuntime, package: Path, functions: list, steps: lis
         ("the unified log", report.unified_log, None),
     ]
     return report
-
-
-def _describe_exit(code: int) -> str:
-    if code == -9999:
-        return f"did not finish within {CHILD_TIMEOUT_S:.0f} s (a hung ANE compile?)"
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
 
 
 def _refuse_on(report: ChildReport, label_of, name: str) -> None:
@@ -319,8 +312,9 @@ def _refuse_on(report: ChildReport, label_of, name: str) -> None:
     if report.returncode != 0:
         function, step = report.last_step()
         tail = (report.leftover_stderr.strip().splitlines() or ["no output"])[-1][:160]
+        ended = describe_child_exit(report.returncode, CHILD_TIMEOUT_TEXT)
         raise AneGateError(
-            f"ANE gate: {label_of(function or None)} {_describe_exit(report.returncode)} during {step} "
+            f"ANE gate: {label_of(function or None)} {ended} during {step} "
             f"(last stderr line: {tail!r}); the sidecar is not exported",
             function=function or name,
             stderr_text=everything,

@@ -15,6 +15,7 @@ import ctypes
 import hashlib
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -422,6 +423,22 @@ class CoreMLRuntime(abc.ABC):
                     f"refusing to measure: it relies on the Core ML assumption {name!r}, which 'anelab doctor --probe' "
                     f"found false on this Mac ({failed[name]}); see docs/mac-runbook.md"
                 )
+
+
+CHILD_TIMED_OUT = -9999  # the exit code recorded for a child process stopped for not finishing in time
+
+
+def describe_child_exit(code: int, timed_out: str = "did not finish in time") -> str:
+    """How a child process ended, for a one-line refusal: ``timed_out`` for ``CHILD_TIMED_OUT``, the signal's
+    name for a killed child, else its exit status."""
+    if code == CHILD_TIMED_OUT:
+        return timed_out
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
 
 
 def runtime_from_spec(spec: dict) -> CoreMLRuntime:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -43,11 +42,13 @@ from anelab.progress import tqdm
 from anelab.records import make_record, write_record
 from anelab.runtime.assumptions import CORE_ML_LOAD_DURATION, CORE_ML_PREDICT_DURATION
 from anelab.runtime.interface import (
+    CHILD_TIMED_OUT,
     NEURAL_ENGINE_UNITS,
     CoreMLRuntime,
     RuntimeLoadError,
     RuntimePredictError,
     check_compute_units,
+    describe_child_exit,
     gate_verdict,
     prepare_inputs,
 )
@@ -318,22 +319,11 @@ def _run_child(entry: str, request: dict, timeout: float) -> tuple[int, dict | N
             input=json.dumps(request), capture_output=True, text=True, env=_child_env(), timeout=timeout,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
-        return -9999, None, f"no answer within {timeout:.0f} s"
+        return CHILD_TIMED_OUT, None, f"no answer within {timeout:.0f} s"
     lines = done.stdout.strip().splitlines()
     tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
     answer = json.loads(lines[-1]) if done.returncode == 0 and lines else None
     return done.returncode, answer, tail
-
-
-def _describe_status(code: int) -> str:
-    if code == -9999:
-        return "did not finish in time"
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
 
 
 def measure_in_fresh_processes(runtime, fresh_copy, function, compute_units, *, warmup, repeats, own) -> TimingStats:
@@ -470,7 +460,7 @@ def _predict_in_child(runtime, pkg, function, inputs, unit, *, stateful, warmup,
         }  # fmt: skip
         code, answer, tail = _run_child("anelab.runtime.timing:predict_timing_child", request, PREDICT_CHILD_TIMEOUT_S)
     if answer is None:
-        return {"error": f"predict in a child process {_describe_status(code)} (last stderr line: {tail!r})"}
+        return {"error": f"predict in a child process {describe_child_exit(code)} (last stderr line: {tail!r})"}
     return answer
 
 
