@@ -27,6 +27,7 @@ step; greedy token agreement; the first layer whose difference exceeds the fp16 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -356,21 +357,30 @@ def _prefill_layer_major(model, runs: list[_Prefill], starts, chunk, sidecars, d
     read once for all arms and dropped, every arm's chunks through them on its own. After each layer, the
     relative difference of arm b's rows from arm a's is appended to ``diffs[(a, b)]`` (indices into runs)."""
     for layer in range(model.num_layers):
-        runs[0].states[layer].load(model, layer)
-        for run in runs:
-            state = run.states[layer]
-            state.attention, state.weights = runs[0].states[layer].attention, runs[0].states[layer].weights
-            for start in starts:
-                rows = slice(start, start + chunk)
-                run.x[rows] = _layer_rows(model, layer, state, run.x[rows].copy(), start, run.arm, sidecars,
-                                          prefill=True)  # fmt: skip
-            if run.hidden is not None:
-                run.hidden[layer] = run.x
+        with _loaded_once(model, layer, [run.states[layer] for run in runs]):
+            for run in runs:
+                for start in starts:
+                    rows = slice(start, start + chunk)
+                    run.x[rows] = _layer_rows(model, layer, run.states[layer], run.x[rows].copy(), start, run.arm,
+                                              sidecars, prefill=True)  # fmt: skip
+                if run.hidden is not None:
+                    run.hidden[layer] = run.x
         for a, b in diffs:
             diffs[(a, b)].append(relative_error(runs[b].x, runs[a].x))
-        for run in runs:
-            run.states[layer].unload()
         progress.update()
+
+
+@contextlib.contextmanager
+def _loaded_once(model, layer: int, states: list[_Layer]):
+    """Layer ``layer``'s weights read once and handed to every arm's state of it; dropped from all after."""
+    states[0].load(model, layer)
+    for state in states[1:]:
+        state.attention, state.weights = states[0].attention, states[0].weights
+    try:
+        yield
+    finally:
+        for state in states:
+            state.unload()
 
 
 def _prefill_chunk_major(model, states, x, starts, chunk, arm, sidecars, hidden, progress) -> None:
@@ -398,13 +408,9 @@ def _decode_step_together(model, runs: list[tuple[Arm, list[_Layer]]], tokens: l
     once for all arms, every arm's row through them on its own -> one logits row [V] per arm."""
     xs = [embed(np.array([token]), head) for token in tokens]
     for layer in range(model.num_layers):
-        shared = runs[0][1][layer]
-        shared.load(model, layer)
-        for i, (arm, states) in enumerate(runs):
-            states[layer].attention, states[layer].weights = shared.attention, shared.weights
-            xs[i] = _layer_rows(model, layer, states[layer], xs[i], position, arm, sidecars, prefill=False)
-        for _, states in runs:
-            states[layer].unload()
+        with _loaded_once(model, layer, [states[layer] for _, states in runs]):
+            for i, (arm, states) in enumerate(runs):
+                xs[i] = _layer_rows(model, layer, states[layer], xs[i], position, arm, sidecars, prefill=False)
     return [rows[0] for rows in lm_logits_each(xs, head, model.eps)]
 
 
