@@ -100,6 +100,8 @@ def test_per_layer_differences_computed_during_the_prefill_equal_those_from_kept
     assert min(want.layer_diffs) > 0  # control: the arms differ at every layer, so the equality is not vacuous
     with pytest.raises(AnelabInputError, match="no differences for this pair"):
         compare_runs(lean["sidecar"], lean["reference"])
+    with pytest.raises(AnelabInputError, match="arm 'folded', which is not run"):
+        run_arms(model, prompt, arms, decode=1, sidecars=sidecars, layer_pairs=(("reference", "folded"),))
 
 
 def test_the_head_stays_in_its_file_and_reads_rows_and_blocks(bf16_model):

@@ -475,6 +475,9 @@ def run_arms(
     prompt = np.asarray(prompt)
     chunk = _check_run(model, prompt, arms, decode, chunk, sidecars, order)
     names = [arm.name for arm in arms]
+    unknown = sorted({name for pair in layer_pairs for name in pair} - set(names))
+    if unknown:
+        raise AnelabInputError(f"layer pair names arm {unknown[0]!r}, which is not run; arms: {', '.join(names)}")
     pairs = {(names.index(a), names.index(b)): [] for a, b in layer_pairs}
     head, g = model.head(), model.geometry
     coverage = model.rope_coverage(prompt.size, decode)
