@@ -2,7 +2,7 @@
 
 Each subcommand has a ``_add_<name>(sub)`` parser builder and a ``_run_<name>(args)`` runner;
 runners import their module lazily, and this module imports nothing at its top beyond the standard
-library and ``anelab.errors``, so a command pays only for what it uses (``anelab evaluate``: NumPy
+library and ``anelab.core.errors``, so a command pays only for what it uses (``anelab evaluate``: NumPy
 and the saved-program evaluator; tests/test_cli_imports.py holds the line).
 """
 
@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from anelab.errors import AnelabInputError
+from anelab.core.errors import AnelabInputError
 
 EXIT_BAD_INPUT = 2
 
@@ -135,8 +135,8 @@ def _print_families(rows, refused):
 
 def _run_export(args):
     if args.list_families:
-        from anelab.hf.config import REFUSED, supported_families
-        from anelab.hf.model import whole_model_support
+        from anelab.checkpoints.config import REFUSED, supported_families
+        from anelab.checkpoints.model import whole_model_support
 
         rows = [{**r, "whole_model": whole_model_support(r["model_type"])} for r in supported_families()]
         _print_json({"families": rows, "refused": list(REFUSED)}) if args.json else _print_families(rows, REFUSED)
@@ -148,8 +148,8 @@ def _run_export(args):
     ]
     if missing:
         raise AnelabInputError(f"export: pass {', '.join(missing)} (or --list-families)")
-    from anelab.runtime.gate import AneGate
-    from anelab.runtime.mac import default_runtime
+    from anelab.runtimes.coreml import default_runtime
+    from anelab.runtimes.gate import AneGate
     from anelab.sidecar.export import export_sidecars, selection_from_flags
 
     selection = selection_from_flags(args.selection_kept_blocks, args.selection_compress_ratio)
@@ -234,7 +234,7 @@ def _run_evaluate(args):
 
     import numpy as np
 
-    from anelab.records import atomic_write_bytes
+    from anelab.core.records import atomic_write_bytes
     from anelab.sidecar.evaluate import SavedPackage, evaluate
 
     pkg = SavedPackage(args.package)
@@ -280,7 +280,7 @@ def _run_verify(args):
     from anelab.sidecar.verify import verify_package
 
     if args.compute_units is not None:
-        from anelab.runtime.device import verify_on_device
+        from anelab.runtimes.device_verify import verify_on_device
 
         def verify_one(package, checkpoint):
             return verify_on_device(package, checkpoint, compute_units=args.compute_units)
@@ -313,7 +313,7 @@ def _add_reproduce(sub):
 
 
 def _run_reproduce(args):
-    from anelab.studies.reproduce import reproduce
+    from anelab.publish.reproduce import reproduce
 
     return reproduce(quick=args.quick, build=args.build)
 
@@ -341,11 +341,11 @@ def _add_doctor(sub):
 
 
 def _run_doctor(args):
-    from anelab.runtime.doctor import diagnose, format_report
+    from anelab.publish.doctor import diagnose, format_report
 
     if args.probe:
-        from anelab.runtime.mac import default_runtime
-        from anelab.runtime.probe import format_probe, probe_core_ml
+        from anelab.runtimes.coreml import default_runtime
+        from anelab.runtimes.probe import format_probe, probe_core_ml
 
         record = probe_core_ml(default_runtime())  # off-Mac: one line naming what it needs, exit 2
         _print_json(record) if args.json else print(format_probe(record))
@@ -429,7 +429,7 @@ def _add_plan(sub):
 
 
 def _run_plan(args):
-    from anelab.studies import planner
+    from anelab import planner
 
     if args.list_families:
         rows = planner.family_table()
@@ -450,7 +450,7 @@ def _run_plan(args):
     if args.checkpoint is not None:
         return _run_plan_checkpoint(args)
     if args.design:
-        from anelab.studies.planner.design import DESIGNS, compare_designs
+        from anelab.planner.design_plans import DESIGNS, compare_designs
 
         designs = list(DESIGNS) if args.design == ["all"] else args.design
         families = [args.family] if args.family else list(planner.FAMILIES)
@@ -490,8 +490,8 @@ def _run_plan(args):
 
 def _run_plan_checkpoint_designs(args) -> int:
     """``plan --checkpoint CK --design ...``: every design per kind of attention layer, with verdicts."""
-    from anelab.studies import planner
-    from anelab.studies.planner.from_checkpoint import checkpoint_designs
+    from anelab import planner
+    from anelab.planner.from_checkpoint import checkpoint_designs
 
     designs = None if args.design == ["all"] else args.design
     checkpoint_plan, plans = checkpoint_designs(
@@ -521,8 +521,8 @@ def _run_plan_checkpoint_designs(args) -> int:
 
 def _print_design_verdicts(full: dict, designs: list[dict]) -> None:
     """Each design's three-way verdict (the same envelope ``decide`` reports)."""
-    from anelab.studies.planner.report import format_verdict
-    from anelab.studies.planner.verdict import decide_arms, plan_arm_costs
+    from anelab.planner.report import format_verdict
+    from anelab.planner.verdict import decide_arms, plan_arm_costs
 
     for design in designs:
         print(f"--- three-way verdict ({design['design']}) ---")
@@ -536,8 +536,8 @@ def _add_user_gpu(p) -> None:
 
 def _print_plan(args, result: dict, text: str, parts: list[dict]) -> int:
     """The plan and, for each part, its three-way verdict with thresholds and envelope (``planner.verdict``)."""
-    from anelab.studies.planner.report import format_verdict
-    from anelab.studies.planner.verdict import decide_arms, plan_arm_costs
+    from anelab.planner.report import format_verdict
+    from anelab.planner.verdict import decide_arms, plan_arm_costs
 
     where = f"--checkpoint {args.checkpoint}" if args.checkpoint else f"--family {result.get('family')}"
     commands = {
@@ -564,8 +564,8 @@ def _print_plan(args, result: dict, text: str, parts: list[dict]) -> int:
 
 
 def _run_plan_checkpoint(args):
-    from anelab.studies import planner
-    from anelab.studies.planner.from_checkpoint import plan_from_checkpoint
+    from anelab import planner
+    from anelab.planner.from_checkpoint import plan_from_checkpoint
 
     geometry_flags = ("layers", "full_attention_layers", "heads", "kv_heads", "head_dim", "sparse_budget")
     given = [f"--{f.replace('_', '-')}" for f in geometry_flags if getattr(args, f) is not None]
@@ -605,7 +605,7 @@ def _add_size(sub):
 
 
 def _run_size(args):
-    from anelab.geometry import GB
+    from anelab.core.geometry import GB
     from anelab.studies.gather_sizing import GatherSizing
 
     s = GatherSizing(args.heads, args.head_dim, args.chunk, args.total, args.budget, kv_heads=args.kv_heads)
@@ -648,7 +648,7 @@ def _add_probe(sub):
 
 
 def _run_probe(args):
-    from anelab.studies.gather_probe import probe, probe_record, probe_table
+    from anelab.studies.gather_sizing import probe, probe_record, probe_table
 
     results = probe(
         args.chunk,
@@ -662,7 +662,7 @@ def _run_probe(args):
     )
     written = None
     if args.records:
-        from anelab.records import write_record
+        from anelab.core.records import write_record
 
         written = write_record(args.records, probe_record(results, args.repeats))
     if args.json:
@@ -713,7 +713,8 @@ def _add_compare_arms(sub):
 
 
 def _run_compare_arms(args):
-    from anelab.studies.arms import DEFAULT_DENSE, REFERENCE_CHUNK, Indexer, compare_arms, default_dense, read_tokens
+    from anelab.arms.compare import DEFAULT_DENSE, compare_arms, default_dense, read_tokens
+    from anelab.arms.run import REFERENCE_CHUNK, Indexer
 
     if (args.prompt_tokens is None) == (args.tokens is None):
         raise AnelabInputError("compare-arms: pass exactly one of --prompt-tokens N or --tokens FILE")
@@ -763,8 +764,8 @@ def _add_decide(sub):
 
 
 def _run_decide(args):
-    from anelab.studies.decide import DecideConfig, decide
-    from anelab.studies.decide_report import verdict_lines
+    from anelab.decide.report import verdict_lines
+    from anelab.decide.run import DecideConfig, decide
 
     out = Path(args.out) if args.out else Path(f"decide-{Path(args.checkpoint).name}")
     config = DecideConfig(
@@ -811,7 +812,7 @@ def _add_run(sub):
 
 
 def _run_run(args):
-    from anelab.studies import notebooks
+    from anelab.publish import notebooks
 
     notebook = notebooks.resolve_notebook(args.notebook)
     names = [name for name, _ in args.params]
@@ -852,10 +853,10 @@ def _add_batch(sub):
 def _run_batch(args):
     from pathlib import Path
 
-    from anelab.parallel import threads_per_run
-    from anelab.paths import RUNS_DIR
-    from anelab.studies import batch
-    from anelab.studies.batch_summary import write_summary
+    from anelab.core.parallel import threads_per_run
+    from anelab.core.paths import RUNS_DIR
+    from anelab.publish import batch
+    from anelab.publish.batch_summary import write_summary
 
     root = Path(args.runs) if args.runs else RUNS_DIR
     jobs = 1 if args.jobs is None else args.jobs
@@ -888,7 +889,7 @@ def _add_records(sub):
 
 
 def _run_records(args):
-    from anelab.studies import records_compare as rc
+    from anelab.publish import records_compare as rc
 
     records = rc.gather_records(args.dirs)
     if args.action == "list":
@@ -915,8 +916,8 @@ def _add_docs(sub):
 
 
 def _run_docs(args):
-    from anelab.paths import FIGURES_DIR
-    from anelab.studies.docs_site import build_docs, vendor_widget_manager
+    from anelab.core.paths import FIGURES_DIR
+    from anelab.publish.docs_site import build_docs, vendor_widget_manager
 
     index, pages = build_docs(args.figures or FIGURES_DIR, args.html, args.out)
     print(vendor_widget_manager(args.out))
@@ -952,7 +953,7 @@ def _add_measure(sub):
 
 
 def _run_measure(args):
-    from anelab.studies.measure import MeasureConfig, measure, plan_text
+    from anelab.publish.measure import MeasureConfig, measure, plan_text
 
     config = MeasureConfig(
         checkpoint=args.checkpoint, layer=args.layer, chunk=args.chunk, histories=args.histories,
@@ -977,10 +978,10 @@ _register("measure", _add_measure, _run_measure)
 
 
 def _is_gate_refusal(error: Exception) -> bool:
-    """Whether ``error`` is the ANE gate's refusal (``anelab.runtime.gate.AneGateError``). Only a command
+    """Whether ``error`` is the ANE gate's refusal (``anelab.runtimes.gate.AneGateError``). Only a command
     that imported the gate can raise it, so the gate is looked up, not imported (its import pulls in
     NumPy and the runtime layer, which most commands never need)."""
-    gate = sys.modules.get("anelab.runtime.gate")
+    gate = sys.modules.get("anelab.runtimes.gate")
     return gate is not None and isinstance(error, gate.AneGateError)
 
 

@@ -2,7 +2,7 @@
 
 The checkpoint has the real 1B's shape (16 layers, hidden 2048, 32 heads x 64, 8 KV heads, llama3
 RoPE, MLP 8,192, tied 128,256-token vocabulary, BF16, two shards) with random weights, written by
-the project's writer (``anelab.hf.default.make_llama32_1b_shaped``). ``decide`` plans every design,
+the project's writer (``anelab.checkpoints.default.make_llama32_1b_shaped``). ``decide`` plans every design,
 exports and verifies the candidate's sidecars for all 16 layers, runs the whole-model arms and
 writes the report; the script prints the wall time of each phase (one run, nothing asserted), the
 verdict section, and where report.html is. A second run in the same directory is timed too: it
@@ -28,9 +28,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
 
-    from anelab.hf.default import make_llama32_1b_shaped
-    from anelab.studies.decide import DecideConfig, decide
-    from anelab.studies.decide_report import verdict_lines
+    from anelab.checkpoints.default import make_llama32_1b_shaped
+    from anelab.decide.report import verdict_lines
+    from anelab.decide.run import DecideConfig, decide
 
     out = Path(args.out)
     checkpoint = out / ("llama32-1b-shaped-quick" if args.quick else "llama32-1b-shaped")

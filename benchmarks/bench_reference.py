@@ -35,10 +35,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from anelab.geometry import FP32_BYTES, AttentionGeometry  # noqa: E402
-from anelab.masks import causal  # noqa: E402
-from anelab.reference import attention_block, attention_block_tiled  # noqa: E402
-from anelab.weights import random_attention_weights
+from anelab.core.geometry import FP32_BYTES, AttentionGeometry  # noqa: E402
+from anelab.core.masks import causal  # noqa: E402
+from anelab.core.reference import attention_block, attention_block_tiled  # noqa: E402
+from anelab.core.weights import random_attention_weights
 
 SPEED_GEOMETRY = AttentionGeometry("llama", hidden_size=2048, num_heads=16, num_kv_heads=4, head_dim=128)
 MEMORY_GEOMETRY = AttentionGeometry(

@@ -45,9 +45,9 @@ def _timed(fn) -> float:
 
 def _child(mode: str, ckpt: str, pkg: str, history: int, chunk: int) -> None:
     """Run one evaluation in this (fresh) process; print JSON with seconds and peak RSS."""
-    from anelab import reference
-    from anelab.hf.checkpoint import load_checkpoint
-    from anelab.masks import causal
+    from anelab.checkpoints.checkpoint import load_checkpoint
+    from anelab.core import reference
+    from anelab.core.masks import causal
     from anelab.sidecar.evaluate import SavedPackage, evaluate
 
     ck = load_checkpoint(ckpt)
@@ -90,13 +90,13 @@ def main() -> None:
         mode, ckpt, pkg, history, chunk = args.child
         return _child(mode, ckpt, pkg, int(history), int(chunk))
 
-    from anelab.geometry import AttentionGeometry
-    from anelab.hf.checkpoint import write_checkpoint
+    from anelab.checkpoints.checkpoint import write_checkpoint
+    from anelab.core.geometry import AttentionGeometry
+    from anelab.core.weights import random_attention_weights
     from anelab.sidecar.export import convert_program, export_sidecars
     from anelab.sidecar.format import weight_bytes
     from anelab.sidecar.graphs.common import SidecarShape
     from anelab.sidecar.graphs.dense import build_dense_program
-    from anelab.weights import random_attention_weights
 
     p = QUICK if args.quick else REALISTIC
     g = AttentionGeometry(

@@ -49,10 +49,10 @@ def _timed(fn):
 
 def build(work: Path, p: dict) -> tuple[Path, Path]:
     """A random qwen3 checkpoint and its 3-function package under ``work``."""
-    from anelab.geometry import AttentionGeometry
-    from anelab.hf.checkpoint import write_checkpoint
+    from anelab.checkpoints.checkpoint import write_checkpoint
+    from anelab.core.geometry import AttentionGeometry
+    from anelab.core.weights import random_attention_weights
     from anelab.sidecar.export import export_sidecars
-    from anelab.weights import random_attention_weights
 
     g = AttentionGeometry(
         variant="qwen3",
@@ -95,7 +95,7 @@ def verify_row(package: Path, ckpt: Path) -> None:
 
 
 def _block_inputs(g, C: int, H: int) -> dict[str, np.ndarray]:
-    from anelab.masks import causal
+    from anelab.core.masks import causal
 
     rng = np.random.default_rng(0)
     return {
@@ -107,8 +107,8 @@ def _block_inputs(g, C: int, H: int) -> dict[str, np.ndarray]:
 
 
 def evaluate_row(package: Path, ckpt: Path, C: int, H: int, repeats: int) -> dict[str, np.ndarray]:
-    from anelab import reference
-    from anelab.hf.checkpoint import load_checkpoint
+    from anelab.checkpoints.checkpoint import load_checkpoint
+    from anelab.core import reference
     from anelab.sidecar.evaluate import SavedPackage, evaluate
 
     checkpoint = load_checkpoint(ckpt)
@@ -171,7 +171,7 @@ STEPS = """
 import time; t = [time.perf_counter()]
 import io, json, sys
 import numpy as np
-from anelab.records import atomic_write_bytes
+from anelab.core.records import atomic_write_bytes
 from anelab.sidecar.evaluate import SavedPackage, evaluate
 import coremltools.converters.mil.frontend.milproto.load
 t.append(time.perf_counter()); package, function, inputs, out = sys.argv[1:]

@@ -47,7 +47,7 @@ PROMPT, QUICK_PROMPT = 4333, 700
 
 
 def _geometry(p: dict):
-    from anelab.geometry import AttentionGeometry
+    from anelab.core.geometry import AttentionGeometry
 
     return AttentionGeometry(
         variant="llama",
@@ -112,10 +112,10 @@ def _peak_working_bytes(saved, design: str, hidden: np.ndarray, chunk: int, capa
 
 
 def main(argv=None) -> int:
+    from anelab.core.weights import random_attention_weights
     from anelab.sidecar.compare import relative_error
     from anelab.sidecar.evaluate import SavedPackage
     from anelab.studies.one_function import intermediate_profile
-    from anelab.weights import random_attention_weights
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small geometry (seconds)")

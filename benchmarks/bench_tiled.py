@@ -26,7 +26,7 @@ QUICK = dict(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, chunks=[
 
 
 def _geometry(p: dict):
-    from anelab.geometry import AttentionGeometry
+    from anelab.core.geometry import AttentionGeometry
 
     return AttentionGeometry(
         variant="llama",
@@ -41,13 +41,13 @@ def _geometry(p: dict):
 
 
 def largest_intermediates(p: dict, key_tile: int, work: Path) -> list[dict]:
+    from anelab.core.weights import random_attention_weights
     from anelab.sidecar.evaluate import SavedPackage
     from anelab.sidecar.export import convert_program
     from anelab.sidecar.graphs.common import SidecarShape
     from anelab.sidecar.graphs.dense import build_dense_program
     from anelab.sidecar.graphs.stateful import build_stateful_program
     from anelab.sidecar.graphs.tiled import build_tiled_program
-    from anelab.weights import random_attention_weights
 
     g = _geometry(p)
     w = random_attention_weights(g, 0, seed=0)
@@ -68,11 +68,11 @@ def largest_intermediates(p: dict, key_tile: int, work: Path) -> list[dict]:
 
 
 def weight_modes(p: dict, work: Path) -> list[dict]:
-    from anelab.hf.checkpoint import write_checkpoint
+    from anelab.checkpoints.checkpoint import write_checkpoint
+    from anelab.core.weights import random_attention_weights
     from anelab.sidecar import verify
     from anelab.sidecar.export import export_sidecars
     from anelab.sidecar.quantize import WEIGHT_MODES
-    from anelab.weights import random_attention_weights
 
     g = _geometry(p)
     ckpt = write_checkpoint(work / "model", g, {0: random_attention_weights(g, 0, seed=0)}, model_type="llama")

@@ -1,14 +1,14 @@
 """Stress: execute every widget notebook many times through papermill, headless; count hangs.
 
 A widget notebook is one with an explore cell (``explore.show(``). Each run is a quick papermill run
-with the project's per-cell timeout (``anelab.studies.notebooks.run_notebook``): a cell that hangs
+with the project's per-cell timeout (``anelab.publish.notebooks.run_notebook``): a cell that hangs
 becomes a ``CellTimeoutError`` after the timeout and is counted as a hang, never waited on for ever.
 Before issue 24, notebook 02's ``widgets.interact`` cell hung a headless run for 7 minutes (nteract/
 papermill#723). Prints per notebook: runs, ok, failed, hangs, median and slowest seconds.
 
 ``--screenshot DIR`` also renders notebook 02's executed HTML in headless Chromium with the vendored
-widget manager (``anelab.studies.widget_manager``; needs npm once and ``chromium``, run by
-``anelab.studies.browser``): the DOM after the scripts ran must hold the rendered slider, and a PNG
+widget manager (``anelab.publish.widget_manager``; needs npm once and ``chromium``, run by
+``anelab.publish.browser``): the DOM after the scripts ran must hold the rendered slider, and a PNG
 of the explore cell is written to DIR. The same check, with controls, is a test:
 ``tests/test_browser.py``.
 
@@ -29,7 +29,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from pathlib import Path
 
-from anelab.studies import notebooks
+from anelab.publish import notebooks
 
 
 def widget_notebooks() -> list[Path]:
@@ -49,7 +49,7 @@ def one_run(path: Path, build: str, threads: int) -> dict:
 
 
 def stress(repeats: int, jobs: int, root: Path) -> list[dict]:
-    from anelab.parallel import threads_per_run
+    from anelab.core.parallel import threads_per_run
 
     todo = [(nb, str(root / f"{nb.stem}-{i}")) for i in range(repeats) for nb in widget_notebooks()]
     results = []
@@ -81,8 +81,8 @@ def screenshot(out: Path) -> str:
     """Render notebook 02's explore cell (executed headless) in Chromium with the vendored manager."""
     import nbformat
 
-    from anelab.errors import AnelabInputError
-    from anelab.studies import browser, widget_manager
+    from anelab.core.errors import AnelabInputError
+    from anelab.publish import browser, widget_manager
 
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)

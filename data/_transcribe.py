@@ -1,4 +1,4 @@
-"""Transcribe the seed's measured tables into ``anelab.records`` JSON files (run once).
+"""Transcribe the seed's measured tables into ``anelab.core.records`` JSON files (run once).
 
 Usage: ``.venv/bin/python data/_transcribe.py [OUT_DIR]`` (default: this folder). Every file is
 written with ``write_record``, which refuses to overwrite: recorded data is written once. The
@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from anelab.records import make_record, write_record
+from anelab.core.records import make_record, write_record
 
 SEED = "shared/seeds/ane-prefill-research.txt"
 FP16_BYTES = 2

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from anelab.geometry import AttentionGeometry
-from anelab.hf.checkpoint import write_checkpoint
-from anelab.weights import random_attention_weights
+from anelab.checkpoints.checkpoint import write_checkpoint
+from anelab.core.geometry import AttentionGeometry
+from anelab.core.weights import random_attention_weights
 
 TINY_SEED = 7
 TINY_GEOMETRIES = {

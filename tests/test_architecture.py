@@ -1,5 +1,6 @@
-"""The folder tree is the architecture: imports point one way (core <- hf <- sidecar <- runtime <-
-studies <- cli), no module imports another's private name, every module states its job."""
+"""The folder tree is the architecture: imports point one way (core <- checkpoints <- sidecar <- runtimes <-
+planner, arms, decide <- studies <- publish <- cli), no module imports another's private name, every module
+states its job."""
 
 from __future__ import annotations
 
@@ -9,7 +10,19 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "anelab"
-LAYERS = ("core", "hf", "sidecar", "runtime", "studies", "cli")
+# (layer, the top-level folders it holds): a folder may import its own layer and those listed before it
+LAYERS = (
+    ("core", ("core",)),
+    ("checkpoints", ("checkpoints",)),
+    ("sidecar", ("sidecar",)),
+    ("runtimes", ("runtimes",)),
+    ("product", ("planner", "arms", "decide")),
+    ("studies", ("studies",)),
+    ("publish", ("publish",)),
+    ("cli", ("cli", "__main__")),
+)
+LAYER_NAMES = [name for name, _ in LAYERS]
+FOLDER_LAYER = {folder: name for name, folders in LAYERS for folder in folders}
 
 
 def module_name(path: Path, root: Path = PACKAGE) -> str:
@@ -18,13 +31,13 @@ def module_name(path: Path, root: Path = PACKAGE) -> str:
 
 
 def layer_of(module: str) -> str:
-    """The layer of an ``anelab`` module: its first sub-package, or core for top-level modules."""
+    """The layer of an ``anelab`` module: the layer of its first sub-package (the package itself is core)."""
     parts = module.split(".")
-    if len(parts) >= 2 and parts[1] in ("hf", "sidecar", "runtime", "studies"):
-        return parts[1]
-    if parts[1:2] in (["cli"], ["__main__"]):
-        return "cli"
-    return "core"
+    if len(parts) == 1:
+        return "core"
+    if parts[1] not in FOLDER_LAYER:
+        raise AssertionError(f"{module}: anelab/{parts[1]} is in no layer; add it to LAYERS")
+    return FOLDER_LAYER[parts[1]]
 
 
 def anelab_imports(path: Path, root: Path = PACKAGE) -> list[tuple[int, str, list[str]]]:
@@ -56,11 +69,11 @@ def violations(root: Path = PACKAGE) -> list[str]:
     bad = []
     for path in sorted(root.rglob("*.py")):
         me = module_name(path, root)
-        mine = LAYERS.index(layer_of(me))
+        mine = LAYER_NAMES.index(layer_of(me))
         for line, target, names in anelab_imports(path, root):
             if target == "anelab":
                 continue  # the package's __version__
-            theirs = LAYERS.index(layer_of(target))
+            theirs = LAYER_NAMES.index(layer_of(target))
             if theirs > mine:
                 bad.append(
                     f"{path.relative_to(root.parent)}:{line}: {layer_of(me)} imports {layer_of(target)} ({target})"
@@ -76,17 +89,21 @@ def test_imports_point_one_way_and_no_private_names_cross_modules():
 
 
 def test_a_backward_import_is_caught(tmp_path):
-    """Negative control: the same walk over a copy where the graph module imports a study."""
+    """Negative control: the same walk over a copy where the graph module imports the planner, a study back-end
+    imports publishing, and a module outside every layer appears."""
     import shutil
 
     copy = tmp_path / "anelab"
     shutil.copytree(PACKAGE, copy)
     graph = copy / "sidecar" / "graphs" / "dense.py"
-    graph.write_text(graph.read_text() + "\n\ndef _late():\n    from anelab.studies.planner import plan  # noqa\n")
-    private = copy / "studies" / "chunk_sweep.py"
+    graph.write_text(graph.read_text() + "\n\ndef _late():\n    from anelab.planner import plan  # noqa\n")
+    private = copy / "studies" / "tiled_stateful.py"
     private.write_text(private.read_text() + "\nfrom anelab.sidecar.evaluate import _signature  # noqa\n")
+    study = copy / "studies" / "mask_fold.py"
+    study.write_text(study.read_text() + "\n\ndef _late():\n    from anelab.publish import figures  # noqa\n")
     found = violations(copy)
-    assert any("sidecar imports studies" in v and "dense.py" in v for v in found), found
+    assert any("sidecar imports product" in v and "dense.py" in v for v in found), found
+    assert any("studies imports publish" in v and "mask_fold.py" in v for v in found), found
     assert any("private name _signature" in v for v in found), found
 
 
@@ -146,22 +163,22 @@ def test_no_import_circle_anywhere():
 
 
 def test_an_import_circle_inside_a_layer_is_caught(tmp_path):
-    """Negative control: the circle issue 19 broke (studies.batch <-> studies.notebooks), put back by a
+    """Negative control: the circle issue 19 broke (batch <-> notebooks, now in publish), put back by a
     function-level import, is found; so is a three-module circle."""
     import shutil
 
     copy = tmp_path / "anelab"
     shutil.copytree(PACKAGE, copy)
-    notebooks = copy / "studies" / "notebooks.py"
+    notebooks = copy / "publish" / "notebooks.py"
     notebooks.write_text(
-        notebooks.read_text() + "\n\ndef _late():\n    from anelab.studies.batch import read_grid  # noqa\n"
+        notebooks.read_text() + "\n\ndef _late():\n    from anelab.publish.batch import read_grid  # noqa\n"
     )
     verify = copy / "sidecar" / "verify_cases.py"
     verify.write_text(
         verify.read_text() + "\n\ndef _late():\n    from anelab.sidecar.designs import get_design  # noqa\n"
     )
     circles = import_circles(copy)
-    assert ["anelab.studies.batch", "anelab.studies.notebooks"] in circles, circles
+    assert ["anelab.publish.batch", "anelab.publish.notebooks"] in circles, circles
     assert any({"anelab.sidecar.designs", "anelab.sidecar.verify_cases"} <= set(c) for c in circles), circles
 
 
@@ -192,3 +209,10 @@ def test_a_long_function_is_caught(tmp_path):
     (tmp_path / "anelab" / "fits.py").write_text(f"def fits():\n{body}\n")
     root = tmp_path / "anelab"
     assert long_functions(root) == [f"{root.name}/long.py:1 long (81 lines)"]
+
+
+def test_a_folder_in_no_layer_is_refused():
+    """Negative control for ``layer_of``: a new top-level folder must be placed in a layer, not default to one."""
+    assert layer_of("anelab.planner.plan") == "product" and layer_of("anelab.core.geometry") == "core"
+    with pytest.raises(AssertionError, match="in no layer"):
+        layer_of(".".join(("anelab", "nowhere", "module")))

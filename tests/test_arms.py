@@ -10,25 +10,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from anelab.arms.compare import NOISE, compare_arms, compare_runs
+from anelab.arms.run import Arm, Indexer, Perturbation, run_arm
+from anelab.arms.sidecars import open_sidecars, runtime_runner
+from anelab.checkpoints.model import load_model, write_model_checkpoint
 from anelab.cli import main
-from anelab.decoder import random_head_weights, random_layer_weights
-from anelab.errors import AnelabInputError
-from anelab.geometry import AttentionGeometry
-from anelab.hf.model import load_model, write_model_checkpoint
-from anelab.runtime.fake import FakeFunction, FakeRuntime
+from anelab.core.decoder import random_head_weights, random_layer_weights
+from anelab.core.errors import AnelabInputError
+from anelab.core.geometry import AttentionGeometry
+from anelab.core.weights import random_attention_weights
+from anelab.runtimes.fake import FakeFunction, FakeRuntime
 from anelab.sidecar.export import export_sidecars
-from anelab.studies.arms import (
-    NOISE,
-    Arm,
-    Indexer,
-    Perturbation,
-    compare_arms,
-    compare_runs,
-    open_sidecars,
-    run_arm,
-    runtime_runner,
-)
-from anelab.weights import random_attention_weights
 
 CHUNK, PROMPT, DECODE = 8, 13, 4  # two chunk starts (0, 8); the second chunk is partial (5 rows)
 GEOMETRY = AttentionGeometry(

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from anelab import cli, parallel
-from anelab.errors import AnelabInputError
-from anelab.records import read_records
-from anelab.studies import batch, notebooks
-from anelab.studies.batch_summary import csv_table, markdown_table, summary_figure, summary_rows
-from anelab.studies.headlines import HEADLINES, headline_values
+from anelab import cli
+from anelab.core import parallel
+from anelab.core.errors import AnelabInputError
+from anelab.core.records import read_records
+from anelab.publish import batch, notebooks
+from anelab.publish.batch_summary import csv_table, markdown_table, summary_figure, summary_rows
+from anelab.publish.studies import STUDIES, headline_values
 
 GRIDS = Path(__file__).resolve().parent.parent / "grids"
 GATHER = "03_gather_sizing"
@@ -148,14 +149,14 @@ def test_headlines_read_the_widest_chunk_of_the_records():
     assert values == {"fold_error": 8e-4, "causal_off": 0.5, "causal_off_over_noise": 625.0, "control_error": 1.1}
     other = {**_mask_fold_record({32: 1e-3}), "kind": "gather_probe_numpy"}
     assert set(headline_values("02_mask_fold", [other]).values()) == {None}  # wrong kind: nothing read
-    assert all(h.name and h.label and h.unit for hs in HEADLINES.values() for h in hs)
+    assert all(h.name and h.label and h.unit for s in STUDIES for h in s.headlines)
 
 
 def _fake_run(root: Path, study: str, params: dict, status: str, record: dict | None) -> Path:
     run_dir = root / study / notebooks.run_id(f"{study}.ipynb", params)
     (run_dir / "records").mkdir(parents=True)
     if record is not None:
-        from anelab.records import make_record, write_record
+        from anelab.core.records import make_record, write_record
 
         write_record(run_dir / "records", make_record(record["kind"], {}, record["results"]))
     notebooks.write_result(
@@ -252,7 +253,7 @@ def test_an_interrupted_run_directory_is_cleared_but_nothing_else_is(tmp_path):
 
 
 def test_mac_only_headlines_read_the_timing_records():
-    """Setup seconds and the A/B ratio come from records only a Mac writes (anelab.runtime.timing's format)."""
+    """Setup seconds and the A/B ratio come from records only a Mac writes (anelab.runtimes.timing's format)."""
 
     def load(function, cold, median):
         return {

@@ -7,7 +7,7 @@ without its widget state, the page without the vendored widget manager.
 One run of notebook 02 (~15 s) serves every test here, in every xdist worker: the first worker to
 need it builds the docs under a file lock in the session's shared temporary folder, the others wait
 and reuse them (xdist_group does not group tests under pytest 9.2 here). Chromium: ``make test``
-installs it when missing (``anelab.studies.browser``).
+installs it when missing (``anelab.publish.browser``).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import pytest
 from PIL import Image
 
 from anelab import cli
-from anelab.errors import AnelabInputError
-from anelab.paths import FIGURES_DIR
-from anelab.studies import browser, notebooks, widget_manager
-from anelab.studies.figures import read_manifest
+from anelab.core.errors import AnelabInputError
+from anelab.core.paths import FIGURES_DIR
+from anelab.publish import browser, notebooks, widget_manager
+from anelab.publish.figures import read_manifest
 
 NOTEBOOK = "02_mask_fold"
 EXPLORE_CALL = "explore.show("  # the source of notebook 02's explore cell

@@ -21,12 +21,12 @@ import pytest
 import safetensors.numpy as st
 from conftest import TINY_GEOMETRIES, TINY_MODEL_TYPES, TINY_SEED
 
-from anelab.errors import AnelabInputError
-from anelab.geometry import AttentionGeometry
-from anelab.hf.checkpoint import load_checkpoint, write_checkpoint
-from anelab.hf.config import full_attention_layers, geometry_from_config
-from anelab.hf.default import DEFAULT_CHECKPOINT, default_checkpoint_dir, make_default_checkpoint
-from anelab.weights import AttentionWeights, random_attention_weights
+from anelab.checkpoints.checkpoint import load_checkpoint, write_checkpoint
+from anelab.checkpoints.config import full_attention_layers, geometry_from_config
+from anelab.checkpoints.default import DEFAULT_CHECKPOINT, default_checkpoint_dir, make_default_checkpoint
+from anelab.core.errors import AnelabInputError
+from anelab.core.geometry import AttentionGeometry
+from anelab.core.weights import AttentionWeights, random_attention_weights
 
 VARIANTS = ("llama", "qwen2", "qwen3", "qwen3_next")
 DTYPES = ("F32", "F16", "BF16")

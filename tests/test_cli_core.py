@@ -11,7 +11,7 @@ import pytest
 from conftest import TINY_GEOMETRIES
 
 from anelab.cli import main
-from anelab.masks import causal
+from anelab.core.masks import causal
 
 CHUNK = 8
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import TINY_GEOMETRIES
 
 from anelab import cli
-from anelab.masks import causal
+from anelab.core.masks import causal
 from anelab.sidecar.export import export_sidecars
 
 CHUNK = 8
@@ -27,11 +27,15 @@ NOT_FOR_EVALUATE = (
     "pandas",
     "scipy",
     "safetensors",
-    "anelab.hf",
-    "anelab.runtime",
+    "anelab.checkpoints",
+    "anelab.runtimes",
+    "anelab.planner",
+    "anelab.arms",
+    "anelab.decide",
     "anelab.studies",
-    "anelab.decoder",
-    "anelab.selection",
+    "anelab.publish",
+    "anelab.core.decoder",
+    "anelab.core.selection",
     "anelab.sidecar.compare",
     "anelab.sidecar.export",
     "anelab.sidecar.foldcheck",
@@ -76,7 +80,12 @@ def evaluate_command(tiny_checkpoint, tmp_path_factory) -> str:
 
 def test_importing_the_cli_loads_no_numpy_coremltools_or_commands():
     modules = modules_after("import anelab.cli")
-    assert {m for m in modules if m.startswith("anelab")} == {"anelab", "anelab.cli", "anelab.errors"}
+    assert {m for m in modules if m.startswith("anelab")} == {
+        "anelab",
+        "anelab.cli",
+        "anelab.core",
+        "anelab.core.errors",
+    }
     assert unneeded(modules, ("numpy", "coremltools", "sympy", "tqdm", *NOT_FOR_EVALUATE)) == []
     # negative control: a heavy import at the CLI's top would show
     assert unneeded(modules_after("import anelab.cli, anelab.sidecar.evaluate"), ("numpy", "coremltools")) != []
@@ -88,12 +97,14 @@ def test_evaluate_loads_only_what_it_needs(evaluate_command):
     assert unneeded(modules) == []
     # negative control: an unneeded import on the path is caught, by module and by package prefix
     caught = unneeded(modules_after(f"import anelab.sidecar.verify, matplotlib\n{evaluate_command}"))
-    assert {"anelab.sidecar.verify", "anelab.sidecar.compare", "anelab.hf.checkpoint", "matplotlib"} <= set(caught)
+    assert {"anelab.sidecar.verify", "anelab.sidecar.compare", "anelab.checkpoints.checkpoint", "matplotlib"} <= set(
+        caught
+    )
 
 
 def test_a_gate_refusal_exits_1_and_other_errors_still_raise(monkeypatch, capsys):
     """The CLI recognises the gate's refusal without importing the gate at its top."""
-    from anelab.runtime.gate import AneGateError
+    from anelab.runtimes.gate import AneGateError
 
     def refuse(args):
         raise AneGateError("h0: ANECCompile() FAILED")

@@ -14,13 +14,13 @@ import shutil
 import numpy as np
 import pytest
 
-from anelab.decoder import MoeWeights, random_head_weights, random_layer_weights
-from anelab.errors import AnelabInputError
-from anelab.geometry import AttentionGeometry
-from anelab.hf.config import text_config
-from anelab.hf.model import load_model, write_model_checkpoint
-from anelab.studies.arms import Arm, run_arm
-from anelab.weights import random_attention_weights
+from anelab.arms.run import Arm, run_arm
+from anelab.checkpoints.config import text_config
+from anelab.checkpoints.model import load_model, write_model_checkpoint
+from anelab.core.decoder import MoeWeights, random_head_weights, random_layer_weights
+from anelab.core.errors import AnelabInputError
+from anelab.core.geometry import AttentionGeometry
+from anelab.core.weights import random_attention_weights
 
 EXPERTS = 4
 

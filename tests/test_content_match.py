@@ -12,16 +12,16 @@ import shutil
 import numpy as np
 import pytest
 
-from anelab.decoder import random_head_weights, random_layer_weights
-from anelab.errors import AnelabInputError
-from anelab.geometry import AttentionGeometry
-from anelab.hf.checkpoint import load_checkpoint
-from anelab.hf.model import load_model, write_model_checkpoint
+from anelab.arms.sidecars import open_sidecars
+from anelab.checkpoints.checkpoint import load_checkpoint
+from anelab.checkpoints.model import load_model, write_model_checkpoint
+from anelab.core.decoder import random_head_weights, random_layer_weights
+from anelab.core.errors import AnelabInputError
+from anelab.core.geometry import AttentionGeometry
+from anelab.core.weights import random_attention_weights
 from anelab.sidecar.export import export_sidecars
 from anelab.sidecar.format import read_sidecar_metadata
 from anelab.sidecar.verify import verify_package
-from anelab.studies.arms import open_sidecars
-from anelab.weights import random_attention_weights
 
 CHUNK = 4
 GEOMETRY = AttentionGeometry("llama", 16, 2, 1, 8, num_layers=2, full_attention_layers=(0, 1))
@@ -92,7 +92,7 @@ def test_digests_are_of_stored_bytes_not_of_the_path(exported):
 def test_digesting_a_layer_releases_each_tensors_pages(tmp_path, monkeypatch):
     """Matching an 8B model's sidecars digests 2.7 GB of attention tensors through memory maps: each tensor's
     mapped pages are released once hashed (without it compare-arms held 2.2 GB of file pages)."""
-    from anelab.hf.safetensors_io import SafetensorsFile
+    from anelab.checkpoints.safetensors_io import SafetensorsFile
 
     checkpoint = load_checkpoint(_write(tmp_path / "m"))
     released = []

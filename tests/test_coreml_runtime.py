@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 
 from anelab.cli import build_parser, main
-from anelab.errors import AnelabInputError
-from anelab.runtime.doctor import STUDIES, diagnose, format_report
-from anelab.runtime.fake import FakeRuntime
-from anelab.runtime.interface import COMPUTE_UNITS, RuntimeUnavailableError, capture_native_output, check_compute_units
-from anelab.runtime.mac import MacRuntime, default_runtime
+from anelab.core.errors import AnelabInputError
+from anelab.publish.doctor import diagnose, format_report
+from anelab.publish.studies import get_study
+from anelab.runtimes.coreml import MacRuntime, default_runtime
+from anelab.runtimes.fake import FakeRuntime
+from anelab.runtimes.interface import COMPUTE_UNITS, RuntimeUnavailableError, capture_native_output, check_compute_units
 
 ALL_UNITS = ["all", "cpu_and_gpu", "cpu_and_ne", "cpu_only"]
 STUDY_NAMES = [
@@ -186,7 +187,7 @@ def test_doctor_json_off_mac_says_what_runs_and_what_is_replayed(capsys):
         assert report["runtime"]["available"] is False
         assert "macOS 15" in report["runtime"]["reason"]
         for name, study in report["studies"].items():
-            if STUDIES[name][2] is None:  # nothing of it needs the runtime (02)
+            if get_study(name).needs_mac is None:  # nothing of it needs the runtime (02)
                 assert study["mode"] == "runs here" and study["replayed_here"] == []
             else:
                 assert study["mode"] == "partly"
@@ -204,7 +205,8 @@ def test_doctor_with_an_available_runtime_runs_every_study_fresh():
     }
     for name, study in report["studies"].items():
         assert study["mode"] == "runs here" and study["replayed_here"] == []
-        assert study["runs_here"] == [p for p in STUDIES[name][1:] if p is not None]
+        s = get_study(name)
+        assert study["runs_here"] == [p for p in (s.runs_here, s.needs_mac) if p is not None]
 
 
 def test_doctor_names_a_missing_neural_engine():

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from anelab.errors import AnelabInputError
-from anelab.records import read_record, read_records, validate_record
+from anelab.core.errors import AnelabInputError
+from anelab.core.records import read_record, read_records, validate_record
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 SEED_DOCUMENT = "shared/seeds/ane-prefill-research.txt"

@@ -14,15 +14,15 @@ import shutil
 import numpy as np
 import pytest
 
+from anelab.checkpoints.default import make_llama32_1b_shaped
 from anelab.cli import main
-from anelab.hf.default import make_llama32_1b_shaped
-from anelab.studies.decide import DecideConfig, decide
-from anelab.studies.planner import FAMILIES, plan
-from anelab.studies.planner.design import DESIGNS, compare_designs
-from anelab.studies.planner.envelope import Cost
-from anelab.studies.planner.fit import fit_costs
-from anelab.studies.planner.from_checkpoint import checkpoint_designs
-from anelab.studies.planner.verdict import ArmCosts, decide_arms, plan_arm_costs
+from anelab.decide.run import DecideConfig, decide
+from anelab.planner import FAMILIES, plan
+from anelab.planner.design_plans import DESIGNS, compare_designs
+from anelab.planner.envelope import Cost
+from anelab.planner.fit import fit_costs
+from anelab.planner.from_checkpoint import checkpoint_designs
+from anelab.planner.verdict import ArmCosts, decide_arms, plan_arm_costs
 
 CHUNK, PROMPT = 32, 64
 
@@ -205,7 +205,7 @@ def test_decide_is_resumable_and_notices_a_changed_package(decided, model):
 
 
 def test_a_fake_mac_run_replaces_predicted_costs_with_measured_ones(decided, model, tmp_path):
-    from anelab.runtime.fake import FakeFunction, FakeRuntime
+    from anelab.runtimes.fake import FakeFunction, FakeRuntime
 
     _, out = decided
     shutil.copytree(out, tmp_path / "run", ignore=shutil.ignore_patterns("measured"))

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from anelab.decoder import MoeWeights, route
-from anelab.errors import AnelabInputError
-from anelab.hf.model import load_model
+from anelab.arms.run import Arm, run_arm
+from anelab.checkpoints.model import load_model
+from anelab.core.decoder import MoeWeights, route
+from anelab.core.errors import AnelabInputError
 from anelab.sidecar.compare import relative_error
-from anelab.studies.arms import Arm, run_arm
 
 PROMPT, CHUNK, DECODE = 11, 4, 4  # 11 tokens in chunks of 4: the last chunk is partial
 
@@ -253,10 +253,10 @@ def test_unmodelled_models_are_refused_in_one_line(tmp_path, tiny_checkpoint):
 
 def test_the_whole_model_writer_round_trips_a_moe_model(tmp_path):
     """anelab's writer (used for the embedded dense sibling) in transformers' names, MoE and MLP-only layers."""
-    from anelab.decoder import random_head_weights, random_layer_weights
-    from anelab.geometry import AttentionGeometry
-    from anelab.hf.model import write_model_checkpoint
-    from anelab.weights import random_attention_weights
+    from anelab.checkpoints.model import write_model_checkpoint
+    from anelab.core.decoder import random_head_weights, random_layer_weights
+    from anelab.core.geometry import AttentionGeometry
+    from anelab.core.weights import random_attention_weights
 
     g = AttentionGeometry("qwen3", 16, 2, 1, 8, num_layers=2, full_attention_layers=(0, 1))
     layers = {0: random_layer_weights(0, 16, 12, 0, experts=4, top_k=2, norm_topk_prob=True)}

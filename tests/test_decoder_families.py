@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from anelab.decoder import MlpWeights
-from anelab.hf.model import NormSlots, load_model
+from anelab.arms.run import Arm, run_arm
+from anelab.checkpoints.model import NormSlots, load_model
+from anelab.core.decoder import MlpWeights
 from anelab.sidecar.compare import relative_error
-from anelab.studies.arms import Arm, run_arm
 
 PROMPT, CHUNK, DECODE = 11, 4, 4  # 11 tokens in chunks of 4 (the last partial); windows of 4-6 bite in both phases
 TOLERANCE = 1e-5  # fp32 forward against float64
@@ -578,16 +578,16 @@ def test_each_convention_switched_off_misses(family):
 
 def test_every_whole_model_family_is_checked_here_or_in_test_decoder():
     """A row added to DECODER_FAMILIES without a case against the independent forward fails here."""
-    from anelab.hf.model import DECODER_FAMILIES
+    from anelab.checkpoints.model import DECODER_FAMILIES
 
     checked = {case.name for case in CASES} | {"llama", "qwen2", "qwen3_moe"}  # the last three: tests/test_decoder.py
     assert set(DECODER_FAMILIES) <= checked, sorted(set(DECODER_FAMILIES) - checked)
 
 
 def test_list_families_says_what_compare_arms_runs_or_why_not(capsys):
+    from anelab.checkpoints.config import MODEL_FAMILIES
+    from anelab.checkpoints.model import DECODER_FAMILIES
     from anelab.cli import main
-    from anelab.hf.config import MODEL_FAMILIES
-    from anelab.hf.model import DECODER_FAMILIES
 
     assert main(["export", "--list-families", "--json"]) == 0
     rows = {r["model_type"]: r["whole_model"] for r in json.loads(capsys.readouterr().out)["families"]}
@@ -613,7 +613,7 @@ def test_list_families_says_what_compare_arms_runs_or_why_not(capsys):
     ids=["gemma3-ignored-softcap", "granite-experts", "gemma2-exact-gelu", "starcoder2-relu"],
 )
 def test_unmodelled_options_are_refused_in_one_line(tmp_path, case, change, message):
-    from anelab.errors import AnelabInputError
+    from anelab.core.errors import AnelabInputError
 
     _write(tmp_path / "m", case, seed=0)
     config = json.loads(json.dumps(case.config))
@@ -630,10 +630,11 @@ def test_sidecar_arm_serves_the_family_within_fp16_noise(tmp_path, monkeypatch, 
     norms around the sidecar; OLMo 2's raw residual rows into it and its post-norm after it; Phi-3's long-context
     table (coverage 12 > 8). Controls: the window dropped from the arms' masks makes the sidecar arm miss the
     reference from the sliding layer on; packages whose coverage picks another RoPE table than the prompt's refused."""
-    from anelab.errors import AnelabInputError
+    from anelab.arms import sidecars as arms
+    from anelab.arms.compare import NOISE, compare_runs
+    from anelab.arms.sidecars import open_sidecars
+    from anelab.core.errors import AnelabInputError
     from anelab.sidecar.export import export_sidecars
-    from anelab.studies import arms
-    from anelab.studies.arms import NOISE, compare_runs, open_sidecars
 
     case = next(c for c in CASES if c.name == name)
     _write(tmp_path / "m", case, seed=len(name))
@@ -660,8 +661,8 @@ def test_sidecar_arm_serves_the_family_within_fp16_noise(tmp_path, monkeypatch, 
 
 
 def test_compare_arms_runs_a_family_and_refuses_a_hybrid_with_the_listed_reason(tmp_path, tiny_checkpoint, capsys):
+    from anelab.checkpoints.model import whole_model_support
     from anelab.cli import main
-    from anelab.hf.model import whole_model_support
 
     _write(tmp_path / "gemma2", CASES[0], seed=0)
     argv = ["--prompt-tokens", str(PROMPT), "--decode", "2", "--chunk", str(CHUNK), "--json"]
@@ -681,7 +682,8 @@ def test_compare_arms_runs_a_family_and_refuses_a_hybrid_with_the_listed_reason(
 def test_indexer_arms_sparsify_full_layers_and_sliding_layers_keep_their_window(tmp_path):
     """Mistral (every layer slides): folded == causal-only bit for bit. Gemma 2 (layer 1 full): the two arms part
     at layer 1, the first full-attention layer, not before."""
-    from anelab.studies.arms import Indexer, compare_runs
+    from anelab.arms.compare import compare_runs
+    from anelab.arms.run import Indexer
 
     prompt = np.random.default_rng(5).integers(0, VOCAB, 30)
     for case, first in ((next(c for c in CASES if c.name == "mistral"), None), (CASES[0], 1)):
@@ -700,7 +702,7 @@ def test_indexer_arms_sparsify_full_layers_and_sliding_layers_keep_their_window(
 def test_a_run_across_a_rope_table_switch_is_refused(tmp_path):
     """longrope: a 6-token prompt (short factors) whose decode reaches position 8 (long factors in transformers) is
     refused in one line; the 11-token prompt above (long factors throughout) runs."""
-    from anelab.errors import AnelabInputError
+    from anelab.core.errors import AnelabInputError
 
     _write(tmp_path / "m", _phi3_longrope(), seed=0)
     model = load_model(tmp_path / "m")

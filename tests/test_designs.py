@@ -17,25 +17,27 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from anelab.decoder import random_head_weights, random_layer_weights
-from anelab.errors import AnelabInputError
-from anelab.geometry import AttentionGeometry
-from anelab.hf.model import load_model, write_model_checkpoint
-from anelab.runtime.fake import FakeRuntime
-from anelab.runtime.open import open_sidecar
+from anelab.arms.compare import NOISE, compare_arms
+from anelab.arms.run import Arm, run_arm
+from anelab.arms.sidecars import open_sidecars
+from anelab.checkpoints.model import load_model, write_model_checkpoint
+from anelab.core.decoder import random_head_weights, random_layer_weights
+from anelab.core.errors import AnelabInputError
+from anelab.core.geometry import AttentionGeometry
+from anelab.core.weights import random_attention_weights
+from anelab.runtimes.fake import FakeRuntime
+from anelab.runtimes.open import open_sidecar
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
 from anelab.sidecar.designs import DESIGNS, RENAMED, get_design
 from anelab.sidecar.export import export_sidecars
 from anelab.sidecar.prompt import prompt_reference
-from anelab.studies.arms import NOISE, Arm, compare_arms, open_sidecars, run_arm
-from anelab.weights import random_attention_weights
 
 PACKAGE = Path(__file__).resolve().parent.parent / "anelab"
 REGISTRY = PACKAGE / "sidecar" / "designs.py"
 NAMES = set(DESIGNS) | set(RENAMED)
 # the one other word that spells a design name: the full-scores probe graph as records written before its
-# rename call it (gather_probe.RECORDED_PROBE_NAMES) — a record's word, read under the new name, not a design
-RECORD_WORDS = {("anelab/studies/gather_probe.py", "dense")}
+# rename call it (studies.gather_sizing.RECORDED_PROBE_NAMES) — a record's word, read under the new name, not a design
+RECORD_WORDS = {("anelab/studies/gather_sizing.py", "dense")}
 CHUNK, PROMPT = 8, 13  # two chunk starts (0, 8); the second chunk is partial (5 rows)
 GEOMETRY = AttentionGeometry(
     variant="qwen3", hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, num_layers=2,
@@ -73,23 +75,23 @@ def test_only_the_registry_names_a_design():
 
 
 def test_a_design_name_outside_the_registry_is_caught(tmp_path):
-    """Negative control: issue 19's check put back into runtime/open.py, a planner-style tuple test and a
+    """Negative control: issue 19's check put back into runtimes/open.py, a planner-style tuple test and a
     design passed by name; a docstring naming a design is prose and is not flagged."""
     copy = tmp_path / "anelab"
     shutil.copytree(PACKAGE, copy)
-    opened = copy / "runtime" / "open.py"
+    opened = copy / "runtimes" / "open.py"
     opened.write_text(opened.read_text() + '\n\ndef _stateful(meta):\n    return meta.graph == "stateful"\n')
-    plan = copy / "studies" / "planner" / "design.py"
+    plan = copy / "planner" / "design_plans.py"
     plan.write_text(
         plan.read_text() + '\n\ndef _per(d):\n    """Per-history: "dense"."""\n    return d in ("per-history", "x")\n'
     )
-    sweep = copy / "studies" / "chunk_sweep.py"
+    sweep = copy / "studies" / "tiled_stateful.py"
     sweep.write_text(sweep.read_text() + '\n\ndef _export(f):\n    return f(graph="stateful-tiled")\n')
     found = design_names_outside_the_registry(copy)
     assert any("open.py" in f and "'stateful'" in f for f in found), found
-    assert any("design.py" in f and "'per-history'" in f for f in found), found
-    assert any("chunk_sweep.py" in f and "'stateful-tiled'" in f for f in found), found
-    assert not any("design.py" in f and "'dense'" in f for f in found), found  # the docstring
+    assert any("design_plans.py" in f and "'per-history'" in f for f in found), found
+    assert any("tiled_stateful.py" in f and "'stateful-tiled'" in f for f in found), found
+    assert not any("design_plans.py" in f and "'dense'" in f for f in found), found  # the docstring
 
 
 def test_an_old_or_unknown_design_name_is_refused_in_one_line():
@@ -219,7 +221,7 @@ CONTROL_RUNNERS = {"dense": "negative_controls", "tiled": "negative_controls", "
 
 @pytest.mark.parametrize("name", list(DESIGNS))
 def test_verify_passes_only_when_every_declared_control_ran(name, exported, model_dir, monkeypatch):
-    from anelab.geometry import AttentionGeometry as Geometry
+    from anelab.core.geometry import AttentionGeometry as Geometry
     from anelab.sidecar import verify_cases
     from anelab.sidecar.format import read_sidecar_metadata
     from anelab.sidecar.verify import verify_package

@@ -13,9 +13,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
 from anelab import cli  # noqa: E402
-from anelab.errors import AnelabInputError  # noqa: E402
-from anelab.paths import FIGURES_DIR  # noqa: E402
-from anelab.studies import docs_site, figures  # noqa: E402
+from anelab.core.errors import AnelabInputError  # noqa: E402
+from anelab.core.paths import FIGURES_DIR  # noqa: E402
+from anelab.publish import docs_site, figures  # noqa: E402
 
 
 class _Page(HTMLParser):

@@ -14,9 +14,10 @@ import ipywidgets as widgets
 import nbformat
 import pytest
 
-from anelab.errors import AnelabInputError
-from anelab.progress import HEADLESS_VARIABLE, tqdm
-from anelab.studies import batch, explore, notebooks, planner, widget_manager
+from anelab import planner
+from anelab.core.errors import AnelabInputError
+from anelab.core.progress import HEADLESS_VARIABLE, tqdm
+from anelab.publish import batch, explore, notebooks, widget_manager
 from anelab.studies.mask_fold import BudgetPoint
 
 SEED_TOKENS, SEED_CHUNK = 4333, 4096  # the seed's workload: 4,333 tokens, chunk 4,096

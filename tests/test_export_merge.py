@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from anelab.hf.checkpoint import load_checkpoint
-from anelab.hf.default import default_checkpoint_dir
+from anelab.checkpoints.checkpoint import load_checkpoint
+from anelab.checkpoints.default import default_checkpoint_dir
 from anelab.sidecar.coremltools_import import coremltools_modules
 from anelab.sidecar.designs import DENSE, STATEFUL_TILED
 from anelab.sidecar.export import convert_program, function_builds, merge_functions

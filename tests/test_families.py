@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from anelab.errors import AnelabInputError
-from anelab.hf.checkpoint import load_checkpoint
-from anelab.hf.config import geometry_from_config
-from anelab.hf.safetensors_io import write_safetensors
-from anelab.masks import causal
+from anelab.checkpoints.checkpoint import load_checkpoint
+from anelab.checkpoints.config import geometry_from_config
+from anelab.checkpoints.safetensors_io import write_safetensors
+from anelab.core.errors import AnelabInputError
+from anelab.core.masks import causal
 from anelab.sidecar.compare import (
     RELATIVE_ERROR_THRESHOLD,
     load_matching_checkpoint,

@@ -14,9 +14,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from anelab.errors import AnelabInputError  # noqa: E402
-from anelab.records import make_record  # noqa: E402
-from anelab.studies import figures
+from anelab.core.errors import AnelabInputError  # noqa: E402
+from anelab.core.records import make_record  # noqa: E402
+from anelab.publish import figures
 
 M3 = {
     "machine_model": "Mac15,3",
@@ -34,7 +34,7 @@ RECORDED_LABEL = "recorded on Mac15,3 (M3), macOS 27.0 — source: probe-m3.json
 DRAW = """
 import matplotlib; matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from anelab.studies import figures
+from anelab.publish import figures
 figures.use_style()
 fig, ax = plt.subplots(figsize=(3, 2))
 ax.plot([1, 2, 3], [3, 1, 2], label="a"); ax.set_title("probe"); ax.legend()
@@ -254,7 +254,7 @@ def test_a_wall_time_figure_is_marked_and_names_its_exact_host(tmp_path, monkeyp
 
 
 def test_committed_manifest_says_which_figures_are_deterministic():
-    from anelab.paths import FIGURES_DIR
+    from anelab.core.paths import FIGURES_DIR
 
     manifest = figures.read_manifest(FIGURES_DIR)["figures"]
     assert {name for name, e in manifest.items() if not e["deterministic"]} == {"tiled_stateful_numpy_time"}
@@ -280,7 +280,7 @@ def test_bad_input_is_refused(tmp_path):
     plt.close(fig)
 
 
-# ---- captions and alt text (one table: anelab/studies/captions.toml) ---------------------------------
+# ---- captions and alt text (one table: anelab/publish/captions.toml) ---------------------------------
 
 KIND_WORDS = {"measured here": "measured here", "recorded elsewhere": "recorded elsewhere", "predicted": "predicted"}
 
@@ -301,7 +301,7 @@ def _caption_problems(name: str, entry: dict) -> list[str]:
 
 
 def test_every_committed_figure_has_a_caption_alt_text_and_provenance_kind():
-    from anelab.paths import FIGURES_DIR
+    from anelab.core.paths import FIGURES_DIR
 
     manifest = figures.read_manifest(FIGURES_DIR)
     assert manifest["figures"]
@@ -327,7 +327,7 @@ def test_caption_check_catches_a_bare_entry():
 def test_every_figure_a_notebook_saves_has_a_caption():
     import re
 
-    from anelab.studies.notebooks import discover_notebooks, read_notebook
+    from anelab.publish.notebooks import discover_notebooks, read_notebook
 
     names = set()
     for path in discover_notebooks():
@@ -403,7 +403,7 @@ def tick_label_sizes(svg: bytes) -> list[float]:
 
 
 def test_every_committed_figure_has_tick_labels_of_9_pt_at_gallery_size():
-    from anelab.paths import FIGURES_DIR
+    from anelab.core.paths import FIGURES_DIR
 
     small = {}
     for svg in sorted(FIGURES_DIR.glob("*.svg")):
@@ -446,7 +446,7 @@ def text_sizes(svg: bytes) -> list[float]:
 
 
 def test_every_committed_figure_has_text_of_9_pt_at_gallery_size():
-    from anelab.paths import FIGURES_DIR
+    from anelab.core.paths import FIGURES_DIR
 
     small = {svg.stem for svg in FIGURES_DIR.glob("*.svg") if min(text_sizes(svg.read_bytes())) < MIN_TICK_PT}
     assert small == set()  # legends, annotations, ticks and titles alike (the size check reads every text)
@@ -483,7 +483,7 @@ def test_no_notebook_or_study_sets_text_below_9_pt():
     from pathlib import Path
 
     import anelab.studies
-    from anelab.studies.notebooks import discover_notebooks, read_notebook
+    from anelab.publish.notebooks import discover_notebooks, read_notebook
 
     found = {
         path.name: small_font_settings("".join("".join(c["source"]) for c in read_notebook(path)["cells"]))

@@ -11,11 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from anelab import reference
-from anelab.errors import AnelabInputError
-from anelab.masks import causal
-from anelab.records import validate_record
-from anelab.selection import Selection
+from anelab.core import reference
+from anelab.core.errors import AnelabInputError
+from anelab.core.masks import causal
+from anelab.core.records import validate_record
+from anelab.core.selection import Selection
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
 from anelab.sidecar.foldcheck import (
     MIN_MOVE_OVER_THRESHOLD,

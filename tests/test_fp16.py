@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from anelab.fp16 import round_to_fp16, to_fp16_precision
+from anelab.core.fp16 import round_to_fp16, to_fp16_precision
 
 
 def _edge_and_random():

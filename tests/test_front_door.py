@@ -12,13 +12,16 @@ import pytest
 from conftest import TINY_GEOMETRIES
 
 from anelab.cli import PLAN_EXAMPLES, main
-from anelab.records import atomic_write_text
-from anelab.runtime.doctor import diagnose, format_report, notebooks_without_a_row
-from anelab.runtime.fake import FakeRuntime
-from anelab.runtime.mac import MacRuntime
-from anelab.studies import notebooks
+from anelab.core.paths import REPO_ROOT
+from anelab.core.records import atomic_write_text
+from anelab.publish import notebooks
+from anelab.publish.doctor import diagnose, format_report
+from anelab.publish.studies import STUDIES, notebooks_without_a_row, study_of_figure
+from anelab.runtimes.coreml import MacRuntime
+from anelab.runtimes.fake import FakeRuntime
 
 # ---- doctor: one table of the studies ---------------------------------------------------------------
+STUDIES_DIR = REPO_ROOT / "anelab" / "studies"
 
 
 def test_doctor_table_lists_every_notebook():
@@ -27,6 +30,52 @@ def test_doctor_table_lists_every_notebook():
     assert notebooks_without_a_row(names) == []
     # negative control: the next notebook, without a row, is caught
     assert notebooks_without_a_row([*names, "08_next_study.ipynb"]) == ["08_next_study.ipynb"]
+
+
+def notebook_study_imports(path) -> set[str]:
+    """The ``anelab.studies`` modules a notebook's code cells import."""
+    import ast
+
+    found = set()
+    for cell in json.loads(path.read_text())["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        for node in ast.walk(ast.parse("".join(cell["source"]))):
+            if isinstance(node, ast.ImportFrom) and node.module == "anelab.studies":
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("anelab.studies."):
+                found.add(node.module.split(".")[2])
+    return found
+
+
+def study_modules(root=STUDIES_DIR) -> list[str]:
+    """The back-end modules in ``anelab/studies/`` (``__init__`` aside)."""
+    return sorted(p.stem for p in root.glob("*.py") if p.stem != "__init__")
+
+
+def modules_no_study_uses(modules: list[str], studies=STUDIES) -> list[str]:
+    """Modules of ``studies/`` that are no study's back-end: ``studies/`` holds one module per notebook."""
+    return [m for m in modules if m not in {s.name for s in studies}]
+
+
+def test_studies_holds_exactly_one_backend_per_notebook_which_the_notebook_imports():
+    assert modules_no_study_uses(study_modules()) == []
+    for study in STUDIES:
+        assert (STUDIES_DIR / f"{study.name}.py").is_file(), study.backend
+        assert study.name in notebook_study_imports(study.path), study.stem
+    # negative control: a module no notebook backs is caught
+    assert modules_no_study_uses([*study_modules(), "planner"]) == ["planner"]
+
+
+def test_every_captioned_figure_belongs_to_one_study_and_its_notebook_draws_it():
+    from anelab.publish.figures import caption_table, read_manifest
+
+    claimed = [f for s in STUDIES for f in s.figures]
+    assert len(claimed) == len(set(claimed))
+    assert sorted(claimed) == sorted(caption_table())
+    for name, entry in read_manifest()["figures"].items():
+        assert study_of_figure(name).notebook.endswith(entry["notebook"]), name
+    assert study_of_figure("no_such_figure") is None  # control
 
 
 def test_doctor_json_lists_seven_studies_with_an_accurate_mode(capsys):
@@ -188,7 +237,7 @@ def test_make_lab_publishes_only_when_told():
 
 
 LAB_BODY = """from pathlib import Path
-import anelab.studies.notebooks as n
+import anelab.publish.notebooks as n
 n.REPO_ROOT, n.FIGURES_DIR = Path({root!r}), Path({root!r}) / "figures"  # a copy of the repository layout
 out = n.figures_destination(figures_dir)
 out.mkdir(parents=True, exist_ok=True)
@@ -249,8 +298,8 @@ def test_atomic_writes_get_the_umask_mode(tmp_path):
 
 
 def test_gallery_index_is_readable_by_the_group(tmp_path):
-    from anelab.paths import FIGURES_DIR
-    from anelab.studies.docs_site import build_docs
+    from anelab.core.paths import FIGURES_DIR
+    from anelab.publish.docs_site import build_docs
 
     saved = os.umask(0o022)
     try:

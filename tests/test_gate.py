@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from anelab.hf.checkpoint import load_checkpoint
-from anelab.runtime.fake import FakeFunction, FakeRuntime
-from anelab.runtime.gate import (
+from anelab.checkpoints.checkpoint import load_checkpoint
+from anelab.runtimes.coreml import MacRuntime
+from anelab.runtimes.fake import FakeFunction, FakeRuntime
+from anelab.runtimes.gate import (
     ANE_REFUSAL_MARKERS,
     VERIFIED_REASON,
     AneGate,
@@ -22,8 +23,7 @@ from anelab.runtime.gate import (
     check_variants,
     find_refusal_markers,
 )
-from anelab.runtime.interface import RuntimeUnavailableError
-from anelab.runtime.mac import MacRuntime
+from anelab.runtimes.interface import RuntimeUnavailableError
 from anelab.sidecar.export import OFF_MAC_REASON, export_layer
 from anelab.sidecar.format import read_sidecar_metadata
 
@@ -328,7 +328,7 @@ def test_export_without_the_runtime_records_not_verified_with_the_reason(checkpo
 
 
 def test_a_child_process_end_is_described_in_words():
-    from anelab.runtime.interface import CHILD_TIMED_OUT, describe_child_exit
+    from anelab.runtimes.interface import CHILD_TIMED_OUT, describe_child_exit
 
     assert describe_child_exit(CHILD_TIMED_OUT, "did not finish within 5 s") == "did not finish within 5 s"
     assert describe_child_exit(-9) == "was killed by SIGKILL"

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from anelab.cli import main
-from anelab.errors import AnelabInputError
+from anelab.core.errors import AnelabInputError
 from anelab.studies.gather_sizing import GatherSizing, crossover_budget, crossover_total, size, sizing_table
 
 # "The gather graph: sized, rejected" (ANE prefill research seed): Qwen 3.8-like geometry
@@ -177,7 +177,7 @@ def test_cli_size_refuses_nonpositive(capsys, flag, value):
 
 def test_dense_scores_are_the_geometry_score_arena():
     # same tensor, two modules: the seed's 3.2 GB h12288 arena (24 heads, chunk 4096, total 16384)
-    from anelab.geometry import AttentionGeometry
+    from anelab.core.geometry import AttentionGeometry
 
     geometry = AttentionGeometry("qwen3_next", hidden_size=2048, num_heads=24, num_kv_heads=4, head_dim=256)
     s = GatherSizing(24, 256, 4096, 12288 + 4096, 2051)

@@ -1,7 +1,7 @@
 """Issue 20: on a Mac every recorded number is the number it claims to be, and first contact explains itself.
 
 Each ``test_defect_N_*`` reproduces defect N of the issue on 2215929 (the stricter fake charges and
-refuses what coremltools 9.0 does; the lines it copies are cited in ``anelab.runtime.fake``) and
+refuses what coremltools 9.0 does; the lines it copies are cited in ``anelab.runtimes.fake``) and
 passes after the fix:
 
 1. cold loads "in a fresh process" timed the import of coremltools and its first-use ``sw_vers``;
@@ -19,22 +19,17 @@ import numpy as np
 import pytest
 from conftest import as_gate_passed
 
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.cli import main
-from anelab.errors import AnelabInputError
-from anelab.hf.checkpoint import load_checkpoint
-from anelab.runtime.assumptions import ASSUMPTIONS, STATE_SHARED_BY_FUNCTIONS, UNIFIED_LOG_READABLE
-from anelab.runtime.device import verify_on_device
-from anelab.runtime.fake import FakeCrash, FakeFunction, FakeRuntime
-from anelab.runtime.gate import AneGateError, check_variants
-from anelab.runtime.interface import (
-    AssumptionFailedError,
-    RuntimeLoadError,
-    RuntimePredictError,
-    UngatedPackageError,
-)
-from anelab.runtime.open import open_sidecar
-from anelab.runtime.probe import build_probe_package, format_probe, probe_core_ml
-from anelab.runtime.timing import time_load, time_predict
+from anelab.core.errors import AnelabInputError
+from anelab.runtimes.assumptions import ASSUMPTIONS, STATE_SHARED_BY_FUNCTIONS, UNIFIED_LOG_READABLE
+from anelab.runtimes.device_verify import verify_on_device
+from anelab.runtimes.fake import FakeCrash, FakeFunction, FakeRuntime
+from anelab.runtimes.gate import AneGateError, check_variants
+from anelab.runtimes.interface import AssumptionFailedError, RuntimeLoadError, RuntimePredictError, UngatedPackageError
+from anelab.runtimes.open import open_sidecar
+from anelab.runtimes.probe import build_probe_package, format_probe, probe_core_ml
+from anelab.runtimes.timing import time_load, time_predict
 from anelab.sidecar.export import export_layer
 from anelab.studies.setup_cost import measure_load_memory
 
@@ -241,8 +236,8 @@ def test_mac_log_show_failure_raises_instead_of_returning_text(monkeypatch):
     """On 2215929 a timed-out ``log show`` returned "(log show failed: TimeoutExpired)": no marker, so the gate passed."""
     import subprocess
 
-    from anelab.runtime.interface import UnifiedLogUnavailable
-    from anelab.runtime.mac import MacRuntime
+    from anelab.runtimes.coreml import MacRuntime
+    from anelab.runtimes.interface import UnifiedLogUnavailable
 
     def timed_out(cmd, **kwargs):
         raise subprocess.TimeoutExpired(cmd, kwargs.get("timeout"))

@@ -8,8 +8,8 @@ by one key must fail that same check.
 import numpy as np
 import pytest
 
-from anelab.errors import AnelabInputError
-from anelab.masks import MASKED, causal, dense_exact_window, fold, fold_with_causal
+from anelab.core.errors import AnelabInputError
+from anelab.core.masks import MASKED, causal, dense_exact_window, fold, fold_with_causal
 
 SEED_KEPT_BLOCKS, SEED_COMPRESS_RATIO, SEED_WINDOW = 512, 4, 2051  # ANE prefill research seed, Qwen 3.8
 FP32_ATOL = 1e-6
@@ -35,7 +35,7 @@ def gathered_attention(scores, values, keep_indices, keep_counts):
 
 
 def random_selection(rng, rows, total, budget):
-    """A valid compacted selection, independent of anelab.selection."""
+    """A valid compacted selection, independent of anelab.core.selection."""
     idx = np.zeros((rows, budget), dtype=np.int32)
     counts = rng.integers(1, budget + 1, size=rows).astype(np.int32)
     for i in range(rows):

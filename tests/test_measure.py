@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from anelab.cli import main
-from anelab.records import read_records
-from anelab.runtime.fake import FakeFunction, FakeRuntime
-from anelab.studies.measure import STEPS, MeasureConfig, measure
+from anelab.core.records import read_records
+from anelab.publish.measure import STEPS, MeasureConfig, measure
+from anelab.runtimes.fake import FakeFunction, FakeRuntime
 
 
 def test_dry_run_lists_every_step_anywhere(capsys):
@@ -30,7 +30,7 @@ def test_off_mac_measure_exits_2_with_one_line_naming_what_it_needs(capsys, tmp_
 
 
 def test_no_neural_engine_is_refused_before_anything_runs(tmp_path):
-    from anelab.errors import AnelabInputError
+    from anelab.core.errors import AnelabInputError
 
     runtime = FakeRuntime(machine="x86_64")
     with pytest.raises(AnelabInputError, match="x86_64, not Apple silicon"):
@@ -87,7 +87,7 @@ def test_a_second_run_skips_what_is_recorded_and_again_measures_again(measured):
     # --again: the same records no longer count as done (a full re-run is what the first run did)
     from dataclasses import replace
 
-    from anelab.studies.measure import MeasureRun  # the skip rule itself, without a second full run
+    from anelab.publish.measure import MeasureRun  # the skip rule itself, without a second full run
 
     key = read_records(config.records, kind="ane_gate")[0]["parameters"]["measure"]["package_sha256"]
     assert MeasureRun(config, runtime, runtime.clock, None).recorded("export", key)
@@ -99,7 +99,7 @@ def test_a_second_run_skips_what_is_recorded_and_again_measures_again(measured):
 
 
 def _mac_record(kind, function, seconds, date, chip="Apple M4", os_version="macOS 15.3", step="block_ab"):
-    from anelab.records import make_record
+    from anelab.core.records import make_record
 
     prov = {
         "machine_model": "Mac16,1", "chip": chip, "os_version": os_version, "python": "3.11", "coremltools": "9.0",
@@ -110,8 +110,8 @@ def _mac_record(kind, function, seconds, date, chip="Apple M4", os_version="macO
 
 
 def test_fresh_data_takes_mac_records_of_the_newest_machine_labelled_and_deduplicated(tmp_path):
-    from anelab.records import make_record, write_record
-    from anelab.studies.fresh import fresh_data
+    from anelab.core.records import make_record, write_record
+    from anelab.publish.fresh import fresh_data
 
     assert fresh_data("predict_timing", tmp_path / "none") is None
     write_record(tmp_path, make_record("predict_timing", {"function": "h0"}, {"median_s": 9.0}))  # this Linux box
@@ -130,8 +130,8 @@ def test_fresh_data_takes_mac_records_of_the_newest_machine_labelled_and_dedupli
 def test_reproduce_names_the_figures_drawn_from_fresh_data(tmp_path):
     import matplotlib
 
-    from anelab.studies.figures import save_figure
-    from anelab.studies.reproduce import fresh_figures_line
+    from anelab.publish.figures import save_figure
+    from anelab.publish.reproduce import fresh_figures_line
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -139,7 +139,7 @@ def test_reproduce_names_the_figures_drawn_from_fresh_data(tmp_path):
     figures_dir = tmp_path / "build" / "figures"
     assert "none of the figures" in fresh_figures_line(True, tmp_path / "build")
     fresh = _mac_record("predict_timing", "h0", 1.0, "2026-02-01T00:00:00+00:00")
-    from anelab.studies.fresh import FreshData
+    from anelab.publish.fresh import FreshData
 
     for name, note in (
         ("replayed", "recorded on Mac15,3"),

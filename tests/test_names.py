@@ -84,7 +84,7 @@ def test_a_stale_name_is_caught(tmp_path):
     note.write_text(
         "evaluated with anelab.mil_eval; see `anelab/checkpoint.py`\n"
         "calls anelab.sidecar.verify.no_such_function and anelab.plan.fit_costs\n"
-        "fine: anelab.sidecar.verify.verify_package, anelab.keyTile, anelab.__version__, `anelab/hf/checkpoint.py`\n"
+        "fine: anelab.sidecar.verify.verify_package, anelab.keyTile, anelab.__version__, `anelab/checkpoints/checkpoint.py`\n"
     )
     found = stale_names([note], repo=REPO)
     assert [f.split(": ")[1] for f in found] == [

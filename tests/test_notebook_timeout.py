@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import papermill
 
-from anelab.paths import REPO_ROOT
-from anelab.studies import notebooks
+from anelab.core.paths import REPO_ROOT
+from anelab.publish import notebooks
 
 
 def test_a_sized_float_timeout_reaches_papermill_as_whole_seconds(tmp_path, monkeypatch):

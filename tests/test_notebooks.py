@@ -13,9 +13,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from anelab import paths
-from anelab.errors import AnelabInputError
-from anelab.studies import notebooks
+from anelab.core import paths
+from anelab.core.errors import AnelabInputError
+from anelab.publish import notebooks
 
 NOTEBOOKS = notebooks.discover_notebooks()
 IDS = [p.name for p in NOTEBOOKS]
@@ -168,7 +168,7 @@ def test_run_all_with_two_jobs_runs_every_notebook_and_reports_a_failure(tmp_pat
     text = out.out + out.err
     assert "01_good.ipynb: ok" in text and "03_other.ipynb: ok" in text
     assert "02_bad.ipynb: FAILED" in text and "boom" in text
-    from anelab.parallel import threads_per_run
+    from anelab.core.parallel import threads_per_run
 
     executed = nbformat.read(str(build / "notebooks" / "03_other.ipynb"), as_version=4)
     printed = "".join(o.get("text", "") for c in executed.cells for o in c.get("outputs", []))
@@ -192,8 +192,8 @@ def test_longest_first_orders_by_the_previous_run(tmp_path):
 
 
 def test_reproduce_runs_notebooks_one_at_a_time_when_a_device_times_them():
-    from anelab.parallel import available_cores
-    from anelab.studies.reproduce import MAX_JOBS, reproduce_jobs
+    from anelab.core.parallel import available_cores
+    from anelab.publish.reproduce import MAX_JOBS, reproduce_jobs
 
     assert reproduce_jobs(device_available=True) == 1
     assert reproduce_jobs(device_available=False) == min(MAX_JOBS, available_cores())

@@ -1,13 +1,13 @@
-"""Per-layer work in worker processes (``anelab.parallel``): same results as one at a time, in order, with
+"""Per-layer work in worker processes (``anelab.core.parallel``): same results as one at a time, in order, with
 errors and refusals as the caller would see them in one process."""
 
 from __future__ import annotations
 
 import pytest
 
-from anelab import parallel
 from anelab.cli import main
-from anelab.errors import AnelabInputError
+from anelab.core import parallel
+from anelab.core.errors import AnelabInputError
 from anelab.sidecar.coremltools_import import coremltools_modules
 from anelab.sidecar.export import export_sidecars
 from anelab.sidecar.format import META, WEIGHTS_RELATIVE

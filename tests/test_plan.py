@@ -9,11 +9,11 @@ import json
 import pytest
 
 from anelab.cli import main
-from anelab.errors import AnelabInputError
-from anelab.studies.planner.catalogue import FAMILIES, chunk_schedule
-from anelab.studies.planner.fit import fit_load_power
-from anelab.studies.planner.plan import plan, predicted_vs_recorded
-from anelab.studies.planner.verdict import decide_arms, plan_arm_costs
+from anelab.core.errors import AnelabInputError
+from anelab.planner.catalogue import FAMILIES, chunk_schedule
+from anelab.planner.fit import fit_load_power
+from anelab.planner.plan import plan, predicted_vs_recorded
+from anelab.planner.verdict import decide_arms, plan_arm_costs
 
 DENSE_FAMILIES = [
     "qwen3.5-2b-4bit",

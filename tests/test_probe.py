@@ -1,4 +1,4 @@
-"""Gather-graph probes (anelab.studies.gather_probe): built, saved, inspected and evaluated from disk.
+"""Gather-graph probes (anelab.studies.gather_sizing): built, saved, inspected and evaluated from disk.
 
 The truth here is a dense masked softmax written in this file (a different formulation from
 ``gather.selected_attention``, which walks the rows); byte sizes are hand formulas of the shapes.
@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from anelab.cli import main
-from anelab.errors import AnelabInputError
-from anelab.masks import dense_exact_window
-from anelab.records import read_records
-from anelab.runtime.fake import FakeFunction, FakeRuntime
+from anelab.core.errors import AnelabInputError
+from anelab.core.masks import dense_exact_window
+from anelab.core.records import read_records
+from anelab.runtimes.fake import FakeFunction, FakeRuntime
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
-from anelab.studies import gather_probe as gather
+from anelab.studies import gather_sizing as gather
 
 HEADS, HEAD_DIM, CHUNK, HISTORY = 2, 16, 8, 24  # total 32 keys
 KEPT_BLOCKS, RATIO = 2, 4  # budget 11
@@ -216,10 +216,10 @@ def test_measure_probes_on_runtime_with_fake(probes, tmp_path):
 def test_a_record_from_before_the_rename_is_read_under_the_new_name(recorded_as):
     """Records written before the full-scores probe had its name call it "dense" (the seed's
     data/ane-gather-probe.json among them): the headline reads both; a record without it has no ratio."""
-    from anelab.studies.headlines import _probe_ratio
+    from anelab.publish.headlines import probe_ratio
 
     rows = [{"graph": recorded_as, "chunk": 32, "x": 4.0}, {"graph": "gather", "chunk": 32, "x": 10.0}]
-    assert _probe_ratio("x")([{"results": {"rows": rows}}]) == 2.5
+    assert probe_ratio("x")([{"results": {"rows": rows}}]) == 2.5
     assert gather.probe_graph_name(recorded_as) == gather.FULL_SCORES
     other = [{**rows[0], "graph": "tiled"}, rows[1]]  # negative control: no full-scores row under any name
-    assert _probe_ratio("x")([{"results": {"rows": other}}]) is None
+    assert probe_ratio("x")([{"results": {"rows": other}}]) is None

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from conftest import TINY_GEOMETRIES
 
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.cli import main
-from anelab.errors import AnelabInputError
-from anelab.hf.checkpoint import load_checkpoint
+from anelab.core.errors import AnelabInputError
 from anelab.sidecar import kernels, quantize
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD
 from anelab.sidecar.evaluate import SavedPackage

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from anelab.errors import AnelabInputError
-from anelab.records import (
+from anelab.core.errors import AnelabInputError
+from anelab.core.records import (
     PROVENANCE_FIELDS,
     SCHEMA_VERSION,
     atomic_write_text,
@@ -209,8 +209,8 @@ def test_not_json_and_missing_files_are_refused_by_name(tmp_path):
 # ---- listing and comparing records from several machines (anelab records list / compare) ------------
 
 from anelab import cli  # noqa: E402
-from anelab.paths import DATA_DIR  # noqa: E402
-from anelab.studies import records_compare as rc  # noqa: E402
+from anelab.core.paths import DATA_DIR  # noqa: E402
+from anelab.publish import records_compare as rc  # noqa: E402
 
 MAC_B = {**M3, "machine_model": "Mac16,1", "chip": "Apple M4", "os_version": "macOS 27.1", "date": "2026-11-01"}
 

@@ -1,4 +1,4 @@
-"""Tests of the NumPy reference block (anelab.reference).
+"""Tests of the NumPy reference block (anelab.core.reference).
 
 Expected values come from a naive per-head, per-row implementation written here from the
 transformers conventions (loops, explicit row layout of q_proj), from hand-computed RoPE
@@ -13,10 +13,10 @@ import math
 import numpy as np
 import pytest
 
-from anelab.errors import AnelabInputError
-from anelab.geometry import AttentionGeometry
-from anelab.masks import MASKED, causal
-from anelab.reference import (
+from anelab.core.errors import AnelabInputError
+from anelab.core.geometry import AttentionGeometry
+from anelab.core.masks import MASKED, causal
+from anelab.core.reference import (
     PRECISIONS,
     BlockOutput,
     apply_rope,
@@ -26,7 +26,7 @@ from anelab.reference import (
     project,
     rope_cos_sin,
 )
-from anelab.weights import AttentionWeights
+from anelab.core.weights import AttentionWeights
 
 FP64_TOL = 1e-10
 FP32_TOL = 1e-5
@@ -96,7 +96,7 @@ def rel_err(a, b) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-# -- naive implementation (independent of anelab.reference) --------------------------------------
+# -- naive implementation (independent of anelab.core.reference) --------------------------------------
 
 
 def naive_rope(vec: np.ndarray, pos: int, g: AttentionGeometry) -> np.ndarray:

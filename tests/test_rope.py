@@ -1,6 +1,6 @@
 """RoPE frequency tables for every transformers RoPE type, checked against hand-derived values.
 
-Expected values never come from anelab.rope: they are literal numbers worked out by hand for
+Expected values never come from anelab.core.rope: they are literal numbers worked out by hand for
 theta 10000 / rotary_dim 8 (where 10000 ** (i / 8) is 1, 10, 100, 1000), or scalar loops written out
 from the formulas in transformers' modeling_rope_utils.py (5.16.0.dev0). Every type also has a negative
 control: a wrong parameter gives a table that fails the same comparison.
@@ -11,8 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from anelab.errors import AnelabInputError
-from anelab.rope import (
+from anelab.core.errors import AnelabInputError
+from anelab.core.rope import (
     ROPE_TYPES,
     RopeScaling,
     half_to_interleaved,

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from anelab.paths import REPO_ROOT
-from anelab.runtime.fake import FakeCrash, FakeFunction, FakeRuntime
-from anelab.runtime.interface import RuntimePredictError, capture_native_output, prepare_inputs
+from anelab.core.paths import REPO_ROOT
+from anelab.runtimes.fake import FakeCrash, FakeFunction, FakeRuntime
+from anelab.runtimes.interface import RuntimePredictError, capture_native_output, prepare_inputs
 
 SIGNATURE = dict(inputs={"hidden": (4, 8), "mask": (4, 4)}, output_shapes={"attn_out": (4, 8)})
 STATEFUL = dict(inputs={"hidden": (4, 8), "start": (1,), "mask": (4, 16)}, states={"k_cache": (2, 16)})
@@ -141,8 +141,8 @@ def test_messages_arrive_on_fd1_fd2_and_the_log_not_on_sys_streams(tmp_path):
 def test_a_message_printed_only_at_exit_is_not_seen_during_the_load(tmp_path):
     code = (
         "import sys; from pathlib import Path\n"
-        "from anelab.runtime.fake import FakeFunction, FakeRuntime\n"
-        "from anelab.runtime.interface import capture_native_output\n"
+        "from anelab.runtimes.fake import FakeFunction, FakeRuntime\n"
+        "from anelab.runtimes.interface import capture_native_output\n"
         f"rt = FakeRuntime({{'h0': FakeFunction(exit_stderr='ANECCompile() FAILED at exit\\n')}})\n"
         "with capture_native_output() as out:\n"
         f"    rt.load(Path({str(_package(tmp_path))!r}), None, 'cpu_and_ne')\n"
@@ -181,7 +181,7 @@ def test_the_fakes_own_temporary_folder_goes_with_it_and_a_given_one_stays(tmp_p
     logs) is removed with the runtime, while a folder the caller passed is the caller's (control)."""
     import gc
 
-    from anelab.runtime.fake import FakeRuntime
+    from anelab.runtimes.fake import FakeRuntime
 
     runtime = FakeRuntime()
     runtime.cache_dir.mkdir(parents=True)

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from anelab.runtime.interface import RuntimeLoadError, RuntimePredictError
-from anelab.runtime.mac import MacRuntime
+from anelab.runtimes.coreml import MacRuntime
+from anelab.runtimes.interface import RuntimeLoadError, RuntimePredictError
 
 
 class CoreMLToolsStandIn:
@@ -153,8 +153,8 @@ def test_a_stateful_function_gets_its_state(mac):
 
 
 def test_the_timed_predict_gets_inputs_already_converted_and_the_callers_dict_is_untouched(mac):
-    from anelab.runtime.fake import FakeClock
-    from anelab.runtime.timing import time_predict
+    from anelab.runtimes.fake import FakeClock
+    from anelab.runtimes.timing import time_predict
 
     runtime, ct, pkg = mac
     given = {"hidden": np.zeros((4, 8), np.float16)}

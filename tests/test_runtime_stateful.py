@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from anelab.hf.checkpoint import load_checkpoint
-from anelab.runtime.fake import FakeRuntime
-from anelab.runtime.interface import RuntimePredictError, package_functions, zero_inputs
-from anelab.runtime.open import open_sidecar
+from anelab.checkpoints.checkpoint import load_checkpoint
+from anelab.runtimes.fake import FakeRuntime
+from anelab.runtimes.interface import RuntimePredictError, package_functions, zero_inputs
+from anelab.runtimes.open import open_sidecar
 from anelab.sidecar.export import export_layer
 from anelab.studies.setup_cost import memory_vs_functions
 

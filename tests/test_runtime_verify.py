@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from conftest import as_gate_passed
 
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.cli import main
-from anelab.errors import AnelabInputError
-from anelab.hf.checkpoint import load_checkpoint
-from anelab.runtime.device import verify_on_device
-from anelab.runtime.fake import FakeRuntime
+from anelab.core.errors import AnelabInputError
+from anelab.runtimes.device_verify import verify_on_device
+from anelab.runtimes.fake import FakeRuntime
 from anelab.sidecar.export import export_layer
 
 
@@ -132,7 +132,7 @@ def test_the_fold_check_runs_on_the_device_too(tiny_checkpoint, tmp_path):
     real = runtime.predict
 
     def causal_only(handle, inputs, state=None):  # a device whose graph ignores the folded selection
-        from anelab.masks import causal
+        from anelab.core.masks import causal
 
         if handle.function == "h32":
             inputs = {**inputs, "mask": causal(32, 32).astype(np.float16)}

@@ -1,15 +1,15 @@
 """The QSA-shaped block indexer: invariants, the dense-exact window, the tail, top-k, scoring.
 
 Expected selections come from a per-row loop written here (``reference_selection``), not from
-anelab.selection's vectorised code.
+anelab.core.selection's vectorised code.
 """
 
 import numpy as np
 import pytest
 
-from anelab.errors import AnelabInputError
-from anelab.masks import MASKED, causal, dense_exact_window, fold_with_causal
-from anelab.selection import Selection, block_scores_qk, block_scores_random, select, select_blocks
+from anelab.core.errors import AnelabInputError
+from anelab.core.masks import MASKED, causal, dense_exact_window, fold_with_causal
+from anelab.core.selection import Selection, block_scores_qk, block_scores_random, select, select_blocks
 
 # (start, chunk, kept_blocks, compress_ratio): small geometries straddling the dense-exact window
 GEOMETRIES = [(0, 20, 2, 4), (10, 12, 3, 4), (5, 9, 1, 1), (16, 16, 2, 3), (0, 7, 5, 4)]

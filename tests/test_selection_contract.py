@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from anelab.cli import main
-from anelab.errors import AnelabInputError
-from anelab.masks import dense_exact_window
+from anelab.core.errors import AnelabInputError
+from anelab.core.masks import dense_exact_window
 from anelab.sidecar import foldcheck
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD
 from anelab.sidecar.export import export_sidecars
@@ -56,7 +56,7 @@ def test_fold_check_turns_vacuous_when_the_selection_keeps_everything(folded, mo
 
 
 def test_loader_refuses_sparse_model_without_contract(tiny_checkpoint, tmp_path):
-    from anelab.runtime.open import open_sidecar
+    from anelab.runtimes.open import open_sidecar
 
     [plain] = export_sidecars(tiny_checkpoint("qwen3"), tmp_path, CHUNK, [0], [0])
     with pytest.raises(AnelabInputError, match="selectionFolded"):

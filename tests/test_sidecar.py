@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from anelab.errors import AnelabInputError
-from anelab.geometry import chunk_starts
-from anelab.hf.checkpoint import load_checkpoint
-from anelab.runtime.fake import FakeRuntime
-from anelab.runtime.interface import RuntimePredictError, RuntimeUnavailableError, zero_inputs
-from anelab.runtime.open import open_sidecar
-from anelab.selection import Selection
+from anelab.checkpoints.checkpoint import load_checkpoint
+from anelab.core.errors import AnelabInputError
+from anelab.core.geometry import chunk_starts
+from anelab.core.selection import Selection
+from anelab.runtimes.fake import FakeRuntime
+from anelab.runtimes.interface import RuntimePredictError, RuntimeUnavailableError, zero_inputs
+from anelab.runtimes.open import open_sidecar
 from anelab.sidecar.export import export_layer
 from anelab.sidecar.format import read_sidecar_metadata, write_package_metadata
 

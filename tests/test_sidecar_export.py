@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 from conftest import TINY_GEOMETRIES
 
-from anelab import reference
-from anelab.errors import AnelabInputError
-from anelab.hf.checkpoint import load_checkpoint, write_checkpoint
-from anelab.masks import causal
+from anelab.checkpoints.checkpoint import load_checkpoint, write_checkpoint
+from anelab.core import reference
+from anelab.core.errors import AnelabInputError
+from anelab.core.masks import causal
+from anelab.core.weights import random_attention_weights
 from anelab.sidecar import evaluate as evaluate_module
 from anelab.sidecar import export as export_module
 from anelab.sidecar import verify_cases as verify_module
@@ -20,7 +21,6 @@ from anelab.sidecar.evaluate import SavedPackage, evaluate
 from anelab.sidecar.export import export_sidecars
 from anelab.sidecar.format import read_sidecar_metadata, weight_bytes
 from anelab.sidecar.verify import verify_package
-from anelab.weights import random_attention_weights
 
 CHUNK = 8
 HISTORIES = [0, 8, 16]

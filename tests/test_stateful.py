@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from conftest import TINY_GEOMETRIES
 
-from anelab import reference
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.cli import main
-from anelab.errors import AnelabInputError
-from anelab.hf.checkpoint import load_checkpoint
-from anelab.masks import MASKED
+from anelab.core import reference
+from anelab.core.errors import AnelabInputError
+from anelab.core.masks import MASKED
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
 from anelab.sidecar.evaluate import SavedPackage, evaluate_with_state, new_state
 from anelab.sidecar.export import export_sidecars

@@ -6,12 +6,14 @@ import numpy as np
 import pytest
 from conftest import TINY_GEOMETRIES, TINY_MODEL_TYPES, TINY_SEED
 
-from anelab import reference
+from anelab.checkpoints.checkpoint import load_checkpoint, write_checkpoint
 from anelab.cli import main
-from anelab.errors import AnelabInputError
-from anelab.geometry import AttentionGeometry
-from anelab.hf.checkpoint import load_checkpoint, write_checkpoint
-from anelab.masks import causal
+from anelab.core import reference
+from anelab.core.errors import AnelabInputError
+from anelab.core.geometry import AttentionGeometry
+from anelab.core.masks import causal
+from anelab.core.weights import random_attention_weights
+from anelab.planner.design_plans import compare_designs
 from anelab.sidecar import evaluate as evaluate_module
 from anelab.sidecar import online_step
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
@@ -24,8 +26,6 @@ from anelab.sidecar.graphs import stateful_tiled
 from anelab.sidecar.prompt import prefill_prompt, prompt_reference, run_stateful_tiled
 from anelab.sidecar.verify import verify_package
 from anelab.studies.one_function import intermediate_profile, tile_error_table
-from anelab.studies.planner.design import compare_designs
-from anelab.weights import random_attention_weights
 
 CHUNK, CAPACITY, KEY_TILE, QUERY_TILE = 8, 32, 8, 4
 VARIANT = "qwen3_next"

@@ -13,15 +13,17 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from anelab.decoder import linear, random_head_weights, random_layer_weights
-from anelab.errors import AnelabInputError
-from anelab.geometry import AttentionGeometry
-from anelab.hf.checkpoint import write_checkpoint_directory
-from anelab.hf.model import load_model, write_model_checkpoint
-from anelab.hf.safetensors_io import LazyTensor, MappedTensor, SafetensorsFile, to_float32, write_safetensors
+from anelab.arms.compare import compare_runs
+from anelab.arms.run import Arm, Perturbation, run_arm, run_arms
+from anelab.arms.sidecars import open_sidecars
+from anelab.checkpoints.checkpoint import write_checkpoint_directory
+from anelab.checkpoints.model import load_model, write_model_checkpoint
+from anelab.checkpoints.safetensors_io import LazyTensor, MappedTensor, SafetensorsFile, to_float32, write_safetensors
+from anelab.core.decoder import linear, random_head_weights, random_layer_weights
+from anelab.core.errors import AnelabInputError
+from anelab.core.geometry import AttentionGeometry
+from anelab.core.weights import random_attention_weights
 from anelab.sidecar.export import export_sidecars
-from anelab.studies.arms import Arm, Perturbation, compare_runs, open_sidecars, run_arm, run_arms
-from anelab.weights import random_attention_weights
 
 CHUNK, PROMPT, DECODE = 4, 10, 3  # chunk starts 0, 4, 8: the last chunk partial
 GEOMETRY = AttentionGeometry("qwen3", 32, 2, 1, 16, num_layers=3, full_attention_layers=(0, 1, 2))
@@ -173,7 +175,7 @@ def test_the_writer_makes_lazy_tensors_in_turn_and_checks_their_shape(tmp_path):
 def test_the_random_model_writer_makes_a_model_that_runs(tmp_path):
     """The benchmarks' writer: a loadable, runnable checkpoint; ``tile`` repeats one seeded block per tensor
     (the i.i.d. default does not — the negative control)."""
-    from anelab.hf.model import write_random_model
+    from anelab.checkpoints.model import write_random_model
 
     g = AttentionGeometry("llama", 32, 2, 1, 16, num_layers=2, full_attention_layers=(0, 1))
     tiled = load_model(write_random_model(tmp_path / "t", g, vocab=40, intermediate=48, tile=100, shards=2))

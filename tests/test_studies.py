@@ -12,26 +12,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from anelab.errors import AnelabInputError
-from anelab.hf.checkpoint import load_checkpoint
-from anelab.masks import MASKED
-from anelab.records import read_record
-from anelab.runtime.fake import FakeClock, FakeFunction, FakeRuntime
-from anelab.runtime.interface import RuntimeUnavailableError
-from anelab.runtime.mac import default_runtime
+from anelab.checkpoints.checkpoint import load_checkpoint
+from anelab.core.errors import AnelabInputError
+from anelab.core.masks import MASKED
+from anelab.core.records import read_record
+from anelab.planner import format_plan
+from anelab.planner.plan import plan
+from anelab.publish.provenance import compact_provenance
+from anelab.runtimes.ab import ab_table, block_inputs, time_attention_ab
+from anelab.runtimes.coreml import default_runtime
+from anelab.runtimes.fake import FakeClock, FakeFunction, FakeRuntime
+from anelab.runtimes.interface import RuntimeUnavailableError
 from anelab.sidecar.format import read_sidecar_metadata
-from anelab.studies.dense_offload import (
-    ab_table,
-    amdahl_ratio,
-    block_inputs,
-    offload_shares,
-    ratio_sweep,
-    recorded_ab_rows,
-    time_attention_ab,
-)
-from anelab.studies.planner import format_plan
-from anelab.studies.planner.plan import plan
-from anelab.studies.provenance import compact_provenance
+from anelab.studies.dense_offload import amdahl_ratio, offload_shares, ratio_sweep, recorded_ab_rows
 from anelab.studies.setup_cost import (
     break_even,
     break_even_setup,
@@ -232,7 +225,7 @@ def test_compact_provenance():
         "_file": "m.json",
     }
     assert compact_provenance([here], planner=True) == (
-        "measured here: Linux x86_64\nlines: planner (anelab.studies.planner) fitted on these records"
+        "measured here: Linux x86_64\nlines: planner (anelab.planner) fitted on these records"
     )  # the kind of machine (no kernel build string); no source line for this run's own record
     assert compact_provenance([here, recs[2]]).endswith("source: c.json")
     with pytest.raises(AnelabInputError):

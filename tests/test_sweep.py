@@ -1,8 +1,8 @@
-"""The chunk-size sweep (anelab.studies.chunk_sweep).
+"""The chunk-size sweep (anelab.studies.tiled_stateful).
 
 Expected values are derived independently: by hand for a tiny geometry (arithmetic written out
 below), from the seed's own numbers for Qwen 3.8's geometry, and — for the setup column — by
-re-fitting the recorded loads in this file rather than through anelab.studies.planner. Each check has a
+re-fitting the recorded loads in this file rather than through anelab.planner. Each check has a
 negative control: the same comparison against a sweep of a wrong input must fail.
 """
 
@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from anelab.errors import AnelabInputError
-from anelab.geometry import AttentionGeometry
-from anelab.hf.checkpoint import load_checkpoint
-from anelab.records import read_record
+from anelab.checkpoints.checkpoint import load_checkpoint
+from anelab.core.errors import AnelabInputError
+from anelab.core.geometry import AttentionGeometry
+from anelab.core.records import read_record
 from anelab.sidecar.prompt import prefill_prompt, prompt_reference
-from anelab.studies.chunk_sweep import (
+from anelab.studies.tiled_stateful import (
     DESIGNS,
     SEED_UTILIZATION_CLAIM,
     chunk_sweep,

@@ -10,9 +10,9 @@ import re
 
 import pytest
 
-from anelab.paths import FIGURES_DIR
-from anelab.studies import figures
-from anelab.studies.notebooks import discover_notebooks, read_notebook
+from anelab.core.paths import FIGURES_DIR
+from anelab.publish import figures
+from anelab.publish.notebooks import discover_notebooks, read_notebook
 
 OLD_ARMS_ALT = (
     "Two panels against kept blocks: logits difference in percent, and greedy agreement in percent for the "

@@ -9,8 +9,8 @@ import pytest
 from conftest import TINY_GEOMETRIES
 
 from anelab.cli import main
-from anelab.errors import AnelabInputError
-from anelab.masks import causal
+from anelab.core.errors import AnelabInputError
+from anelab.core.masks import causal
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
 from anelab.sidecar.evaluate import SavedPackage, evaluate
 from anelab.sidecar.export import export_sidecars

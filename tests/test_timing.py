@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from anelab.errors import AnelabInputError
-from anelab.records import read_record, read_records
-from anelab.runtime.fake import FakeClock, FakeFunction, FakeRuntime
-from anelab.runtime.interface import RuntimeLoadError, RuntimeUnavailableError
-from anelab.runtime.timing import (
+from anelab.core.errors import AnelabInputError
+from anelab.core.records import read_record, read_records
+from anelab.runtimes.fake import FakeClock, FakeFunction, FakeRuntime
+from anelab.runtimes.interface import RuntimeLoadError, RuntimeUnavailableError
+from anelab.runtimes.timing import (
     COLD_LOAD_CAVEAT,
     LOAD_COMPONENTS,
     TimingStats,

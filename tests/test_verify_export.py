@@ -7,11 +7,11 @@ import shutil
 import pytest
 from conftest import TINY_GEOMETRIES
 
+from anelab.checkpoints.checkpoint import write_checkpoint
 from anelab.cli import main
-from anelab.hf.checkpoint import write_checkpoint
+from anelab.core.weights import random_attention_weights
 from anelab.sidecar.export import export_sidecars
 from anelab.sidecar.format import META, read_raw_metadata, write_package_metadata
-from anelab.weights import random_attention_weights
 
 CHUNK = 4
 

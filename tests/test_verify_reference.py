@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from conftest import TINY_GEOMETRIES
 
-from anelab import fp16
-from anelab.errors import AnelabInputError
-from anelab.hf.checkpoint import load_checkpoint
-from anelab.masks import causal
+from anelab.checkpoints.checkpoint import load_checkpoint
+from anelab.core import fp16
+from anelab.core.errors import AnelabInputError
+from anelab.core.masks import causal
 from anelab.sidecar import compare
 from anelab.sidecar import verify_cases as verify_module
 from anelab.sidecar.compare import (
@@ -238,7 +238,7 @@ def test_the_fp64_slice_lies_in_the_second_block(case, monkeypatch):
 
 def test_one_history_projection_serves_every_function(package, monkeypatch):
     """verify projects the longest history once; a function's cache is its first H positions."""
-    from anelab import reference
+    from anelab.core import reference
 
     ckpt, pkg = package
     g = TINY_GEOMETRIES[VARIANT]
@@ -259,7 +259,7 @@ def test_one_history_projection_serves_every_function(package, monkeypatch):
 
 
 def test_drop_half_mask_drops_about_half_of_the_visible_keys_and_keeps_one_per_row():
-    from anelab.masks import MASKED
+    from anelab.core.masks import MASKED
 
     mask = causal(64, 64)
     dropped = verify_module.drop_half_mask(mask, np.random.default_rng(0))

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from conftest import TINY_SEED
 
-from anelab.errors import AnelabInputError
-from anelab.geometry import AttentionGeometry
-from anelab.hf.checkpoint import load_checkpoint
-from anelab.hf.config import geometry_from_config
+from anelab.checkpoints.checkpoint import load_checkpoint
+from anelab.checkpoints.config import geometry_from_config
+from anelab.core.errors import AnelabInputError
+from anelab.core.geometry import AttentionGeometry
+from anelab.core.weights import random_attention_weights
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
 from anelab.sidecar.evaluate import SavedPackage
 from anelab.sidecar.export import export_sidecars
@@ -22,7 +23,6 @@ from anelab.sidecar.inspection import inspect_package
 from anelab.sidecar.prompt import prompt_reference, run_stateful_tiled
 from anelab.sidecar.verify import verify_package
 from anelab.studies.one_function import gemma3_style_geometry, write_gemma3_style_checkpoint
-from anelab.weights import random_attention_weights
 
 WINDOW, CHUNK, KEY_TILE = 8, 4, 4
 GEMMA3 = gemma3_style_geometry(WINDOW)  # five sliding layers, then one full (Gemma 3's pattern)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from test_families import CHUNK, FAMILIES, WINDOW, write_family_checkpoint
 
-from anelab.errors import AnelabInputError
-from anelab.masks import MASKED, causal, fold_with_causal
-from anelab.selection import Selection
+from anelab.core.errors import AnelabInputError
+from anelab.core.masks import MASKED, causal, fold_with_causal
+from anelab.core.selection import Selection
 from anelab.sidecar import foldcheck
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
 from anelab.sidecar.export import export_sidecars
@@ -77,7 +77,7 @@ def test_verify_fails_when_the_metadata_drops_the_window(mistral, tmp_path):
 
 def test_prompt_driver_uses_the_window(mistral):
     ckpt, package = mistral
-    from anelab.hf.checkpoint import load_checkpoint
+    from anelab.checkpoints.checkpoint import load_checkpoint
 
     checkpoint = load_checkpoint(ckpt)
     g, w = checkpoint.geometry, checkpoint.layer(1)
@@ -157,8 +157,8 @@ def test_plan_checkpoint_counts_windowed_layers(gemma2_checkpoint, capsys):
 
 
 def test_plan_checkpoint_default_and_refusals(capsys, tmp_path):
+    from anelab.checkpoints.default import default_checkpoint_dir
     from anelab.cli import main
-    from anelab.hf.default import default_checkpoint_dir
 
     ckpt = default_checkpoint_dir(tmp_path)
     assert main(["plan", "--checkpoint", str(ckpt), "--prompt-tokens", "4333"]) == 0
@@ -186,8 +186,8 @@ def test_export_list_families(capsys):
 
 def test_geometry_options_round_trip():
     """Every option survives to_dict / from_dict (the package metadata stores the geometry)."""
-    from anelab.geometry import AttentionGeometry
-    from anelab.hf.config import geometry_from_config
+    from anelab.checkpoints.config import geometry_from_config
+    from anelab.core.geometry import AttentionGeometry
 
     for fam in FAMILIES:
         g = geometry_from_config(
@@ -205,9 +205,9 @@ def test_geometry_options_round_trip():
 def test_open_sidecar_feeds_the_window_and_refuses_a_mask_outside_it(mistral):
     """At use time the package's window reaches the runtime: without a mask the chunk is fed the
     windowed causal mask; a plain causal mask that shows keys outside the window is refused."""
-    from anelab.runtime.fake import FakeRuntime
-    from anelab.runtime.interface import zero_inputs
-    from anelab.runtime.open import open_sidecar
+    from anelab.runtimes.fake import FakeRuntime
+    from anelab.runtimes.interface import zero_inputs
+    from anelab.runtimes.open import open_sidecar
 
     _, package = mistral
     runtime = FakeRuntime(numerics=True)
@@ -228,8 +228,8 @@ def test_plan_checkpoint_compares_the_designs(capsys, tmp_path):
     layers, with its per-history plan as the baseline (one load per layer for the stateful ones)."""
     import json
 
+    from anelab.checkpoints.default import default_checkpoint_dir
     from anelab.cli import main
-    from anelab.hf.default import default_checkpoint_dir
 
     ckpt = default_checkpoint_dir(tmp_path)
     argv = ["plan", "--checkpoint", str(ckpt), "--prompt-tokens", "4333", "--design", "all", "--chunk", "1024"]

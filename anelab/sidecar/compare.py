@@ -11,16 +11,16 @@ from typing import Protocol
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from anelab import reference
-from anelab.errors import AnelabInputError
-from anelab.geometry import AttentionGeometry
-from anelab.hf.checkpoint import Checkpoint, load_checkpoint
-from anelab.hf.config import CONFIG_FILE
-from anelab.masks import MASKED
+from anelab.checkpoints.checkpoint import Checkpoint, load_checkpoint
+from anelab.checkpoints.config import CONFIG_FILE
+from anelab.core import reference
+from anelab.core.errors import AnelabInputError
+from anelab.core.geometry import AttentionGeometry
+from anelab.core.masks import MASKED
+from anelab.core.weights import AttentionWeights
 from anelab.sidecar.evaluate import SavedPackage, evaluate
 from anelab.sidecar.format import SidecarMetadata, history_of
 from anelab.sidecar.kernels import worker_count
-from anelab.weights import AttentionWeights
 
 # fp16 storage gives ~1e-3 relative error on this block (measured: see the closing note of issue 2);
 # 1 % leaves room for long rows while every negative control lands well above it.
@@ -220,7 +220,7 @@ def run_package(
 
 class Evaluator(Protocol):
     """Runs one function of the package being verified in place of the NumPy evaluation (the seam for
-    Core ML on a Mac: ``anelab.runtime.device.CoreMLEvaluator``): ``evaluator(function, inputs,
+    Core ML on a Mac: ``anelab.runtimes.device_verify.CoreMLEvaluator``): ``evaluator(function, inputs,
     state=None) -> outputs``, names and shapes as in the package's signature; ``make_state(function)``
     gives a fresh state for a stateful function and ``state_arrays(state)`` reads it back; ``name``
     labels the report."""

@@ -26,9 +26,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from anelab.errors import AnelabInputError
-from anelab.geometry import AttentionGeometry, chunk_starts, coverage, score_bytes, validate_chunk_and_histories
-from anelab.masks import MASKED, dense_exact_window
+from anelab.core.errors import AnelabInputError
+from anelab.core.geometry import AttentionGeometry, chunk_starts, coverage, score_bytes, validate_chunk_and_histories
+from anelab.core.masks import MASKED, dense_exact_window
+from anelab.core.weights import AttentionWeights
 from anelab.sidecar import drivers, verify_cases
 from anelab.sidecar.format import (
     MAX_STATE_CAPACITY,
@@ -50,7 +51,6 @@ from anelab.sidecar.graphs.stateful_tiled import (
 )
 from anelab.sidecar.graphs.tiled import build_tiled_program, validate_key_tile
 from anelab.sidecar.quantize import validate_weights_mode
-from anelab.weights import AttentionWeights
 
 # the designs' names: written here and nowhere else (tests/test_designs.py)
 DENSE, TILED, STATEFUL, STATEFUL_TILED = "dense", "tiled", "stateful", "stateful-tiled"

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from anelab import reference
-from anelab.errors import AnelabInputError
-from anelab.geometry import AttentionGeometry, chunk_starts
-from anelab.masks import MASKED, causal
+from anelab.core import reference
+from anelab.core.errors import AnelabInputError
+from anelab.core.geometry import AttentionGeometry, chunk_starts
+from anelab.core.masks import MASKED, causal
+from anelab.core.weights import AttentionWeights
 from anelab.sidecar.evaluate import SavedPackage, evaluate, evaluate_with_state, new_state
 from anelab.sidecar.format import function_name, stateful_function_name
-from anelab.weights import AttentionWeights
 
 DECODE_STEPS = 2  # decode rows run after the prefill when the package has a c1 function
 

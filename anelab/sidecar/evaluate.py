@@ -2,7 +2,7 @@
 
 The package is read back from disk (``milproto.load``), never taken from the builder's memory.
 Each op is executed by a NumPy kernel in float32; with ``fp16=True`` (the default) every fp16
-tensor the program stores is rounded to fp16 precision (``anelab.fp16``), as storing it would.
+tensor the program stores is rounded to fp16 precision (``anelab.core.fp16``), as storing it would.
 
 The attention core — ``matmul(Q, K^T) -> [reshape] -> add(mask) -> softmax -> matmul(., V)`` — is
 recognised and evaluated in query tiles: the scores of one (batch, group, query tile) live in a
@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from anelab.errors import AnelabInputError
-from anelab.fp16 import ROUNDING_BLOCK, clip_overflow, round_to_fp16
-from anelab.reference import score_bound, scored_widths
+from anelab.core.errors import AnelabInputError
+from anelab.core.fp16 import ROUNDING_BLOCK, clip_overflow, round_to_fp16
+from anelab.core.reference import score_bound, scored_widths
 from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools
 from anelab.sidecar.format import require_package
 from anelab.sidecar.kernels import KERNELS, worker_count

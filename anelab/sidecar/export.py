@@ -21,11 +21,12 @@ from typing import Protocol
 import numpy as np
 
 from anelab import __version__
-from anelab.errors import AnelabInputError
-from anelab.geometry import AttentionGeometry
-from anelab.hf.checkpoint import load_checkpoint
-from anelab.parallel import default_jobs, process_map, threads_per_run
-from anelab.progress import tqdm
+from anelab.checkpoints.checkpoint import load_checkpoint
+from anelab.core.errors import AnelabInputError
+from anelab.core.geometry import AttentionGeometry
+from anelab.core.parallel import default_jobs, process_map, threads_per_run
+from anelab.core.progress import tqdm
+from anelab.core.weights import AttentionWeights
 from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools
 from anelab.sidecar.designs import (
     DEFAULT_DESIGN,
@@ -35,7 +36,6 @@ from anelab.sidecar.designs import (
 )
 from anelab.sidecar.format import FORMAT_VERSION, SidecarMetadata, weight_bytes
 from anelab.sidecar.quantize import compress_package
-from anelab.weights import AttentionWeights
 
 OFF_MAC_REASON = (
     "not verified: the Core ML runtime is unavailable on this machine (needs macOS 15+); run the export on a Mac"
@@ -43,7 +43,7 @@ OFF_MAC_REASON = (
 
 
 class VariantGate(Protocol):
-    """What the exporter asks of an ANE gate (implemented by ``anelab.runtime.gate.AneGate``)."""
+    """What the exporter asks of an ANE gate (implemented by ``anelab.runtimes.gate.AneGate``)."""
 
     verified_reason: str
 
@@ -250,7 +250,7 @@ def export_layer(
     records the contract ``selectionFolded: true``: the runtime folds the selection into the mask.
     ``weights_mode`` (``anelab.sidecar.quantize``): each function's package is compressed before the merge.
 
-    ``gate``: the ANE gate (``anelab.runtime.gate.AneGate`` on a Mac); ``None`` records
+    ``gate``: the ANE gate (``anelab.runtimes.gate.AneGate`` on a Mac); ``None`` records
     ``aneCompileVerified: false`` with the reason.
     """
     design, opts = sidecar_options(graph, checkpoint.geometry, chunk, histories, **options)
@@ -360,7 +360,7 @@ def export_sidecars(
     sliding-window ones). ``graph`` and ``options``: as ``export_layer``; every option is validated
     before the checkpoint's weights are read.
 
-    ``jobs``: layers exported at once in worker processes (default ``anelab.parallel.default_jobs``);
+    ``jobs``: layers exported at once in worker processes (default ``anelab.core.parallel.default_jobs``);
     with an ANE ``gate`` one at a time (the gate loads every variant on the device), so a ``jobs`` above 1
     is refused there. The packages do not depend on ``jobs`` (a test compares them byte for byte).
     """

@@ -2,12 +2,12 @@
 show the fold is honoured — and that a wrong mask would be caught.
 
 One ``FoldCase`` is one function h<H> of a saved sidecar with fixed inputs: random fp16 hidden rows
-for the chunk and for the history (the history's K/V made by ``anelab.reference.history_kv``), and
+for the chunk and for the history (the history's K/V made by ``anelab.core.reference.history_kv``), and
 the real projections q [C, Hq, d] and k [T, Hkv, d] the indexer scores (``reference.project``).
-A ``Selection`` (``anelab.selection.select``) folded into the mask then drives two computations:
+A ``Selection`` (``anelab.core.selection.select``) folded into the mask then drives two computations:
 
 - the *package*: the saved program evaluated from disk (``anelab.sidecar.evaluate``, fp16 storage emulated);
-- the *reference*: ``anelab.reference.attention_block`` in float64 with the same mask.
+- the *reference*: ``anelab.core.reference.attention_block`` in float64 with the same mask.
 
 The checks (``fold_check``), on the raw attention output ``attn_out`` [C, D]:
 
@@ -32,17 +32,17 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from anelab import reference
-from anelab.errors import AnelabInputError
-from anelab.geometry import AttentionGeometry
-from anelab.masks import causal, require_visible_key
-from anelab.selection import Selection, select
+from anelab.core import reference
+from anelab.core.errors import AnelabInputError
+from anelab.core.geometry import AttentionGeometry
+from anelab.core.masks import causal, require_visible_key
+from anelab.core.selection import Selection, select
+from anelab.core.weights import AttentionWeights
 from anelab.sidecar import compare
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, load_matching_checkpoint, relative_error
 from anelab.sidecar.drivers import run_stateful_tiled, stateful_mask
 from anelab.sidecar.evaluate import SavedPackage
 from anelab.sidecar.format import function_name, history_of, read_sidecar_metadata
-from anelab.weights import AttentionWeights
 
 # The selection must move the reference by at least this multiple of the pass threshold; below it a
 # package computing the causal-only answer could pass the fold check.
@@ -136,7 +136,7 @@ def make_case(
 
 
 def selection_for(case: FoldCase, kept_blocks: int, compress_ratio: int, score: str = "qk", seed: int = 0) -> Selection:
-    """The QSA-shaped selection of the case's chunk (``anelab.selection.select`` on its q/k)."""
+    """The QSA-shaped selection of the case's chunk (``anelab.core.selection.select`` on its q/k)."""
     return select(case.q, case.k, case.history, kept_blocks, compress_ratio, score=score, seed=seed)
 
 

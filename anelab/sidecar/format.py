@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from anelab.errors import AnelabInputError
+from anelab.core.errors import AnelabInputError
 from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools
 
 INPUT_NAMES = ("hidden", "k_history", "v_history", "mask")

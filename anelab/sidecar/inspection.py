@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from anelab.errors import AnelabInputError
+from anelab.core.errors import AnelabInputError
 from anelab.sidecar.evaluate import SavedPackage, state_signatures, var_bytes
 from anelab.sidecar.format import SidecarMetadata, read_raw_metadata, weight_bytes
 
@@ -96,7 +96,7 @@ def contract_notes(raw: dict[str, str], where: str) -> list[str]:
     if g.get("rope_layout") == "interleaved":
         notes.append(
             "K cache (k_chunk / k_history): each head's rotary channels in half-rotated order "
-            "(anelab.rope.interleaved_to_half of the model's interleaved layout)"
+            "(anelab.core.rope.interleaved_to_half of the model's interleaved layout)"
         )
     return notes
 

@@ -7,8 +7,8 @@ import os
 
 import numpy as np
 
-from anelab.errors import AnelabInputError
-from anelab.parallel import THREAD_CAP_VARIABLES
+from anelab.core.errors import AnelabInputError
+from anelab.core.parallel import THREAD_CAP_VARIABLES
 
 # A GEMM below this many FLOPs runs on one BLAS thread: waking OpenBLAS's other threads costs more than
 # they save (measured: a 8 MFLOP matmul took 8.2 ms on 2 threads and 0.7 ms on one on a busy 2-core machine).

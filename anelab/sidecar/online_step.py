@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from anelab.fp16 import ROUNDING_BLOCK
-from anelab.reference import score_bound
+from anelab.core.fp16 import ROUNDING_BLOCK
+from anelab.core.reference import score_bound
 from anelab.sidecar.kernels import worker_count
 
 SKIP_MARGIN = 128.0  # exp(-128) is 0 in float32 (and fp16): a skipped tile's weights are exactly 0

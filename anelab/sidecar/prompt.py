@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from anelab.errors import AnelabInputError
+from anelab.core.errors import AnelabInputError
 from anelab.sidecar.designs import design_of
 from anelab.sidecar.drivers import (
     DECODE_STEPS,

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from anelab.errors import AnelabInputError
-from anelab.geometry import AttentionGeometry
+from anelab.core.errors import AnelabInputError
+from anelab.core.geometry import AttentionGeometry
+from anelab.core.weights import AttentionWeights
 from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools
-from anelab.weights import AttentionWeights
 
 WEIGHT_MODES = ("fp16", "int8", "palettize4", "int4-block")
 

@@ -2,7 +2,7 @@
 
 For every function h<H> the same inputs — random fp16 hidden rows, a K/V history produced by the
 reference from random history rows, and the causal mask — go to the saved package (evaluated from
-disk with ``anelab.sidecar.evaluate``; Core ML on a Mac later) and to ``anelab.reference``. The relative
+disk with ``anelab.sidecar.evaluate``; Core ML on a Mac later) and to ``anelab.core.reference``. The relative
 error ||package - reference|| / ||reference|| of ``attn_out``, ``k_chunk`` and ``v_chunk`` must stay
 under ``RELATIVE_ERROR_THRESHOLD`` at a full chunk and at a partial chunk (fewer real rows, padded
 and masked; the real rows see only real rows, so their reference is the full chunk's first rows).
@@ -40,11 +40,12 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from anelab import reference
-from anelab.errors import AnelabInputError
-from anelab.geometry import AttentionGeometry
-from anelab.masks import MASKED, causal
-from anelab.progress import tqdm
+from anelab.core import reference
+from anelab.core.errors import AnelabInputError
+from anelab.core.geometry import AttentionGeometry
+from anelab.core.masks import MASKED, causal
+from anelab.core.progress import tqdm
+from anelab.core.weights import AttentionWeights
 from anelab.sidecar import quantize
 from anelab.sidecar.compare import (
     OUTPUTS,
@@ -67,7 +68,6 @@ from anelab.sidecar.compare import (
 from anelab.sidecar.drivers import DECODE_STEPS, prompt_reference, run_stateful, run_stateful_tiled, stateful_mask
 from anelab.sidecar.evaluate import SavedPackage
 from anelab.sidecar.format import STATE_NAMES, SidecarMetadata, function_name, history_of, read_sidecar_metadata
-from anelab.weights import AttentionWeights
 
 
 @dataclass

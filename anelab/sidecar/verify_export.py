@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from anelab.errors import AnelabInputError
-from anelab.parallel import default_jobs, process_map, threads_per_run
-from anelab.progress import tqdm
+from anelab.core.errors import AnelabInputError
+from anelab.core.parallel import default_jobs, process_map, threads_per_run
+from anelab.core.progress import tqdm
 from anelab.sidecar.compare import Comparison
 from anelab.sidecar.format import read_sidecar_metadata
 from anelab.sidecar.verify import VerifyReport, verify_package
@@ -123,7 +123,7 @@ def verify_export(
     the one each package records), with one progress bar over the packages. ``verify_one`` replaces the
     NumPy verification of one package (e.g. on the device: then one package at a time, and a ``jobs``
     above 1 is refused). ``jobs``: packages verified at once in worker processes (default
-    ``anelab.parallel.default_jobs``); the reports do not depend on it."""
+    ``anelab.core.parallel.default_jobs``); the reports do not depend on it."""
     packages = export_packages(directory)
     if verify_one is not None:
         if jobs is not None and jobs > 1:

@@ -1,2 +1,1 @@
-"""Notebook back-ends: the planner, gather sizing and probe, dense offload, setup cost, the mask-fold
-study, the chunk sweep, figures, the notebook runner and ``reproduce``."""
+"""Notebook back-ends, one module per study notebook, named after it (``publish.studies.STUDIES`` lists them)."""

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from anelab.errors import AnelabInputError
-from anelab.hf.checkpoint import load_checkpoint
-from anelab.masks import causal, dense_exact_window
-from anelab.selection import Selection
+from anelab.checkpoints.checkpoint import load_checkpoint
+from anelab.core.errors import AnelabInputError
+from anelab.core.masks import causal, dense_exact_window
+from anelab.core.selection import Selection
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
 from anelab.sidecar.export import export_layer
 from anelab.sidecar.foldcheck import (
@@ -115,8 +115,8 @@ def budget_sweep(
 ) -> list[BudgetPoint]:
     """``budget_point`` for each kept_blocks value, all against the widest budget's output.
 
-    Progress: a bar on a terminal or in JupyterLab, none in a headless run (``anelab.progress``)."""
-    from anelab.progress import tqdm
+    Progress: a bar on a terminal or in JupyterLab, none in a headless run (``anelab.core.progress``)."""
+    from anelab.core.progress import tqdm
 
     baseline = _baseline(case, compress_ratio)
     projection = vocab_projection(case.geometry.hidden_size, seed=case.seed)
@@ -286,7 +286,7 @@ def study_width(
 
 def study_record(studies: list[WidthStudy], parameters: dict) -> dict:
     """A measured record (kind ``mask_fold``) of the study's numbers at every width."""
-    from anelab.records import make_record
+    from anelab.core.records import make_record
 
     if not studies:
         raise AnelabInputError("no widths studied; nothing to record")
@@ -297,7 +297,7 @@ def study_record(studies: list[WidthStudy], parameters: dict) -> dict:
             "threshold": RELATIVE_ERROR_THRESHOLD,
             "min_move_over_threshold": MIN_MOVE_OVER_THRESHOLD,
             "evaluator": "anelab.sidecar.evaluate (saved package, NumPy, fp16 storage emulated)",
-            "reference": "anelab.reference fp64",
+            "reference": "anelab.core.reference fp64",
         },
         {"widths": {str(s.chunk): s.to_dict() for s in studies}},
         unknown=["Core ML / ANE numerics (this run evaluates the saved program with NumPy)"],

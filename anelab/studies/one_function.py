@@ -13,14 +13,14 @@ from pathlib import Path
 
 import numpy as np
 
-from anelab.geometry import AttentionGeometry, chunk_starts
-from anelab.progress import tqdm
+from anelab.core.geometry import AttentionGeometry, chunk_starts
+from anelab.core.progress import tqdm
+from anelab.planner.design_plans import DESIGNS, compare_designs
 from anelab.sidecar.compare import relative_error
 from anelab.sidecar.designs import STATEFUL_TILED, get_design
 from anelab.sidecar.evaluate import SavedPackage
 from anelab.sidecar.inspection import largest_working_output
 from anelab.sidecar.prompt import prefill_prompt, prompt_reference
-from anelab.studies.planner.design import DESIGNS, compare_designs
 
 DESIGN_COLOURS = ("tab:red", "tab:orange", "tab:blue")  # one per design of DESIGNS, in order
 
@@ -96,7 +96,7 @@ def tile_error_table(
 ) -> list[dict]:
     """fp16 error of the online softmax against the number of key tiles: one stateful-tiled export per
     key tile, a prompt filling the capacity, attn_out against the fp64 reference."""
-    from anelab.hf.checkpoint import load_checkpoint
+    from anelab.checkpoints.checkpoint import load_checkpoint
     from anelab.sidecar.export import export_sidecars
 
     ck = load_checkpoint(checkpoint_dir)
@@ -202,8 +202,8 @@ def gemma3_style_geometry(
 def write_gemma3_style_checkpoint(directory, geometry: AttentionGeometry, seed: int = 0) -> Path:
     """config.json + safetensors of ``geometry`` (random weights) in the gemma3_text layout, by the
     project's checkpoint writer."""
-    from anelab.hf.checkpoint import write_checkpoint
-    from anelab.weights import random_attention_weights
+    from anelab.checkpoints.checkpoint import write_checkpoint
+    from anelab.core.weights import random_attention_weights
 
     weights = {i: random_attention_weights(geometry, i, seed) for i in geometry.full_attention_layers}
     return write_checkpoint(directory, geometry, weights, model_type="gemma3_text")
@@ -251,7 +251,7 @@ def windowed_plan_rows(checkpoint_dir, prompt_tokens: int, chunk: int, family: s
     """Per design, a windowed model's functions, loads and planned setup (seconds) over all its
     attention layers, each kind of layer priced as built (``planner.from_checkpoint.checkpoint_designs``;
     costs from ``family`` or the closest recorded dense family)."""
-    from anelab.studies.planner.from_checkpoint import checkpoint_designs
+    from anelab.planner.from_checkpoint import checkpoint_designs
 
     checkpoint_plan, by_kind = checkpoint_designs(checkpoint_dir, prompt_tokens, chunk=chunk, family=family)
     layers = {"full": len(checkpoint_plan.full_layers), "windowed": len(checkpoint_plan.windowed_layers)}

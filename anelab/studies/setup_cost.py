@@ -13,13 +13,13 @@ from pathlib import Path
 
 import numpy as np
 
-from anelab.errors import AnelabInputError
-from anelab.progress import tqdm
-from anelab.records import make_record, write_record
-from anelab.runtime.assumptions import LOAD_FUNCTION_BY_NAME
-from anelab.runtime.interface import CoreMLRuntime, check_compute_units
-from anelab.studies.planner.catalogue import REFERENCE_CHUNK, get_family
-from anelab.studies.planner.plan import PrefillPlan, plan
+from anelab.core.errors import AnelabInputError
+from anelab.core.progress import tqdm
+from anelab.core.records import make_record, write_record
+from anelab.planner.catalogue import REFERENCE_CHUNK, get_family
+from anelab.planner.plan import PrefillPlan, plan
+from anelab.runtimes.assumptions import LOAD_FUNCTION_BY_NAME
+from anelab.runtimes.interface import CoreMLRuntime, check_compute_units
 
 MEMORY_CHILD_TIMEOUT = 900  # seconds one isolated memory measurement may take
 
@@ -66,7 +66,7 @@ def break_even(
     """Search the prompt lengths 1..``max_tokens`` for those where the planner says offload wins.
 
     ``max_tokens`` defaults to the family's coverage cap (``max_history + chunk``) or, for a family
-    without one, to 8 chunks. ``plan_args`` go to :func:`anelab.studies.planner.plan`.
+    without one, to 8 chunks. ``plan_args`` go to :func:`anelab.planner.plan`.
 
     Why a bisection per chunk count is exact: prompts with the same number of chunks
     (``(k-1)*chunk < P <= k*chunk``) visit the same variants and run the same padded ANE chunks, so
@@ -166,7 +166,7 @@ def export_function_sweep(
     Returns {n: path of ``out_root/n<n>/layer_<L>.mlpackage``}. ``gate``: the ANE gate handed to
     :func:`anelab.sidecar.export.export_layer` (None: not gated, as off-Mac).
     """
-    from anelab.hf.checkpoint import load_checkpoint
+    from anelab.checkpoints.checkpoint import load_checkpoint
     from anelab.sidecar.export import export_layer
 
     counts = sorted({int(n) for n in counts})
@@ -274,7 +274,7 @@ def measure_load_memory(
 
 def run_memory_child() -> None:
     """Entry point of the isolated measurement: JSON request on stdin, JSON answer on stdout."""
-    from anelab.runtime.mac import default_runtime
+    from anelab.runtimes.coreml import default_runtime
 
     request = json.loads(sys.stdin.read())
     try:
@@ -331,7 +331,7 @@ def memory_vs_functions(
     :func:`load_memory_isolated`; tests pass a fake): load the first function, then every other one.
     results.rows: [{functions, first_function_delta_bytes, all_functions_delta_bytes, loads}].
     """
-    from anelab.runtime.interface import package_functions
+    from anelab.runtimes.interface import package_functions
 
     if not packages:
         raise AnelabInputError("memory_vs_functions needs at least one package")

@@ -6,9 +6,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from anelab.geometry import AttentionGeometry
-from anelab.rope import interleaved_to_half
-from anelab.weights import AttentionWeights
+from anelab.core.geometry import AttentionGeometry
+from anelab.core.rope import interleaved_to_half
+from anelab.core.weights import AttentionWeights
 
 # RMSNorm in fp16: x is divided by its per-row max |x| (floored) before squaring, so x*x cannot
 # overflow fp16's 65504 whatever the activation scale.

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from anelab.geometry import AttentionGeometry
+from anelab.core.geometry import AttentionGeometry
+from anelab.core.weights import AttentionWeights
 from anelab.sidecar.coremltools_import import coremltools_modules
 from anelab.sidecar.graphs.common import (
     SidecarShape,
@@ -13,7 +14,6 @@ from anelab.sidecar.graphs.common import (
     softcap,
     static_rotation,
 )
-from anelab.weights import AttentionWeights
 
 
 def build_dense_program(geometry: AttentionGeometry, weights: AttentionWeights, shape: SidecarShape):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from anelab.geometry import AttentionGeometry
+from anelab.core.geometry import AttentionGeometry
+from anelab.core.weights import AttentionWeights
 from anelab.sidecar.coremltools_import import coremltools_modules
 from anelab.sidecar.format import STATE_NAMES
 from anelab.sidecar.graphs.common import (
@@ -16,7 +17,6 @@ from anelab.sidecar.graphs.common import (
     softcap,
     update_kv_cache,
 )
-from anelab.weights import AttentionWeights
 
 
 def build_stateful_program(geometry: AttentionGeometry, weights: AttentionWeights, chunk: int, capacity: int):

@@ -57,9 +57,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from anelab.errors import AnelabInputError
-from anelab.geometry import AttentionGeometry
-from anelab.masks import MASKED
+from anelab.core.errors import AnelabInputError
+from anelab.core.geometry import AttentionGeometry
+from anelab.core.masks import MASKED
+from anelab.core.weights import AttentionWeights
 from anelab.sidecar.coremltools_import import coremltools_modules
 from anelab.sidecar.format import STATE_NAMES
 from anelab.sidecar.graphs.common import (
@@ -72,7 +73,6 @@ from anelab.sidecar.graphs.common import (
     softcap,
     update_kv_cache,
 )
-from anelab.weights import AttentionWeights
 
 ROPE_SPLIT = 256  # start = hi * ROPE_SPLIT + lo: both gather indices stay far below int16's 32,767
 MASK_MODES = ("causal", "additive")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from anelab.geometry import AttentionGeometry
+from anelab.core.geometry import AttentionGeometry
+from anelab.core.weights import AttentionWeights
 from anelab.sidecar.coremltools_import import coremltools_modules
 from anelab.sidecar.graphs.common import (
     SidecarShape,
@@ -15,12 +16,11 @@ from anelab.sidecar.graphs.common import (
     softcap,
     static_rotation,
 )
-from anelab.weights import AttentionWeights
 
 
 def validate_key_tile(key_tile: int, chunk: int) -> int:
     """A key tile must be a positive divisor of the chunk (so no tile straddles history and chunk)."""
-    from anelab.errors import AnelabInputError
+    from anelab.core.errors import AnelabInputError
 
     if isinstance(key_tile, bool) or not isinstance(key_tile, (int, np.integer)) or key_tile <= 0:
         raise AnelabInputError(f"--tile must be a positive integer, got {key_tile!r}")

@@ -1,0 +1,237 @@
+"""Comparisons of arm runs and the ``compare-arms`` entry point.
+
+Per arm pair (``compare_runs``): relative difference of the hidden state after every layer over all prompt
+positions; of the logits at the last prompt position and at every decoded step; greedy token agreement; the
+first layer whose difference exceeds the fp16 noise threshold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from anelab.arms.run import REFERENCE_CHUNK, Arm, ArmRun, Indexer, run_arms
+from anelab.arms.sidecars import open_sidecars, runtime_runner
+from anelab.checkpoints.model import load_model
+from anelab.core.errors import AnelabInputError
+from anelab.core.geometry import chunk_starts
+from anelab.sidecar.compare import (
+    RELATIVE_ERROR_THRESHOLD,
+    relative_error,
+)
+
+NOISE = RELATIVE_ERROR_THRESHOLD  # a layer differs "beyond fp16 noise" above this relative difference
+
+
+@dataclass
+class PairComparison:
+    """Arm ``b`` against arm ``a``.
+
+    layer_diffs: relative difference of the hidden state after each layer (all prompt positions);
+    step_logits_diffs: per decoded step (step 0 = the last prompt position; later steps condition on
+    each arm's own tokens); first_divergent_layer: first layer above ``noise`` (None: none).
+    """
+
+    a: str
+    b: str
+    layer_diffs: list[float]
+    step_logits_diffs: list[float]
+    greedy_agreement: float
+    first_divergent_step: int | None
+    first_divergent_layer: int | None
+    noise: float
+
+    @property
+    def prompt_logits_diff(self) -> float:
+        return self.step_logits_diffs[0]
+
+    @property
+    def identical_text(self) -> bool:
+        return self.first_divergent_step is None
+
+    def to_dict(self) -> dict:
+        return {
+            "a": self.a,
+            "b": self.b,
+            "layer_diffs": self.layer_diffs,
+            "prompt_logits_diff": self.prompt_logits_diff,
+            "step_logits_diffs": self.step_logits_diffs,
+            "greedy_agreement": self.greedy_agreement,
+            "identical_text": self.identical_text,
+            "first_divergent_step": self.first_divergent_step,
+            "first_divergent_layer": self.first_divergent_layer,
+            "noise": self.noise,
+        }
+
+
+def compare_runs(a: ArmRun, b: ArmRun, noise: float = NOISE) -> PairComparison:
+    """Per-layer hidden, per-step logits and greedy comparison of two runs of one prompt (the per-layer
+    differences from the kept hidden states, else from those ``run_arms`` computed for the pair)."""
+    if a.tokens.shape != b.tokens.shape or (a.hidden is not None and b.hidden is not None
+                                            and a.hidden.shape != b.hidden.shape):  # fmt: skip
+        raise AnelabInputError(f"arms {a.arm.name} and {b.arm.name} ran different prompts or decode lengths")
+    if a.hidden is not None and b.hidden is not None:
+        layers = [relative_error(b.hidden[i], a.hidden[i]) for i in range(a.hidden.shape[0])]
+    elif a.arm.name in b.layer_diffs:
+        layers = list(b.layer_diffs[a.arm.name])
+    else:
+        raise AnelabInputError(
+            f"arms {a.arm.name} and {b.arm.name} kept no hidden states and no differences for this pair; "
+            "run them with layer_pairs or keep_hidden"
+        )
+    steps = [relative_error(b.logits[i], a.logits[i]) for i in range(a.logits.shape[0])]
+    differ = np.flatnonzero(a.tokens != b.tokens)
+    beyond = [i for i, d in enumerate(layers) if d > noise]
+    return PairComparison(
+        a.arm.name,
+        b.arm.name,
+        layers,
+        steps,
+        float(np.mean(a.tokens == b.tokens)),
+        int(differ[0]) if differ.size else None,
+        beyond[0] if beyond else None,
+        float(noise),
+    )
+
+
+@dataclass
+class ArmsReport:
+    """Every arm's run of one prompt and the comparison of each listed pair."""
+
+    checkpoint: Path
+    prompt: np.ndarray
+    decode: int
+    chunk: int
+    runs: dict[str, ArmRun]
+    pairs: list[PairComparison]
+
+    def table(self) -> str:
+        """The per-layer table (relative hidden difference per pair) and the summary lines."""
+        heads = [f"{p.b} vs {p.a}" for p in self.pairs]
+        width = max([len(h) for h in heads] + [12])
+        lines = [
+            f"checkpoint {self.checkpoint}: prompt {self.prompt.size} tokens in chunks of {self.chunk}, "
+            f"{self.decode} decoded greedily on the reference path",
+            f"{'layer':>5}  " + "  ".join(f"{h:>{width}}" for h in heads),
+        ]
+        for layer in range(len(self.pairs[0].layer_diffs) if self.pairs else 0):
+            lines.append(f"{layer:>5}  " + "  ".join(f"{p.layer_diffs[layer]:>{width}.3e}" for p in self.pairs))
+        for p in self.pairs:
+            first = "none" if p.first_divergent_layer is None else str(p.first_divergent_layer)
+            step = "identical" if p.identical_text else f"first differs at step {p.first_divergent_step}"
+            lines.append(
+                f"{p.b} vs {p.a}: logits at the last prompt position {p.prompt_logits_diff:.3%}, max over "
+                f"{len(p.step_logits_diffs)} steps {max(p.step_logits_diffs):.3%}; greedy agreement "
+                f"{p.greedy_agreement:.0%} ({step}); first layer beyond {p.noise:.0e}: {first}"
+            )
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "checkpoint": str(self.checkpoint),
+            "prompt_tokens": int(self.prompt.size),
+            "decode": self.decode,
+            "chunk": self.chunk,
+            "tokens": {name: run.tokens.tolist() for name, run in self.runs.items()},
+            "pairs": [p.to_dict() for p in self.pairs],
+        }
+
+
+def random_prompt(vocab_size: int, tokens: int, seed: int = 0) -> np.ndarray:
+    """Token ids int64 [tokens] drawn uniformly from the vocabulary with a fixed seed."""
+    if tokens < 1:
+        raise AnelabInputError(f"--prompt-tokens must be >= 1, got {tokens}")
+    return np.random.default_rng([int(seed), 0x7E4]).integers(0, vocab_size, int(tokens))
+
+
+def read_tokens(path: str | os.PathLike) -> np.ndarray:
+    """Token ids from a file: a JSON list, or integers separated by whitespace or commas."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise AnelabInputError(f"{path}: no such token file") from None
+    try:
+        values = json.loads(text) if text.lstrip().startswith("[") else text.replace(",", " ").split()
+        tokens = np.array([int(v) for v in values], dtype=np.int64)
+    except (ValueError, TypeError, json.JSONDecodeError):
+        raise AnelabInputError(
+            f"{path}: token file must hold integer token ids (a JSON list or whitespace-separated)"
+        ) from None
+    if tokens.size == 0:
+        raise AnelabInputError(f"{path}: the token file is empty")
+    return tokens
+
+
+def compare_arms(
+    checkpoint: str | os.PathLike,
+    sidecars: str | os.PathLike | None,
+    prompt_tokens: int | None = None,
+    *,
+    decode: int = 32,
+    tokens: np.ndarray | None = None,
+    seed: int = 0,
+    indexer: Indexer | None = None,
+    chunk: int | None = None,
+    compute_units: str | None = None,
+    runtime=None,
+) -> ArmsReport:
+    """Run the arms on one prompt and compare them.
+
+    Arms: ``reference``; ``sidecar`` when a sidecar directory is given; with an ``indexer``, ``folded``
+    and ``causal-only`` (on the sidecars when given, else on the reference). Pairs: sidecar vs
+    reference, causal-only vs folded (a sparse-indexed model is a different model from the dense
+    reference, so folded is not compared with reference). ``tokens`` (int [P]) overrides the seeded
+    random prompt of ``prompt_tokens`` ids. ``compute_units``: serve the sidecars through Core ML
+    (``runtime_runner``; ``runtime`` defaults to this machine's, refused off-Mac) instead of NumPy.
+    """
+
+    model = load_model(checkpoint)
+    prompt = random_prompt(model.vocab_size, prompt_tokens or 0, seed) if tokens is None else np.asarray(tokens)
+    sidecar_set = open_sidecars(sidecars, model, prompt.size) if sidecars is not None else None
+    if compute_units is not None:
+        if sidecar_set is None:
+            raise AnelabInputError("compute units apply to the sidecar arm; pass the sidecar directory too")
+        sidecar_set.runner = runtime_runner(sidecar_set, compute_units=compute_units, runtime=runtime)
+    arms = [Arm("reference")]
+    if sidecar_set is not None:
+        arms.append(Arm("sidecar", "sidecar"))
+    if indexer is not None:
+        served = "sidecar" if sidecar_set is not None else "reference"
+        arms += [Arm("folded", served, indexer, fold=True), Arm("causal-only", served, indexer, fold=False)]
+    order = [("reference", "sidecar"), ("folded", "causal-only")]
+    names = {arm.name for arm in arms}
+    wanted = tuple((a, b) for a, b in order if a in names and b in names)
+    runs = run_arms(model, prompt, arms, decode=decode, chunk=chunk, sidecars=sidecar_set, keep_hidden=False,
+                    layer_pairs=wanted)  # fmt: skip
+    pairs = [compare_runs(runs[a], runs[b]) for a, b in wanted]
+    used = sidecar_set.chunk if sidecar_set else (chunk or REFERENCE_CHUNK)
+    return ArmsReport(model.path, prompt, decode, used, runs, pairs)
+
+
+DEFAULT_DENSE = "default-dense"  # compare-arms' name for the embedded dense sibling
+
+
+def default_dense(sidecars: str | os.PathLike | None, prompt_tokens: int, chunk: int = REFERENCE_CHUNK):
+    """The embedded dense sibling (generated on first use) and, when ``sidecars`` names a directory that
+    does not exist yet, its sidecars exported there for a ``prompt_tokens`` prompt. Returns (checkpoint, sidecars)."""
+    from anelab.checkpoints.default import dense_checkpoint_dir
+
+    checkpoint = dense_checkpoint_dir()
+    if sidecars is not None and not Path(sidecars).exists():
+        export_arm_sidecars(checkpoint, sidecars, chunk, prompt_tokens)
+    return checkpoint, sidecars
+
+
+def export_arm_sidecars(
+    checkpoint: str | os.PathLike, out_dir: str | os.PathLike, chunk: int, prompt_tokens: int
+) -> Path:
+    """Export every full-attention layer with the functions h0, hC, ... a ``prompt_tokens`` prompt needs."""
+    from anelab.sidecar.export import export_sidecars
+
+    export_sidecars(checkpoint, out_dir, int(chunk), chunk_starts(int(prompt_tokens), int(chunk)))
+    return Path(out_dir)

@@ -1,0 +1,377 @@
+"""One prompt prefilled chunk by chunk under different attention servers (arms), then decoded greedily.
+
+An *arm* says who serves each attention layer during prefill and with which mask:
+
+- ``reference``: every attention from ``anelab.core.reference`` (fp32), causal mask;
+- ``sidecar``: every full-attention layer from its saved ``layer_<L>.mlpackage`` (NumPy evaluation
+  of the saved program off-Mac, or Core ML through ``runtime_runner`` on a Mac), causal mask;
+- mask arms for a sparse-indexed model (``Indexer``): ``folded`` (the QSA-shaped selection of
+  ``anelab.core.selection`` folded into each chunk's mask) vs ``causal-only`` (the causal mask alone — what
+  a sidecar without the fold computes); the indexer sparsifies the full-attention layers, a sliding
+  layer keeps its window (every arm applies a layer's window, ``geometry.window_of``, in prefill and decode);
+- a negative control: any arm with one layer perturbed (``mask_dropped``: that layer attends to
+  every key of the chunk's coverage; ``rope_shifted``: that layer's chunks after the first are rotated
+  one position late against their cached history — reference-served layers only; a shift of every
+  position alike would cancel in q.k).
+
+The prompt is prefilled exactly as a runtime would: one call per chunk start s (function ``h<s>``),
+the last chunk partial (padded to the sidecar width; padded rows come after every real row), each
+layer's K/V cache threaded from the calls before. Then N tokens are decoded greedily one at a time
+on the reference path (a sparse-indexed model's decode applies its indexer) from the cache the arm
+produced — prefill on the sidecar, decode elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from anelab.arms.sidecars import SidecarSet
+from anelab.checkpoints.model import ModelCheckpoint
+from anelab.core import reference
+from anelab.core.decoder import DecoderLayerWeights, attention_input, embed, finish_layer, lm_logits_each
+from anelab.core.errors import AnelabInputError
+from anelab.core.geometry import chunk_starts
+from anelab.core.masks import causal, fold_with_causal
+from anelab.core.selection import select
+from anelab.core.weights import AttentionWeights
+from anelab.sidecar.compare import (
+    relative_error,
+)
+
+ATTENTIONS = ("reference", "sidecar")
+PERTURBATIONS = ("mask_dropped", "rope_shifted")
+REFERENCE_CHUNK = 16  # prefill chunk of arms run without sidecars
+
+
+@dataclass(frozen=True)
+class Indexer:
+    """A QSA-shaped block indexer (``anelab.core.selection.select``): kept blocks x keys per block."""
+
+    kept_blocks: int
+    compress_ratio: int
+
+
+@dataclass(frozen=True)
+class Perturbation:
+    """A negative control: one layer's attention made wrong (``mask_dropped`` or ``rope_shifted``)."""
+
+    layer: int
+    kind: str
+
+    def __post_init__(self):
+        if self.kind not in PERTURBATIONS:
+            raise AnelabInputError(f"perturbation {self.kind!r}: use one of {', '.join(PERTURBATIONS)}")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """Who serves the attention during prefill, and with which mask.
+
+    attention: ``reference`` or ``sidecar``; indexer: the model is sparse-indexed with this indexer
+    (decode applies it); fold: prefill folds the indexer's selection into the mask (False: causal only).
+    """
+
+    name: str
+    attention: str = "reference"
+    indexer: Indexer | None = None
+    fold: bool = True
+    perturbation: Perturbation | None = None
+
+    def __post_init__(self):
+        if self.attention not in ATTENTIONS:
+            raise AnelabInputError(f"arm {self.name}: attention {self.attention!r}; use one of {', '.join(ATTENTIONS)}")
+
+
+# ---- one arm -------------------------------------------------------------------------------------------------
+@dataclass
+class ArmRun:
+    """What one arm produced.
+
+    hidden  [L, P, D] float32 — the hidden state after every layer at every prompt position (None when the
+            run did not keep it: ``layer_diffs`` then holds what comparisons need)
+    logits  [N, V] float32 — row 0 at the last prompt position, row i after feeding decoded token i-1
+    tokens  [N] int — the greedy continuation (argmax of each logits row)
+    layer_diffs  arm name -> per layer, the relative difference of this arm's hidden state from that arm's
+            (computed during the prefill, for the pairs the run was asked for)
+    """
+
+    arm: Arm
+    hidden: np.ndarray | None
+    logits: np.ndarray
+    tokens: np.ndarray
+    layer_diffs: dict[str, list[float]] = field(default_factory=dict)
+
+
+@dataclass
+class _Layer:
+    """One layer during a run: its K/V cache so far, and its weights while they are in use (None otherwise)."""
+
+    attention: AttentionWeights | None = None
+    weights: DecoderLayerWeights | None = None
+    k: list = field(default_factory=list)  # cached keys, token-major [n, Hkv, d] pieces
+    v: list = field(default_factory=list)
+    rope_coverage: int | None = None  # picks a dynamic / longrope table (ModelCheckpoint.rope_coverage)
+
+    def history(self, geometry) -> tuple[np.ndarray, np.ndarray]:
+        empty = np.zeros((0, geometry.num_kv_heads, geometry.head_dim), np.float32)
+        k = np.concatenate(self.k) if self.k else empty
+        v = np.concatenate(self.v) if self.v else empty
+        return k, v
+
+    def load(self, model: ModelCheckpoint, layer: int) -> None:
+        self.attention, self.weights = model.attention(layer), model.layer(layer)
+
+    def unload(self) -> None:
+        self.attention = self.weights = None
+
+
+def _selection_mask(normed, start, state: _Layer, k_hist, model, indexer: Indexer, width: int) -> np.ndarray:
+    """The indexer's selection of these rows (scored on their reference q and every key) folded into a [width, s + width] mask."""
+    rows = normed.shape[0]
+    proj = reference.project(
+        normed, start + np.arange(rows), state.attention, model.geometry, rope_coverage=state.rope_coverage
+    )
+    sel = select(proj.q, np.concatenate([k_hist, proj.k]), start, indexer.kept_blocks, indexer.compress_ratio)
+    return fold_with_causal(sel.keep_indices, sel.keep_counts, start, width)
+
+
+def _mask(normed, start, state, k_hist, model, arm: Arm, width: int, *, prefill: bool, layer: int) -> np.ndarray:
+    """Additive mask float16 [width, start + width] for this layer's call (a sliding layer's window included)."""
+    if prefill and arm.perturbation is not None and arm.perturbation == Perturbation(layer, "mask_dropped"):
+        return np.zeros((width, start + width), np.float16)
+    window = model.geometry.window_of(layer)
+    if arm.indexer is not None and (arm.fold or not prefill) and window is None:
+        return _selection_mask(normed, start, state, k_hist, model, arm.indexer, width)
+    return causal(width, start, window=window)
+
+
+def _attend(model, layer, state: _Layer, normed, start, arm: Arm, sidecars, *, prefill: bool):
+    """One layer's attention for rows at ``start``: (attn_out [r, D], k [r, Hkv, d], v [r, Hkv, d]) float32."""
+    g = model.geometry
+    rows = normed.shape[0]
+    k_hist, v_hist = state.history(g)
+    on_sidecar = prefill and arm.attention == "sidecar" and layer in sidecars.packages
+    width = sidecars.chunk if on_sidecar else rows
+    mask = _mask(normed, start, state, k_hist, model, arm, width, prefill=prefill, layer=layer)
+    if on_sidecar:
+        hidden = np.zeros((width, g.hidden_size), np.float16)
+        hidden[:rows] = normed
+        inputs = {"hidden": hidden, "mask": mask}
+        if start > 0:
+            inputs.update(k_history=k_hist.astype(np.float16), v_history=v_hist.astype(np.float16))
+        out = sidecars.runner(layer, start, rows, inputs)
+        attn = np.asarray(out["attn_out"], np.float32).reshape(width, g.hidden_size)[:rows]
+        kc = np.asarray(out["k_chunk"], np.float32).reshape(g.num_kv_heads, width, g.head_dim)[:, :rows]
+        vc = np.asarray(out["v_chunk"], np.float32).reshape(g.num_kv_heads, width, g.head_dim)[:, :rows]
+        return attn, kc.transpose(1, 0, 2), vc.transpose(1, 0, 2)
+    # only chunks with a history: RoPE scores depend on q and k positions' difference, so shifting every
+    # position of a layer alike (chunk 0 included) would cancel exactly
+    shift = 1 if prefill and start > 0 and arm.perturbation == Perturbation(layer, "rope_shifted") else 0
+    block = reference.attention_block(
+        normed, k_hist, v_hist, mask.astype(np.float32), state.attention, g, start=start + shift,
+        rope_coverage=state.rope_coverage,
+    )  # fmt: skip
+    return block.attn_out, block.k_chunk.transpose(1, 0, 2), block.v_chunk.transpose(1, 0, 2)
+
+
+def _layer_rows(model, layer: int, state: _Layer, x, start: int, arm: Arm, sidecars, *, prefill: bool) -> np.ndarray:
+    """Rows x [r, D] at ``start`` through one loaded layer (its cache appended): the layer's output [r, D]."""
+    normed = attention_input(x, state.weights, model.eps)
+    attn, k, v = _attend(model, layer, state, normed, start, arm, sidecars, prefill=prefill)
+    state.k.append(k.astype(np.float32))
+    state.v.append(v.astype(np.float32))
+    return finish_layer(x, attn, state.weights, model.eps)
+
+
+@dataclass
+class _Prefill:
+    """One arm during the prefill: its layers' caches, its rows x [P, D] (the embeddings, then each layer's
+    output in turn) and, when kept, every layer's output hidden [L, P, D]."""
+
+    arm: Arm
+    states: list[_Layer]
+    x: np.ndarray
+    hidden: np.ndarray | None
+
+
+def _prefill_layer_major(model, runs: list[_Prefill], starts, chunk, sidecars, diffs: dict, progress) -> None:
+    """Every chunk through layer 0 (its cache threaded), then through layer 1, ...: each layer's weights are
+    read once for all arms and dropped, every arm's chunks through them on its own. After each layer, the
+    relative difference of arm b's rows from arm a's is appended to ``diffs[(a, b)]`` (indices into runs)."""
+    for layer in range(model.num_layers):
+        with _loaded_once(model, layer, [run.states[layer] for run in runs]):
+            for run in runs:
+                for start in starts:
+                    rows = slice(start, start + chunk)
+                    run.x[rows] = _layer_rows(model, layer, run.states[layer], run.x[rows].copy(), start, run.arm,
+                                              sidecars, prefill=True)  # fmt: skip
+                if run.hidden is not None:
+                    run.hidden[layer] = run.x
+        for a, b in diffs:
+            diffs[(a, b)].append(relative_error(runs[b].x, runs[a].x))
+        progress.update()
+
+
+@contextlib.contextmanager
+def _loaded_once(model, layer: int, states: list[_Layer]):
+    """Layer ``layer``'s weights read once and handed to every arm's state of it; dropped from all after."""
+    states[0].load(model, layer)
+    for state in states[1:]:
+        state.attention, state.weights = states[0].attention, states[0].weights
+    try:
+        yield
+    finally:
+        for state in states:
+            state.unload()
+
+
+def _prefill_chunk_major(model, states, x, starts, chunk, arm, sidecars, hidden, progress) -> None:
+    """Each chunk through every layer before the next chunk (a runtime's order): every layer's weights held."""
+    for layer, state in enumerate(states):
+        state.load(model, layer)
+    for start in starts:
+        rows = slice(start, start + chunk)
+        y = x[rows].copy()
+        for layer, state in enumerate(states):
+            y = _layer_rows(model, layer, state, y, start, arm, sidecars, prefill=True)
+            hidden[layer, rows] = y
+        x[rows] = y
+    for state in states:
+        state.unload()
+    progress.update(len(states))
+
+
+PREFILL_ORDERS = {"layer": _prefill_layer_major, "chunk": _prefill_chunk_major}
+
+
+def _decode_step_together(model, runs: list[tuple[Arm, list[_Layer]]], tokens: list[int], position: int, sidecars,
+                          head) -> list[np.ndarray]:  # fmt: skip
+    """One greedy step of every arm on the reference path: each layer's weights (and the LM head's blocks) read
+    once for all arms, every arm's row through them on its own -> one logits row [V] per arm."""
+    xs = [embed(np.array([token]), head) for token in tokens]
+    for layer in range(model.num_layers):
+        with _loaded_once(model, layer, [states[layer] for _, states in runs]):
+            for i, (arm, states) in enumerate(runs):
+                xs[i] = _layer_rows(model, layer, states[layer], xs[i], position, arm, sidecars, prefill=False)
+    return [rows[0] for rows in lm_logits_each(xs, head, model.eps)]
+
+
+def _check_arm(arm: Arm, model: ModelCheckpoint, sidecars: SidecarSet | None) -> None:
+    if arm.attention == "sidecar" and sidecars is None:
+        raise AnelabInputError(f"arm {arm.name} runs on the sidecars; pass the sidecar directory")
+    p = arm.perturbation
+    if p is not None:
+        if not 0 <= p.layer < model.num_layers:
+            raise AnelabInputError(f"arm {arm.name}: perturbed layer {p.layer} is outside 0..{model.num_layers - 1}")
+        if p.kind == "rope_shifted" and arm.attention == "sidecar" and p.layer in sidecars.packages:
+            raise AnelabInputError(
+                f"arm {arm.name}: a saved sidecar fixes its RoPE positions; shift RoPE on a reference-served layer"
+            )
+
+
+def run_arm(
+    model: ModelCheckpoint,
+    prompt: np.ndarray,
+    arm: Arm,
+    *,
+    decode: int,
+    chunk: int | None = None,
+    sidecars: SidecarSet | None = None,
+    order: str = "layer",
+) -> ArmRun:
+    """Prefill ``prompt`` (int [P]) chunk by chunk under ``arm``, then decode ``decode`` tokens greedily
+    (``run_arms`` with one arm)."""
+    return run_arms(model, prompt, [arm], decode=decode, chunk=chunk, sidecars=sidecars, order=order)[arm.name]
+
+
+def run_arms(
+    model: ModelCheckpoint,
+    prompt: np.ndarray,
+    arms: list[Arm],
+    *,
+    decode: int,
+    chunk: int | None = None,
+    sidecars: SidecarSet | None = None,
+    order: str = "layer",
+    keep_hidden: bool = True,
+    layer_pairs: tuple[tuple[str, str], ...] = (),
+) -> dict[str, ArmRun]:
+    """Each arm's prefill of ``prompt`` (int [P]) chunk by chunk, then the arms' greedy decodes of ``decode``
+    tokens in lockstep -> arm name -> its run.
+
+    chunk: the prefill chunk (default: the sidecars' width, else ``REFERENCE_CHUNK``); with sidecars it
+    must equal their width. order: ``layer`` (default) streams the weights — every chunk of every arm goes
+    through layer 0 with its cache threaded, then layer 1, ..., each layer's weights read once for all
+    arms and dropped; ``chunk`` runs each arm's chunks through every layer first (a runtime's order)
+    holding every layer's weights. Both make the same calls on the same inputs: the results are equal
+    bit for bit. Decode reads each layer's weights once per step for all arms (and the LM head's
+    vocabulary blocks, the embedding rows on demand from the checkpoint's files). Every arm's rows go
+    through the shared weights on their own, so an arm's results are bit for bit those of running it alone.
+
+    ``layer_pairs`` (a, b): arm b's per-layer relative difference from arm a, computed as each layer
+    finishes (``ArmRun.layer_diffs``); ``keep_hidden=False`` then drops each layer's hidden states
+    [P, D] once compared instead of keeping [L, P, D] per arm (1.9 GB for two arms of an 8B model).
+    """
+    from anelab.core.progress import tqdm
+
+    prompt = np.asarray(prompt)
+    chunk = _check_run(model, prompt, arms, decode, chunk, sidecars, order)
+    names = [arm.name for arm in arms]
+    unknown = sorted({name for pair in layer_pairs for name in pair} - set(names))
+    if unknown:
+        raise AnelabInputError(f"layer pair names arm {unknown[0]!r}, which is not run; arms: {', '.join(names)}")
+    pairs = {(names.index(a), names.index(b)): [] for a, b in layer_pairs}
+    head, g = model.head(), model.geometry
+    coverage = model.rope_coverage(prompt.size, decode)
+    keep = keep_hidden or order != "layer"  # the chunk-major order compares afterwards, from the kept states
+    runs = [
+        _Prefill(arm, [_Layer(rope_coverage=coverage) for _ in range(model.num_layers)], embed(prompt, head),
+                 np.zeros((model.num_layers, prompt.size, g.hidden_size), np.float32) if keep else None)
+        for arm in arms
+    ]  # fmt: skip
+    starts = chunk_starts(prompt.size, chunk)
+    with tqdm(total=model.num_layers * (1 if order == "layer" else len(arms)), desc="prefill", unit="layer",
+              leave=False) as progress:  # fmt: skip
+        if order == "layer":
+            _prefill_layer_major(model, runs, starts, chunk, sidecars, pairs, progress)
+        else:
+            for run in runs:
+                _prefill_chunk_major(model, run.states, run.x, starts, chunk, run.arm, sidecars, run.hidden, progress)
+            for a, b in pairs:
+                pairs[(a, b)] = [relative_error(runs[b].hidden[i], runs[a].hidden[i]) for i in range(model.num_layers)]
+    logits = [[rows[0]] for rows in lm_logits_each([run.x[-1:] for run in runs], head, model.eps)]
+    tokens = [[int(np.argmax(rows[0]))] for rows in logits]
+    stepping = [(run.arm, run.states) for run in runs]
+    for step in tqdm(range(1, decode), desc="decode", unit="token", leave=False, disable=decode < 2):
+        step_logits = _decode_step_together(model, stepping, [t[-1] for t in tokens], prompt.size + step - 1,
+                                            sidecars, head)  # fmt: skip
+        for arm_logits, arm_tokens, row in zip(logits, tokens, step_logits, strict=True):
+            arm_logits.append(row)
+            arm_tokens.append(int(np.argmax(row)))
+    results = {}
+    for i, (run, arm_logits, arm_tokens) in enumerate(zip(runs, logits, tokens, strict=True)):
+        diffs = {names[a]: d for (a, b), d in pairs.items() if b == i}
+        hidden = run.hidden if keep_hidden else None
+        results[run.arm.name] = ArmRun(run.arm, hidden, np.stack(arm_logits), np.array(arm_tokens), diffs)
+    return results
+
+
+def _check_run(model, prompt: np.ndarray, arms: list[Arm], decode: int, chunk, sidecars, order: str) -> int:
+    """Refuse what ``run_arms`` cannot run (one line each); the prefill chunk it uses."""
+    for arm in arms:
+        _check_arm(arm, model, sidecars)
+    if len({arm.name for arm in arms}) != len(arms):
+        raise AnelabInputError(f"arm names must differ: {', '.join(arm.name for arm in arms)}")
+    if decode < 1:
+        raise AnelabInputError(f"decode must be >= 1 token, got {decode}")
+    if order not in PREFILL_ORDERS:
+        raise AnelabInputError(f"prefill order {order!r}: use one of {', '.join(PREFILL_ORDERS)}")
+    chunk = (sidecars.chunk if sidecars else REFERENCE_CHUNK) if chunk is None else int(chunk)
+    if sidecars is not None and chunk != sidecars.chunk:
+        raise AnelabInputError(f"the prefill chunk {chunk} differs from the sidecars' width {sidecars.chunk}")
+    if prompt.ndim != 1 or prompt.size < 1:
+        raise AnelabInputError("the prompt needs at least one token id")
+    return chunk

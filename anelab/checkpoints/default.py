@@ -1,0 +1,146 @@
+"""The embedded default checkpoint ``anelab-tiny-hybrid``: deterministic, generated on first use."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from anelab.checkpoints.checkpoint import write_checkpoint
+from anelab.checkpoints.config import CONFIG_FILE
+from anelab.core.errors import AnelabInputError
+from anelab.core.geometry import AttentionGeometry
+from anelab.core.paths import CHECKPOINTS_DIR
+from anelab.core.weights import random_attention_weights
+
+DEFAULT_CHECKPOINT = "anelab-tiny-hybrid"
+
+
+def default_geometry() -> AttentionGeometry:
+    """The embedded default model: a small qwen3_next-style hybrid (full attention at 3 and 7)."""
+    return AttentionGeometry(
+        variant="qwen3_next",
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        rope_theta=10_000_000.0,
+        partial_rotary_factor=0.25,
+        rms_norm_eps=1e-6,
+        num_layers=8,
+        full_attention_layers=(3, 7),
+    )
+
+
+def make_default_checkpoint(directory: str | os.PathLike, seed: int = 0) -> Path:
+    """Write the default checkpoint (BF16, full_attention_interval 4); same bytes for a seed."""
+    g = default_geometry()
+    weights = {layer: random_attention_weights(g, layer, seed) for layer in g.full_attention_layers}
+    return write_checkpoint(directory, g, weights, dtype="BF16", shards=1, model_type="qwen3_next")
+
+
+def default_checkpoint_dir(root: str | os.PathLike = CHECKPOINTS_DIR) -> Path:
+    """``root/anelab-tiny-hybrid``, generated on first use (a relative root is relative to the cwd)."""
+    return _generated(Path(root) / DEFAULT_CHECKPOINT, make_default_checkpoint)
+
+
+# ---- the dense sibling: a whole model (embeddings, norms, MLPs, LM head) for whole-model arms ----------------
+DENSE_CHECKPOINT = "anelab-tiny-dense"
+DENSE_VOCAB = 512
+DENSE_INTERMEDIATE = 256
+
+
+def dense_geometry() -> AttentionGeometry:
+    """The dense sibling: a small Qwen3 (per-head q/k norm, full RoPE), every one of its 4 layers full attention."""
+    return AttentionGeometry(
+        variant="qwen3",
+        hidden_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        num_layers=4,
+        full_attention_layers=(0, 1, 2, 3),
+    )
+
+
+def make_dense_checkpoint(directory: str | os.PathLike, seed: int = 0) -> Path:
+    """Write the dense sibling (model_type qwen3, BF16, untied LM head); same bytes for a seed."""
+    from anelab.checkpoints.model import write_model_checkpoint
+    from anelab.core.decoder import random_head_weights, random_layer_weights
+
+    g = dense_geometry()
+    attention = {layer: random_attention_weights(g, layer, seed) for layer in g.full_attention_layers}
+    layers = {i: random_layer_weights(i, g.hidden_size, DENSE_INTERMEDIATE, seed) for i in range(g.num_layers)}
+    head = random_head_weights(DENSE_VOCAB, g.hidden_size, seed, tied=False)
+    return write_model_checkpoint(directory, g, attention, layers, head, model_type="qwen3", dtype="BF16")
+
+
+def _generated(directory: Path, make) -> Path:
+    """``directory``, written by ``make(directory)`` unless it already holds a config.json."""
+    if (directory / CONFIG_FILE).is_file():
+        return directory
+    try:
+        return make(directory)
+    except (AnelabInputError, OSError):
+        if (directory / CONFIG_FILE).is_file():  # another process generated it meanwhile
+            return directory
+        raise
+
+
+def dense_checkpoint_dir(root: str | os.PathLike = CHECKPOINTS_DIR) -> Path:
+    """``root/anelab-tiny-dense``, generated on first use (the whole-model arms' default checkpoint)."""
+    return _generated(Path(root) / DENSE_CHECKPOINT, make_dense_checkpoint)
+
+
+# ---- the shape of a real model, for decide's tests and benchmark ----------------------------------------------
+LLAMA32_1B = dict(hidden_size=2048, num_heads=32, num_kv_heads=8, head_dim=64, num_layers=16, intermediate=8192)
+LLAMA32_1B_ROPE = dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+
+def llama32_1b_geometry(scale: int = 1, num_layers: int | None = None) -> AttentionGeometry:
+    """Llama-3.2-1B's attention (meta-llama/Llama-3.2-1B config.json: hidden 2048, 32 heads x 64, 8 KV
+    heads, 16 layers, rope_theta 500000, llama3 RoPE factor 32) with heads and hidden divided by ``scale``."""
+    from anelab.core.rope import RopeScaling
+
+    s = LLAMA32_1B
+    if s["num_heads"] % scale or s["num_kv_heads"] % scale:
+        raise AnelabInputError(f"scale {scale} must divide the 32 heads and 8 KV heads")
+    return AttentionGeometry(
+        variant="llama",
+        hidden_size=s["hidden_size"] // scale,
+        num_heads=s["num_heads"] // scale,
+        num_kv_heads=s["num_kv_heads"] // scale,
+        head_dim=s["head_dim"],
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        num_layers=num_layers or s["num_layers"],
+        full_attention_layers=tuple(range(num_layers or s["num_layers"])),
+        rope_scaling=RopeScaling("llama3", **LLAMA32_1B_ROPE),
+        max_position_embeddings=131072,
+    )
+
+
+def make_llama32_1b_shaped(
+    directory: str | os.PathLike,
+    *,
+    scale: int = 1,
+    num_layers: int | None = None,
+    vocab: int = 128256,
+    intermediate: int | None = None,
+    shards: int = 2,
+    seed: int = 0,
+) -> Path:
+    """A whole Llama-3.2-1B-shaped model with random weights (BF16, sharded, tied embeddings as the 1B's),
+    written by the project's writer: ``scale`` divides hidden and heads, ``intermediate`` defaults to 4 x hidden."""
+    from anelab.checkpoints.model import write_model_checkpoint
+    from anelab.core.decoder import random_head_weights, random_layer_weights
+
+    g = llama32_1b_geometry(scale, num_layers)
+    width = intermediate or LLAMA32_1B["intermediate"] // scale
+    attention = {layer: random_attention_weights(g, layer, seed) for layer in g.full_attention_layers}
+    layers = {i: random_layer_weights(i, g.hidden_size, width, seed) for i in range(g.num_layers)}
+    head = random_head_weights(vocab, g.hidden_size, seed, tied=True)
+    return write_model_checkpoint(
+        directory, g, attention, layers, head, model_type="llama", dtype="BF16", shards=shards
+    )

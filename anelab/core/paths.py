@@ -1,0 +1,18 @@
+"""Every project path, derived once from the repository root (never recomputed elsewhere).
+
+anelab runs from its source tree (an editable install): the recorded data, the notebooks and the
+committed figures live beside the package, the generated files under ``build/``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DATA_DIR = REPO_ROOT / "data"  # the seeds' recorded measurements (JSON records)
+MEASURED_DIR = DATA_DIR / "measured"  # fresh records (git-ignored; never overwritten)
+NOTEBOOK_DIR = REPO_ROOT / "notebooks"  # the study notebooks, committed without outputs
+FIGURES_DIR = REPO_ROOT / "figures"  # the committed figures and MANIFEST.json
+BUILD_DIR = Path("build")  # generated files, relative to the working directory
+CHECKPOINTS_DIR = BUILD_DIR / "checkpoints"  # generated checkpoints (the embedded default)
+RUNS_DIR = REPO_ROOT / "runs"  # run directories of `anelab run` / `anelab batch` (git-ignored)

@@ -1,0 +1,186 @@
+"""``anelab decide``'s report: ``decision.json``, ``report.md`` and a self-contained ``report.html``.
+
+The HTML (jinja2 template ``templates/decide.html.j2``, autoescaped) embeds its figure as a PNG data
+URI, so the one file opens anywhere. Sections: the verdict and its thresholds; the figure (ANE vs
+GPU prefill over prompt length, intervals shaded, the user's prompt marked, each arm's provenance in
+its legend); every deciding number with its provenance; the designs; the evidence (verify per layer,
+the whole-model arms, measurements); what would change the answer and the exact command.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+
+from anelab.core.records import atomic_write_bytes, atomic_write_text
+from anelab.planner.verdict import thresholds_sentence
+
+TEMPLATE_DIR = Path(__file__).with_name("templates")
+TEMPLATE = "decide.html.j2"
+FIGURE = "prefill_vs_prompt.png"
+COST_NAMES = {
+    "gpu_prefill": "GPU prefill of the prompt",
+    "ane_attention": "ANE attention (all layers)",
+    "load_per_layer": "loads of one layer for this prompt",
+}
+
+
+def seconds(x: float) -> str:
+    """Seconds as the report prints them: 3 decimals, or 3 significant digits below 0.01 s."""
+    return f"{x:.3f}" if x == 0 or abs(x) >= 0.01 else f"{x:.3g}"
+
+
+def verdict_lines(decision: dict) -> list[str]:
+    """The verdict section as plain lines (report.md and ``anelab decide``'s output)."""
+    v, ck = decision["verdict"], decision["checkpoint"]
+    gpu, ane = v["gpu_prefill"], v["ane_prefill"]
+    lines = [
+        f"verdict: {v['decision']} — {v['reason']}",
+        f"model: {ck['path']} ({ck['model_type']}, {len(ck['full_attention_layers'])} attention layers, "
+        f"{ck['heads']} heads x {ck['head_dim']}, {ck['kv_heads']} KV heads, RoPE {ck['rope']}, {ck['dtype']}); "
+        f"prompt {decision['config']['prompt_tokens']:,} tokens; design {decision['candidate']}, "
+        f"chunk {decision['plan']['chunk']:,}",
+        f"GPU arm {seconds(gpu['value'])} s [{seconds(gpu['low'])} .. {seconds(gpu['high'])}] ({gpu['kind']}); "
+        f"ANE arm {seconds(ane['value'])} s [{seconds(ane['low'])} .. {seconds(ane['high'])}] ({ane['kind']}); "
+        f"predicted ratio {v['predicted_ratio']:.2f}x (GPU / ANE)",
+        f"thresholds: {thresholds_sentence(v)}",
+    ]
+    for what, command in v["settle"]:
+        lines.append(f"to settle it: {what}: {command}")
+    for line in decision["yours"]:
+        lines.append(f"your numbers: {line}")
+    if decision["measured"]:
+        lines.append("measured records replaced the predicted costs marked 'measured on this Mac'")
+    return lines
+
+
+def cost_rows(decision: dict) -> list[dict]:
+    v = decision["verdict"]
+    return [
+        {"name": COST_NAMES[k], **c, "extrapolated": k in v["extrapolated"]}
+        for k, c in v["costs"].items()
+        if k != "load_per_layer" or decision["plan"]["loads_in_arm"]
+    ]
+
+
+def figure_png(decision: dict) -> bytes:
+    """ANE vs GPU prefill over prompt length, intervals shaded, the user's prompt marked (PNG bytes)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = decision["sweep"]
+    x = [r["prompt_tokens"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
+    for arm, color in (("gpu", "tab:blue"), ("ane", "tab:orange")):
+        kinds = sorted({r[arm]["kind"] for r in rows})
+        label = f"{'GPU' if arm == 'gpu' else 'ANE'} arm ({', '.join(kinds)})"
+        ax.plot(x, [r[arm]["value"] for r in rows], "-o", ms=3, color=color, label=label)
+        ax.fill_between(x, [r[arm]["low"] for r in rows], [r[arm]["high"] for r in rows], color=color, alpha=0.18)
+    n = decision["config"]["prompt_tokens"]
+    ax.axvline(n, color="k", ls="--", lw=1)
+    ax.annotate(
+        f"your prompt: {n:,} tokens\nverdict: {decision['verdict']['decision']}",
+        (n, 0.97),
+        xycoords=("data", "axes fraction"),
+        ha="left",
+        va="top",
+        fontsize=9,
+        xytext=(4, 0),
+        textcoords="offset points",
+    )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("prefill time (s)")
+    ax.set_title(f"{Path(decision['checkpoint']['path']).name}: ANE ({decision['candidate']}) vs GPU prefill")
+    ax.legend(loc="lower right", fontsize=9, title="shaded: interval; (provenance)", title_fontsize=9)
+    provenance = "predicted by anelab's planner from the seeds' M3 records (data/)"
+    if decision["measured"]:
+        provenance += "; measured on this Mac where marked"
+    if decision["yours"]:
+        provenance += "; your GPU number where marked 'yours'"
+    fig.text(0.01, 0.01, provenance, fontsize=9, color="0.35")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def markdown(decision: dict, figure: str) -> str:
+    v = decision["verdict"]
+    out = ["# Should this model's prefill attention go to the ANE?", "", "## Verdict", ""]
+    out += [f"- {line}" for line in verdict_lines(decision)]
+    out += ["", f"![ANE vs GPU prefill over prompt length]({figure})", "", "## Deciding numbers", ""]
+    out += ["| cost | seconds | interval | provenance | basis |", "|---|---:|---|---|---|"]
+    for r in cost_rows(decision):
+        flag = " (deciding)" if r["extrapolated"] else ""
+        out.append(
+            f"| {r['name']} | {seconds(r['value'])} | {seconds(r['low'])} .. {seconds(r['high'])} | {r['kind']}{flag} "
+            f"| {r['basis']} |"
+        )
+    out += ["", "## Designs", "", "| design | loads | load s each | ANE arm s | GPU arm s | ratio | verdict |"]
+    out.append("|---|---:|---:|---:|---:|---:|---|")
+    for d in decision["designs"]:
+        verdict = decision["verdicts"][d["design"]]["decision"]
+        out.append(
+            f"| {d['design']} | {d['loads']} | {seconds(d['load_seconds_each'])} ({d['load_source']}) | "
+            f"{d['ane_prefill_seconds']:.2f} | {d['gpu_prefill_seconds']:.2f} | {d['predicted_ratio']:.2f}x | {verdict} |"
+        )
+    out += [
+        "",
+        "## Evidence",
+        "",
+        "| layer | verify | worst error | cases + controls | reused |",
+        "|---:|---|---:|---|---|",
+    ]
+    for layer, r in decision["evidence"]["verify"].items():
+        status = "passed" if r["passed"] else ("VACUOUS" if r["vacuous"] else "FAILED")
+        worst = "-" if r["max_relative_error"] is None else f"{r['max_relative_error']:.2e}"
+        out.append(f"| {layer} | {status} | {worst} | {r['cases']} + {r['controls']} | {r['reused']} |")
+    a = decision["evidence"]["arms"]
+    out += [
+        "",
+        f"Whole-model arms (sidecar vs reference, {a['prompt_tokens']} tokens in chunks of {a['chunk']}, "
+        f"{a['decode']} decoded): logits {a['logits_relative_difference']:.3%}, greedy agreement "
+        f"{a['greedy_agreement']:.0%}, first layer beyond {a['noise']:.0e}: {a['first_divergent_layer']}. {a['note']}",
+    ]
+    if v["settle"]:
+        out += ["", "## What would change the answer", ""]
+        out += [f"- {what}: `{command}`" for what, command in v["settle"]]
+    return "\n".join(out) + "\n"
+
+
+def html(decision: dict, figure_png_bytes: bytes) -> str:
+    import jinja2
+
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATE_DIR),
+        autoescape=jinja2.select_autoescape(["html", "j2"]),
+        undefined=jinja2.StrictUndefined,
+    )
+    return env.get_template(TEMPLATE).render(
+        d=decision,
+        verdict_lines=verdict_lines(decision),
+        costs=cost_rows(decision),
+        seconds=seconds,
+        figure_uri="data:image/png;base64," + base64.b64encode(figure_png_bytes).decode("ascii"),
+    )
+
+
+def write_report(decision, out: str | Path) -> dict:
+    """Write decision.json, report.md (figure beside it), report.html (figure embedded); returns the paths."""
+    out = Path(out)
+    d = json.loads(json.dumps(decision.to_dict(), default=str))
+    png = figure_png(d)
+    paths = {
+        "json": atomic_write_text(out / "decision.json", json.dumps(d, indent=2, sort_keys=True)),
+        "figure": atomic_write_bytes(out / FIGURE, png),
+        "md": atomic_write_text(out / "report.md", markdown(d, FIGURE)),
+        "html": atomic_write_text(out / "report.html", html(d, png)),
+    }
+    return {k: str(v) for k, v in paths.items()}

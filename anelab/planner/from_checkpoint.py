@@ -1,0 +1,225 @@
+"""The planner for a user's own checkpoint: its layers from config.json, costs from the closest recorded family or flags.
+
+The checkpoint gives the attention layers (full and sliding window), heads, KV heads and head_dim
+(``anelab.checkpoints`` reads only config.json and the tensor headers). Each kind of layer is planned with
+:func:`anelab.planner.plan` on the same chunks:
+
+- full-attention layers: the dense plan;
+- sliding-window layers (window W): the GPU's attention scores at most W keys per query, so the
+  GPU arm is planned with a key budget of W; the sidecar still scores every key of its history
+  (the window is in the mask, RoPE positions are absolute), so the ANE arm and its setup are the
+  same as a full layer's. Offloading a windowed layer therefore pays off later than a full one.
+  ``checkpoint_designs`` (``--design``) prices the designs per kind as built: there the stateful
+  tiled design gives a windowed layer one function over a ring of about W + C cache slots.
+
+A kind is offloaded when its ANE arm beats its GPU arm; the two verdicts combine into one.
+Costs: the recorded dense family closest in heads x head_dim and attention-layer count (or
+``family``), overridden by any cost flag — ``cost_family`` / ``cost_family_reason`` say which.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+
+from anelab.core.errors import AnelabInputError
+from anelab.planner.catalogue import FAMILIES, PlanGeometry, get_family
+from anelab.planner.fit import fit_costs
+from anelab.planner.plan import plan
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """The plan of one prompt on a checkpoint's layers; ``parts`` holds each kind's ``PrefillPlan``
+    dict ("full", "windowed"); seconds are the combined arms (non-attention counted once)."""
+
+    checkpoint: str
+    model_type: str
+    num_layers: int
+    full_layers: list
+    windowed_layers: list
+    sliding_window: int | None
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    cost_family: str | None
+    cost_family_reason: str
+    parts: dict
+    offloaded: list
+    gpu_prefill_seconds: float
+    ane_prefill_seconds: float
+    predicted_ratio: float
+    decision: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def closest_family(num_heads: int, head_dim: int, attention_layers: int) -> tuple[str, str]:
+    """(name, why) of the recorded dense family closest to a model: the smallest
+    |ln(heads*head_dim ratio)| + |ln(attention-layer ratio)|; ties by name."""
+
+    def distance(f):
+        g = f.geometry
+        width = abs(math.log(num_heads * head_dim / (g.num_heads * g.head_dim)))
+        return width + abs(math.log(attention_layers / len(g.full_attention_layers))), f.name
+
+    dense = [f for f in FAMILIES.values() if not f.sparse and f.geometry.head_dim is not None]
+    best = min(dense, key=distance)
+    g = best.geometry
+    why = (
+        f"closest recorded dense family: {g.num_heads} heads x head_dim {g.head_dim}, "
+        f"{len(g.full_attention_layers)} full-attention layers (this model: {num_heads} x {head_dim}, {attention_layers})"
+    )
+    return best.name, why
+
+
+def plan_from_checkpoint(
+    checkpoint_dir: str | os.PathLike,
+    prompt_tokens: int,
+    *,
+    family: str | None = None,
+    chunk: int | None = None,
+    histories=None,
+    max_history: int | None = None,
+    **cost_flags,
+) -> CheckpointPlan:
+    """Plan ``prompt_tokens`` on the checkpoint's attention layers (see the module docstring).
+
+    ``cost_flags``: ``load_seconds``, ``gpu_attention_seconds``, ``ane_attention_seconds``,
+    ``non_attention_seconds`` as :func:`plan` takes them; with all four no family is used.
+    ``gpu_prefill_seconds`` / ``gpu_tokens_per_second``: the user's GPU prefill of the prompt (a model
+    with windowed layers is refused: one number cannot be split between its kinds of layer).
+    """
+    from anelab.checkpoints.checkpoint import load_checkpoint
+
+    checkpoint = load_checkpoint(checkpoint_dir)
+    g = checkpoint.geometry
+    windowed = [i for i in g.full_attention_layers if i in g.sliding_layers]
+    full = [i for i in g.full_attention_layers if i not in g.sliding_layers]
+    all_costs = all(cost_flags.get(k) is not None for k in _COST_FLAGS)
+    user_gpu = {k: cost_flags.get(k) for k in _USER_GPU_FLAGS if cost_flags.get(k) is not None}
+    if user_gpu and windowed and full:
+        raise AnelabInputError(
+            f"{checkpoint_dir} has windowed and full-attention layers; --gpu-prefill-seconds cannot be split "
+            "between them: pass --gpu-attention-seconds and --non-attention-seconds instead"
+        )
+    if family is not None:
+        if get_family(family).sparse:
+            raise AnelabInputError(
+                f"--family {family} has a sparse GPU path; this checkpoint's attention is dense: choose a dense family"
+            )
+        reason = f"--family {family}"
+    elif all_costs:
+        reason = "flags (no family)"
+    else:
+        family, reason = closest_family(g.num_heads, g.head_dim, len(g.full_attention_layers))
+    parts = {}
+    for kind, layers, budget in (("full", full, None), ("windowed", windowed, g.sliding_window)):
+        if layers:
+            parts[kind] = plan(
+                prompt_tokens,
+                family=None if all_costs else family,
+                chunk=chunk,
+                histories=histories,
+                max_history=max_history,
+                num_layers=g.num_layers,
+                full_attention_layers=layers,
+                num_heads=g.num_heads,
+                num_kv_heads=g.num_kv_heads,
+                head_dim=g.head_dim,
+                sparse_budget=budget,
+                **{k: v for k, v in cost_flags.items() if k in _COST_FLAGS},
+                **user_gpu,
+            ).to_dict()
+    return _combine(checkpoint, g, full, windowed, family if not all_costs else None, reason, parts)
+
+
+_COST_FLAGS = ("load_seconds", "gpu_attention_seconds", "ane_attention_seconds", "non_attention_seconds")
+_USER_GPU_FLAGS = ("gpu_prefill_seconds", "gpu_tokens_per_second")
+
+
+def _combine(checkpoint, g, full, windowed, family, reason, parts) -> CheckpointPlan:
+    """Offload each kind whose ANE arm beats its GPU arm; the combined arms count non-attention once."""
+    n = next(iter(parts.values()))["non_attention_seconds"]
+    gpu_total, ane_total, offloaded = n, n, []
+    for kind, p in parts.items():
+        gpu_kind = p["gpu_attention_seconds"]
+        ane_kind = p["ane_prefill_seconds"] - p["non_attention_seconds"]
+        gpu_total += gpu_kind
+        if p["decision"] == "ane" and ane_kind < gpu_kind:
+            offloaded.append(kind)
+            ane_total += ane_kind
+        else:
+            ane_total += gpu_kind
+    ratio = gpu_total / ane_total if ane_total > 0 else 1.0
+    return CheckpointPlan(
+        checkpoint=str(checkpoint.path),
+        model_type=checkpoint.model_type,
+        num_layers=g.num_layers,
+        full_layers=full,
+        windowed_layers=windowed,
+        sliding_window=g.sliding_window if windowed else None,
+        num_heads=g.num_heads,
+        num_kv_heads=g.num_kv_heads,
+        head_dim=g.head_dim,
+        cost_family=family,
+        cost_family_reason=reason,
+        parts=parts,
+        offloaded=offloaded,
+        gpu_prefill_seconds=gpu_total,
+        ane_prefill_seconds=ane_total,
+        predicted_ratio=ratio,
+        decision="ane" if offloaded and ratio > 1.0 else "gpu",
+    )
+
+
+def checkpoint_designs(
+    checkpoint_dir: str | os.PathLike,
+    prompt_tokens: int,
+    designs=None,
+    *,
+    family: str | None = None,
+    chunk: int | None = None,
+    key_tile: int | None = None,
+    query_tile: int | None = None,
+    **cost_flags,
+) -> tuple[CheckpointPlan, dict[str, list]]:
+    """The checkpoint's plan and each sidecar design (``planner.design``) per kind of attention layer:
+    ``{"full": [...], "windowed": [...]}`` (a kind the model lacks is absent). Each kind's per-history
+    plan (costs from ``family`` or the closest recorded dense family) is what its other designs are
+    compared with; every design is priced by the one load model at its score arena; windowed layers
+    are priced as built (``design_plan``'s ``window``: the stateful-tiled ring of about W + C slots,
+    the other designs scoring the whole history). ``cost_flags`` go to :func:`plan_from_checkpoint`."""
+    from anelab.planner.design_plans import DESIGNS, DesignCosts, design_plan
+
+    checkpoint_plan = plan_from_checkpoint(checkpoint_dir, prompt_tokens, family=family, chunk=chunk, **cost_flags)
+    fit = fit_costs()
+    plans = {}
+    for kind, part in checkpoint_plan.parts.items():
+        costs = DesignCosts(
+            ane_seconds_per_entry=fit.ane_seconds_per_entry,
+            load=fit.recorded_load_model(),
+            gpu_prefill_seconds=part["gpu_prefill_seconds"],
+            gpu_attention_seconds=part["gpu_attention_seconds"],
+            non_attention_seconds=part["non_attention_seconds"],
+            per_history=part,
+        )
+        g = part["geometry"]
+        geometry = PlanGeometry(**{**g, "full_attention_layers": tuple(g["full_attention_layers"])})
+        window = checkpoint_plan.sliding_window if kind == "windowed" else None
+        plans[kind] = [
+            design_plan(
+                geometry,
+                prompt_tokens,
+                part["chunk"],
+                d,
+                costs,
+                key_tile=key_tile,
+                query_tile=query_tile,
+                window=window,
+            )  # fmt: skip
+            for d in (designs or DESIGNS)
+        ]
+    return checkpoint_plan, plans

@@ -1,0 +1,153 @@
+"""The planner's text reports: the catalogue, the fit against the records, one plan."""
+
+from __future__ import annotations
+
+
+def format_family_table(rows: list[dict]) -> str:
+    """The catalogue (``family_table()``) as text: each family's geometry facts with their status."""
+    out = []
+    for f in rows:
+        g, facts = f["geometry"], f["facts"]
+
+        def fact(key, value):
+            return f"{value if value is not None else '?'} ({facts[key]['status']})"
+
+        cap = (
+            "unknown" if f["max_history"] is None else f"{f['max_history']} (coverage {f['coverage_cap']:,}, recorded)"
+        )
+        out.append(f"{f['name']:<26} {f['label']}")
+        out.append(
+            f"  layers {fact('num_layers', g['num_layers'])}; full-attention "
+            f"{fact('full_attention_layers', len(g['full_attention_layers']))} at {','.join(map(str, g['full_attention_layers']))}"
+        )
+        out.append(
+            f"  heads {fact('num_heads', g['num_heads'])}; kv heads {fact('num_kv_heads', g['num_kv_heads'])}; "
+            f"head_dim {fact('head_dim', g['head_dim'])}; sparse budget "
+            f"{fact('sparse_budget', g['sparse_budget'] or 'none (every key)')}; max history {cap}"
+        )
+        out.append(f"  records: {', '.join(f['records'])}")
+        out.append(f"  unknown: {'; '.join(f['unknown'])}")
+    return "\n".join(out)
+
+
+def format_fit_report(rows: list[dict], fit: dict, loads: list[dict]) -> str:
+    """Predicted vs recorded ratios, the fitted rates and the load law as text."""
+    out = []
+    out.append(
+        f"{'family':<26} {'record':<27} {'tokens':>6} {'chunk':>5} {'recorded':>8} "
+        f"{'in-sample':>9} {'err':>6} {'LOO':>6} {'err':>6} {'plan':>6} {'err':>6}"
+    )
+    for r in rows:
+        out.append(
+            f"{r['family']:<26} {r['record']:<27} {r['prompt_tokens']:>6} {r['chunk']:>5} {r['recorded_ratio']:>7.2f}x "
+            f"{r['in_sample_ratio']:>8.2f}x {r['in_sample_error']:>+6.1%} {r['leave_one_out_ratio']:>5.2f}x "
+            f"{r['leave_one_out_error']:>+6.1%} {r['plan_ratio']:>5.2f}x {r['plan_error']:>+6.1%}"
+        )
+    out.append(
+        f"rates: ANE {fit['ane_seconds_per_entry']:.3g} s/entry (recorded h0), dense GPU "
+        f"{fit['gpu_dense_seconds_per_entry']:.3g}, sparse GPU {fit['gpu_sparse_seconds_per_entry']:.3g} s/entry (fitted); "
+        "the dense A/B rows hold no load term (their measured runs follow a warm-up)"
+    )
+    out.append(
+        f"load = {fit['load_power_coef']:.3g} s x (score arena / GB) ^ {fit['load_power_exp']:.3g}: "
+        + ", ".join(
+            f"h{x['history']} {x['recorded_seconds']:.1f} s recorded, {x['power_fit_seconds']:.1f} s fit" for x in loads
+        )
+    )
+    return "\n".join(out)
+
+
+def format_plan(d: dict) -> str:
+    """A plan (``PrefillPlan.to_dict()``) as text: schedule, variants, both arms, verdict."""
+    out = []
+    name = d["family"] or "custom geometry"
+    out.append(
+        f"{name}: prompt {d['prompt_tokens']:,} tokens, chunk {d['chunk']:,}, histories "
+        f"{','.join(map(str, d['histories']))} (coverage {d['coverage']:,}; needed {d['coverage_needed']:,}; "
+        f"{'fits' if d['fits'] else 'does not fit'})"
+    )
+    out.append(f"{'chunk':>5} {'start':>7} {'tokens':>7}  device  function")
+    for c in d["chunks"]:
+        out.append(
+            f"{c['index']:>5} {c['start']:>7,} {c['tokens']:>7,}  {c['device']:<6}  "
+            f"{'h' + str(c['history']) if c['device'] == 'ane' else '-'}"
+        )
+    n_fa = len(d["geometry"]["full_attention_layers"])
+    loads = ", ".join(f"h{h} {v['seconds']:.2f} s ({v['source']})" for h, v in d["load_seconds"].items())
+    out.append(
+        f"variants visited: {d['variants_visited']} ({n_fa} full-attention layers x "
+        f"{len(d['load_seconds'])} histories){'; loads ' + loads if loads else ''}"
+    )
+    out.append(
+        f"GPU arm: non-attention {d['non_attention_seconds']:.1f} s + attention {d['gpu_attention_seconds']:.1f} s "
+        f"= {d['gpu_prefill_seconds']:.1f} s"
+    )
+    out.append(
+        f"ANE arm: {d['ane_prefill_seconds']:.1f} s (setup {d['setup_seconds']:.1f} s, ANE attention "
+        f"{d['ane_attention_seconds']:.1f} s, attention saved {d['attention_saved_seconds']:.1f} s)"
+    )
+    out.append(f"predicted ratio {d['predicted_ratio']:.2f}x (GPU / ANE)")
+    out.append(f"central-cost decision: {d['decision']} — {d['reason']}")
+    return "\n".join(out)
+
+
+def format_checkpoint_plan(d: dict) -> str:
+    """A checkpoint's plan (``plan_from_checkpoint(...).to_dict()``): the geometry read from its
+    config, where the costs came from, one plan per kind of attention layer, and the combined verdict."""
+    window = f", {len(d['windowed_layers'])} windowed (W={d['sliding_window']})" if d["windowed_layers"] else ""
+    out = [
+        f"{d['checkpoint']} ({d['model_type']}): {d['num_layers']} layers, {len(d['full_layers'])} full attention"
+        f"{window}; {d['num_heads']} heads, {d['num_kv_heads']} KV heads, head_dim {d['head_dim']}",
+        f"costs: {d['cost_family'] or 'flags'} — {d['cost_family_reason']}",
+    ]
+    for kind, part in d["parts"].items():
+        out += [f"--- {kind} layers ---", format_plan(part)]
+    out.append(
+        f"combined: GPU {d['gpu_prefill_seconds']:.1f} s, ANE {d['ane_prefill_seconds']:.1f} s "
+        f"(offloaded: {', '.join(d['offloaded']) or 'none'}); predicted ratio {d['predicted_ratio']:.2f}x; "
+        f"central-cost decision: {d['decision']}"
+    )
+    return "\n".join(out)
+
+
+def format_designs(rows: dict[str, list[dict]]) -> str:
+    """Each family's designs side by side (``compare_designs``): loads, arena, waste, ops, both arms, verdict."""
+    out = []
+    out.append(
+        f"{'family':<24} {'design':<15} {'chunk':>5} {'loads':>5} {'load s':>7} {'arena MB':>9} {'wasted':>6} "
+        f"{'ops/fn':>6} {'ANE attn':>8} {'ANE arm':>8} {'GPU arm':>8} {'ratio':>6}  verdict (break-even load/layer)"
+    )
+    for family, designs in rows.items():
+        for d in designs:
+            be = d["break_even_load_seconds"]
+            out.append(
+                f"{family:<24} {d['design']:<15} {d['chunk']:>5} {d['loads']:>5} {d['load_seconds_each']:>7.2f} "
+                f"{d['per_call_arena_bytes'] / 1e6:>9.1f} {d['wasted_fraction']:>6.1%} {d['ops_per_function']:>6} "
+                f"{d['ane_attention_seconds']:>8.1f} {d['ane_prefill_seconds']:>8.1f} {d['gpu_prefill_seconds']:>8.1f} "
+                f"{d['predicted_ratio']:>5.2f}x  {d['decision']}" + (f" ({be:.1f} s)" if be is not None else "")
+            )
+    first = next(iter(rows.values()))
+    for design in first:
+        out.append(f"assumptions ({design['design']}): " + "; ".join(design["assumptions"]))
+    return "\n".join(out)
+
+
+def format_verdict(v: dict) -> str:
+    """A three-way verdict (``planner.verdict.Verdict.to_dict()``): the decision, both arms with their
+    intervals and provenance, the thresholds, every deciding cost's envelope, and what would settle it."""
+    from anelab.planner.verdict import thresholds_sentence
+
+    gpu, ane = v["gpu_prefill"], v["ane_prefill"]
+
+    def span(c):
+        return f"{c['value']:.4g} s [{c['low']:.4g} .. {c['high']:.4g}]"
+
+    out = [
+        f"verdict: {v['decision']} — {v['reason']}",
+        f"GPU arm {span(gpu)} ({gpu['kind']}); ANE arm {span(ane)} ({ane['kind']}); "
+        f"predicted ratio {v['predicted_ratio']:.2f}x (GPU / ANE)",
+        f"thresholds: {thresholds_sentence(v)}",
+        "envelope: " + "; ".join(f"{name.replace('_', ' ')} {span(c)} {c['kind']}" for name, c in v["costs"].items()),
+    ]
+    out += [f"to settle it: {what}: {command}" for what, command in v["settle"]]
+    return "\n".join(out)

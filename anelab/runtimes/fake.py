@@ -1,0 +1,603 @@
+"""A ``CoreMLRuntime`` for tests that behaves like Core ML through coremltools 9.0 — never kinder.
+
+Each rule copies a line of coremltools at tag 9.0 (apple/coremltools; ``.mm`` files under
+``coremlpython/``, ``.py`` files under ``coremltools/models/``):
+
+- **compile** (``compile_to``): the source must end ``.mlpackage`` or ``.mlmodel`` (ValueError,
+  ``utils.py:1098-1100,1112-1119``) and the destination ``.mlmodelc`` (``utils.py:1134-1135``);
+  ``compile_s`` on the clock;
+- **first use**: the first availability check of a process imports coremltools and its native module
+  (``import_s``); the first compile or ``CompiledMLModel`` of a process runs ``sw_vers`` in a
+  subprocess (``first_use_s``; ``_compiled_model.py:34`` and ``utils.py:1103`` -> ``utils.py:959-968``,
+  lru-cached so once per process); ``prepare_process`` does both before any clock starts;
+- **load**: an ``.mlpackage`` is compiled afresh on EVERY load into a temporary
+  ``<stem>_<uuid>.mlmodelc`` deleted when the handle dies (``CoreMLPython.mm:457-466,436-443``);
+  a ``.mlmodelc`` loads as it is. The first load of a compiled path is cold (``cold_load_s``),
+  later loads warm (``warm_load_s``); the load seconds are the handle's Core ML load duration
+  (``load_duration_s``; ``CoreMLPython.mm:500-503,517,1041-1047``). Releasing a handle costs
+  ``teardown_s``;
+- **inputs**: fp16 arrays are cast to fp32 in the CALLER's dict first (``model.py:1064-1067``,
+  ``convert_s``), so a read-only fp16 array passes; then only int32, fp32 and fp64 arrays are
+  accepted (``CoreMLPythonArray.mm:10-31``) and only writable ones (``mutable_data()``,
+  ``CoreMLPythonArray.mm:55``): anything else prints ``Error: value type not convertible:`` to
+  stdout and fails with "value type not convertible" (``CoreMLPythonUtils.mm:397-409``);
+- **input names**: a handle loaded from an ``.mlpackage`` (``MLModel``) refuses an extra input name
+  (KeyError, ``model.py:1055-1060``); a ``CompiledMLModel`` never checks names
+  (``_compiled_model.py:227-231``), so an extra input is ignored; a missing input, a wrong shape, or
+  a stateful function without a state fail in Core ML (``CoreMLPythonUtils.mm:38-43``);
+- **predict clock**: Core ML's own prediction (``predict_s``, what ``predict_duration_s`` reports,
+  ``CoreMLPython.mm:543-562``) and, outside it, the output conversion to NumPy (``output_convert_s``:
+  fp16 outputs concatenated to fp32 and copied, ``CoreMLPythonUtils.mm:448-484``);
+- **state**: ``make_state`` gives a fresh ``MLState``; ``read_state`` of an unknown name raises
+  (``CoreMLPython.mm:693-712``);
+- ANE compiler messages arrive where Core ML puts them: on fd 1, on fd 2, only at process exit
+  (``atexit``), or only in the unified log (a per-process file read by ``read_unified_log``);
+- the compute plan needs a compiled ``.mlmodelc``: an ``.mlpackage`` aborts the process (SIGABRT,
+  apple/coremltools#2757); a scripted ``predict_signal`` kills the process at predict (#2758).
+  In-process (tests) a crash raises ``FakeCrash`` (a ``BaseException``, as uncatchable by
+  ``except Exception`` as a signal); in a child process (``real_crashes=True``) it is a real signal.
+
+``lacks``: names of ``anelab.runtimes.assumptions`` this fake Mac breaks (a Mac where the probe would
+fail them), e.g. ``one_state_shared_by_two_functions`` or ``unified_log_readable``.
+
+Functions are identified by name: ``load(pkg, "h4096", ...)`` is function ``h4096``; a
+single-function package loaded with ``function=None`` is identified by its file stem (the exporter
+writes each variant as ``h<H>.mlpackage`` before the merge). Time comes from a ``FakeClock`` that
+only moves when the fake "works", so timings are exact.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import signal
+import tempfile
+import time
+import uuid
+import weakref
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+
+from anelab.runtimes.assumptions import FP16_OUTPUTS_AS_FP32, FP32_FEEDS_FP16_INPUTS, STATE_BY_NAME
+from anelab.runtimes.interface import (
+    ASSIGNMENT_KEYS,
+    CoreMLRuntime,
+    RuntimeLoadError,
+    RuntimePredictError,
+    check_compute_units,
+)
+
+
+class FakeClock:
+    """A clock for ``anelab.runtimes.timing.measure``: ``clock()`` returns seconds; only ``advance`` moves it."""
+
+    def __init__(self, start: float = 1000.0):
+        self.now = float(start)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError(f"a clock cannot go back ({seconds} s)")
+        self.now += float(seconds)
+
+
+class FakeCrash(BaseException):  # noqa: N818 - it stands for a signal, not an error
+    """What would have been a fatal signal in a real process (in-process fake only)."""
+
+    def __init__(self, signal_name: str, where: str):
+        super().__init__(f"{signal_name} in {where}")
+        self.signal_name = signal_name
+
+
+@dataclass
+class FakeFunction:
+    """Scripted behaviour of one function.
+
+    load_stdout / load_stderr: text written to fd 1 / fd 2 during a load (the load still returns).
+    exit_stderr:   text written to fd 2 only when the process exits (after a load).
+    log_text:      text that reaches only the unified log (during a load).
+    predict_stderr: text written to fd 2 during a predict.
+    plan_stderr / plan_error: fd-2 text while the compute plan is built / a RuntimeError instead of a plan.
+    load_error / unloadable_units: the load raises (always / under these compute units).
+    predict_error: every predict raises ``RuntimePredictError`` with this text.
+    predict_signal: e.g. "SIGKILL": the process dies at the first predict (no exception).
+    assignment:    operations per preferred device (neural_engine, gpu, cpu[, unreported]); total derived.
+    inputs / states / output_shapes: name -> shape; ``None``: read from the package's spec when it has one.
+    cold_load_s / warm_load_s / teardown_s / convert_s: seconds on the clock (convert_s: the fp16 -> fp32
+                   cast of inputs coremltools does in the caller's dict).
+    output_convert_s: seconds per predict converting the outputs to NumPy, outside Core ML's duration.
+    predict_s:     seconds per predict, by compute-units setting (missing setting: ``predict_default_s``).
+    outputs:       what ``predict`` returns (a copy); empty: zeros of the output shapes.
+    """
+
+    load_stdout: str = ""
+    load_stderr: str = ""
+    exit_stderr: str = ""
+    log_text: str = ""
+    predict_stderr: str = ""
+    plan_stderr: str = ""
+    plan_error: str | None = None
+    load_error: str | None = None
+    unloadable_units: frozenset[str] = frozenset()
+    predict_error: str | None = None
+    predict_signal: str | None = None
+    assignment: dict[str, int] | None = field(default_factory=lambda: {"neural_engine": 64, "gpu": 0, "cpu": 109})
+    inputs: dict[str, tuple] | None = None
+    states: dict[str, tuple] | None = None
+    output_shapes: dict[str, tuple] | None = None
+    cold_load_s: float = 6.0
+    warm_load_s: float = 1.0
+    teardown_s: float = 0.2
+    convert_s: float = 0.05
+    output_convert_s: float = 0.02
+    predict_s: dict[str, float] = field(default_factory=dict)
+    predict_default_s: float = 0.5
+    outputs: dict = field(default_factory=dict)
+
+    def to_args(self) -> dict:
+        """JSON-able fields (for a child process); ``outputs`` are not carried."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "outputs"}
+        d["unloadable_units"] = sorted(self.unloadable_units)
+        return d
+
+    @classmethod
+    def from_args(cls, d: dict) -> FakeFunction:
+        d = dict(d)
+        d["unloadable_units"] = frozenset(d.get("unloadable_units", ()))
+        return cls(**d)
+
+
+class _CallList(list):
+    """``calls``: a list that also appends each call to a file (in a child process, for the parent)."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
+
+    def append(self, item):
+        super().append(item)
+        if self.path:
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(json.dumps(list(item)) + "\n")
+
+
+class FakeHandle:
+    """A loaded function; releasing it costs ``teardown_s`` and deletes a temporary compiled copy.
+
+    ``temporary``: loaded from an ``.mlpackage`` (an ``MLModel``), else from a ``.mlmodelc``
+    (a ``CompiledMLModel``). ``load_s`` / ``last_predict_s``: Core ML's own durations.
+    """
+
+    def __init__(self, runtime: FakeRuntime, package: str, compiled: Path, name: str, units: str, temporary: bool):
+        self.runtime, self.package, self.compiled = runtime, package, compiled
+        self.function, self.compute_units, self.temporary = name, units, temporary
+        self.load_s: float | None = None
+        self.last_predict_s: float | None = None
+
+    def __getitem__(self, key):  # older callers read handle["function"]
+        return {"package": self.package, "function": self.function, "compute_units": self.compute_units}[key]
+
+    def __del__(self):
+        try:
+            self.runtime.clock.advance(self.runtime.script(self.function).teardown_s)
+            self.runtime.released.append(self.function)
+            if self.temporary:
+                shutil.rmtree(self.compiled, ignore_errors=True)
+        except Exception:  # interpreter shutdown
+            pass
+
+
+class FakeState(dict):
+    """A fresh ``MLState``: state name -> zeros; ``read_state(name)`` as coremltools 9.0's ``MLState``
+    (a bad name raises ``RuntimeError``, ``CoreMLPython.mm:697-704``). ``made_by``: the function whose
+    handle made it."""
+
+    made_by: str | None = None
+
+    def read_state(self, name: str) -> np.ndarray:
+        if name not in self:
+            raise RuntimeError(f"no state named {name!r}")
+        return np.array(self[name], dtype=np.float32)
+
+
+class FakeRuntime(CoreMLRuntime):
+    """``CoreMLRuntime`` driven by a script; records ``calls``, ``loads``, ``compiles`` and ``released``."""
+
+    name = "fake"
+    load_description = "scripted fake of coremltools 9.0 (FakeClock seconds)"
+
+    def __init__(
+        self,
+        functions: dict[str, FakeFunction] | None = None,
+        *,
+        default: FakeFunction | None = None,
+        available: bool = True,
+        reason: str = "fake runtime switched off",
+        clock: FakeClock | None = None,
+        machine: str = "arm64",
+        neural_engine: bool = True,
+        compile_s: float = 4.0,
+        cache_dir: str | os.PathLike | None = None,
+        log_dir: str | os.PathLike | None = None,
+        real_crashes: bool = False,
+        calls_file: str | os.PathLike | None = None,
+        numerics: bool = False,
+        import_s: float = 0.8,
+        first_use_s: float = 0.3,
+        lacks: frozenset[str] | set[str] = frozenset(),
+    ):
+        self.functions = dict(functions or {})
+        self.default = default if default is not None else FakeFunction()
+        self._available = available
+        self._reason = reason
+        self.clock = clock if clock is not None else FakeClock()
+        self.machine, self.neural_engine, self.compile_s = machine, neural_engine, float(compile_s)
+        own = Path(tempfile.gettempdir()) / f"anelab-fake-{uuid.uuid4().hex}"  # created when first written
+        weakref.finalize(self, shutil.rmtree, own, True)  # and removed with the runtime (given dirs are the caller's)
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else own / "compiled"
+        self.log_dir = Path(log_dir) if log_dir is not None else own / "log"
+        self.real_crashes = real_crashes
+        self.numerics = numerics  # predict computes the saved program (NumPy), outputs fp32 as Core ML returns them
+        self.import_s, self.first_use_s = float(import_s), float(first_use_s)
+        self.lacks = frozenset(lacks)
+        self._imported = self._first_used = False  # this process's one-time work done (see prepare_process)
+        self._saved: dict = {}
+        self.calls: list[tuple] = _CallList(calls_file)
+        self.loads: list[tuple[str, str, str]] = []  # (package path, function, compute units)
+        self.compiles: list[str] = []  # package paths compiled (cache or per .mlpackage load)
+        self.released: list[str] = []  # functions whose handle was released
+        self._specialised: set[tuple[str, str, str]] = set()  # (compiled path, function, units) loaded before
+        self._sources: dict[str, str] = {}  # compiled path -> package path
+
+    @classmethod
+    def from_args(cls, functions: dict, default: dict, **kwargs) -> FakeRuntime:
+        """Rebuild from ``child_spec()`` args (in a child process)."""
+        return cls(
+            {k: FakeFunction.from_args(v) for k, v in functions.items()},
+            default=FakeFunction.from_args(default),
+            **kwargs,
+        )
+
+    def child_spec(self) -> dict:
+        return {
+            "factory": "anelab.runtimes.fake:FakeRuntime.from_args",
+            "args": {
+                "functions": {k: v.to_args() for k, v in self.functions.items()},
+                "default": self.default.to_args(),
+                "available": self._available,
+                "reason": self._reason,
+                "machine": self.machine,
+                "neural_engine": self.neural_engine,
+                "compile_s": self.compile_s,
+                "cache_dir": str(self.cache_dir),
+                "log_dir": str(self.log_dir),
+                "real_crashes": True,
+                "calls_file": str(self.log_dir / "child-calls.jsonl"),
+                "numerics": self.numerics,
+                "import_s": self.import_s,
+                "first_use_s": self.first_use_s,
+                "lacks": sorted(self.lacks),
+            },
+        }
+
+    def child_calls(self) -> list[tuple]:
+        """The calls child processes made (e.g. the gate's), in order."""
+        path = self.log_dir / "child-calls.jsonl"
+        return [tuple(json.loads(line)) for line in path.read_text().splitlines()] if path.is_file() else []
+
+    # availability ---------------------------------------------------------------------------------
+    def available(self) -> bool:
+        if self._available and not self._imported:  # the first check imports coremltools' native module
+            self._imported = True
+            self.clock.advance(self.import_s)
+        return self._available
+
+    def _first_use(self) -> None:
+        """``_macos_version()``'s ``sw_vers`` subprocess, once per process (utils.py:959-968, lru-cached)."""
+        if not self._first_used:
+            self._first_used = True
+            self.clock.advance(self.first_use_s)
+
+    def prepare_process(self):
+        self.require_available()
+        self._first_use()
+        return ["imported coremltools (fake: import_s)", "ran _macos_version() (fake: first_use_s)"]
+
+    def unavailable_reason(self) -> str:
+        return "" if self._available else self._reason
+
+    def neural_engine_reason(self) -> str:
+        if not self._available:
+            return self._reason
+        if self.machine != "arm64":
+            return f"no Neural Engine: this Mac is {self.machine}, not Apple silicon (arm64)"
+        if not self.neural_engine:
+            return "no Neural Engine: Core ML lists none among this Mac's compute devices"
+        return ""
+
+    # script ---------------------------------------------------------------------------------------
+    def _source(self, path) -> str:
+        return self._sources.get(str(Path(path)), str(path))
+
+    def function_of(self, pkg, function: str | None) -> str:
+        if function is not None:
+            return function
+        stem = Path(self._source(pkg)).stem
+        return stem
+
+    def script(self, name: str) -> FakeFunction:
+        return self.functions.get(name, self.default)
+
+    def _crash(self, signal_name: str, where: str) -> None:
+        if self.real_crashes:
+            os.kill(os.getpid(), getattr(signal, signal_name))
+            time.sleep(5)  # the signal is delivered before this returns
+        raise FakeCrash(signal_name, where)
+
+    @staticmethod
+    def _emit(fd: int, text: str) -> None:
+        if text:
+            os.write(fd, text.encode())
+
+    def _log(self, text: str) -> None:
+        if text:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.log_dir / f"{os.getpid()}.log", "a") as f:
+                for line in text.splitlines():
+                    f.write(f"{time.time():.6f}\t{line}\n")
+
+    def read_unified_log(self, pid, start, end):
+        from anelab.runtimes.assumptions import UNIFIED_LOG_READABLE
+        from anelab.runtimes.interface import UnifiedLogUnavailable
+
+        if UNIFIED_LOG_READABLE in self.lacks:
+            raise UnifiedLogUnavailable("'log show' did not finish within 120 s")
+        path = self.log_dir / f"{int(pid)}.log"
+        if not path.is_file():
+            return ""
+        lines = []
+        for row in path.read_text().splitlines():
+            stamp, _, text = row.partition("\t")
+            if start - 1 <= float(stamp) <= end + 1:
+                lines.append(text)
+        return "\n".join(lines)
+
+    def signature(self, pkg, function):
+        """Scripted (``FakeFunction.inputs``; fp16) or the package's spec; empty for a stand-in without one."""
+        from anelab.runtimes.interface import FunctionSignature, function_signatures
+
+        name = self.function_of(pkg, function)
+        f = self.script(name)
+        if f.inputs is not None:
+            fp16 = lambda d: {k: (tuple(s), "float16") for k, s in (d or {}).items()}  # noqa: E731
+            return FunctionSignature(fp16(f.inputs), fp16(f.states), fp16(f.output_shapes))
+        if not (Path(self._source(pkg)) / "Data").is_dir():  # a scripted stand-in directory without a spec
+            return FunctionSignature({}, {}, {})
+        default, sigs = function_signatures(self._source(pkg))
+        return sigs.get(name) or sigs[default]
+
+    def _signature(self, name: str, package: str):
+        """(inputs, states, outputs) name -> shape; None when nothing is declared (no checks then)."""
+        sig = self.signature(package, name)
+        if not (sig.inputs or sig.states or sig.outputs):
+            return None
+        shapes = lambda d: {k: tuple(s) for k, (s, _) in d.items()}  # noqa: E731
+        return shapes(sig.inputs), shapes(sig.states), shapes(sig.outputs)
+
+    # compile / load -------------------------------------------------------------------------------
+    def compile_to(self, pkg, dest):
+        source, target = str(pkg).rstrip("/"), str(dest).rstrip("/")
+        if not source.endswith((".mlpackage", ".mlmodel")):  # utils.py:1098-1100, 1112-1119
+            raise RuntimeLoadError(
+                f"{pkg}: does not compile: Invalid model file path: '{pkg}'.Expected a file with .mlpackage or "
+                f".model extension."
+            )
+        if not target.endswith(".mlmodelc"):  # utils.py:1134-1135
+            raise RuntimeLoadError(
+                f'{pkg}: does not compile: "destination_path" parameter must have ".mlmodelc" file extension.'
+            )
+        if not Path(pkg).is_dir():
+            raise RuntimeLoadError(f"{pkg}: does not compile: no such package")
+        self._first_use()  # compile_model checks _macos_version() (utils.py:1103)
+        self.calls.append(("compile", str(pkg)))
+        self.compiles.append(str(pkg))
+        self.clock.advance(self.compile_s)
+        dest = Path(dest)
+        dest.mkdir(parents=True)
+        (dest / "coremldata.bin").write_text(str(Path(pkg).resolve()))
+        self._sources[str(dest)] = str(pkg)
+        return dest
+
+    def compile(self, pkg):
+        dest = super().compile(pkg)
+        self._sources[str(dest)] = str(pkg)  # compiled by an earlier process: its source is this package
+        return dest
+
+    def load_path(self, path, function, compute_units):
+        check_compute_units(compute_units)
+        self.require_available()
+        path = Path(path)
+        temporary = path.suffix != ".mlmodelc"
+        if temporary:  # coremltools compiles an .mlpackage on every construction, into a fresh copy
+            if not path.is_dir():
+                raise RuntimeLoadError(f"{path}: function {function or '(default)'} does not load: no such package")
+            compiled = Path(tempfile.gettempdir()) / f"{path.stem}_{uuid.uuid4().hex.upper()}.mlmodelc"
+            self.compile_to(path, compiled)
+            self._sources[str(compiled)] = str(path)
+        else:
+            if not path.is_dir():
+                raise RuntimeLoadError(f"{path}: does not load: not a compiled model directory")
+            self._first_use()  # CompiledMLModel._init_check: _macos_version() (_compiled_model.py:34)
+            compiled = path
+        package = self._source(compiled)
+        name = self.function_of(compiled, function)
+        self.calls.append(("load", package, name, compute_units))
+        f = self.script(name)
+        self._emit(1, f.load_stdout)
+        self._emit(2, f.load_stderr)
+        self._log(f.log_text)
+        if f.exit_stderr:
+            atexit.register(self._emit, 2, f.exit_stderr)
+        key = (str(compiled), name, compute_units)
+        load_s = f.warm_load_s if key in self._specialised else f.cold_load_s
+        self.clock.advance(load_s)
+        self._specialised.add(key)
+        if f.load_error is not None:
+            raise RuntimeLoadError(f"{package}: function {name} does not load: {f.load_error}")
+        if compute_units in f.unloadable_units:
+            raise RuntimeLoadError(f"{package}: function {name} does not load under {compute_units}")
+        self.loads.append((package, name, compute_units))
+        handle = FakeHandle(self, package, compiled, name, compute_units, temporary)
+        handle.load_s = load_s
+        return handle
+
+    def load_duration_s(self, handle):
+        from anelab.runtimes.assumptions import CORE_ML_LOAD_DURATION
+
+        return None if CORE_ML_LOAD_DURATION in self.lacks else handle.load_s
+
+    def predict_duration_s(self, handle):
+        from anelab.runtimes.assumptions import CORE_ML_PREDICT_DURATION
+
+        return None if CORE_ML_PREDICT_DURATION in self.lacks else handle.last_predict_s
+
+    # predict --------------------------------------------------------------------------------------
+    def make_state(self, handle):
+        self.require_assumptions(STATE_BY_NAME)
+        sig = self._signature(handle.function, handle.package)
+        states = (sig[1] if sig else None) or self.script(handle.function).states or {}
+        state = FakeState({k: np.zeros(s, np.float16) for k, s in states.items()})
+        state.made_by = handle.function
+        return state
+
+    def predict(self, handle, inputs, state=None):
+        self.require_available()
+        self.require_assumptions(FP32_FEEDS_FP16_INPUTS, FP16_OUTPUTS_AS_FP32)
+        name, units = handle.function, handle.compute_units
+        self.calls.append(("predict", handle.package, name, units))
+        f = self.script(name)
+        if not isinstance(inputs, dict):  # model.py:878-884
+            raise TypeError(f'"data" parameter must be either a dict or list of dict, but got {type(inputs)}.')
+        fp16 = [k for k, v in inputs.items() if isinstance(v, np.ndarray) and v.dtype == np.float16]
+        for k in fp16:  # coremltools: fp16 -> fp32 in the caller's dict (model.py:1064-1067)
+            inputs[k] = inputs[k].astype(np.float32)
+        if fp16:
+            self.clock.advance(f.convert_s)
+        self._refuse_unconvertible(inputs)
+        self._emit(2, f.predict_stderr)
+        if f.predict_signal:
+            self._crash(f.predict_signal, f"predict of {name}")
+        sig = self._signature(name, handle.package)
+        if sig is not None:
+            self._check(name, inputs, state, *sig, names_checked=handle.temporary)
+        self._refuse_foreign_state(handle, state)
+        if f.predict_error is not None:
+            raise RuntimePredictError(f"predict failed: {f.predict_error}")
+        handle.last_predict_s = f.predict_s.get(units, f.predict_default_s)
+        self.clock.advance(handle.last_predict_s)  # Core ML's own prediction (CoreMLPython.mm:543-562)
+        self.clock.advance(f.output_convert_s)  # outputs to NumPy, fp16 -> fp32 copies (CoreMLPythonUtils.mm:448-484)
+        if f.outputs:
+            return dict(f.outputs)
+        if self.numerics:
+            return self._compute(handle.package, name, inputs, state)
+        return {k: np.zeros(s, np.float32) for k, s in (sig[2] if sig else {}).items()}
+
+    @staticmethod
+    def _refuse_unconvertible(inputs: dict) -> None:
+        """int32 / fp32 / fp64 writable arrays only (CoreMLPythonArray.mm:10-31, 55); anything else is printed
+        to stdout and refused (CoreMLPythonUtils.mm:397-409), as MacRuntime.predict reports it."""
+        for value in inputs.values():
+            if not isinstance(value, np.ndarray):
+                continue
+            kind, size = value.dtype.kind, value.dtype.itemsize
+            supported = (kind, size) in {("i", 4), ("f", 4), ("f", 8)}
+            if not supported or not value.flags.writeable:
+                print("Error: value type not convertible:")
+                print(value)
+                raise RuntimePredictError("predict failed: value type not convertible")
+
+    def _refuse_foreign_state(self, handle, state) -> None:
+        """A Mac that lacks ``one_state_shared_by_two_functions`` refuses a state another function's handle made."""
+        from anelab.runtimes.assumptions import STATE_SHARED_BY_FUNCTIONS
+
+        made_by = getattr(state, "made_by", None)
+        if STATE_SHARED_BY_FUNCTIONS in self.lacks and made_by not in (None, handle.function):
+            raise RuntimePredictError(
+                f'predict failed: {{ NSLocalizedDescription = "The state was created by function {made_by}, '
+                f'not {handle.function}."; }}'
+            )
+
+    def _compute(self, package: str, name: str, inputs: dict, state) -> dict:
+        """What the saved program computes (NumPy), as Core ML hands it back: fp32 copies."""
+        from anelab.sidecar.evaluate import SavedPackage, evaluate, evaluate_with_state
+
+        if package not in self._saved:
+            self._saved[package] = SavedPackage(package)
+        saved = self._saved[package]
+        name = name if name in saved.functions else saved.default_function  # a variant's stem names "main"
+        declared = self.signature(package, name)
+        typed = {k: np.asarray(v).astype(declared.inputs[k][1]) for k, v in inputs.items()}  # Core ML casts back
+        if state is None:
+            out = evaluate(saved, name, typed)
+        else:
+            out = evaluate_with_state(saved, name, typed, state)
+        return {k: np.asarray(v, dtype=np.float32) for k, v in out.items()}
+
+    @staticmethod
+    def _check(name, inputs, state, expected, states, _outputs, *, names_checked: bool) -> None:
+        for (
+            key
+        ) in inputs:  # MLModel checks names (model.py:1055-1060); CompiledMLModel does not (_compiled_model.py:227-231)
+            if names_checked and key not in expected:
+                raise RuntimePredictError(
+                    f'predict failed: Provided key "{key}", in the input dict, does not match any of the model '
+                    f"input name(s), which are: {set(expected)}"
+                )
+        for key, shape in expected.items():
+            if key not in inputs:
+                raise RuntimePredictError(
+                    f'predict failed: {{ NSLocalizedDescription = "Feature {key} is required but not specified."; }}'
+                )
+            if tuple(np.shape(inputs[key])) != tuple(shape):
+                raise RuntimePredictError(
+                    f"predict failed: {{ NSLocalizedDescription = \"For input feature '{key}', the provided shape "
+                    f"{tuple(np.shape(inputs[key]))} is not compatible with the model's feature description.\"; }}"
+                )
+        if states and state is None:
+            first = next(iter(states))
+            raise RuntimePredictError(
+                f'predict failed: {{ NSLocalizedDescription = "The input feature for {first} must be an MLState, '
+                f'but it was not."; }}'
+            )
+
+    # compute plan ---------------------------------------------------------------------------------
+    def plan_path(self, compiled, compute_units):
+        check_compute_units(compute_units)
+        self.require_available()
+        compiled = Path(compiled)
+        if compiled.suffix != ".mlmodelc":  # coremltools 9.0 #2757: libc++abi terminate, SIGABRT
+            self._crash("SIGABRT", f"MLComputePlan.load_from_path({compiled.name})")
+        from anelab.runtimes.assumptions import COMPUTE_PLAN_OF_COMPILED
+
+        if COMPUTE_PLAN_OF_COMPILED in self.lacks:
+            raise RuntimeError("MLComputePlan: the plan could not be loaded (this fake Mac lacks it)")
+        name = self.function_of(compiled, None)
+        self.calls.append(("compute_plan", self._source(compiled), name, compute_units))
+        f = self.script(name)
+        self._emit(2, f.plan_stderr)
+        if f.plan_error is not None:
+            raise RuntimeError(f.plan_error)
+        counts = {key: 0 for key in ASSIGNMENT_KEYS}
+        for key, value in (f.assignment or {}).items():
+            if key not in counts or key == "total":
+                raise ValueError(f"FakeFunction.assignment key {key!r}; use neural_engine, gpu, cpu, unreported")
+            counts[key] = int(value)
+        counts["total"] = counts["neural_engine"] + counts["gpu"] + counts["cpu"]
+        return counts
