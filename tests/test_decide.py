@@ -22,7 +22,7 @@ from anelab.planner.design_plans import DESIGNS, compare_designs
 from anelab.planner.envelope import Cost
 from anelab.planner.fit import fit_costs
 from anelab.planner.from_checkpoint import checkpoint_designs
-from anelab.planner.verdict import ArmCosts, decide_arms, plan_arm_costs
+from anelab.planner.verdict import ArmCosts, plan_arm_costs, verdict_for
 
 CHUNK, PROMPT = 32, 64
 
@@ -44,7 +44,7 @@ HAND_BREAK_EVEN_GPU = (1.2 + 8.0) / 0.75
 
 
 def _verdict(**kwargs):
-    return decide_arms(plan_arm_costs(plan(512, **HAND, **kwargs).to_dict()))
+    return verdict_for(plan_arm_costs(plan(512, **HAND, **kwargs)))
 
 
 # ---- the user's GPU number moves the verdict as the arithmetic says -------------------------------------------
@@ -91,15 +91,15 @@ def _arms(load: Cost, gpu: Cost) -> ArmCosts:
 def test_an_interval_across_the_break_even_is_depends():
     # gain = 0.5 S - 1 - 2 L; S = 20 -> 9 - 2 L: break-even L = 4.5 s per layer
     gpu = Cost.point(20.0, "recorded", "test")
-    assert decide_arms(_arms(Cost.band(3.0, 1.4, "fitted", "t"), gpu)).decision == "ane"  # L <= 4.2
-    assert decide_arms(_arms(Cost.band(3.0, 1.6, "fitted", "t"), gpu)).decision == "depends"  # L up to 4.8
-    assert decide_arms(_arms(Cost.band(6.0, 1.2, "fitted", "t"), gpu)).decision == "gpu"  # L >= 5.0
+    assert verdict_for(_arms(Cost.band(3.0, 1.4, "fitted", "t"), gpu)).decision == "ane"  # L <= 4.2
+    assert verdict_for(_arms(Cost.band(3.0, 1.6, "fitted", "t"), gpu)).decision == "depends"  # L up to 4.8
+    assert verdict_for(_arms(Cost.band(6.0, 1.2, "fitted", "t"), gpu)).decision == "gpu"  # L >= 5.0
     # the same numbers, extrapolated: depends however far from the line
-    assert decide_arms(_arms(Cost.band(3.0, 1.4, "extrapolated", "t"), gpu)).decision == "depends"
+    assert verdict_for(_arms(Cost.band(3.0, 1.4, "extrapolated", "t"), gpu)).decision == "depends"
 
 
 def test_qwen38_verdict_stands_on_its_records():
-    v = decide_arms(plan_arm_costs(plan(4333, family="qwen3.8-125b-a6b-4bit").to_dict()))
+    v = verdict_for(plan_arm_costs(plan(4333, family="qwen3.8-125b-a6b-4bit")))
     assert v.decision == "gpu" and not v.extrapolated
     assert v.costs["load_per_layer"] == pytest.approx({**v.costs["load_per_layer"], "value": 6.7 + 13.6})
     assert v.costs["load_per_layer"]["kind"] == "recorded"
@@ -289,6 +289,6 @@ def test_decide_cli_prints_the_verdict(model, tmp_path, capsys):
 
 
 def test_a_prompt_the_ane_does_not_run_is_gpu_without_thresholds():
-    v = decide_arms(plan_arm_costs(plan(1000, family="qwen3.8-125b-a6b-4bit").to_dict()))
+    v = verdict_for(plan_arm_costs(plan(1000, family="qwen3.8-125b-a6b-4bit")))
     assert v.decision == "gpu" and "short prompt" in v.reason
     assert v.max_load_per_layer_seconds is None and v.min_gpu_prefill_seconds is None

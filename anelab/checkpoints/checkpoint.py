@@ -312,12 +312,15 @@ def _layers_prefix(names) -> str:
     )
 
 
-def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Open a Hugging Face-style checkpoint directory (config.json + *.safetensors).
+def load_checkpoint(path: str | os.PathLike | Checkpoint) -> Checkpoint:
+    """Open a Hugging Face-style checkpoint directory (config.json + *.safetensors); an opened
+    ``Checkpoint`` is returned as it is (a flow opens its checkpoint once and passes it on).
 
     Reads config.json and the safetensors headers (or the shard index) only; ``layer(i)`` reads
     that layer's tensors.
     """
+    if isinstance(path, Checkpoint):
+        return path
     directory = Path(path)
     if not directory.is_dir():
         raise AnelabInputError(

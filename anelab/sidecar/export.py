@@ -32,6 +32,7 @@ from anelab.sidecar.designs import (
     DEFAULT_DESIGN,
     Design,
     SidecarOptions,
+    SidecarRequest,
     get_design,
 )
 from anelab.sidecar.format import FORMAT_VERSION, SidecarMetadata, weight_bytes
@@ -163,30 +164,14 @@ def sidecar_options(
     chunk: int,
     histories: list[int] | None,
     *,
-    key_tile: int | None = None,
-    query_tile: int | None = None,
-    capacity: int | None = None,
-    decode: bool = False,
-    mask_mode: str | None = None,
     weights_mode: str = "fp16",
-    selection: dict | None = None,
+    **options,
 ) -> tuple[Design, SidecarOptions]:
     """The design called ``graph`` (None: the default, dense) and one export's options validated against
-    it (one-line refusals)."""
-    design = get_design(graph or DEFAULT_DESIGN)
-    options = design.options(
-        geometry,
-        chunk,
-        histories,
-        weights=weights_mode,
-        selection=selection,
-        key_tile=key_tile,
-        query_tile=query_tile,
-        capacity=capacity,
-        decode=decode,
-        mask_mode=mask_mode,
-    )
-    return design, options
+    it (one-line refusals): ``SidecarRequest.options_for`` with the options as keywords (key_tile,
+    query_tile, capacity, decode, mask_mode, selection)."""
+    request = SidecarRequest(chunk, histories, graph or DEFAULT_DESIGN, weights=weights_mode, **options)
+    return request.options_for(geometry)
 
 
 def selection_from_flags(kept_blocks: int | None, compress_ratio: int | None) -> dict | None:
@@ -345,7 +330,7 @@ def convert_variants(
 
 
 def export_sidecars(
-    checkpoint_dir: str | os.PathLike,
+    checkpoint_dir,
     out_dir: str | os.PathLike,
     chunk: int,
     histories: list[int] | None,
@@ -354,18 +339,34 @@ def export_sidecars(
     graph: str | None = DEFAULT_DESIGN,
     gate: VariantGate | None = None,
     jobs: int | None = None,
+    weights_mode: str = "fp16",
     **options,
 ) -> list[ExportResult]:
+    """``export_request`` with the request spelt as arguments: ``graph`` and ``options`` as
+    :class:`SidecarRequest`'s fields (key_tile, query_tile, capacity, decode, mask_mode, selection)."""
+    request = SidecarRequest(chunk, histories, graph or DEFAULT_DESIGN, weights=weights_mode, **options)
+    return export_request(checkpoint_dir, out_dir, request, layers, gate=gate, jobs=jobs)
+
+
+def export_request(
+    checkpoint,
+    out_dir: str | os.PathLike,
+    request: SidecarRequest,
+    layers: list[int] | None = None,
+    *,
+    gate: VariantGate | None = None,
+    jobs: int | None = None,
+) -> list[ExportResult]:
     """Export ``layer_<L>.mlpackage`` for each requested attention layer (default: all full and
-    sliding-window ones). ``graph`` and ``options``: as ``export_layer``; every option is validated
-    before the checkpoint's weights are read.
+    sliding-window ones) as ``request`` asks; every option is validated before the checkpoint's weights are
+    read. ``checkpoint``: a directory or an opened ``Checkpoint``.
 
     ``jobs``: layers exported at once in worker processes (default ``anelab.core.parallel.default_jobs``);
     with an ANE ``gate`` one at a time (the gate loads every variant on the device), so a ``jobs`` above 1
     is refused there. The packages do not depend on ``jobs`` (a test compares them byte for byte).
     """
-    checkpoint = load_checkpoint(checkpoint_dir)
-    design, opts = sidecar_options(graph, checkpoint.geometry, chunk, histories, **options)
+    checkpoint = load_checkpoint(checkpoint)
+    design, opts = request.options_for(checkpoint.geometry)
     full = list(checkpoint.geometry.full_attention_layers)  # full and sliding-window attention layers
     layers = full if layers is None else list(layers)
     for layer in layers:
