@@ -204,6 +204,31 @@ def test_decide_is_resumable_and_notices_a_changed_package(decided, model):
     assert (pkg.parent / "layer_1.mlpackage.stale-1").exists()
 
 
+def test_decide_reads_its_checkpoint_once_and_plans_each_prompt_once(model, tmp_path, monkeypatch):
+    """Issue 28: decide opened the checkpoint 24 times and planned the same prompt several times. Now one read
+    (the whole model reuses the opened checkpoint; inline export and verify take it too) and one plan per
+    (prompt, user number). Spies count real reads (a directory opened) and plans."""
+    import anelab.checkpoints.checkpoint as checkpoint_module
+    import anelab.core.parallel as parallel
+    import anelab.planner.from_checkpoint as planner_module
+
+    reads, planned = [], []
+    weight_map, plan_fn = checkpoint_module._weight_map, planner_module.plan_from_checkpoint
+    monkeypatch.setattr(checkpoint_module, "_weight_map", lambda d: reads.append(d) or weight_map(d))
+    monkeypatch.setattr(
+        planner_module,
+        "plan_from_checkpoint",
+        lambda c, n, **k: planned.append((n, tuple(k.items()))) or plan_fn(c, n, **k),
+    )
+    monkeypatch.setattr(parallel, "default_jobs", lambda items, cores=None: 1)  # inline: every read in this process
+    decide(DecideConfig(model, PROMPT, tmp_path / "out", design="dense", chunk=CHUNK, gpu_prefill_seconds=3.0))
+    assert len(reads) == 1, reads
+    assert len(planned) == len(set(planned)) and len(planned) > 2  # the sweep's prompts, each once
+    # control: the spies see a second opening of the same directory
+    checkpoint_module.load_checkpoint(model)
+    assert len(reads) == 2
+
+
 def test_a_fake_mac_run_replaces_predicted_costs_with_measured_ones(decided, model, tmp_path):
     from anelab.runtimes.fake import FakeFunction, FakeRuntime
 
