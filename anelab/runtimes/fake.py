@@ -224,7 +224,8 @@ class FakeHandle:
     def __del__(self):
         try:
             self.runtime.clock.advance(self.runtime.script(self.function).teardown_s)
-            self.runtime.released.append(self.function)
+            if self.runtime._calls_of(self.package) is self.runtime.calls:  # noqa: SLF001 - its own runtime
+                self.runtime.released.append(self.function)
             if self.temporary:
                 shutil.rmtree(self.compiled, ignore_errors=True)
         except Exception:  # interpreter shutdown
@@ -540,7 +541,8 @@ class FakeRuntime(CoreMLRuntime):
             raise RuntimeLoadError(f"{pkg}: does not compile: compileModelAtURL failed (this fake Mac lacks it)")
         self._first_use()  # compile_model checks _macos_version() (utils.py:1103)
         self._calls_of(pkg).append(("compile", str(pkg)))
-        self.compiles.append(str(pkg))
+        if self._calls_of(pkg) is self.calls:
+            self.compiles.append(str(pkg))
         self.clock.advance(self.compile_s)
         dest = Path(dest)
         dest.mkdir(parents=True)
@@ -804,7 +806,8 @@ class FakeRuntime(CoreMLRuntime):
             self._crash("SIGKILL", f"MLComputePlan.load_from_path({compiled.name}, {compute_units})")
         source = self._source(compiled)
         declared = self._functions_in(source)
-        name = declared[0] if declared else self.function_of(compiled, None)  # the default function is planned
+        # the default function is planned: a merged package's first; a single-function variant named by its stem
+        name = declared[0] if len(declared) > 1 else self.function_of(compiled, None)
         self._calls_of(source).append(("compute_plan", source, name, compute_units))
         f = self.script(name)
         self._emit(2, f.plan_stderr)

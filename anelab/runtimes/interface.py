@@ -542,12 +542,14 @@ PREFLIGHT_LOAD_STEPS = ("load", "predict")  # what a child survives before a fun
 PREFLIGHT_PLAN_STEPS = ("plan",)  # ... before a compute plan is built here
 
 
-FIRST_USE_PACKAGE = BUILD_DIR / "first-use" / "anelab_first_use.mlpackage"
-
-
 def first_use_package() -> Path:
     """A tiny model (``y = x * 2``, fp16 [1, 8]) that pays a process's first Core ML load and predict before any
-    clock starts; built once here (coremltools, no Core ML runtime needed) and reused."""
+    clock starts; built once per machine and coremltools version (in the temporary directory: no project file
+    is written) and reused."""
+    from importlib.metadata import version
+
+    where = Path(tempfile.gettempdir()) / f"anelab-first-use-coremltools-{version('coremltools')}"
+    FIRST_USE_PACKAGE = where / "anelab_first_use.mlpackage"  # noqa: N806 - one fixed path
     if (FIRST_USE_PACKAGE / "Manifest.json").is_file():
         return FIRST_USE_PACKAGE
     from anelab.sidecar.coremltools_import import coremltools_modules
