@@ -702,6 +702,12 @@ class FakeRuntime(CoreMLRuntime):
         if f.outputs:
             return dict(f.outputs)
         if self.numerics:
+            from anelab.runtimes.assumptions import INT32_INPUTS_ACCEPTED
+
+            if self.lacks_under(INT32_INPUTS_ACCEPTED, units):  # the value does not reach the graph: read as 0
+                inputs = {
+                    k: np.zeros_like(v) if getattr(v, "dtype", None) == np.int32 else v for k, v in inputs.items()
+                }
             return self._as_returned(self._compute(handle.package, name, inputs, state), name, units)
         return {k: np.zeros(s, np.float32) for k, s in (sig[2] if sig else {}).items()}
 
@@ -717,11 +723,11 @@ class FakeRuntime(CoreMLRuntime):
     def _refuse_unconvertible(self, inputs: dict, units: str) -> None:
         """int32 / fp32 / fp64 writable arrays only (CoreMLPythonArray.mm:10-31, 55); anything else is printed
         to stdout and refused (CoreMLPythonUtils.mm:397-409), as MacRuntime.predict reports it. A Mac lacking one
-        of the dtype assumptions under ``units`` behaves the other way."""
+        of the dtype assumptions under ``units`` behaves the other way (lacking int32_arrays_accepted: an int32
+        value does not reach the graph, see ``predict``)."""
         from anelab.runtimes import assumptions as a
 
-        accepted = {("i", 4): not self.lacks_under(a.INT32_INPUTS_ACCEPTED, units),
-                    ("f", 4): not self.lacks_under(a.FP32_FEEDS_FP16_INPUTS, units), ("f", 8): True,
+        accepted = {("i", 4): True, ("f", 4): not self.lacks_under(a.FP32_FEEDS_FP16_INPUTS, units), ("f", 8): True,
                     ("i", 8): self.lacks_under(a.UNSUPPORTED_DTYPE_REFUSED, units)}  # fmt: skip
         read_only_passes = self.lacks_under(a.READ_ONLY_REFUSED, units)
         for value in inputs.values():

@@ -220,7 +220,7 @@ class Sidecar:
         if self._state is None:
             self._state, self._state_made_by = self.runtime.make_state(handle), name
         elif self._state_made_by != name:  # c1 on the state c<C> made: Core ML documents no such sharing
-            self.runtime.require_assumptions(STATE_SHARED_BY_FUNCTIONS)
+            self.runtime.require_assumptions(STATE_SHARED_BY_FUNCTIONS, compute_units=self.compute_units)
         return self.runtime.predict(handle, prepare_inputs(inputs), state=self._state)
 
     def decode_function(self) -> str:
