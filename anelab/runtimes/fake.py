@@ -372,9 +372,12 @@ class FakeRuntime(CoreMLRuntime):
 
     def seed_verdicts(self) -> None:
         """Write ``expected_verdicts`` as this fake Mac's probe file (what a probe run leaves)."""
-        from anelab.runtimes.probe import write_verdicts
-
-        write_verdicts(self, self.expected_verdicts(), "seeded")
+        payload = {"assumptions": self.expected_verdicts(), "versions": self.versions(), "date": "seeded"}
+        self.probe_file.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.probe_file.name}.", dir=self.probe_file.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=1)
+        os.replace(tmp, self.probe_file)  # as probe.write_verdicts writes it
 
     def probe_first(self, reason: str) -> None:
         from anelab.runtimes.probe import probe_core_ml
