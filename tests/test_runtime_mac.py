@@ -15,11 +15,10 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
 from conftest import seed_passed_verdicts
 
-from anelab.runtimes.coreml import MacRuntime
 from anelab.core.errors import AnelabInputError
+from anelab.runtimes.coreml import MacRuntime
 from anelab.runtimes.interface import RuntimeLoadError, RuntimePredictError
 
 

@@ -132,7 +132,8 @@ def test_load_record_is_written_and_reads_back(tmp_path):
         "load": FakeRuntime.load_description,
         "components": LOAD_COMPONENTS,
         "before_clock": [
-            "imported coremltools (fake: import_s)", "ran _macos_version() (fake: first_use_s)",
+            "imported coremltools (fake: import_s)",
+            "ran _macos_version() (fake: first_use_s)",
             "loaded and predicted a tiny model (anelab_first_use.mlpackage) under cpu_and_ne: Core ML's first use",
         ],  # fmt: skip
     }
