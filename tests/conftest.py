@@ -95,3 +95,18 @@ def as_gate_passed(pkg):
     meta = {**read_raw_metadata(pkg), META["ane_verified"]: "true", META["ane_reason"]: "set by a test: a passed gate"}
     write_package_metadata(pkg, dest, meta)
     return dest
+
+
+def seed_passed_verdicts(runtime):
+    """Write a probe file on which every assumption passed under every setting of its row, stamped with the
+    runtime's versions: the tests' stand-in for a Mac whose probe found everything true (a stand-in runtime
+    cannot run the probe's children)."""
+    from anelab.runtimes.assumptions import ASSUMPTIONS
+    from anelab.runtimes.probe import write_verdicts
+
+    table = {
+        a.name: {"passed": True, "detail": "seeded by a test", "units": {u: {"passed": True, "detail": "seeded"}
+                                                                        for u in a.compute_units}}
+        for a in ASSUMPTIONS
+    }  # fmt: skip
+    write_verdicts(runtime, table, "seeded")

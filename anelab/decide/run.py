@@ -391,16 +391,12 @@ def measure_package(config: DecideConfig, opened: Opened, package: Path, candida
 
 
 def _stats(record: dict) -> dict | None:
-    """Median / min / max seconds of one timing; for a prediction, Core ML's own predict duration where
-    the runtime reports it (the device's time, without coremltools' array conversions that a shipping
-    runtime does not pay), else the wall time of ``predict``; ``timed`` says which."""
-    r = record["results"]
-    if "median_s" not in r:
-        return None  # a setting that did not load or predict
-    own = r.get("core_ml_predict_s")
-    source = own if own else r
-    timed = "core_ml_predict_s" if own else "wall"
-    return {"median_s": source["median_s"], "min_s": source["min_s"], "max_s": source["max_s"], "timed": timed}
+    """Median / min / max seconds of one timing as ``anelab.runtimes.ab.timing_stats`` reads it — the one reading
+    notebook 01's A/B and its headline use: Core ML's own predict duration where recorded, else the wall time
+    of ``predict``; ``timed`` says which."""
+    from anelab.runtimes.ab import timing_stats
+
+    return timing_stats(record["results"])
 
 
 def with_measured(

@@ -12,6 +12,7 @@ import datetime as _dt
 import functools
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +42,16 @@ from anelab.sidecar.quantize import compress_package
 OFF_MAC_REASON = (
     "not verified: the Core ML runtime is unavailable on this machine (needs macOS 15+); run the export on a Mac"
 )
+UNGATED_ON_MAC_REASON = (
+    "not verified: exported without the ANE gate (this caller ran none); export it with 'anelab export', which "
+    "gates it where the Core ML runtime is available ('anelab doctor' says whether it is)"
+)
+
+
+def ungated_reason() -> str:
+    """Why a package exported without a gate is not verified: off a Mac the runtime is missing; on a Mac the caller
+    simply ran no gate (saying "unavailable on this machine" there would be false)."""
+    return UNGATED_ON_MAC_REASON if sys.platform == "darwin" else OFF_MAC_REASON
 
 
 class VariantGate(Protocol):
@@ -296,7 +307,7 @@ def package_metadata(
         selection_folded=options.selection is not None,
         selection_indexer=options.selection,
         ane_verified=gate is not None,
-        ane_reason=gate.verified_reason if gate is not None else OFF_MAC_REASON,
+        ane_reason=gate.verified_reason if gate is not None else ungated_reason(),
         ane_evidence=evidence,
         coremltools=coremltools_modules()[0].__version__,
         anelab=__version__,
