@@ -108,7 +108,13 @@ def _add_export(sub):
     p.add_argument(
         "--decode", action="store_true", help="stateful graph: add a decode function c1 sharing the state and weights"
     )
-    p.add_argument("--out", help="output directory for layer_<L>.mlpackage")
+    p.add_argument(
+        "--backend",
+        default=None,
+        help="sidecar format (anelab.sidecar.backends): coreml (default: layer_<L>.mlpackage) | coreai (layer_<L>.aimodel, "
+        "Core AI: the Core ML package lowered op by op, Neural Engine rules applied)",
+    )
+    p.add_argument("--out", help="output directory for layer_<L>.mlpackage (or .aimodel)")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.add_argument(
         "--selection-kept-blocks",
@@ -170,6 +176,7 @@ def _run_export(args):
         query_tile=args.query_tile,
         mask_mode=args.mask_mode,
         jobs=args.jobs,
+        backend=args.backend,
     )
     summary = [
         {
@@ -208,15 +215,14 @@ def _add_inspect(sub):
 
 
 def _run_inspect(args):
-    from anelab.sidecar.inspection import inspect_package
+    from anelab.sidecar.backends import backend_of
 
-    info = inspect_package(args.package)
+    backend = backend_of(args.package)
+    info = backend.inspect(args.package)
     if args.json:
         _print_json(info)
     else:
-        from anelab.sidecar.inspection import format_inspection
-
-        print(format_inspection(info))
+        print(backend.format_inspection(info))
     return 0
 
 
@@ -262,7 +268,10 @@ def _add_verify(sub):
     p = sub.add_parser(
         "verify", help="check a saved package (or every package of an export directory) against the NumPy reference"
     )
-    p.add_argument("package", help="a layer_<L>.mlpackage, or an export directory: every package, one summary table")
+    p.add_argument(
+        "package",
+        help="a layer_<L>.mlpackage or .aimodel, or an export directory: every package, one summary table",
+    )
     p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the one the package records)")
     p.add_argument("--fp32", action="store_true", help="evaluate the package in fp32 instead of emulating fp16 storage")
     p.add_argument(
@@ -289,8 +298,10 @@ def _run_verify(args):
         def verify_one(package, checkpoint):
             return verify_package(package, checkpoint, fp16=not args.fp32)
 
+    from anelab.sidecar.backends import is_sidecar
+
     path = Path(args.package)
-    if path.is_dir() and not (path / "Manifest.json").exists():  # an export directory
+    if path.is_dir() and not (path / "Manifest.json").exists() and not is_sidecar(path):  # an export directory
         from anelab.sidecar.verify_export import verify_export
 
         on_device = verify_one if args.compute_units is not None else None  # None: NumPy, no per-package bars
