@@ -41,6 +41,8 @@ class Backend:
     # (the saved Core ML package in a work directory, the destination, its metadata) -> (written path, extra
     # fields); None: the Core ML package is the sidecar (moved into place by the exporter)
     derive: Callable[[Path, Path, SidecarMetadata], tuple[Path, dict]] | None
+    # (weights mode, chunk, state capacity or None) -> None: refuses, in one line, what it cannot serve
+    check_options: Callable[[str, int, int | None], None]
     gated: bool  # the Core ML ANE gate (per variant, on a Mac) applies to this back-end's sidecars
     runtime: str  # "module:callable" of the runtime that loads and times it on a Mac
 
@@ -61,6 +63,7 @@ BACKENDS: dict[str, Backend] = {
             format_inspection=inspection.format_inspection,
             stored_bytes=weight_bytes,
             derive=None,
+            check_options=lambda weights, chunk, capacity: None,  # the designs' own validation is Core ML's
             gated=True,
             runtime="anelab.runtimes.coreml:default_runtime",
         ),
@@ -75,6 +78,7 @@ BACKENDS: dict[str, Backend] = {
             format_inspection=coreai_inspection.format_asset_inspection,
             stored_bytes=coreai_inspection.stored_constant_bytes,
             derive=coreai_asset.write_asset,
+            check_options=coreai_asset.check_options,
             gated=False,
             runtime="anelab.runtimes.coreai:default_coreai_runtime",
         ),

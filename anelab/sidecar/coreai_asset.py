@@ -25,7 +25,7 @@ from anelab.core.errors import AnelabInputError
 from anelab.core.masks import MASKED
 from anelab.sidecar.coreai_cpu_runtime import CpuRuntimeProcess
 from anelab.sidecar.coreai_import import coreai_modules, coreai_version
-from anelab.sidecar.coreai_lower import NE_MASKED, deviations, lower_program
+from anelab.sidecar.coreai_lower import MAX_INT16_POSITION, NE_MASKED, deviations, lower_program
 from anelab.sidecar.evaluate import FunctionInfo, SavedPackage, TensorSignature
 from anelab.sidecar.format import COREAI_META, SidecarMetadata
 
@@ -54,7 +54,7 @@ def write_asset(package: str | os.PathLike, dest: str | os.PathLike, meta: Sidec
     ca = coreai_modules()
     saved = SavedPackage(package)
     functions = list(meta.functions)
-    _refuse_unlowerable(meta)
+    check_options(meta.weights, meta.chunk, meta.state_capacity)
     program, notes = lower_program(saved, functions)
     constraints = _state_constraints(ca, program, functions) if notes.states else None
     fields = {
@@ -84,16 +84,18 @@ def write_asset(package: str | os.PathLike, dest: str | os.PathLike, meta: Sidec
     return dest, fields
 
 
-def _refuse_unlowerable(meta: SidecarMetadata) -> None:
-    if meta.weights != "fp16":
+def check_options(weights: str, chunk: int, capacity: int | None) -> None:
+    """Refuse (one line, before anything is built) what the Core AI lowering does not serve: compressed
+    weights, and a state whose positions would not fit the int16 index arithmetic."""
+    if weights != "fp16":
         raise AnelabInputError(
-            f"--backend coreai lowers fp16 weights only (got --weights {meta.weights}); drop --weights or use --backend coreml"
+            f"--backend coreai lowers fp16 weights only (got --weights {weights}); drop --weights or use --backend coreml"
         )
-    top = max(meta.state_capacity or 0, meta.coverage) + meta.chunk
-    if meta.state_functions and top > 2**15 - 1:
+    if capacity is not None and capacity + chunk > MAX_INT16_POSITION:
+        most = (MAX_INT16_POSITION - chunk) // chunk * chunk
         raise AnelabInputError(
-            f"--backend coreai keeps index arithmetic in int16 (Neural Engine rule): capacity {meta.state_capacity} + "
-            f"chunk {meta.chunk} passes 32767; use a --capacity of at most {(2**15 - 1 - meta.chunk) // meta.chunk * meta.chunk}"
+            f"--backend coreai keeps index arithmetic in int16 (Neural Engine rule): capacity {capacity} + chunk {chunk} "
+            f"passes {MAX_INT16_POSITION}; use a --capacity of at most {most}"
         )
 
 
@@ -180,9 +182,9 @@ class CoreAIAsset:
                 [_signature(n, t) for n, t in summary.function_inputs(name)],
                 [_signature(n, t) for n, t in summary.function_outputs(name)],
             )
-            for name in summary.function_names
+            for name in _in_export_order(summary.function_names, self.metadata.functions)
         }
-        self.default_function = summary.function_names[0]
+        self.default_function = next(iter(self.functions))
         self._process: CpuRuntimeProcess | None = None
         self._states: dict[str, dict[str, TensorSignature]] = {}
 
@@ -272,6 +274,11 @@ class CoreAIAsset:
     def new_state(self, function: str) -> dict[str, np.ndarray]:
         """Zero-filled states for ``function`` (a fresh KV cache)."""
         return {n: np.zeros(s.shape, dtype=s.dtype) for n, s in self.state_signatures(function).items()}
+
+
+def _in_export_order(names: list[str], exported: list[str]) -> list[str]:
+    """The summary's entrypoint names (sorted by the beta) in the order the sidecar exported them."""
+    return [n for n in exported if n in names] + sorted(n for n in names if n not in exported)
 
 
 def _refuse_fp32(fp16: bool) -> None:

@@ -256,6 +256,7 @@ def export_layer(
     ``aneCompileVerified: false`` with the reason.
     """
     design, opts = sidecar_options(graph, checkpoint.geometry, chunk, histories, **options)
+    get_backend(backend).check_options(opts.weights, opts.chunk, opts.capacity)
     return export_design(checkpoint, layer, design, opts, out_dir, gate=gate, progress=progress, backend=backend)
 
 
@@ -382,6 +383,7 @@ def export_sidecars(
     gate = gate if target.gated else None
     checkpoint = load_checkpoint(checkpoint_dir)
     design, opts = sidecar_options(graph, checkpoint.geometry, chunk, histories, **options)
+    target.check_options(opts.weights, opts.chunk, opts.capacity)
     full = list(checkpoint.geometry.full_attention_layers)  # full and sliding-window attention layers
     layers = full if layers is None else list(layers)
     for layer in layers:
