@@ -24,7 +24,8 @@ from anelab.core.errors import AnelabInputError
 from anelab.core.paths import BUILD_DIR, MEASURED_DIR
 from anelab.core.progress import tqdm
 from anelab.core.records import machine_description, read_records, write_record
-from anelab.runtimes.interface import CoreMLRuntime, package_content_hash
+from anelab.publish.measure_coreai import STEP as COREAI_STEP
+from anelab.runtimes.interface import CoreAIRuntime, CoreMLRuntime, package_content_hash
 
 STEPS: tuple[tuple[str, str], ...] = (
     ("doctor", "check the Core ML runtime (macOS 15+, coremltools' native module) and a Neural Engine (arm64)"),
@@ -35,6 +36,7 @@ STEPS: tuple[tuple[str, str], ...] = (
     ("export", "export the layer with the ANE gate (each variant in its own process: load, predict, compute plan)"),
     ("verify", "verify on the device: Core ML predict vs reference, vs NumPy, NumPy vs reference, per compute units"),
     ("load", "load timings: cold and warm per function, compositions (alone / beside h<C>), memory vs functions"),
+    COREAI_STEP,
     ("block_ab", "the attention block's predict per compute units over the histories (A/B)"),
     (
         "gather_probe",
@@ -88,6 +90,7 @@ class MeasureRun:
     machine: dict = field(default_factory=machine_description)
     written: list[Path] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    unavailable: dict[str, str] = field(default_factory=dict)  # step -> why this machine cannot run it
 
     def recorded(self, step: str, key: str) -> bool:
         """Whether ``step`` is already recorded for the package ``key`` on this machine."""
@@ -241,11 +244,14 @@ def measure(
     clock: Callable[[], float] = time.perf_counter,
     memory: Callable | None = None,
     echo: Callable[[str], None] = print,
+    coreai_runtime: CoreAIRuntime | None = None,
 ) -> dict:
-    """Run every step (see the module docstring); return {"package", "written": [paths], "skipped": [steps]}.
+    """Run every step (see the module docstring); return {"package", "written": [paths], "skipped": [steps],
+    "unavailable": {step: why}}.
 
     runtime: this machine's by default; memory: how memory vs functions is measured (default: a fresh
-    process per package on a Mac).
+    process per package on a Mac); coreai_runtime: this machine's Core AI runtime by default (the coreai
+    step runs where it is available: macOS 27).
     """
     from anelab.checkpoints.checkpoint import load_checkpoint
     from anelab.checkpoints.default import default_checkpoint_dir
@@ -278,6 +284,8 @@ def measure(
 
     _step(run, "load", key, loads, echo)
     steps.update()
+    _coreai(run, coreai_runtime, checkpoint, layer, histories, key, echo)
+    steps.update()
     _step(run, "block_ab", key, lambda: _block_ab(run, pkg, checkpoint), echo)
     steps.update()
     probe_key, probe_records = _gather_probe(run)
@@ -288,7 +296,24 @@ def measure(
         echo("gather_probe: already recorded for these probe packages on this machine (use --again)")
     steps.update()
     steps.close()
-    return {"package": str(pkg), "written": [str(p) for p in run.written], "skipped": run.skipped}
+    return {"package": str(pkg), "written": [str(p) for p in run.written], "skipped": run.skipped,
+            "unavailable": run.unavailable}  # fmt: skip
+
+
+def _coreai(run: MeasureRun, runtime: CoreAIRuntime | None, checkpoint: Path, layer: int, histories, key, echo) -> None:
+    """The Core AI step (``publish.measure_coreai``) where Core AI runs; elsewhere one line saying why not."""
+    from anelab.publish.measure_coreai import coreai_records
+    from anelab.runtimes.coreai import default_coreai_runtime
+
+    runtime = runtime if runtime is not None else default_coreai_runtime()
+    reason = runtime.unavailable_reason()
+    if reason:
+        run.unavailable["coreai"] = reason
+        echo(f"coreai: not measured — {reason}")
+        return
+    cfg = run.config
+    _step(run, "coreai", key, lambda: coreai_records(runtime, checkpoint, layer, cfg.chunk, histories, Path(cfg.build),
+                                                     repeats=cfg.repeats, clock=run.clock, coreml_key=key), echo)  # fmt: skip
 
 
 def _step(run: MeasureRun, name: str, key: str, work: Callable[[], list[dict]], echo) -> None:

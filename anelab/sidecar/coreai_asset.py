@@ -48,11 +48,18 @@ def require_asset(path: str | os.PathLike) -> Path:
 
 
 # ---- writing --------------------------------------------------------------------------------------------
-def write_asset(package: str | os.PathLike, dest: str | os.PathLike, meta: SidecarMetadata) -> tuple[Path, dict]:
+def write_asset(
+    package: str | os.PathLike, dest: str | os.PathLike, meta: SidecarMetadata, histories: list[int] | None = None
+) -> tuple[Path, dict]:
     """Lower the saved Core ML ``package`` into ``dest`` (``layer_<L>.aimodel``), atomically; return (dest,
-    the Core AI fields written). ``meta``: the package's metadata (the asset records it, unverified)."""
+    the Core AI fields written). ``meta``: the package's metadata (the asset records it, unverified).
+    ``histories``: only these functions of a per-history package (their graphs as built for its coverage)."""
     ca = coreai_modules()
     saved = SavedPackage(package)
+    if histories is not None:
+        if meta.state_functions or not set(histories) <= set(meta.histories):
+            raise AnelabInputError(f"{Path(package).name}: histories {histories} are not a subset of {meta.histories}")
+        meta = SidecarMetadata(**{**meta.__dict__, "histories": sorted(histories)})
     functions = list(meta.functions)
     check_options(meta.weights, meta.chunk, meta.state_capacity)
     program, notes = lower_program(saved, functions)
@@ -64,6 +71,7 @@ def write_asset(package: str | os.PathLike, dest: str | os.PathLike, meta: Sidec
         "neuralEngineRules": [d.to_dict() for d in deviations(notes, functions, constraints)],
         "weightsOnce": notes.weights_once(),
         "entrypoints": functions,
+        "signatures": {name: _entrypoint_signature(saved, name, meta) for name in functions},
     }
     record = {**meta.to_strings(), "aneCompileVerified": "false", "aneCompileVerifiedReason": VERIFIED_REASON}
     dest = Path(dest)
@@ -97,6 +105,30 @@ def check_options(weights: str, chunk: int, capacity: int | None) -> None:
             f"--backend coreai keeps index arithmetic in int16 (Neural Engine rule): capacity {capacity} + chunk {chunk} "
             f"passes {MAX_INT16_POSITION}; use a --capacity of at most {most}"
         )
+
+
+def _entrypoint_signature(saved: SavedPackage, name: str, meta: SidecarMetadata) -> dict:
+    """One entrypoint's I/O as the asset takes it (name -> [shape, dtype]), its states, its score arena (the
+    fp16 scores of one call, heads x rows x keys: one key tile and query tile for the tiled state) and its
+    working arena (the largest op output besides the state)."""
+    from anelab.core.geometry import score_bytes
+    from anelab.sidecar.evaluate import state_signatures
+    from anelab.sidecar.inspection import largest_working_output
+
+    info = saved.function(name)
+    sig = lambda s: [list(s.shape), s.dtype]  # noqa: E731
+    rows = next(s.shape[0] for s in info.inputs if s.name == "hidden")
+    mask = next((s for s in info.inputs if s.name == "mask"), None)
+    keys = mask.shape[-1] if mask is not None else (meta.key_tile or meta.state_capacity or rows)
+    if mask is None and meta.query_tile:
+        rows = min(rows, meta.query_tile)
+    return {
+        "inputs": {s.name: sig(s) for s in info.inputs},
+        "outputs": {s.name: sig(s) for s in info.outputs},
+        "states": {n: sig(s) for n, s in state_signatures(saved, name).items()},
+        "score_arena_bytes": score_bytes(meta.geometry["num_heads"], rows, keys),
+        "working_arena_bytes": largest_working_output(saved, name)[0],
+    }
 
 
 def _state_constraints(ca, program, functions: list[str]) -> str:
