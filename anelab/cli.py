@@ -437,6 +437,12 @@ def _add_plan(sub):
     )
     p.add_argument("--tile", type=int, help="--design stateful-tiled: cache slots per key tile")
     p.add_argument("--query-tile", type=int, help="--design stateful-tiled: chunk rows per query tile")
+    p.add_argument(
+        "--backend",
+        default=None,
+        help="with --family: whose loads are priced — coreml (default: the recorded loads) | coreai (Core AI / Core ML "
+        "load ratio from 'anelab measure' records on macOS 27, applied to them; prints the per-variant load that flips it)",
+    )
 
 
 def _run_plan(args):
@@ -477,8 +483,35 @@ def _run_plan(args):
         }
         _print_json(rows) if args.json else print(planner.format_designs(rows))
         return 0
-    result = planner.plan(
+    if args.backend is not None and (args.design or args.checkpoint):
+        raise AnelabInputError("plan: --backend prices a --family plan's loads; drop --design / --checkpoint")
+    result = _family_plan(args, planner)
+    text = planner.format_plan(result)
+    if args.backend is not None:
+        from anelab.planner.coreai_loads import flip_sentence
+
+        text += f"\nloads priced for --backend {args.backend}; " + flip_sentence(_family_plan(args, planner, None))
+    return _print_plan(args, result, text, [result])
+
+
+def _family_plan(args, planner, backend="given") -> dict:
+    """``planner.plan`` of the command line's flags (``backend``: the --backend's loads, or None: Core ML's).
+    Without a Core AI record the refusal also says which per-variant load would flip the verdict."""
+    from anelab.planner.coreai_loads import MISSING, flip_sentence
+
+    backend = args.backend if backend == "given" else backend
+    try:
+        return _plan_of(args, planner, backend)
+    except AnelabInputError as e:
+        if backend is None or not str(e).startswith(MISSING):
+            raise
+        raise AnelabInputError(f"{e}; {flip_sentence(_plan_of(args, planner, None))}") from None
+
+
+def _plan_of(args, planner, backend) -> dict:
+    return planner.plan(
         args.prompt_tokens,
+        backend=backend,
         family=args.family,
         chunk=args.chunk,
         histories=args.histories,
@@ -496,7 +529,6 @@ def _run_plan(args):
         gpu_prefill_seconds=args.gpu_prefill_seconds,
         gpu_tokens_per_second=args.gpu_tokens_per_second,
     ).to_dict()
-    return _print_plan(args, result, planner.format_plan(result), [result])
 
 
 def _run_plan_checkpoint_designs(args) -> int:

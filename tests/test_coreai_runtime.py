@@ -191,3 +191,17 @@ def test_clock_moves_only_when_the_fake_works():
     clock = FakeClock()
     fake = FakeCoreAIRuntime(clock=clock)
     assert clock() == 1000.0 and fake.unavailable_reason() == ""
+
+
+def test_doctor_says_which_formats_can_measure_here(capsys):
+    from anelab.publish.doctor import diagnose, format_report
+    from anelab.runtimes.fake import FakeRuntime
+
+    off = diagnose(FakeRuntime(), CoreAIMacRuntime(platform_name="linux"))["backends"]
+    assert off["coreml"]["measures_here"] and not off["coreai"]["measures_here"]
+    assert "needs macOS 27.0+" in off["coreai"]["reason"]
+    on = diagnose(FakeRuntime(), FakeCoreAIRuntime())
+    assert all(b["measures_here"] and b["exports_here"] for b in on["backends"].values())
+    text = format_report(diagnose(FakeRuntime(), CoreAIMacRuntime(platform_name="linux")))
+    assert "coreai  .aimodel    exports and verifies here; measures on a Mac only" in text
+    assert "coreai-core 1.0.0b3" in text
