@@ -2,7 +2,8 @@
 
 Steps (``STEPS``), in order: doctor -> probe (every Core ML assumption, recorded by name; later steps
 that rely on a failed one refuse naming it) -> export with the ANE gate -> verify on the device -> load
-timings (cold/warm per function, package compositions, memory vs functions) -> the attention
+timings (cold/warm per function, package compositions, memory vs functions) -> Core AI's specialization and
+predictions of the same layer on macOS 27 (``publish.measure_coreai``; elsewhere one line says why not) -> the attention
 block's A/B per compute units over the histories -> gather probe timing. Every result is written to
 ``data/measured/`` as a record whose provenance names the chip, the OS and coremltools, and whose
 ``parameters.measure`` names the step and the SHA-256 of the package measured. A step already
