@@ -285,7 +285,7 @@ def measure(
 
     _step(run, "load", key, loads, echo)
     steps.update()
-    _coreai(run, coreai_runtime, checkpoint, layer, histories, key, echo)
+    _coreai(run, coreai_runtime, checkpoint, layer, histories, key, echo, runtime is None)
     steps.update()
     _step(run, "block_ab", key, lambda: _block_ab(run, pkg, checkpoint), echo)
     steps.update()
@@ -301,11 +301,17 @@ def measure(
             "unavailable": run.unavailable}  # fmt: skip
 
 
-def _coreai(run: MeasureRun, runtime: CoreAIRuntime | None, checkpoint: Path, layer: int, histories, key, echo) -> None:
-    """The Core AI step (``publish.measure_coreai``) where Core AI runs; elsewhere one line saying why not."""
+def _coreai(run: MeasureRun, runtime: CoreAIRuntime | None, checkpoint, layer, histories, key, echo, own: bool) -> None:
+    """The Core AI step (``publish.measure_coreai``) where Core AI runs; elsewhere one line saying why not.
+    ``own``: the Core ML runtime is this machine's, so the Core AI one defaults to this machine's too (beside a
+    caller's Core ML runtime, e.g. a fake, only a Core AI runtime the caller gives is used)."""
     from anelab.publish.measure_coreai import coreai_records
     from anelab.runtimes.coreai import default_coreai_runtime
 
+    if runtime is None and not own:
+        run.unavailable["coreai"] = "no Core AI runtime was given beside the caller's Core ML runtime"
+        echo(f"coreai: not measured — {run.unavailable['coreai']}")
+        return
     runtime = runtime if runtime is not None else default_coreai_runtime()
     reason = runtime.unavailable_reason()
     if reason:
