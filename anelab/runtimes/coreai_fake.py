@@ -36,6 +36,7 @@ import json
 import os
 import shutil
 import tempfile
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,9 +92,10 @@ class FakeCoreAIRuntime(CoreAIRuntime):
     name = "fake-coreai"
 
     def __post_init__(self):
-        if self.cache_file is None:
-            self._own = tempfile.mkdtemp(prefix="anelab-fake-coreai-")
-            self.cache_file = str(Path(self._own) / "cache.json")
+        if self.cache_file is None:  # its own cache folder, removed with it (tests make many fakes)
+            own = tempfile.mkdtemp(prefix="anelab-fake-coreai-")
+            weakref.finalize(self, shutil.rmtree, own, True)
+            self.cache_file = str(Path(own) / "cache.json")
 
     def unavailable_reason(self) -> str:
         return self.unavailable
