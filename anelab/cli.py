@@ -108,7 +108,13 @@ def _add_export(sub):
     p.add_argument(
         "--decode", action="store_true", help="stateful graph: add a decode function c1 sharing the state and weights"
     )
-    p.add_argument("--out", help="output directory for layer_<L>.mlpackage")
+    p.add_argument(
+        "--backend",
+        default=None,
+        help="sidecar format (anelab.sidecar.backends): coreml (default: layer_<L>.mlpackage) | coreai (layer_<L>.aimodel, "
+        "Core AI: the Core ML package lowered op by op, Neural Engine rules applied)",
+    )
+    p.add_argument("--out", help="output directory for layer_<L>.mlpackage (or .aimodel)")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.add_argument(
         "--selection-kept-blocks",
@@ -149,6 +155,7 @@ def _sidecar_request(args):
         mask_mode=args.mask_mode,
         weights=args.weights,
         selection=selection_from_flags(args.selection_kept_blocks, args.selection_compress_ratio),
+        backend=args.backend,
     )
 
 
@@ -210,15 +217,14 @@ def _add_inspect(sub):
 
 
 def _run_inspect(args):
-    from anelab.sidecar.inspection import inspect_package
+    from anelab.sidecar.backends import backend_of
 
-    info = inspect_package(args.package)
+    backend = backend_of(args.package)
+    info = backend.inspect(args.package)
     if args.json:
         _print_json(info)
     else:
-        from anelab.sidecar.inspection import format_inspection
-
-        print(format_inspection(info))
+        print(backend.format_inspection(info))
     return 0
 
 
@@ -264,7 +270,10 @@ def _add_verify(sub):
     p = sub.add_parser(
         "verify", help="check a saved package (or every package of an export directory) against the NumPy reference"
     )
-    p.add_argument("package", help="a layer_<L>.mlpackage, or an export directory: every package, one summary table")
+    p.add_argument(
+        "package",
+        help="a layer_<L>.mlpackage or .aimodel, or an export directory: every package, one summary table",
+    )
     p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the one the package records)")
     p.add_argument("--fp32", action="store_true", help="evaluate the package in fp32 instead of emulating fp16 storage")
     p.add_argument(
@@ -291,8 +300,10 @@ def _run_verify(args):
         def verify_one(package, checkpoint):
             return verify_package(package, checkpoint, fp16=not args.fp32)
 
+    from anelab.sidecar.backends import is_sidecar
+
     path = Path(args.package)
-    if path.is_dir() and not (path / "Manifest.json").exists():  # an export directory
+    if path.is_dir() and not (path / "Manifest.json").exists() and not is_sidecar(path):  # an export directory
         from anelab.sidecar.verify_export import verify_export
 
         on_device = verify_one if args.compute_units is not None else None  # None: NumPy, no per-package bars
@@ -428,6 +439,12 @@ def _add_plan(sub):
     )
     p.add_argument("--tile", type=int, help="--design stateful-tiled: cache slots per key tile")
     p.add_argument("--query-tile", type=int, help="--design stateful-tiled: chunk rows per query tile")
+    p.add_argument(
+        "--backend",
+        default=None,
+        help="with --family: whose loads are priced — coreml (default: the recorded loads) | coreai (Core AI / Core ML "
+        "load ratio from 'anelab measure' records on macOS 27, applied to them; prints the per-variant load that flips it)",
+    )
 
 
 def _run_plan(args):
@@ -468,8 +485,36 @@ def _run_plan(args):
         }
         _print_json(rows) if args.json else print(planner.format_designs(rows))
         return 0
-    prefill_plan = planner.plan(
+    if args.backend is not None and (args.design or args.checkpoint):
+        raise AnelabInputError("plan: --backend prices a --family plan's loads; drop --design / --checkpoint")
+    prefill_plan = _family_plan(args, planner)
+    result = prefill_plan.to_dict()
+    text = planner.format_plan(result)
+    if args.backend is not None:
+        from anelab.planner.coreai_loads import flip_sentence
+
+        text += f"\nloads priced for --backend {args.backend}; " + flip_sentence(_family_plan(args, planner, None))
+    return _print_plan(args, result, text, [prefill_plan])
+
+
+def _family_plan(args, planner, backend="given"):
+    """``planner.plan`` of the command line's flags (``backend``: the --backend's loads, or None: Core ML's).
+    Without a Core AI record the refusal also says which per-variant load would flip the verdict."""
+    from anelab.planner.coreai_loads import MISSING, flip_sentence
+
+    backend = args.backend if backend == "given" else backend
+    try:
+        return _plan_of(args, planner, backend)
+    except AnelabInputError as e:
+        if backend is None or not str(e).startswith(MISSING):
+            raise
+        raise AnelabInputError(f"{e}; {flip_sentence(_plan_of(args, planner, None))}") from None
+
+
+def _plan_of(args, planner, backend):
+    return planner.plan(
         args.prompt_tokens,
+        backend=backend,
         family=args.family,
         chunk=args.chunk,
         histories=args.histories,
@@ -487,8 +532,6 @@ def _run_plan(args):
         gpu_prefill_seconds=args.gpu_prefill_seconds,
         gpu_tokens_per_second=args.gpu_tokens_per_second,
     )
-    result = prefill_plan.to_dict()
-    return _print_plan(args, result, planner.format_plan(result), [prefill_plan])
 
 
 def _run_plan_checkpoint_designs(args) -> int:

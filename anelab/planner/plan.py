@@ -90,6 +90,7 @@ from anelab.planner.catalogue import (
     positive_seconds,
     require_positive,
 )
+from anelab.planner.coreai_loads import price_loads, priced_fit
 from anelab.planner.envelope import YOURS, ane_kind, gpu_kind, kind_of, worst_kind
 from anelab.planner.fit import CostFit, LoadModel, cached_fit, fit_costs, predicted_ane_seconds
 
@@ -113,6 +114,7 @@ def _family_costs(family: Family, prompt_tokens: int, fit: CostFit) -> PlanCosts
     else:  # the one load model: Qwen 3.8's recorded loads, the power law in score-arena bytes elsewhere
         load = fit.recorded_load_model()
         load_source = "recorded per history (seed-38-variant-loads.json); power fit in score-arena bytes elsewhere"
+    load, load_source = price_loads(fit, load, load_source)  # a Core AI sidecar's: from its records
     return PlanCosts(
         gpu_seconds_per_entry=fit.gpu_sparse_seconds_per_entry if family.sparse else fit.gpu_dense_seconds_per_entry,
         ane_seconds_per_entry=fit.ane_seconds_per_entry,
@@ -281,6 +283,7 @@ def plan(
     gpu_prefill_seconds: float | None = None,
     gpu_tokens_per_second: float | None = None,
     loads_in_arm: bool = True,
+    backend: str | None = None,
 ) -> PrefillPlan:
     """Plan the prefill of one prompt and decide ANE offload vs GPU.
 
@@ -290,7 +293,7 @@ def plan(
     by score entries); ``non_attention_seconds``; the user's ``gpu_prefill_seconds`` or
     ``gpu_tokens_per_second`` (:func:`_costs_and_terms`). ``histories`` defaults to the chunk starts
     the prompt needs (capped at the family's ``max_history``); a prompt past coverage is refused
-    unless ``allow_past_coverage`` (then ``fits=False``, on the GPU).
+    unless ``allow_past_coverage`` (then ``fits=False``, on the GPU). ``backend``: whose loads (coreai_loads).
     """
     fam = get_family(family) if family is not None else None
     chunk = REFERENCE_CHUNK if chunk is None and fam is not None else chunk
@@ -303,9 +306,8 @@ def plan(
     needed = [c.history for c in schedule if c.device == "ane"]
     hs, hs_source = _histories(chunk, needed, histories, max_history, fam)
     fits = _check_coverage(prompt_tokens, chunk, needed, hs, fam, allow_past_coverage)
-    if not fits:
-        schedule = [Chunk(c.index, c.start, c.tokens, "gpu") for c in schedule]
-    fit = fit_costs(data_dir) if fam is not None else None
+    schedule = schedule if fits else [Chunk(c.index, c.start, c.tokens, "gpu") for c in schedule]
+    fit = priced_fit(fit_costs(data_dir), backend, data_dir) if fam is not None else None
     flags = (load_seconds, gpu_attention_seconds, ane_attention_seconds, non_attention_seconds)
     user = (gpu_prefill_seconds, gpu_tokens_per_second)
     costs, terms = _costs_and_terms(fam, fit, geometry, prompt_tokens, chunk, hs, schedule, flags, user, loads_in_arm)

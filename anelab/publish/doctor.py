@@ -1,5 +1,5 @@
-"""``anelab doctor``: what this machine can do — the Core ML runtime, versions, fresh vs replayed studies
-(the studies from ``publish.studies.STUDIES``).
+"""``anelab doctor``: what this machine can do — the Core ML runtime, versions, which sidecar formats
+(Core ML, Core AI) can be measured here, fresh vs replayed studies (the studies from ``publish.studies.STUDIES``).
 
 Every study has parts that run anywhere (numerics, sizing, the planner, replay of recorded data)
 and parts that need the Core ML runtime on a Mac (loads, predictions, the compute plan). Off-Mac
@@ -15,6 +15,7 @@ from anelab.core.records import machine_description
 from anelab.publish.studies import STUDIES
 from anelab.runtimes.coreml import default_runtime
 from anelab.runtimes.interface import CoreMLRuntime
+from anelab.sidecar.coreai_import import coreai_version
 
 
 def study_mode(anywhere: str | None, needs_runtime: str | None, available: bool) -> str:
@@ -40,9 +41,31 @@ def _version(module: str) -> str:
         return f"unavailable ({type(e).__name__})"
 
 
-def diagnose(runtime: CoreMLRuntime | None = None) -> dict:
-    """This machine's capabilities as a dict (what ``anelab doctor --json`` prints)."""
+def backends_here(runtimes: dict | None = None) -> dict:
+    """Per sidecar back-end (``sidecar.backends.BACKENDS``): whether it exports and verifies here (its Python
+    package imports) and whether its runtime can measure here, with the one-line reason when not.
+    ``runtimes``: back-end name -> runtime (default: each back-end's own, from ``Backend.runtime``)."""
+    import importlib
+
+    from anelab.sidecar.backends import BACKENDS
+
+    out = {}
+    for name, backend in BACKENDS.items():
+        if runtimes and name in runtimes:
+            runtime = runtimes[name]
+        else:
+            module, _, factory = backend.runtime.partition(":")
+            runtime = getattr(importlib.import_module(module), factory)()
+        reason = runtime.unavailable_reason()
+        out[name] = {"suffix": backend.suffix, "exports_here": True, "measures_here": reason == "", "reason": reason}
+    return out
+
+
+def diagnose(runtime: CoreMLRuntime | None = None, coreai_runtime=None) -> dict:
+    """This machine's capabilities as a dict (what ``anelab doctor --json`` prints). ``coreai_runtime``: the
+    Core AI runtime (default: this machine's)."""
     import anelab
+    from anelab.sidecar.backends import COREAI, COREML
 
     runtime = runtime if runtime is not None else default_runtime()
     available = runtime.available()
@@ -68,8 +91,16 @@ def diagnose(runtime: CoreMLRuntime | None = None) -> dict:
         "machine": machine_description(),
         "python": platform.python_version(),
         "python_executable": sys.executable,
-        "versions": {"anelab": anelab.__version__, "coremltools": _version("coremltools"), "numpy": _version("numpy")},
+        "versions": {
+            "anelab": anelab.__version__,
+            "coremltools": _version("coremltools"),
+            "numpy": _version("numpy"),
+            "coreai-core": coreai_version(),
+        },  # fmt: skip
         "studies": studies,
+        "backends": backends_here(
+            {COREML: runtime, **({COREAI: coreai_runtime} if coreai_runtime is not None else {})}
+        ),
     }
 
 
@@ -84,11 +115,17 @@ def format_report(report: dict) -> str:
         + ("" if rt["available"] else " (no Core ML runtime, above)"),
         f"machine:         {m['machine_model']}, chip {m['chip']}, {m['os_version']}",
         f"python:          {report['python']} ({report['python_executable']})",
-        f"versions:        anelab {v['anelab']}, coremltools {v['coremltools']}, numpy {v['numpy']}",
+        f"versions:        anelab {v['anelab']}, coremltools {v['coremltools']}, coreai-core {v.get('coreai-core')}, "
+        f"numpy {v['numpy']}",
         "probe:           'anelab doctor --probe' checks, on a tiny package, every Core ML behaviour anelab relies on"
         + ("" if rt["available"] else " (on a Mac)"),
-        "studies:",
+        "sidecar formats (anelab export --backend):",
     ]
+    for name, b in report.get("backends", {}).items():
+        why = "the Core ML runtime, above" if b["reason"] == rt["reason"] else b["reason"]  # said once
+        measured = "measures here" if b["measures_here"] else f"measures on a Mac only — {why}"
+        lines.append(f"  {name:<7} {b['suffix']:<11} exports and verifies here; {measured}")
+    lines.append("studies:")
     for name, s in report["studies"].items():
         lines.append(f"  {name:<17} {s['mode']:<9} {s['notebook']}")
         for part in s["runs_here"]:

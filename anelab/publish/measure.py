@@ -2,7 +2,8 @@
 
 Steps (``STEPS``), in order: doctor -> probe (every Core ML assumption, recorded by name; later steps
 that rely on a failed one refuse naming it) -> export with the ANE gate -> verify on the device -> load
-timings (cold/warm per function, package compositions, memory vs functions) -> the attention
+timings (cold/warm per function, package compositions, memory vs functions) -> Core AI's specialization and
+predictions of the same layer on macOS 27 (``publish.measure_coreai``; elsewhere one line says why not) -> the attention
 block's A/B per compute units over the histories -> gather probe timing. Every result is written to
 ``data/measured/`` as a record whose provenance names the chip, the OS and coremltools, and whose
 ``parameters.measure`` names the step and the SHA-256 of the package measured. A step already
@@ -24,7 +25,8 @@ from anelab.core.errors import AnelabInputError
 from anelab.core.paths import BUILD_DIR, MEASURED_DIR
 from anelab.core.progress import tqdm
 from anelab.core.records import machine_description, read_records, write_record
-from anelab.runtimes.interface import CoreMLRuntime, package_content_hash
+from anelab.publish.measure_coreai import STEP as COREAI_STEP
+from anelab.runtimes.interface import CoreAIRuntime, CoreMLRuntime, package_content_hash
 
 STEPS: tuple[tuple[str, str], ...] = (
     ("doctor", "check the Core ML runtime (macOS 15+, coremltools' native module) and a Neural Engine (arm64)"),
@@ -35,6 +37,7 @@ STEPS: tuple[tuple[str, str], ...] = (
     ("export", "export the layer with the ANE gate (each variant in its own process: load, predict, compute plan)"),
     ("verify", "verify on the device: Core ML predict vs reference, vs NumPy, NumPy vs reference, per compute units"),
     ("load", "load timings: cold and warm per function, compositions (alone / beside h<C>), memory vs functions"),
+    COREAI_STEP,
     ("block_ab", "the attention block's predict per compute units over the histories (A/B)"),
     (
         "gather_probe",
@@ -88,6 +91,7 @@ class MeasureRun:
     machine: dict = field(default_factory=machine_description)
     written: list[Path] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    unavailable: dict[str, str] = field(default_factory=dict)  # step -> why this machine cannot run it
 
     def recorded(self, step: str, key: str) -> bool:
         """Whether ``step`` is already recorded for the package ``key`` on this machine."""
@@ -241,11 +245,14 @@ def measure(
     clock: Callable[[], float] = time.perf_counter,
     memory: Callable | None = None,
     echo: Callable[[str], None] = print,
+    coreai_runtime: CoreAIRuntime | None = None,
 ) -> dict:
-    """Run every step (see the module docstring); return {"package", "written": [paths], "skipped": [steps]}.
+    """Run every step (see the module docstring); return {"package", "written": [paths], "skipped": [steps],
+    "unavailable": {step: why}}.
 
     runtime: this machine's by default; memory: how memory vs functions is measured (default: a fresh
-    process per package on a Mac).
+    process per package on a Mac); coreai_runtime: this machine's Core AI runtime by default (the coreai
+    step runs where it is available: macOS 27).
     """
     from anelab.checkpoints.checkpoint import load_checkpoint
     from anelab.checkpoints.default import default_checkpoint_dir
@@ -278,6 +285,8 @@ def measure(
 
     _step(run, "load", key, loads, echo)
     steps.update()
+    _coreai(run, coreai_runtime, checkpoint, layer, histories, key, echo, runtime is None)
+    steps.update()
     _step(run, "block_ab", key, lambda: _block_ab(run, pkg, checkpoint), echo)
     steps.update()
     probe_key, probe_records = _gather_probe(run)
@@ -288,7 +297,30 @@ def measure(
         echo("gather_probe: already recorded for these probe packages on this machine (use --again)")
     steps.update()
     steps.close()
-    return {"package": str(pkg), "written": [str(p) for p in run.written], "skipped": run.skipped}
+    return {"package": str(pkg), "written": [str(p) for p in run.written], "skipped": run.skipped,
+            "unavailable": run.unavailable}  # fmt: skip
+
+
+def _coreai(run: MeasureRun, runtime: CoreAIRuntime | None, checkpoint, layer, histories, key, echo, own: bool) -> None:
+    """The Core AI step (``publish.measure_coreai``) where Core AI runs; elsewhere one line saying why not.
+    ``own``: the Core ML runtime is this machine's, so the Core AI one defaults to this machine's too (beside a
+    caller's Core ML runtime, e.g. a fake, only a Core AI runtime the caller gives is used)."""
+    from anelab.publish.measure_coreai import coreai_records
+    from anelab.runtimes.coreai import default_coreai_runtime
+
+    if runtime is None and not own:
+        run.unavailable["coreai"] = "no Core AI runtime was given beside the caller's Core ML runtime"
+        echo(f"coreai: not measured — {run.unavailable['coreai']}")
+        return
+    runtime = runtime if runtime is not None else default_coreai_runtime()
+    reason = runtime.unavailable_reason()
+    if reason:
+        run.unavailable["coreai"] = reason
+        echo(f"coreai: not measured — {reason}")
+        return
+    cfg = run.config
+    _step(run, "coreai", key, lambda: coreai_records(runtime, checkpoint, layer, cfg.chunk, histories, Path(cfg.build),
+                                                     repeats=cfg.repeats, clock=run.clock, coreml_key=key), echo)  # fmt: skip
 
 
 def _step(run: MeasureRun, name: str, key: str, work: Callable[[], list[dict]], echo) -> None:

@@ -106,9 +106,10 @@ STUDIES: tuple[Study, ...] = (
         "04_setup_cost",
         "when does per-variant setup eat the win?",
         "fit of recorded load times against score-arena bytes, break-even prompt lengths",
-        "cold/warm loads and package compositions through anelab.runtimes.timing",
+        "cold/warm loads and package compositions through anelab.runtimes.timing; Core AI's specialization "
+        "(cold, cached, per entrypoint count, AOT) beside them on macOS 27",
         ("setup_load_vs_arena", "setup_package_composition", "setup_variants_visited", "setup_vs_saved",
-         "setup_break_even", "setup_package_size", "setup_fresh_loads_memory"),
+         "setup_break_even", "setup_package_size", "setup_fresh_loads_memory", "setup_coreml_vs_coreai"),
         (
             Headline("setup_seconds", "sum of median cold loads over the functions (Mac only)", "s", "load_timing",
                      cold_setup_seconds),

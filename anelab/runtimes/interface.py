@@ -621,3 +621,70 @@ def runtime_from_spec(spec: dict) -> CoreMLRuntime:
         runtime.probe_path = Path(spec["probe_file"])
     runtime.ignore_probe_file = bool(spec.get("ignore_probe_file"))
     return runtime
+
+
+# ---- Core AI (macOS 27): the same sidecar as an .aimodel ---------------------------------------------------
+COREAI_MIN_MACOS = (27, 0)  # Core AI ships with macOS 27 / iOS 27; coreai-core uses the OS runtime from there
+COREAI_COMPUTE_UNITS = frozenset({"neural_engine", "gpu", "cpu", "default"})  # SpecializationOptions' choices
+
+
+class CoreAIRuntime(abc.ABC):
+    """What anelab asks of Core AI through coreai-core's Python runtime (``coreai.runtime``), per its stubs:
+
+    ``specialize`` is ``await AIModel.load(path, SpecializationOptions...)`` — the asset is specialized for
+    this device and options while it loads, and cached (Core AI's ``AIModelCache``); ``clear_cache`` forgets
+    what the Python API can reach of that cache (``_AIModelAsset.remove_derived_artifacts``: the asset's
+    derived artifacts; the system cache's ``deleteEntries(for:)`` is Swift-only) and says what it cleared;
+    ``load_function`` / ``predict`` are ``AIModel.load_function(name)`` and ``await function(inputs, state=)``;
+    ``compile_ahead`` is ``xcrun coreai-build compile`` (``.aimodel`` -> ``.aimodelc`` per device architecture).
+    Implemented by ``runtimes.coreai.CoreAIMacRuntime`` and, for the tests, ``runtimes.coreai_fake``.
+    """
+
+    name = "abstract-coreai"
+
+    @abc.abstractmethod
+    def unavailable_reason(self) -> str:
+        """Why Core AI cannot specialize for the Neural Engine here (one line), "" when it can."""
+
+    def available(self) -> bool:
+        return self.unavailable_reason() == ""
+
+    def require_available(self) -> None:
+        if not self.available():
+            raise RuntimeUnavailableError(self.unavailable_reason())
+
+    @abc.abstractmethod
+    def clear_cache(self, asset: Path) -> str:
+        """Forget the specialization of ``asset`` this runtime can reach; return what was cleared (recorded)."""
+
+    @abc.abstractmethod
+    def specialize(self, asset: Path, compute_unit: str) -> Any:
+        """The asset loaded (specialized when not cached) for ``compute_unit`` (``COREAI_COMPUTE_UNITS``)."""
+
+    @abc.abstractmethod
+    def load_function(self, model: Any, name: str) -> Any:
+        """One entrypoint of a loaded model (``KeyError`` naming it when the asset has none of that name)."""
+
+    @abc.abstractmethod
+    def predict(self, function: Any, inputs: dict[str, np.ndarray], state: dict | None = None) -> dict:
+        """Run an entrypoint; raises ``RuntimePredictError`` when Core AI refuses (the framework's text)."""
+
+    @abc.abstractmethod
+    def release(self, model: Any) -> None:
+        """Drop a loaded model (what a load leaves behind is not part of the next one's time)."""
+
+    @abc.abstractmethod
+    def compile_ahead(self, asset: Path, out_dir: Path) -> list[Path]:
+        """``coreai-build compile`` of ``asset`` into ``out_dir``: the ``.aimodelc`` assets it wrote."""
+
+    @abc.abstractmethod
+    def child_spec(self) -> dict:
+        """How a child process rebuilds this runtime: ``{"factory": "module:callable", "args": {...}}``."""
+
+
+def check_coreai_compute_unit(name: str) -> str:
+    if name not in COREAI_COMPUTE_UNITS:
+        raise AnelabInputError(
+            f"unknown Core AI compute unit {name!r}; use one of {', '.join(sorted(COREAI_COMPUTE_UNITS))}"
+        )
+    return name

@@ -18,7 +18,7 @@ from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import AttentionGeometry
 from anelab.core.masks import MASKED
 from anelab.core.weights import AttentionWeights
-from anelab.sidecar.evaluate import SavedPackage, evaluate
+from anelab.sidecar.evaluate import SavedPackage
 from anelab.sidecar.format import SidecarMetadata, history_of
 from anelab.sidecar.kernels import worker_count
 
@@ -222,7 +222,7 @@ def run_package(
         feed.update(k_history=inputs.k_history, v_history=inputs.v_history)
     if evaluator is not None:
         return evaluator(inputs.function, feed)
-    return evaluate(saved, inputs.function, feed, fp16=fp16)
+    return saved.evaluate(inputs.function, feed, fp16=fp16)
 
 
 class Evaluator(Protocol):

@@ -542,12 +542,15 @@ class SidecarRequest:
     mask_mode: str | None = None
     weights: str = "fp16"
     selection: dict | None = field(default=None, hash=False)
+    backend: str = "coreml"  # the sidecar format (sidecar.backends.DEFAULT_BACKEND, or coreai)
 
     def __post_init__(self):
         if self.histories is not None:
             object.__setattr__(self, "histories", tuple(int(h) for h in self.histories))
         if self.graph is None:
             object.__setattr__(self, "graph", DEFAULT_DESIGN)
+        if self.backend is None:
+            object.__setattr__(self, "backend", "coreml")
 
     def options_for(self, geometry: AttentionGeometry) -> tuple[Design, SidecarOptions]:
         """The design and this request's options validated against ``geometry``."""

@@ -9,7 +9,7 @@ from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import AttentionGeometry, chunk_starts
 from anelab.core.masks import MASKED, causal
 from anelab.core.weights import AttentionWeights
-from anelab.sidecar.evaluate import SavedPackage, evaluate, evaluate_with_state, new_state
+from anelab.sidecar.evaluate import SavedPackage
 from anelab.sidecar.format import function_name, stateful_function_name
 
 DECODE_STEPS = 2  # decode rows run after the prefill when the package has a c1 function
@@ -27,7 +27,7 @@ def _call_runner(saved: SavedPackage, evaluate, fp16: bool):
     """``evaluate(function, inputs, state)``: the caller's, or NumPy on ``saved`` (with ``fp16``).
     ``fp16=False`` only reaches NumPy: with a caller's runner it would be silently ignored, so it is refused."""
     if evaluate is None:
-        return lambda function, inputs, state: evaluate_with_state(saved, function, inputs, state, fp16=fp16)
+        return lambda function, inputs, state: saved.evaluate_with_state(function, inputs, state, fp16=fp16)
     if not fp16:
         raise AnelabInputError("fp16=False applies to NumPy evaluation only; drop it or drop evaluate=")
     return evaluate
@@ -66,7 +66,7 @@ def run_stateful(
     masks = masks or (lambda rows, start: stateful_mask(rows, start, capacity, window))
     first = calls[0][0] if calls else stateful_function_name(chunk)
     evaluate = _call_runner(saved, evaluate, fp16)
-    make_state = make_state or (lambda function: new_state(saved, function))
+    make_state = make_state or saved.new_state
     state = make_state(first)
     outs = []
     for function, start, rows in calls:
@@ -119,7 +119,7 @@ def run_stateful_tiled(
     calls += [(stateful_function_name(1), first_start + prefill + i, 1) for i in range(decode_steps)]
     masks = masks or (lambda rows, start: stateful_mask(rows, start, capacity))
     evaluate = _call_runner(saved, evaluate, fp16)
-    state = state if state is not None else new_state(saved, calls[0][0] if calls else stateful_function_name(chunk))
+    state = state if state is not None else saved.new_state(calls[0][0] if calls else stateful_function_name(chunk))
     rows_in = np.zeros((prefill + (-prefill) % chunk + decode_steps, D), np.float16)
     rows_in[:prefill] = hidden[:prefill]
     rows_in[len(rows_in) - decode_steps :] = hidden[prefill:]
@@ -131,7 +131,7 @@ def run_stateful_tiled(
                 "export with a larger --capacity"
             )
         if fresh_state_each_call:
-            state = new_state(saved, function)
+            state = saved.new_state(function)
         inputs = {
             "hidden": np.ascontiguousarray(rows_in[at : at + rows]),
             "start": np.array([start + start_offset], np.int32),
@@ -172,7 +172,7 @@ def prefill_per_history(saved: SavedPackage, meta, hidden: np.ndarray, fp16: boo
         if s > 0:
             inputs["k_history"] = np.ascontiguousarray(np.concatenate(k_hist, axis=0))
             inputs["v_history"] = np.ascontiguousarray(np.concatenate(v_hist, axis=0))
-        result = evaluate(saved, function_name(s), inputs, fp16=fp16)
+        result = saved.evaluate(function_name(s), inputs, fp16=fp16)
         outs.append(result["attn_out"])
         k_hist.append(np.transpose(result["k_chunk"], (1, 0, 2)).astype(np.float16))  # [Hkv, C, d] -> [C, Hkv, d]
         v_hist.append(np.transpose(result["v_chunk"], (1, 0, 2)).astype(np.float16))

@@ -212,6 +212,23 @@ class SavedPackage:
             self._const_cache[key] = val
         return self._const_cache[key]
 
+    # ---- what verify asks of any saved sidecar (a Core AI asset answers the same: sidecar.coreai_asset) ----
+    def description(self, fp16: bool = True) -> str:
+        """How this package's functions are run, for a verification report."""
+        return "NumPy evaluation of the saved MIL program (" + ("fp16 storage emulated" if fp16 else "fp32") + ")"
+
+    def evaluate(self, function: str, inputs: dict[str, np.ndarray], *, fp16: bool = True) -> dict[str, np.ndarray]:
+        return evaluate(self, function, inputs, fp16=fp16)
+
+    def evaluate_with_state(self, function: str, inputs: dict, state: dict[str, np.ndarray], *, fp16: bool = True):
+        return evaluate_with_state(self, function, inputs, state, fp16=fp16)
+
+    def new_state(self, function: str) -> dict[str, np.ndarray]:
+        return new_state(self, function)
+
+    def close(self) -> None:
+        """Nothing to release (the NumPy evaluation holds no runtime)."""
+
     def check_inputs(self, function: str, inputs: dict[str, np.ndarray]) -> None:
         """Refuse missing inputs, wrong shapes or dtypes (one line naming the input)."""
         info = self.function(function)

@@ -28,6 +28,7 @@ from anelab.core.geometry import AttentionGeometry
 from anelab.core.parallel import default_jobs, process_map, threads_per_run
 from anelab.core.progress import tqdm
 from anelab.core.weights import AttentionWeights
+from anelab.sidecar.backends import DEFAULT_BACKEND, get_backend
 from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools
 from anelab.sidecar.designs import (
     DEFAULT_DESIGN,
@@ -235,6 +236,7 @@ def export_layer(
     graph: str | None = DEFAULT_DESIGN,
     gate: VariantGate | None = None,
     progress=None,
+    backend: str = DEFAULT_BACKEND,
     **options,
 ) -> ExportResult:
     """Export one attention layer as ``out_dir/layer_<L>.mlpackage``.
@@ -250,7 +252,8 @@ def export_layer(
     ``aneCompileVerified: false`` with the reason.
     """
     design, opts = sidecar_options(graph, checkpoint.geometry, chunk, histories, **options)
-    return export_design(checkpoint, layer, design, opts, out_dir, gate=gate, progress=progress)
+    get_backend(backend).check_options(opts.weights, opts.chunk, opts.capacity)
+    return export_design(checkpoint, layer, design, opts, out_dir, gate=gate, progress=progress, backend=backend)
 
 
 def export_design(
@@ -262,12 +265,16 @@ def export_design(
     *,
     gate: VariantGate | None = None,
     progress=None,
+    backend: str = DEFAULT_BACKEND,
 ) -> ExportResult:
-    """Build, convert, gate, merge and write one layer's package for validated ``options``."""
+    """Build, convert, gate, merge and write one layer's package for validated ``options``; a back-end other
+    than Core ML (``sidecar.backends``) derives its sidecar from the merged package (no Core ML gate)."""
+    target = get_backend(backend)
+    gate = gate if target.gated else None
     builds = design.builds(checkpoint.geometry, checkpoint.layer(layer), options)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    dest = out_dir / f"layer_{layer}.mlpackage"
+    dest = target.package_path(out_dir, layer)
     work = Path(tempfile.mkdtemp(prefix=f".layer_{layer}.", dir=out_dir))
     try:
         variants = convert_variants(builds, work, options.weights, progress)
@@ -276,8 +283,14 @@ def export_design(
         final = merge_functions(variants, work / "merged.mlpackage", next(iter(variants)), meta.to_strings())
         if gate is not None:  # ... then every function of the merged package must load under its name
             gate.check_merged_loads(final, list(variants))
-        _replace_dir(final, dest)
-        return ExportResult(package=dest, metadata=meta, weight_bytes=weight_bytes(dest), functions=list(variants))
+        if target.derive is None:  # the Core ML package is the sidecar
+            _replace_dir(final, dest)
+        else:
+            dest, _ = target.derive(final, dest, meta)
+            meta = target.read_metadata(dest)
+        return ExportResult(
+            package=dest, metadata=meta, weight_bytes=target.stored_bytes(dest), functions=list(variants)
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -375,9 +388,13 @@ def export_request(
     ``jobs``: layers exported at once in worker processes (default ``anelab.core.parallel.default_jobs``);
     with an ANE ``gate`` one at a time (the gate loads every variant on the device), so a ``jobs`` above 1
     is refused there. The packages do not depend on ``jobs`` (a test compares them byte for byte).
+    ``request.backend``: the sidecar format (``sidecar.backends``: coreml, the default, or coreai).
     """
+    target = get_backend(request.backend)
+    gate = gate if target.gated else None
     checkpoint = load_checkpoint(checkpoint)
     design, opts = request.options_for(checkpoint.geometry)
+    target.check_options(opts.weights, opts.chunk, opts.capacity)
     full = list(checkpoint.geometry.full_attention_layers)  # full and sliding-window attention layers
     layers = full if layers is None else list(layers)
     for layer in layers:
@@ -394,9 +411,13 @@ def export_request(
             results = []
             for layer in layers:
                 bar.set_postfix_str(f"layer {layer}")
-                results.append(export_design(checkpoint, layer, design, opts, out_dir, gate=gate, progress=bar))
+                results.append(
+                    export_design(
+                        checkpoint, layer, design, opts, out_dir, gate=gate, progress=bar, backend=target.name
+                    )
+                )
             return results
-        work = [(str(checkpoint.path), layer, design.name, opts, str(out_dir)) for layer in layers]
+        work = [(str(checkpoint.path), layer, design.name, opts, str(out_dir), target.name) for layer in layers]
         return process_map(_export_in_worker, work, jobs=jobs, on_result=lambda job, _: bar.update(per_layer))
 
 
@@ -413,11 +434,12 @@ def _export_jobs(jobs: int | None, gate: VariantGate | None, layers: int) -> int
     return jobs
 
 
-def _export_in_worker(job: tuple[str, int, str, SidecarOptions, str]) -> ExportResult:
+def _export_in_worker(job: tuple[str, int, str, SidecarOptions, str, str]) -> ExportResult:
     """One layer's package in a worker process (no gate): ``job`` = (checkpoint directory, layer, design name,
-    options, output directory)."""
-    checkpoint_dir, layer, design_name, options, out_dir = job
-    return export_design(_worker_checkpoint(checkpoint_dir), layer, get_design(design_name), options, out_dir)
+    options, output directory, back-end)."""
+    checkpoint_dir, layer, design_name, options, out_dir, backend = job
+    checkpoint = _worker_checkpoint(checkpoint_dir)
+    return export_design(checkpoint, layer, get_design(design_name), options, out_dir, backend=backend)
 
 
 @functools.lru_cache(maxsize=1)

@@ -39,10 +39,11 @@ from anelab.core.masks import causal, require_visible_key
 from anelab.core.selection import Selection, select
 from anelab.core.weights import AttentionWeights
 from anelab.sidecar import compare
+from anelab.sidecar.backends import open_saved, read_metadata
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, load_matching_checkpoint, relative_error
 from anelab.sidecar.drivers import run_stateful_tiled, stateful_mask
 from anelab.sidecar.evaluate import SavedPackage
-from anelab.sidecar.format import function_name, history_of, read_sidecar_metadata
+from anelab.sidecar.format import function_name, history_of
 
 # The selection must move the reference by at least this multiple of the pass threshold; below it a
 # package computing the causal-only answer could pass the fold check.
@@ -102,8 +103,8 @@ def make_case(
     seed: int = 0,
 ) -> FoldCase:
     """Inputs for function h<history> of a saved sidecar (default: its longest history)."""
-    saved = package if isinstance(package, SavedPackage) else SavedPackage(package)
-    meta = read_sidecar_metadata(saved.path)
+    saved = package if hasattr(package, "evaluate") else open_saved(package)
+    meta = read_metadata(saved.path)
     history = max(meta.histories) if history is None else int(history)
     if history not in meta.histories:
         raise AnelabInputError(f"{saved.path.name} has no function h{history}; it has {', '.join(meta.functions)}")
@@ -255,7 +256,7 @@ def stateful_tiled_fold_check(
     H + C dropped — and compared with the fp64 reference under the same mask, beside the same call
     fed the causal-only mask (must miss) and how far the selection moves the reference (must be at
     least ``MIN_MOVE_OVER_THRESHOLD`` x the threshold: else the check is reported vacuous)."""
-    meta = read_sidecar_metadata(saved.path)
+    meta = read_metadata(saved.path)
     if not meta.state_functions or meta.mask_mode != "additive":
         raise AnelabInputError(
             f"{saved.path.name}: the stateful fold check needs a stateful-tiled package exported with --mask-mode additive"

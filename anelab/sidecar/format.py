@@ -85,6 +85,11 @@ MASK_MODE_META = "anelab.maskMode"
 RING_SLOTS_META = "anelab.ringSlots"
 
 
+# Core AI assets only (sidecar.coreai_asset): a JSON record of the Neural Engine rules the lowering
+# followed or not, the mask's drop value and the weights-once bytes
+COREAI_META = "anelab.coreai"
+
+
 # coremltools' int16 pass casts the stateful graph's RoPE gather positions to int16: positions must stay < 2**15
 MAX_STATE_CAPACITY = 2**15
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 
+from anelab.sidecar.backends import read_metadata
 from anelab.sidecar.compare import REFERENCE_PRECISION, Evaluator
 from anelab.sidecar.designs import design_of
-from anelab.sidecar.format import read_sidecar_metadata
 from anelab.sidecar.verify_cases import (
     CONTROL_ROWS,
     VerifyReport,
@@ -60,7 +60,7 @@ def verify_package(
     serve is refused in one line. ``progress``: show this package's own progress bar (``verify_export``
     shows one for the whole export instead).
     """
-    meta = read_sidecar_metadata(package)
+    meta = read_metadata(package)
     design = design_of(meta, str(package))
     if evaluator is not None:
         design.require_device_verify()

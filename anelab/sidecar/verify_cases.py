@@ -47,6 +47,7 @@ from anelab.core.masks import MASKED, causal
 from anelab.core.progress import tqdm
 from anelab.core.weights import AttentionWeights
 from anelab.sidecar import quantize
+from anelab.sidecar.backends import open_saved, read_metadata
 from anelab.sidecar.compare import (
     OUTPUTS,
     REFERENCE_CHECK_ROWS,
@@ -67,7 +68,7 @@ from anelab.sidecar.compare import (
 )
 from anelab.sidecar.drivers import DECODE_STEPS, prompt_reference, run_stateful, run_stateful_tiled, stateful_mask
 from anelab.sidecar.evaluate import SavedPackage
-from anelab.sidecar.format import STATE_NAMES, SidecarMetadata, function_name, history_of, read_sidecar_metadata
+from anelab.sidecar.format import STATE_NAMES, SidecarMetadata, function_name, history_of
 
 
 @dataclass
@@ -238,13 +239,13 @@ def verify_per_history_package(
     and the NumPy evaluation against the reference: three comparisons per output.
     """
     start = time.perf_counter()
-    meta = read_sidecar_metadata(package)
+    meta = read_metadata(package)
     checkpoint = load_matching_checkpoint(meta, checkpoint_dir)
-    saved = SavedPackage(package)
+    saved = open_saved(package)
     names = functions or list(meta.functions)
     for name in names:
         saved.function(name)
-    how = "NumPy evaluation of the saved MIL program (" + ("fp16 storage emulated" if fp16 else "fp32") + ")"
+    how = saved.description(fp16)
     report = VerifyReport(
         str(package),
         str(checkpoint.path),
@@ -265,6 +266,7 @@ def verify_per_history_package(
     if meta.selection_folded:
         with _timed(report.seconds, "fold check"):
             report.comparisons.extend(fold_comparisons(saved, checkpoint.path, meta, seed=seed, evaluator=evaluator))
+    saved.close()
     report.seconds["total"] = time.perf_counter() - start
     return report
 
@@ -590,12 +592,11 @@ def stateful_tiled_controls_declared(meta: SidecarMetadata, geometry: AttentionG
     return [("+".join(meta.functions), case) for case in cases] + fold_controls_declared(meta)
 
 
-def stateful_report(package, checkpoint, meta, fp16: bool, evaluator: Evaluator | None) -> VerifyReport:
-    """An empty report for a stateful package, naming how its calls are evaluated."""
+def stateful_report(package, checkpoint, meta, fp16: bool, evaluator: Evaluator | None, saved) -> VerifyReport:
+    """An empty report for a stateful package, naming how its calls are evaluated (``saved``: the package
+    read back, which names its own evaluation: NumPy for a Core ML package, the CPU runtime for Core AI)."""
     how = (
-        "NumPy evaluation of the saved MIL program, state carried between calls ("
-        + ("fp16 storage emulated" if fp16 else "fp32")
-        + ")"
+        f"{saved.description(fp16)}, state carried between calls"
         if evaluator is None
         else f"{evaluator.name}, state carried between calls, beside the NumPy evaluation"
     )
@@ -605,9 +606,9 @@ def stateful_report(package, checkpoint, meta, fp16: bool, evaluator: Evaluator 
 def open_stateful_package(package: str | os.PathLike, checkpoint_dir: str | os.PathLike | None):
     """A stateful package's metadata, matching checkpoint, saved program (every function checked), the
     weights its graph holds (dequantized when compressed) and the checkpoint's own weights."""
-    meta = read_sidecar_metadata(package)
+    meta = read_metadata(package)
     checkpoint = load_matching_checkpoint(meta, checkpoint_dir)
-    saved = SavedPackage(package)
+    saved = open_saved(package)
     for name in meta.functions:
         saved.function(name)
     checkpoint_weights = checkpoint.layer(meta.layer)
@@ -637,7 +638,7 @@ def verify_stateful_package(
     prefill, decode_steps = stateful_prompt_rows(meta)
     P = prefill + decode_steps
     label = "+".join(meta.functions)
-    report = stateful_report(package, checkpoint, meta, fp16, evaluator)
+    report = stateful_report(package, checkpoint, meta, fp16, evaluator, saved)
     report.declared_controls = stateful_controls_declared(meta, geometry)
     rng = np.random.default_rng([seed, P])
     hidden = rng.standard_normal((P, geometry.hidden_size)).astype(np.float16)
@@ -683,6 +684,7 @@ def verify_stateful_package(
         )
         steps.update()
     steps.close()
+    saved.close()
     return report
 
 
@@ -800,7 +802,7 @@ def verify_stateful_tiled_package(
     prefill, decode_steps = stateful_tiled_prompt(meta)
     P = prefill + decode_steps
     label = "+".join(meta.functions)
-    report = stateful_report(package, checkpoint, meta, fp16, None)
+    report = stateful_report(package, checkpoint, meta, fp16, None, saved)
     report.declared_controls = stateful_tiled_controls_declared(meta, geometry)
     rng = np.random.default_rng([seed, P])
     hidden = rng.standard_normal((P, geometry.hidden_size)).astype(np.float16)
@@ -838,6 +840,7 @@ def verify_stateful_tiled_package(
     steps.close()
     if meta.selection_folded:
         report.comparisons.extend(fold_comparisons(saved, checkpoint.path, meta, seed=seed))
+    saved.close()
     return report
 
 

@@ -17,11 +17,11 @@ from pathlib import Path
 from anelab.core.errors import AnelabInputError
 from anelab.core.parallel import default_jobs, process_map, threads_per_run
 from anelab.core.progress import tqdm
+from anelab.sidecar.backends import BACKENDS, read_metadata
 from anelab.sidecar.compare import Comparison
-from anelab.sidecar.format import read_sidecar_metadata
 from anelab.sidecar.verify import VerifyReport, verify_package
 
-_PACKAGE = re.compile(r"^layer_(\d+)\.mlpackage$")
+_PACKAGE = re.compile(r"^layer_(\d+)(" + "|".join(re.escape(b.suffix) for b in BACKENDS.values()) + r")$")
 
 # (package, checkpoint directory or None) -> its report; verify_package without its own progress bar by default
 VerifyOne = Callable[[Path, "str | os.PathLike | None"], VerifyReport]
@@ -99,11 +99,18 @@ class ExportVerifyReport:
 
 
 def export_packages(directory: str | os.PathLike) -> list[tuple[int, Path]]:
-    """(layer, path) of every ``layer_<L>.mlpackage`` in an export directory, by layer; refuses an empty one."""
+    """(layer, path) of every ``layer_<L>`` sidecar (``.mlpackage`` or ``.aimodel``) in an export directory, by layer;
+    refuses an empty one or one holding a layer in two formats."""
     directory = Path(directory)
     if not directory.is_dir():
         raise AnelabInputError(f"{directory}: no such directory; pass a package or an 'anelab export --out' directory")
     found = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _PACKAGE.match(p.name)))
+    layers = [layer for layer, _ in found]
+    twice = sorted({layer for layer in layers if layers.count(layer) > 1})
+    if twice:
+        raise AnelabInputError(
+            f"{directory} holds layer {twice[0]} in two formats; verify one sidecar, or export each format to its own --out"
+        )
     if not found:
         raise AnelabInputError(
             f"{directory} is not an .mlpackage and holds no layer_<L>.mlpackage; pass a package or an export directory"
@@ -145,7 +152,7 @@ def verify_export(
                 bar.update()
     verdicts = []
     for (layer, path), report in zip(packages, reports, strict=True):
-        meta = read_sidecar_metadata(path)
+        meta = read_metadata(path)
         design = meta.graph if meta.weights == "fp16" else f"{meta.graph} {meta.weights}"
         verdicts.append(LayerVerdict(layer, str(path), design, report))
     return ExportVerifyReport(str(directory), verdicts)

@@ -368,3 +368,32 @@ def memory_vs_functions(
     if out_dir is not None:
         record = {**record, "_file": write_record(out_dir, record).name}
     return record
+
+
+# ---- Core ML against Core AI ------------------------------------------------------------------------------
+def coreai_setup_comparison(records_dir, data_dir=None, family: str = "qwen3.8-125b-a6b-4bit") -> dict:
+    """What notebook 04's Core ML vs Core AI figure draws, at the seed's workload (``REFERENCE_TOKENS``):
+    the family's per-variant loads as Core ML records them (the variants the prompt visits), the per-variant
+    load at which its verdict turns to the ANE (``planner.coreai_loads.flip_load``), and — where ``anelab
+    measure`` recorded Core AI beside Core ML on a Mac (``records_dir``) — each Core AI mode's per-variant
+    price (its Core AI / Core ML ratio times the family's loads) and the cold specialization against the
+    number of entrypoints. ``coreai`` / ``per_count`` are empty until such records exist."""
+    from anelab.core.records import read_records
+    from anelab.planner.catalogue import REFERENCE_TOKENS
+    from anelab.planner.coreai_loads import coreai_ratios, flip_load
+
+    base = plan(REFERENCE_TOKENS, family=family, data_dir=data_dir)
+    loads = {int(h): v["seconds"] for h, v in base.load_seconds.items()}
+    flip = flip_load(base, data_dir)
+    ratios = coreai_ratios(records_dir)
+    # the setup is linear in a uniform scale of the loads: the plan turns to the ANE iff the ratio is below the flip's
+    coreai = {mode: {"ratio": r.ratio, "per_variant_s": r.ratio * flip["load_per_variant_s"], "machine": r.machine,
+                     "turns_to_ane": r.ratio < flip["max_fraction_of_loads"]} for mode, r in ratios.items()}  # fmt: skip
+    per_count = []
+    if ratios and Path(records_dir).is_dir():
+        sweep = [r for r in read_records(records_dir, kind="coreai_specialization")
+                 if r["parameters"].get("sweep") == "entrypoint_count"
+                 and str(r["provenance"].get("os_version", "")).startswith("macOS")]  # fmt: skip
+        per_count = sorted((r["parameters"]["entrypoints"], r["results"]["median_s"]) for r in sweep)
+    return {"family": family, "prompt_tokens": REFERENCE_TOKENS, "recorded_loads_s": loads, "flip": flip,
+            "coreai": coreai, "per_count": per_count}  # fmt: skip
