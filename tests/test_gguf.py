@@ -257,3 +257,46 @@ def test_the_cli_exports_verifies_and_compares_arms_on_a_gguf_file(sources, tmp_
     report = json.loads(capsys.readouterr().out)
     pair = report["pairs"][0]
     assert pair["prompt_logits_diff"] < 1e-2
+
+
+def _with_tokenizer(source: Path, out: Path, pre: str) -> Path:
+    """A tiny GGUF whose byte-level BPE vocabulary has a merged-digits token "12" (pre-tokenizer ``pre``)."""
+    path = write_gguf(source, out.with_suffix(".base.gguf"), "F32")
+    reader = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(out, "llama")
+    for key, field in reader.fields.items():
+        if key.startswith("llama."):
+            writer.add_uint32(key, field.contents()) if isinstance(field.contents(), int) else writer.add_float32(
+                key, field.contents()
+            )
+    tokens = ["<|endoftext|>", "a", "\u0120", "1", "2", "12", "\u0120a"] + [f"x{i}" for i in range(VOCAB - 7)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([3] + [1] * (VOCAB - 1))
+    writer.add_token_merges(["1 2", "\u0120 a"])
+    writer.add_eos_token_id(0)
+    writer.add_chat_template(
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %} a{% endif %}"
+    )
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_smollms_pre_tokenizer_splits_every_digit_as_llamacpp_does(sources, tmp_path):
+    """llama.cpp's ``smollm`` pre-tokenizer isolates each digit before GPT-2's split (src/llama-vocab.cpp), so
+    "12" is never merged; the control: the same vocabulary under ``gpt2`` merges it."""
+    split = load_checkpoint(_with_tokenizer(sources["llama"], tmp_path / "smollm.gguf", "smollm")).tokenizer()
+    plain = load_checkpoint(_with_tokenizer(sources["llama"], tmp_path / "gpt2.gguf", "gpt2")).tokenizer()
+    spelled = lambda tok, text: [tok.backend.id_to_token(int(i)) for i in tok.encode(text)]  # noqa: E731
+    assert spelled(split, "a 12 a") == ["a", "\u0120", "1", "2", "\u0120a"]
+    assert spelled(plain, "a 12 a") == ["a", "\u0120", "12", "\u0120a"]
+    assert split.decode(split.chat("a 12")) == "a 12 a"  # the file's chat template, with the generation prompt
+    unknown = _with_tokenizer(sources["llama"], tmp_path / "other.gguf", "some-new-pre")
+    with pytest.raises(AnelabInputError, match="tokenizer.ggml.pre 'some-new-pre'"):
+        load_checkpoint(unknown).tokenizer()

@@ -11,6 +11,7 @@ Chat templates are rendered by transformers' own Jinja renderer (``render_jinja_
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,11 @@ from anelab.core.errors import AnelabInputError
 DIGIT_SPLIT_PRE_TYPES = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")
 # ... and those that use GPT-2's regex alone (GPT2, MPT, OLMO, JAIS), which is what transformers builds by default
 GPT2_PRE_TYPES = ("gpt2", "mpt", "olmo", "jais")
+
+
+def _transformers_quietly() -> None:
+    """transformers without torch says so on import ("PyTorch was not found"): an advisory, not ours to print."""
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 @dataclass
@@ -47,6 +53,7 @@ class ModelTokenizer:
     def chat(self, messages: str | list[dict], add_generation_prompt: bool = True) -> np.ndarray:
         """A chat (a user message, or ``[{"role", "content"}, ...]``) through the model's chat template -> token
         ids int64 [T], ready for the assistant's reply."""
+        _transformers_quietly()
         from transformers.utils.chat_template_utils import render_jinja_template
 
         if self.chat_template is None:
@@ -107,6 +114,7 @@ def _digit_split(tokenizer) -> None:
 
 def tokenizer_from_gguf(reader, path: Path) -> ModelTokenizer:
     """The tokenizer a GGUF file's ``tokenizer.ggml.*`` metadata describes (``reader``: gguf's GGUFReader)."""
+    _transformers_quietly()
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
         GGUF_PRE_TOKENIZER_SPLITS,
         GGUF_TOKENIZER_MAPPING,
