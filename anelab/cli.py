@@ -748,15 +748,16 @@ def _add_compare_arms(sub):
 
 def _run_compare_arms(args):
     from anelab.arms.compare import compare_arms, named_with_sidecars, read_tokens
-    from anelab.arms.run import REFERENCE_CHUNK, Indexer
+    from anelab.arms.run import Indexer
     from anelab.checkpoints.default import named_checkpoints
 
     if (args.prompt_tokens is None) == (args.tokens is None):
         raise AnelabInputError("compare-arms: pass exactly one of --prompt-tokens N or --tokens FILE")
     checkpoint, sidecars = args.checkpoint, args.sidecars
-    if checkpoint in named_checkpoints():
+    named = named_checkpoints().get(checkpoint)
+    if named is not None:
         tokens = args.prompt_tokens or read_tokens(args.tokens).size
-        checkpoint, sidecars = named_with_sidecars(checkpoint, sidecars, tokens, args.chunk or REFERENCE_CHUNK)
+        checkpoint, sidecars = named_with_sidecars(checkpoint, sidecars, tokens, args.chunk or named.chunk)
     report = compare_arms(
         checkpoint,
         sidecars,

