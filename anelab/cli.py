@@ -165,6 +165,25 @@ def _print_formats(args) -> int:
     return 0
 
 
+def _sidecar_request(args):
+    """The one options object of an export, from its flags (validated against the checkpoint by export)."""
+    from anelab.sidecar.designs import SidecarRequest
+    from anelab.sidecar.export import selection_from_flags
+
+    return SidecarRequest(
+        args.chunk,
+        args.histories,
+        args.graph,
+        key_tile=args.tile,
+        query_tile=args.query_tile,
+        capacity=args.capacity,
+        decode=args.decode,
+        mask_mode=args.mask_mode,
+        weights=args.weights,
+        selection=selection_from_flags(args.selection_kept_blocks, args.selection_compress_ratio),
+    )
+
+
 def _run_export(args):
     if args.list_formats:
         return _print_formats(args)
@@ -184,26 +203,11 @@ def _run_export(args):
         raise AnelabInputError(f"export: pass {', '.join(missing)} (or --list-families)")
     from anelab.runtimes.coreml import default_runtime
     from anelab.runtimes.gate import AneGate
-    from anelab.sidecar.export import export_sidecars, selection_from_flags
+    from anelab.sidecar.export import export_request
 
-    selection = selection_from_flags(args.selection_kept_blocks, args.selection_compress_ratio)
     gate = AneGate.for_runtime(default_runtime())
-    results = export_sidecars(
-        _checkpoint(args.checkpoint),
-        args.out,
-        args.chunk,
-        args.histories,
-        args.layers,
-        graph=args.graph,
-        key_tile=args.tile,
-        weights_mode=args.weights,
-        capacity=args.capacity,
-        decode=args.decode,
-        selection=selection,
-        gate=gate,
-        query_tile=args.query_tile,
-        mask_mode=args.mask_mode,
-        jobs=args.jobs,
+    results = export_request(
+        _checkpoint(args.checkpoint), args.out, _sidecar_request(args), args.layers, gate=gate, jobs=args.jobs
     )
     summary = [
         {
@@ -501,7 +505,7 @@ def _run_plan(args):
         }
         _print_json(rows) if args.json else print(planner.format_designs(rows))
         return 0
-    result = planner.plan(
+    prefill_plan = planner.plan(
         args.prompt_tokens,
         family=args.family,
         chunk=args.chunk,
@@ -519,8 +523,9 @@ def _run_plan(args):
         non_attention_seconds=args.non_attention_seconds,
         gpu_prefill_seconds=args.gpu_prefill_seconds,
         gpu_tokens_per_second=args.gpu_tokens_per_second,
-    ).to_dict()
-    return _print_plan(args, result, planner.format_plan(result), [result])
+    )
+    result = prefill_plan.to_dict()
+    return _print_plan(args, result, planner.format_plan(result), [prefill_plan])
 
 
 def _run_plan_checkpoint_designs(args) -> int:
@@ -550,18 +555,19 @@ def _run_plan_checkpoint_designs(args) -> int:
         print(f"costs: {checkpoint_plan.cost_family or 'flags'} — {checkpoint_plan.cost_family_reason}")
         print(planner.format_designs(rows))
         if "full" in plans:
-            _print_design_verdicts(checkpoint_plan.parts["full"], rows[f"{Path(args.checkpoint).name} (full)"])
+            _print_design_verdicts(checkpoint_plan.parts["full"], plans["full"])
     return 0
 
 
-def _print_design_verdicts(full: dict, designs: list[dict]) -> None:
-    """Each design's three-way verdict (the same envelope ``decide`` reports)."""
+def _print_design_verdicts(full, designs: list) -> None:
+    """Each design's three-way verdict (the same envelope ``decide`` reports): ``full`` the full-attention
+    layers' ``PrefillPlan``, ``designs`` their ``DesignPlan``s."""
     from anelab.planner.report import format_verdict
-    from anelab.planner.verdict import decide_arms, plan_arm_costs
+    from anelab.planner.verdict import plan_arm_costs, verdict_for
 
     for design in designs:
-        print(f"--- three-way verdict ({design['design']}) ---")
-        print(format_verdict(decide_arms(plan_arm_costs(full, design)).to_dict()))
+        print(f"--- three-way verdict ({design.design}) ---")
+        print(format_verdict(verdict_for(plan_arm_costs(full, design)).to_dict()))
 
 
 def _add_user_gpu(p) -> None:
@@ -569,10 +575,11 @@ def _add_user_gpu(p) -> None:
     p.add_argument("--gpu-tokens-per-second", type=float, help="your GPU runtime's prefill speed (tokens/s)")
 
 
-def _print_plan(args, result: dict, text: str, parts: list[dict]) -> int:
-    """The plan and, for each part, its three-way verdict with thresholds and envelope (``planner.verdict``)."""
+def _print_plan(args, result: dict, text: str, parts: list) -> int:
+    """The plan (``result``, as JSON) and, for each part (a ``PrefillPlan``), its three-way verdict with
+    thresholds and envelope (``planner.verdict``)."""
     from anelab.planner.report import format_verdict
-    from anelab.planner.verdict import decide_arms, plan_arm_costs
+    from anelab.planner.verdict import plan_arm_costs, verdict_for
 
     where = f"--checkpoint {args.checkpoint}" if args.checkpoint else f"--family {result.get('family')}"
     commands = {
@@ -586,13 +593,13 @@ def _print_plan(args, result: dict, text: str, parts: list[dict]) -> int:
         ),
     }
     commands["ane_attention"] = commands["load_per_layer"]
-    verdicts = [decide_arms(plan_arm_costs(part), commands).to_dict() for part in parts]
+    verdicts = [verdict_for(plan_arm_costs(part), commands).to_dict() for part in parts]
     if args.json:
         _print_json({**result, "verdicts": verdicts})
         return 0
     print(text)
     for part, verdict in zip(parts, verdicts):
-        kind = f" ({len(part['geometry']['full_attention_layers'])} layers)" if len(parts) > 1 else ""
+        kind = f" ({len(part.geometry['full_attention_layers'])} layers)" if len(parts) > 1 else ""
         print(f"--- three-way verdict{kind} ---")
         print(format_verdict(verdict))
     return 0
@@ -606,7 +613,7 @@ def _run_plan_checkpoint(args):
     given = [f"--{f.replace('_', '-')}" for f in geometry_flags if getattr(args, f) is not None]
     if given:
         raise AnelabInputError(f"--checkpoint supplies the geometry; drop {', '.join(given)}")
-    result = plan_from_checkpoint(
+    checkpoint_plan = plan_from_checkpoint(
         _checkpoint(args.checkpoint),
         args.prompt_tokens,
         family=args.family,
@@ -619,8 +626,9 @@ def _run_plan_checkpoint(args):
         non_attention_seconds=args.non_attention_seconds,
         gpu_prefill_seconds=args.gpu_prefill_seconds,
         gpu_tokens_per_second=args.gpu_tokens_per_second,
-    ).to_dict()
-    return _print_plan(args, result, planner.format_checkpoint_plan(result), list(result["parts"].values()))
+    )
+    result = checkpoint_plan.to_dict()
+    return _print_plan(args, result, planner.format_checkpoint_plan(result), list(checkpoint_plan.parts.values()))
 
 
 _register("plan", _add_plan, _run_plan)

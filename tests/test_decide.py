@@ -22,7 +22,7 @@ from anelab.planner.design_plans import DESIGNS, compare_designs
 from anelab.planner.envelope import Cost
 from anelab.planner.fit import fit_costs
 from anelab.planner.from_checkpoint import checkpoint_designs
-from anelab.planner.verdict import ArmCosts, decide_arms, plan_arm_costs
+from anelab.planner.verdict import ArmCosts, plan_arm_costs, verdict_for
 
 CHUNK, PROMPT = 32, 64
 
@@ -44,7 +44,7 @@ HAND_BREAK_EVEN_GPU = (1.2 + 8.0) / 0.75
 
 
 def _verdict(**kwargs):
-    return decide_arms(plan_arm_costs(plan(512, **HAND, **kwargs).to_dict()))
+    return verdict_for(plan_arm_costs(plan(512, **HAND, **kwargs)))
 
 
 # ---- the user's GPU number moves the verdict as the arithmetic says -------------------------------------------
@@ -91,15 +91,15 @@ def _arms(load: Cost, gpu: Cost) -> ArmCosts:
 def test_an_interval_across_the_break_even_is_depends():
     # gain = 0.5 S - 1 - 2 L; S = 20 -> 9 - 2 L: break-even L = 4.5 s per layer
     gpu = Cost.point(20.0, "recorded", "test")
-    assert decide_arms(_arms(Cost.band(3.0, 1.4, "fitted", "t"), gpu)).decision == "ane"  # L <= 4.2
-    assert decide_arms(_arms(Cost.band(3.0, 1.6, "fitted", "t"), gpu)).decision == "depends"  # L up to 4.8
-    assert decide_arms(_arms(Cost.band(6.0, 1.2, "fitted", "t"), gpu)).decision == "gpu"  # L >= 5.0
+    assert verdict_for(_arms(Cost.band(3.0, 1.4, "fitted", "t"), gpu)).decision == "ane"  # L <= 4.2
+    assert verdict_for(_arms(Cost.band(3.0, 1.6, "fitted", "t"), gpu)).decision == "depends"  # L up to 4.8
+    assert verdict_for(_arms(Cost.band(6.0, 1.2, "fitted", "t"), gpu)).decision == "gpu"  # L >= 5.0
     # the same numbers, extrapolated: depends however far from the line
-    assert decide_arms(_arms(Cost.band(3.0, 1.4, "extrapolated", "t"), gpu)).decision == "depends"
+    assert verdict_for(_arms(Cost.band(3.0, 1.4, "extrapolated", "t"), gpu)).decision == "depends"
 
 
 def test_qwen38_verdict_stands_on_its_records():
-    v = decide_arms(plan_arm_costs(plan(4333, family="qwen3.8-125b-a6b-4bit").to_dict()))
+    v = verdict_for(plan_arm_costs(plan(4333, family="qwen3.8-125b-a6b-4bit")))
     assert v.decision == "gpu" and not v.extrapolated
     assert v.costs["load_per_layer"] == pytest.approx({**v.costs["load_per_layer"], "value": 6.7 + 13.6})
     assert v.costs["load_per_layer"]["kind"] == "recorded"
@@ -204,6 +204,31 @@ def test_decide_is_resumable_and_notices_a_changed_package(decided, model):
     assert (pkg.parent / "layer_1.mlpackage.stale-1").exists()
 
 
+def test_decide_reads_its_checkpoint_once_and_plans_each_prompt_once(model, tmp_path, monkeypatch):
+    """Issue 28: decide opened the checkpoint 24 times and planned the same prompt several times. Now one read
+    (the whole model reuses the opened checkpoint; inline export and verify take it too) and one plan per
+    (prompt, user number). Spies count real reads (a directory opened) and plans."""
+    import anelab.checkpoints.checkpoint as checkpoint_module
+    import anelab.core.parallel as parallel
+    import anelab.planner.from_checkpoint as planner_module
+
+    reads, planned = [], []
+    open_source, plan_fn = checkpoint_module.open_source, planner_module.plan_from_checkpoint  # any format's opening
+    monkeypatch.setattr(checkpoint_module, "open_source", lambda d: reads.append(d) or open_source(d))
+    monkeypatch.setattr(
+        planner_module,
+        "plan_from_checkpoint",
+        lambda c, n, **k: planned.append((n, tuple(k.items()))) or plan_fn(c, n, **k),
+    )
+    monkeypatch.setattr(parallel, "default_jobs", lambda items, cores=None: 1)  # inline: every read in this process
+    decide(DecideConfig(model, PROMPT, tmp_path / "out", design="dense", chunk=CHUNK, gpu_prefill_seconds=3.0))
+    assert len(reads) == 1, reads
+    assert len(planned) == len(set(planned)) and len(planned) > 2  # the sweep's prompts, each once
+    # control: the spies see a second opening of the same directory
+    checkpoint_module.load_checkpoint(model)
+    assert len(reads) == 2
+
+
 def test_a_fake_mac_run_replaces_predicted_costs_with_measured_ones(decided, model, tmp_path):
     from anelab.runtimes.fake import FakeFunction, FakeRuntime
 
@@ -289,6 +314,6 @@ def test_decide_cli_prints_the_verdict(model, tmp_path, capsys):
 
 
 def test_a_prompt_the_ane_does_not_run_is_gpu_without_thresholds():
-    v = decide_arms(plan_arm_costs(plan(1000, family="qwen3.8-125b-a6b-4bit").to_dict()))
+    v = verdict_for(plan_arm_costs(plan(1000, family="qwen3.8-125b-a6b-4bit")))
     assert v.decision == "gpu" and "short prompt" in v.reason
     assert v.max_load_per_layer_seconds is None and v.min_gpu_prefill_seconds is None

@@ -297,7 +297,7 @@ def test_export_with_a_healthy_runtime_records_verified_with_evidence(checkpoint
     }
     calls = runtime.child_calls()
     # the real variants' specs were read: the zero inputs matched them (the fake refuses any mismatch)
-    assert [c[2] for c in calls if c[0] == "predict"] == ["h0", "h4"]
+    assert [c[2] for c in calls if c[0] == "predict"] == ["h0", "h4", "h0", "h4"]  # the variants, then the merge's
     merged_loads = [c for c in calls if c[0] == "load" and Path(c[1]).name == "merged.mlpackage"]
     assert [c[2] for c in merged_loads] == ["h0", "h4"]
     first_merged = calls.index(merged_loads[0])

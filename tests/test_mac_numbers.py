@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import as_gate_passed
+from conftest import as_gate_passed, seed_passed_verdicts
 
 from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.cli import main
@@ -26,7 +26,13 @@ from anelab.runtimes.assumptions import ASSUMPTIONS, STATE_SHARED_BY_FUNCTIONS, 
 from anelab.runtimes.device_verify import verify_on_device
 from anelab.runtimes.fake import FakeCrash, FakeFunction, FakeRuntime
 from anelab.runtimes.gate import AneGateError, check_variants
-from anelab.runtimes.interface import AssumptionFailedError, RuntimeLoadError, RuntimePredictError, UngatedPackageError
+from anelab.runtimes.interface import (
+    AssumptionFailedError,
+    RuntimeLoadError,
+    RuntimePredictError,
+    UngatedPackageError,
+    prepare_inputs,
+)
 from anelab.runtimes.open import open_sidecar
 from anelab.runtimes.probe import build_probe_package, format_probe, probe_core_ml
 from anelab.runtimes.timing import time_load, time_predict
@@ -149,9 +155,12 @@ def test_defect_4_an_ungated_predict_that_kills_its_process_is_recorded_and_the_
     assert "killed by SIGKILL" in record["results"]["cpu_and_ne"]["error"]  # on 2215929 this test process died
     assert "child process" in record["parameters"]["process"]["cpu_and_ne"]
     assert [c for c in runtime.calls if c[0] == "predict"] == []
-    # control: a gate-passed package is predicted here, where the same crash would take the process with it
-    with pytest.raises(FakeCrash, match="SIGKILL"):
-        time_predict(runtime, gated, "h0", inputs, ["cpu_and_ne"], repeats=1, clock=runtime.clock)
+    # a gate-passed package is pre-flighted in a child before this process predicts it: the crash lands there too
+    record = time_predict(runtime, gated, "h0", inputs, ["cpu_and_ne"], repeats=1, clock=runtime.clock)
+    assert "killed by SIGKILL" in record["results"]["cpu_and_ne"]["error"]
+    assert [c for c in runtime.calls if c[0] == "predict"] == []
+    with pytest.raises(FakeCrash, match="SIGKILL"):  # control: the raw primitive, no child first, takes the process
+        runtime.predict(runtime.load_path(runtime.compile(gated), "h0", "cpu_and_ne"), prepare_inputs(inputs))
 
 
 def test_the_arms_device_runner_opens_only_gated_packages(dense):
@@ -199,6 +208,8 @@ def test_defect_5_compile_keeps_the_suffix_rules(tmp_path):
     runtime = FakeRuntime()
     odd = _package(tmp_path, "variant")  # a directory without the .mlpackage suffix
     with pytest.raises(RuntimeLoadError, match="Invalid model file path"):
+        runtime.compile_to(odd, tmp_path / "odd.mlmodelc")
+    with pytest.raises(AnelabInputError, match="does not end in .mlpackage"):  # refused before Core ML is asked
         runtime.compile(odd)
     with pytest.raises(RuntimeLoadError, match='must have ".mlmodelc"'):
         runtime.compile_to(_package(tmp_path), tmp_path / "out" / "copy")
@@ -218,6 +229,7 @@ def test_defect_5_only_an_mlmodel_handle_checks_input_names(tmp_path):
 
 def test_defect_5_the_fake_reports_core_ml_load_and_predict_durations(tmp_path):
     runtime = FakeRuntime({"h0": FakeFunction(**SIG, cold_load_s=3.0, predict_default_s=0.2)})
+    runtime.prepare_process()  # the tiny model pays Core ML's first use of the process (core_ml_first_use_s)
     handle = runtime.load(_package(tmp_path), "h0", "cpu_only")
     assert runtime.load_duration_s(handle) == 3.0 and runtime.predict_duration_s(handle) is None
     runtime.predict(handle, {"hidden": np.zeros((4, 8), np.float32), "mask": np.zeros((4, 4), np.float32)})
@@ -227,7 +239,11 @@ def test_defect_5_the_fake_reports_core_ml_load_and_predict_durations(tmp_path):
 # ---- the gate: an unread log is an unknown verdict ----------------------------------------------------------
 def test_a_log_show_failure_makes_the_gate_verdict_unknown(tmp_path):
     variants = {"h0": _package(tmp_path, "h0.mlpackage")}
+    probed_fine = FakeRuntime(lacks={UNIFIED_LOG_READABLE}, probed=False)  # the probe passed; 'log show' fails now
+    seed_passed_verdicts(probed_fine)
     with pytest.raises(AneGateError, match="verdict unknown.*did not finish within 120 s"):
+        check_variants(probed_fine, variants)
+    with pytest.raises(AssumptionFailedError, match=UNIFIED_LOG_READABLE):  # a Mac whose probe saw it: refused first
         check_variants(FakeRuntime(lacks={UNIFIED_LOG_READABLE}), variants)
     assert set(check_variants(FakeRuntime(), variants)) == {"h0"}  # control: a readable, clean log passes
 
@@ -261,7 +277,7 @@ def test_the_probe_passes_every_assumption_on_a_faithful_fake(probe_package, tmp
     assert list(table) == [a.name for a in ASSUMPTIONS] and record["results"]["failed"] == []
     assert all(v["source"] for v in table.values()) and (tmp_path / "records" / record["_file"]).is_file()
     text = format_probe(record)
-    assert "13 of 13 passed" in text and "CoreMLPython.mm:543-562" in text
+    assert "20 of 20 passed" in text and "CoreMLPython.mm:543-562" in text
 
 
 def test_a_failed_assumption_is_named_and_the_code_relying_on_it_refuses(probe_package, stateful):

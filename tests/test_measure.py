@@ -62,7 +62,7 @@ def test_every_step_writes_records_tagged_with_the_package_and_provenance(measur
         "load_memory", "load_timing", "predict_timing",
     ]  # fmt: skip
     probe = next(r for r in records if r["kind"] == "core_ml_probe")
-    assert probe["results"]["failed"] == [] and len(probe["results"]["assumptions"]) == 13
+    assert probe["results"]["failed"] == [] and len(probe["results"]["assumptions"]) == 20
     for r in records:
         assert len(r["parameters"]["measure"]["package_sha256"]) == 64
         assert {"chip", "os_version", "coremltools"} <= set(r["provenance"])

@@ -13,7 +13,7 @@ from anelab.core.errors import AnelabInputError
 from anelab.planner.catalogue import FAMILIES, chunk_schedule
 from anelab.planner.fit import fit_load_power
 from anelab.planner.plan import plan, predicted_vs_recorded
-from anelab.planner.verdict import decide_arms, plan_arm_costs
+from anelab.planner.verdict import plan_arm_costs, verdict_for
 
 DENSE_FAMILIES = [
     "qwen3.5-2b-4bit",
@@ -165,7 +165,7 @@ def test_every_dense_family_offloads_under_the_recorded_warm_protocol(family):
     assert all(v["seconds"] > 0 and v["source"].startswith(kind) for v in cold.load_seconds.values())
     assert cold.setup_seconds == pytest.approx(warm.setup_seconds) and cold.setup_seconds > 0
     assert cold.ane_prefill_seconds == pytest.approx(warm.ane_prefill_seconds + cold.setup_seconds)
-    assert decide_arms(plan_arm_costs(cold.to_dict())).decision == "depends"
+    assert verdict_for(plan_arm_costs(cold)).decision == "depends"
 
 
 def test_qwen38_coverage_cap():

@@ -59,12 +59,12 @@ def test_the_runtime_compiles_once_and_the_second_load_of_the_compiled_copy_is_w
     pkg = _package(tmp_path)
     runtime.prepare_process()
     start = runtime.clock()
-    runtime.load(pkg, None, "cpu_and_ne")
-    runtime.load(pkg, None, "cpu_and_ne")
+    runtime.load(pkg, None, "cpu_only")  # (under cpu_and_ne a pre-flight child would compile it first)
+    runtime.load(pkg, None, "cpu_only")
     assert runtime.clock() - start == pytest.approx(4.0 + 6.0 + 1.0)
     assert runtime.compiles == [str(pkg)]
     (pkg / "Manifest.json").write_text('{"changed": true}')  # new content: a new compiled copy
-    runtime.load(pkg, None, "cpu_and_ne")
+    runtime.load(pkg, None, "cpu_only")
     assert runtime.compiles == [str(pkg)] * 2
 
 
@@ -145,7 +145,7 @@ def test_a_message_printed_only_at_exit_is_not_seen_during_the_load(tmp_path):
         "from anelab.runtimes.interface import capture_native_output\n"
         f"rt = FakeRuntime({{'h0': FakeFunction(exit_stderr='ANECCompile() FAILED at exit\\n')}})\n"
         "with capture_native_output() as out:\n"
-        f"    rt.load(Path({str(_package(tmp_path))!r}), None, 'cpu_and_ne')\n"
+        f"    rt.load_path(rt.compile(Path({str(_package(tmp_path))!r})), None, 'cpu_and_ne')\n"
         "print('during load:', repr(out.stderr))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
@@ -167,7 +167,7 @@ def test_the_compute_plan_needs_a_compiled_copy(tmp_path):
 
 def test_a_scripted_predict_signal_is_not_an_exception(tmp_path):
     runtime = FakeRuntime({"h0": FakeFunction(predict_signal="SIGKILL", **SIGNATURE)})
-    handle = runtime.load(_package(tmp_path), None, "cpu_and_ne")
+    handle = runtime.load_path(runtime.compile(_package(tmp_path)), None, "cpu_and_ne")  # no pre-flight: raw
     with pytest.raises(FakeCrash) as e:
         try:
             runtime.predict(handle, _inputs(hidden=(4, 8), mask=(4, 4)))

@@ -15,7 +15,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from conftest import seed_passed_verdicts
 
+from anelab.core.errors import AnelabInputError
 from anelab.runtimes.coreml import MacRuntime
 from anelab.runtimes.interface import RuntimeLoadError, RuntimePredictError
 
@@ -42,7 +44,7 @@ class CoreMLToolsStandIn:
                 )
                 if function_name == "missing":  # Core ML refuses: CompiledMLModel raises (no warning)
                     raise RuntimeError('{\n    NSLocalizedDescription = "function missing not found";\n}')
-                self.function_name = function_name
+                self.function_name = function_name or ""  # _compiled_model.py:102-103: None means ""
 
             def make_state(self):
                 stand_in.calls.append(("make_state", self.function_name))
@@ -87,7 +89,7 @@ class CoreMLToolsStandIn:
 
 
 @pytest.fixture
-def mac(tmp_path):
+def mac(tmp_path, monkeypatch):
     ct = CoreMLToolsStandIn()
     runtime = MacRuntime(
         platform_name="darwin",
@@ -97,6 +99,9 @@ def mac(tmp_path):
         ct=lambda: ct,
         cache_dir=tmp_path / "compiled",
     )
+    seed_passed_verdicts(runtime)
+    runtime.preflights = preflights = []  # the stand-in cannot run a child: record what would have been pre-flighted
+    monkeypatch.setattr(MacRuntime, "preflight", lambda self, *args: preflights.append(args))
     pkg = tmp_path / "layer_3.mlpackage"
     pkg.mkdir()
     (pkg / "Manifest.json").write_text("{}")
@@ -119,6 +124,10 @@ def test_a_package_is_compiled_once_and_each_function_loads_by_name_from_the_com
         ("CompiledMLModel", compiled, "CPU_ONLY", "h0"),
     ]
     assert ct.named("MLModel") == []  # never the per-load compile of MLModel(<x>.mlpackage)
+    # every Neural Engine load was first run in a child (load + predict); the cpu_only one was not
+    assert [(f, u, s) for _, f, u, s in runtime.preflights] == [
+        ("h0", "cpu_and_ne", ("load", "predict")), ("h4096", "cpu_and_ne", ("load", "predict")),
+    ]  # fmt: skip
 
 
 def test_the_compiled_copy_is_reused_by_a_new_runtime_and_renewed_when_the_package_changes(mac, tmp_path):
@@ -161,7 +170,8 @@ def test_the_timed_predict_gets_inputs_already_converted_and_the_callers_dict_is
     record = time_predict(runtime, pkg, "h0", given, ["cpu_only"], warmup=0, repeats=1, clock=FakeClock())
     assert "error" not in record["results"]["cpu_only"]
     assert record["results"]["cpu_only"]["core_ml_predict_s"]["samples_s"] == [0.04]  # the proxy's own duration
-    assert ct.named("predict")[0][2] == {"hidden": np.float32}  # converted before the call
+    first_use, timed = ct.named("predict")  # the tiny first-use model (input x), then the timed predict
+    assert first_use[1] == "" and timed[2] == {"hidden": np.float32}  # converted before the call
     assert given["hidden"].dtype == np.float16
 
 
@@ -189,6 +199,8 @@ def test_the_compile_keeps_coremltools_suffix_rules(mac, tmp_path):
     odd.mkdir()
     (odd / "Manifest.json").write_text("{}")
     with pytest.raises(RuntimeLoadError, match="Invalid model file path"):
+        runtime.compile_to(odd, tmp_path / "odd.mlmodelc")
+    with pytest.raises(AnelabInputError, match="does not end in .mlpackage"):  # refused before Core ML is asked
         runtime.compile(odd)
 
 

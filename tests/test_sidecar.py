@@ -239,7 +239,9 @@ def test_functions_load_lazily_once_each(packages):
     assert set(out) == {"attn_out", "k_chunk", "v_chunk"}
     assert runtime.loads == [(str(pkg), "h8", "cpu_and_ne"), (str(pkg), "h0", "cpu_and_ne")]
     assert sidecar.loaded == ["h8", "h0"]
-    assert len(runtime.compiles) == 1  # both functions load from one compiled copy of the package
+    compiled = runtime.compiles + [c[1] for c in runtime.child_calls() if c[0] == "compile"]
+    assert compiled == [str(pkg)]  # once (by the first pre-flight child): both functions load from that copy
+    assert [c[2] for c in runtime.child_calls() if c[0] == "predict"] == ["h8", "h0"]  # each survived a child first
     with pytest.raises(RuntimePredictError, match="Feature hidden is required"):  # the fake is not kinder
         sidecar.predict(0, {})
 

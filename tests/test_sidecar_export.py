@@ -19,7 +19,7 @@ from anelab.sidecar import verify_cases as verify_module
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
 from anelab.sidecar.evaluate import SavedPackage, evaluate
 from anelab.sidecar.export import export_sidecars
-from anelab.sidecar.format import read_sidecar_metadata, weight_bytes
+from anelab.sidecar.format import WEIGHTS_RELATIVE, read_sidecar_metadata, weight_bytes
 from anelab.sidecar.verify import verify_package
 
 CHUNK = 8
@@ -242,3 +242,28 @@ def test_fused_tiles_use_no_more_threads_than_the_process_was_given(monkeypatch)
     assert worker_count(100) == 1
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "not a number")
     assert worker_count(100) == 4
+
+
+def test_one_request_object_exports_what_the_keywords_export(tiny_checkpoint, tmp_path):
+    """Issue 28's one options object: ``export_request(SidecarRequest)`` writes the same package as the keyword
+    form; the request survives JSON (decide's evidence) and refuses an unknown field or a missing chunk."""
+    from anelab.sidecar.designs import SidecarRequest
+    from anelab.sidecar.export import export_request
+
+    ckpt = tiny_checkpoint("qwen3")
+    layer = TINY_GEOMETRIES["qwen3"].full_attention_layers[-1]
+    request = SidecarRequest(CHUNK, (0, CHUNK), weights="int8")
+    [a] = export_request(ckpt, tmp_path / "a", request, [layer])
+    [b] = export_sidecars(ckpt, tmp_path / "b", CHUNK, [0, CHUNK], [layer], weights_mode="int8")
+    assert (a.package / WEIGHTS_RELATIVE).read_bytes() == (b.package / WEIGHTS_RELATIVE).read_bytes()
+    assert (
+        read_sidecar_metadata(a.package).functions == read_sidecar_metadata(b.package).functions == ["h0", f"h{CHUNK}"]
+    )
+    assert SidecarRequest.from_dict(request.to_dict()) == request and request.to_dict()["histories"] == [0, CHUNK]
+    # controls: a different request gives a different package; unknown fields and a missing chunk are refused
+    [c] = export_request(ckpt, tmp_path / "c", SidecarRequest(CHUNK, (0, CHUNK)), [layer])
+    assert (c.package / WEIGHTS_RELATIVE).read_bytes() != (a.package / WEIGHTS_RELATIVE).read_bytes()
+    with pytest.raises(AnelabInputError, match="unknown fields"):
+        SidecarRequest.from_dict({**request.to_dict(), "tile": 4})
+    with pytest.raises(AnelabInputError, match="pass --chunk"):
+        export_request(ckpt, tmp_path / "d", SidecarRequest(None, (0,)), [layer])

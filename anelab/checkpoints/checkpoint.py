@@ -285,12 +285,15 @@ def _layers_prefix(names) -> str:
     )
 
 
-def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike | Checkpoint) -> Checkpoint:
     """Open a checkpoint in any format of ``anelab.checkpoints.formats.FORMATS``: a Hugging Face directory
-    (config.json + *.safetensors), a GGUF file or an MLX-quantized directory.
+    (config.json + *.safetensors), a GGUF file or an MLX-quantized directory; an opened ``Checkpoint`` is
+    returned as it is (a flow opens its checkpoint once and passes it on).
 
     Reads the config and the tensor headers (or the shard index) only; ``layer(i)`` reads that layer's tensors.
     """
+    if isinstance(path, Checkpoint):
+        return path
     source = open_source(path)
     model_type, family = detect_family(source.config)
     geometry = geometry_from_config(source.config)

@@ -451,13 +451,16 @@ def _scalars(checkpoint: Checkpoint, family: DecoderFamily, model_type: str) -> 
     return out
 
 
-def load_model(path: str | os.PathLike) -> ModelCheckpoint:
-    """Open a checkpoint for the whole-model forward (reads config.json and headers only).
+def load_model(path: str | os.PathLike | Checkpoint | ModelCheckpoint) -> ModelCheckpoint:
+    """Open a checkpoint for the whole-model forward (reads config.json and headers only; an opened
+    ``Checkpoint`` is not read again, an opened ``ModelCheckpoint`` is returned as it is).
 
     Refuses (one line) a model_type outside ``DECODER_FAMILIES`` (with the reason ``--list-families``
     prints), an unmodelled activation, an ignored final soft-cap, and missing
     vocab/intermediate sizes.
     """
+    if isinstance(path, ModelCheckpoint):
+        return path
     checkpoint = load_checkpoint(path)
     text = text_config(checkpoint.config)
     # a multimodal wrapper (Gemma 3) is its own row: its lm_head, tying and logits belong to the outer class

@@ -1,35 +1,12 @@
 """Geometry of one softmax-attention block (full or sliding-window), its declared options, and the sizes derived from it.
 
-Three attention variants follow the Hugging Face transformers conventions:
-
-- ``llama``:      no q/k norm; RoPE with ``rotate_half`` pairing.
-- ``qwen3``:      per-head RMSNorm over head_dim on q and k (weights used as ``w``).
-- ``qwen3_next``: gated full attention of hybrid models — ``q_proj`` emits query and gate per
-  head (``[heads, 2 * head_dim]``, query first), ``sigmoid(gate)`` scales the attention output
-  before ``o_proj``; zero-centred q/k norm weights (applied as ``1 + w``); partial RoPE.
-
-Every other family is one of these variants plus *options* (fields with defaults that leave the
-block unchanged; ``to_dict`` omits a field at its default, so older geometry dicts round-trip
-unchanged). ``anelab.checkpoints.config.MODEL_FAMILIES`` sets them from a config.json:
-
-- ``rope_scaling`` (``anelab.core.rope.RopeScaling``) and ``max_position_embeddings``: the RoPE type;
-  ``rope_frequencies`` is the one definition of the frequency table (reference and graphs).
-- ``query_scale``: the factor on q.k (None: head_dim ** -0.5). Granite's attention_multiplier,
-  Gemma 2/3's query_pre_attn_scalar ** -0.5.
-- ``logit_softcap``: ``cap * tanh(scores / cap)`` after the scale, before the mask (Gemma 2).
-- ``qk_norm``: None (the variant's: per-head for qwen3*, none for llama), ``"projection"``
-  (OLMo 2: RMSNorm over the whole q [Hq*d] / k [Hkv*d] projection, before the head split).
-- ``rope_layout``: ``"half"`` (rotate_half) or ``"interleaved"`` (GLM / GLM-4 pairs (2i, 2i+1)).
-  The graphs serve an interleaved layer by permuting W_q/W_k rows per head
-  (``rope.interleaved_to_half``), so the K cache of such a layer holds each head's rotary channels
-  in half-rotated order ``[0, 2, 4, ..., 1, 3, 5, ...]`` (k_chunk / k_history / k_cache).
-- ``sliding_window`` / ``sliding_layers``: key j is visible from query i iff ``0 <= i - j < W``
-  on those layers (transformers' sliding_window_overlay); the window lives in the mask only.
-- ``no_rope_layers``: layers that apply no RoPE (SmolLM3); ``local_rope_theta``: the RoPE base of
-  the sliding layers (Gemma 3), which also take no ``rope_scaling``.
-- ``input_rows`` / ``after_o_proj``: what the caller feeds and what it applies to ``attn_out``
-  before the residual add (OLMo 2: raw residual rows, post_attention_layernorm after; Gemma 2/3,
-  GLM-4: a post-attention norm; Granite: residual_multiplier). The sidecar never includes them.
+Three variants follow transformers: ``llama`` (no q/k norm), ``qwen3`` (per-head RMSNorm on q and k) and
+``qwen3_next`` (gated full attention of hybrid models). Every other family is one of these plus *options*:
+fields whose defaults leave the block unchanged (``to_dict`` omits a field at its default), set from a
+config.json by ``anelab.checkpoints.config.MODEL_FAMILIES`` — RoPE scaling, query scale, soft-cap, q/k norm
+kind, RoPE layout, sliding windows, NoPE layers, local RoPE base, and what the caller applies around the sidecar
+(each described in docs/derivations.md). Chunk starts, coverage, score-arena bytes and parameter counts are
+defined here once.
 """
 
 from __future__ import annotations

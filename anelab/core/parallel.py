@@ -10,6 +10,7 @@ an exception in a worker is raised in the caller (an ``AnelabInputError`` keeps 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
@@ -66,8 +67,9 @@ def process_map(
     """``[function(item) for item in items]`` on ``jobs`` worker processes (in this process when jobs is 1).
 
     ``function`` must be a module-level function and items and results picklable. ``on_result(item,
-    result)`` is called in this process as each finishes (a progress bar's update). Workers are forked:
-    they inherit the imported modules, so a worker starts in milliseconds, not coremltools' import time.
+    result)`` is called in this process as each finishes (a progress bar's update). Workers are forked off macOS
+    (``start_method``): they inherit the imported modules, so a worker starts in milliseconds, not coremltools'
+    import time; on macOS they are spawned.
     """
     items = list(items)
     threads = threads_per_run(jobs)
@@ -82,7 +84,7 @@ def process_map(
     from multiprocessing import get_context
 
     done: dict[int, Result] = {}
-    context = get_context("fork" if "fork" in _start_methods() else "spawn")
+    context = get_context(start_method())
     with ProcessPoolExecutor(jobs, mp_context=context, initializer=_limit_threads, initargs=(threads,)) as pool:
         futures = {pool.submit(function, item): index for index, item in enumerate(items)}
         for future in as_completed(futures):
@@ -97,3 +99,12 @@ def _start_methods() -> list[str]:
     from multiprocessing import get_all_start_methods
 
     return get_all_start_methods()
+
+
+def start_method(platform: str | None = None) -> str:
+    """How workers start: forked where that is safe (Linux: they inherit the imported modules), spawned on macOS,
+    where a forked child of a process that touched Core ML or any Apple framework is not safe (and Python's
+    own default there is spawn since 3.8)."""
+    if (platform or sys.platform) == "darwin" or "fork" not in _start_methods():
+        return "spawn"
+    return "fork"

@@ -1,40 +1,11 @@
-"""Independent NumPy reference of one full-attention block for a prefill chunk.
+"""Independent NumPy reference of one full-attention block for a prefill chunk: the truth every graph is checked against.
 
-This is the truth the Core ML graph is checked against. It follows the Hugging Face transformers
-conventions (``models/llama``, ``models/qwen3``, ``models/qwen3_next`` modeling files):
-
-- RoPE: ``inv_freq = 1 / theta ** (arange(0, rotary_dim, 2) / rotary_dim)``; cos/sin are
-  ``cat(freqs, freqs)``; ``rotate_half`` pairs dim ``i`` with dim ``i + rotary_dim / 2``
-  (``cat(-x2, x1)``). Partial rotary: only the first ``rotary_dim`` dims of each head rotate, the
-  rest pass through unchanged.
-- qwen3 / qwen3_next: per-head RMSNorm over head_dim on q and k, *before* RoPE. The weights are the
-  effective multipliers (zero-centred checkpoints already converted to ``1 + w`` by the loader).
-- qwen3_next: ``q_proj`` output is viewed ``[T, heads, 2 * head_dim]``; the first head_dim of each
-  head is the query, the second the gate; the attention output ``[T, heads * head_dim]`` (before
-  ``o_proj``) is multiplied elementwise by ``sigmoid(gate)`` reshaped the same way.
-- Scores are scaled by ``geometry.attention_scale`` (``1 / sqrt(head_dim)`` unless the family
-  declares another: Gemma 2/3, Granite), soft-capped ``cap * tanh(s / cap)`` before the mask when
-  ``logit_softcap`` is set (Gemma 2); GQA: query head ``h`` reads KV head ``h // group_size``.
-- Declared options (``anelab.core.geometry``): q/k RMSNorm over the whole projection (OLMo 2); the
-  layer's own RoPE table (``geometry.rope_frequencies``: scaled types, attention factor on cos/sin,
-  a sliding layer's local base), none on a NoPE layer; GLM's interleaved pairs (2i, 2i+1) rotated
-  directly on the checkpoint's weights, K returned in the cache's half-rotated channel order.
-
-Shapes: D = hidden_size, Hq = num_heads, Hkv = num_kv_heads, d = head_dim, C = chunk rows,
-H = history keys (positions 0 .. H-1, already in the cache), T = H + C (the coverage of the chunk).
-
-Two sibling forms compute the same block:
-
-- ``attention_block``: dense — each row's plain softmax over all T keys at once (scores for
-  ``query_block`` rows at a time, ``[Hq, query_block, T]``). The fastest form in NumPy; its score
-  buffer grows with the coverage T.
-- ``attention_block_tiled``: FlashAttention-style online softmax (running max, running sum,
-  rescaled accumulator) over query tiles and key tiles. Peak memory holds one
-  ``[Hq, query_tile, key_tile]`` score tile, never a ``[Hq, C, T]`` array. Recommended for long
-  coverage (e.g. 4096 x 12,288 x 24 heads would need 4.8 GB of fp32 scores in the dense form).
-
-Rope angles are computed in float64 and then cast to the working precision (transformers computes
-them in float32, which at position ~12k carries ~1e-3 rad angle error; float64 is the exact math).
+It follows transformers' conventions (RoPE, q/k norms, the gated query of qwen3_next, scaling, soft-cap, GQA,
+the declared options of ``anelab.core.geometry``; listed in docs/derivations.md). Shapes: D = hidden_size,
+Hq = num_heads, Hkv = num_kv_heads, d = head_dim, C = chunk rows, H = history keys, T = H + C. Two sibling forms
+compute the same block: ``attention_block`` (dense, scores ``[Hq, query_block, T]`` at a time) and
+``attention_block_tiled`` (online softmax over query and key tiles, one ``[Hq, query_tile, key_tile]`` tile in
+memory). RoPE angles are computed in float64.
 """
 
 from __future__ import annotations

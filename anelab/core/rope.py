@@ -1,41 +1,11 @@
 """RoPE inverse frequencies and the cos/sin attention factor, for every RoPE type transformers models.
 
-Ported (float64 NumPy, no torch) from Hugging Face transformers ``src/transformers/modeling_rope_utils.py``
-as of transformers 5.16.0.dev0 (main, Aug 2026; read at commit decba1d2 of a fork that tracks upstream
-main; the file's last change is 1863da9c). The RoPE table in ``docs/conventions.md`` (from the notes
-rope.md) gives the function and line range for each type. Types: ``default``, ``linear``,
-``dynamic`` (dynamic NTK), ``llama3``, ``yarn``, ``longrope``.
-Anything else (``proportional``, ``mrope``, legacy ``su``, ...) is refused, never approximated.
-
-``rope_frequencies`` returns ``(inv_freq [rotary_dim // 2], attention_factor)``, the pair transformers'
-``rope_init_fn`` returns. The rotary embedding multiplies both cos and sin by that factor
-(``cos = emb.cos() * self.attention_scaling``, same for sin), where ``emb = cat(freqs, freqs)`` and
-``freqs = position * inv_freq``. ``rope_cos_sin`` builds that table.
-
-Two types depend on the sequence length. anelab's sidecar is a fixed graph, so both take the
-sidecar's ``coverage`` (the largest position it will see, plus 1) in place of transformers' ``seq_len``:
-
-* ``dynamic``: transformers recomputes ``inv_freq`` during the forward pass whenever
-  ``seq_len = max(position_ids) + 1`` grows past the cached length (which starts at
-  ``max_position_embeddings``), with the base ``theta * (factor * s / mpe - (factor - 1)) ** (d / (d - 2))``,
-  ``s = max(seq_len, mpe)``; it goes back to the plain table when a later forward is again shorter than
-  ``mpe``. That makes transformers' table depend on the history of forward calls. **anelab's choice:**
-  dynamic is static for a given coverage: the table is the one transformers computes for
-  ``seq_len = coverage``. With ``coverage <= max_position_embeddings`` it is the plain ``default`` table.
-  It matches transformers for a forward whose ``max(position_ids) + 1`` equals the coverage (or both
-  are <= mpe), and is not the table transformers uses for shorter forwards once the coverage is past mpe.
-* ``longrope``: transformers uses ``long_factor`` when ``max(position_ids) + 1 >
-  original_max_position_embeddings`` and ``short_factor`` otherwise (at init, when ``seq_len`` is None,
-  it uses short). anelab picks the same way using ``coverage``: long iff
-  ``coverage > original_max_position_embeddings``. The attention factor does not depend on the choice.
-
-transformers computes these tables in float32; this module computes them in float64, so expect
-agreement to float32 rounding (~1e-7 relative), not bit-equality.
-
-Layout: everything here is transformers' half-rotated ("rotate_half") layout, where channel ``j`` and
-``j + rotary_dim / 2`` share frequency ``inv_freq[j]``. GLM / GLM-4 (and a few other models) rotate
-interleaved pairs ``(0, 1), (2, 3), ...`` instead; ``interleaved_to_half`` converts those channels
-(and ``half_to_interleaved`` undoes it) so the same tables apply.
+Ported (float64 NumPy, no torch) from transformers' ``modeling_rope_utils.py`` (the RoPE table in
+``docs/conventions.md`` gives the function and lines per type): ``default``, ``linear``, ``dynamic``, ``llama3``,
+``yarn``, ``longrope``; anything else is refused, never approximated. ``rope_frequencies`` returns
+``(inv_freq [rotary_dim // 2], attention_factor)``; ``rope_cos_sin`` builds the table. The two length-dependent
+types take the sidecar's ``coverage`` for transformers' ``seq_len`` (anelab's choice, derived in
+docs/derivations.md); everything is in the half-rotated layout (``interleaved_to_half`` converts GLM's pairs).
 """
 
 from __future__ import annotations

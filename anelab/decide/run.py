@@ -1,41 +1,36 @@
 """``anelab decide``: should this checkpoint's prefill attention go to the ANE — one answer, its evidence, what would change it.
 
-Steps (each shown on a progress bar):
+The run reads like ``sidecar.export.export_design``: open the checkpoint once -> plan every design at the
+prompt -> export and verify the candidate's packages (resumable) -> the whole-model arms -> (a Mac,
+``--measure``) time the packages and plan again -> sweep prompt lengths -> report. Typed objects pass from
+stage to stage (``Checkpoint``, ``ModelCheckpoint``, :class:`PromptPlan`, ``DesignPlan``, ``SidecarRequest``,
+``Verdict``); they become dicts only where JSON is written (``evidence.json``, ``decision.json``, the report
+in ``decide.report``). Each prompt length is planned once.
 
-1. **plan** every design (``planner.design``) for the checkpoint's full-attention layers at the
-   user's prompt; each design gets a three-way verdict (``planner.verdict``) with its thresholds;
-2. **export** the candidate design's sidecar for every attention layer (``--design auto``: the
-   design with the best predicted ratio) into ``DIR/sidecars/<design>/``;
-3. **verify** each saved package against the reference (``sidecar.verify.verify_package``);
-4. **arms**: the whole model with every attention layer on its sidecar vs the reference
-   (``studies.arms.compare_arms``: logits, greedy text, per-layer differences) at the chosen chunk —
-   on the candidate's packages when the arms serve its design, else on per-history packages of the
-   same layers and chunk (said in the report);
-5. **measure** (a Mac, ``--measure``): cold and warm loads of every function of one layer's package,
-   predictions per compute units (per-history functions), through ``anelab.runtimes``; the measured
-   numbers replace the predicted ones and the verdict is planned again;
-6. **report**: ``DIR/decision.json``, ``DIR/report.md``, ``DIR/report.html`` (``studies.decide_report``).
-
-Resumable: ``DIR/evidence.json`` keeps each package's content hash and its verification; a package
-already exported and verified with the same hash (and the same export request) is reused.
+Resumable: ``DIR/evidence.json`` keeps each package's content hash and its verification; a package already
+exported and verified with the same hash, the same request and the same anelab version is reused.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from anelab import __version__
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import chunk_starts
 from anelab.core.records import atomic_write_text
+from anelab.planner.design_plans import DesignPlan
 from anelab.planner.envelope import MEASURED, YOURS, Cost
-from anelab.planner.verdict import ArmCosts, Verdict, decide_arms, plan_arm_costs
-from anelab.sidecar.designs import DESIGNS, PRICED, get_design
+from anelab.planner.from_checkpoint import CheckpointPlan
+from anelab.planner.plan import PrefillPlan
+from anelab.planner.verdict import ArmCosts, Verdict, plan_arm_costs, verdict_for
+from anelab.sidecar.designs import DESIGNS, PRICED, SidecarRequest, get_design
 
 ARMS_DECODE = 8  # greedy tokens decoded after the prefill in the arms
 SWEEP_POINTS = 16  # prompt lengths on the figure
@@ -65,6 +60,19 @@ class DecideConfig:
         return {k: v for k, v in flags.items() if v is not None}
 
 
+@dataclass(frozen=True)
+class Opened:
+    """What decide opens once: the checkpoint (layers), the whole model (the arms) and the runtime (``--measure``)."""
+
+    checkpoint: object  # anelab.checkpoints.checkpoint.Checkpoint
+    model: object  # anelab.checkpoints.model.ModelCheckpoint
+    runtime: object | None
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self.checkpoint.geometry.full_attention_layers)
+
+
 @dataclass
 class Decision:
     """Everything the report shows (``to_dict`` is ``decision.json``)."""
@@ -85,7 +93,61 @@ class Decision:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-# ---- planning -------------------------------------------------------------------------------------------
+# ---- planning ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PromptPlan:
+    """Every design planned for the checkpoint's full-attention layers at one prompt length."""
+
+    checkpoint_plan: CheckpointPlan
+    full: PrefillPlan  # the per-history plan of the full-attention layers, the designs' reference
+    designs: tuple[DesignPlan, ...]
+    arm_costs: dict[str, ArmCosts]  # design name -> its deciding costs
+
+    def design(self, name: str) -> DesignPlan:
+        return next(d for d in self.designs if d.design == name)
+
+    def to_dict(self) -> dict:
+        """The full-attention plan as ``decision.json`` records it (with the family its costs came from)."""
+        return {**self.full.to_dict(), "cost_family": self.checkpoint_plan.cost_family}
+
+
+class Plans:
+    """Each prompt length planned once, with the user's GPU number (``yours``) or the model's alone."""
+
+    def __init__(self, config: DecideConfig, opened: Opened):
+        self.config, self.opened, self._plans = config, opened, {}
+
+    def at(self, prompt_tokens: int, *, yours: bool = True) -> PromptPlan:
+        yours = yours and bool(self.config.user_gpu)
+        key = (int(prompt_tokens), yours)
+        if key not in self._plans:
+            self._plans[key] = self._plan(int(prompt_tokens), self.config.user_gpu if yours else {})
+        return self._plans[key]
+
+    def _plan(self, prompt_tokens: int, user_gpu: dict) -> PromptPlan:
+        from anelab.planner.from_checkpoint import checkpoint_designs
+
+        config = self.config
+        checkpoint_plan, by_kind = checkpoint_designs(
+            self.opened.checkpoint, prompt_tokens, None, family=config.family, chunk=config.chunk, **user_gpu
+        )
+        if "full" not in by_kind:
+            raise AnelabInputError(
+                f"{config.checkpoint}: every attention layer slides over a window; decide compares designs for "
+                "full-attention layers only"
+            )
+        full = checkpoint_plan.parts["full"]
+        designs = tuple(by_kind["full"])
+        return PromptPlan(checkpoint_plan, full, designs, {d.design: plan_arm_costs(full, d) for d in designs})
+
+    def user_factor(self) -> float | None:
+        """The user's GPU prefill over the modelled one at their prompt (None without a user GPU number)."""
+        if not self.config.user_gpu:
+            return None
+        n = self.config.prompt_tokens
+        return self.at(n).full.gpu_prefill_seconds / self.at(n, yours=False).full.gpu_prefill_seconds
+
+
 def settle_commands(config: DecideConfig) -> dict:
     """For each deciding cost: the measurement that settles it and the exact command."""
     base = f"anelab decide {config.checkpoint} --prompt-tokens {config.prompt_tokens} --out {config.out}"
@@ -103,37 +165,19 @@ def settle_commands(config: DecideConfig) -> dict:
     }
 
 
-def plan_designs(config: DecideConfig, prompt_tokens: int | None = None) -> tuple[dict, list, dict]:
-    """(per-history plan of the full-attention layers, design plans, design -> ArmCosts) at ``prompt_tokens``."""
-    from anelab.planner.from_checkpoint import checkpoint_designs
-
-    checkpoint_plan, by_kind = checkpoint_designs(
-        config.checkpoint, prompt_tokens or config.prompt_tokens, None, family=config.family, chunk=config.chunk,
-        **config.user_gpu,
-    )  # fmt: skip
-    if "full" not in by_kind:
-        raise AnelabInputError(
-            f"{config.checkpoint}: every attention layer slides over a window; decide compares designs for "
-            "full-attention layers only"
-        )
-    designs = by_kind["full"]
-    full = checkpoint_plan.parts["full"]
-    arms = {d.design: plan_arm_costs(full, d.to_dict()) for d in designs}
-    return {**full, "cost_family": checkpoint_plan.cost_family}, [d.to_dict() for d in designs], arms
+def choose_design(config: DecideConfig, plan: PromptPlan) -> DesignPlan:
+    """The design decide exports: ``--design``, or (auto) the one with the best predicted ratio."""
+    if config.design == "auto":
+        return max(plan.designs, key=lambda d: d.predicted_ratio)
+    names = [d.design for d in plan.designs]
+    if config.design not in names:
+        raise AnelabInputError(f"unknown --design {config.design!r}; use auto or one of: {', '.join(names)}")
+    return plan.design(config.design)
 
 
-def choose_design(config: DecideConfig, designs: list) -> str:
-    names = [d["design"] for d in designs]
-    if config.design != "auto":
-        if config.design not in names:
-            raise AnelabInputError(f"unknown --design {config.design!r}; use auto or one of: {', '.join(names)}")
-        return config.design
-    return max(designs, key=lambda d: d["predicted_ratio"])["design"]
-
-
-# ---- preconditions ---------------------------------------------------------------------------------------
-def check_request(config: DecideConfig):
-    """Refuse (one line) what decide cannot do; returns the opened checkpoint and the runtime (or None)."""
+# ---- preconditions ---------------------------------------------------------------------------------------------
+def open_request(config: DecideConfig) -> Opened:
+    """Refuse (one line) what decide cannot do; open the checkpoint and the whole model once, and the runtime."""
     from anelab.checkpoints.checkpoint import load_checkpoint
     from anelab.checkpoints.model import load_model
 
@@ -149,7 +193,7 @@ def check_request(config: DecideConfig):
             f"{config.checkpoint} has sliding-window layers {list(g.sliding_layers)}; decide covers full-attention "
             "layers only: plan it with 'anelab plan --checkpoint'"
         )
-    load_model(config.checkpoint)  # the whole-model arms need the whole model: refused here, not after the export
+    model = load_model(checkpoint)  # the whole-model arms need the whole model: refused here, not after the export
     runtime = None
     if config.measure:
         from anelab.runtimes.coreml import default_runtime
@@ -160,89 +204,85 @@ def check_request(config: DecideConfig):
                 f"--measure times the packages through Core ML, which is not available here "
                 f"({runtime.unavailable_reason()}); drop --measure or run on a Mac"
             )
-    return checkpoint, runtime
+    return Opened(checkpoint, model, runtime)
 
 
 # ---- evidence: export, verify (resumable) ----------------------------------------------------------------------
-def _export_request(design: dict, chunk: int, prompt_tokens: int) -> dict:
-    """What to export: the functions the prompt visits, or a state of the planned capacity — at least two
-    chunks, which verification of a stateful package needs (the report names a larger capacity)."""
-    request = {"graph": design["design"], "chunk": chunk}
-    if design["capacity"] is None:
-        request["histories"] = chunk_starts(prompt_tokens, chunk)
-    else:
-        unit = math.lcm(chunk, design["key_tile"] or chunk)
-        capacity = -(-max(design["capacity"], 2 * chunk) // unit) * unit
-        request.update(capacity=capacity, key_tile=design["key_tile"], query_tile=design["query_tile"])
-    return request
+class EvidenceFile:
+    """``DIR/evidence.json``: per design, the export request and each layer's package hash and verification."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.data = json.loads(path.read_text())
+        except FileNotFoundError:
+            self.data = {}
+        except (json.JSONDecodeError, OSError, UnicodeDecodeError):
+            raise AnelabInputError(f"{path} is not readable JSON; remove it to start the evidence afresh") from None
+
+    def layers(self, design: str, request: SidecarRequest) -> dict:
+        """The layers kept for ``design`` exported as ``request`` by this anelab version (a new request: none)."""
+        kept = self.data.get(design)
+        wanted = {"request": request.to_dict(), "anelab": __version__}
+        if not isinstance(kept, dict) or {k: kept.get(k) for k in wanted} != wanted:
+            kept = self.data[design] = {**wanted, "layers": {}}
+        return kept["layers"]
+
+    def write(self) -> None:
+        atomic_write_text(self.path, json.dumps(self.data, indent=2, sort_keys=True))
 
 
-def _read_evidence(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (json.JSONDecodeError, OSError):
-        raise AnelabInputError(f"{path} is not readable JSON; remove it to start the evidence afresh") from None
-
-
-def export_and_verify(config: DecideConfig, design: dict, layers: list, bar) -> tuple[Path, dict]:
-    """Each layer's package of ``design`` exported and verified, reusing what ``evidence.json`` holds
-    for the same request and content hash; the others in worker processes (``anelab.core.parallel``), the
-    evidence written as each layer finishes. Returns (directory, layer -> verification summary)."""
+def export_and_verify(config: DecideConfig, opened: Opened, request: SidecarRequest, bar) -> tuple[Path, dict]:
+    """Each layer's package of ``request`` exported and verified, reusing what ``evidence.json`` holds for the
+    same request and content hash; the others in worker processes (``anelab.core.parallel``), the evidence
+    written as each layer finishes. Returns (directory, layer -> verification summary)."""
     from anelab.core.parallel import default_jobs, process_map
     from anelab.runtimes.interface import package_content_hash
 
-    directory = config.out / "sidecars" / design["design"]
-    evidence_path = config.out / "evidence.json"
-    evidence = _read_evidence(evidence_path)
-    request = _export_request(design, design["chunk"], config.prompt_tokens)
-    kept = evidence.get(design["design"], {})
-    if kept.get("request") != request:
-        kept = {"request": request, "layers": {}}
+    directory = config.out / "sidecars" / request.graph
+    evidence = EvidenceFile(config.out / "evidence.json")
+    kept = evidence.layers(request.graph, request)
     reused = {}
-    for layer in layers:
+    for layer in opened.layers:
         pkg = directory / f"layer_{layer}.mlpackage"
-        known = kept["layers"].get(str(layer))
-        reused[layer] = known is not None and pkg.exists() and package_content_hash(pkg) == known["sha256"]
+        known = kept.get(str(layer))
+        reused[layer] = known is not None and pkg.exists() and package_content_hash(pkg) == known.get("sha256")
         if not reused[layer] and pkg.exists():
             _set_aside(pkg)
-    todo = [layer for layer in layers if not reused[layer]]
-    bar.update(len(layers) - len(todo))
+    todo = [layer for layer in opened.layers if not reused[layer]]
+    bar.update(len(opened.layers) - len(todo))
 
     def record(job, known) -> None:
-        kept["layers"][str(job[2])] = known
-        evidence[design["design"]] = kept
-        atomic_write_text(evidence_path, json.dumps(evidence, indent=2, sort_keys=True))
+        kept[str(job[2])] = known
+        evidence.write()
         bar.set_postfix_str(f"exported and verified layer {job[2]}")
         bar.update(1)
 
     if todo:
         bar.set_postfix_str(f"export and verify {len(todo)} layers")
-        jobs = [(str(config.checkpoint), str(directory), layer, request) for layer in todo]
-        process_map(_export_and_verify_layer, jobs, jobs=default_jobs(len(todo)), on_result=record)
+        jobs = default_jobs(len(todo))
+        source = opened.checkpoint if jobs == 1 else str(opened.checkpoint.path)  # workers open their own
+        work = [(source, str(directory), layer, request) for layer in todo]
+        process_map(_export_and_verify_layer, work, jobs=jobs, on_result=record)
     summaries = {}
-    for layer in layers:
-        known = kept["layers"][str(layer)]
-        pkg = directory / f"layer_{layer}.mlpackage"
+    for layer in opened.layers:
+        known, pkg = kept[str(layer)], directory / f"layer_{layer}.mlpackage"
         summaries[layer] = {**known["verify"], "reused": reused[layer], "package": str(pkg), "sha256": known["sha256"]}
-        summaries[layer]["capacity"] = request.get("capacity")
+        summaries[layer]["capacity"] = request.capacity
     return directory, summaries
 
 
-def _export_and_verify_layer(job: tuple[str, str, int, dict]) -> dict:
-    """One layer exported as ``request`` asks and verified (in a worker process): its evidence entry.
-    ``job`` = (checkpoint, output directory, layer, request)."""
+def _export_and_verify_layer(job: tuple) -> dict:
+    """One layer exported as the request asks and verified (in a worker process or inline): its evidence
+    entry. ``job`` = (checkpoint or its directory, output directory, layer, SidecarRequest)."""
     from anelab.runtimes.interface import package_content_hash
-    from anelab.sidecar.export import export_sidecars
+    from anelab.sidecar.export import export_request
     from anelab.sidecar.verify import verify_package
 
     checkpoint, directory, layer, request = job
-    options = {k: v for k, v in request.items() if k not in ("chunk", "histories")}
-    export_sidecars(checkpoint, directory, request["chunk"], request.get("histories"), [layer], jobs=1, **options)
-    pkg = Path(directory) / f"layer_{layer}.mlpackage"
-    report = verify_package(pkg, checkpoint, progress=False)
-    return {"sha256": package_content_hash(pkg), "verify": _verify_summary(report)}
+    [result] = export_request(checkpoint, directory, request, [layer], jobs=1)
+    report = verify_package(result.package, checkpoint, progress=False)
+    return {"sha256": package_content_hash(result.package), "verify": _verify_summary(report)}
 
 
 def _set_aside(pkg: Path) -> None:
@@ -255,38 +295,38 @@ def _set_aside(pkg: Path) -> None:
 
 def _verify_summary(report) -> dict:
     """Per package: passed, vacuous, cases and controls, and the worst relative error of a non-control case."""
-    d = report.to_dict()
-    cases = [c for c in d["comparisons"] if not c["control"]]
+    cases = [c for c in report.comparisons if not c.control]
     return {
-        "passed": bool(d["passed"]),
-        "vacuous": bool(d["vacuous"]),
+        "passed": bool(report.passed),
+        "vacuous": bool(report.vacuous),
         "cases": len(cases),
-        "controls": len(d["comparisons"]) - len(cases),
-        "max_relative_error": max((c["worst"] for c in cases), default=None),
-        "threshold": d["threshold"],
+        "controls": len(report.comparisons) - len(cases),
+        "max_relative_error": max((float(c.worst) for c in cases), default=None),
+        "threshold": report.threshold,
     }
 
 
-def run_arms(config: DecideConfig, candidate: dict, directory: Path, bar) -> dict:
-    """The whole-model arms at the candidate's chunk (on per-history packages when the arms do not
-    serve the candidate's design). Returns the arms' summary."""
+def whole_model_evidence(config: DecideConfig, opened: Opened, candidate: DesignPlan, directory: Path, bar) -> dict:
+    """The whole-model arms at the candidate's chunk (on per-history packages of the same chunk when the arms do
+    not serve the candidate's design). Returns the arms' summary (JSON)."""
     from anelab.arms.compare import compare_arms
 
-    served_by = candidate["design"]
+    served_by = candidate.design
     if not get_design(served_by).served_by_arms:
         served_by = next(name for name in PRICED if DESIGNS[name].served_by_arms and not DESIGNS[name].stateful)
-        per_history = {**candidate, "design": served_by, "capacity": None, "key_tile": None, "query_tile": None}
-        directory, _ = export_and_verify(config, per_history, _layers_of(config), bar)
+        per_history = replace(candidate, design=served_by, capacity=None, key_tile=None, query_tile=None)
+        bar.total += len(opened.layers)
+        directory, _ = export_and_verify(config, opened, per_history.sidecar_request(), bar)
     bar.set_postfix_str("whole-model arms")
-    report = compare_arms(config.checkpoint, directory, config.prompt_tokens, decode=config.decode)
+    report = compare_arms(opened.model, directory, config.prompt_tokens, decode=config.decode)
     pair = report.pairs[0]
     bar.update(1)
     return {
         "served_by": served_by,
         "note": ""
-        if served_by == candidate["design"]
-        else f"the arms served every layer from {served_by} packages of the same chunk ({candidate['chunk']}): "
-        f"compare_arms does not serve {candidate['design']} packages",
+        if served_by == candidate.design
+        else f"the arms served every layer from {served_by} packages of the same chunk ({candidate.chunk}): "
+        f"compare_arms does not serve {candidate.design} packages",
         "prompt_tokens": int(report.prompt.size),
         "chunk": report.chunk,
         "decode": report.decode,
@@ -300,25 +340,35 @@ def run_arms(config: DecideConfig, candidate: dict, directory: Path, bar) -> dic
     }
 
 
-def _layers_of(config: DecideConfig) -> list[int]:
-    from anelab.checkpoints.checkpoint import load_checkpoint
+# ---- measured on this Mac -------------------------------------------------------------------------------------
+@dataclass
+class MeasuredPackage:
+    """One layer's package timed on this Mac: cold and warm loads per function, predictions per compute units
+    (per-history functions). Each timing is ``_stats``'s dict, or None for a setting that did not load."""
 
-    return list(load_checkpoint(config.checkpoint).geometry.full_attention_layers)
+    package: Path
+    runtime: str
+    loads: dict[str, dict[str, dict | None]]  # function -> {"cold": stats, "warm": stats}
+    predicts: dict[str, dict[str, dict | None]]  # function -> compute units -> stats
+
+    def load(self, function: str) -> dict | None:
+        return self.loads.get(function, {}).get("cold")
+
+    def predict(self, function: str, units: str = "cpu_and_ne") -> dict | None:
+        return self.predicts.get(function, {}).get(units)
+
+    def to_dict(self) -> dict:
+        return {"package": str(self.package), "runtime": self.runtime, "loads": self.loads, "predicts": self.predicts}
 
 
-# ---- measured on this Mac ----------------------------------------------------------------------------------
-def measure_packages(config: DecideConfig, runtime, package: Path, candidate: dict) -> dict:
-    """Cold and warm loads of every function of one layer's package (the layers share one geometry) and,
-    for per-history functions, one prediction per compute units; each result a record in ``DIR/measured``."""
-    import time
-
-    from anelab.checkpoints.checkpoint import load_checkpoint
+def measure_package(config: DecideConfig, opened: Opened, package: Path, candidate: DesignPlan) -> MeasuredPackage:
+    """Cold and warm loads of every function of one layer's package (the layers share one geometry) and, for
+    per-history functions, one prediction per compute units; each result a record in ``DIR/measured``."""
     from anelab.runtimes.ab import time_attention_ab
     from anelab.runtimes.interface import package_functions
     from anelab.runtimes.timing import time_load
 
-    clock = config.clock or time.perf_counter
-    out = config.out / "measured"
+    runtime, clock, out = opened.runtime, config.clock or time.perf_counter, config.out / "measured"
     loads = {}
     for function in package_functions(package):
         cold, warm = (
@@ -329,82 +379,70 @@ def measure_packages(config: DecideConfig, runtime, package: Path, candidate: di
         )
         loads[function] = {"cold": _stats(cold), "warm": _stats(warm)}
     predicts = {}
-    if not get_design(candidate["design"]).stateful:  # functions h<s>: the A/B inputs of dense_offload
-        geometry = load_checkpoint(config.checkpoint).geometry
-        histories = chunk_starts(config.prompt_tokens, candidate["chunk"])
+    if not get_design(candidate.design).stateful:  # functions h<s>: the A/B inputs of the block
         for record in time_attention_ab(
-            runtime, package, geometry, chunk=candidate["chunk"], histories=histories,
-            compute_units=("cpu_and_ne", "cpu_and_gpu"), repeats=config.repeats, clock=clock, out_dir=out,
+            runtime, package, opened.checkpoint.geometry, chunk=candidate.chunk,
+            histories=chunk_starts(config.prompt_tokens, candidate.chunk), compute_units=("cpu_and_ne", "cpu_and_gpu"),
+            repeats=config.repeats, clock=clock, out_dir=out,
         ):  # fmt: skip
-            results = record["results"]
-            predicts[record["parameters"]["function"]] = {u: _stats({"results": r}) for u, r in results.items()}
-    return {"package": str(package), "runtime": runtime.name, "loads": loads, "predicts": predicts}
+            function, results = record["parameters"]["function"], record["results"]
+            predicts[function] = {u: _stats({"results": r}) for u, r in results.items()}
+    return MeasuredPackage(package, runtime.name, loads, predicts)
 
 
 def _stats(record: dict) -> dict | None:
-    """Median / min / max seconds of one timing; for a prediction, Core ML's own predict duration where
-    the runtime reports it (the device's time, without coremltools' array conversions that a shipping
-    runtime does not pay), else the wall time of ``predict``; ``timed`` says which."""
-    r = record["results"]
-    if "median_s" not in r:
-        return None  # a setting that did not load or predict
-    own = r.get("core_ml_predict_s")
-    source = own if own else r
-    timed = "core_ml_predict_s" if own else "wall"
-    return {"median_s": source["median_s"], "min_s": source["min_s"], "max_s": source["max_s"], "timed": timed}
+    """Median / min / max seconds of one timing as ``anelab.runtimes.ab.timing_stats`` reads it — the one reading
+    notebook 01's A/B and its headline use: Core ML's own predict duration where recorded, else the wall time
+    of ``predict``; ``timed`` says which."""
+    from anelab.runtimes.ab import timing_stats
+
+    return timing_stats(record["results"])
 
 
-def with_measured(costs: ArmCosts, measured: dict | None, design: dict, prompt_tokens: int) -> ArmCosts:
+def with_measured(
+    costs: ArmCosts, measured: MeasuredPackage | None, design: DesignPlan, prompt_tokens: int
+) -> ArmCosts:
     """The deciding costs with this Mac's records in place of the predicted ones, where every function
     the prompt visits was measured (loads: cold; ANE attention: ``cpu_and_ne`` predictions)."""
-    if not measured or not costs.runs_on_ane:
+    if measured is None or not costs.runs_on_ane:
         return costs
-    chunk, registered = design["chunk"], get_design(design["design"])
-    functions = list(dict.fromkeys(registered.function_for(chunk, s) for s in chunk_starts(prompt_tokens, chunk)))
-    loads = [measured["loads"].get(f, {}).get("cold") for f in functions]
-    basis = f"measured on this Mac ({measured['runtime']} runtime): cold loads of {', '.join(functions)}"
+    registered, starts = get_design(design.design), chunk_starts(prompt_tokens, design.chunk)
+    functions = list(dict.fromkeys(registered.function_for(design.chunk, s) for s in starts))
+    loads = [measured.load(f) for f in functions]
+    basis = f"measured on this Mac ({measured.runtime} runtime): cold loads of {', '.join(functions)}"
     if all(loads):
         costs = replace(costs, load_per_layer=_summed(loads, MEASURED, basis))
-    calls = len(chunk_starts(prompt_tokens, chunk))
-    predicts = [measured["predicts"].get(f, {}).get("cpu_and_ne") for f in functions]
-    if not registered.stateful and all(predicts):
-        ane = _summed(predicts, MEASURED, f"measured on this Mac: cpu_and_ne predictions of {', '.join(functions)}")
-        costs = replace(costs, ane_attention=ane.scaled(costs.layers))
-    elif registered.stateful and all(predicts):
-        costs = replace(
-            costs, ane_attention=_summed(predicts * calls, MEASURED, "measured on this Mac").scaled(costs.layers)
-        )
+    predicts = [measured.predict(f) for f in functions]
+    if all(predicts):
+        calls = 1 if not registered.stateful else len(starts)  # a stateful function is called once per chunk
+        basis = f"measured on this Mac: cpu_and_ne predictions of {', '.join(functions)}"
+        costs = replace(costs, ane_attention=_summed(predicts * calls, MEASURED, basis).scaled(costs.layers))
     return costs
 
 
-def _summed(stats: list, kind: str, basis: str) -> Cost:
-    return Cost(
-        sum(s["median_s"] for s in stats), sum(s["min_s"] for s in stats), sum(s["max_s"] for s in stats), kind, basis
-    )
+def _summed(stats: list[dict], kind: str, basis: str) -> Cost:
+    values = [[s[k] for s in stats] for k in ("median_s", "min_s", "max_s")]
+    return Cost(sum(values[0]), sum(values[1]), sum(values[2]), kind, basis)
 
 
 def with_user_gpu(costs: ArmCosts, factor: float, basis: str) -> ArmCosts:
     """The user's GPU prefill (at their prompt) carried along the model's curve by one factor."""
-    gpu = Cost.point(costs.gpu_prefill.value * factor, YOURS, basis)
-    return replace(costs, gpu_prefill=gpu)
+    return replace(costs, gpu_prefill=Cost.point(costs.gpu_prefill.value * factor, YOURS, basis))
 
 
 # ---- the run ---------------------------------------------------------------------------------------------------
-def sweep(config: DecideConfig, candidate: str, measured: dict | None, user_factor: float | None) -> list[dict]:
+def sweep(config: DecideConfig, plans: Plans, candidate: DesignPlan, measured: MeasuredPackage | None) -> list[dict]:
     """The candidate's two arms over prompt lengths (the figure): value, interval and kinds per prompt."""
-    from anelab.planner.verdict import decide_arms as decide_one
-
-    chunk = next(d for d in plan_designs(config)[1] if d["design"] == candidate)["chunk"]
-    top = max(2 * config.prompt_tokens, 4 * chunk)
-    grid = sorted({int(round(chunk * (top / chunk) ** (i / (SWEEP_POINTS - 1)))) for i in range(SWEEP_POINTS)})
-    rows, modelled = [], replace(config, gpu_prefill_seconds=None, gpu_tokens_per_second=None)
-    for tokens in tqdm(sorted(set(grid) | {config.prompt_tokens}), desc="sweep", unit="prompt", leave=False):
-        _, designs, arms = plan_designs(modelled, tokens)
-        design = next(d for d in designs if d["design"] == candidate)
-        costs = with_measured(arms[candidate], measured, design, tokens)
-        if user_factor is not None:
-            costs = with_user_gpu(costs, user_factor, "yours, carried along the model's curve")
-        v = decide_one(costs)
+    top = max(2 * config.prompt_tokens, 4 * candidate.chunk)
+    points = range(SWEEP_POINTS)
+    grid = {int(round(candidate.chunk * (top / candidate.chunk) ** (i / (SWEEP_POINTS - 1)))) for i in points}
+    factor, rows = plans.user_factor(), []
+    for tokens in tqdm(sorted(grid | {config.prompt_tokens}), desc="sweep", unit="prompt", leave=False):
+        plan = plans.at(tokens, yours=False)
+        costs = with_measured(plan.arm_costs[candidate.design], measured, plan.design(candidate.design), tokens)
+        if factor is not None:
+            costs = with_user_gpu(costs, factor, "yours, carried along the model's curve")
+        v = verdict_for(costs)
         rows.append({"prompt_tokens": tokens, "gpu": v.gpu_prefill, "ane": v.ane_prefill, "decision": v.decision})
     return rows
 
@@ -413,41 +451,41 @@ def decide(config: DecideConfig) -> Decision:
     """Plan, export, verify, run the arms, optionally measure, and write the report (module docstring)."""
     from anelab.decide.report import write_report
 
-    checkpoint, runtime = check_request(config)
+    opened = open_request(config)
     config.out = Path(config.out)
     config.out.mkdir(parents=True, exist_ok=True)
-    layers = list(checkpoint.geometry.full_attention_layers)
-    commands = settle_commands(config)
-    with tqdm(total=3 + len(layers) + bool(runtime), desc="decide", unit="step") as bar:
+    commands, plans = settle_commands(config), Plans(config, opened)
+    with tqdm(total=3 + len(opened.layers) + bool(opened.runtime), desc="decide", unit="step") as bar:
         bar.set_postfix_str("plan every design")
-        plan, designs, arms = plan_designs(config)
-        verdicts = {name: decide_arms(c, commands) for name, c in arms.items()}
-        name = choose_design(config, designs)
-        candidate = next(d for d in designs if d["design"] == name)
+        plan = plans.at(config.prompt_tokens)
+        verdicts = {name: verdict_for(c, commands) for name, c in plan.arm_costs.items()}
+        candidate = choose_design(config, plan)
         bar.update(1)
-        directory, verified = export_and_verify(config, candidate, layers, bar)
-        if not get_design(name).served_by_arms:
-            bar.total += len(layers)
-        arms_summary = run_arms(config, candidate, directory, bar)
-        measured, final = None, verdicts[name]
-        if runtime is not None:
+        directory, verified = export_and_verify(config, opened, candidate.sidecar_request(), bar)
+        arms = whole_model_evidence(config, opened, candidate, directory, bar)
+        measured, final = None, verdicts[candidate.design]
+        if opened.runtime is not None:
             bar.set_postfix_str("measure on this Mac")
-            measured = measure_packages(config, runtime, directory / f"layer_{layers[0]}.mlpackage", candidate)
-            final = decide_arms(with_measured(arms[name], measured, candidate, config.prompt_tokens), commands)
+            measured = measure_package(config, opened, directory / f"layer_{opened.layers[0]}.mlpackage", candidate)
+            costs = with_measured(plan.arm_costs[candidate.design], measured, candidate, config.prompt_tokens)
+            final = verdict_for(costs, commands)
             bar.update(1)
         bar.set_postfix_str("sweep prompt lengths")
-        factor = _user_factor(config, plan)
-        rows = sweep(config, name, measured, factor)
+        rows = sweep(config, plans, candidate, measured)
         bar.update(1)
     decision = Decision(
         config=_config_dict(config),
-        checkpoint=_checkpoint_dict(checkpoint),
-        candidate=name,
+        checkpoint=_checkpoint_dict(opened.checkpoint),
+        candidate=candidate.design,
         verdicts={k: v.to_dict() for k, v in verdicts.items()},
         verdict=final.to_dict(),
-        designs=designs,
-        plan=plan,
-        evidence={"verify": {str(k): v for k, v in verified.items()}, "arms": arms_summary, "measured": measured},
+        designs=[d.to_dict() for d in plan.designs],
+        plan=plan.to_dict(),
+        evidence={
+            "verify": {str(k): v for k, v in verified.items()},
+            "arms": arms,
+            "measured": measured.to_dict() if measured else None,
+        },
         sweep=rows,
         measured=measured is not None,
         yours=_yours(config, final),
@@ -456,18 +494,8 @@ def decide(config: DecideConfig) -> Decision:
     return decision
 
 
-def _user_factor(config: DecideConfig, plan: dict) -> float | None:
-    """The user's GPU prefill over the modelled one at their prompt (``plan`` already holds the user's)."""
-    if not config.user_gpu:
-        return None
-    modelled = plan_designs(replace(config, gpu_prefill_seconds=None, gpu_tokens_per_second=None))[0]
-    return plan["gpu_prefill_seconds"] / modelled["gpu_prefill_seconds"]
-
-
 def _yours(config: DecideConfig, verdict: Verdict) -> list[str]:
-    out = []
-    for flag, value in config.user_gpu.items():
-        out.append(f"GPU prefill: yours (--{flag.replace('_', '-')} {value:g})")
+    out = [f"GPU prefill: yours (--{flag.replace('_', '-')} {value:g})" for flag, value in config.user_gpu.items()]
     for name, cost in verdict.costs.items():
         if cost["kind"] == MEASURED:
             out.append(f"{name.replace('_', ' ')}: measured on this Mac ({cost['basis']})")
@@ -482,7 +510,6 @@ def _config_dict(config: DecideConfig) -> dict:
 
 def _checkpoint_dict(checkpoint) -> dict:
     g = checkpoint.geometry
-    rope = g.rope_scaling.rope_type if g.rope_scaling is not None else "default"
     return {
         "path": str(checkpoint.path),
         "model_type": checkpoint.model_type,
@@ -492,6 +519,6 @@ def _checkpoint_dict(checkpoint) -> dict:
         "heads": g.num_heads,
         "kv_heads": g.num_kv_heads,
         "head_dim": g.head_dim,
-        "rope": rope,
+        "rope": g.rope_scaling.rope_type if g.rope_scaling is not None else "default",
         "dtype": checkpoint.tensor_dtype(),
     }

@@ -31,14 +31,15 @@ non-attention and GPU attention come from :func:`anelab.planner.plan.plan` uncha
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import chunk_starts
 from anelab.planner.catalogue import PlanGeometry, chunk_schedule, get_family, require_positive
 from anelab.planner.fit import LoadModel, fit_costs
-from anelab.planner.plan import plan
-from anelab.sidecar.designs import PRICED, default_capacity, get_design
+from anelab.planner.plan import PrefillPlan, plan
+from anelab.sidecar.designs import PRICED, SidecarRequest, default_capacity, get_design
 from anelab.sidecar.graphs.stateful_tiled import wasted_score_fraction
 
 DESIGNS = PRICED  # the designs the planner prices, named as everywhere else
@@ -53,7 +54,7 @@ class DesignCosts:
     gpu_prefill_seconds: float
     gpu_attention_seconds: float  # all of it moves to the ANE when the prompt is at least one chunk
     non_attention_seconds: float
-    per_history: dict  # the per-history PrefillPlan, as a dict
+    per_history: PrefillPlan  # the per-history plan the other designs are compared with
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,18 @@ class DesignPlan:
         d["assumptions"] = list(self.assumptions)
         return d
 
+    def sidecar_request(self) -> SidecarRequest:
+        """What to export for this plan: the functions its prompt visits (one per chunk start), or one state of
+        the planned capacity — at least two chunks, which verification of a stateful package needs — rounded up
+        to whole key tiles."""
+        if self.capacity is None:
+            return SidecarRequest(self.chunk, tuple(chunk_starts(self.prompt_tokens, self.chunk)), self.design)
+        unit = math.lcm(self.chunk, self.key_tile or self.chunk)
+        capacity = -(-max(self.capacity, 2 * self.chunk) // unit) * unit
+        return SidecarRequest(
+            self.chunk, None, self.design, key_tile=self.key_tile, query_tile=self.query_tile, capacity=capacity
+        )
+
 
 def family_design_costs(family: str, prompt_tokens: int, chunk: int) -> DesignCosts:
     """A recorded family's costs for the comparison (the per-history plan past any coverage cap is
@@ -117,26 +130,24 @@ def family_design_costs(family: str, prompt_tokens: int, chunk: int) -> DesignCo
         gpu_prefill_seconds=p.gpu_prefill_seconds,
         gpu_attention_seconds=p.gpu_attention_seconds,
         non_attention_seconds=p.non_attention_seconds,
-        per_history=p.to_dict(),
+        per_history=p,
     )
 
 
 def design_plan(
     geometry: PlanGeometry,
     prompt_tokens: int,
-    chunk: int,
-    design: str,
+    request: SidecarRequest,
     costs: DesignCosts,
     *,
-    capacity: int | None = None,
-    key_tile: int | None = None,
-    query_tile: int | None = None,
     window: int | None = None,
 ) -> DesignPlan:
-    """Predict one design for one prompt (module docstring: model and assumptions). ``capacity``
-    defaults to the prompt rounded up to whole chunks (and, for a given key tile, whole key tiles);
-    tiles default as the exporter's (``validate_tiles``). ``window``: the layers' sliding window W
-    (None: full attention)."""
+    """Predict one design for one prompt (module docstring: model and assumptions): ``request`` names the
+    design (``graph``), its chunk and, where given, its capacity and tiles. The capacity defaults to the prompt
+    rounded up to whole chunks (and, for a given key tile, whole key tiles); tiles default as the exporter's
+    (``validate_tiles``). ``window``: the layers' sliding window W (None: full attention)."""
+    design, chunk, capacity = request.graph, request.chunk, request.capacity
+    key_tile, query_tile = request.key_tile, request.query_tile
     pricing = get_design(design, "--design").require_pricing()
     require_positive("--prompt-tokens", prompt_tokens)
     require_positive("--chunk", chunk)
@@ -194,11 +205,11 @@ def _per_history_terms(geometry, schedule, chunk, design, costs, capacity, key_t
     return {
         "cap": None, "kt": None, "qt": None, "functions": len(schedule),
         "computed": sum(heads * chunk * (c.start + chunk) for c in schedule),
-        "loads": ph["variants_visited"],
+        "loads": ph.variants_visited,
         "arena": geometry.score_arena_bytes(chunk, schedule[-1].start),
         "ops": design.pricing.ops(chunk, None, None, None),
-        "setup": ph["setup_seconds"], "ane": ph["ane_attention_seconds"],
-        "load_source": "; ".join(sorted({v["source"] for v in ph["load_seconds"].values()})) or "no load",
+        "setup": ph.setup_seconds, "ane": ph.ane_attention_seconds,
+        "load_source": "; ".join(sorted({v["source"] for v in ph.load_seconds.values()})) or "no load",
         "assumptions": ["loads: recorded per history where they apply, else the arena fit (as plan())"],
     }  # fmt: skip
 
@@ -248,7 +259,10 @@ def compare_designs(
     costs = family_design_costs(family, prompt_tokens, chunk)
     return [
         design_plan(
-            fam.geometry, prompt_tokens, chunk, d, costs, capacity=capacity, key_tile=key_tile, query_tile=query_tile
+            fam.geometry,
+            prompt_tokens,
+            SidecarRequest(chunk, graph=d, capacity=capacity, key_tile=key_tile, query_tile=query_tile),
+            costs,
         )
         for d in designs
     ]

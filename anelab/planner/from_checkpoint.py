@@ -20,19 +20,19 @@ Costs: the recorded dense family closest in heads x head_dim and attention-layer
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from anelab.core.errors import AnelabInputError
 from anelab.planner.catalogue import FAMILIES, PlanGeometry, get_family
 from anelab.planner.fit import fit_costs
-from anelab.planner.plan import plan
+from anelab.planner.plan import PrefillPlan, plan
+from anelab.sidecar.designs import SidecarRequest
 
 
 @dataclass(frozen=True)
 class CheckpointPlan:
     """The plan of one prompt on a checkpoint's layers; ``parts`` holds each kind's ``PrefillPlan``
-    dict ("full", "windowed"); seconds are the combined arms (non-attention counted once)."""
+    ("full", "windowed"); seconds are the combined arms (non-attention counted once)."""
 
     checkpoint: str
     model_type: str
@@ -45,7 +45,7 @@ class CheckpointPlan:
     head_dim: int
     cost_family: str | None
     cost_family_reason: str
-    parts: dict
+    parts: dict[str, PrefillPlan]
     offloaded: list
     gpu_prefill_seconds: float
     ane_prefill_seconds: float
@@ -53,7 +53,8 @@ class CheckpointPlan:
     decision: str
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "parts"}
+        return {**d, "parts": {kind: p.to_dict() for kind, p in self.parts.items()}}
 
 
 def closest_family(num_heads: int, head_dim: int, attention_layers: int) -> tuple[str, str]:
@@ -76,7 +77,7 @@ def closest_family(num_heads: int, head_dim: int, attention_layers: int) -> tupl
 
 
 def plan_from_checkpoint(
-    checkpoint_dir: str | os.PathLike,
+    checkpoint,
     prompt_tokens: int,
     *,
     family: str | None = None,
@@ -85,7 +86,8 @@ def plan_from_checkpoint(
     max_history: int | None = None,
     **cost_flags,
 ) -> CheckpointPlan:
-    """Plan ``prompt_tokens`` on the checkpoint's attention layers (see the module docstring).
+    """Plan ``prompt_tokens`` on the checkpoint's attention layers (see the module docstring); ``checkpoint``:
+    a directory or an opened ``Checkpoint``.
 
     ``cost_flags``: ``load_seconds``, ``gpu_attention_seconds``, ``ane_attention_seconds``,
     ``non_attention_seconds`` as :func:`plan` takes them; with all four no family is used.
@@ -94,7 +96,7 @@ def plan_from_checkpoint(
     """
     from anelab.checkpoints.checkpoint import load_checkpoint
 
-    checkpoint = load_checkpoint(checkpoint_dir)
+    checkpoint = load_checkpoint(checkpoint)
     g = checkpoint.geometry
     windowed = [i for i in g.full_attention_layers if i in g.sliding_layers]
     full = [i for i in g.full_attention_layers if i not in g.sliding_layers]
@@ -102,7 +104,7 @@ def plan_from_checkpoint(
     user_gpu = {k: cost_flags.get(k) for k in _USER_GPU_FLAGS if cost_flags.get(k) is not None}
     if user_gpu and windowed and full:
         raise AnelabInputError(
-            f"{checkpoint_dir} has windowed and full-attention layers; --gpu-prefill-seconds cannot be split "
+            f"{checkpoint.path} has windowed and full-attention layers; --gpu-prefill-seconds cannot be split "
             "between them: pass --gpu-attention-seconds and --non-attention-seconds instead"
         )
     if family is not None:
@@ -132,7 +134,7 @@ def plan_from_checkpoint(
                 sparse_budget=budget,
                 **{k: v for k, v in cost_flags.items() if k in _COST_FLAGS},
                 **user_gpu,
-            ).to_dict()
+            )
     return _combine(checkpoint, g, full, windowed, family if not all_costs else None, reason, parts)
 
 
@@ -142,13 +144,13 @@ _USER_GPU_FLAGS = ("gpu_prefill_seconds", "gpu_tokens_per_second")
 
 def _combine(checkpoint, g, full, windowed, family, reason, parts) -> CheckpointPlan:
     """Offload each kind whose ANE arm beats its GPU arm; the combined arms count non-attention once."""
-    n = next(iter(parts.values()))["non_attention_seconds"]
+    n = next(iter(parts.values())).non_attention_seconds
     gpu_total, ane_total, offloaded = n, n, []
     for kind, p in parts.items():
-        gpu_kind = p["gpu_attention_seconds"]
-        ane_kind = p["ane_prefill_seconds"] - p["non_attention_seconds"]
+        gpu_kind = p.gpu_attention_seconds
+        ane_kind = p.ane_prefill_seconds - p.non_attention_seconds
         gpu_total += gpu_kind
-        if p["decision"] == "ane" and ane_kind < gpu_kind:
+        if p.decision == "ane" and ane_kind < gpu_kind:
             offloaded.append(kind)
             ane_total += ane_kind
         else:
@@ -176,7 +178,7 @@ def _combine(checkpoint, g, full, windowed, family, reason, parts) -> Checkpoint
 
 
 def checkpoint_designs(
-    checkpoint_dir: str | os.PathLike,
+    checkpoint,
     prompt_tokens: int,
     designs=None,
     *,
@@ -194,32 +196,29 @@ def checkpoint_designs(
     the other designs scoring the whole history). ``cost_flags`` go to :func:`plan_from_checkpoint`."""
     from anelab.planner.design_plans import DESIGNS, DesignCosts, design_plan
 
-    checkpoint_plan = plan_from_checkpoint(checkpoint_dir, prompt_tokens, family=family, chunk=chunk, **cost_flags)
+    checkpoint_plan = plan_from_checkpoint(checkpoint, prompt_tokens, family=family, chunk=chunk, **cost_flags)
     fit = fit_costs()
     plans = {}
     for kind, part in checkpoint_plan.parts.items():
         costs = DesignCosts(
             ane_seconds_per_entry=fit.ane_seconds_per_entry,
             load=fit.recorded_load_model(),
-            gpu_prefill_seconds=part["gpu_prefill_seconds"],
-            gpu_attention_seconds=part["gpu_attention_seconds"],
-            non_attention_seconds=part["non_attention_seconds"],
+            gpu_prefill_seconds=part.gpu_prefill_seconds,
+            gpu_attention_seconds=part.gpu_attention_seconds,
+            non_attention_seconds=part.non_attention_seconds,
             per_history=part,
         )
-        g = part["geometry"]
+        g = part.geometry
         geometry = PlanGeometry(**{**g, "full_attention_layers": tuple(g["full_attention_layers"])})
         window = checkpoint_plan.sliding_window if kind == "windowed" else None
         plans[kind] = [
             design_plan(
                 geometry,
                 prompt_tokens,
-                part["chunk"],
-                d,
+                SidecarRequest(part.chunk, graph=d, key_tile=key_tile, query_tile=query_tile),
                 costs,
-                key_tile=key_tile,
-                query_tile=query_tile,
                 window=window,
-            )  # fmt: skip
+            )
             for d in (designs or DESIGNS)
         ]
     return checkpoint_plan, plans

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from anelab.planner.catalogue import EXTRAPOLATED, FITTED
+from anelab.planner.design_plans import DesignPlan
 from anelab.planner.envelope import (
     ANE_RATE_BAND,
     MEASURED,
@@ -37,6 +38,7 @@ from anelab.planner.envelope import (
     worst_kind,
 )
 from anelab.planner.fit import fit_costs
+from anelab.planner.plan import PrefillPlan
 from anelab.sidecar.designs import DEFAULT_DESIGN
 
 ANE, GPU, DEPENDS = "ane", "gpu", "depends"
@@ -86,7 +88,7 @@ def _ane_arm(c: ArmCosts, end: str) -> float:
     return s * (1 - c.offloaded_share) + a + (c.layers * load if c.loads_in_arm else 0.0)
 
 
-def decide_arms(c: ArmCosts, settle_commands: dict | None = None) -> Verdict:
+def verdict_for(c: ArmCosts, settle_commands: dict | None = None) -> Verdict:
     """The verdict of one design (module docstring). ``settle_commands``: cost name -> (measurement,
     command) offered for each deciding cost that is extrapolated or near the line."""
     costs = {"gpu_prefill": c.gpu_prefill, "ane_attention": c.ane_attention, "load_per_layer": c.load_per_layer}
@@ -152,46 +154,45 @@ def banded(value: float, kind: str, band: float, basis: str, *, relative: bool =
     return Cost.band(value, band, kind, basis)
 
 
-def plan_arm_costs(plan: dict, design: dict | None = None, data_dir: str | Path | None = None) -> ArmCosts:
-    """The deciding costs of a plan (``PrefillPlan.to_dict()``) — or, given ``design`` (a
-    ``DesignPlan.to_dict()`` planned on that plan's costs), of that design — with their intervals."""
+def plan_arm_costs(plan: PrefillPlan, design: DesignPlan | None = None, data_dir: str | Path | None = None) -> ArmCosts:
+    """The deciding costs of a plan — or, given ``design`` (planned on that plan's costs), of that design —
+    with their intervals."""
     fit = fit_costs(data_dir)
-    sparse = plan["geometry"]["sparse_budget"] is not None
-    kinds = plan["provenance"]
-    layers = len(plan["geometry"]["full_attention_layers"])
+    sparse = plan.geometry["sparse_budget"] is not None
+    kinds, sources = plan.provenance, plan.cost_sources
+    layers = len(plan.geometry["full_attention_layers"])
     s = banded(
-        plan["gpu_prefill_seconds"],
+        plan.gpu_prefill_seconds,
         kinds["gpu_prefill"],
         gpu_band_fraction(sparse, data_dir),
-        plan["cost_sources"].get("gpu_prefill") or plan["cost_sources"]["gpu_attention"],
+        sources.get("gpu_prefill") or sources["gpu_attention"],
         relative=True,
     )
-    offloaded = plan["attention_saved_seconds"] + plan["ane_attention_seconds"]
-    ane_seconds = plan["ane_attention_seconds"] if design is None else design["ane_attention_seconds"]
-    a = banded(ane_seconds, kinds["ane_attention"], ANE_RATE_BAND, plan["cost_sources"]["ane_attention"])
+    offloaded = plan.attention_saved_seconds + plan.ane_attention_seconds
+    ane_seconds = plan.ane_attention_seconds if design is None else design.ane_attention_seconds
+    a = banded(ane_seconds, kinds["ane_attention"], ANE_RATE_BAND, sources["ane_attention"])
     if design is None:
-        setup, loads, load_kind = plan["setup_seconds"], len(plan["load_seconds"]), kinds["load"]
-        load_basis = plan["cost_sources"]["load"]
+        setup, loads, load_kind, load_basis = plan.setup_seconds, len(plan.load_seconds), kinds["load"], sources["load"]
     else:
-        setup, loads = design["setup_seconds"], (design["loads"] // layers if layers else 0)
-        load_kind = worst_kind(kind_of(x) for x in design["load_source"].split("; ")) if design["loads"] else None
-        load_basis = design["load_source"]
+        setup, loads = design.setup_seconds, (design.loads // layers if layers else 0)
+        load_kind = worst_kind(kind_of(x) for x in design.load_source.split("; ")) if design.loads else None
+        load_basis = design.load_source
     per_layer = setup / layers if layers else 0.0
     load = banded(per_layer, load_kind or FITTED, load_band_factor(fit), load_basis)
     if "floored" in load_basis:  # a floored load is at least the smallest recorded one
         load = replace(load, low=load.value)
-    runs = bool(loads) and plan["fits"] and plan["variants_visited"] > 0
+    runs = bool(loads) and plan.fits and plan.variants_visited > 0
     return ArmCosts(
-        design=design["design"] if design else DEFAULT_DESIGN,
+        design=design.design if design else DEFAULT_DESIGN,
         layers=layers,
         loads_per_layer=loads,
         runs_on_ane=runs,
         gpu_prefill=s,
-        offloaded_share=offloaded / plan["gpu_prefill_seconds"] if plan["gpu_prefill_seconds"] > 0 else 0.0,
+        offloaded_share=offloaded / plan.gpu_prefill_seconds if plan.gpu_prefill_seconds > 0 else 0.0,
         ane_attention=a,
         load_per_layer=load,
-        loads_in_arm=plan["loads_in_arm"],
-        structural_reason="" if runs else plan["reason"],
+        loads_in_arm=plan.loads_in_arm,
+        structural_reason="" if runs else plan.reason,
     )
 
 

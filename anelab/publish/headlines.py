@@ -82,6 +82,8 @@ def worst_graph_error(records: list[dict]) -> float | None:
 
 
 def ane_over_gpu_at_largest_history(records: list[dict]) -> float | None:
+    """Notebook 01's A/B ratio (``anelab.runtimes.ab.ab_table``: Core ML's own predict durations, as ``anelab
+    decide`` reads them) at the largest history both arms ran."""
     from anelab.runtimes.ab import ab_table
 
     rows = [r for r in ab_table(records) if r["ane_over_gpu"] is not None] if records else []

@@ -1,5 +1,13 @@
 """The attention block's A/B on a Mac: one sidecar function predicted per compute-units setting (the GPU arm
-``cpu_and_gpu`` against the Neural Engine arm ``cpu_and_ne``), and the table of its ``predict_timing`` records."""
+``cpu_and_gpu`` against the Neural Engine arm ``cpu_and_ne``), the table of its ``predict_timing`` records, and
+the one A/B ratio.
+
+One ratio everywhere: ``timing_stats`` reads a timing result as Core ML's own predict duration
+(``[MLModel predictionFromFeatures:]`` alone, coremltools 9.0 ``CoreMLPython.mm:543-562``) where it was
+recorded, and ``ab_ratio`` divides two such readings only when both arms were timed the same way. The wall
+time of ``predict`` (which adds coremltools' fp16 -> fp32 output copies, ``CoreMLPythonUtils.mm:448-484``) is
+kept beside it, labelled ``wall``. Notebook 01, the study's headline and ``anelab decide`` read these.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +23,27 @@ from anelab.runtimes.interface import CoreMLRuntime, check_compute_units
 
 # compute-units settings of the attention-block A/B: the GPU arm and the Neural Engine arm
 AB_COMPUTE_UNITS = ("cpu_and_gpu", "cpu_and_ne")
+CORE_ML_TIMED = "core_ml_predict_s"  # timing_stats' label: Core ML's own predict duration
+WALL_TIMED = "wall"  # ... the wall time of predict (conversions included): only where Core ML's was not recorded
+
+
+def timing_stats(results: dict) -> dict | None:
+    """Median / min / max seconds of one timing result (one compute-units setting of a ``predict_timing`` record,
+    or a load's results): Core ML's own predict duration where recorded, else the wall time; ``timed`` says
+    which (``CORE_ML_TIMED`` / ``WALL_TIMED``). None for a setting that did not load or predict."""
+    if "median_s" not in results:
+        return None
+    own = results.get("core_ml_predict_s")
+    source, timed = (own, CORE_ML_TIMED) if own else (results, WALL_TIMED)
+    return {"median_s": source["median_s"], "min_s": source["min_s"], "max_s": source["max_s"], "timed": timed}
+
+
+def ab_ratio(gpu: dict | None, ane: dict | None) -> float | None:
+    """The A/B ratio: GPU-arm median / Neural-Engine-arm median of two ``timing_stats`` (above 1: the Neural
+    Engine arm is faster); None when an arm is missing or the two were not timed the same way."""
+    if not gpu or not ane or gpu["timed"] != ane["timed"] or not ane["median_s"]:
+        return None
+    return gpu["median_s"] / ane["median_s"]
 
 
 def block_inputs(geometry, chunk: int, history: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -71,11 +100,14 @@ def time_attention_ab(
 
 
 def ab_table(records: Sequence[dict]) -> list[dict]:
-    """Rows {function, history, prompt_tokens, <units>_s (median), ane_over_gpu} from predict_timing records.
+    """Rows {function, history, prompt_tokens, <units>_s, <units>_wall_s, timed, ane_over_gpu, ane_over_gpu_wall}
+    from predict_timing records.
 
-    ``prompt_tokens`` = history + chunk (the chunk is the hidden input's row count). ``ane_over_gpu``
-    = cpu_and_gpu median / cpu_and_ne median (above 1: the Neural Engine arm is faster); None when
-    either setting did not load.
+    ``prompt_tokens`` = history + chunk (the chunk is the hidden input's row count). ``<units>_s``: the setting's
+    ``timing_stats`` median (Core ML's own duration; ``timed`` names it); ``<units>_wall_s``: the wall median,
+    kept beside it. ``ane_over_gpu`` = ``ab_ratio`` (cpu_and_gpu over cpu_and_ne, above 1: the Neural Engine arm
+    is faster), None when either setting did not load or the two were timed differently; ``ane_over_gpu_wall``:
+    the same of the wall times (labelled, not the study's ratio).
     """
     rows = []
     for rec in records:
@@ -85,9 +117,52 @@ def ab_table(records: Sequence[dict]) -> list[dict]:
         history = int(p["function"][1:])
         chunk = int(p["input_shapes"]["hidden"][0])
         row = {"function": p["function"], "history": history, "prompt_tokens": history + chunk}
+        stats = {unit: timing_stats(result) for unit, result in rec["results"].items()}
         for unit, result in rec["results"].items():
-            row[f"{unit}_s"] = result.get("median_s")
-        gpu, ane = row.get("cpu_and_gpu_s"), row.get("cpu_and_ne_s")
-        row["ane_over_gpu"] = gpu / ane if gpu and ane else None
+            row[f"{unit}_s"] = stats[unit]["median_s"] if stats[unit] else None
+            row[f"{unit}_wall_s"] = result.get("median_s")
+        row["timed"] = sorted({s["timed"] for s in stats.values() if s})
+        row["ane_over_gpu"] = ab_ratio(stats.get("cpu_and_gpu"), stats.get("cpu_and_ne"))
+        gpu, ane = row.get("cpu_and_gpu_wall_s"), row.get("cpu_and_ne_wall_s")
+        row["ane_over_gpu_wall"] = gpu / ane if gpu and ane else None
         rows.append(row)
     return sorted(rows, key=lambda r: r["history"])
+
+
+def export_gated_ab(
+    checkpoint_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    chunk: int,
+    histories: Sequence[int],
+    layer: int,
+    gate,
+    *,
+    records_dir: str | os.PathLike | None = None,
+) -> tuple[object | None, list[dict]]:
+    """Export the A/B package with the ANE gate; a history whose variant the gate refuses is recorded (kind
+    ``ane_gate_refusal``, written to ``records_dir``) and left out, and the export goes on with the rest.
+
+    Returns (the ``ExportResult`` of the histories that passed, or None when every one was refused; the refusal
+    records). ``gate``: an ``AneGate`` (None: exported ungated, nothing refused). A refusal that names no
+    single history (the Mac, the probe, the merged package) is raised: no history would fare better.
+    """
+    from anelab.core.records import make_record, write_record
+    from anelab.runtimes.gate import AneGateError
+    from anelab.sidecar.export import export_sidecars
+
+    left, refusals = [int(h) for h in histories], []
+    while left:
+        try:
+            [result] = export_sidecars(checkpoint_dir, out_dir, chunk, left, [layer], gate=gate)
+            return result, refusals
+        except AneGateError as e:
+            refused = int(e.function[1:]) if (e.function or "").startswith("h") and e.function[1:].isdigit() else None
+            if refused not in left:
+                raise
+            left.remove(refused)
+            record = make_record("ane_gate_refusal", {"function": e.function, "layer": layer, "chunk": chunk},
+                                 {"refused": str(e), "histories_left": list(left)}, origin="measured")  # fmt: skip
+            if records_dir is not None:
+                record = {**record, "_file": write_record(records_dir, record).name}
+            refusals.append(record)
+    return None, refusals

@@ -182,9 +182,10 @@ class MacRuntime(CoreMLRuntime):
             raise RuntimeLoadError(f"{label} does not load: {_one_line(err) if err else 'no Core ML model proxy'}")
         return model
 
-    def prepare_process(self):
-        """Import coremltools and its native module, and run ``_macos_version()`` (``sw_vers``, lru-cached,
-        coremltools 9.0 ``utils.py:959-968``) that the first ``CompiledMLModel`` would run (``_compiled_model.py:34``)."""
+    def prepare_process(self, compute_units="cpu_only"):
+        """Import coremltools and its native module, run ``_macos_version()`` (``sw_vers``, lru-cached, coremltools
+        9.0 ``utils.py:959-968``) that the first ``CompiledMLModel`` would run (``_compiled_model.py:34``), then pay
+        Core ML's own first load and predict on a tiny model (``CoreMLRuntime.prepare_process``)."""
         self.require_available()
         ct = self._ct()
         macos_version = getattr(ct.utils, "_macos_version", None)
@@ -193,7 +194,27 @@ class MacRuntime(CoreMLRuntime):
         return [
             "imported coremltools and coremltools.libcoremlpython",
             "ran coremltools.models.utils._macos_version() (sw_vers subprocess, cached for the process)",
+            *super().prepare_process(compute_units)[1:],
         ]
+
+    # the probe and pre-flight -------------------------------------------------------------------
+    def probe_first(self, reason):
+        """First contact: the probe runs (in children) before code relies on an unprobed assumption."""
+        from anelab.runtimes.probe import probe_core_ml
+
+        print(f"anelab: {reason}: probing Core ML first (anelab doctor --probe)", file=sys.stderr)
+        probe_core_ml(self, reason=reason)
+
+    def preflight(self, pkg, function, compute_units, steps):
+        from anelab.runtimes.gate import preflight
+
+        preflight(self, pkg, function, compute_units, steps)
+
+    def write_log_marker(self, text: str) -> None:
+        """Log one line to the unified log under this process's PID (syslog(3) reaches os_log on macOS)."""
+        import syslog
+
+        syslog.syslog(syslog.LOG_NOTICE, text)
 
     @staticmethod
     def _proxy_seconds(handle, getter_name: str) -> float | None:
@@ -210,7 +231,7 @@ class MacRuntime(CoreMLRuntime):
 
     # predict --------------------------------------------------------------------------------------
     def make_state(self, handle):
-        self.require_assumptions(STATE_BY_NAME)
+        self.require_assumptions(STATE_BY_NAME, compute_units=self.handle_units(handle))
         try:
             return handle.make_state()
         except Exception as e:
@@ -218,7 +239,7 @@ class MacRuntime(CoreMLRuntime):
 
     def predict(self, handle, inputs, state=None):
         self.require_available()
-        self.require_assumptions(FP32_FEEDS_FP16_INPUTS, FP16_OUTPUTS_AS_FP32)
+        self.require_assumptions(FP32_FEEDS_FP16_INPUTS, FP16_OUTPUTS_AS_FP32, compute_units=self.handle_units(handle))
         try:
             return handle.predict(inputs) if state is None else handle.predict(inputs, state=state)
         except (RuntimeError, KeyError, TypeError, ValueError) as e:

@@ -45,7 +45,7 @@ class CoreMLEvaluator:
 
     def __call__(self, function: str, inputs: dict, state=None) -> dict:
         if state is not None and self._made_by.get(id(state), function) != function:  # c1 after c<C>
-            self.runtime.require_assumptions(STATE_SHARED_BY_FUNCTIONS)
+            self.runtime.require_assumptions(STATE_SHARED_BY_FUNCTIONS, compute_units=self.compute_units)
         out = self.runtime.predict(self.handle(function), prepare_inputs(inputs), state=state)
         return {name: np.asarray(value) for name, value in out.items()}
 

@@ -38,7 +38,19 @@ Each rule copies a line of coremltools at tag 9.0 (apple/coremltools; ``.mm`` fi
   ``except Exception`` as a signal); in a child process (``real_crashes=True``) it is a real signal.
 
 ``lacks``: names of ``anelab.runtimes.assumptions`` this fake Mac breaks (a Mac where the probe would
-fail them), e.g. ``one_state_shared_by_two_functions`` or ``unified_log_readable``.
+fail them), e.g. ``one_state_shared_by_two_functions`` or ``unified_log_readable``; ``name@units`` breaks it
+under one compute-units setting only (``one_state_shared_by_two_functions@cpu_and_ne``: the ANE backend
+refuses what the CPU does). ``probed`` (default) seeds the verdicts the probe finds on this fake Mac
+(``expected_verdicts``, stamped with ``chip`` / ``macos`` / coremltools; ``tests/test_mac_contact.py`` runs the
+probe and compares); ``probed=False`` is a Mac never probed, so the first use of an assumption probes.
+
+Per compute units, as Core ML differs per backend: ``FakeFunction.signal_units`` limits a crash to some
+settings (an ANE-only SIGKILL, ``signal_when_merged``: only from a merged package, where each function is
+compiled for the device by the loading process, ``CoreMLPython.mm:489-503``); ``numerics`` outputs carry
+fp16-sized relative noise per setting (``noise``; the CPU the least); a load's wall time is Core ML's load
+duration plus ``load_call_s`` (argument checks and the proxy, outside ``modelWithContentsOfURL``); the
+process's first load also pays ``core_ml_first_use_s`` inside Core ML's own duration (``CoreMLPython.mm:500-503``
+times the process's first ``modelWithContentsOfURL``); ``exit_stdout`` is printed to fd 1 at exit.
 
 Functions are identified by name: ``load(pkg, "h4096", ...)`` is function ``h4096``; a
 single-function package loaded with ``function=None`` is identified by its file stem (the exporter
@@ -65,11 +77,18 @@ import numpy as np
 from anelab.runtimes.assumptions import FP16_OUTPUTS_AS_FP32, FP32_FEEDS_FP16_INPUTS, STATE_BY_NAME
 from anelab.runtimes.interface import (
     ASSIGNMENT_KEYS,
+    NEURAL_ENGINE_UNITS,
     CoreMLRuntime,
+    NativeOutput,
     RuntimeLoadError,
     RuntimePredictError,
     check_compute_units,
 )
+
+# fp16-sized relative noise of Core ML's outputs per setting (fp16 epsilon 9.8e-4; the CPU accumulates in fp32)
+DEVICE_NOISE = {"cpu_and_ne": 1e-3, "all": 1e-3, "cpu_and_gpu": 5e-4, "cpu_only": 1e-4}
+FIRST_USE_STEM = "anelab_first_use"  # interface.first_use_package(): scripted as the tiny model it is
+UNSTABLE_AFTER = 150  # a Mac lacking stateful_predicts_stable crashes at this stateful predict (#2716: ~100-200)
 
 
 class FakeClock:
@@ -106,7 +125,11 @@ class FakeFunction:
     plan_stderr / plan_error: fd-2 text while the compute plan is built / a RuntimeError instead of a plan.
     load_error / unloadable_units: the load raises (always / under these compute units).
     predict_error: every predict raises ``RuntimePredictError`` with this text.
-    predict_signal: e.g. "SIGKILL": the process dies at the first predict (no exception).
+    predict_signal: e.g. "SIGKILL": the process dies at the first predict (no exception) — under
+                   ``signal_units`` only (None: every setting), and with ``signal_when_merged`` only when the
+                   function was loaded from a package of more than one function.
+    exit_stdout:   text written to fd 1 only when the process exits (after a load).
+    load_call_s:   wall seconds of a load outside Core ML's own load duration.
     assignment:    operations per preferred device (neural_engine, gpu, cpu[, unreported]); total derived.
     inputs / states / output_shapes: name -> shape; ``None``: read from the package's spec when it has one.
     cold_load_s / warm_load_s / teardown_s / convert_s: seconds on the clock (convert_s: the fp16 -> fp32
@@ -127,6 +150,10 @@ class FakeFunction:
     unloadable_units: frozenset[str] = frozenset()
     predict_error: str | None = None
     predict_signal: str | None = None
+    signal_units: frozenset[str] | None = None
+    signal_when_merged: bool = False
+    exit_stdout: str = ""
+    load_call_s: float = 0.0
     assignment: dict[str, int] | None = field(default_factory=lambda: {"neural_engine": 64, "gpu": 0, "cpu": 109})
     inputs: dict[str, tuple] | None = None
     states: dict[str, tuple] | None = None
@@ -144,13 +171,22 @@ class FakeFunction:
         """JSON-able fields (for a child process); ``outputs`` are not carried."""
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "outputs"}
         d["unloadable_units"] = sorted(self.unloadable_units)
+        d["signal_units"] = None if self.signal_units is None else sorted(self.signal_units)
         return d
 
     @classmethod
     def from_args(cls, d: dict) -> FakeFunction:
         d = dict(d)
         d["unloadable_units"] = frozenset(d.get("unloadable_units", ()))
+        if d.get("signal_units") is not None:
+            d["signal_units"] = frozenset(d["signal_units"])
         return cls(**d)
+
+
+FIRST_USE_SCRIPT = FakeFunction(
+    assignment={"neural_engine": 1, "gpu": 0, "cpu": 0}, cold_load_s=0.002, warm_load_s=0.001, teardown_s=0.0,
+    convert_s=0.0, output_convert_s=0.0, predict_default_s=0.0005,
+)  # fmt: skip
 
 
 class _CallList(list):
@@ -180,6 +216,7 @@ class FakeHandle:
         self.function, self.compute_units, self.temporary = name, units, temporary
         self.load_s: float | None = None
         self.last_predict_s: float | None = None
+        self.merged = False  # loaded from a package of more than one function
 
     def __getitem__(self, key):  # older callers read handle["function"]
         return {"package": self.package, "function": self.function, "compute_units": self.compute_units}[key]
@@ -187,7 +224,8 @@ class FakeHandle:
     def __del__(self):
         try:
             self.runtime.clock.advance(self.runtime.script(self.function).teardown_s)
-            self.runtime.released.append(self.function)
+            if self.runtime._calls_of(self.package) is self.runtime.calls:  # noqa: SLF001 - its own runtime
+                self.runtime.released.append(self.function)
             if self.temporary:
                 shutil.rmtree(self.compiled, ignore_errors=True)
         except Exception:  # interpreter shutdown
@@ -232,6 +270,11 @@ class FakeRuntime(CoreMLRuntime):
         import_s: float = 0.8,
         first_use_s: float = 0.3,
         lacks: frozenset[str] | set[str] = frozenset(),
+        core_ml_first_use_s: float = 0.25,
+        noise: dict[str, float] | None = None,
+        chip: str = "Apple M4 (fake)",
+        macos: str = "macOS 15.3 (fake)",
+        probed: bool = True,
     ):
         self.functions = dict(functions or {})
         self.default = default if default is not None else FakeFunction()
@@ -247,7 +290,14 @@ class FakeRuntime(CoreMLRuntime):
         self.numerics = numerics  # predict computes the saved program (NumPy), outputs fp32 as Core ML returns them
         self.import_s, self.first_use_s = float(import_s), float(first_use_s)
         self.lacks = frozenset(lacks)
+        self.core_ml_first_use_s = float(core_ml_first_use_s)
+        self.noise = dict(DEVICE_NOISE if noise is None else noise)
+        self.chip, self.macos = chip, macos
         self._imported = self._first_used = False  # this process's one-time work done (see prepare_process)
+        self._core_ml_used = False  # this process's first modelWithContentsOfURL done
+        self._stateful_predicts: dict[str, int] = {}  # per setting, this process
+        self._predicts = 0
+        self.first_use_calls: list[tuple] = []  # the tiny first-use model's calls (kept out of ``calls``)
         self._saved: dict = {}
         self.calls: list[tuple] = _CallList(calls_file)
         self.loads: list[tuple[str, str, str]] = []  # (package path, function, compute units)
@@ -255,6 +305,8 @@ class FakeRuntime(CoreMLRuntime):
         self.released: list[str] = []  # functions whose handle was released
         self._specialised: set[tuple[str, str, str]] = set()  # (compiled path, function, units) loaded before
         self._sources: dict[str, str] = {}  # compiled path -> package path
+        if probed and not self.probe_file.is_file():
+            self.seed_verdicts()
 
     @classmethod
     def from_args(cls, functions: dict, default: dict, **kwargs) -> FakeRuntime:
@@ -284,8 +336,75 @@ class FakeRuntime(CoreMLRuntime):
                 "import_s": self.import_s,
                 "first_use_s": self.first_use_s,
                 "lacks": sorted(self.lacks),
+                "core_ml_first_use_s": self.core_ml_first_use_s,
+                "noise": self.noise,
+                "chip": self.chip,
+                "macos": self.macos,
+                "probed": False,  # a child reads its parent's verdicts (spec_for_child names the file)
             },
         }
+
+    # versions, verdicts, the probe, pre-flight ------------------------------------------------------
+    def versions(self) -> dict[str, str]:
+        from importlib.metadata import version
+
+        return {"chip": self.chip, "macos": self.macos, "coremltools": version("coremltools")}
+
+    def lacks_under(self, name: str, units: str | None = None) -> bool:
+        """Whether this fake Mac breaks ``name`` (everywhere, or under ``units``; "all" breaks where either of
+        the two settings it may use does)."""
+        if name in self.lacks:
+            return True
+        settings = ("cpu_and_ne", "cpu_and_gpu") if units == "all" else (units,)
+        return any(f"{name}@{u}" in self.lacks for u in settings if u)
+
+    def expected_verdicts(self) -> dict:
+        """What ``anelab doctor --probe`` finds on this fake Mac: every row passed under each of its settings,
+        except what ``lacks`` breaks (a row that needs a failed one fails with it, as the probe records)."""
+        from anelab.runtimes.assumptions import ANY_UNITS, ASSUMPTIONS
+
+        table = {}
+        for a in ASSUMPTIONS:
+            units = {u: {"passed": not self.lacks_under(a.name, None if u == ANY_UNITS else u),
+                         "detail": "seeded by the fake (what the probe finds on it)"} for u in a.compute_units}  # fmt: skip
+            table[a.name] = {"passed": all(v["passed"] for v in units.values()), "detail": "seeded", "units": units}
+        return table
+
+    def seed_verdicts(self) -> None:
+        """Write ``expected_verdicts`` as this fake Mac's probe file (what a probe run leaves)."""
+        payload = {"assumptions": self.expected_verdicts(), "versions": self.versions(), "date": "seeded"}
+        self.probe_file.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.probe_file.name}.", dir=self.probe_file.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=1)
+        os.replace(tmp, self.probe_file)  # as probe.write_verdicts writes it
+
+    def probe_first(self, reason: str) -> None:
+        from anelab.runtimes.probe import probe_core_ml
+
+        probe_core_ml(self, reason=reason)
+
+    def preflight(self, pkg, function, compute_units, steps) -> None:
+        from anelab.runtimes.gate import preflight
+
+        preflight(self, pkg, function, compute_units, steps)
+
+    def handle_units(self, handle) -> str | None:
+        return getattr(handle, "compute_units", None)
+
+    def write_log_marker(self, text: str) -> None:
+        """A line this process logs to the unified log (the probe's marker)."""
+        self._log(text)
+
+    def capture_native_output(self):
+        from anelab.runtimes.assumptions import NATIVE_OUTPUT_ON_FDS
+        from anelab.runtimes.interface import capture_native_output
+
+        if self.lacks_under(NATIVE_OUTPUT_ON_FDS):  # a Mac where swapping fds misses native writes
+            import contextlib
+
+            return contextlib.nullcontext(NativeOutput())
+        return capture_native_output()
 
     def child_calls(self) -> list[tuple]:
         """The calls child processes made (e.g. the gate's), in order."""
@@ -305,10 +424,11 @@ class FakeRuntime(CoreMLRuntime):
             self._first_used = True
             self.clock.advance(self.first_use_s)
 
-    def prepare_process(self):
+    def prepare_process(self, compute_units="cpu_only"):
         self.require_available()
         self._first_use()
-        return ["imported coremltools (fake: import_s)", "ran _macos_version() (fake: first_use_s)"]
+        steps = ["imported coremltools (fake: import_s)", "ran _macos_version() (fake: first_use_s)"]
+        return steps + super().prepare_process(compute_units)[1:]
 
     def unavailable_reason(self) -> str:
         return "" if self._available else self._reason
@@ -333,7 +453,20 @@ class FakeRuntime(CoreMLRuntime):
         return stem
 
     def script(self, name: str) -> FakeFunction:
+        if name == FIRST_USE_STEM and name not in self.functions:
+            return FIRST_USE_SCRIPT
         return self.functions.get(name, self.default)
+
+    def _calls_of(self, package) -> list:
+        return self.first_use_calls if Path(str(package)).stem == FIRST_USE_STEM else self.calls
+
+    def _functions_in(self, package: str) -> list[str]:
+        """The functions the package's spec declares ([] for a stand-in directory without one)."""
+        from anelab.runtimes.interface import function_signatures
+
+        if not (Path(package) / "Data").is_dir():
+            return []
+        return list(function_signatures(package)[1])
 
     def _crash(self, signal_name: str, where: str) -> None:
         if self.real_crashes:
@@ -393,6 +526,8 @@ class FakeRuntime(CoreMLRuntime):
 
     # compile / load -------------------------------------------------------------------------------
     def compile_to(self, pkg, dest):
+        from anelab.runtimes.assumptions import COMPILE_TO_MLMODELC
+
         source, target = str(pkg).rstrip("/"), str(dest).rstrip("/")
         if not source.endswith((".mlpackage", ".mlmodel")):  # utils.py:1098-1100, 1112-1119
             raise RuntimeLoadError(
@@ -405,9 +540,12 @@ class FakeRuntime(CoreMLRuntime):
             )
         if not Path(pkg).is_dir():
             raise RuntimeLoadError(f"{pkg}: does not compile: no such package")
+        if self.lacks_under(COMPILE_TO_MLMODELC):
+            raise RuntimeLoadError(f"{pkg}: does not compile: compileModelAtURL failed (this fake Mac lacks it)")
         self._first_use()  # compile_model checks _macos_version() (utils.py:1103)
-        self.calls.append(("compile", str(pkg)))
-        self.compiles.append(str(pkg))
+        self._calls_of(pkg).append(("compile", str(pkg)))
+        if self._calls_of(pkg) is self.calls:
+            self.compiles.append(str(pkg))
         self.clock.advance(self.compile_s)
         dest = Path(dest)
         dest.mkdir(parents=True)
@@ -420,68 +558,127 @@ class FakeRuntime(CoreMLRuntime):
         self._sources[str(dest)] = str(pkg)  # compiled by an earlier process: its source is this package
         return dest
 
-    def load_path(self, path, function, compute_units):
-        check_compute_units(compute_units)
-        self.require_available()
-        path = Path(path)
-        temporary = path.suffix != ".mlmodelc"
-        if temporary:  # coremltools compiles an .mlpackage on every construction, into a fresh copy
+    def _compiled_for_load(self, path: Path, function) -> tuple[Path, bool]:
+        """(the .mlmodelc to load, whether it is a temporary copy of an .mlpackage, CoreMLPython.mm:457-466)."""
+        if path.suffix != ".mlmodelc":  # coremltools compiles an .mlpackage on every construction, into a fresh copy
             if not path.is_dir():
                 raise RuntimeLoadError(f"{path}: function {function or '(default)'} does not load: no such package")
             compiled = Path(tempfile.gettempdir()) / f"{path.stem}_{uuid.uuid4().hex.upper()}.mlmodelc"
             self.compile_to(path, compiled)
             self._sources[str(compiled)] = str(path)
-        else:
-            if not path.is_dir():
-                raise RuntimeLoadError(f"{path}: does not load: not a compiled model directory")
-            self._first_use()  # CompiledMLModel._init_check: _macos_version() (_compiled_model.py:34)
-            compiled = path
-        package = self._source(compiled)
+            return compiled, True
+        if not path.is_dir():
+            raise RuntimeLoadError(f"{path}: does not load: not a compiled model directory")
+        self._first_use()  # CompiledMLModel._init_check: _macos_version() (_compiled_model.py:34)
+        return path, False
+
+    def _resolve_function(self, package: str, function, compiled: Path) -> str:
+        """The function a load gets: the named one; an unknown name is refused (configuration.functionName) —
+        on a Mac lacking load_function_by_name it silently gets the default function instead."""
+        from anelab.runtimes.assumptions import LOAD_FUNCTION_BY_NAME
+
         name = self.function_of(compiled, function)
-        self.calls.append(("load", package, name, compute_units))
+        declared = self._functions_in(package) if function is not None else []
+        if declared and name not in declared:
+            if self.lacks_under(LOAD_FUNCTION_BY_NAME):
+                return declared[0]
+            raise RuntimeLoadError(
+                f"{package}: function {name} does not load: the model has no function named {name!r} "
+                f"(it has {', '.join(declared)})"
+            )
+        return name
+
+    def load_path(self, path, function, compute_units):
+        from anelab.runtimes.assumptions import FRESH_COPY_COMPILES_COLD, UNGATED_LOAD_AND_PLAN_SURVIVE
+
+        check_compute_units(compute_units)
+        self.require_available()
+        compiled, temporary = self._compiled_for_load(Path(path), function)
+        package = self._source(compiled)
+        name = self._resolve_function(package, function, compiled)
+        self._calls_of(package).append(("load", package, name, compute_units))
         f = self.script(name)
         self._emit(1, f.load_stdout)
         self._emit(2, f.load_stderr)
         self._log(f.log_text)
-        if f.exit_stderr:
-            atexit.register(self._emit, 2, f.exit_stderr)
-        key = (str(compiled), name, compute_units)
+        self._core_ml_log(f"[coreml] loaded {Path(package).name} function {name} ({compute_units})")
+        for fd, text in ((2, f.exit_stderr), (1, f.exit_stdout)):
+            if text:
+                atexit.register(self._emit, fd, text)
+        if compute_units in NEURAL_ENGINE_UNITS and self.lacks_under(UNGATED_LOAD_AND_PLAN_SURVIVE, compute_units):
+            self._crash("SIGKILL", f"load of {name} ({compute_units})")
+        # the compile cache is keyed by path — on a Mac lacking fresh_copy_compiles_cold, by content
+        where = package if self.lacks_under(FRESH_COPY_COMPILES_COLD, compute_units) else str(compiled)
+        key = (where, name, compute_units)
         load_s = f.warm_load_s if key in self._specialised else f.cold_load_s
-        self.clock.advance(load_s)
+        if not self._core_ml_used:  # the process's first modelWithContentsOfURL (CoreMLPython.mm:500-503)
+            self._core_ml_used = True
+            load_s += self.core_ml_first_use_s
+        self.clock.advance(load_s + f.load_call_s)
         self._specialised.add(key)
         if f.load_error is not None:
             raise RuntimeLoadError(f"{package}: function {name} does not load: {f.load_error}")
         if compute_units in f.unloadable_units:
             raise RuntimeLoadError(f"{package}: function {name} does not load under {compute_units}")
-        self.loads.append((package, name, compute_units))
+        if self._calls_of(package) is self.calls:
+            self.loads.append((package, name, compute_units))
         handle = FakeHandle(self, package, compiled, name, compute_units, temporary)
         handle.load_s = load_s
+        handle.merged = len(self._functions_in(package)) > 1
         return handle
+
+    def _core_ml_log(self, text: str) -> None:
+        """Core ML's own unified-log lines for this process (none on a Mac lacking them for the client's PID)."""
+        from anelab.runtimes.assumptions import CORE_ML_LOGS_FOR_CLIENT
+
+        if not self.lacks_under(CORE_ML_LOGS_FOR_CLIENT):
+            self._log(text)
 
     def load_duration_s(self, handle):
         from anelab.runtimes.assumptions import CORE_ML_LOAD_DURATION
 
-        return None if CORE_ML_LOAD_DURATION in self.lacks else handle.load_s
+        return None if self.lacks_under(CORE_ML_LOAD_DURATION, handle.compute_units) else handle.load_s
 
     def predict_duration_s(self, handle):
         from anelab.runtimes.assumptions import CORE_ML_PREDICT_DURATION
 
-        return None if CORE_ML_PREDICT_DURATION in self.lacks else handle.last_predict_s
+        return None if self.lacks_under(CORE_ML_PREDICT_DURATION, handle.compute_units) else handle.last_predict_s
 
     # predict --------------------------------------------------------------------------------------
     def make_state(self, handle):
-        self.require_assumptions(STATE_BY_NAME)
+        from anelab.runtimes.assumptions import FRESH_STATE_ZEROED
+
+        self.require_assumptions(STATE_BY_NAME, compute_units=handle.compute_units)
         sig = self._signature(handle.function, handle.package)
         states = (sig[1] if sig else None) or self.script(handle.function).states or {}
-        state = FakeState({k: np.zeros(s, np.float16) for k, s in states.items()})
+        fill = np.ones if self.lacks_under(FRESH_STATE_ZEROED, handle.compute_units) else np.zeros
+        state = FakeState({k: fill(s, np.float16) for k, s in states.items()})
         state.made_by = handle.function
         return state
 
+    def _signal_fires(self, f: FakeFunction, handle) -> bool:
+        if not f.predict_signal:
+            return False
+        if f.signal_units is not None and handle.compute_units not in f.signal_units:
+            return False
+        return getattr(handle, "merged", False) or not f.signal_when_merged
+
+    def _crash_if_unstable(self, handle, state) -> None:
+        """#2716: a Mac lacking stateful_predicts_stable dies at the UNSTABLE_AFTER-th stateful predict."""
+        from anelab.runtimes.assumptions import STATEFUL_PREDICTS_STABLE
+
+        if state is None or not self.lacks_under(STATEFUL_PREDICTS_STABLE, handle.compute_units):
+            return
+        count = self._stateful_predicts.get(handle.compute_units, 0) + 1
+        self._stateful_predicts[handle.compute_units] = count
+        if count >= UNSTABLE_AFTER:
+            self._crash("SIGSEGV", f"stateful predict {count} of {handle.function}")
+
     def predict(self, handle, inputs, state=None):
         self.require_available()
-        self.require_assumptions(FP32_FEEDS_FP16_INPUTS, FP16_OUTPUTS_AS_FP32)
         name, units = handle.function, handle.compute_units
-        self.calls.append(("predict", handle.package, name, units))
+        self.require_assumptions(FP32_FEEDS_FP16_INPUTS, FP16_OUTPUTS_AS_FP32, compute_units=units)
+        self._calls_of(handle.package).append(("predict", handle.package, name, units))
         f = self.script(name)
         if not isinstance(inputs, dict):  # model.py:878-884
             raise TypeError(f'"data" parameter must be either a dict or list of dict, but got {type(inputs)}.')
@@ -490,10 +687,12 @@ class FakeRuntime(CoreMLRuntime):
             inputs[k] = inputs[k].astype(np.float32)
         if fp16:
             self.clock.advance(f.convert_s)
-        self._refuse_unconvertible(inputs)
+        self._refuse_unconvertible(inputs, units)
         self._emit(2, f.predict_stderr)
-        if f.predict_signal:
-            self._crash(f.predict_signal, f"predict of {name}")
+        self._core_ml_log(f"[coreml] predict {name} ({units})")
+        if self._signal_fires(f, handle):
+            self._crash(f.predict_signal, f"predict of {name} ({units})")
+        self._crash_if_unstable(handle, state)
         sig = self._signature(name, handle.package)
         if sig is not None:
             self._check(name, inputs, state, *sig, names_checked=handle.temporary)
@@ -506,19 +705,39 @@ class FakeRuntime(CoreMLRuntime):
         if f.outputs:
             return dict(f.outputs)
         if self.numerics:
-            return self._compute(handle.package, name, inputs, state)
+            from anelab.runtimes.assumptions import INT32_INPUTS_ACCEPTED
+
+            if self.lacks_under(INT32_INPUTS_ACCEPTED, units):  # the value does not reach the graph: read as 0
+                inputs = {
+                    k: np.zeros_like(v) if getattr(v, "dtype", None) == np.int32 else v for k, v in inputs.items()
+                }
+            return self._as_returned(self._compute(handle.package, name, inputs, state), name, units)
         return {k: np.zeros(s, np.float32) for k, s in (sig[2] if sig else {}).items()}
 
-    @staticmethod
-    def _refuse_unconvertible(inputs: dict) -> None:
+    def _as_returned(self, outputs: dict, name: str, units: str) -> dict:
+        """The device's outputs: the program's values with fp16-sized relative noise of this setting, fp32
+        (fp16 on a Mac lacking fp16_outputs_come_back_as_fp32)."""
+        self._predicts += 1
+        rng = np.random.default_rng([self._predicts, len(name), sum(map(ord, units))])
+        scale = self.noise.get(units, 0.0)
+        dtype = np.float16 if self.lacks_under(FP16_OUTPUTS_AS_FP32, units) else np.float32
+        return {k: (v * (1 + scale * rng.standard_normal(v.shape))).astype(dtype) for k, v in outputs.items()}
+
+    def _refuse_unconvertible(self, inputs: dict, units: str) -> None:
         """int32 / fp32 / fp64 writable arrays only (CoreMLPythonArray.mm:10-31, 55); anything else is printed
-        to stdout and refused (CoreMLPythonUtils.mm:397-409), as MacRuntime.predict reports it."""
+        to stdout and refused (CoreMLPythonUtils.mm:397-409), as MacRuntime.predict reports it. A Mac lacking one
+        of the dtype assumptions under ``units`` behaves the other way (lacking int32_arrays_accepted: an int32
+        value does not reach the graph, see ``predict``)."""
+        from anelab.runtimes import assumptions as a
+
+        accepted = {("i", 4): True, ("f", 4): not self.lacks_under(a.FP32_FEEDS_FP16_INPUTS, units), ("f", 8): True,
+                    ("i", 8): self.lacks_under(a.UNSUPPORTED_DTYPE_REFUSED, units)}  # fmt: skip
+        read_only_passes = self.lacks_under(a.READ_ONLY_REFUSED, units)
         for value in inputs.values():
             if not isinstance(value, np.ndarray):
                 continue
-            kind, size = value.dtype.kind, value.dtype.itemsize
-            supported = (kind, size) in {("i", 4), ("f", 4), ("f", 8)}
-            if not supported or not value.flags.writeable:
+            supported = accepted.get((value.dtype.kind, value.dtype.itemsize), False)
+            if not supported or not (value.flags.writeable or read_only_passes):
                 print("Error: value type not convertible:")
                 print(value)
                 raise RuntimePredictError("predict failed: value type not convertible")
@@ -528,7 +747,7 @@ class FakeRuntime(CoreMLRuntime):
         from anelab.runtimes.assumptions import STATE_SHARED_BY_FUNCTIONS
 
         made_by = getattr(state, "made_by", None)
-        if STATE_SHARED_BY_FUNCTIONS in self.lacks and made_by not in (None, handle.function):
+        if self.lacks_under(STATE_SHARED_BY_FUNCTIONS, handle.compute_units) and made_by not in (None, handle.function):
             raise RuntimePredictError(
                 f'predict failed: {{ NSLocalizedDescription = "The state was created by function {made_by}, '
                 f'not {handle.function}."; }}'
@@ -584,12 +803,21 @@ class FakeRuntime(CoreMLRuntime):
         compiled = Path(compiled)
         if compiled.suffix != ".mlmodelc":  # coremltools 9.0 #2757: libc++abi terminate, SIGABRT
             self._crash("SIGABRT", f"MLComputePlan.load_from_path({compiled.name})")
-        from anelab.runtimes.assumptions import COMPUTE_PLAN_OF_COMPILED
+        from anelab.runtimes.assumptions import (
+            COMPUTE_PLAN_OF_COMPILED,
+            MERGED_LIKE_VARIANT,
+            UNGATED_LOAD_AND_PLAN_SURVIVE,
+        )
 
-        if COMPUTE_PLAN_OF_COMPILED in self.lacks:
+        if self.lacks_under(COMPUTE_PLAN_OF_COMPILED, compute_units):
             raise RuntimeError("MLComputePlan: the plan could not be loaded (this fake Mac lacks it)")
-        name = self.function_of(compiled, None)
-        self.calls.append(("compute_plan", self._source(compiled), name, compute_units))
+        if compute_units in NEURAL_ENGINE_UNITS and self.lacks_under(UNGATED_LOAD_AND_PLAN_SURVIVE, compute_units):
+            self._crash("SIGKILL", f"MLComputePlan.load_from_path({compiled.name}, {compute_units})")
+        source = self._source(compiled)
+        declared = self._functions_in(source)
+        # the default function is planned: a merged package's first; a single-function variant named by its stem
+        name = declared[0] if len(declared) > 1 else self.function_of(compiled, None)
+        self._calls_of(source).append(("compute_plan", source, name, compute_units))
         f = self.script(name)
         self._emit(2, f.plan_stderr)
         if f.plan_error is not None:
@@ -599,5 +827,8 @@ class FakeRuntime(CoreMLRuntime):
             if key not in counts or key == "total":
                 raise ValueError(f"FakeFunction.assignment key {key!r}; use neural_engine, gpu, cpu, unreported")
             counts[key] = int(value)
+        if len(declared) > 1 and self.lacks_under(MERGED_LIKE_VARIANT, compute_units):  # merged: nothing on the ANE
+            counts["cpu"] += counts["neural_engine"]
+            counts["neural_engine"] = 0
         counts["total"] = counts["neural_engine"] + counts["gpu"] + counts["cpu"]
         return counts

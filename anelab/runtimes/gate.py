@@ -11,11 +11,16 @@ path aborts it, #2757):
 3. the compute plan of that compiled copy counts the operations that prefer the Neural Engine —
    zero, or no operations at all, refuses (the silent case: nothing printed, the graph on the CPU).
 
+After the merge, every function of the merged package is loaded under its name AND predicted once, again
+in a child: each function of a merged ``.mlmodelc`` is compiled for the Neural Engine by whichever process
+loads it (coremltools 9.0 ``CoreMLPython.mm:489-503``), so surviving the variant is not surviving the merge.
+``preflight`` does the same for any package before its first Neural Engine load or compute plan in the
+measuring process (``CoreMLRuntime.load``), once per package content, function, setting and Mac.
+
 The child's fd 1 and fd 2 are captured per step (and whatever reaches them until it exits, since
 Core ML may print only at exit), and the unified log of the child is read for its lifetime (Core
 ML's ``[espresso]``/``[coreml]`` lines reach neither fd). A known ANE compiler failure in any of
-them refuses; a crash or signal refuses naming it and the step. After the merge, every function
-must load under its name from the merged package (also in a child).
+them refuses; a crash or signal refuses naming it and the step.
 
 ``anelab.sidecar.export.export_layer`` calls ``check_variants`` before merging and
 ``check_merged_loads`` after; only when both pass does it write ``aneCompileVerified: true``.
@@ -23,6 +28,7 @@ must load under its name from the merged package (also in a child).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -37,18 +43,27 @@ from anelab.core.paths import REPO_ROOT
 from anelab.runtimes.assumptions import (
     COMPILE_TO_MLMODELC,
     COMPUTE_PLAN_OF_COMPILED,
+    CORE_ML_LOGS_FOR_CLIENT,
+    FP16_OUTPUTS_AS_FP32,
+    FP32_FEEDS_FP16_INPUTS,
     LOAD_FUNCTION_BY_NAME,
+    MERGED_LIKE_VARIANT,
     NATIVE_OUTPUT_ON_FDS,
+    STATE_BY_NAME,
     UNIFIED_LOG_READABLE,
 )
 from anelab.runtimes.interface import (
     CHILD_TIMED_OUT,
+    PREFLIGHT_LOAD_STEPS,
     CoreMLRuntime,
+    PreflightRefusedError,
     UnifiedLogUnavailable,
     capture_native_output,
     describe_child_exit,
+    package_content_hash,
     prepare_inputs,
     runtime_from_spec,
+    spec_for_child,
     zero_inputs,
 )
 
@@ -57,13 +72,19 @@ from anelab.runtimes.interface import (
 GATE_COMPUTE_UNITS = "cpu_and_ne"
 
 
+# what a child's steps rely on (the parent makes sure they were probed before it starts one: a child never probes)
+CHILD_STEP_ASSUMPTIONS = (COMPILE_TO_MLMODELC, LOAD_FUNCTION_BY_NAME, STATE_BY_NAME, FP32_FEEDS_FP16_INPUTS,
+                          FP16_OUTPUTS_AS_FP32)  # fmt: skip
+
+
 # the Core ML behaviours the gate's evidence rests on (refused by name when the probe found one false)
 GATE_ASSUMPTIONS = (
-    COMPILE_TO_MLMODELC,
-    LOAD_FUNCTION_BY_NAME,
+    *CHILD_STEP_ASSUMPTIONS,
     COMPUTE_PLAN_OF_COMPILED,
     NATIVE_OUTPUT_ON_FDS,
     UNIFIED_LOG_READABLE,
+    CORE_ML_LOGS_FOR_CLIENT,
+    MERGED_LIKE_VARIANT,
 )
 
 
@@ -75,7 +96,7 @@ VERIFIED_REASON = (
     "verified: each variant, in its own process, loaded from its compiled copy, ran one prediction on zero "
     "inputs with no ANE compiler failure on fd 1, fd 2, at exit or in the unified log, and had operations "
     "assigned to the Neural Engine by the compute plan of that compiled copy (cpu_and_ne); every function "
-    "loads from the merged package"
+    "of the merged package loaded under its name and ran one prediction, in a child process (cpu_and_ne)"
 )
 
 
@@ -225,18 +246,28 @@ class ChildReport:
         return None
 
 
-def run_child(runtime: CoreMLRuntime, package: Path, functions: list, steps: list[str]) -> ChildReport:
-    """Run ``steps`` for ``functions`` of ``package`` in a fresh Python process built from ``runtime.child_spec()``."""
+def run_child(
+    runtime: CoreMLRuntime,
+    package: Path,
+    functions: list,
+    steps: list[str],
+    *,
+    compute_units: str = GATE_COMPUTE_UNITS,
+    cache_dir: str | os.PathLike | None = None,
+) -> ChildReport:
+    """Run ``steps`` for ``functions`` of ``package`` in a fresh Python process rebuilt from the runtime's spec
+    (it reads this runtime's probe verdicts). ``cache_dir``: the child's compiled-copy cache (default: a
+    throw-away one, as the gate's variants are)."""
+    runtime.require_assumptions(*CHILD_STEP_ASSUMPTIONS, compute_units=compute_units)  # a child never probes
     with tempfile.TemporaryDirectory(prefix="anelab-gate-") as work:
         result = Path(work) / "events.jsonl"
-        spec = runtime.child_spec()  # compiled copies of these throw-away variants stay in the child's work dir
-        spec = {**spec, "args": {**spec.get("args", {}), "cache_dir": str(Path(work) / "compiled")}}
+        spec = spec_for_child(runtime, cache_dir=cache_dir if cache_dir is not None else Path(work) / "compiled")
         request = {
             "runtime": spec,
             "package": str(Path(package).resolve()),
             "functions": functions,
             "steps": steps,
-            "compute_units": GATE_COMPUTE_UNITS,
+            "compute_units": compute_units,
             "result": str(result),
         }
         env = {
@@ -283,7 +314,7 @@ def run_child(runtime: CoreMLRuntime, package: Path, functions: list, steps: lis
     return report
 
 
-def _refuse_on(report: ChildReport, label_of, name: str) -> None:
+def refuse_on(report: ChildReport, label_of, name: str) -> None:
     """Refuse a marker anywhere the child wrote (naming where), a failed step, or a crash.
 
     ``label_of(function)`` names the subject in the message (``function``: the one the text or the
@@ -333,10 +364,66 @@ def _refuse_on(report: ChildReport, label_of, name: str) -> None:
 def refuse_without_neural_engine(runtime: CoreMLRuntime) -> None:
     """Refuse up front (nothing loaded) where the runtime is missing, the Mac is not arm64, or no ANE is listed."""
     runtime.require_available()
-    runtime.require_assumptions(*GATE_ASSUMPTIONS)
+    runtime.require_assumptions(*GATE_ASSUMPTIONS, compute_units=GATE_COMPUTE_UNITS)
     reason = runtime.neural_engine_reason()
     if reason:
         raise AneGateError(f"ANE gate: {reason}; nothing was loaded and the sidecar is not exported")
+
+
+# ---- what children survived on this Mac (content, function, setting, steps, versions) -----------------------------
+def _memo_file(runtime: CoreMLRuntime, kind: str) -> Path:
+    return runtime.probe_file.with_name(f"core-ml-{kind}.jsonl")
+
+
+def _memo_key(runtime: CoreMLRuntime, content: str, function: str | None, units: str, steps) -> str:
+    return json.dumps([content, function, units, list(steps), runtime.versions()], sort_keys=True)
+
+
+def _memo_get(runtime: CoreMLRuntime, kind: str, key: str):
+    path = _memo_file(runtime, kind)
+    if not path.is_file():
+        return None
+    found = None
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            entry = json.loads(line)
+            if entry.get("key") == key:
+                found = entry.get("value", True)
+    return found
+
+
+def _memo_put(runtime: CoreMLRuntime, kind: str, key: str, value=True) -> None:
+    path = _memo_file(runtime, kind)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:  # one short line per append: concurrent writers never interleave a line
+        f.write(json.dumps({"key": key, "value": value}) + "\n")
+
+
+def record_survived(runtime: CoreMLRuntime, package: Path, functions, compute_units: str, steps) -> None:
+    """Remember that a child ran ``steps`` of each of ``functions`` of ``package`` under ``compute_units`` and lived."""
+    content = package_content_hash(package)
+    for function in functions:
+        _memo_put(runtime, "survived", _memo_key(runtime, content, function, compute_units, steps))
+
+
+def preflight(runtime: CoreMLRuntime, package, function: str | None, compute_units: str, steps) -> None:
+    """``CoreMLRuntime.preflight``: ``steps`` of ``function`` in a child first (once per content, function, setting,
+    steps and Mac); a crash, a failed step or an ANE refusal marker refuses in one line, and this process lives."""
+    package, steps = Path(package), tuple(steps)
+    key = _memo_key(runtime, package_content_hash(package), function, compute_units, steps)
+    if _memo_get(runtime, "survived", key):
+        return
+    report = run_child(runtime, package, [function], list(steps), compute_units=compute_units,
+                       cache_dir=runtime.cache_dir)  # fmt: skip
+    name = function or "(default)"
+    try:
+        refuse_on(report, lambda _: f"function {name} of {package.name}", name)
+    except AneGateError as e:
+        raise PreflightRefusedError(
+            f"refusing to {' and '.join(steps)} {name} of {package} under {compute_units} in this process: its "
+            f"child process failed first — {str(e).removeprefix('ANE gate: ')}"
+        ) from None
+    _memo_put(runtime, "survived", key)
 
 
 def check_variants(runtime: CoreMLRuntime, variants: dict[str, Path]) -> dict[str, dict]:
@@ -344,39 +431,50 @@ def check_variants(runtime: CoreMLRuntime, variants: dict[str, Path]) -> dict[st
 
     Returns evidence ``{function: {"ane_ops", "total_ops", "stderr_markers": [], "predicted": True}}``.
     Raises ``AneGateError`` naming the first variant that crashes, fails to load or predict, prints a
-    refusal marker anywhere, reports no operations, or has none preferring the Neural Engine.
+    refusal marker anywhere, reports no operations, or has none preferring the Neural Engine. A variant whose
+    program and weights (``Data/``) passed on this Mac before is not gated again (a retry after a refusal).
     """
     refuse_without_neural_engine(runtime)
     evidence: dict[str, dict] = {}
     for function, pkg in variants.items():
-        report = run_child(runtime, Path(pkg), [None], ["load", "predict", "plan"])
-        _refuse_on(report, lambda _, function=function: f"variant {function}", function)
-        assignment = report.value(None, "plan", "assignment")
-        total, ane = int(assignment["total"]), int(assignment["neural_engine"])
-        if total == 0:
-            raise AneGateError(
-                f"ANE gate: variant {function} reports no operation assignments in the compute plan (0 operations), "
-                f"so nothing shows it runs on the Neural Engine; coremltools 9.0 plans only a package's default function — "
-                f"check the variant is a single-function mlprogram",
-                function=function,
-            )
-        if ane == 0:
-            raise AneGateError(
-                f"ANE gate: variant {function} has 0 of {total} operations on the Neural Engine "
-                f"(cpu {assignment['cpu']}, gpu {assignment['gpu']}); it would run silently off the ANE — "
-                f"lower --histories or --chunk, see docs/mac-runbook.md",
-                function=function,
-            )
-        evidence[function] = {"ane_ops": ane, "total_ops": total, "stderr_markers": [], "predicted": True}
+        key = _memo_key(runtime, package_content_hash(Path(pkg) / "Data"), function, GATE_COMPUTE_UNITS, ("variant",))
+        passed = _memo_get(runtime, "gated-variants", key)
+        evidence[function] = passed if isinstance(passed, dict) else _gate_variant(runtime, function, Path(pkg))
+        _memo_put(runtime, "gated-variants", key, evidence[function])
     return evidence
 
 
+def _gate_variant(runtime: CoreMLRuntime, function: str, pkg: Path) -> dict:
+    report = run_child(runtime, pkg, [None], ["load", "predict", "plan"])
+    refuse_on(report, lambda _: f"variant {function}", function)
+    assignment = report.value(None, "plan", "assignment")
+    total, ane = int(assignment["total"]), int(assignment["neural_engine"])
+    if total == 0:
+        raise AneGateError(
+            f"ANE gate: variant {function} reports no operation assignments in the compute plan (0 operations), "
+            f"so nothing shows it runs on the Neural Engine; coremltools 9.0 plans only a package's default function — "
+            f"check the variant is a single-function mlprogram",
+            function=function,
+        )
+    if ane == 0:
+        raise AneGateError(
+            f"ANE gate: variant {function} has 0 of {total} operations on the Neural Engine "
+            f"(cpu {assignment['cpu']}, gpu {assignment['gpu']}); it would run silently off the ANE — "
+            f"lower --histories or --chunk, see docs/mac-runbook.md",
+            function=function,
+        )
+    return {"ane_ops": ane, "total_ops": total, "stderr_markers": [], "predicted": True}
+
+
 def check_merged_loads(runtime: CoreMLRuntime, merged: Path, functions: list[str]) -> None:
-    """Every function must load under its name from the merged package's compiled copy (in a child), with no marker."""
+    """Every function must load under its name from the merged package's compiled copy AND predict once (in a
+    child, ``cpu_and_ne``), with no marker; the survival is remembered, so the package's first use in the measuring
+    process needs no second child."""
     refuse_without_neural_engine(runtime)
-    report = run_child(runtime, Path(merged), list(functions), ["load"])
+    report = run_child(runtime, Path(merged), list(functions), list(PREFLIGHT_LOAD_STEPS))
     last = report.last_step()[0] or functions[0]
-    _refuse_on(report, lambda f: f"function {f or last} of the merged package", last)
+    refuse_on(report, lambda f: f"function {f or last} of the merged package", last)
+    record_survived(runtime, Path(merged), functions, GATE_COMPUTE_UNITS, PREFLIGHT_LOAD_STEPS)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,13 @@ import numpy as np
 
 from anelab.core.errors import AnelabInputError
 from anelab.core.paths import BUILD_DIR
-from anelab.runtimes.assumptions import COMPILE_TO_MLMODELC, COMPUTE_PLAN_OF_COMPILED, LOAD_FUNCTION_BY_NAME
+from anelab.runtimes.assumptions import (
+    COMPILE_TO_MLMODELC,
+    COMPUTE_PLAN_OF_COMPILED,
+    LOAD_FUNCTION_BY_NAME,
+    assumption,
+    settings_needed,
+)
 
 COMPUTE_UNITS = frozenset({"cpu_only", "cpu_and_gpu", "cpu_and_ne", "all"})
 
@@ -69,6 +75,14 @@ class UngatedPackageError(AnelabInputError):
 
 class AssumptionFailedError(AnelabInputError):
     """Code relies on a Core ML behaviour that ``anelab doctor --probe`` found false on this Mac."""
+
+
+class AssumptionUnprobedError(AnelabInputError):
+    """Code relies on a Core ML behaviour no probe of this Mac (this macOS and coremltools) has judged."""
+
+
+class PreflightRefusedError(RuntimeLoadError, AnelabInputError):
+    """A Neural Engine load, predict or compute plan was refused in this process: its child process failed first."""
 
 
 GATE_VERDICT_KEY = "aneCompileVerified"  # the sidecar metadata key the ANE gate writes (true / false)
@@ -257,6 +271,8 @@ class CoreMLRuntime(abc.ABC):
     load_description = "abstract"  # what one load() does, recorded with load timings
     cache_dir: Path = COMPILED_CACHE_DIR
     ignore_probe_file = False  # True while ``anelab doctor --probe`` judges the assumptions afresh
+    is_child = False  # True in a gate, probe, pre-flight or timing child: it IS the process that may die
+    probe_path: Path | None = None  # where the verdicts live (default beside the cache; children are told it)
 
     @abc.abstractmethod
     def available(self) -> bool:
@@ -319,8 +335,28 @@ class CoreMLRuntime(abc.ABC):
         """
         check_compute_units(compute_units)
         self.require_available()
-        self.require_assumptions(LOAD_FUNCTION_BY_NAME)
+        self.require_assumptions(LOAD_FUNCTION_BY_NAME, compute_units=compute_units)
+        if compute_units in NEURAL_ENGINE_UNITS and not self.is_child:  # never first in the measuring process
+            self.preflight(pkg, function, compute_units, PREFLIGHT_LOAD_STEPS)
         return self.load_path(self.compile(pkg), function, compute_units)
+
+    def handle_units(self, handle: Any) -> str | None:
+        """The compute-units setting ``handle`` was loaded with (None when the handle does not say)."""
+        unit = getattr(handle, "compute_unit", None)
+        return unit.name.lower() if unit is not None and hasattr(unit, "name") else None
+
+    @abc.abstractmethod
+    def preflight(
+        self, pkg: str | os.PathLike, function: str | None, compute_units: str, steps: tuple[str, ...]
+    ) -> None:
+        """Run ``steps`` (``load`` + ``predict``, or ``plan``) of ``function`` of ``pkg`` under ``compute_units`` in a
+        child process first, once per package content, function and setting on this machine; raise
+        ``PreflightRefusedError`` (one line: how the child ended) when it did not survive or printed an ANE refusal.
+
+        Each function of a merged ``.mlmodelc`` is compiled for the device in whichever process loads it
+        (coremltools 9.0 ``CoreMLPython.mm:489-503``), so a failed ANE compile (apple/coremltools#2758) must land
+        in a child, never in the measuring process.
+        """
 
     @abc.abstractmethod
     def load_path(self, path: str | os.PathLike, function: str | None, compute_units: str) -> Any:
@@ -331,15 +367,25 @@ class CoreMLRuntime(abc.ABC):
         """Core ML's own load duration of ``handle`` (excludes any compile), where coremltools exposes it."""
         return None
 
-    def prepare_process(self) -> list[str]:
+    def prepare_process(self, compute_units: str | tuple[str, ...] = "cpu_only") -> list[str]:
         """Do this process's one-time Core ML work before any clock starts; return what was done.
 
         The first availability check imports coremltools' native module; the first compile or
         ``CompiledMLModel`` runs ``sw_vers`` in a subprocess (coremltools 9.0 ``_compiled_model.py:34``
-        -> ``utils.py:959-968``, cached afterwards). A load timed after this holds the load only.
+        -> ``utils.py:959-968``, cached afterwards); the process's first ``modelWithContentsOfURL`` pays
+        Core ML's own first use inside the load it times (``CoreMLPython.mm:500-503``). A tiny model
+        (``first_use_package``) is loaded and predicted once under each of ``compute_units``, so a load timed
+        after this holds the load only.
         """
         self.require_available()
-        return ["checked the runtime is available"]
+        done = ["checked the runtime is available"]
+        tiny = first_use_package()
+        for units in (compute_units,) if isinstance(compute_units, str) else tuple(compute_units):
+            handle = self.load(tiny, None, units)
+            self.predict(handle, prepare_inputs(zero_inputs(self.signature(tiny, None))))
+            del handle
+            done.append(f"loaded and predicted a tiny model ({tiny.name}) under {units}: Core ML's first use")
+        return done
 
     # predict ----------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -366,7 +412,9 @@ class CoreMLRuntime(abc.ABC):
         """
         check_compute_units(compute_units)
         self.require_available()
-        self.require_assumptions(COMPUTE_PLAN_OF_COMPILED)
+        self.require_assumptions(COMPUTE_PLAN_OF_COMPILED, compute_units=compute_units)
+        if compute_units in NEURAL_ENGINE_UNITS and not self.is_child:
+            self.preflight(pkg, None, compute_units, PREFLIGHT_PLAN_STEPS)
         return self.plan_path(self.compile(pkg), compute_units)
 
     @abc.abstractmethod
@@ -379,6 +427,9 @@ class CoreMLRuntime(abc.ABC):
 
         Raises ``UnifiedLogUnavailable`` when the log could not be read (its contents are then unknown)."""
         return ""
+
+    def write_log_marker(self, text: str) -> None:
+        """Log one line to the unified log under this process's PID (the probe's marker; nothing where no log)."""
 
     @abc.abstractmethod
     def child_spec(self) -> dict:
@@ -396,33 +447,132 @@ class CoreMLRuntime(abc.ABC):
     # assumptions probed by ``anelab doctor --probe`` ----------------------------------------------
     @property
     def probe_file(self) -> Path:
-        """Where this machine's latest probe verdicts live (beside the compiled-copy cache)."""
-        return Path(self.cache_dir).parent / "core-ml-probe.json"
+        """Where this machine's latest probe verdicts live (beside the compiled-copy cache unless told)."""
+        return (
+            Path(self.probe_path) if self.probe_path is not None else Path(self.cache_dir).parent / "core-ml-probe.json"
+        )
 
-    def failed_assumptions(self) -> dict[str, str]:
-        """Assumptions the latest probe on this machine found false: name -> what it saw ({} if never probed)."""
+    def versions(self) -> dict[str, str]:
+        """What a probe verdict holds for: the chip, the macOS and the coremltools version of this machine."""
+        from importlib.metadata import version
+
+        from anelab.core.records import machine_description
+
+        described = machine_description()
+        return {"chip": described["chip"], "macos": described["os_version"], "coremltools": version("coremltools")}
+
+    def probe_verdicts(self) -> tuple[dict | None, str]:
+        """(the latest probe's assumption table, "") or (None, why there is none: never probed, or stale)."""
         import json
 
         path = self.probe_file
-        if self.ignore_probe_file or not path.is_file():
-            return {}
+        if not path.is_file():
+            return None, "no probe has run on this Mac"
         stamp = path.stat().st_mtime_ns
-        cached = getattr(self, "_failed_cache", None)
+        cached = getattr(self, "_probe_cache", None)
         if cached is None or cached[0] != stamp:
-            verdicts = json.loads(path.read_text()).get("assumptions", {})
-            failed = {name: v.get("detail", "") for name, v in verdicts.items() if not v.get("passed")}
-            self._failed_cache = cached = (stamp, failed)
-        return cached[1]
+            try:
+                payload = json.loads(path.read_text())
+            except (OSError, ValueError):
+                payload = {}
+            self._probe_cache = cached = (stamp, payload)
+        payload = cached[1]
+        probed, here = payload.get("versions"), self.versions()
+        if probed != here:
+            seen = ", ".join(f"{k} {v}" for k, v in (probed or {}).items()) or "no versions"
+            return (
+                None,
+                f"the last probe ran under {seen}, this Mac is {', '.join(f'{k} {v}' for k, v in here.items())}",
+            )
+        return payload.get("assumptions", {}), ""
 
-    def require_assumptions(self, *names: str) -> None:
-        """Refuse, naming the assumption, when the probe found one of ``names`` false on this machine."""
-        failed = self.failed_assumptions()
+    def assumption_verdict(self, name: str, compute_units: str | None = None) -> tuple[str, str]:
+        """("passed" | "failed" | "unprobed", what the probe saw or why it is unknown) for ``name`` under
+        ``compute_units`` (see ``anelab.runtimes.assumptions.settings_needed``)."""
+        table, why = self.probe_verdicts()
+        if table is None:
+            return "unprobed", why
+        row = table.get(name)
+        if row is None:
+            return "unprobed", f"the last probe had no row {name!r} (an older anelab)"
+        for units in settings_needed(name, compute_units):
+            verdict = row.get("units", {}).get(units)
+            if verdict is None:
+                return "unprobed", f"the last probe did not run it under {units}"
+            if not verdict.get("passed"):
+                return "failed", f"under {units}: {verdict.get('detail', '')}"
+        return "passed", ""
+
+    def failed_assumptions(self) -> dict[str, str]:
+        """Assumptions the latest probe on this machine found false (any setting): name -> what it saw."""
+        table, _ = self.probe_verdicts()
+        return {n: v.get("detail", "") for n, v in (table or {}).items() if not v.get("passed")}
+
+    def probe_first(self, reason: str) -> None:
+        """Judge the assumptions now (``anelab doctor --probe``) because ``reason``; a runtime that cannot refuses."""
+        raise AssumptionUnprobedError(f"{reason}; run 'anelab doctor --probe' on this Mac first")
+
+    def require_assumptions(self, *names: str, compute_units: str | None = None) -> None:
+        """Refuse, naming the assumption, unless the probe passed every one of ``names`` under ``compute_units``.
+
+        Unprobed or stale verdicts (no probe file, another macOS or coremltools) run the probe first where this
+        runtime can (never in a child: children read the verdicts their parent has); still unknown: refused.
+        """
+        if self.ignore_probe_file:
+            return
         for name in names:
-            if name in failed:
+            state, detail = self.assumption_verdict(name, compute_units)
+            if state == "unprobed" and not self.is_child:
+                self.probe_first(f"Core ML assumption {name!r} is unprobed ({detail})")
+                state, detail = self.assumption_verdict(name, compute_units)
+            if state == "failed":
                 raise AssumptionFailedError(
-                    f"refusing to measure: it relies on the Core ML assumption {name!r}, which 'anelab doctor --probe' "
-                    f"found false on this Mac ({failed[name]}); see docs/mac-runbook.md"
+                    f"refusing to measure: it relies on the Core ML assumption {name!r} "
+                    f"({assumption(name).behaviour}), which 'anelab doctor --probe' found false on this Mac "
+                    f"({detail}); see docs/mac-runbook.md"
                 )
+            if state == "unprobed":
+                raise AssumptionUnprobedError(
+                    f"refusing to measure: it relies on the Core ML assumption {name!r}, which no probe of this Mac "
+                    f"has judged ({detail}); run 'anelab doctor --probe' on this Mac first"
+                )
+
+
+PREFLIGHT_LOAD_STEPS = ("load", "predict")  # what a child survives before a function is loaded in this process
+PREFLIGHT_PLAN_STEPS = ("plan",)  # ... before a compute plan is built here
+
+
+def first_use_package() -> Path:
+    """A tiny model (``y = x * 2``, fp16 [1, 8]) that pays a process's first Core ML load and predict before any
+    clock starts; built once per machine and coremltools version (in the temporary directory: no project file
+    is written) and reused."""
+    from importlib.metadata import version
+
+    where = Path(tempfile.gettempdir()) / f"anelab-first-use-coremltools-{version('coremltools')}"
+    FIRST_USE_PACKAGE = where / "anelab_first_use.mlpackage"  # noqa: N806 - one fixed path
+    if (FIRST_USE_PACKAGE / "Manifest.json").is_file():
+        return FIRST_USE_PACKAGE
+    from anelab.sidecar.coremltools_import import coremltools_modules
+    from anelab.sidecar.export import convert_program
+
+    ct, mb, types = coremltools_modules()
+
+    @mb.program(input_specs=[mb.TensorSpec((1, 8), types.fp16)], opset_version=ct.target.iOS18)
+    def double(x):
+        return mb.mul(x=x, y=mb.const(val=np.full((1, 8), 2.0, np.float16)), name="y")
+
+    FIRST_USE_PACKAGE.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".first-use.", dir=FIRST_USE_PACKAGE.parent))
+    try:
+        built = convert_program(double, work / FIRST_USE_PACKAGE.name)
+        try:
+            os.replace(built, FIRST_USE_PACKAGE)
+        except OSError:  # another process built it first
+            if not (FIRST_USE_PACKAGE / "Manifest.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return FIRST_USE_PACKAGE
 
 
 CHILD_TIMED_OUT = -9999  # the exit code recorded for a child process stopped for not finishing in time
@@ -441,12 +591,33 @@ def describe_child_exit(code: int, timed_out: str = "did not finish in time") ->
     return f"exited with status {code}"
 
 
+def spec_for_child(
+    runtime: CoreMLRuntime, *, cache_dir: str | os.PathLike | None = None, judging: bool = False
+) -> dict:
+    """How a child rebuilds ``runtime``: its ``child_spec()``, the probe verdicts it must read (the parent's file,
+    whatever cache dir the child gets) and, for a probe child (``judging``), that no verdict refuses anything."""
+    spec = runtime.child_spec()
+    if cache_dir is not None:
+        spec = {**spec, "args": {**spec.get("args", {}), "cache_dir": str(cache_dir)}}
+    return {
+        **spec,
+        "probe_file": str(runtime.probe_file),
+        "ignore_probe_file": bool(judging or runtime.ignore_probe_file),
+    }
+
+
 def runtime_from_spec(spec: dict) -> CoreMLRuntime:
-    """Rebuild a runtime from ``CoreMLRuntime.child_spec()`` (in a child process)."""
+    """Rebuild a runtime from ``spec_for_child`` (in a child process: it reads the parent's verdicts, never probes,
+    never pre-flights — it is the process that may die)."""
     import importlib
 
     module, _, attr = spec["factory"].partition(":")
     factory = importlib.import_module(module)
     for part in attr.split("."):
         factory = getattr(factory, part)
-    return factory(**spec.get("args", {}))
+    runtime = factory(**spec.get("args", {}))
+    runtime.is_child = True
+    if spec.get("probe_file"):
+        runtime.probe_path = Path(spec["probe_file"])
+    runtime.ignore_probe_file = bool(spec.get("ignore_probe_file"))
+    return runtime

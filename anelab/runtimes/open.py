@@ -220,7 +220,7 @@ class Sidecar:
         if self._state is None:
             self._state, self._state_made_by = self.runtime.make_state(handle), name
         elif self._state_made_by != name:  # c1 on the state c<C> made: Core ML documents no such sharing
-            self.runtime.require_assumptions(STATE_SHARED_BY_FUNCTIONS)
+            self.runtime.require_assumptions(STATE_SHARED_BY_FUNCTIONS, compute_units=self.compute_units)
         return self.runtime.predict(handle, prepare_inputs(inputs), state=self._state)
 
     def decode_function(self) -> str:
@@ -292,8 +292,9 @@ def open_sidecar(
     design_of(meta, str(pkg))  # an unknown design, or metadata lacking what it needs, is refused here
     if compute_units in NEURAL_ENGINE_UNITS and not meta.ane_verified:
         raise AnelabInputError(
-            f"{pkg}: not verified for the Neural Engine (aneCompileVerified is false: {meta.ane_reason or 'no reason recorded'}); "
-            f"re-export it on a Mac so the ANE gate runs, or use compute units cpu_only / cpu_and_gpu"
+            f"{pkg}: not verified for the Neural Engine (aneCompileVerified is false; its export recorded: "
+            f"{meta.ane_reason or 'no reason'}); export it with the ANE gate ('anelab export' gates it where Core ML "
+            f"runs), or use compute units cpu_only / cpu_and_gpu"
         )
     if int(chunk) != meta.chunk:
         raise AnelabInputError(

@@ -44,6 +44,7 @@ from anelab.runtimes.assumptions import CORE_ML_LOAD_DURATION, CORE_ML_PREDICT_D
 from anelab.runtimes.interface import (
     CHILD_TIMED_OUT,
     NEURAL_ENGINE_UNITS,
+    PREFLIGHT_LOAD_STEPS,
     CoreMLRuntime,
     RuntimeLoadError,
     RuntimePredictError,
@@ -51,6 +52,7 @@ from anelab.runtimes.interface import (
     describe_child_exit,
     gate_verdict,
     prepare_inputs,
+    spec_for_child,
 )
 
 COMPUTE_UNITS_ORDER = ("cpu_only", "cpu_and_gpu", "cpu_and_ne", "all")
@@ -202,9 +204,12 @@ def time_load(
 
     check_compute_units(compute_units)
     runtime.require_available()
-    runtime.require_assumptions(CORE_ML_LOAD_DURATION)
+    runtime.require_assumptions(CORE_ML_LOAD_DURATION, compute_units=compute_units)
     pkg = require_package(pkg)
-    before_clock = runtime.prepare_process()
+    in_children = cold and fresh_process
+    before_clock = runtime.prepare_process("cpu_only" if in_children else compute_units)
+    if compute_units in NEURAL_ENGINE_UNITS and not in_children and not runtime.is_child:
+        runtime.preflight(pkg, function, compute_units, PREFLIGHT_LOAD_STEPS)  # its loads below compile here
     work = Path(tempfile.mkdtemp(prefix=".anelab-load-")) if cold else None
     compile_s: list[float] = []
     own: list[float] = []
@@ -216,14 +221,9 @@ def time_load(
 
     try:
         if cold and fresh_process:
+            fresh_copy = _fresh_compile_factory(runtime, pkg, work, clock, compile_s)
             stats = measure_in_fresh_processes(
-                runtime,
-                _fresh_compile_factory(runtime, pkg, work, clock, compile_s),
-                function,
-                compute_units,
-                warmup=warmup,
-                repeats=repeats,
-                own=own,
+                runtime, fresh_copy, function, compute_units, warmup=warmup, repeats=repeats, own=own
             )
         elif cold:
             stats = measure(
@@ -249,7 +249,7 @@ def time_load(
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)
     parameters = _load_parameters(runtime, pkg, function, compute_units, cold, fresh_process, warmup, repeats)
-    parameters["before_clock"] = fresh_before_clock(before_clock) if cold and fresh_process else before_clock
+    parameters["before_clock"] = fresh_before_clock(compute_units) if in_children else before_clock
     results = stats.to_dict()
     if compile_s:
         results["compile"] = TimingStats.of(compile_s).to_dict()
@@ -274,23 +274,28 @@ def _load_parameters(runtime, pkg: Path, function, compute_units, cold, fresh_pr
     }
 
 
-def fresh_before_clock(steps: list[str]) -> list[str]:
-    """What a fresh cold-load process did before its clock started (``steps``: ``prepare_process()``'s)."""
-    return ["started a new Python process and rebuilt the runtime", *steps]
+def fresh_before_clock(compute_units: str) -> list[str]:
+    """What each fresh cold-load process did before its clock started (``cold_load_child``)."""
+    return [
+        "started a new Python process and rebuilt the runtime",
+        f"CoreMLRuntime.prepare_process({compute_units!r}): imported coremltools, ran its first-use sw_vers, and "
+        f"loaded and predicted a tiny model under {compute_units} (Core ML's own first use of the process)",
+    ]
 
 
 def cold_load_child() -> None:
     """Entry point of a fresh-process cold load: JSON request on stdin, JSON answer as the last stdout line.
 
-    The process imports coremltools and does its first-use work (``prepare_process``) BEFORE the
-    clock starts, so the sample is the load call alone.
+    The process imports coremltools, does its first-use work and has a tiny model pay Core ML's first
+    load under the same compute units (``prepare_process``) BEFORE the clock starts, so the sample is the
+    load call alone (``CoreMLPython.mm:500-503`` times the process's first load with Core ML's first use in it).
     """
     from anelab.runtimes.interface import runtime_from_spec
 
     request = json.loads(sys.stdin.read())
     runtime = runtime_from_spec(request["runtime"])
     clock = getattr(runtime, "clock", time.perf_counter)  # a fake's own clock; perf_counter on a Mac
-    before_clock = runtime.prepare_process()
+    before_clock = runtime.prepare_process(request["compute_units"])
     start = clock()
     handle = runtime.load_path(request["path"], request["function"], request["compute_units"])
     seconds = clock() - start
@@ -298,10 +303,29 @@ def cold_load_child() -> None:
     _answer(answer)
 
 
+ANSWER_PREFIX = "anelab-child-answer: "  # the line of a child's stdout that is its answer (Core ML may print more)
+
+
 def _answer(answer: dict) -> None:
-    """A child's JSON answer as the last line of its stdout."""
-    sys.stdout.write("\n" + json.dumps(answer) + "\n")
+    """A child's JSON answer on its own line of stdout, after ``ANSWER_PREFIX``."""
+    sys.stdout.write("\n" + ANSWER_PREFIX + json.dumps(answer) + "\n")
     sys.stdout.flush()
+
+
+def read_answer(stdout: str) -> tuple[dict | None, str]:
+    """(the child's answer, "") or (None, one line saying why there is none) from its whole stdout: the last
+    ``ANSWER_PREFIX`` line, whatever Core ML printed before or after it (e.g. at exit)."""
+    lines = [line for line in stdout.splitlines() if line.startswith(ANSWER_PREFIX)]
+    if not lines:
+        last = (stdout.strip().splitlines() or ["nothing"])[-1][:120]
+        return None, f"no answer line on its stdout (its last line: {last!r})"
+    try:
+        answer = json.loads(lines[-1][len(ANSWER_PREFIX) :])
+    except ValueError as e:
+        return None, f"its answer line is not JSON ({e})"
+    if not isinstance(answer, dict):
+        return None, f"its answer is a {type(answer).__name__}, not an object"
+    return answer, ""
 
 
 def _child_env() -> dict:
@@ -311,7 +335,8 @@ def _child_env() -> dict:
 
 
 def _run_child(entry: str, request: dict, timeout: float) -> tuple[int, dict | None, str]:
-    """Run ``entry`` (``"module:function"``) in a new Python process; (exit status, answer or None, last stderr line)."""
+    """Run ``entry`` (``"module:function"``) in a new Python process; (exit status, answer or None, why: the last
+    stderr line, or what was wrong with its answer)."""
     module, _, function = entry.partition(":")
     try:
         done = subprocess.run(
@@ -320,10 +345,11 @@ def _run_child(entry: str, request: dict, timeout: float) -> tuple[int, dict | N
         )  # fmt: skip
     except subprocess.TimeoutExpired:
         return CHILD_TIMED_OUT, None, f"no answer within {timeout:.0f} s"
-    lines = done.stdout.strip().splitlines()
     tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
-    answer = json.loads(lines[-1]) if done.returncode == 0 and lines else None
-    return done.returncode, answer, tail
+    if done.returncode != 0:
+        return done.returncode, None, tail
+    answer, why = read_answer(done.stdout)
+    return done.returncode, answer, why or tail
 
 
 def measure_in_fresh_processes(runtime, fresh_copy, function, compute_units, *, warmup, repeats, own) -> TimingStats:
@@ -331,11 +357,13 @@ def measure_in_fresh_processes(runtime, fresh_copy, function, compute_units, *, 
     _check_counts(warmup, repeats)
     samples = []
     for i in tqdm(range(int(warmup) + int(repeats)), desc=f"cold load {function} (fresh process)", leave=False):
-        request = {"runtime": runtime.child_spec(), "path": str(fresh_copy()), "function": function,
+        request = {"runtime": spec_for_child(runtime), "path": str(fresh_copy()), "function": function,
                    "compute_units": compute_units}  # fmt: skip
         code, answer, tail = _run_child("anelab.runtimes.timing:cold_load_child", request, COLD_CHILD_TIMEOUT_S)
         if answer is None:
-            raise RuntimeLoadError(f"{function}: the cold load in a fresh process failed (exit {code}): {tail}")
+            raise RuntimeLoadError(
+                f"{function}: the cold load in a fresh process failed (it {describe_child_exit(code)}): {tail}"
+            )
         if i >= int(warmup):
             samples.append(float(answer["seconds"]))
             if answer["core_ml_load_s"] is not None:
@@ -438,7 +466,7 @@ def predict_timing_child() -> None:
     runtime = runtime_from_spec(request["runtime"])
     with np.load(request["inputs"]) as data:
         inputs = {name: data[name] for name in data.files}
-    runtime.prepare_process()
+    runtime.prepare_process(request["compute_units"])
     clock = getattr(runtime, "clock", time.perf_counter)
     result = _predict_one_setting(
         runtime, Path(request["package"]), request["function"], inputs, request["compute_units"],
@@ -454,13 +482,13 @@ def _predict_in_child(runtime, pkg, function, inputs, unit, *, stateful, warmup,
     with tempfile.TemporaryDirectory(prefix="anelab-predict-") as work:
         np.savez(Path(work) / "inputs.npz", **{name: np.asarray(value) for name, value in inputs.items()})
         request = {
-            "runtime": runtime.child_spec(), "package": str(Path(pkg).resolve()), "function": function,
+            "runtime": spec_for_child(runtime), "package": str(Path(pkg).resolve()), "function": function,
             "inputs": str(Path(work) / "inputs.npz"), "compute_units": unit, "with_state": bool(stateful),
             "warmup": int(warmup), "repeats": int(repeats),
         }  # fmt: skip
         code, answer, tail = _run_child("anelab.runtimes.timing:predict_timing_child", request, PREDICT_CHILD_TIMEOUT_S)
     if answer is None:
-        return {"error": f"predict in a child process {describe_child_exit(code)} (last stderr line: {tail!r})"}
+        return {"error": f"predict in a child process: it {describe_child_exit(code)} ({tail})"}
     return answer
 
 
@@ -489,10 +517,12 @@ def time_predict(
     if not units:
         raise AnelabInputError("time_predict needs at least one compute-units setting")
     runtime.require_available()
-    runtime.require_assumptions(CORE_ML_PREDICT_DURATION)
+    for unit in units:
+        runtime.require_assumptions(CORE_ML_PREDICT_DURATION, compute_units=unit)
     pkg = Path(pkg)
     verdict = gate_verdict(pkg)
-    before_clock = runtime.prepare_process()
+    here = [u for u in units if u not in NEURAL_ENGINE_UNITS or verdict == "true"]  # the rest: in a child each
+    before_clock = runtime.prepare_process(tuple(here) or "cpu_only")
     results, processes = {}, {}
     for unit in units:
         if unit in NEURAL_ENGINE_UNITS and verdict != "true":  # never in this process: #2758 can kill it

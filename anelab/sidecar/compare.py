@@ -94,9 +94,16 @@ class Comparison:
 # ---- the checkpoint a package came from, and one function's inputs run both ways -----------------
 
 
-def load_matching_checkpoint(meta: SidecarMetadata, checkpoint_dir: str | os.PathLike | None = None) -> Checkpoint:
-    """The checkpoint a package was exported from: ``checkpoint_dir``, else the path the package
-    records; refused (one line) when it is missing or its geometry differs from the package's."""
+def load_matching_checkpoint(
+    meta: SidecarMetadata, checkpoint_dir: str | os.PathLike | Checkpoint | None = None
+) -> Checkpoint:
+    """The checkpoint a package was exported from: ``checkpoint_dir`` (a directory or an opened
+    ``Checkpoint``), else the path the package records; refused (one line) when it is missing or its
+    geometry or tensors differ from the package's."""
+    if isinstance(checkpoint_dir, Checkpoint):
+        require_same_geometry(meta, checkpoint_dir.geometry, checkpoint_dir.path)
+        require_same_tensors(meta, checkpoint_dir)
+        return checkpoint_dir
     source = Path(checkpoint_dir) if checkpoint_dir is not None else Path(meta.source)
     if not is_checkpoint(source):
         raise AnelabInputError(

@@ -522,3 +522,62 @@ def default_capacity(design: Design, prompt_tokens: int, chunk: int, key_tile: i
         unit = math.lcm(chunk, key_tile)
         cap = -(-cap // unit) * unit
     return cap
+
+
+@dataclass(frozen=True)
+class SidecarRequest:
+    """One sidecar as a user asks for it: the design (``graph``) and its options as the CLI's flags give them
+    (--chunk, --histories, --tile, --query-tile, --capacity, --weights, --mask-mode, --decode, the selection
+    contract), before they are checked against a checkpoint. ``options_for`` validates it (one-line refusals)
+    into the design and its :class:`SidecarOptions`. The CLI builds one; export takes it, the planner's design
+    plans give one (``DesignPlan.sidecar_request``), decide records it beside its evidence (``to_dict``)."""
+
+    chunk: int | None
+    histories: tuple[int, ...] | None = None
+    graph: str = DEFAULT_DESIGN
+    key_tile: int | None = None
+    query_tile: int | None = None
+    capacity: int | None = None
+    decode: bool = False
+    mask_mode: str | None = None
+    weights: str = "fp16"
+    selection: dict | None = field(default=None, hash=False)
+
+    def __post_init__(self):
+        if self.histories is not None:
+            object.__setattr__(self, "histories", tuple(int(h) for h in self.histories))
+        if self.graph is None:
+            object.__setattr__(self, "graph", DEFAULT_DESIGN)
+
+    def options_for(self, geometry: AttentionGeometry) -> tuple[Design, SidecarOptions]:
+        """The design and this request's options validated against ``geometry``."""
+        if self.chunk is None:
+            raise AnelabInputError("export: pass --chunk (the sidecar's width in rows)")
+        design = get_design(self.graph)
+        histories = None if self.histories is None else list(self.histories)
+        options = design.options(
+            geometry,
+            self.chunk,
+            histories,
+            weights=self.weights,
+            selection=self.selection,
+            key_tile=self.key_tile,
+            query_tile=self.query_tile,
+            capacity=self.capacity,
+            decode=self.decode,
+            mask_mode=self.mask_mode,
+        )
+        return design, options
+
+    def to_dict(self) -> dict:
+        """The request as JSON (what ``anelab decide``'s evidence records); ``from_dict`` reads it back."""
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["histories"] = None if self.histories is None else list(self.histories)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SidecarRequest:
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise AnelabInputError(f"a sidecar request with unknown fields {sorted(unknown)}")
+        return cls(**d)

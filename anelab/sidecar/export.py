@@ -12,6 +12,7 @@ import datetime as _dt
 import functools
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from anelab.sidecar.designs import (
     DEFAULT_DESIGN,
     Design,
     SidecarOptions,
+    SidecarRequest,
     get_design,
 )
 from anelab.sidecar.format import FORMAT_VERSION, SidecarMetadata, weight_bytes
@@ -40,6 +42,16 @@ from anelab.sidecar.quantize import compress_package
 OFF_MAC_REASON = (
     "not verified: the Core ML runtime is unavailable on this machine (needs macOS 15+); run the export on a Mac"
 )
+UNGATED_ON_MAC_REASON = (
+    "not verified: exported without the ANE gate (this caller ran none); export it with 'anelab export', which "
+    "gates it where the Core ML runtime is available ('anelab doctor' says whether it is)"
+)
+
+
+def ungated_reason() -> str:
+    """Why a package exported without a gate is not verified: off a Mac the runtime is missing; on a Mac the caller
+    simply ran no gate (saying "unavailable on this machine" there would be false)."""
+    return UNGATED_ON_MAC_REASON if sys.platform == "darwin" else OFF_MAC_REASON
 
 
 class VariantGate(Protocol):
@@ -163,30 +175,14 @@ def sidecar_options(
     chunk: int,
     histories: list[int] | None,
     *,
-    key_tile: int | None = None,
-    query_tile: int | None = None,
-    capacity: int | None = None,
-    decode: bool = False,
-    mask_mode: str | None = None,
     weights_mode: str = "fp16",
-    selection: dict | None = None,
+    **options,
 ) -> tuple[Design, SidecarOptions]:
     """The design called ``graph`` (None: the default, dense) and one export's options validated against
-    it (one-line refusals)."""
-    design = get_design(graph or DEFAULT_DESIGN)
-    options = design.options(
-        geometry,
-        chunk,
-        histories,
-        weights=weights_mode,
-        selection=selection,
-        key_tile=key_tile,
-        query_tile=query_tile,
-        capacity=capacity,
-        decode=decode,
-        mask_mode=mask_mode,
-    )
-    return design, options
+    it (one-line refusals): ``SidecarRequest.options_for`` with the options as keywords (key_tile,
+    query_tile, capacity, decode, mask_mode, selection)."""
+    request = SidecarRequest(chunk, histories, graph or DEFAULT_DESIGN, weights=weights_mode, **options)
+    return request.options_for(geometry)
 
 
 def selection_from_flags(kept_blocks: int | None, compress_ratio: int | None) -> dict | None:
@@ -312,7 +308,7 @@ def package_metadata(
         selection_folded=options.selection is not None,
         selection_indexer=options.selection,
         ane_verified=gate is not None,
-        ane_reason=gate.verified_reason if gate is not None else OFF_MAC_REASON,
+        ane_reason=gate.verified_reason if gate is not None else ungated_reason(),
         ane_evidence=evidence,
         coremltools=coremltools_modules()[0].__version__,
         anelab=__version__,
@@ -346,7 +342,7 @@ def convert_variants(
 
 
 def export_sidecars(
-    checkpoint_dir: str | os.PathLike,
+    checkpoint_dir,
     out_dir: str | os.PathLike,
     chunk: int,
     histories: list[int] | None,
@@ -355,18 +351,34 @@ def export_sidecars(
     graph: str | None = DEFAULT_DESIGN,
     gate: VariantGate | None = None,
     jobs: int | None = None,
+    weights_mode: str = "fp16",
     **options,
 ) -> list[ExportResult]:
+    """``export_request`` with the request spelt as arguments: ``graph`` and ``options`` as
+    :class:`SidecarRequest`'s fields (key_tile, query_tile, capacity, decode, mask_mode, selection)."""
+    request = SidecarRequest(chunk, histories, graph or DEFAULT_DESIGN, weights=weights_mode, **options)
+    return export_request(checkpoint_dir, out_dir, request, layers, gate=gate, jobs=jobs)
+
+
+def export_request(
+    checkpoint,
+    out_dir: str | os.PathLike,
+    request: SidecarRequest,
+    layers: list[int] | None = None,
+    *,
+    gate: VariantGate | None = None,
+    jobs: int | None = None,
+) -> list[ExportResult]:
     """Export ``layer_<L>.mlpackage`` for each requested attention layer (default: all full and
-    sliding-window ones). ``graph`` and ``options``: as ``export_layer``; every option is validated
-    before the checkpoint's weights are read.
+    sliding-window ones) as ``request`` asks; every option is validated before the checkpoint's weights are
+    read. ``checkpoint``: a directory or an opened ``Checkpoint``.
 
     ``jobs``: layers exported at once in worker processes (default ``anelab.core.parallel.default_jobs``);
     with an ANE ``gate`` one at a time (the gate loads every variant on the device), so a ``jobs`` above 1
     is refused there. The packages do not depend on ``jobs`` (a test compares them byte for byte).
     """
-    checkpoint = load_checkpoint(checkpoint_dir)
-    design, opts = sidecar_options(graph, checkpoint.geometry, chunk, histories, **options)
+    checkpoint = load_checkpoint(checkpoint)
+    design, opts = request.options_for(checkpoint.geometry)
     full = list(checkpoint.geometry.full_attention_layers)  # full and sliding-window attention layers
     layers = full if layers is None else list(layers)
     for layer in layers:

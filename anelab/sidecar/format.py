@@ -251,6 +251,11 @@ def require_package(path: str | os.PathLike) -> Path:
         raise AnelabInputError(f"{path}: no such package; give the path of a .mlpackage written by 'anelab export'")
     if not path.is_dir() or not (path / "Manifest.json").is_file():
         raise AnelabInputError(f"{path}: not an .mlpackage (no Manifest.json); give the path of a .mlpackage directory")
+    if not path.name.endswith(".mlpackage"):
+        raise AnelabInputError(
+            f"{path}: the name does not end in .mlpackage, and Core ML compiles nothing else (coremltools 9.0 "
+            f"utils.py:1098-1100); rename the directory to <name>.mlpackage"
+        )
     return path
 
 

@@ -1,56 +1,11 @@
 """The stateful tiled sidecar graph: one function per chunk width, K/V in state, online softmax over tiles.
 
-One function ``c<C>`` (and ``c1`` for decode) serves every chunk start of a layer: the K/V cache lives
-in Core ML state ([Hkv, capacity, d] each), the chunk's first absolute position is the int32 input
-``start``, and attention visits the cache in key tiles of ``key_tile`` slots and the chunk in query
-tiles of ``query_tile`` rows, with online softmax (running max m, running sum l, accumulator acc
-rescaled by exp(m_old - m_new); Dao et al. 2022). The largest score tensor is
-[Hkv, group x query_tile, key_tile] — independent of the capacity and of the chunk width. (The cache
-itself, [Hkv, capacity, d], is read and updated whole: it is the state, not a working buffer.)
-
-Mask contract (decided here, recorded in the package metadata as ``anelab.maskMode``):
-
-- ``causal`` (default): no mask input. Causality is computed in-graph per (query tile, key tile)
-  from ``start``: in int32, ``limit = clip(start + r0 + i - k0, -1, key_tile)`` per query row i
-  (tiny values, exact in fp16), then slot k0 + j is visible iff j <= limit. Slots past the current
-  position — not yet written, or padding of a partial chunk — are therefore always dropped, and no
-  [C, capacity] tensor exists anywhere.
-- ``additive``: an extra input ``mask`` [C, capacity] fp16 is added, per key tile, to the scores on
-  top of the in-graph causal mask (0 = attend, -30000 = drop). This keeps the arbitrary-mask
-  contract (a folded sparse-indexer selection, a sliding window) at the cost of a [C, capacity]
-  input, materialised by the caller only when it needs more than causality.
-
-Wasted arithmetic: there is no control flow (MIL ``while_loop`` / ``cond`` are avoided: Core ML's
-ANE compiler and the NumPy evaluator take a static graph), so every call scores all
-``capacity / key_tile`` key tiles; slots past ``start + C`` are scored and then dropped. A call at
-start s does C x capacity score entries where C x (s + C) (less the upper triangle) are used; over a
-prompt of P tokens the used fraction is about P / (2 x capacity) (``wasted_score_fraction``).
-
-Sliding windows (a layer with window W): the cache is a ring of ``slots`` = W + C (rounded up to
-whole key tiles, ``window_ring``) rather than one slot per position. Position p lives in slot
-p mod slots; a call writes its C rows there (a write that runs past the last slot wraps to the
-first: the cache is extended by its first C slots, updated at ``start mod slots``, and the wrapped
-rows folded back by a ``select``, all static shapes). After the write, slot j holds the latest
-position p = j (mod slots) with p <= start + C - 1, so from the call's ``start`` alone each row knows
-every slot's position. Row q = start + i keeps slot j iff its age q - p lies in [0, min(W - 1, q)]
-(the window, and no slot before position 0); per (query tile, key tile) that is two intervals of
-slot indices, formed in int32 and clipped to [-1, key_tile] before the fp16 compare, as the causal
-limit. Why W + C slots are enough: the keys a chunk needs are start - W + 1 .. start + C - 1
-(W + C - 1 positions), and a slot whose content is older than the formula says (the zero padding of
-a partial chunk, later overwritten) is at age >= slots - C + 2 > W from every row that could read it,
-so it is dropped too. Every call therefore scores ``slots`` keys per row whatever the position: a
-windowed layer's largest intermediate and arithmetic depend on W and C, never on the prompt, and the
-tiles wholly outside the window are not in the cache to be scored. Positions are still absolute
-(RoPE by ``start``), bounded by ``capacity`` only through the size of the hi RoPE table.
-
-RoPE without int16: coremltools' ``common::add_int16_cast`` narrows ``gather`` indices to int16 when
-the gathered axis is at most 32,767 long, so a position never indexes a table directly. ``start`` is
-split in int32 into ``hi = start // ROPE_SPLIT`` and ``lo = start - hi * ROPE_SPLIT``; the tables
-cos/sin(hi * ROPE_SPLIT * theta) [capacity / ROPE_SPLIT, rot/2] and cos/sin(lo * theta)
-[ROPE_SPLIT, rot/2] are gathered with indices < 32,768 whatever the capacity, and the rotation by
-``start`` is their composition (angle addition, in fp16), followed by the static rotation by the
-row offset i < C (as the dense graph does). The int16 cast coremltools inserts on those gathers is
-then exact up to a capacity of 32,767 x ROPE_SPLIT.
+One function ``c<C>`` (and ``c1`` for decode) serves every chunk start of a layer: the K/V cache lives in Core
+ML state ([Hkv, capacity, d] each), the chunk's first absolute position is the int32 input ``start``, attention
+visits the cache in key tiles of ``key_tile`` slots and the chunk in query tiles of ``query_tile`` rows (online
+softmax); the largest score tensor is [Hkv, group x query_tile, key_tile]. Mask modes ``causal`` (in-graph) and
+``additive`` (plus a [C, capacity] input), the ring of a sliding-window layer, the wasted arithmetic and RoPE
+without int16 gathers are derived in docs/derivations.md.
 """
 
 from __future__ import annotations
