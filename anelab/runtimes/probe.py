@@ -86,7 +86,7 @@ def build_probe_packages(work: Path) -> ProbePackages:
                                             model_type="llama"))  # fmt: skip
     stateful = dict(graph=STATEFUL, capacity=PROBE_CAPACITY, decode=True)
     return ProbePackages(
-        stateful=str(export_layer(ckpt, 0, PROBE_CHUNK, None, work / "stateful", **stateful).package),
+        stateful=str(export_layer(ckpt, 0, PROBE_CHUNK, None, work / "with-state", **stateful).package),
         palettized=str(
             export_layer(ckpt, 0, PROBE_CHUNK, None, work / "palettized", weights_mode="palettize4", **stateful).package
         ),  # fmt: skip
