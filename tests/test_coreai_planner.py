@@ -11,7 +11,8 @@ from anelab.cli import main
 from anelab.core.errors import AnelabInputError
 from anelab.core.paths import DATA_DIR
 from anelab.core.records import make_record, write_record
-from anelab.planner.coreai_loads import coreai_ratios, flip_load
+from anelab.planner.coreai_loads import coreai_ratios
+from anelab.planner.load_flip import flip_load
 from anelab.planner.plan import plan
 from anelab.planner.verdict import plan_arm_costs, verdict_for
 

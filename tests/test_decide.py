@@ -213,8 +213,8 @@ def test_decide_reads_its_checkpoint_once_and_plans_each_prompt_once(model, tmp_
     import anelab.planner.from_checkpoint as planner_module
 
     reads, planned = [], []
-    weight_map, plan_fn = checkpoint_module._weight_map, planner_module.plan_from_checkpoint
-    monkeypatch.setattr(checkpoint_module, "_weight_map", lambda d: reads.append(d) or weight_map(d))
+    open_source, plan_fn = checkpoint_module.open_source, planner_module.plan_from_checkpoint  # any format's opening
+    monkeypatch.setattr(checkpoint_module, "open_source", lambda d: reads.append(d) or open_source(d))
     monkeypatch.setattr(
         planner_module,
         "plan_from_checkpoint",

@@ -213,15 +213,15 @@ def compare_arms(
     return ArmsReport(model.path, prompt, decode, used, runs, pairs)
 
 
-DEFAULT_DENSE = "default-dense"  # compare-arms' name for the embedded dense sibling
+def named_with_sidecars(
+    name: str, sidecars: str | os.PathLike | None, prompt_tokens: int, chunk: int = REFERENCE_CHUNK
+):
+    """A named checkpoint (``default-dense``: generated on first use; ``default-real``: fetched on first use) and,
+    when ``sidecars`` names a directory that does not exist yet, its sidecars exported there for a
+    ``prompt_tokens`` prompt. Returns (checkpoint path, sidecars)."""
+    from anelab.checkpoints.default import resolve_checkpoint
 
-
-def default_dense(sidecars: str | os.PathLike | None, prompt_tokens: int, chunk: int = REFERENCE_CHUNK):
-    """The embedded dense sibling (generated on first use) and, when ``sidecars`` names a directory that
-    does not exist yet, its sidecars exported there for a ``prompt_tokens`` prompt. Returns (checkpoint, sidecars)."""
-    from anelab.checkpoints.default import dense_checkpoint_dir
-
-    checkpoint = dense_checkpoint_dir()
+    checkpoint = resolve_checkpoint(name)
     if sidecars is not None and not Path(sidecars).exists():
         export_arm_sidecars(checkpoint, sidecars, chunk, prompt_tokens)
     return checkpoint, sidecars

@@ -1,13 +1,13 @@
-"""A Hugging Face-style checkpoint directory: load one layer's weights lazily; write one.
+"""A checkpoint opened for its attention layers, whatever its format: load one layer's weights lazily; write one.
 
-Tensors are read lazily from the safetensors files (possibly sharded behind
-``model.safetensors.index.json``); only the requested layer's bytes are read. The writer produces
-the same layout so tests and notebooks work on small synthetic models.
+The path is opened by its format (``anelab.checkpoints.formats``: a Hugging Face safetensors directory, a
+GGUF file, an MLX-quantized directory), which serves the config and every tensor under its transformers name,
+float32 in anelab's layout; only the requested layer's bytes are read. The writer produces the Hugging Face
+layout so tests and notebooks work on small synthetic models.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -30,15 +30,9 @@ from anelab.checkpoints.config import (
     geometry_from_config,
     text_config,
 )
-from anelab.checkpoints.safetensors_io import (
-    INDEX_FILE,
-    STORAGE_DTYPES,
-    LazyTensor,
-    MappedTensor,
-    SafetensorsFile,
-    TensorEntry,
-    write_safetensors,
-)
+from anelab.checkpoints.formats import open_source
+from anelab.checkpoints.safetensors_io import INDEX_FILE, STORAGE_DTYPES, LazyTensor, write_safetensors
+from anelab.checkpoints.source import TensorSource
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import AttentionGeometry
 from anelab.core.weights import AttentionWeights
@@ -53,10 +47,12 @@ _PREFERRED_PREFIXES = ("model.", "model.language_model.", "language_model.model.
 
 @dataclass
 class Checkpoint:
-    """A Hugging Face-style model directory, opened for its full-attention layers.
+    """A checkpoint (a model directory or a GGUF file), opened for its full-attention layers.
 
-    ``config`` is config.json as read; ``text`` is its language-model part; ``geometry`` the
-    attention block's shapes; ``prefix`` the tensor-name prefix before ``layers.{L}.self_attn.``.
+    ``config`` is config.json as read (a GGUF file's built from its metadata); ``text`` is its language-model
+    part; ``geometry`` the attention block's shapes; ``prefix`` the tensor-name prefix before
+    ``layers.{L}.self_attn.``; ``tensors`` its tensors by transformers name (``source.TensorSource``);
+    ``format`` the ``formats.FORMATS`` entry that opened it; ``quantized``: its weights are stored quantized.
     """
 
     path: Path
@@ -65,8 +61,10 @@ class Checkpoint:
     model_type: str
     family: ModelFamily
     prefix: str
-    weight_map: dict[str, Path]
-    _files: dict[Path, SafetensorsFile] = field(default_factory=dict, repr=False)
+    tensors: TensorSource
+    format: str = "safetensors"
+    quantized: bool = False
+    _tokenizer: object = field(default=None, repr=False)
 
     @property
     def text(self) -> dict:
@@ -76,43 +74,37 @@ class Checkpoint:
         """Full tensor name, e.g. ``model.layers.3.self_attn.q_norm.weight`` for ("q_norm.weight")."""
         return f"{self.prefix}layers.{layer}.self_attn.{param}"
 
-    def _entry(self, name: str) -> tuple[SafetensorsFile, TensorEntry] | None:
-        path = self.weight_map.get(name)
-        if path is None:
-            return None
-        if path not in self._files:
-            self._files[path] = SafetensorsFile.open(path)
-        entry = self._files[path].entries.get(name)
-        if entry is None:
-            raise AnelabInputError(f"{INDEX_FILE} maps tensor {name} to {path.name}, which does not contain it")
-        return self._files[path], entry
-
     def has_tensor(self, name: str) -> bool:
         """Whether the checkpoint maps a tensor of this full name."""
-        return name in self.weight_map
+        return self.tensors.shape(name) is not None
 
-    def _checked_file(self, name: str, shape: tuple[int, ...]):
-        """The file holding ``name``; refuses (one line) a missing tensor or a shape other than ``shape``."""
-        found = self._entry(name)
+    def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:
+        """Refuse (one line) a missing tensor or a shape other than ``shape``."""
+        found = self.tensors.shape(name)
         if found is None:
             raise AnelabInputError(f"tensor {name} is missing from the checkpoint at {self.path}")
-        file, entry = found
-        if entry.shape != tuple(shape):
-            raise AnelabInputError(
-                f"tensor {name} has shape {list(entry.shape)}, expected {list(shape)} from config.json"
-            )
-        return file
+        if tuple(found) != tuple(shape):
+            raise AnelabInputError(f"tensor {name} has shape {list(found)}, expected {list(shape)} from config.json")
 
     def read_tensor(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        """The tensor ``name`` as float32, read lazily; refuses a missing one or a shape other than ``shape``."""
-        file = self._checked_file(name, shape)
-        return file.read_float32(name)
+        """The tensor ``name`` as float32 (dequantized, anelab's layout), read lazily; refuses a missing one or a
+        shape other than ``shape``."""
+        self._check_shape(name, shape)
+        return self.tensors.read_float32(name)
 
-    def map_tensor(self, name: str, shape: tuple[int, ...]) -> MappedTensor:
-        """The tensor ``name`` left in its file (rows read as float32 on demand); refused as ``read_tensor``."""
-        file = self._checked_file(name, shape)
-        file.view(name)  # refuses an unsupported dtype or a truncated tensor now
-        return MappedTensor(file, name)
+    def map_tensor(self, name: str, shape: tuple[int, ...]):
+        """The tensor ``name`` [N, K] left in its file (rows read as float32 on demand); refused as ``read_tensor``."""
+        self._check_shape(name, shape)
+        return self.tensors.mapped(name)
+
+    def tokenizer(self):
+        """The model's tokenizer (``anelab.checkpoints.tokenizer.ModelTokenizer``: tokenizer.json, or a GGUF
+        file's metadata), built once; refused (one line) when the checkpoint carries none."""
+        if self._tokenizer is None:
+            raise AnelabInputError(f"checkpoint {self.path} carries no tokenizer (no tokenizer.json); pass --tokens")
+        if callable(self._tokenizer):
+            self._tokenizer = self._tokenizer()
+        return self._tokenizer
 
     def _check_layer(self, index: int) -> None:
         g = self.geometry
@@ -143,7 +135,7 @@ class Checkpoint:
         expected = self.geometry.parameter_shapes()
         for param in ("q_proj.bias", "k_proj.bias", "v_proj.bias", "o_proj.bias"):
             name = self.tensor_name(index, param)
-            if param not in expected and name in self.weight_map:
+            if param not in expected and self.has_tensor(name):
                 raise AnelabInputError(
                     f"tensor {name} exists but config.json declares no such bias (attention_bias); "
                     "fix config.json so the bias is not dropped"
@@ -178,22 +170,15 @@ class Checkpoint:
         (modeling_phi3.py: query_pos = Hq*d, then Hkv*d rows of K, then V)."""
         g = self.geometry
         name = self.tensor_name(index, "qkv_proj.weight")
-        found = self._entry(name)
-        if found is None:
+        if not self.has_tensor(name):
             raise AnelabInputError(f"tensor {name} (Phi-3's fused q/k/v projection) is missing from {self.path}")
-        file, entry = found
         q_rows, kv_rows = g.q_out_features, g.kv_out_features
-        shape = (q_rows + 2 * kv_rows, g.hidden_size)
-        if entry.shape != shape:
-            raise AnelabInputError(
-                f"tensor {name} has shape {list(entry.shape)}, expected {list(shape)} from config.json"
-            )
         for param in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "qkv_proj.bias"):
-            if self.tensor_name(index, param) in self.weight_map:
+            if self.has_tensor(self.tensor_name(index, param)):
                 raise AnelabInputError(
                     f"tensor {self.tensor_name(index, param)} next to the fused qkv_proj.weight; a Phi-3 layer has only the fused one"
                 )
-        fused = file.read(name).astype(np.float32)
+        fused = self.read_tensor(name, (q_rows + 2 * kv_rows, g.hidden_size))
         return {
             "q_proj.weight": fused[:q_rows],
             "k_proj.weight": fused[q_rows : q_rows + kv_rows],
@@ -203,30 +188,37 @@ class Checkpoint:
     def attention_digests(self, layer: int) -> dict[str, str]:
         """Tensor name -> digest for every tensor of ``layer``'s attention (``{prefix}layers.{L}.self_attn.*``).
 
-        The digest is SHA-256 (16 hex digits) of the name, dtype, shape and stored bytes, read through a
-        memory map whose pages are released after each tensor (matching an 8B model's 32 layers read 2.7 GB):
-        what an exported package records to recognise its checkpoint under any path.
+        The digest is SHA-256 (16 hex digits) of the name, storage, shape and stored bytes (an MLX weight's
+        scales and biases too; ``source.TensorSource.digest``), read with the pages released after each tensor:
+        what an exported package records to recognise its checkpoint under any path, in any format.
         """
         stem = self.tensor_name(int(layer), "")
-        digests = {}
-        for name in sorted(n for n in self.weight_map if n.startswith(stem)):
-            file, entry = self._entry(name)
-            h = hashlib.sha256(f"{name}|{entry.dtype}|{list(entry.shape)}|".encode())
-            h.update(memoryview(file.view(name).reshape(-1).view(np.uint8)))
-            file.release(name)  # the pages read stay in the page cache, not in this process's resident memory
-            digests[name] = h.hexdigest()[:16]
-        return digests
+        return {
+            name: self.tensors.digest(name) for name in sorted(n for n in self.tensors.names() if n.startswith(stem))
+        }
 
     def tensor_dtype(self, layer: int | None = None) -> str:
-        """Storage dtype of a full-attention layer's q_proj (the first such layer by default)."""
+        """Storage of a full-attention layer's q_proj (the first such layer by default): ``BF16``, ``Q4_1``, ..."""
         layer = self.geometry.full_attention_layers[0] if layer is None else layer
-        found = self._entry(self.tensor_name(layer, "qkv_proj.weight" if self.family.fused_qkv else "q_proj.weight"))
-        return found[1].dtype if found else "missing"
+        name = self.tensor_name(layer, "qkv_proj.weight" if self.family.fused_qkv else "q_proj.weight")
+        return self.tensors.storage(name) if self.has_tensor(name) else "missing"
+
+    def source_record(self, layer: int, weights_mode: str = "fp16") -> dict:
+        """What a package of ``layer`` records about where its weights came from (``anelab.sourceFormat``): the
+        format, how the layer's attention tensors are stored and, from a quantized source, that the sidecar holds
+        the dequantized projections (stored ``weights_mode``: fp16, or re-compressed)."""
+        stem = self.tensor_name(int(layer), "")
+        storage = sorted({self.tensors.storage(n) for n in self.tensors.names() if n.startswith(stem)})
+        record = {"format": self.format, "attention_storage": storage, "quantized": self.quantized}
+        if self.quantized:
+            stored = "fp16" if weights_mode == "fp16" else f"fp16, then compressed {weights_mode}"
+            record["sidecar_weights"] = f"the dequantized attention projections ({stored})"
+        return record
 
     def describe(self) -> str:
         """A few lines saying what this checkpoint is, for humans and notebooks."""
         g = self.geometry
-        files = sorted({p.name for p in self.weight_map.values()})
+        files = self.tensors.files()
         traits = {
             "llama": "plain attention",
             "qwen3": "per-head q/k RMSNorm",
@@ -249,7 +241,7 @@ class Checkpoint:
                 ),
                 f"  options: {block_options(g)}",
                 f"  tensors {self.prefix}layers.{{L}}.self_attn.*, {self.tensor_dtype()}, "
-                f"{len(files)} file{'s' if len(files) != 1 else ''}",
+                f"{len(files)} file{'s' if len(files) != 1 else ''} ({self.format})",
             ]
         )
 
@@ -274,25 +266,6 @@ def block_options(g: AttentionGeometry) -> str:
     return "; ".join(parts)
 
 
-def _weight_map(directory: Path) -> dict[str, Path]:
-    """Tensor name -> file: from the shard index when present, else from every file's header."""
-    index = directory / INDEX_FILE
-    if index.exists():
-        try:
-            mapping = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise AnelabInputError(f"{index} has no readable 'weight_map'; regenerate the shard index") from None
-        return {name: directory / file for name, file in mapping.items()}
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise AnelabInputError(f"no *.safetensors files in {directory}; download the model weights into it")
-    mapping: dict[str, Path] = {}
-    for path in files:
-        for name in SafetensorsFile.open(path).entries:
-            mapping[name] = path
-    return mapping
-
-
 def _layers_prefix(names) -> str:
     """The prefix before ``layers.{L}.self_attn.q_proj.weight`` of the model's decoder stack."""
     prefixes = sorted({m["prefix"] for m in map(_LAYER_KEY.match, names) if m})
@@ -313,39 +286,28 @@ def _layers_prefix(names) -> str:
 
 
 def load_checkpoint(path: str | os.PathLike | Checkpoint) -> Checkpoint:
-    """Open a Hugging Face-style checkpoint directory (config.json + *.safetensors); an opened
-    ``Checkpoint`` is returned as it is (a flow opens its checkpoint once and passes it on).
+    """Open a checkpoint in any format of ``anelab.checkpoints.formats.FORMATS``: a Hugging Face directory
+    (config.json + *.safetensors), a GGUF file or an MLX-quantized directory; an opened ``Checkpoint`` is
+    returned as it is (a flow opens its checkpoint once and passes it on).
 
-    Reads config.json and the safetensors headers (or the shard index) only; ``layer(i)`` reads
-    that layer's tensors.
+    Reads the config and the tensor headers (or the shard index) only; ``layer(i)`` reads that layer's tensors.
     """
     if isinstance(path, Checkpoint):
         return path
-    directory = Path(path)
-    if not directory.is_dir():
-        raise AnelabInputError(
-            f"checkpoint directory {directory} does not exist; pass a model directory with config.json"
-        )
-    config_path = directory / CONFIG_FILE
-    if not config_path.is_file():
-        raise AnelabInputError(f"{directory} has no config.json; pass a Hugging Face model directory")
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise AnelabInputError(f"{config_path} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(config, dict):
-        raise AnelabInputError(f"{config_path} must hold a JSON object")
-    model_type, family = detect_family(config)
-    geometry = geometry_from_config(config)
-    weight_map = _weight_map(directory)
+    source = open_source(path)
+    model_type, family = detect_family(source.config)
+    geometry = geometry_from_config(source.config)
     return Checkpoint(
-        path=directory,
-        config=config,
+        path=Path(path),
+        config=source.config,
         geometry=geometry,
         model_type=model_type,
         family=family,
-        prefix=_layers_prefix(weight_map),
-        weight_map=weight_map,
+        prefix=_layers_prefix(source.tensors.names()),
+        tensors=source.tensors,
+        format=source.format,
+        quantized=source.quantized,
+        _tokenizer=source.tokenizer,
     )
 
 

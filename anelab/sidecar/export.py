@@ -309,6 +309,7 @@ def package_metadata(
         format_version=FORMAT_VERSION,
         source=str(Path(checkpoint.path).resolve()),
         source_tensors=checkpoint.attention_digests(layer),
+        source_format=checkpoint.source_record(layer, options.weights),
         layer=layer,
         geometry=checkpoint.geometry.to_dict(),
         chunk=options.chunk,

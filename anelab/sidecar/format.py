@@ -53,6 +53,7 @@ META = {
     "anelab": "anelab.version",
     "exported_at": "anelab.exportedAt",
     "source_tensors": "anelab.sourceTensors",
+    "source_format": "anelab.sourceFormat",
 }
 
 
@@ -121,7 +122,9 @@ class SidecarMetadata:
     feeds (``input_rows``: post-input-norm rows, or the raw residual stream for OLMo 2).
     ``source``: the checkpoint's absolute path at export; ``source_tensors``: tensor name -> digest of
     every attention tensor of the layer (``Checkpoint.attention_digests``), which identifies the
-    checkpoint by content (None: exported before digests were recorded).
+    checkpoint by content (None: exported before digests were recorded). ``source_format``: the checkpoint's
+    format and storage (``Checkpoint.source_record``: safetensors / gguf / mlx, the layer's attention storage
+    and, from a quantized source, that the sidecar holds the dequantized projections; None: not recorded).
     """
 
     format_version: int
@@ -150,6 +153,7 @@ class SidecarMetadata:
     mask_mode: str | None = None
     ring_slots: int | None = None
     source_tensors: dict[str, str] | None = None
+    source_format: dict | None = None
 
     @property
     def functions(self) -> list[str]:
@@ -241,6 +245,7 @@ _FIELDS = {
     "mask_mode": (MASK_MODE_META, "str", False),
     "ring_slots": (RING_SLOTS_META, "int", False),
     "source_tensors": (META["source_tensors"], "json", False),
+    "source_format": (META["source_format"], "json", False),
 }
 
 

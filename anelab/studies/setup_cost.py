@@ -374,13 +374,14 @@ def memory_vs_functions(
 def coreai_setup_comparison(records_dir, data_dir=None, family: str = "qwen3.8-125b-a6b-4bit") -> dict:
     """What notebook 04's Core ML vs Core AI figure draws, at the seed's workload (``REFERENCE_TOKENS``):
     the family's per-variant loads as Core ML records them (the variants the prompt visits), the per-variant
-    load at which its verdict turns to the ANE (``planner.coreai_loads.flip_load``), and — where ``anelab
+    load at which its verdict turns to the ANE (``planner.load_flip.flip_load``), and — where ``anelab
     measure`` recorded Core AI beside Core ML on a Mac (``records_dir``) — each Core AI mode's per-variant
     price (its Core AI / Core ML ratio times the family's loads) and the cold specialization against the
     number of entrypoints. ``coreai`` / ``per_count`` are empty until such records exist."""
     from anelab.core.records import read_records
     from anelab.planner.catalogue import REFERENCE_TOKENS
-    from anelab.planner.coreai_loads import coreai_ratios, flip_load
+    from anelab.planner.coreai_loads import coreai_ratios
+    from anelab.planner.load_flip import flip_load
 
     base = plan(REFERENCE_TOKENS, family=family, data_dir=data_dir)
     loads = {int(h): v["seconds"] for h, v in base.load_seconds.items()}
