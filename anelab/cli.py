@@ -715,6 +715,13 @@ def _add_compare_arms(sub):
         help="serve the sidecars through Core ML on a Mac (cpu_only | cpu_and_gpu | cpu_and_ne | all); "
         "default: NumPy evaluation of the saved programs",
     )
+    p.add_argument(
+        "--engine",
+        default="auto",
+        help="who runs everything but the sidecars: numpy (anelab's forward, the independent reference), mlx "
+        "(mlx-lm's model: every family it runs, Qwen 3.5 hybrids and MoE included), or auto (default: numpy "
+        "where anelab models the family, else mlx)",
+    )
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
 
 
@@ -738,6 +745,7 @@ def _run_compare_arms(args):
         indexer=Indexer(args.kept_blocks, args.compress_ratio) if args.kept_blocks else None,
         chunk=args.chunk,
         compute_units=args.compute_units,
+        engine=args.engine,
     )
     if args.json:
         _print_json(report.to_dict())
