@@ -181,8 +181,10 @@ def choose_engine(checkpoint, engine: str = "auto") -> str:
         raise AnelabInputError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
     if engine != "auto":
         return engine
-    if isinstance(checkpoint, ModelCheckpoint):
-        return "numpy"
+    from anelab.arms.mlx_engine import MlxArmsModel
+
+    if isinstance(checkpoint, (ModelCheckpoint, MlxArmsModel)):
+        return "numpy" if isinstance(checkpoint, ModelCheckpoint) else "mlx"
     from anelab.checkpoints.checkpoint import load_checkpoint
     from anelab.checkpoints.model import DECODER_FAMILIES
 
@@ -191,9 +193,14 @@ def choose_engine(checkpoint, engine: str = "auto") -> str:
 
 def _open_for(checkpoint, engine: str):
     """The model an engine runs: anelab's whole model (numpy) or mlx-lm's beside anelab's attention layers (mlx)."""
+    from anelab.arms.mlx_engine import MlxArmsModel, open_mlx_arms_model
+
+    if isinstance(checkpoint, MlxArmsModel):
+        if engine != "mlx":
+            raise AnelabInputError(f"an MLX-opened model runs on the mlx engine, not {engine}")
+        return checkpoint
     if engine == "numpy":
         return load_model(checkpoint)
-    from anelab.arms.mlx_engine import open_mlx_arms_model
 
     source = checkpoint.checkpoint if isinstance(checkpoint, ModelCheckpoint) else checkpoint
     return open_mlx_arms_model(source)
