@@ -229,6 +229,40 @@ def test_a_fake_mac_run_replaces_predicted_costs_with_measured_ones(decided, mod
     assert decision.verdicts["dense"]["costs"]["load_per_layer"]["kind"] == "extrapolated"
 
 
+def test_a_fake_mac_whose_ane_predicts_fail_says_the_ane_arm_does_not_run(decided, model, tmp_path):
+    """Nothing of a failed ANE arm is priced as measured, its loads included: the ANE arm does not run."""
+    from anelab.runtimes.fake import FakeFunction, FakeRuntime
+
+    _, out = decided
+    shutil.copytree(out, tmp_path / "run", ignore=shutil.ignore_patterns("measured"))
+    failing = {f"h{s}": FakeFunction(predict_error="ANE compiler service failed") for s in (0, 32)}
+    fake = FakeRuntime(failing)
+    config = DecideConfig(model, PROMPT, tmp_path / "run", design="dense", chunk=CHUNK, measure=True, runtime=fake)
+    config.clock = fake.clock
+    decision = decide(config)
+    v = decision.verdict
+    assert v["decision"] == "gpu" and "the ANE arm does not run on this Mac" in v["reason"]
+    assert "ANE compiler service failed" in decision.evidence["measured"]["ane_failure"]
+    assert "measured on this Mac" not in {c["kind"] for c in v["costs"].values()}  # the loads are not kept
+
+
+def test_decide_measure_refuses_a_mac_without_a_neural_engine_or_ane_placement(decided, model, tmp_path):
+    from anelab.core.errors import AnelabInputError
+    from anelab.runtimes.fake import FakeFunction, FakeRuntime
+
+    config = DecideConfig(model, PROMPT, tmp_path / "x", design="dense", chunk=CHUNK, measure=True,
+                          runtime=FakeRuntime(neural_engine=False))  # fmt: skip
+    with pytest.raises(AnelabInputError, match="no Neural Engine"):
+        decide(config)
+    assert not (tmp_path / "x").exists()  # refused before anything is written
+    _, out = decided
+    shutil.copytree(out, tmp_path / "run", ignore=shutil.ignore_patterns("measured"))
+    on_cpu = FakeRuntime(default=FakeFunction(assignment={"neural_engine": 0, "gpu": 3, "cpu": 90}))
+    config = DecideConfig(model, PROMPT, tmp_path / "run", design="dense", chunk=CHUNK, measure=True, runtime=on_cpu)
+    with pytest.raises(AnelabInputError, match="puts none of its 93 operations on the Neural Engine"):
+        decide(config)
+
+
 # ---- bad input: one line, exit 2 -------------------------------------------------------------------------------
 def _refused(argv, capsys, needle):
     assert main(argv) == 2
