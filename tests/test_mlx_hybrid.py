@@ -254,3 +254,14 @@ def test_ab_refuses_a_mac_without_a_neural_engine_or_ane_placement_or_working_pr
     with pytest.raises(AnelabInputError, match="the ANE arm does not run on this Mac") as refused:
         run_ab(ab_request(checkpoint, gated, [PROMPT], runtime=failing, clock=clock, out_dir=tmp_path / "rec"))
     assert "\n" not in str(refused.value) and not (tmp_path / "rec").exists()  # nothing of the failed run kept
+
+
+def test_decide_runs_a_qwen3_5_hybrid_end_to_end_on_its_own_candidate(made, tmp_path):
+    from anelab.decide.run import DecideConfig, decide
+
+    checkpoint, _ = made["qwen3_5"]
+    decision = decide(DecideConfig(checkpoint, 2 * CHUNK, tmp_path / "decide", chunk=CHUNK, decode=DECODE))
+    arms = decision.evidence["arms"]
+    assert arms["engine"] == "mlx" and arms["served_by"] == decision.candidate and arms["note"] == ""
+    assert 0 < arms["logits_relative_difference"] < NOISE and arms["identical_text"]
+    assert arms["layer_differences"][:3] == [0.0, 0.0, 0.0]  # the Gated DeltaNet layers stay mlx-lm's

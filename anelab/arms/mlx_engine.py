@@ -12,6 +12,7 @@ arms run on the NumPy engine.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -103,19 +104,11 @@ def _run_one(model: MlxArmsModel, prompt: np.ndarray, arm: Arm, decode: int, chu
     if arm.attention == "sidecar":
         hybrid = Hybrid(model.mlx, sidecars, model.geometry, tuple(sidecars.packages), controls=controls)
     with tapped_layers(model.mlx, sink):
-        with hybrid.installed() if hybrid is not None else _nothing():
+        with hybrid.installed() if hybrid is not None else contextlib.nullcontext():
             logits = prefill(model.mlx, prompt, chunk, cache, hybrid, on_chunk=lambda s: at.update(start=s))
             at["recording"] = False
             rows, tokens = decode_greedy(model.mlx, logits, cache, decode)
     return hidden, rows, tokens
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def run_mlx_arms(

@@ -99,8 +99,9 @@ class AbReport:
         for p in self.prompts:
             r, gpu, ane = p.results, p.results["gpu_arm"], p.results["ane_arm"]
             parts = ", ".join(f"{k.removesuffix('_s')} {v:.3g}" for k, v in ane["components_median_s"].items())
+            device = p.record["provenance"].get("mlx_device", "?")
             lines.append(
-                f"{p.prompt_tokens:>7} tokens: GPU arm (mlx-lm prefill) {gpu['median_s']:.4g} s "
+                f"{p.prompt_tokens:>7} tokens: GPU arm (mlx-lm prefill, {device}) {gpu['median_s']:.4g} s "
                 f"[{gpu['min_s']:.4g} .. {gpu['max_s']:.4g}]; ANE arm (hybrid) {ane['median_s']:.4g} s "
                 f"[{ane['min_s']:.4g} .. {ane['max_s']:.4g}] = {parts} s; loads {ane['load_total_s']:.4g} s "
                 f"({len(ane['loads'])} functions, apart); logits vs mlx-lm {r['correctness']['logits_relative_difference']:.2e}"
