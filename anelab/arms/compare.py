@@ -191,6 +191,24 @@ def choose_engine(checkpoint, engine: str = "auto") -> str:
     return "numpy" if load_checkpoint(checkpoint).model_type in DECODER_FAMILIES else "mlx"
 
 
+def open_engine_model(checkpoint, engine: str = "auto"):
+    """(engine, the model it runs) for a checkpoint (``choose_engine``). A family anelab's forward does not model
+    that mlx-lm cannot load either is refused in one line naming both reasons."""
+    chosen = choose_engine(checkpoint, engine)
+    try:
+        return chosen, _open_for(checkpoint, chosen)
+    except AnelabInputError as e:
+        if engine != "auto" or chosen != "mlx":
+            raise
+        from anelab.checkpoints.checkpoint import load_checkpoint
+        from anelab.checkpoints.model import whole_model_support
+
+        model_type = load_checkpoint(checkpoint).model_type
+        raise AnelabInputError(
+            f"model_type {model_type}: anelab's whole-model forward {whole_model_support(model_type)}; and {e}"
+        ) from None
+
+
 def _open_for(checkpoint, engine: str):
     """The model an engine runs: anelab's whole model (numpy) or mlx-lm's beside anelab's attention layers (mlx)."""
     from anelab.arms.mlx_engine import MlxArmsModel, open_mlx_arms_model
@@ -233,8 +251,7 @@ def compare_arms(
     the hybrid).
     """
 
-    engine = choose_engine(checkpoint, engine)
-    model = _open_for(checkpoint, engine)
+    engine, model = open_engine_model(checkpoint, engine)
     prompt = random_prompt(model.vocab_size, prompt_tokens or 0, seed) if tokens is None else np.asarray(tokens)
     attention_layers = model.checkpoint if engine == "mlx" else model
     sidecar_set = open_sidecars(sidecars, attention_layers, prompt.size) if sidecars is not None else None

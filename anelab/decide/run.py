@@ -181,7 +181,6 @@ def choose_design(config: DecideConfig, plan: PromptPlan) -> DesignPlan:
 def open_request(config: DecideConfig) -> Opened:
     """Refuse (one line) what decide cannot do; open the checkpoint and the whole model once, and the runtime."""
     from anelab.checkpoints.checkpoint import load_checkpoint
-    from anelab.checkpoints.model import load_model
 
     if config.design != "auto" and config.design not in PRICED:
         get_design(config.design, "--design")  # a renamed design is refused with its new name
@@ -195,15 +194,9 @@ def open_request(config: DecideConfig) -> Opened:
             f"{config.checkpoint} has sliding-window layers {list(g.sliding_layers)}; decide covers full-attention "
             "layers only: plan it with 'anelab plan --checkpoint'"
         )
-    from anelab.arms.compare import choose_engine
+    from anelab.arms.compare import open_engine_model
 
-    engine = choose_engine(checkpoint)  # the whole-model arms need the whole model: refused here, not after the export
-    if engine == "numpy":
-        model = load_model(checkpoint)
-    else:
-        from anelab.arms.mlx_engine import open_mlx_arms_model
-
-        model = open_mlx_arms_model(checkpoint)
+    engine, model = open_engine_model(checkpoint)  # the whole-model arms need the whole model: refused here
     runtime = None
     if config.measure:
         from anelab.runtimes.ane_placement import require_neural_engine
