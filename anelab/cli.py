@@ -795,6 +795,13 @@ def _add_compare_arms(sub):
         help="serve the sidecars through Core ML on a Mac (cpu_only | cpu_and_gpu | cpu_and_ne | all); "
         "default: NumPy evaluation of the saved programs",
     )
+    p.add_argument(
+        "--engine",
+        default="auto",
+        help="who runs everything but the sidecars: numpy (anelab's forward, the independent reference), mlx "
+        "(mlx-lm's model: every family it runs, Qwen 3.5 hybrids and MoE included), or auto (default: numpy "
+        "where anelab models the family, else mlx)",
+    )
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
 
 
@@ -820,6 +827,7 @@ def _run_compare_arms(args):
         indexer=Indexer(args.kept_blocks, args.compress_ratio) if args.kept_blocks else None,
         chunk=args.chunk,
         compute_units=args.compute_units,
+        engine=args.engine,
     )
     if args.json:
         _print_json(report.to_dict())
@@ -832,6 +840,50 @@ _register("compare-arms", _add_compare_arms, _run_compare_arms)
 
 
 # <<< section: compare-arms
+# >>> section: ab
+def _add_ab(sub):
+    p = sub.add_parser(
+        "ab",
+        help="whole-model prefill A/B: mlx-lm's own prefill (the GPU arm) against the hybrid with every full-attention "
+        "layer on its sidecar (the ANE arm, cpu_and_ne); measured on a Mac, labelled correctness run elsewhere",
+    )
+    p.add_argument("checkpoint", help="model directory (config.json + safetensors) mlx-lm reads")
+    p.add_argument("--sidecars", required=True, help="directory of layer_<L>.mlpackage for every full-attention layer")
+    p.add_argument("--prompt-tokens", type=_int_list, required=True, help="prompt lengths, e.g. 512,2048 (random ids)")
+    p.add_argument(
+        "--compute-units", default="cpu_and_ne", help="the ANE arm's Core ML compute units (cpu_and_ne | all)"
+    )
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs of each arm first (default 1)")
+    p.add_argument("--repeats", type=int, default=2, help="measured runs of each arm (default 2: the seed's protocol)")
+    p.add_argument("--dtype", default=None, help="mlx-lm's parameters: float32 | float16 | bfloat16 (default: the "
+                   "checkpoint's on a Mac, float32 elsewhere)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
+    p.add_argument(
+        "--out", default=None, help="records directory (default data/measured; new files, never overwritten)"
+    )
+    p.add_argument("--json", action="store_true", help="print the records and verdicts as JSON")
+
+
+def _run_ab(args):
+    from anelab.arms.prefill_ab import ab_request, run_ab
+    from anelab.core.paths import MEASURED_DIR
+
+    request = ab_request(
+        args.checkpoint, args.sidecars, args.prompt_tokens, compute_units=args.compute_units, warmup=args.warmup,
+        repeats=args.repeats, dtype=args.dtype, seed=args.seed, out_dir=Path(args.out) if args.out else MEASURED_DIR,
+    )  # fmt: skip
+    report = run_ab(request)
+    if args.json:
+        _print_json(report.to_dict())
+    else:
+        print(report.table())
+    return 0
+
+
+_register("ab", _add_ab, _run_ab)
+
+
+# <<< section: ab
 # >>> section: decide
 def _add_decide(sub):
     p = sub.add_parser(

@@ -230,6 +230,9 @@ def test_decide_reads_its_checkpoint_once_and_plans_each_prompt_once(model, tmp_
 
 
 def test_a_fake_mac_run_replaces_predicted_costs_with_measured_ones(decided, model, tmp_path):
+    """--measure exports through the ANE gate (the ungated evidence of the copied run is not reused). The fake's
+    outputs are not the model's, so the whole-model A/B's hybrid misses mlx-lm's logits: its timings are refused
+    and the block's measured loads and predictions price the ANE arm."""
     from anelab.runtimes.fake import FakeFunction, FakeRuntime
 
     _, out = decided
@@ -242,7 +245,9 @@ def test_a_fake_mac_run_replaces_predicted_costs_with_measured_ones(decided, mod
     config.clock = fake.clock
     decision = decide(config)
     v = decision.verdict
-    assert decision.measured and all(r["reused"] for r in decision.evidence["verify"].values())
+    assert decision.measured and not any(r["reused"] for r in decision.evidence["verify"].values())
+    whole = decision.evidence["measured"]["whole_model"]
+    assert "off mlx-lm's own forward" in whole["not_run"] and "record" not in whole
     assert v["costs"]["load_per_layer"]["kind"] == "measured on this Mac"
     assert v["costs"]["load_per_layer"]["value"] == pytest.approx(0.25 + 0.282)  # h0 + h32 cold loads
     assert v["costs"]["ane_attention"]["value"] == pytest.approx(2 * (0.01 + 0.01))  # 2 layers x 2 calls
@@ -252,6 +257,43 @@ def test_a_fake_mac_run_replaces_predicted_costs_with_measured_ones(decided, mod
     assert list((tmp_path / "run" / "measured").glob("*.json"))  # every timing is a record
     # control: the plan without the measurement still prices the loads by the arena law
     assert decision.verdicts["dense"]["costs"]["load_per_layer"]["kind"] == "extrapolated"
+
+
+def test_a_fake_mac_whose_ane_predicts_fail_says_the_ane_arm_does_not_run(decided, model, tmp_path):
+    """Nothing of a failed ANE arm is priced as measured, its loads included: the ANE arm does not run."""
+    from anelab.runtimes.fake import FakeFunction, FakeRuntime
+
+    _, out = decided
+    shutil.copytree(out, tmp_path / "run", ignore=shutil.ignore_patterns("measured"))
+    failing = {f"h{s}": FakeFunction(predict_error="ANE compiler service failed") for s in (0, 32)}
+    fake = FakeRuntime(failing)
+    config = DecideConfig(model, PROMPT, tmp_path / "run", design="dense", chunk=CHUNK, measure=True, runtime=fake)
+    config.clock = fake.clock
+    decision = decide(config)
+    v = decision.verdict
+    assert v["decision"] == "gpu" and "the ANE arm does not run on this Mac" in v["reason"]
+    assert "ANE compiler service failed" in decision.evidence["measured"]["ane_failure"]
+    assert "measured on this Mac" not in {c["kind"] for c in v["costs"].values()}  # the loads are not kept
+
+
+def test_decide_measure_refuses_a_mac_without_a_neural_engine_and_says_gpu_without_ane_placement(
+    decided, model, tmp_path
+):
+    from anelab.core.errors import AnelabInputError
+    from anelab.runtimes.fake import FakeFunction, FakeRuntime
+
+    config = DecideConfig(model, PROMPT, tmp_path / "x", design="dense", chunk=CHUNK, measure=True,
+                          runtime=FakeRuntime(neural_engine=False))  # fmt: skip
+    with pytest.raises(AnelabInputError, match="no Neural Engine"):
+        decide(config)
+    assert not (tmp_path / "x").exists()  # refused before anything is written
+    _, out = decided
+    shutil.copytree(out, tmp_path / "run", ignore=shutil.ignore_patterns("measured"))
+    on_cpu = FakeRuntime(default=FakeFunction(assignment={"neural_engine": 0, "gpu": 3, "cpu": 90}))
+    config = DecideConfig(model, PROMPT, tmp_path / "run", design="dense", chunk=CHUNK, measure=True, runtime=on_cpu)
+    v = decide(config).verdict  # the gate refuses the graph: a verdict that says so, the numbers from ungated packages
+    assert v["decision"] == "gpu" and "0 of 93 operations on the Neural Engine" in v["reason"]
+    assert "measured on this Mac" not in {c["kind"] for c in v["costs"].values()}
 
 
 # ---- bad input: one line, exit 2 -------------------------------------------------------------------------------

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from anelab.arms.run import REFERENCE_CHUNK, Arm, ArmRun, Indexer, run_arms
-from anelab.arms.sidecars import open_sidecars, runtime_runner
-from anelab.checkpoints.model import load_model
+from anelab.arms.engines import run_arms_on
+from anelab.arms.run import REFERENCE_CHUNK, Arm, ArmRun, Indexer
+from anelab.arms.sidecars import numpy_runner, open_sidecars, runtime_runner
+from anelab.checkpoints.model import ModelCheckpoint, load_model
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import chunk_starts
 from anelab.sidecar.compare import (
@@ -25,6 +26,8 @@ from anelab.sidecar.compare import (
 )
 
 NOISE = RELATIVE_ERROR_THRESHOLD  # a layer differs "beyond fp16 noise" above this relative difference
+ENGINES = ("auto", "numpy", "mlx")  # who runs everything but the sidecars: anelab's NumPy forward, or mlx-lm
+DECODED_ON = {"numpy": "the reference path", "mlx": "mlx-lm"}
 
 
 @dataclass
@@ -108,14 +111,16 @@ class ArmsReport:
     chunk: int
     runs: dict[str, ArmRun]
     pairs: list[PairComparison]
+    engine: str = "numpy"
 
     def table(self) -> str:
         """The per-layer table (relative hidden difference per pair) and the summary lines."""
         heads = [f"{p.b} vs {p.a}" for p in self.pairs]
         width = max([len(h) for h in heads] + [12])
+        engine = "anelab's NumPy forward" if self.engine == "numpy" else "mlx-lm"
         lines = [
-            f"checkpoint {self.checkpoint}: prompt {self.prompt.size} tokens in chunks of {self.chunk}, "
-            f"{self.decode} decoded greedily on the reference path",
+            f"checkpoint {self.checkpoint}: prompt {self.prompt.size} tokens in chunks of {self.chunk} on {engine}, "
+            f"{self.decode} decoded greedily on {DECODED_ON[self.engine]}",
             f"{'layer':>5}  " + "  ".join(f"{h:>{width}}" for h in heads),
         ]
         for layer in range(len(self.pairs[0].layer_diffs) if self.pairs else 0):
@@ -133,6 +138,7 @@ class ArmsReport:
     def to_dict(self) -> dict:
         return {
             "checkpoint": str(self.checkpoint),
+            "engine": self.engine,
             "prompt_tokens": int(self.prompt.size),
             "decode": self.decode,
             "chunk": self.chunk,
@@ -167,6 +173,57 @@ def read_tokens(path: str | os.PathLike) -> np.ndarray:
     return tokens
 
 
+def choose_engine(checkpoint, engine: str = "auto") -> str:
+    """``numpy`` or ``mlx`` for a checkpoint: ``auto`` is anelab's NumPy forward where it models the family (the
+    independent reference, and the faster engine off a Mac), else mlx-lm (hybrids such as Qwen 3.5, any family
+    mlx-lm runs)."""
+    if engine not in ENGINES:
+        raise AnelabInputError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
+    if engine != "auto":
+        return engine
+    from anelab.arms.mlx_engine import MlxArmsModel
+
+    if isinstance(checkpoint, (ModelCheckpoint, MlxArmsModel)):
+        return "numpy" if isinstance(checkpoint, ModelCheckpoint) else "mlx"
+    from anelab.checkpoints.checkpoint import load_checkpoint
+    from anelab.checkpoints.model import DECODER_FAMILIES
+
+    return "numpy" if load_checkpoint(checkpoint).model_type in DECODER_FAMILIES else "mlx"
+
+
+def open_engine_model(checkpoint, engine: str = "auto"):
+    """(engine, the model it runs) for a checkpoint (``choose_engine``). A family anelab's forward does not model
+    that mlx-lm cannot load either is refused in one line naming both reasons."""
+    chosen = choose_engine(checkpoint, engine)
+    try:
+        return chosen, _open_for(checkpoint, chosen)
+    except AnelabInputError as e:
+        if engine != "auto" or chosen != "mlx":
+            raise
+        from anelab.checkpoints.checkpoint import load_checkpoint
+        from anelab.checkpoints.model import whole_model_support
+
+        model_type = load_checkpoint(checkpoint).model_type
+        raise AnelabInputError(
+            f"model_type {model_type}: anelab's whole-model forward {whole_model_support(model_type)}; and {e}"
+        ) from None
+
+
+def _open_for(checkpoint, engine: str):
+    """The model an engine runs: anelab's whole model (numpy) or mlx-lm's beside anelab's attention layers (mlx)."""
+    from anelab.arms.mlx_engine import MlxArmsModel, open_mlx_arms_model
+
+    if isinstance(checkpoint, MlxArmsModel):
+        if engine != "mlx":
+            raise AnelabInputError(f"an MLX-opened model runs on the mlx engine, not {engine}")
+        return checkpoint
+    if engine == "numpy":
+        return load_model(checkpoint)
+
+    source = checkpoint.checkpoint if isinstance(checkpoint, ModelCheckpoint) else checkpoint
+    return open_mlx_arms_model(source)
+
+
 def compare_arms(
     checkpoint: str | os.PathLike,
     sidecars: str | os.PathLike | None,
@@ -179,6 +236,7 @@ def compare_arms(
     chunk: int | None = None,
     compute_units: str | None = None,
     runtime=None,
+    engine: str = "auto",
 ) -> ArmsReport:
     """Run the arms on one prompt and compare them.
 
@@ -188,11 +246,17 @@ def compare_arms(
     reference, so folded is not compared with reference). ``tokens`` (int [P]) overrides the seeded
     random prompt of ``prompt_tokens`` ids. ``compute_units``: serve the sidecars through Core ML
     (``runtime_runner``; ``runtime`` defaults to this machine's, refused off-Mac) instead of NumPy.
+    ``engine`` (``choose_engine``): ``numpy`` runs everything but the sidecars on anelab's forward (the
+    reference arm is it too), ``mlx`` on mlx-lm (the reference arm is mlx-lm's own forward, the sidecar arm
+    the hybrid).
     """
 
-    model = load_model(checkpoint)
+    engine, model = open_engine_model(checkpoint, engine)
     prompt = random_prompt(model.vocab_size, prompt_tokens or 0, seed) if tokens is None else np.asarray(tokens)
-    sidecar_set = open_sidecars(sidecars, model, prompt.size) if sidecars is not None else None
+    attention_layers = model.checkpoint if engine == "mlx" else model
+    sidecar_set = open_sidecars(sidecars, attention_layers, prompt.size) if sidecars is not None else None
+    if sidecar_set is not None and engine == "mlx":  # mlx-lm's order is chunk-major: keep every package open
+        sidecar_set.runner = numpy_runner(sidecar_set, keep_open=len(sidecar_set.packages))
     if compute_units is not None:
         if sidecar_set is None:
             raise AnelabInputError("compute units apply to the sidecar arm; pass the sidecar directory too")
@@ -206,11 +270,11 @@ def compare_arms(
     order = [("reference", "sidecar"), ("folded", "causal-only")]
     names = {arm.name for arm in arms}
     wanted = tuple((a, b) for a, b in order if a in names and b in names)
-    runs = run_arms(model, prompt, arms, decode=decode, chunk=chunk, sidecars=sidecar_set, keep_hidden=False,
-                    layer_pairs=wanted)  # fmt: skip
+    runs = run_arms_on(engine, model, prompt, arms, decode=decode, chunk=chunk, sidecars=sidecar_set,
+                       keep_hidden=False, layer_pairs=wanted)  # fmt: skip
     pairs = [compare_runs(runs[a], runs[b]) for a, b in wanted]
     used = sidecar_set.chunk if sidecar_set else (chunk or REFERENCE_CHUNK)
-    return ArmsReport(model.path, prompt, decode, used, runs, pairs)
+    return ArmsReport(model.path, prompt, decode, used, runs, pairs, engine)
 
 
 def named_with_sidecars(

@@ -12,7 +12,8 @@ An *arm* says who serves each attention layer during prefill and with which mask
 - a negative control: any arm with one layer perturbed (``mask_dropped``: that layer attends to
   every key of the chunk's coverage; ``rope_shifted``: that layer's chunks after the first are rotated
   one position late against their cached history — reference-served layers only; a shift of every
-  position alike would cancel in q.k).
+  position alike would cancel in q.k; ``start_shifted``: a sidecar-served layer's chunks are told a start
+  one position late — its K/V history shifted back, or a stateful sidecar's ``start`` input).
 
 The prompt is prefilled exactly as a runtime would: one call per chunk start s (function ``h<s>``),
 the last chunk partial (padded to the sidecar width; padded rows come after every real row), each
@@ -42,7 +43,7 @@ from anelab.sidecar.compare import (
 )
 
 ATTENTIONS = ("reference", "sidecar")
-PERTURBATIONS = ("mask_dropped", "rope_shifted")
+PERTURBATIONS = ("mask_dropped", "rope_shifted", "start_shifted")
 REFERENCE_CHUNK = 16  # prefill chunk of arms run without sidecars
 
 
@@ -56,7 +57,7 @@ class Indexer:
 
 @dataclass(frozen=True)
 class Perturbation:
-    """A negative control: one layer's attention made wrong (``mask_dropped`` or ``rope_shifted``)."""
+    """A negative control: one layer's attention made wrong (``mask_dropped``, ``rope_shifted`` or ``start_shifted``)."""
 
     layer: int
     kind: str
@@ -157,16 +158,8 @@ def _attend(model, layer, state: _Layer, normed, start, arm: Arm, sidecars, *, p
     width = sidecars.chunk if on_sidecar else rows
     mask = _mask(normed, start, state, k_hist, model, arm, width, prefill=prefill, layer=layer)
     if on_sidecar:
-        hidden = np.zeros((width, g.hidden_size), np.float16)
-        hidden[:rows] = normed
-        inputs = {"hidden": hidden, "mask": mask}
-        if start > 0:
-            inputs.update(k_history=k_hist.astype(np.float16), v_history=v_hist.astype(np.float16))
-        out = sidecars.runner(layer, start, rows, inputs)
-        attn = np.asarray(out["attn_out"], np.float32).reshape(width, g.hidden_size)[:rows]
-        kc = np.asarray(out["k_chunk"], np.float32).reshape(g.num_kv_heads, width, g.head_dim)[:, :rows]
-        vc = np.asarray(out["v_chunk"], np.float32).reshape(g.num_kv_heads, width, g.head_dim)[:, :rows]
-        return attn, kc.transpose(1, 0, 2), vc.transpose(1, 0, 2)
+        shifted = arm.perturbation == Perturbation(layer, "start_shifted")
+        return sidecars.serve(layer, start, normed, k_hist, v_hist, mask, start_offset=int(shifted))
     # only chunks with a history: RoPE scores depend on q and k positions' difference, so shifting every
     # position of a layer alike (chunk 0 included) would cancel exactly
     shift = 1 if prefill and start > 0 and arm.perturbation == Perturbation(layer, "rope_shifted") else 0
@@ -266,9 +259,14 @@ def _check_arm(arm: Arm, model: ModelCheckpoint, sidecars: SidecarSet | None) ->
     if p is not None:
         if not 0 <= p.layer < model.num_layers:
             raise AnelabInputError(f"arm {arm.name}: perturbed layer {p.layer} is outside 0..{model.num_layers - 1}")
-        if p.kind == "rope_shifted" and arm.attention == "sidecar" and p.layer in sidecars.packages:
+        served = arm.attention == "sidecar" and p.layer in sidecars.packages
+        if p.kind == "rope_shifted" and served:
             raise AnelabInputError(
                 f"arm {arm.name}: a saved sidecar fixes its RoPE positions; shift RoPE on a reference-served layer"
+            )
+        if p.kind == "start_shifted" and not served:
+            raise AnelabInputError(
+                f"arm {arm.name}: start_shifted perturbs a sidecar-served layer; {p.layer} is not one"
             )
 
 
@@ -301,6 +299,9 @@ def run_arms(
 ) -> dict[str, ArmRun]:
     """Each arm's prefill of ``prompt`` (int [P]) chunk by chunk, then the arms' greedy decodes of ``decode``
     tokens in lockstep -> arm name -> its run.
+
+    This is the NumPy engine (``model`` a ``ModelCheckpoint``, anelab's forward); ``arms.engines.run_arms_on``
+    picks it or the MLX engine (``arms.mlx_engine``: mlx-lm runs everything but the sidecars).
 
     chunk: the prefill chunk (default: the sidecars' width, else ``REFERENCE_CHUNK``); with sidecars it
     must equal their width. order: ``layer`` (default) streams the weights — every chunk of every arm goes

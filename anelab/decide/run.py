@@ -30,6 +30,7 @@ from anelab.planner.envelope import MEASURED, YOURS, Cost
 from anelab.planner.from_checkpoint import CheckpointPlan
 from anelab.planner.plan import PrefillPlan
 from anelab.planner.verdict import ArmCosts, Verdict, plan_arm_costs, verdict_for
+from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD
 from anelab.sidecar.designs import DESIGNS, PRICED, SidecarRequest, get_design
 
 ARMS_DECODE = 8  # greedy tokens decoded after the prefill in the arms
@@ -62,11 +63,13 @@ class DecideConfig:
 
 @dataclass(frozen=True)
 class Opened:
-    """What decide opens once: the checkpoint (layers), the whole model (the arms) and the runtime (``--measure``)."""
+    """What decide opens once: the checkpoint (layers), the whole model (the arms: anelab's forward, or mlx-lm's
+    model of a family it does not model) and the runtime (``--measure``)."""
 
     checkpoint: object  # anelab.checkpoints.checkpoint.Checkpoint
-    model: object  # anelab.checkpoints.model.ModelCheckpoint
+    model: object  # anelab.checkpoints.model.ModelCheckpoint, or arms.mlx_engine.MlxArmsModel (engine mlx)
     runtime: object | None
+    engine: str = "numpy"
 
     @property
     def layers(self) -> list[int]:
@@ -179,7 +182,6 @@ def choose_design(config: DecideConfig, plan: PromptPlan) -> DesignPlan:
 def open_request(config: DecideConfig) -> Opened:
     """Refuse (one line) what decide cannot do; open the checkpoint and the whole model once, and the runtime."""
     from anelab.checkpoints.checkpoint import load_checkpoint
-    from anelab.checkpoints.model import load_model
 
     if config.design != "auto" and config.design not in PRICED:
         get_design(config.design, "--design")  # a renamed design is refused with its new name
@@ -193,9 +195,12 @@ def open_request(config: DecideConfig) -> Opened:
             f"{config.checkpoint} has sliding-window layers {list(g.sliding_layers)}; decide covers full-attention "
             "layers only: plan it with 'anelab plan --checkpoint'"
         )
-    model = load_model(checkpoint)  # the whole-model arms need the whole model: refused here, not after the export
+    from anelab.arms.compare import open_engine_model
+
+    engine, model = open_engine_model(checkpoint)  # the whole-model arms need the whole model: refused here
     runtime = None
     if config.measure:
+        from anelab.runtimes.ane_placement import require_neural_engine
         from anelab.runtimes.coreml import default_runtime
 
         runtime = config.runtime if config.runtime is not None else default_runtime()
@@ -204,7 +209,8 @@ def open_request(config: DecideConfig) -> Opened:
                 f"--measure times the packages through Core ML, which is not available here "
                 f"({runtime.unavailable_reason()}); drop --measure or run on a Mac"
             )
-    return Opened(checkpoint, model, runtime)
+        require_neural_engine(runtime, "--measure the ANE arm")
+    return Opened(checkpoint, model, runtime, engine)
 
 
 # ---- evidence: export, verify (resumable) ----------------------------------------------------------------------
@@ -220,10 +226,11 @@ class EvidenceFile:
         except (json.JSONDecodeError, OSError, UnicodeDecodeError):
             raise AnelabInputError(f"{path} is not readable JSON; remove it to start the evidence afresh") from None
 
-    def layers(self, design: str, request: SidecarRequest) -> dict:
-        """The layers kept for ``design`` exported as ``request`` by this anelab version (a new request: none)."""
+    def layers(self, design: str, request: SidecarRequest, gated: bool = False) -> dict:
+        """The layers kept for ``design`` exported as ``request`` by this anelab version, through the ANE gate or
+        not (``gated``; a new request: none)."""
         kept = self.data.get(design)
-        wanted = {"request": request.to_dict(), "anelab": __version__}
+        wanted = {"request": request.to_dict(), "anelab": __version__, "gated": gated}
         if not isinstance(kept, dict) or {k: kept.get(k) for k in wanted} != wanted:
             kept = self.data[design] = {**wanted, "layers": {}}
         return kept["layers"]
@@ -232,16 +239,24 @@ class EvidenceFile:
         atomic_write_text(self.path, json.dumps(self.data, indent=2, sort_keys=True))
 
 
-def export_and_verify(config: DecideConfig, opened: Opened, request: SidecarRequest, bar) -> tuple[Path, dict]:
+def export_and_verify(
+    config: DecideConfig, opened: Opened, request: SidecarRequest, bar, *, gated: bool = True
+) -> tuple[Path, dict, str | None]:
     """Each layer's package of ``request`` exported and verified, reusing what ``evidence.json`` holds for the
     same request and content hash; the others in worker processes (``anelab.core.parallel``), the evidence
-    written as each layer finishes. Returns (directory, layer -> verification summary)."""
+    written as each layer finishes. With ``--measure`` (a runtime) every package goes through the ANE gate, one
+    layer at a time in this process (the gate runs its children), so the whole-model A/B may serve it; when the
+    gate refuses, the packages are exported again without it (their numbers are still the evidence) and the
+    refusal is returned: the ANE arm does not run on this Mac. Returns (directory, layer -> verification summary,
+    the gate's refusal or None)."""
     from anelab.core.parallel import default_jobs, process_map
+    from anelab.runtimes.gate import AneGate, AneGateError
     from anelab.runtimes.interface import package_content_hash
 
     directory = config.out / "sidecars" / request.graph
+    gate = AneGate.for_runtime(opened.runtime) if gated else None
     evidence = EvidenceFile(config.out / "evidence.json")
-    kept = evidence.layers(request.graph, request)
+    kept = evidence.layers(request.graph, request, gated=gate is not None)
     reused = {}
     for layer in opened.layers:
         pkg = directory / f"layer_{layer}.mlpackage"
@@ -260,27 +275,32 @@ def export_and_verify(config: DecideConfig, opened: Opened, request: SidecarRequ
 
     if todo:
         bar.set_postfix_str(f"export and verify {len(todo)} layers")
-        jobs = default_jobs(len(todo))
+        jobs = 1 if gate is not None else default_jobs(len(todo))
         source = opened.checkpoint if jobs == 1 else str(opened.checkpoint.path)  # workers open their own
-        work = [(source, str(directory), layer, request) for layer in todo]
-        process_map(_export_and_verify_layer, work, jobs=jobs, on_result=record)
+        work = [(source, str(directory), layer, request, gate) for layer in todo]
+        try:
+            process_map(_export_and_verify_layer, work, jobs=jobs, on_result=record)
+        except AneGateError as e:
+            refusal = " ".join(str(e).split())
+            bar.set_postfix_str("the ANE gate refused: export without it")
+            return (*export_and_verify(config, opened, request, bar, gated=False)[:2], refusal)
     summaries = {}
     for layer in opened.layers:
         known, pkg = kept[str(layer)], directory / f"layer_{layer}.mlpackage"
         summaries[layer] = {**known["verify"], "reused": reused[layer], "package": str(pkg), "sha256": known["sha256"]}
         summaries[layer]["capacity"] = request.capacity
-    return directory, summaries
+    return directory, summaries, None
 
 
 def _export_and_verify_layer(job: tuple) -> dict:
     """One layer exported as the request asks and verified (in a worker process or inline): its evidence
-    entry. ``job`` = (checkpoint or its directory, output directory, layer, SidecarRequest)."""
+    entry. ``job`` = (checkpoint or its directory, output directory, layer, SidecarRequest, ANE gate or None)."""
     from anelab.runtimes.interface import package_content_hash
     from anelab.sidecar.export import export_request
     from anelab.sidecar.verify import verify_package
 
-    checkpoint, directory, layer, request = job
-    [result] = export_request(checkpoint, directory, request, [layer], jobs=1)
+    checkpoint, directory, layer, request, gate = job
+    [result] = export_request(checkpoint, directory, request, [layer], gate=gate, jobs=1)
     report = verify_package(result.package, checkpoint, progress=False)
     return {"sha256": package_content_hash(result.package), "verify": _verify_summary(report)}
 
@@ -307,8 +327,9 @@ def _verify_summary(report) -> dict:
 
 
 def whole_model_evidence(config: DecideConfig, opened: Opened, candidate: DesignPlan, directory: Path, bar) -> dict:
-    """The whole-model arms at the candidate's chunk (on per-history packages of the same chunk when the arms do
-    not serve the candidate's design). Returns the arms' summary (JSON)."""
+    """The whole-model arms at the candidate's chunk on the candidate's own packages (every design the registry
+    builds is served; per-history packages of the same chunk only for one the arms would not serve), on anelab's
+    forward or mlx-lm's (``Opened.engine``). Returns the arms' summary (JSON)."""
     from anelab.arms.compare import compare_arms
 
     served_by = candidate.design
@@ -316,12 +337,13 @@ def whole_model_evidence(config: DecideConfig, opened: Opened, candidate: Design
         served_by = next(name for name in PRICED if DESIGNS[name].served_by_arms and not DESIGNS[name].stateful)
         per_history = replace(candidate, design=served_by, capacity=None, key_tile=None, query_tile=None)
         bar.total += len(opened.layers)
-        directory, _ = export_and_verify(config, opened, per_history.sidecar_request(), bar)
+        directory, _, _ = export_and_verify(config, opened, per_history.sidecar_request(), bar)
     bar.set_postfix_str("whole-model arms")
-    report = compare_arms(opened.model, directory, config.prompt_tokens, decode=config.decode)
+    report = compare_arms(opened.model, directory, config.prompt_tokens, decode=config.decode, engine=opened.engine)
     pair = report.pairs[0]
     bar.update(1)
     return {
+        "engine": report.engine,
         "served_by": served_by,
         "note": ""
         if served_by == candidate.design
@@ -350,6 +372,9 @@ class MeasuredPackage:
     runtime: str
     loads: dict[str, dict[str, dict | None]]  # function -> {"cold": stats, "warm": stats}
     predicts: dict[str, dict[str, dict | None]]  # function -> compute units -> stats
+    ane_failure: str | None = None  # why the ANE arm does not run on this Mac (a load or cpu_and_ne predict failed)
+    placement: dict | None = None  # Core ML's compute plan of the package under cpu_and_ne (runtimes.ane_placement)
+    whole_model: dict | None = None  # the whole-model A/B's record (arms.prefill_ab), or why it did not run
 
     def load(self, function: str) -> dict | None:
         return self.loads.get(function, {}).get("cold")
@@ -358,28 +383,38 @@ class MeasuredPackage:
         return self.predicts.get(function, {}).get(units)
 
     def to_dict(self) -> dict:
-        return {"package": str(self.package), "runtime": self.runtime, "loads": self.loads, "predicts": self.predicts}
+        return {"package": str(self.package), "runtime": self.runtime, "loads": self.loads, "predicts": self.predicts,
+                "ane_failure": self.ane_failure, "placement": self.placement, "whole_model": self.whole_model}  # fmt: skip
 
 
 def measure_package(config: DecideConfig, opened: Opened, package: Path, candidate: DesignPlan) -> MeasuredPackage:
     """Cold and warm loads of every function of one layer's package (the layers share one geometry) and, for
-    per-history functions, one prediction per compute units; each result a record in ``DIR/measured``."""
+    per-history functions, one prediction per compute units; each result a record in ``DIR/measured``. First
+    the compute plan must put the package's operations on the Neural Engine (else refused, one line); a load
+    or ``cpu_and_ne`` predict that fails is the ANE arm not running (``ane_failure``), and nothing of it is
+    priced as measured."""
     from anelab.runtimes.ab import time_attention_ab
-    from anelab.runtimes.interface import package_functions
+    from anelab.runtimes.ane_placement import require_ane_placement
+    from anelab.runtimes.interface import RuntimeLoadError, package_functions
     from anelab.runtimes.timing import time_load
 
     runtime, clock, out = opened.runtime, config.clock or time.perf_counter, config.out / "measured"
-    loads = {}
+    placement = require_ane_placement(runtime, package, "cpu_and_ne").to_dict()
+    loads, failure = {}, None
     for function in package_functions(package):
-        cold, warm = (
-            time_load(
-                runtime, package, function, "cpu_and_ne", cold=c, repeats=config.repeats, clock=clock, out_dir=out
+        try:
+            cold, warm = (
+                time_load(
+                    runtime, package, function, "cpu_and_ne", cold=c, repeats=config.repeats, clock=clock, out_dir=out
+                )  # fmt: skip
+                for c in (True, False)
             )
-            for c in (True, False)
-        )
+        except RuntimeLoadError as e:
+            failure = f"{function} does not load under cpu_and_ne ({' '.join(str(e).split())})"
+            break
         loads[function] = {"cold": _stats(cold), "warm": _stats(warm)}
     predicts = {}
-    if not get_design(candidate.design).stateful:  # functions h<s>: the A/B inputs of the block
+    if failure is None and not get_design(candidate.design).stateful:  # functions h<s>: the A/B inputs of the block
         for record in time_attention_ab(
             runtime, package, opened.checkpoint.geometry, chunk=candidate.chunk,
             histories=chunk_starts(config.prompt_tokens, candidate.chunk), compute_units=("cpu_and_ne", "cpu_and_gpu"),
@@ -387,7 +422,31 @@ def measure_package(config: DecideConfig, opened: Opened, package: Path, candida
         ):  # fmt: skip
             function, results = record["parameters"]["function"], record["results"]
             predicts[function] = {u: _stats({"results": r}) for u, r in results.items()}
-    return MeasuredPackage(package, runtime.name, loads, predicts)
+            error = results.get("cpu_and_ne", {}).get("error")
+            if error and failure is None:
+                failure = f"the cpu_and_ne predict of {function} failed ({error})"
+    return MeasuredPackage(package, runtime.name, loads, predicts, failure, placement)
+
+
+def whole_model_ab(config: DecideConfig, opened: Opened, directory: Path) -> dict:
+    """The whole-model A/B on this Mac (``arms.prefill_ab``: mlx-lm's prefill vs the hybrid) at the prompt, or why
+    it did not run (a package the ANE gate never passed, MLX missing): {"record": ...} or {"not_run": why}."""
+    from anelab.arms.prefill_ab import ab_request, run_ab
+
+    request = ab_request(opened.checkpoint.path, directory, [config.prompt_tokens], runtime=opened.runtime,
+                         clock=config.clock or time.perf_counter, out_dir=config.out / "measured")  # fmt: skip
+    try:
+        [result] = run_ab(request).prompts
+    except AnelabInputError as e:
+        return {"not_run": str(e)}
+    off = result.record["results"]["correctness"]["logits_relative_difference"]
+    if not off <= RELATIVE_ERROR_THRESHOLD:  # a fast wrong answer is not an ANE arm (NaN included)
+        return {
+            "not_run": f"the hybrid's last-prompt logits are {off:.2%} off mlx-lm's own forward (threshold "
+            f"{RELATIVE_ERROR_THRESHOLD:.0%}): its timings are not priced",
+            "rejected_record": result.record,
+        }
+    return {"record": result.record}
 
 
 def _stats(record: dict) -> dict | None:
@@ -406,6 +465,17 @@ def with_measured(
     the prompt visits was measured (loads: cold; ANE attention: ``cpu_and_ne`` predictions)."""
     if measured is None or not costs.runs_on_ane:
         return costs
+    if measured.ane_failure is not None:  # nothing of a failed ANE arm is priced, its loads included
+        return replace(
+            costs, runs_on_ane=False, structural_reason=f"the ANE arm does not run on this Mac: {measured.ane_failure}"
+        )
+    if measured.whole_model is not None and "record" in measured.whole_model:
+        record = measured.whole_model["record"]
+        if record["parameters"]["prompt_tokens"] == prompt_tokens:  # both arms measured at this prompt
+            from anelab.arms.prefill_ab import measured_arm_costs
+            from anelab.core.records import machine_kind
+
+            return measured_arm_costs(record["results"], design.design, costs.layers, machine_kind())
     registered, starts = get_design(design.design), chunk_starts(prompt_tokens, design.chunk)
     functions = list(dict.fromkeys(registered.function_for(design.chunk, s) for s in starts))
     loads = [measured.load(f) for f in functions]
@@ -461,12 +531,18 @@ def decide(config: DecideConfig) -> Decision:
         verdicts = {name: verdict_for(c, commands) for name, c in plan.arm_costs.items()}
         candidate = choose_design(config, plan)
         bar.update(1)
-        directory, verified = export_and_verify(config, opened, candidate.sidecar_request(), bar)
+        directory, verified, refusal = export_and_verify(config, opened, candidate.sidecar_request(), bar)
         arms = whole_model_evidence(config, opened, candidate, directory, bar)
         measured, final = None, verdicts[candidate.design]
         if opened.runtime is not None:
             bar.set_postfix_str("measure on this Mac")
-            measured = measure_package(config, opened, directory / f"layer_{opened.layers[0]}.mlpackage", candidate)
+            package = directory / f"layer_{opened.layers[0]}.mlpackage"
+            if refusal is not None:  # nothing of it is timed: the Neural Engine did not get the graph
+                measured = MeasuredPackage(package, opened.runtime.name, {}, {}, ane_failure=refusal)
+            else:
+                measured = measure_package(config, opened, package, candidate)
+            if measured.ane_failure is None:
+                measured.whole_model = whole_model_ab(config, opened, directory)
             costs = with_measured(plan.arm_costs[candidate.design], measured, candidate, config.prompt_tokens)
             final = verdict_for(costs, commands)
             bar.update(1)

@@ -440,7 +440,8 @@ _PER_HISTORY = dict(
     takes_selection=True,
     served_by_arms=True,
 )
-_STATEFUL = dict(stateful=True, options_rule=_state_options, takes_selection=False, served_by_arms=False)
+# the arms serve a stateful design too: its state carries the K/V, read back after each call (arms.sidecars)
+_STATEFUL = dict(stateful=True, options_rule=_state_options, takes_selection=False, served_by_arms=True)
 
 DESIGNS: dict[str, Design] = {
     d.name: d

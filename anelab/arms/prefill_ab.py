@@ -1,0 +1,392 @@
+"""The whole-model prefill A/B on the user's own Mac (``anelab ab``): mlx-lm's own prefill on the GPU against the
+hybrid — every full-attention layer on its sidecar through Core ML (``cpu_and_ne``), the rest on mlx-lm.
+
+Per prompt length N (the seed's protocol: a warm-up, then two measured runs of each arm):
+
+- GPU arm: ``mlx_lm.generate.generate_step``'s own prefill of the prompt (its ``prefill_step_size`` chunks, then
+  the last token's logits), nothing else;
+- ANE arm: every function the prompt visits is loaded first, layer by layer, as a runtime pays it (the first use
+  in this process; timed apart, ``loads``), then the hybrid prefills the prompt in chunks of the sidecars' width.
+  Each run is split into ``mlx_eval_s`` (evaluating mlx-lm's graph), ``core_ml_predict_s`` (Core ML's own
+  prediction), ``marshalling_s`` (rows, history and outputs between MLX and NumPy; Core ML's input and output
+  conversions; a stateful layer's K/V read back) and ``mlx_graph_s`` (the rest of the run's wall time: mlx-lm
+  building its graph, Python);
+- correctness: the hybrid's logits at the last prompt position against mlx-lm's own chunked forward's.
+
+Each prompt length is one record (``core.records``, never overwritten) with the machine, MLX, mlx-lm and
+coremltools versions. On a Mac the verdict prices both arms as measured (``planner.verdict``: the ANE arm is the
+hybrid's whole prefill, so the offloaded share is 1; its loads are the functions' first-use loads). Off a Mac the
+same command runs mlx-cpu with the sidecars evaluated by NumPy, for correctness: its timings are labelled as not
+a Mac's and never priced.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from anelab.arms.compare import random_prompt
+from anelab.arms.sidecars import CoreMLRunner, SidecarSet, numpy_runner, open_sidecars
+from anelab.core.errors import AnelabInputError
+from anelab.core.records import machine_kind, make_record, provenance, write_record
+from anelab.planner.envelope import MEASURED, Cost
+from anelab.planner.verdict import ArmCosts, Verdict, verdict_for
+from anelab.runtimes.interface import NEURAL_ENGINE_UNITS, check_compute_units
+from anelab.sidecar.compare import relative_error
+
+AB_WARMUP, AB_REPEATS = 1, 2  # the seed's protocol: one warm-up, two measured runs per arm
+GPU_PREFILL_STEP = 2048  # mlx-lm's default prefill_step_size (mlx_lm.generate.generate_step)
+OFF_MAC_DTYPE = "float32"  # off a Mac the run checks correctness: fp32 on mlx-cpu
+NOT_A_MAC = "measured here ({machine}: mlx-cpu, sidecars evaluated by NumPy) — not a Mac's timings, never priced"
+COMPONENTS = {
+    "mlx_eval_s": "mx.eval of mlx-lm's graph: the layers between sidecar calls, the chunk's end, the logits",
+    "mlx_graph_s": "the rest of the run's wall time: mlx-lm building its lazy graph, Python",
+    "core_ml_predict_s": "Core ML's own predict durations (the wall time of a call where it is not reported)",
+    "numpy_sidecar_s": "off a Mac: the sidecars' saved programs evaluated by NumPy",
+    "marshalling_s": "MLX <-> NumPy rows, K/V history and outputs; Core ML's input / output conversions; state reads",
+    "loads": "each function's first load in this process (layer:function -> s), paid once before the warm-up",
+    "placements": "per package: Core ML's compute plan under the compute units, and the compile (cached) before it",
+}
+
+
+@dataclass
+class AbRequest:
+    """One ``anelab ab`` run. runtime: a ``CoreMLRuntime`` (default this machine's; unavailable off a Mac);
+    clock: the timings' clock (tests: a fake Mac's); dtype: mlx-lm's parameters (default: the checkpoint's own
+    on a Mac, float32 off it)."""
+
+    checkpoint: Path
+    sidecars: Path
+    prompt_tokens: tuple[int, ...]
+    compute_units: str = "cpu_and_ne"
+    warmup: int = AB_WARMUP
+    repeats: int = AB_REPEATS
+    dtype: str | None = None
+    runtime: object | None = None
+    clock: Callable[[], float] = time.perf_counter
+    out_dir: Path | None = None
+    seed: int = 0
+
+
+@dataclass
+class PromptAb:
+    """Both arms at one prompt length: the record, and (on a Mac) the verdict priced from it."""
+
+    prompt_tokens: int
+    record: dict
+    verdict: Verdict | None
+
+    @property
+    def results(self) -> dict:
+        return self.record["results"]
+
+
+@dataclass
+class AbReport:
+    checkpoint: Path
+    on_mac: bool
+    label: str
+    prompts: list[PromptAb] = field(default_factory=list)
+
+    def table(self) -> str:
+        lines = [f"checkpoint {self.checkpoint}: whole-model prefill A/B, {self.label}"]
+        for p in self.prompts:
+            r, gpu, ane = p.results, p.results["gpu_arm"], p.results["ane_arm"]
+            parts = ", ".join(f"{k.removesuffix('_s')} {v:.3g}" for k, v in ane["components_median_s"].items())
+            device = p.record["provenance"].get("mlx_device", "?")
+            lines.append(
+                f"{p.prompt_tokens:>7} tokens: GPU arm (mlx-lm prefill, {device}) {gpu['median_s']:.4g} s "
+                f"[{gpu['min_s']:.4g} .. {gpu['max_s']:.4g}]; ANE arm (hybrid) {ane['median_s']:.4g} s "
+                f"[{ane['min_s']:.4g} .. {ane['max_s']:.4g}] = {parts} s; loads {ane['load_total_s']:.4g} s "
+                f"({len(ane['loads'])} functions, apart); logits vs mlx-lm {r['correctness']['logits_relative_difference']:.2e}"
+            )
+            if p.verdict is not None:
+                lines.append(f"         verdict: {p.verdict.decision} ({p.verdict.reason})")
+        if not self.on_mac:
+            lines.append("no verdict: these timings are not a Mac's (run 'anelab ab' on the Mac to price both arms)")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "checkpoint": str(self.checkpoint),
+            "on_mac": self.on_mac,
+            "label": self.label,
+            "prompts": [
+                {
+                    "prompt_tokens": p.prompt_tokens,
+                    "record": p.record,
+                    "verdict": p.verdict.to_dict() if p.verdict else None,
+                }  # fmt: skip
+                for p in self.prompts
+            ],
+        }
+
+
+def _stats(samples: list[float]) -> dict:
+    return {"min_s": min(samples), "median_s": statistics.median(samples), "max_s": max(samples),
+            "samples_s": list(samples)}  # fmt: skip
+
+
+def _time_gpu_arm(mlx_model, prompt: np.ndarray, request: AbRequest) -> dict:
+    """mlx-lm's own prefill (``generate_step`` with max_tokens=0: the prompt and its first token's logits)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    samples = []
+    for i in range(request.warmup + request.repeats):
+        cache = mlx_model.make_cache()
+        t0 = request.clock()
+        for _ in generate_step(mx.array(prompt.astype(np.int32)), mlx_model.model, max_tokens=0, prompt_cache=cache,
+                               prefill_step_size=GPU_PREFILL_STEP):  # fmt: skip
+            pass
+        if i >= request.warmup:
+            samples.append(request.clock() - t0)
+    return _stats(samples)
+
+
+def _reference_logits(mlx_model, prompt: np.ndarray, chunk: int) -> np.ndarray:
+    """mlx-lm's own forward in chunks of ``chunk``: the logits at the last prompt position [V] (untimed)."""
+    from anelab.runtimes.mlx.hybrid import prefill
+    from anelab.runtimes.mlx.model import to_numpy
+
+    return to_numpy(prefill(mlx_model, prompt, chunk, mlx_model.make_cache()))
+
+
+def _time_ane_arm(mlx_model, sidecars: SidecarSet, hybrid, prompt: np.ndarray, request: AbRequest, runner):
+    """Loads first (on a Mac), then warm-up and measured hybrid prefills -> (results, last logits [V])."""
+    from anelab.runtimes.mlx.hybrid import HybridTiming, prefill
+    from anelab.runtimes.mlx.model import to_numpy
+
+    on_mac = isinstance(runner, CoreMLRunner)
+    if on_mac:
+        _or_refuse(lambda: runner.load_all(prompt.size))
+    visited = {
+        (layer, sidecars.function_for(layer, s)) for layer in sidecars.packages for s in _starts(prompt, sidecars)
+    }
+    loads = {f"{layer}:{name}": runner.timing.loads[(layer, name)] for layer, name in sorted(visited)} if on_mac else {}
+    runs, logits = [], None
+    for i in range(request.warmup + request.repeats):
+        hybrid.timing = HybridTiming()
+        if on_mac:
+            runner.timing.reset_calls()
+        t0 = request.clock()
+        logits = _or_refuse(lambda: prefill(mlx_model, prompt, sidecars.chunk, mlx_model.make_cache(), hybrid))
+        total = request.clock() - t0
+        if i >= request.warmup:
+            runs.append(_components(total, hybrid.timing, runner.timing if on_mac else None))
+    totals = [r["total_s"] for r in runs]
+    median = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k not in ("total_s", "calls")}
+    results = {**_stats(totals), "runs": runs, "components_median_s": median, "loads": loads,
+               "load_total_s": sum(loads.values())}  # fmt: skip
+    return results, to_numpy(logits)
+
+
+def _or_refuse(call):
+    """``call()``, a failed Core ML load or predict refused in one line: the ANE arm does not run on this Mac,
+    and nothing of the failed run (its loads included) is kept as measured."""
+    from anelab.runtimes.interface import RuntimeLoadError, RuntimePredictError
+
+    try:
+        return call()
+    except (RuntimeLoadError, RuntimePredictError) as e:
+        raise AnelabInputError(
+            f"the ANE arm does not run on this Mac ({' '.join(str(e).split())}); nothing is priced: the GPU arm alone "
+            "is no A/B"
+        ) from None
+
+
+def _starts(prompt: np.ndarray, sidecars: SidecarSet) -> list[int]:
+    from anelab.core.geometry import chunk_starts
+
+    return chunk_starts(prompt.size, sidecars.chunk)
+
+
+def _components(total: float, hybrid_timing, core_ml) -> dict:
+    """One measured run split into its components (``COMPONENTS``); the graph-building rest must not be negative."""
+    parts = {"mlx_eval_s": hybrid_timing.mlx_s, "marshalling_s": hybrid_timing.marshalling_s}
+    if core_ml is not None:
+        parts["core_ml_predict_s"] = core_ml.predict_s
+        parts["marshalling_s"] += core_ml.marshalling_s
+        inside = hybrid_timing.sidecar_s - core_ml.predict_s - core_ml.marshalling_s  # the runner's own Python
+        parts["marshalling_s"] += max(inside, 0.0)
+    else:
+        parts["numpy_sidecar_s"] = hybrid_timing.sidecar_s
+    parts["mlx_graph_s"] = total - sum(parts.values())
+    if parts["mlx_graph_s"] < -1e-9:
+        raise AssertionError(f"the run's components exceed its wall time: {parts} > {total}")
+    return {"total_s": total, **parts, "calls": hybrid_timing.calls}
+
+
+def measured_arm_costs(results: dict, design: str, layers: int, machine: str) -> ArmCosts:
+    """Both arms as measured on this Mac (kind ``measured``): S the GPU arm; the ANE arm the hybrid's whole
+    prefill (offloaded share 1), A its runs without loads, L one layer's first-use loads (mean, min .. max)."""
+    gpu, ane = results["gpu_arm"], results["ane_arm"]
+    per_layer: dict[str, float] = {}
+    for key, seconds in ane["loads"].items():
+        layer = key.split(":")[0]
+        per_layer[layer] = per_layer.get(layer, 0.0) + seconds
+    loads = list(per_layer.values()) or [0.0]
+    comp = ", ".join(f"{k} {v:.3g} s" for k, v in ane["components_median_s"].items())
+    where = f"measured on this Mac ({machine})"
+    return ArmCosts(
+        design=design,
+        layers=layers,
+        loads_per_layer=len(ane["loads"]) // max(layers, 1),
+        runs_on_ane=True,
+        gpu_prefill=Cost(
+            gpu["median_s"], gpu["min_s"], gpu["max_s"], MEASURED, f"{where}: mlx-lm's prefill on the GPU"
+        ),
+        offloaded_share=1.0,
+        ane_attention=Cost(
+            ane["median_s"],
+            ane["min_s"],
+            ane["max_s"],
+            MEASURED,
+            f"{where}: the hybrid's prefill without loads ({comp})",
+        ),  # fmt: skip
+        load_per_layer=Cost(
+            statistics.mean(loads),
+            min(loads),
+            max(loads),
+            MEASURED,
+            f"{where}: first-use loads of each layer's functions",
+        ),  # fmt: skip
+    )
+
+
+def _check_prompts(prompt_tokens) -> list[int]:
+    prompts = [int(n) for n in prompt_tokens]
+    if not prompts or min(prompts) < 1:
+        raise AnelabInputError(f"--prompt-tokens must list positive lengths, got {list(prompt_tokens)}")
+    return prompts
+
+
+def _placements(runtime, sidecars: SidecarSet, compute_units: str, clock) -> list[dict]:
+    """Every layer's package placed on the Neural Engine by this Mac's compute plan (else refused, one line)."""
+    from anelab.runtimes.ane_placement import require_ane_placement
+
+    if compute_units not in NEURAL_ENGINE_UNITS:
+        raise AnelabInputError(
+            f"anelab ab's ANE arm runs the sidecars on the Neural Engine: use --compute-units cpu_and_ne or all, not {compute_units}"
+        )
+    placed = []
+    for pkg in sidecars.packages.values():
+        t0 = clock()
+        runtime.compile(pkg)  # once per package content (cached): paid before the loads, recorded apart
+        compile_s = clock() - t0
+        placed.append({**require_ane_placement(runtime, pkg, compute_units).to_dict(), "compile_s": compile_s})
+    return placed
+
+
+@dataclass
+class _Opened:
+    """What ``run_ab`` opens once: the checkpoint, the sidecars (served by Core ML or NumPy), mlx-lm's model, the
+    hybrid over it, the record's provenance and whether this is a Mac."""
+
+    checkpoint: object
+    sidecars: SidecarSet
+    mlx_model: object
+    hybrid: object
+    provenance: dict
+    on_mac: bool
+    placements: list[dict]
+
+
+def _open(request: AbRequest) -> _Opened:
+    from anelab.checkpoints.checkpoint import load_checkpoint
+    from anelab.runtimes.coreml import default_runtime
+    from anelab.runtimes.mlx.hybrid import Hybrid
+    from anelab.runtimes.mlx.model import mlx_versions, open_mlx_model
+
+    check_compute_units(request.compute_units)
+    if request.warmup < 0 or request.repeats < 1:
+        raise AnelabInputError(f"--warmup must be >= 0 and --repeats >= 1, got {request.warmup} and {request.repeats}")
+    checkpoint = load_checkpoint(request.checkpoint)
+    runtime = request.runtime if request.runtime is not None else default_runtime()
+    on_mac = runtime.available()
+    sidecars = open_sidecars(request.sidecars, checkpoint, max(_check_prompts(request.prompt_tokens)))
+    placements = _placements(runtime, sidecars, request.compute_units, request.clock) if on_mac else []
+    mlx_model = open_mlx_model(checkpoint.path, dtype=request.dtype or (None if on_mac else OFF_MAC_DTYPE))
+    if on_mac:
+        sidecars.runner = CoreMLRunner(
+            sidecars, compute_units=request.compute_units, runtime=runtime, clock=request.clock
+        )
+    else:
+        sidecars.runner = numpy_runner(sidecars, keep_open=len(sidecars.packages))
+    hybrid = Hybrid(mlx_model, sidecars, checkpoint.geometry, tuple(sidecars.packages), clock=request.clock)
+    return _Opened(checkpoint, sidecars, mlx_model, hybrid, {**provenance(), **mlx_versions()}, on_mac, placements)
+
+
+def _parameters(request: AbRequest, opened: _Opened, n: int) -> dict:
+    sidecars = opened.sidecars
+    return {
+        "checkpoint": str(opened.checkpoint.path),
+        "model_type": opened.checkpoint.model_type,
+        "prompt_tokens": n,
+        "chunk": sidecars.chunk,
+        "design": sidecars.design(next(iter(sidecars.packages))).name,
+        "sidecars": str(sidecars.directory),
+        "layers_on_sidecars": sorted(sidecars.packages),
+        "compute_units": request.compute_units if opened.on_mac else "none (NumPy evaluation of the saved programs)",
+        "mlx_dtype": opened.mlx_model.dtype,
+        "gpu_prefill_step": GPU_PREFILL_STEP,
+        "warmup": request.warmup,
+        "repeats": request.repeats,
+        "seed": request.seed,
+        "timings_are_a_macs": opened.on_mac,
+        "placements": opened.placements,
+        "components": COMPONENTS,
+        "protocol": "per arm one warm-up then the measured runs; the ANE arm's loads paid first, timed apart",
+    }
+
+
+def _one_prompt(request: AbRequest, opened: _Opened, n: int) -> PromptAb:
+    """Both arms at one prompt length, the correctness check, the record and (on a Mac) the verdict."""
+    from anelab.runtimes.timing import COLD_LOAD_CAVEAT
+
+    mlx_model, sidecars = opened.mlx_model, opened.sidecars
+    prompt = random_prompt(mlx_model.vocab_size, n, request.seed)
+    gpu = _time_gpu_arm(mlx_model, prompt, request)
+    want = _reference_logits(mlx_model, prompt, sidecars.chunk)
+    with opened.hybrid.installed():
+        ane, got = _time_ane_arm(mlx_model, sidecars, opened.hybrid, prompt, request, sidecars.runner)
+    correctness = {
+        "logits_relative_difference": relative_error(got, want),
+        "same_greedy_token": int(np.argmax(got)) == int(np.argmax(want)),
+        "reference": f"mlx-lm's own forward in chunks of {sidecars.chunk} (untimed)",
+    }
+    unknown = [COLD_LOAD_CAVEAT] if opened.on_mac else [NOT_A_MAC.format(machine=machine_kind())]
+    record = make_record("whole_model_ab", _parameters(request, opened, n),
+                         {"gpu_arm": gpu, "ane_arm": ane, "correctness": correctness},
+                         provenance_override=opened.provenance, unknown=unknown)  # fmt: skip
+    if request.out_dir is not None:
+        record = {**record, "_file": write_record(request.out_dir, record).name}
+    verdict = None
+    if opened.on_mac:
+        costs = measured_arm_costs(record["results"], record["parameters"]["design"], len(sidecars.packages),
+                                   machine_kind())  # fmt: skip
+        verdict = verdict_for(costs)
+    return PromptAb(n, record, verdict)
+
+
+def run_ab(request: AbRequest) -> AbReport:
+    """The A/B at every prompt length of ``request`` (module docstring)."""
+    from anelab.core.progress import tqdm
+
+    opened = _open(request)
+    machine = machine_kind()
+    label = f"measured on this Mac ({machine})" if opened.on_mac else NOT_A_MAC.format(machine=machine)
+    report = AbReport(opened.checkpoint.path, opened.on_mac, label)
+    for n in tqdm(_check_prompts(request.prompt_tokens), desc="ab", unit="prompt", leave=False):
+        report.prompts.append(_one_prompt(request, opened, n))
+    return report
+
+
+def ab_request(checkpoint: str | os.PathLike, sidecars: str | os.PathLike, prompt_tokens, **options) -> AbRequest:
+    return AbRequest(Path(checkpoint), Path(sidecars), tuple(int(n) for n in prompt_tokens), **options)
