@@ -904,9 +904,15 @@ def _add_decide(sub):
 
 
 def _run_decide(args):
+    from anelab.core.limits import MAX_POSITIONS, require_at_most
     from anelab.decide.report import verdict_lines
     from anelab.decide.run import DecideConfig, decide
+    from anelab.planner.plan import check_user_gpu
 
+    if args.prompt_tokens < 1:  # refused before decide writes its report directory
+        raise AnelabInputError(f"--prompt-tokens must be a positive integer, got {args.prompt_tokens}")
+    require_at_most("--prompt-tokens", args.prompt_tokens, MAX_POSITIONS, "decide for a shorter prompt")
+    check_user_gpu(args.gpu_prefill_seconds, args.gpu_tokens_per_second)
     out = Path(args.out) if args.out else Path(f"decide-{Path(args.checkpoint).name}")
     config = DecideConfig(
         checkpoint=_checkpoint(args.checkpoint),
@@ -1031,15 +1037,18 @@ def _add_records(sub):
 def _run_records(args):
     from anelab.publish import records_compare as rc
 
-    records = rc.gather_records(args.dirs)
-    if args.action == "list":
+    skipped: list = []
+    records = rc.gather_records(args.dirs, skipped=skipped if args.action == "list" else None)
+    if args.action == "list":  # an unreadable record is reported on stderr; the others are listed
+        for path, reason in skipped:
+            print(f"anelab: skipped an unreadable record: {reason}", file=sys.stderr)
         rows = rc.list_rows(rc.select(records, kind=args.kind, machine=args.machine))
         if args.json:
             _print_json(rows)
             return 0
         for r in rows:
             print(f"{r['kind']:<24} {r['origin']:<9} {r['machine']:<44} {r['date']:<26} {r['path']}")
-        print(f"{len(rows)} records")
+        print(f"{len(rows)} records" + (f" ({len(skipped)} unreadable, skipped: see stderr)" if skipped else ""))
         return 0
     if args.kind is not None:
         raise AnelabInputError("records compare: --kind applies to list; compare covers its declared quantities")
@@ -1133,7 +1142,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_TERMINATED = 128 + 15
+
+
 def main(argv: list[str] | None = None) -> int:
+    from anelab.core.termination import Terminated, terminate_by_exception
+
+    try:
+        with terminate_by_exception():  # SIGTERM runs every finally (an export's staging folder, its workers)
+            return _main(argv)
+    except Terminated:
+        print("anelab: terminated", file=sys.stderr)
+        return EXIT_TERMINATED
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(argv)

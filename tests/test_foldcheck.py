@@ -210,3 +210,33 @@ def test_mismatched_selection_is_refused(cases):
         fold_check(case, other_start)
     with pytest.raises(AnelabInputError, match="no function h3"):
         make_case(case.saved, case.saved.path, history=3)
+
+
+class _MaskIgnoringPackage:
+    """An evaluator standing in for a graph that ignores its mask input: every call is evaluated from disk
+    under one fixed mask (the selection), whatever mask it is fed — the failure the causal-only control exists
+    to catch (a fold error alone cannot: the folded output is then exactly right)."""
+
+    name = "a package that ignores its mask"
+
+    def __init__(self, case: FoldCase, fixed_mask: np.ndarray):
+        from anelab.sidecar.evaluate import evaluate
+
+        self.case, self.fixed, self.evaluate = case, fixed_mask, evaluate
+
+    def __call__(self, function, inputs, state=None):
+        return self.evaluate(self.case.saved, function, {**inputs, "mask": self.fixed.astype(np.float16)})
+
+
+def test_a_package_that_ignores_its_mask_fails_on_the_causal_only_control_alone(cases):
+    """Issue 31: the fold check passes only when the causal-only mask moves the package's output
+    (``causal_off > threshold``). A package deaf to its mask input computes the folded output exactly, so its
+    fold error and the vacuity guard both pass; the causal-only control is what fails it."""
+    case = cases[16]
+    sel = selection_for(case, KEPT_BLOCKS + 1, RATIO)
+    honest = fold_check(case, sel)
+    assert honest.passed and honest.causal_off > RELATIVE_ERROR_THRESHOLD  # the negative control's control
+    deaf = fold_check(case, sel, evaluator=_MaskIgnoringPackage(case, sel.mask()))
+    assert deaf.fold_error < RELATIVE_ERROR_THRESHOLD and not deaf.vacuous  # every other condition holds ...
+    assert deaf.causal_off < RELATIVE_ERROR_THRESHOLD  # ... the causal-only mask does not move the output ...
+    assert not deaf.passed  # ... and that alone fails the check

@@ -7,7 +7,6 @@ first layer whose difference exceeds the fp16 noise threshold.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,9 @@ from anelab.arms.run import REFERENCE_CHUNK, Arm, ArmRun, Indexer
 from anelab.arms.sidecars import numpy_runner, open_sidecars, runtime_runner
 from anelab.checkpoints.model import ModelCheckpoint, load_model
 from anelab.core.errors import AnelabInputError
+from anelab.core.files import decode_utf8, parse_json, read_bytes
 from anelab.core.geometry import chunk_starts
+from anelab.core.limits import MAX_DECODE_TOKENS, MAX_FUNCTIONS, MAX_POSITIONS, require_at_most, require_memory
 from anelab.sidecar.compare import (
     RELATIVE_ERROR_THRESHOLD,
     relative_error,
@@ -154,23 +155,47 @@ def random_prompt(vocab_size: int, tokens: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng([int(seed), 0x7E4]).integers(0, vocab_size, int(tokens))
 
 
+MAX_TOKEN_FILE_BYTES = 64 * 2**20  # a token file of MAX_POSITIONS ids written as text is ~16 MB
+MAX_TOKEN_ID = 2**63 - 1  # token ids are int64 (the vocabulary check follows, against the model)
+
+
 def read_tokens(path: str | os.PathLike) -> np.ndarray:
-    """Token ids from a file: a JSON list, or integers separated by whitespace or commas."""
+    """Token ids int64 [P] from a file: a JSON list, or integers separated by whitespace or commas. A regular
+    UTF-8 file only; every id a whole number in int64, at most ``MAX_POSITIONS`` of them (one line each)."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise AnelabInputError(f"{path}: no such token file") from None
-    try:
-        values = json.loads(text) if text.lstrip().startswith("[") else text.replace(",", " ").split()
-        tokens = np.array([int(v) for v in values], dtype=np.int64)
-    except (ValueError, TypeError, json.JSONDecodeError):
-        raise AnelabInputError(
-            f"{path}: token file must hold integer token ids (a JSON list or whitespace-separated)"
-        ) from None
-    if tokens.size == 0:
+    text = decode_utf8(read_bytes(path, "token file", MAX_TOKEN_FILE_BYTES), str(path), "token file")
+    values = (
+        parse_json(text, str(path), "token file") if text.lstrip().startswith("[") else text.replace(",", " ").split()
+    )
+    if not isinstance(values, list):
+        raise AnelabInputError(f"{path}: token file must hold integer token ids (a JSON list or whitespace-separated)")
+    tokens = []
+    for v in values:
+        if isinstance(v, str) and v.lstrip("+-").isdigit():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise AnelabInputError(
+                f"{path}: token ids must be whole numbers, got {str(v)[:40]!r}; write integers (a JSON list or whitespace-separated)"
+            )
+        if not 0 <= v <= MAX_TOKEN_ID:
+            raise AnelabInputError(f"{path}: token id {str(v)[:40]} is not a token id (0 .. vocabulary size - 1)")
+        tokens.append(v)
+    if not tokens:
         raise AnelabInputError(f"{path}: the token file is empty")
-    return tokens
+    require_at_most(f"{path}: the token count", len(tokens), MAX_POSITIONS, "split the prompt")
+    return np.array(tokens, dtype=np.int64)
+
+
+def require_run_fits(model, prompt_tokens: int, decode: int, arms: int) -> None:
+    """Refuse, before any array is made, a prompt or decode past anelab's bounds and a run whose prompt
+    activations and K/V caches alone exceed this machine's memory (``anelab.core.limits``)."""
+    require_at_most("--prompt-tokens", int(prompt_tokens), MAX_POSITIONS, "use a shorter prompt")
+    require_at_most("--decode", int(decode), MAX_DECODE_TOKENS, "greedy agreement needs tens of tokens, not more")
+    g = model.geometry
+    positions = int(prompt_tokens) + int(decode)
+    cache = arms * g.num_layers * positions * g.num_kv_heads * g.head_dim * 2 * 4  # fp32 K and V per arm
+    require_memory(f"a {positions:,}-position run of {arms} arms", cache + positions * g.hidden_size * 4 * arms,
+                   "use a shorter --prompt-tokens")  # fmt: skip
 
 
 def choose_engine(checkpoint, engine: str = "auto") -> str:
@@ -252,6 +277,9 @@ def compare_arms(
     """
 
     engine, model = open_engine_model(checkpoint, engine)
+    arm_count = 1 + (sidecars is not None) + 2 * (indexer is not None)
+    layers = model.checkpoint if engine == "mlx" else model  # the geometry either way
+    require_run_fits(layers, prompt_tokens if tokens is None else np.size(tokens), decode, arm_count)
     prompt = random_prompt(model.vocab_size, prompt_tokens or 0, seed) if tokens is None else np.asarray(tokens)
     attention_layers = model.checkpoint if engine == "mlx" else model
     sidecar_set = open_sidecars(sidecars, attention_layers, prompt.size) if sidecars is not None else None
@@ -285,6 +313,10 @@ def named_with_sidecars(
     ``prompt_tokens`` prompt. Returns (checkpoint path, sidecars)."""
     from anelab.checkpoints.default import resolve_checkpoint
 
+    if sidecars is not None and not Path(sidecars).exists():
+        require_at_most(f"the sidecars a {int(prompt_tokens):,}-token prompt in chunks of {int(chunk)} needs (one function "
+                        "per chunk start)", -(-int(prompt_tokens) // int(chunk)), MAX_FUNCTIONS,
+                        "use a shorter --prompt-tokens or a larger --chunk")  # fmt: skip
     checkpoint = resolve_checkpoint(name)
     if sidecars is not None and not Path(sidecars).exists():
         export_arm_sidecars(checkpoint, sidecars, chunk, prompt_tokens)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 
 from anelab.checkpoints.safetensors_io import TORCH_DTYPE_NAMES
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import AttentionGeometry
+from anelab.core.limits import MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_WIDTH, require_at_most
 from anelab.core.rope import RopeScaling
 
 CONFIG_FILE = "config.json"
@@ -274,7 +276,8 @@ def text_config(config: dict) -> dict:
     every ``ATTRIBUTE_MAPS`` spelling read under anelab's name; refuses both spellings with different values."""
     nested = config.get("text_config")
     text = nested if isinstance(nested, dict) else config
-    aliases = ATTRIBUTE_MAPS.get(text.get("model_type") or config.get("model_type"), {})
+    model_type = text.get("model_type") or config.get("model_type")
+    aliases = ATTRIBUTE_MAPS.get(model_type, {}) if isinstance(model_type, str) else {}
     if not any(stored in text for stored in aliases.values()):
         return text
     text = dict(text)
@@ -299,6 +302,9 @@ def detect_family(config: dict) -> tuple[str, ModelFamily]:
     """
     text = text_config(config)
     candidates = [text.get("model_type"), config.get("model_type")]
+    if any(m is not None and not isinstance(m, str) for m in candidates):
+        shown = next(_shown(m) for m in candidates if m is not None and not isinstance(m, str))
+        raise AnelabInputError(f"config.json model_type must be a string, got {shown}; fix config.json")
     for model_type in candidates:
         if model_type in MODEL_FAMILIES:
             return model_type, MODEL_FAMILIES[model_type]
@@ -313,16 +319,26 @@ def detect_family(config: dict) -> tuple[str, ModelFamily]:
 
 
 def _is_hybrid_config(text: dict) -> bool:
-    types = [LEGACY_LAYER_TYPES.get(t, t) for t in (text.get("layer_types") or [])]
+    listed = text.get("layer_types")
+    types = [LEGACY_LAYER_TYPES.get(t, t) for t in listed if isinstance(t, str)] if isinstance(listed, list) else []
     return "linear_attention" in types or "full_attention_interval" in text
 
 
-def _config_int(text: dict, key: str, default: int | None = None) -> int:
+def _config_int(
+    text: dict, key: str, default: int | None = None, *, maximum: int | None = None, minimum: int | None = None
+) -> int:
+    """config.json ``key`` as an integer (a float holding a whole number counts, as JSON writers emit ``4.0``);
+    NaN, infinity, a string, a bool, a fraction or a value past ``maximum`` is refused in one line."""
     value = text.get(key, default)
     if value is None:
         raise AnelabInputError(f"config.json has no {key!r}; add it (a Hugging Face text config needs it)")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-        raise AnelabInputError(f"config.json {key!r} must be an integer, got {value!r}")
+    whole = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value) and value == int(value))
+    if isinstance(value, bool) or not whole:
+        raise AnelabInputError(f"config.json {key!r} must be an integer, got {_shown(value)}")
+    if maximum is not None:
+        require_at_most(f"config.json {key!r}", int(value), maximum, "no model anelab can serve is that large")
+    if minimum is not None and value < minimum:
+        raise AnelabInputError(f"config.json {key!r} must be at least {minimum}, got {int(value)}")
     return int(value)
 
 
@@ -330,9 +346,19 @@ def _config_number(text: dict, key: str, default: float | None) -> float | None:
     value = text.get(key, default)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise AnelabInputError(f"config.json {key!r} must be a positive number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not value > 0:
+        raise AnelabInputError(f"config.json {key!r} must be a finite positive number, got {_shown(value)}")
     return float(value)
+
+
+def _shown(value) -> str:
+    """A config value for an error line: its repr, cut short (a value can be a 100,000-deep list)."""
+    text = (
+        repr(value)
+        if not isinstance(value, list | dict)
+        else f"a JSON {'list' if isinstance(value, list) else 'object'}"
+    )
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _rope_dicts(text: dict) -> tuple[dict, dict | None]:
@@ -340,6 +366,8 @@ def _rope_dicts(text: dict) -> tuple[dict, dict | None]:
     ``rope_parameters`` (transformers >= 5; maybe keyed by layer type) or ``rope_scaling``, else {}."""
     for key in ("rope_parameters", "rope_scaling"):
         params = text.get(key)
+        if params is not None and not isinstance(params, dict):
+            raise AnelabInputError(f"config.json {key} must be a JSON object or null, got {_shown(params)}; fix it")
         if isinstance(params, dict):
             if isinstance(params.get("full_attention"), dict):
                 return params["full_attention"], params.get("sliding_attention")
@@ -355,6 +383,8 @@ def _layer_types(text: dict, num_layers: int) -> list[str] | None:
         raise AnelabInputError(
             f"config.json layer_types must list one type per layer ({num_layers}), got {layer_types!r}"
         )
+    if not all(isinstance(t, str) for t in layer_types):
+        raise AnelabInputError("config.json layer_types must list one layer-type name (a string) per layer")
     types = [LEGACY_LAYER_TYPES.get(t, t) for t in layer_types]
     unknown = sorted({t for t in types if t not in ("full_attention", "sliding_attention", "linear_attention")})
     if unknown:
@@ -366,7 +396,7 @@ def _window_size(text: dict, family: ModelFamily) -> int | None:
     value = text.get("sliding_window", family.window_default)
     if value is None:
         return None
-    return _config_int({"sliding_window": value}, "sliding_window")
+    return _config_int({"sliding_window": value}, "sliding_window", maximum=MAX_POSITIONS)
 
 
 def _sliding_rule(text: dict, family: ModelFamily, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
@@ -402,7 +432,7 @@ def _sliding_rule(text: dict, family: ModelFamily, num_layers: int) -> tuple[int
     elif rule == "gemma2":
         sliding = tuple(i for i in range(num_layers) if (i + 1) % 2)
     elif rule == "gemma3":
-        pattern = _config_int(text, "sliding_window_pattern", 6)
+        pattern = _config_int(text, "sliding_window_pattern", 6, minimum=1)
         sliding = tuple(i for i in range(num_layers) if (i + 1) % pattern)
     elif rule == "smollm3":
         sliding = _no_rope_layers(text, num_layers)
@@ -416,7 +446,7 @@ def _no_rope_layers(text: dict, num_layers: int) -> tuple[int, ...]:
     ``no_rope_layer_interval``-th layer ((i + 1) % interval == 0)."""
     flags = text.get("no_rope_layers")
     if flags is None:
-        interval = _config_int(text, "no_rope_layer_interval", 4)
+        interval = _config_int(text, "no_rope_layer_interval", 4, minimum=1)
         flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
     if not isinstance(flags, list) or len(flags) != num_layers or any(f not in (0, 1) for f in flags):
         raise AnelabInputError(f"config.json no_rope_layers must list 0/1 per layer ({num_layers}), got {flags!r}")
@@ -433,7 +463,7 @@ def full_attention_layers(config: dict) -> tuple[int, ...]:
     """
     _, family = detect_family(config)
     text = text_config(config)
-    num_layers = _config_int(text, "num_hidden_layers")
+    num_layers = _config_int(text, "num_hidden_layers", maximum=MAX_LAYERS)
     types = _layer_types(text, num_layers)
     if types is not None:
         layers = tuple(i for i, t in enumerate(types) if t != "linear_attention")
@@ -484,11 +514,16 @@ def _rope_options(text: dict, family: ModelFamily, model_type: str, head_dim: in
         if full.get("rope_type", full.get("type")) == "mrope":
             full = {k: v for k, v in full.items() if k not in ("rope_type", "type")}
     mpe = text.get("max_position_embeddings")
+    if mpe is not None:
+        _config_int(text, "max_position_embeddings", minimum=1)
     scaling = RopeScaling.from_config(
         full, max_position_embeddings=mpe, original_max_position_embeddings=text.get("original_max_position_embeddings")
     )
-    theta = full.get("rope_theta", text.get("rope_theta", family.default_theta))
+    theta = _rope_number(full.get("rope_theta", text.get("rope_theta", family.default_theta)), "rope_theta")
     factor = full.get("partial_rotary_factor", text.get("partial_rotary_factor", family.partial_rotary_factor))
+    factor = _rope_number(factor, "partial_rotary_factor")
+    if factor > 1.0:
+        raise AnelabInputError(f"config.json partial_rotary_factor must be in (0, 1], got {factor}")
     if float(factor) != 1.0 and not family.partial_rotary:
         raise AnelabInputError(
             f"config.json partial_rotary_factor={factor} is not applied by {model_type} in transformers; remove it (refused)"
@@ -501,6 +536,7 @@ def _rope_options(text: dict, family: ModelFamily, model_type: str, head_dim: in
                 "config.json sliding_attention RoPE is not default; anelab models only default there"
             )
         local = local_dict.get("rope_theta", text.get("rope_local_base_freq", family.local_rope_theta))
+        local = _rope_number(local, "rope_local_base_freq")
     elif sliding is not None:
         raise AnelabInputError(f"config.json RoPE per layer type is not used by {model_type}; refused")
     return {
@@ -530,21 +566,20 @@ def geometry_from_config(config: dict) -> AttentionGeometry:
     model_type, family = detect_family(config)
     text = text_config(config)
     _refuse_unmodelled(text, family, model_type)
-    hidden = _config_int(text, "hidden_size")
-    heads = _config_int(text, "num_attention_heads")
-    kv_heads = _config_int(text, "num_key_value_heads", heads)
+    hidden = _config_int(text, "hidden_size", maximum=MAX_WIDTH)
+    heads = _config_int(text, "num_attention_heads", maximum=MAX_HEADS)
+    kv_heads = _config_int(text, "num_key_value_heads", heads, maximum=MAX_HEADS)
     if heads <= 0 or hidden <= 0:
         raise AnelabInputError(
             f"config.json hidden_size and num_attention_heads must be positive, got {hidden}, {heads}"
         )
-    head_dim = text.get("head_dim") or family.head_dim or hidden // heads
-    head_dim = _config_int({"head_dim": head_dim}, "head_dim")
+    head_dim = _head_dim(text, family, hidden, heads)
     eps = _config_number(text, family.eps_key, family.eps_default)
 
     attention_bias = bool(text.get(family.bias_key, family.bias_default))
     qkv_bias = attention_bias if family.qkv_bias is None else family.qkv_bias
     o_bias = attention_bias if family.o_bias is None else family.o_bias
-    num_layers = _config_int(text, "num_hidden_layers")
+    num_layers = _config_int(text, "num_hidden_layers", maximum=MAX_LAYERS)
     window, sliding = _sliding_rule(text, family, num_layers)
     return AttentionGeometry(
         variant=family.variant,
@@ -568,6 +603,24 @@ def geometry_from_config(config: dict) -> AttentionGeometry:
         after_o_proj=_after_o_proj(text, family),
         **_rope_options(text, family, model_type, head_dim),
     )
+
+
+def _head_dim(text: dict, family: ModelFamily, hidden: int, heads: int) -> int:
+    """config.json ``head_dim``; absent or null: the family's default, else hidden_size // heads (transformers).
+    A head_dim of 0 or less is no head width and is refused, not replaced by the default."""
+    if text.get("head_dim") is None:
+        return family.head_dim or hidden // heads
+    head_dim = _config_int(text, "head_dim", maximum=MAX_HEAD_DIM)
+    if head_dim <= 0:
+        raise AnelabInputError(f"config.json head_dim must be a positive integer, got {head_dim}; fix or remove it")
+    return head_dim
+
+
+def _rope_number(value, key: str) -> float:
+    """A RoPE setting (rope_theta, partial_rotary_factor, rope_local_base_freq) as a finite positive float."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise AnelabInputError(f"config.json {key} must be a finite positive number, got {_shown(value)}")
+    return float(value)
 
 
 def _interval_of(layers: tuple[int, ...], num_layers: int) -> int | None:

@@ -7,7 +7,6 @@ ones; a directory of quantized Hugging Face weights (``quantization_config``: GP
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,41 +16,63 @@ from anelab.checkpoints.config import CONFIG_FILE, text_config
 from anelab.checkpoints.safetensors_io import INDEX_FILE, MappedTensor, SafetensorsFile, TensorEntry
 from anelab.checkpoints.source import CheckpointSource, content_digest
 from anelab.core.errors import AnelabInputError
+from anelab.core.files import confined, read_json
 
 TOKENIZER_FILE = "tokenizer.json"
 
 
 def read_config(directory: Path) -> dict:
-    """``directory/config.json`` as a dict; refused (one line) when missing, not JSON or not an object."""
+    """``directory/config.json`` as a dict; refused (one line) when missing, not a regular UTF-8 JSON file, too
+    deep, or not an object (``anelab.core.files.read_json``)."""
     config_path = directory / CONFIG_FILE
-    if not config_path.is_file():
+    if not (config_path.exists() or config_path.is_symlink()):
         raise AnelabInputError(f"{directory} has no config.json; pass a Hugging Face model directory")
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise AnelabInputError(f"{config_path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    config = read_json(checkpoint_file(directory, CONFIG_FILE, "the checkpoint"), CONFIG_FILE)
     if not isinstance(config, dict):
         raise AnelabInputError(f"{config_path} must hold a JSON object")
     return config
 
 
 def weight_map(directory: Path) -> dict[str, Path]:
-    """Tensor name -> file: from the shard index when present, else from every file's header."""
+    """Tensor name -> file: from the shard index when present, else from every file's header. Every file
+    must lie inside the checkpoint directory once symlinks are resolved (``checkpoint_file``)."""
     index = directory / INDEX_FILE
-    if index.exists():
-        try:
-            mapping = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise AnelabInputError(f"{index} has no readable 'weight_map'; regenerate the shard index") from None
-        return {name: directory / file for name, file in mapping.items()}
+    if index.exists() or index.is_symlink():
+        data = read_json(checkpoint_file(directory, INDEX_FILE, "the checkpoint"), INDEX_FILE)
+        mapping = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(mapping, dict) or not mapping:
+            raise AnelabInputError(f"{index} has no 'weight_map' object of tensor names; regenerate the shard index")
+        bad = next((name for name, file in mapping.items() if not isinstance(file, str) or not file), None)
+        if bad is not None:
+            raise AnelabInputError(
+                f"{index}: weight_map entry {bad[:80]!r} does not name a file (a string); regenerate the shard index"
+            )
+        files = {file: checkpoint_file(directory, file, INDEX_FILE) for file in set(mapping.values())}
+        return {name: files[file] for name, file in mapping.items()}
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise AnelabInputError(f"no *.safetensors files in {directory}; download the model weights into it")
     mapping: dict[str, Path] = {}
     for path in files:
-        for name in SafetensorsFile.open(path).entries:
+        for name in SafetensorsFile.open(checkpoint_file(directory, path.name, "the checkpoint")).entries:
             mapping[name] = path
     return mapping
+
+
+def checkpoint_file(directory: Path, name: str, named_by: str) -> Path:
+    """``directory/name`` when it stays inside the checkpoint directory: a relative name without ``..``,
+    whose symlinks resolve inside ``directory`` — or, for a Hugging Face cache snapshot
+    (``.../snapshots/<revision>``), inside that repository's ``blobs/`` folder, where the cache keeps the
+    files its snapshot links to. Anything else (an absolute path, ``../other``, a link out) is refused."""
+    if Path(name).is_absolute() or ".." in Path(name).parts:
+        raise AnelabInputError(
+            f"{named_by} names {name[:120]!r}, outside the checkpoint directory {directory}; "
+            "a checkpoint's files stay inside it"
+        )
+    blobs = directory.resolve().parent.parent / "blobs"
+    cache = (blobs,) if directory.resolve().parent.name == "snapshots" and blobs.is_dir() else ()
+    confined(directory / name, directory, f"{named_by}'s file", also=cache)
+    return directory / name
 
 
 @dataclass
@@ -82,8 +103,13 @@ class SafetensorsSource:
         return None if found is None else found[1].shape
 
     def storage(self, name: str) -> str:
+        """The tensor's safetensors dtype; a dtype anelab does not read, or bytes that do not hold the shape, are
+        refused (one line naming the tensor; no tensor bytes read)."""
         found = self.entry(name)
-        return "missing" if found is None else found[1].dtype
+        if found is None:
+            return "missing"
+        found[0].storage_dtype(name)
+        return found[1].dtype
 
     def read_float32(self, name: str) -> np.ndarray:
         file, _ = self.entry(name)
@@ -119,7 +145,8 @@ def refuse_quantized_config(config: dict, where: Path) -> None:
 
 
 def is_directory_checkpoint(path: Path) -> bool:
-    return path.is_dir() and (path / CONFIG_FILE).is_file()
+    config = path / CONFIG_FILE  # present in any form: reading it refuses a directory, a FIFO, a link out
+    return path.is_dir() and (config.exists() or config.is_symlink())
 
 
 def open_directory(directory: Path) -> CheckpointSource:

@@ -4,17 +4,23 @@ Exporting and verifying one layer's sidecar are independent of every other layer
 single-threaded Python (coremltools' pass pipeline, the MIL interpreter's op loop): ``process_map``
 runs them in worker processes, each with ``threads_per_run`` BLAS threads so that workers x threads
 never exceed the cores. Results come back in the order of the items, whatever order they finish in;
-an exception in a worker is raised in the caller (an ``AnelabInputError`` keeps its one line).
+an exception in a worker is raised in the caller (an ``AnelabInputError`` keeps its one line), after
+every other job is cancelled and every worker has exited; workers die with their parent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from anelab.core.errors import AnelabInputError
+from anelab.core.termination import raise_if_terminated
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
@@ -57,6 +63,59 @@ def _limit_threads(threads: int) -> None:
     threadpool_limits(limits=threads, user_api="blas")
 
 
+PARENT_POLL_SECONDS = 0.5  # how often a worker checks that the process that started it is still there
+
+
+def _start_worker(threads: int, parent: int) -> None:
+    """A worker's first step: its share of the BLAS threads; Ctrl-C left to the parent (which stops every
+    worker itself: a terminal sends SIGINT to the whole group, and a worker that raised KeyboardInterrupt
+    mid-layer would report a half-done job); and death with the parent, however the parent ends."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # held by the parent when it forked
+    _limit_threads(threads)
+    _die_with_parent(parent)
+
+
+def _die_with_parent(parent: int) -> None:
+    """End this worker when ``parent`` is gone (even after SIGKILL): the kernel's parent-death signal on Linux,
+    and everywhere a daemon thread that polls the parent's pid (a worker's parent becomes PID 1 or a reaper)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent ended before the signal was armed
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_SECONDS)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="anelab-parent-watch", daemon=True).start()
+
+
+def _stop_workers(pool) -> None:
+    """Cancel what is queued and end the running workers now (SIGTERM, then SIGKILL after a grace), waiting
+    until each has exited: nothing a worker writes can land after this returns."""
+    processes = list(getattr(pool, "_processes", {}).values())  # the pool's worker processes (CPython)
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        with contextlib.suppress(Exception):
+            process.terminate()
+    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    for process in processes:
+        with contextlib.suppress(Exception):
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+STOP_GRACE_SECONDS = 5.0  # a terminated worker gets this long to exit before SIGKILL
+
+
 def process_map(
     function: Callable[[Item], Result],
     items: Iterable[Item],
@@ -69,30 +128,54 @@ def process_map(
     ``function`` must be a module-level function and items and results picklable. ``on_result(item,
     result)`` is called in this process as each finishes (a progress bar's update). Workers are forked off macOS
     (``start_method``): they inherit the imported modules, so a worker starts in milliseconds, not coremltools'
-    import time; on macOS they are spawned.
+    import time; on macOS they are spawned. All or nothing: the first exception (a worker's, or KeyboardInterrupt
+    / a signal's in this process) cancels what is queued, ends the running workers and is raised here once they
+    have exited; workers ignore Ctrl-C (this process stops them) and die with this process whatever ends it.
     """
     items = list(items)
     threads = threads_per_run(jobs)
     if jobs == 1 or len(items) <= 1:
         results = []
         for item in items:
+            raise_if_terminated()  # a SIGTERM swallowed by the last item's library code ends the run here
             results.append(function(item))
             if on_result is not None:
                 on_result(item, results[-1])
         return results
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     from multiprocessing import get_context
 
     done: dict[int, Result] = {}
     context = get_context(start_method())
-    with ProcessPoolExecutor(jobs, mp_context=context, initializer=_limit_threads, initargs=(threads,)) as pool:
-        futures = {pool.submit(function, item): index for index, item in enumerate(items)}
-        for future in as_completed(futures):
-            index = futures[future]
-            done[index] = future.result()  # a worker's exception is raised here, in the caller
-            if on_result is not None:
-                on_result(items[index], done[index])
+    # Ctrl-C and SIGTERM are held while the pool runs (its threads and workers start with them held) and let in
+    # only between waits, so they interrupt this loop, never concurrent.futures' own locks.
+    unheld = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
+    try:
+        pool = ProcessPoolExecutor(jobs, mp_context=context, initializer=_start_worker, initargs=(threads, os.getpid()))
+        try:
+            futures = {pool.submit(function, item): index for index, item in enumerate(items)}
+            pending = set(futures)
+            while pending:
+                finished, pending = wait(pending, timeout=SIGNAL_POLL_SECONDS, return_when=FIRST_COMPLETED)
+                signal.pthread_sigmask(signal.SIG_SETMASK, unheld)  # a signal that came meanwhile is raised here
+                signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
+                raise_if_terminated()
+                for future in sorted(finished, key=futures.get):
+                    index = futures[future]
+                    done[index] = future.result()  # a worker's exception is raised here, in the caller
+                    if on_result is not None:
+                        on_result(items[index], done[index])
+        except BaseException:
+            _stop_workers(pool)
+            raise
+        pool.shutdown(wait=True)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unheld)
     return [done[index] for index in range(len(items))]
+
+
+HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+SIGNAL_POLL_SECONDS = 0.2  # how soon a Ctrl-C or SIGTERM reaches the parent's loop while workers run
 
 
 def _start_methods() -> list[str]:

@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 from anelab.core.errors import AnelabInputError
+from anelab.core.files import read_json
 from anelab.core.paths import REPO_ROOT
 
 SCHEMA_VERSION = 1
@@ -205,17 +206,9 @@ def write_record(directory: str | os.PathLike, record: dict, *, name: str | None
 
 
 def read_json_file(path: str | os.PathLike, what: str = "JSON file"):
-    """Parse one UTF-8 JSON file; a missing, unreadable or invalid one is refused in one line."""
-    path = Path(path)
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise AnelabInputError(f"{path}: no such {what}") from None
-    except (IsADirectoryError, UnicodeDecodeError):
-        raise AnelabInputError(f"{path}: not a {what} (expected one UTF-8 JSON file)") from None
-    except json.JSONDecodeError as e:
-        kind = "" if what.endswith("file") else f"{what} "  # "not valid notebook JSON", "not valid JSON"
-        raise AnelabInputError(f"{path}: not valid {kind}JSON ({e.msg} at line {e.lineno})") from None
+    """Parse one regular UTF-8 JSON file (``anelab.core.files.read_json``); a missing, unreadable, special
+    (a FIFO, a directory), oversized or invalid one is refused in one line."""
+    return read_json(path, what)
 
 
 def read_record(path: str | os.PathLike) -> dict:
@@ -223,16 +216,25 @@ def read_record(path: str | os.PathLike) -> dict:
     return validate_record(read_json_file(path, "record file"), str(path))
 
 
-def read_records(directory: str | os.PathLike, kind: str | None = None) -> list[dict]:
+def read_records(
+    directory: str | os.PathLike, kind: str | None = None, *, skipped: list[tuple[Path, str]] | None = None
+) -> list[dict]:
     """All records in ``directory`` (sorted by file name), optionally only one ``kind``.
 
-    Each returned dict carries its file name under the key ``"_file"``.
+    Each returned dict carries its file name under the key ``"_file"``. A malformed record is refused,
+    unless ``skipped`` is given: then it is left out and (path, the one-line reason) appended there.
     """
     out = []
     for path in sorted(Path(directory).glob("*.json")):
         if path.name == "MANIFEST.json":
             continue
-        record = read_record(path)
+        try:
+            record = read_record(path)
+        except AnelabInputError as e:
+            if skipped is None:
+                raise
+            skipped.append((path, str(e)))
+            continue
         if kind is None or record["kind"] == kind:
             out.append({**record, "_file": path.name})
     return out

@@ -9,6 +9,7 @@ import numpy as np
 
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import AttentionGeometry, chunk_starts, score_arena_bytes
+from anelab.core.limits import MAX_CHUNKS, MAX_POSITIONS, require_at_most
 
 # how each figure in a plan is known
 RECORDED, DERIVED, ASSUMED, FITTED, UNKNOWN, FLAG = "recorded", "derived", "assumed", "fitted", "unknown", "flag"
@@ -109,13 +110,23 @@ class Chunk:
 
 def chunk_schedule(prompt_tokens: int, chunk: int) -> list[Chunk]:
     """Chunks of a prompt and their device: a prompt shorter than one chunk stays on the GPU."""
-    require_positive("--prompt-tokens", prompt_tokens)
-    require_positive("--chunk", chunk)
+    require_plannable(prompt_tokens, chunk)
     on_ane = prompt_tokens >= chunk  # a full first chunk; every later chunk is a continuation
     return [
         Chunk(i, start, min(chunk, prompt_tokens - start), "ane" if on_ane else "gpu")
         for i, start in enumerate(chunk_starts(prompt_tokens, chunk))
     ]
+
+
+def require_plannable(prompt_tokens: int, chunk: int) -> None:
+    """A prompt and chunk width the planner can list: both positive integers, the prompt at most
+    ``MAX_POSITIONS`` tokens and at most ``MAX_CHUNKS`` chunks (a plan lists every chunk)."""
+    require_positive("--prompt-tokens", prompt_tokens)
+    require_positive("--chunk", chunk)
+    require_at_most("--prompt-tokens", int(prompt_tokens), MAX_POSITIONS, "plan a shorter prompt")
+    chunks = -(-int(prompt_tokens) // int(chunk))
+    require_at_most(f"a {int(prompt_tokens):,}-token prompt in chunks of {int(chunk):,}: the chunk count", chunks,
+                    MAX_CHUNKS, f"use --chunk {-(-int(prompt_tokens) // MAX_CHUNKS):,} or more")  # fmt: skip
 
 
 def require_positive(flag: str, value) -> None:

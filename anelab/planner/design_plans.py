@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import chunk_starts
-from anelab.planner.catalogue import PlanGeometry, chunk_schedule, get_family, require_positive
+from anelab.planner.catalogue import PlanGeometry, chunk_schedule, get_family, require_plannable, require_positive
 from anelab.planner.fit import LoadModel, fit_costs
 from anelab.planner.plan import PrefillPlan, plan
 from anelab.sidecar.designs import PRICED, SidecarRequest, default_capacity, get_design
@@ -255,6 +255,7 @@ def compare_designs(
     query_tile: int | None = None,
 ) -> list[DesignPlan]:
     """Every requested design for a recorded family at one prompt and chunk width."""
+    require_plannable(prompt_tokens, chunk)
     fam = get_family(family)
     costs = family_design_costs(family, prompt_tokens, chunk)
     return [

@@ -73,6 +73,7 @@ import numpy as np
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import chunk_starts, validate_chunk_and_histories
 from anelab.core.geometry import coverage as _coverage
+from anelab.core.limits import require_finite_positive
 from anelab.core.paths import DATA_DIR
 from anelab.planner.catalogue import (
     EXTRAPOLATED,
@@ -359,17 +360,22 @@ def _costs_and_terms(fam, fit, geometry, prompt_tokens, chunk, hs, schedule, fla
 
 
 def _user_gpu_seconds(prompt_tokens: int, seconds: float | None, tokens_per_second: float | None) -> float | None:
+    check_user_gpu(seconds, tokens_per_second)
+    if seconds is not None:
+        return float(seconds)
+    if tokens_per_second is not None:
+        return prompt_tokens / float(tokens_per_second)
+    return None
+
+
+def check_user_gpu(seconds: float | None, tokens_per_second: float | None) -> None:
+    """The user's GPU prefill flags: at most one of them, each a finite number above 0 in its own unit."""
     if seconds is not None and tokens_per_second is not None:
         raise AnelabInputError("pass --gpu-prefill-seconds or --gpu-tokens-per-second, not both")
     if seconds is not None:
-        if positive_seconds("--gpu-prefill-seconds", seconds) <= 0:
-            raise AnelabInputError("--gpu-prefill-seconds must be above 0")
-        return float(seconds)
+        require_finite_positive("--gpu-prefill-seconds", seconds, "seconds")
     if tokens_per_second is not None:
-        if positive_seconds("--gpu-tokens-per-second", tokens_per_second) <= 0:
-            raise AnelabInputError("--gpu-tokens-per-second must be above 0")
-        return prompt_tokens / float(tokens_per_second)
-    return None
+        require_finite_positive("--gpu-tokens-per-second", tokens_per_second, "tokens per second")
 
 
 def _scaled_gpu_costs(costs: PlanCosts, factor: float, user_seconds: float, as_seconds: bool) -> PlanCosts:

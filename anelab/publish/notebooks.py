@@ -613,6 +613,13 @@ def run_study(
     run_dir = Path(out) if out is not None else run_directory(notebook, parameters)
     if read_result(run_dir) is not None:
         raise AnelabInputError(f"{run_dir} already holds a finished run; choose another --out or remove it")
+    if "quick" not in declared_parameters(notebook):  # what run_notebook would refuse: refused before writing
+        raise AnelabInputError(f"{notebook.name}: its parameters cell must declare 'quick: bool = False'")
+    if timeout is not None and not (isinstance(timeout, int | float) and math.isfinite(timeout) and timeout > 0):
+        raise AnelabInputError(f"--timeout must be a finite number of seconds above 0, got {timeout}")
+    kernel_name()  # no kernel for this interpreter: refused now, not after parameters.json is written
+    if run_dir.exists() and not run_dir.is_dir():
+        raise AnelabInputError(f"--out {run_dir} is a file, not a directory; choose another --out")
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / PARAMETERS_FILE, json.dumps(parameters, indent=2, sort_keys=True) + "\n")
     injected = {

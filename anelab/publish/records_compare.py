@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,14 +41,17 @@ def _where(path: Path) -> str:
     return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
 
 
-def gather_records(sources: list[str | os.PathLike] | None = None) -> list[dict]:
+def gather_records(
+    sources: list[str | os.PathLike] | None = None, *, skipped: list[tuple[Path, str]] | None = None
+) -> list[dict]:
     """Every record in the sources, each with ``_path`` (where it was found) and ``_id`` (content hash);
-    an identical record found in several places is kept once."""
+    an identical record found in several places is kept once. ``skipped``: collect unreadable records
+    there (path, reason) and go on (``records list``), instead of refusing them all."""
     seen: dict[str, dict] = {}
     for source in default_sources() if sources is None else [Path(s) for s in sources]:
         if not Path(source).is_dir():
             raise AnelabInputError(f"{source}: no such records directory")
-        for record in read_records(source):
+        for record in read_records(source, skipped=skipped):
             body = {k: v for k, v in record.items() if not k.startswith("_")}
             digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
             seen.setdefault(digest, {**record, "_path": _where(Path(source) / record["_file"]), "_id": digest})
@@ -213,13 +217,14 @@ def compare(records: list[dict], machine: str | None = None) -> list[dict]:
         if c.recorded_file not in by_file:
             raise AnelabInputError(f"no recorded {c.recorded_file} among the records; include data/ in the sources")
         recorded = by_file[c.recorded_file]
-        value = float(c.recorded(recorded))
+        value = _read_value(c.recorded, recorded, c)
         found = []
         for r in select(fresh, kind=c.fresh_kind) if c.fresh_kind else []:
-            v = c.fresh(r)
+            v = _read_value(c.fresh, r, c)
             if v is not None:
                 where = f"measured on {machine_text(r)} — {r['_path']}"
-                found.append(_row(c, recorded, value, float(v), where, c.workload(r) if c.workload else ""))
+                workload = _read_value(c.workload, r, c, number=False) if c.workload else ""
+                found.append(_row(c, recorded, value, v, where, workload))
         if c.fresh_kind and not found:
             found.append({**_row(c, recorded, value, value, "", ""), "fresh": None, "ratio": None, "difference": None})
             found[-1]["fresh_provenance"] = f"no fresh {c.fresh_kind} record yet"
@@ -228,6 +233,23 @@ def compare(records: list[dict], machine: str | None = None) -> list[dict]:
             found.append(_row(c, recorded, value, predicted, f"predicted: {c.predicted_by}", "the seed's workload"))
         rows += found
     return rows
+
+
+def _read_value(read: Callable[[dict], object], record: dict, c: Comparison, *, number: bool = True):
+    """``read(record)`` (a float when ``number``; None passes through): a schema-valid record whose results
+    lack the field or hold a value of another type is refused naming its file and the quantity."""
+    try:
+        value = read(record)
+        if value is None or not number:
+            return value
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise TypeError(value)
+        return float(value)
+    except (KeyError, TypeError, ValueError, IndexError, StopIteration, AttributeError):
+        raise AnelabInputError(
+            f"{record.get('_path', '?')}: its {record.get('kind')} results do not hold {c.quantity!r} as a number "
+            "where anelab reads it; fix or remove the record"
+        ) from None
 
 
 def _number(v) -> str:

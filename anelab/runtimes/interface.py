@@ -221,11 +221,12 @@ class FunctionSignature:
 def function_signatures(pkg: str | os.PathLike) -> tuple[str, dict[str, FunctionSignature]]:
     """(default function, {function: FunctionSignature}) read from a package's spec (no load)."""
     from anelab.sidecar.coremltools_import import coremltools_modules
+    from anelab.sidecar.format import load_package_spec
 
-    ct, _, _ = coremltools_modules()
+    coremltools_modules()
     from coremltools.proto import FeatureTypes_pb2
 
-    spec = ct.utils.load_spec(str(pkg))
+    spec = load_package_spec(pkg)  # read only (coremltools' load_spec rewrites Manifest.json)
     names = FeatureTypes_pb2.ArrayFeatureType.ArrayDataType.Name
 
     def arrays(features, state=False):

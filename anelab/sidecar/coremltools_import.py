@@ -1,4 +1,5 @@
-"""coremltools imported quietly (its import warnings and pass progress bars go to stderr)."""
+"""coremltools imported quietly (its import warnings and pass progress bars go to stderr), and its models saved
+without leaving their temporary packages behind."""
 
 from __future__ import annotations
 
@@ -20,3 +21,15 @@ def coremltools_modules():
         from coremltools.converters.mil import Builder as mb
         from coremltools.converters.mil.mil import types
     return ct, mb, types
+
+
+def save_model(model, dest) -> None:
+    """``model.save(dest)``, then its temporary package (coremltools converts into one under $TMPDIR and removes
+    it only at interpreter exit) removed at once: an export of 48 functions holds one, not 48."""
+    import shutil
+
+    try:
+        model.save(str(dest))
+    finally:
+        if getattr(model, "is_temp_package", False) and getattr(model, "package_path", None):
+            shutil.rmtree(model.package_path, ignore_errors=True)

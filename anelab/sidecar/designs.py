@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import AttentionGeometry, chunk_starts, coverage, score_bytes, validate_chunk_and_histories
+from anelab.core.limits import MAX_FUNCTIONS, MAX_POSITIONS, require_at_most, require_memory
 from anelab.core.masks import MASKED, dense_exact_window
 from anelab.core.weights import AttentionWeights
 from anelab.sidecar import drivers, verify_cases
@@ -195,6 +196,28 @@ def _state_options(design: Design, geometry: AttentionGeometry, chunk: int, hist
     )
 
 
+def _require_export_bounds_before(chunk: int, histories, capacity) -> None:
+    """The sizes an export's flags set, bounded before the options are worked out (``anelab.core.limits``)."""
+    require_at_most("--chunk", chunk, MAX_POSITIONS, "use a chunk of at most a few thousand rows")
+    if histories is not None:
+        require_at_most("the number of --histories (one function each)", len(histories), MAX_FUNCTIONS,
+                        "export fewer histories, or a stateful design (one function per layer)")  # fmt: skip
+    if isinstance(capacity, int) and not isinstance(capacity, bool):
+        require_at_most("--capacity", capacity, MAX_POSITIONS, "use a smaller --capacity")
+
+
+def _require_export_bounds(design: Design, geometry: AttentionGeometry, opts: SidecarOptions) -> None:
+    """A package's coverage, function count and the memory one function's build holds at least (its RoPE
+    tables in float64: a cos and sin pair for the chunk rows and for the history, plus a stateful design's
+    table over its capacity), checked before any weight is read."""
+    require_at_most("the package's coverage (positions)", opts.coverage, MAX_POSITIONS, "cover fewer positions")
+    functions = len(design.function_names(opts))
+    require_at_most("the package's function count", functions, MAX_FUNCTIONS, "export fewer histories")
+    tables = 4 * opts.chunk + 2 * (opts.capacity or 0)
+    require_memory(f"one function's RoPE tables ({tables:,} rows of {geometry.rotary_dim})",
+                   tables * geometry.rotary_dim * 8, "use a smaller --chunk or capacity")  # fmt: skip
+
+
 def selection_indexer_metadata(selection: dict) -> dict:
     """Validate a sparse indexer's parameters and return what the package records about it."""
     try:
@@ -271,7 +294,9 @@ class Design:
                 f"{FLAGS[stray[0]]} applies to --graph {' or '.join(takers)}, not {self.name}; drop it or change --graph"
             )
         validate_weights_mode(weights, geometry)
+        _require_export_bounds_before(chunk, histories, given.get("capacity"))
         opts = self.options_rule(self, geometry, chunk, histories, given)
+        _require_export_bounds(self, geometry, opts)
         if selection is not None and "mask_mode" in self.option_names and opts.mask_mode != "additive":
             raise AnelabInputError(
                 f"the selection contract of --graph {self.name} needs its mask input: add --mask-mode additive"
@@ -519,6 +544,8 @@ def default_capacity(design: Design, prompt_tokens: int, chunk: int, key_tile: i
     """The planner's default capacity: the prompt in whole chunks (and whole key tiles when the design
     tiles its cache and a key tile is given)."""
     cap = -(-prompt_tokens // chunk) * chunk
+    if key_tile is not None and (isinstance(key_tile, bool) or not isinstance(key_tile, int) or key_tile <= 0):
+        raise AnelabInputError(f"--tile must be a positive integer, got {key_tile}")
     if design.pricing is not None and design.pricing.whole_key_tiles and key_tile is not None:
         unit = math.lcm(chunk, key_tile)
         cap = -(-cap // unit) * unit

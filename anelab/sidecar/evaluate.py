@@ -37,7 +37,7 @@ from anelab.core.errors import AnelabInputError
 from anelab.core.fp16 import ROUNDING_BLOCK, clip_overflow, round_to_fp16
 from anelab.core.reference import score_bound, scored_widths
 from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools
-from anelab.sidecar.format import require_package
+from anelab.sidecar.format import load_package_spec, require_package
 from anelab.sidecar.kernels import KERNELS, worker_count
 from anelab.sidecar.online_step import find_online_steps, run_online_step
 
@@ -138,17 +138,18 @@ class SavedPackage:
         from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
 
         self.path = require_package(path)
-        try:
-            self.spec = ct.utils.load_spec(str(self.path))
-        except Exception as e:
-            raise AnelabInputError(
-                f"{self.path}: cannot read the package's model spec ({type(e).__name__}); re-export it"
-            ) from None
+        self.spec = load_package_spec(self.path)  # read only: coremltools' load_spec rewrites Manifest.json
         if self.spec.WhichOneof("Type") != "mlProgram":
             raise AnelabInputError(f"{self.path}: not an ML program package; anelab evaluates mlprogram sidecars only")
         weights_dir = self.path / "Data/com.apple.CoreML/weights"
-        with quiet_coremltools():
-            self.program = milproto_load(self.spec, self.spec.specificationVersion, str(weights_dir))
+        try:
+            with quiet_coremltools():
+                self.program = milproto_load(self.spec, self.spec.specificationVersion, str(weights_dir))
+        except Exception as e:  # a truncated, empty or missing weight.bin, a corrupt program: the loader's own errors
+            raise AnelabInputError(
+                f"{self.path}: its program or weights cannot be read ({type(e).__name__}: "
+                f"{' '.join(str(e).split())[:80]}); re-export the package"
+            ) from None
         desc = self.spec.description
         self.functions: dict[str, FunctionInfo] = {}
         if len(desc.functions):

@@ -27,9 +27,10 @@ from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import AttentionGeometry
 from anelab.core.parallel import default_jobs, process_map, threads_per_run
 from anelab.core.progress import tqdm
+from anelab.core.termination import raise_if_terminated
 from anelab.core.weights import AttentionWeights
 from anelab.sidecar.backends import DEFAULT_BACKEND, get_backend
-from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools
+from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools, save_model
 from anelab.sidecar.designs import (
     DEFAULT_DESIGN,
     Design,
@@ -38,6 +39,7 @@ from anelab.sidecar.designs import (
     get_design,
 )
 from anelab.sidecar.format import FORMAT_VERSION, SidecarMetadata, weight_bytes
+from anelab.sidecar.out_dir import exporting
 from anelab.sidecar.quantize import compress_package
 
 OFF_MAC_REASON = (
@@ -83,7 +85,7 @@ def convert_program(prog, dest: Path) -> Path:
             compute_precision=ct.precision.FLOAT16,
             skip_model_load=True,
         )
-        model.save(str(dest))
+        save_model(model, dest)
     return dest
 
 
@@ -130,7 +132,7 @@ def merge_functions(
             main_pipeline=ct.PassPipeline.EMPTY,
         )
         model.user_defined_metadata.update(metadata or {})
-        model.save(str(dest))
+        save_model(model, dest)
     return dest
 
 
@@ -271,7 +273,7 @@ def export_design(
     than Core ML (``sidecar.backends``) derives its sidecar from the merged package (no Core ML gate)."""
     target = get_backend(backend)
     gate = gate if target.gated else None
-    builds = design.builds(checkpoint.geometry, checkpoint.layer(layer), options)
+    builds = design.builds(checkpoint.geometry, require_finite_weights(checkpoint, checkpoint.layer(layer)), options)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     dest = target.package_path(out_dir, layer)
@@ -345,6 +347,7 @@ def convert_variants(
     """Convert (and compress) each function on its own into ``work/<name>.mlpackage``."""
     variants: dict[str, Path] = {}
     for name, build_program in builds.items():
+        raise_if_terminated()  # between functions: a SIGTERM that coremltools' code swallowed ends the export here
         path = convert_program(build_program(), work / f"{name}.mlpackage")
         if weights_mode != "fp16":  # before the merge: coremltools cannot compress a multifunction package
             path = compress_package(path, work / f"{name}.{weights_mode}.mlpackage", weights_mode)
@@ -396,8 +399,35 @@ def export_request(
     checkpoint = load_checkpoint(checkpoint)
     design, opts = request.options_for(checkpoint.geometry)
     target.check_options(opts.weights, opts.chunk, opts.capacity)
+    layers = _export_layers(checkpoint, design, opts, layers)
+    jobs = _export_jobs(jobs, gate, len(layers))
+    per_layer = len(design.function_names(opts))
+    with exporting(out_dir, layers) as staging, tqdm(total=len(layers) * per_layer, desc="export functions",
+                                                    unit="fn") as bar:  # fmt: skip
+        if jobs == 1:
+            results = []
+            for layer in layers:
+                bar.set_postfix_str(f"layer {layer}")
+                results.append(export_design(checkpoint, layer, design, opts, staging.folder, gate=gate, progress=bar,
+                                             backend=target.name))  # fmt: skip
+        else:
+            work = [(str(checkpoint.path), layer, design.name, opts, str(staging.folder), str(staging.tmp), target.name)
+                    for layer in layers]  # fmt: skip
+            results = process_map(_export_in_worker, work, jobs=jobs, on_result=lambda job, _: bar.update(per_layer))
+        for result, dest in zip(results, staging.commit(layers, target.suffix), strict=True):
+            result.package = dest
+        return results
+
+
+def _export_layers(checkpoint, design: Design, opts: SidecarOptions, layers: list[int] | None) -> list[int]:
+    """The layers to export (default: every full and sliding-window attention layer), each checked before
+    any is exported: an attention layer the options can serve, named once, whose attention tensors the
+    checkpoint holds in a dtype anelab reads (a bad tensor in the last layer refuses the export up front)."""
     full = list(checkpoint.geometry.full_attention_layers)  # full and sliding-window attention layers
     layers = full if layers is None else list(layers)
+    repeated = sorted({layer for layer in layers if layers.count(layer) > 1})
+    if repeated:
+        raise AnelabInputError(f"--layers names layer {repeated[0]} twice; name each layer once")
     for layer in layers:
         if layer not in full:
             raise AnelabInputError(
@@ -405,21 +435,37 @@ def export_request(
                 f"attention layers: {','.join(map(str, full))}"
             )
         design.layer_fields(opts, checkpoint.geometry.window_of(layer))  # a layer the options cannot serve: refused now
-    jobs = _export_jobs(jobs, gate, len(layers))
-    per_layer = len(design.function_names(opts))
-    with tqdm(total=len(layers) * per_layer, desc="export functions", unit="fn") as bar:
-        if jobs == 1:
-            results = []
-            for layer in layers:
-                bar.set_postfix_str(f"layer {layer}")
-                results.append(
-                    export_design(
-                        checkpoint, layer, design, opts, out_dir, gate=gate, progress=bar, backend=target.name
-                    )
-                )
-            return results
-        work = [(str(checkpoint.path), layer, design.name, opts, str(out_dir), target.name) for layer in layers]
-        return process_map(_export_in_worker, work, jobs=jobs, on_result=lambda job, _: bar.update(per_layer))
+    _require_readable_tensors(checkpoint, layers)
+    return layers
+
+
+def _require_readable_tensors(checkpoint, layers: list[int]) -> None:
+    """Every attention tensor of ``layers`` stored in a way anelab reads (its format's ``storage`` refuses what it
+    does not: a dtype, bytes that do not hold the shape), from headers only; the first that is not is refused."""
+    names = list(checkpoint.tensors.names())
+    for layer in layers:
+        prefix = checkpoint.tensor_name(layer, "")
+        for name in sorted(n for n in names if n.startswith(prefix)):
+            checkpoint.tensors.storage(name)
+
+
+def require_finite_weights(checkpoint, weights: AttentionWeights) -> AttentionWeights:
+    """``weights`` when every value is finite; a NaN or infinity is refused naming its tensor (a package built
+    from it would compute NaN, and the reference with it, so verification could not tell)."""
+    params = {"q_proj": "q_proj.weight", "k_proj": "k_proj.weight", "v_proj": "v_proj.weight",
+              "o_proj": "o_proj.weight", "q_norm": "q_norm.weight", "k_norm": "k_norm.weight",
+              "q_bias": "q_proj.bias", "k_bias": "k_proj.bias", "v_bias": "v_proj.bias", "o_bias": "o_proj.bias"}  # fmt: skip
+    for attr, param in params.items():
+        value = getattr(weights, attr)
+        if value is not None and not np.isfinite(value).all():
+            bad = int(np.size(value) - np.isfinite(value).sum())
+            fused = getattr(checkpoint, "family", None) is not None and checkpoint.family.fused_qkv and attr[0] in "qkv"
+            name = checkpoint.tensor_name(weights.layer, "qkv_proj.weight" if fused and "proj" in attr else param)
+            raise AnelabInputError(
+                f"tensor {name} holds {bad:,} NaN or infinite values; a sidecar of it would compute NaN — "
+                "fix or re-download the checkpoint"
+            )
+    return weights
 
 
 def _export_jobs(jobs: int | None, gate: VariantGate | None, layers: int) -> int:
@@ -437,8 +483,9 @@ def _export_jobs(jobs: int | None, gate: VariantGate | None, layers: int) -> int
 
 def _export_in_worker(job: tuple[str, int, str, SidecarOptions, str, str]) -> ExportResult:
     """One layer's package in a worker process (no gate): ``job`` = (checkpoint directory, layer, design name,
-    options, output directory, back-end)."""
-    checkpoint_dir, layer, design_name, options, out_dir, backend = job
+    options, staging directory, the staging's temporary directory (where coremltools' temporaries go), back-end)."""
+    checkpoint_dir, layer, design_name, options, out_dir, tmp, backend = job
+    tempfile.tempdir = tmp
     checkpoint = _worker_checkpoint(checkpoint_dir)
     return export_design(checkpoint, layer, get_design(design_name), options, out_dir, backend=backend)
 

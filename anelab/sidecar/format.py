@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from anelab.core.errors import AnelabInputError
-from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools
+from anelab.core.files import confined, read_bytes, read_json
+from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools, save_model
 
 INPUT_NAMES = ("hidden", "k_history", "v_history", "mask")
 
@@ -185,14 +186,45 @@ class SidecarMetadata:
                 continue
             try:
                 values[name] = _DECODE[kind](raw)
-            except (ValueError, json.JSONDecodeError):
+            except (ValueError, json.JSONDecodeError, RecursionError):
                 raise AnelabInputError(
                     f"{where}: sidecar metadata '{key}' is malformed ({raw[:60]!r}); re-export it"
                 ) from None
         meta_obj = cls(**values)
         if meta_obj.ane_evidence is None:
             meta_obj.ane_evidence = {}
+        meta_obj.check(where)
         return meta_obj
+
+    def check(self, where: str) -> None:
+        """Refuse (one line) recorded values this anelab cannot read or that no export writes: another
+        format version, a non-positive chunk or coverage, a negative history or layer, structured values of
+        the wrong shape (the metadata of a tampered or foreign package)."""
+        if self.format_version != FORMAT_VERSION:
+            raise AnelabInputError(
+                f"{where}: sidecar format {self.format_version}; this anelab reads format {FORMAT_VERSION} — "
+                "re-export the package with this anelab"
+            )
+        for name in ("chunk", "coverage"):
+            if getattr(self, name) < 1:
+                raise AnelabInputError(
+                    f"{where}: sidecar metadata '{META[name]}' is {getattr(self, name)}; re-export it"
+                )
+        if self.layer < 0 or any(h < 0 for h in self.histories) or not self.histories:
+            raise AnelabInputError(f"{where}: sidecar metadata records a negative layer or history; re-export it")
+        for name in ("key_tile", "state_capacity", "query_tile", "ring_slots", "sliding_window"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise AnelabInputError(f"{where}: sidecar metadata {name} is {str(value)[:40]!r}; re-export it")
+        shapes = {"geometry": dict, "selection_indexer": (dict, type(None)), "ane_evidence": dict,
+                  "source_tensors": (dict, type(None))}  # fmt: skip
+        for name, kind in shapes.items():
+            if not isinstance(getattr(self, name), kind):
+                raise AnelabInputError(f"{where}: sidecar metadata {name} is not a JSON object; re-export it")
+        if self.source_tensors and not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.source_tensors.items()
+        ):
+            raise AnelabInputError(f"{where}: sidecar metadata '{META['source_tensors']}' is not tensor name -> digest")
 
 
 def _boolean(text: str) -> bool:
@@ -264,16 +296,43 @@ def require_package(path: str | os.PathLike) -> Path:
     return path
 
 
-def read_raw_metadata(pkg: str | os.PathLike) -> dict[str, str]:
-    ct, _, _ = coremltools_modules()
+MAX_MANIFEST_BYTES = 2**20  # a package's Manifest.json lists a handful of items
+MAX_SPEC_BYTES = 2**31  # model.mlmodel: a program's text and its small consts (the weights are in weight.bin)
+
+
+def load_package_spec(pkg: str | os.PathLike):
+    """The package's model spec (``Model_pb2.Model``), read without writing anything: coremltools'
+    ``load_spec`` opens a ``ModelPackage``, which rewrites Manifest.json in place; here Manifest.json is read
+    as JSON, its root model item must lie inside the package's ``Data/`` folder, and the spec is parsed.
+    A malformed manifest or spec is refused in one line."""
     pkg = require_package(pkg)
+    manifest = read_json(pkg / "Manifest.json", "package Manifest.json", MAX_MANIFEST_BYTES)
     try:
-        spec = ct.utils.load_spec(str(pkg))
-    except Exception as e:  # corrupt protobuf etc.
+        entry = manifest["itemInfoEntries"][manifest["rootModelIdentifier"]]
+        relative = entry["path"]
+    except (KeyError, TypeError):
+        relative = None
+    if not isinstance(relative, str) or not relative:
+        raise AnelabInputError(f"{pkg}: its Manifest.json names no root model; re-export the package")
+    spec_path = confined(pkg / "Data" / relative, pkg / "Data", f"{pkg}'s Manifest.json root model")
+    data = read_bytes(spec_path, "package model spec", MAX_SPEC_BYTES)
+    _, _, _ = coremltools_modules()
+    from coremltools.proto import Model_pb2
+    from google.protobuf.message import DecodeError
+
+    spec = Model_pb2.Model()
+    try:
+        spec.ParseFromString(data)
+    except (DecodeError, ValueError, RuntimeError):
         raise AnelabInputError(
-            f"{pkg}: cannot read the package's model spec ({type(e).__name__}); re-export it"
+            f"{pkg}: its model spec does not parse (a corrupt model.mlmodel); re-export it"
         ) from None
-    return dict(spec.description.metadata.userDefined)
+    return spec
+
+
+def read_raw_metadata(pkg: str | os.PathLike) -> dict[str, str]:
+    """The package's user-defined metadata (str -> str), read without writing anything."""
+    return dict(load_package_spec(pkg).description.metadata.userDefined)
 
 
 def read_sidecar_metadata(pkg: str | os.PathLike) -> SidecarMetadata:
@@ -287,7 +346,7 @@ def write_package_metadata(pkg: Path, dest: Path, meta: dict[str, str]) -> None:
     with quiet_coremltools():
         model = ct.models.MLModel(str(pkg), skip_model_load=True)
         model.user_defined_metadata.update(meta)
-        model.save(str(dest))
+        save_model(model, dest)
 
 
 def weight_bytes(pkg: str | os.PathLike) -> int:

@@ -29,7 +29,7 @@ import numpy as np
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import AttentionGeometry
 from anelab.core.weights import AttentionWeights
-from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools
+from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools, save_model
 
 WEIGHT_MODES = ("fp16", "int8", "palettize4", "int4-block")
 
@@ -158,7 +158,7 @@ def compress_package(src: str | os.PathLike, dest: str | os.PathLike, mode: str)
     with quiet_coremltools():
         model = ct.models.MLModel(str(src), skip_model_load=True)
         compressed = fn(model, config)
-        compressed.save(str(dest))
+        save_model(compressed, dest)
     return Path(dest)
 
 

@@ -1,6 +1,7 @@
 """Verification of every package of one export directory: one progress bar, one summary row per layer.
 
-Each ``layer_<L>.mlpackage`` is verified as ``anelab verify PKG`` would (``verify.verify_package``: its
+The directory must hold one export: every attention layer of one checkpoint, of one design (``set_problems``;
+a partial or mixed set fails). Each ``layer_<L>.mlpackage`` is verified as ``anelab verify PKG`` would (``verify.verify_package``: its
 comparisons with the reference and its negative controls). The summary keeps, per layer, the worst
 error of the comparisons that must stay under their bound and the weakest margin by which a negative
 control landed above its bound (a margin <= 1x means the control did not fail: the check is vacuous).
@@ -11,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from anelab.core.errors import AnelabInputError
@@ -19,6 +20,7 @@ from anelab.core.parallel import default_jobs, process_map, threads_per_run
 from anelab.core.progress import tqdm
 from anelab.sidecar.backends import BACKENDS, read_metadata
 from anelab.sidecar.compare import Comparison
+from anelab.sidecar.format import SidecarMetadata
 from anelab.sidecar.verify import VerifyReport, verify_package
 
 _PACKAGE = re.compile(r"^layer_(\d+)(" + "|".join(re.escape(b.suffix) for b in BACKENDS.values()) + r")$")
@@ -71,14 +73,16 @@ class LayerVerdict:
 
 @dataclass
 class ExportVerifyReport:
-    """Every package of one export directory, verified (``passed``: all of them, and at least one)."""
+    """Every package of one export directory, verified (``passed``: at least one, every one passed, and the
+    packages form one set: ``set_problems`` empty — see ``set_problems``)."""
 
     directory: str
     layers: list[LayerVerdict]
+    set_problems: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
-        return bool(self.layers) and all(v.report.passed for v in self.layers)
+        return bool(self.layers) and all(v.report.passed for v in self.layers) and not self.set_problems
 
     def table(self) -> str:
         lines = [
@@ -90,12 +94,19 @@ class ExportVerifyReport:
             error = f"{worst.worst:>12.2e} {_bound(worst, v.report.threshold):>9.0e}" if worst else f"{'-':>12} {'':>9}"
             control = f"{margin:>14.0f}x" if margin is not None else f"{'none':>15}"
             lines.append(f"{v.layer:>5}  {v.design:<22} {error}  {control}  {v.result}")
+        lines += [f"not one export: {problem}" for problem in self.set_problems]
         failed = [str(v.layer) for v in self.layers if not v.report.passed]
-        lines.append("PASSED: every package" if self.passed else f"FAILED: layer {', '.join(failed)}")
+        failures = ([f"layer {', '.join(failed)}"] if failed else []) + (["the set"] if self.set_problems else [])
+        lines.append("PASSED: every package" if self.passed else f"FAILED: {'; '.join(failures) or 'no package'}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
-        return {"directory": self.directory, "passed": self.passed, "layers": [v.to_dict() for v in self.layers]}
+        return {
+            "directory": self.directory,
+            "passed": self.passed,
+            "set_problems": self.set_problems,
+            "layers": [v.to_dict() for v in self.layers],
+        }
 
 
 def export_packages(directory: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -150,12 +161,52 @@ def verify_export(
                 bar.set_postfix_str(f"layer {layer}")
                 reports.append(verify_one(path, checkpoint_dir))
                 bar.update()
-    verdicts = []
+    verdicts, metas = [], {}
     for (layer, path), report in zip(packages, reports, strict=True):
-        meta = read_metadata(path)
+        meta = metas[layer] = read_metadata(path)
         design = meta.graph if meta.weights == "fp16" else f"{meta.graph} {meta.weights}"
         verdicts.append(LayerVerdict(layer, str(path), design, report))
-    return ExportVerifyReport(str(directory), verdicts)
+    return ExportVerifyReport(str(directory), verdicts, set_problems(metas, checkpoint_dir))
+
+
+def _design_key(meta: SidecarMetadata) -> tuple:
+    """What one export's packages share: the design, weight mode, chunk, functions (histories or state
+    capacity), mask mode and selection contract (tiles may differ between full and windowed layers)."""
+    return (meta.graph, meta.weights, meta.chunk, tuple(meta.histories), meta.state_capacity, meta.mask_mode,
+            meta.selection_folded)  # fmt: skip
+
+
+def set_problems(metas: dict[int, SidecarMetadata], checkpoint_dir: str | os.PathLike | None) -> list[str]:
+    """Why the packages (layer -> metadata) are not one complete export of one checkpoint (empty: they are):
+    the packages record more than one checkpoint (without ``checkpoint_dir``, which each is then verified
+    against) or more than one design, or the checkpoint's attention layers (full and sliding-window) and the
+    packages' layers differ — a missing layer (an interrupted or failed export) or a stray one."""
+    from anelab.checkpoints.checkpoint import load_checkpoint
+
+    problems = []
+    sources = sorted({m.source for m in metas.values()})
+    if checkpoint_dir is None and len(sources) > 1:
+        problems.append(f"the packages come from {len(sources)} checkpoints ({', '.join(sources[:2])}, ...)")
+    designs = {}
+    for layer, meta in sorted(metas.items()):
+        designs.setdefault(_design_key(meta), []).append(layer)
+    if len(designs) > 1:
+        groups = "; ".join(f"layers {','.join(map(str, ls))}: {k[0]} {k[1]} chunk {k[2]}" for k, ls in designs.items())
+        problems.append(f"the packages are {len(designs)} designs ({groups})")
+    source = checkpoint_dir if checkpoint_dir is not None else sources[0]
+    try:
+        expected = set(load_checkpoint(source).geometry.full_attention_layers)
+    except AnelabInputError as e:
+        return [*problems, f"the checkpoint {source} cannot be read to list its attention layers ({e})"]
+    missing, stray = sorted(expected - set(metas)), sorted(set(metas) - expected)
+    if missing:
+        problems.append(
+            f"layer_{missing[0]} is missing ({len(missing)} of the checkpoint's {len(expected)} attention "
+            f"layers: {','.join(map(str, missing))}); export them into this directory"
+        )
+    if stray:
+        problems.append(f"layer {','.join(map(str, stray))} is not an attention layer of {source}")
+    return problems
 
 
 def _verify_numpy(job: tuple[str, str | None, bool]) -> VerifyReport:

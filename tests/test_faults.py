@@ -1,0 +1,353 @@
+"""Faults during an export and hostile sets: interrupts leave no process and no package, a failed or partial
+export is never a set that verifies, one writer per package, read-only commands write nothing.
+
+Signals are sent to real ``anelab export --jobs 2`` processes (``python -m anelab``) while their workers run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from anelab.checkpoints.default import make_dense_checkpoint
+from anelab.cli import main
+from anelab.core import parallel
+from anelab.core.errors import AnelabInputError
+from anelab.sidecar.out_dir import STAGING_PREFIX, lock_name
+
+CHUNK = 16
+SLOW_HISTORIES = ",".join(str(CHUNK * i) for i in range(24))  # 24 functions a layer: long enough to interrupt
+START_TIMEOUT_S = 120  # a worker starts converting within this (the parent imports coremltools first)
+EXIT_TIMEOUT_S = 30  # an interrupted export must be gone within this (workers stopped, staging removed)
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory) -> Path:
+    return make_dense_checkpoint(tmp_path_factory.mktemp("faults") / "dense")
+
+
+def _export(ckpt: Path, out: Path, *extra: str, histories: str = f"0,{CHUNK}") -> list[str]:
+    return ["export", str(ckpt), "--chunk", str(CHUNK), "--histories", histories, "--out", str(out), *extra]
+
+
+def _spawn(argv: list[str], **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "ANELAB_HEADLESS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "anelab", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True, **kwargs)  # fmt: skip
+
+
+def _wait_for_workers(proc: subprocess.Popen, out: Path, workers: int) -> list[psutil.Process]:
+    """The export's worker processes once ``workers`` of them are converting a layer (their work folders exist)."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        started = [p for s in out.glob(f"{STAGING_PREFIX}*") for p in s.glob(".layer_*")]
+        children = psutil.Process(proc.pid).children(recursive=True)
+        if len(started) >= max(1, workers) and len(children) >= workers:
+            return children
+        time.sleep(0.2)
+    raise AssertionError(f"no {workers} workers started within {START_TIMEOUT_S} s")
+
+
+def _assert_nothing_left(out: Path, processes: list[psutil.Process]) -> None:
+    deadline = time.monotonic() + EXIT_TIMEOUT_S
+    while time.monotonic() < deadline and any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in processes):
+        time.sleep(0.2)
+    alive = [p.pid for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"worker processes outlived the export: {alive}"
+    assert not out.exists() or not any(out.iterdir()), sorted(p.name for p in out.iterdir())
+
+
+@pytest.mark.parametrize(
+    "how, code, jobs",
+    [
+        ("SIGTERM to the parent", 143, 2),
+        ("SIGINT to the parent", 130, 2),
+        ("Ctrl-C to the process group", 130, 2),
+        ("SIGTERM to the parent", 143, 1),  # one process: its own work folder (.layer_0.*) must go too
+    ],
+)
+def test_an_interrupted_export_leaves_no_process_and_no_package(dense, tmp_path, how, code, jobs):
+    out = tmp_path / "out"
+    proc = _spawn(_export(dense, out, "--jobs", str(jobs), histories=SLOW_HISTORIES))
+    workers = _wait_for_workers(proc, out, jobs if jobs > 1 else 0)
+    started = time.monotonic()
+    if how == "Ctrl-C to the process group":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGTERM if how.startswith("SIGTERM") else signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=EXIT_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # a failed test leaves no export running
+    assert proc.returncode == code, err
+    assert time.monotonic() - started < EXIT_TIMEOUT_S / 2  # not after every queued layer has finished
+    assert "Traceback" not in err
+    _assert_nothing_left(out, workers)
+
+
+def test_workers_die_with_a_killed_parent_and_the_next_export_clears_what_it_left(dense, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = _spawn(_export(dense, out, "--jobs", "2", histories=SLOW_HISTORIES))
+    workers = _wait_for_workers(proc, out, 2)
+    proc.kill()  # SIGKILL: no handler runs, so the staging folder stays behind
+    proc.wait(timeout=EXIT_TIMEOUT_S)
+    deadline = time.monotonic() + EXIT_TIMEOUT_S
+    while time.monotonic() < deadline and any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers):
+        time.sleep(0.2)
+    assert not [p.pid for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert list(out.glob(f"{STAGING_PREFIX}*")), "SIGKILL leaves its staging folder (the control of this test)"
+    assert main(_export(dense, out, "--jobs", "1")) == 0  # the dead export's locks do not block it ...
+    assert sorted(p.name for p in out.iterdir()) == [f"layer_{i}.mlpackage" for i in range(4)]  # ... and it clears up
+
+
+def test_a_failing_layer_cancels_the_rest_and_leaves_no_new_package(dense, tmp_path, capsys):
+    """Layer 2's k_proj is I8 (a dtype anelab does not read): refused before any layer is exported."""
+    ckpt = tmp_path / "ck"
+    shutil.copytree(dense, ckpt)
+    _set_dtype(ckpt / "model.safetensors", "model.layers.2.self_attn.k_proj.weight", "U8")
+    out = tmp_path / "out"
+    assert main(_export(ckpt, out, "--jobs", "2")) == 2
+    assert "layers.2.self_attn.k_proj.weight" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def _set_dtype(path: Path, name: str, dtype: str) -> None:
+    """Rewrite one tensor's dtype (and its shape, so its bytes still match) in a safetensors header."""
+    import struct
+
+    blob = path.read_bytes()
+    n = struct.unpack("<Q", blob[:8])[0]
+    header = json.loads(blob[8 : 8 + n])
+    header[name]["dtype"] = dtype
+    header[name]["shape"] = [header[name]["data_offsets"][1] - header[name]["data_offsets"][0]]
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + blob[8 + n :])
+
+
+def _slow_or_fail(job: tuple[int, str]) -> int:
+    item, pids = job
+    Path(pids, str(os.getpid())).touch()
+    if item == 1:
+        time.sleep(1)  # the other worker is running item 0 by now
+        raise AnelabInputError("item 1 is bad")
+    time.sleep(60)
+    return item
+
+
+def test_a_workers_failure_cancels_what_is_queued_and_ends_the_running_ones(tmp_path):
+    started = time.monotonic()
+    with pytest.raises(AnelabInputError, match="item 1 is bad"):
+        parallel.process_map(_slow_or_fail, [(i, str(tmp_path)) for i in range(8)], jobs=2)
+    assert time.monotonic() - started < 30  # not 60 s per queued item
+    workers = [int(p.name) for p in tmp_path.iterdir()]
+    assert len(workers) == 2  # items 2..7 never started: cancelled
+    assert not [
+        pid for pid in workers if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    ]
+
+
+def test_a_second_writer_of_a_package_is_refused_and_a_dead_writers_lock_is_not(dense, tmp_path, capsys):
+    out = tmp_path / "out"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom anelab.sidecar.out_dir import exporting\n"
+         f"with exporting({str(out)!r}, [1]):\n    print('held', flush=True)\n    time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert main(_export(dense, out, "--jobs", "1")) == 2
+        err = capsys.readouterr().err
+        assert f"(pid {holder.pid}) is writing layer_1.mlpackage" in err and len(err.strip().splitlines()) == 1
+        assert not list(out.glob("layer_*.mlpackage"))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (out / lock_name(1)).exists()  # SIGKILL left the file; the kernel released its lock
+    assert main(_export(dense, out, "--jobs", "1", "--layers", "1")) == 0
+    assert [p.name for p in out.iterdir()] == ["layer_1.mlpackage"]
+
+
+def test_coremltools_temporaries_stay_in_the_staging_folder_and_are_removed_as_each_is_saved(
+    dense, tmp_path, monkeypatch
+):
+    import tempfile
+
+    from anelab.sidecar import export
+
+    real, seen = export.save_model, []
+
+    def counting(model, dest):
+        tmp = Path(tempfile.gettempdir())
+        seen.append((tmp.parent.name.startswith(STAGING_PREFIX), len(list(tmp.glob("*.mlpackage")))))
+        real(model, dest)
+
+    monkeypatch.setattr(export, "save_model", counting)
+    export.export_sidecars(dense, tmp_path / "out", CHUNK, [0, CHUNK, 2 * CHUNK], layers=[0, 1], jobs=1)
+    assert len(seen) == 2 * (3 + 1)  # three functions and the merge per layer
+    assert all(in_staging for in_staging, _ in seen)
+    assert max(n for _, n in seen) == 1  # the one being saved; without save_model's removal: 1, 2, 3, ...
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["layer_0.mlpackage", "layer_1.mlpackage"]
+
+
+def _no_big_files():
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))  # weight.bin of one layer is ~100 KB
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(dense, tmp_path):
+    out = tmp_path / "out"
+    proc = _spawn(_export(dense, out, "--jobs", "1"), preexec_fn=_no_big_files)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err
+    assert (
+        err.strip().splitlines()[-1].startswith("anelab: error: cannot write the export to") and "Traceback" not in err
+    )
+    assert not out.exists()
+
+
+def test_a_read_only_out_is_one_line(dense, tmp_path, capsys, monkeypatch):
+    """A directory this process may not write into. As root (CI) permission bits do not stop a write, so the
+    kernel's refusal is what ``mkdir`` raises there; elsewhere the directory is made read-only for real."""
+    out = tmp_path / "read-only"
+    out.mkdir()
+    out.chmod(0o555)
+    if os.geteuid() == 0:
+        real_mkdir = Path.mkdir
+
+        def refused(self, *args, **kwargs):
+            if self.is_relative_to(out):
+                raise PermissionError(13, "Permission denied", str(self))
+            return real_mkdir(self, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "mkdir", refused)
+    try:
+        assert main(_export(dense, out / "sub", "--jobs", "1")) == 2
+    finally:
+        out.chmod(0o755)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot write the export to" in err[0] and "Permission denied" in err[0]
+    assert not list(out.iterdir())
+
+
+# ---- an export is a set: verify DIR checks the set against the checkpoint ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def full_export(dense, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("set") / "export"
+    assert main(_export(dense, out, "--jobs", "1")) == 0
+    return out
+
+
+def _copy_set(full_export: Path, dest: Path, layers) -> Path:
+    dest.mkdir()
+    for layer in layers:
+        shutil.copytree(full_export / f"layer_{layer}.mlpackage", dest / f"layer_{layer}.mlpackage")
+    return dest
+
+
+def test_verify_dir_fails_a_partial_export_and_passes_the_whole_one(full_export, tmp_path, capsys):
+    assert main(["verify", str(full_export)]) == 0  # the negative control: the complete set passes
+    capsys.readouterr()
+    partial = _copy_set(full_export, tmp_path / "partial", [0, 1, 3])
+    assert main(["verify", str(partial)]) == 1
+    out = capsys.readouterr().out
+    assert "not one export: layer_2 is missing" in out and "FAILED: the set" in out
+    assert "PASSED" not in out
+
+
+def test_verify_dir_fails_two_designs_and_two_checkpoints(dense, full_export, tmp_path, capsys):
+    mixed = _copy_set(full_export, tmp_path / "mixed", [0, 1, 2])
+    assert main(["export", str(dense), "--chunk", str(CHUNK), "--histories", f"0,{CHUNK}", "--graph", "tiled",
+                 "--layers", "3", "--out", str(tmp_path / "tiled")]) == 0  # fmt: skip
+    shutil.copytree(tmp_path / "tiled" / "layer_3.mlpackage", mixed / "layer_3.mlpackage")
+    assert main(["verify", str(mixed)]) == 1
+    assert "the packages are 2 designs" in capsys.readouterr().out
+    other = tmp_path / "copy-of-dense"
+    shutil.copytree(dense, other)
+    assert main(_export(other, tmp_path / "other", "--jobs", "1", "--layers", "3")) == 0
+    two = _copy_set(full_export, tmp_path / "two", [0, 1, 2])
+    shutil.copytree(tmp_path / "other" / "layer_3.mlpackage", two / "layer_3.mlpackage")
+    capsys.readouterr()
+    assert main(["verify", str(two)]) == 1
+    assert "the packages come from 2 checkpoints" in capsys.readouterr().out
+    assert main(["verify", str(two), "--checkpoint", str(dense)]) == 0  # one checkpoint by content: the same tensors
+
+
+# ---- read-only commands write nothing -----------------------------------------------------------------------
+
+
+def _stamps(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p): (p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(root.rglob("*"))}
+
+
+def test_inspect_and_verify_never_rewrite_a_package(full_export, dense, tmp_path, capsys):
+    pkg = tmp_path / "layer_0.mlpackage"
+    shutil.copytree(full_export / "layer_0.mlpackage", pkg)
+    before = _stamps(pkg)
+    time.sleep(0.01)
+    assert main(["inspect", str(pkg)]) == 0
+    assert main(["verify", str(pkg), "--checkpoint", str(dense)]) == 0
+    assert _stamps(pkg) == before
+    from anelab.sidecar.coremltools_import import coremltools_modules
+
+    coremltools_modules()[0].utils.load_spec(str(pkg))  # the control: coremltools' own reader rewrites Manifest.json
+    assert _stamps(pkg)[str(pkg / "Manifest.json")] != before[str(pkg / "Manifest.json")]
+
+
+# ---- records: one corrupt record does not hide the others --------------------------------------------------
+
+
+def test_records_list_reports_a_corrupt_record_and_lists_the_rest(tmp_path, capsys):
+    from anelab.core.paths import DATA_DIR
+
+    for src in DATA_DIR.glob("*.json"):
+        shutil.copy(src, tmp_path / src.name)
+    assert main(["records", "list", "--dir", str(tmp_path)]) == 0
+    listed = capsys.readouterr().out.strip().splitlines()
+    (tmp_path / "broken.json").write_bytes(b'{"schema_version": 1, \xff')
+    assert main(["records", "list", "--dir", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert "broken.json" in err and "not UTF-8" in err and len(err.strip().splitlines()) == 1
+    assert out.strip().splitlines()[:-1] == listed[:-1]  # every readable record still listed
+    assert out.strip().splitlines()[-1] == f"{listed[-1]} (1 unreadable, skipped: see stderr)"
+    assert main(["records", "compare", "--dir", str(tmp_path)]) == 2  # compare needs every value: still refused
+
+
+# ---- confinement: the Hugging Face cache's own links still load ----------------------------------------------
+
+
+def test_a_hugging_face_cache_snapshot_loads_and_a_link_out_of_it_does_not(dense, tmp_path):
+    """The cache keeps files in ``<repo>/blobs/`` and links them from ``<repo>/snapshots/<revision>/``: that is
+    the one place outside the checkpoint directory a checkpoint file may resolve to (the control of the
+    confinement rule); a link anywhere else is refused."""
+    from anelab.checkpoints.checkpoint import load_checkpoint
+
+    repo = tmp_path / "models--org--dense"
+    snapshot, blobs = repo / "snapshots" / "0123abc", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(dense / name, blobs / f"blob-{name}")
+        (snapshot / name).symlink_to(Path("../../blobs") / f"blob-{name}")
+    assert load_checkpoint(snapshot).geometry.num_layers == 4
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.move(blobs / "blob-model.safetensors", elsewhere / "model.safetensors")
+    (snapshot / "model.safetensors").unlink()
+    (snapshot / "model.safetensors").symlink_to(elsewhere / "model.safetensors")
+    with pytest.raises(AnelabInputError, match="outside"):
+        load_checkpoint(snapshot)
