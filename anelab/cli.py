@@ -316,6 +316,12 @@ def _add_verify(sub):
         "--jobs", type=int, default=None, help="packages of an export directory verified at once (default: up to 2)"
     )
     p.add_argument(
+        "--layers",
+        type=_int_list,
+        default=None,
+        help="an export directory made with export --layers: the layers it must hold (default: every attention layer)",
+    )
+    p.add_argument(
         "--compute-units",
         default=None,
         help="on a Mac: run every case through Core ML predict (cpu_and_ne | cpu_and_gpu | cpu_only) beside NumPy",
@@ -344,8 +350,12 @@ def _run_verify(args):
 
         on_device = verify_one if args.compute_units is not None else None  # None: NumPy, no per-package bars
         checkpoint = _checkpoint(args.checkpoint)
-        report = verify_export(path, checkpoint, fp16=not args.fp32, verify_one=on_device, jobs=args.jobs)
+        report = verify_export(
+            path, checkpoint, fp16=not args.fp32, verify_one=on_device, jobs=args.jobs, layers=args.layers
+        )
     else:
+        if args.layers is not None:
+            raise AnelabInputError("--layers applies to an export directory; drop it to verify one package")
         report = verify_one(path, _checkpoint(args.checkpoint))
     if args.json:
         _print_json(report.to_dict())

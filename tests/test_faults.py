@@ -267,6 +267,9 @@ def test_verify_dir_fails_a_partial_export_and_passes_the_whole_one(full_export,
     out = capsys.readouterr().out
     assert "not one export: layer_2 is missing" in out and "FAILED: the set" in out
     assert "PASSED" not in out
+    assert main(["verify", str(partial), "--layers", "0,1,3"]) == 0  # the set asked for with export --layers
+    assert main(["verify", str(partial), "--layers", "0,1,2"]) == 1  # control: layer 2 asked for, not there
+    assert "layer_2 is missing (1 of the requested 3" in capsys.readouterr().out
 
 
 def test_verify_dir_fails_two_designs_and_two_checkpoints(dense, full_export, tmp_path, capsys):

@@ -48,6 +48,34 @@ def test_a_workers_one_line_error_reaches_the_caller_unchanged():
         parallel.process_map(_square_or_refuse, [1, -3, 2], jobs=2)
 
 
+def _fd_is_open(fd: int) -> bool:
+    import os
+
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def test_a_lock_the_parent_keeps_from_its_workers_is_closed_in_them(tmp_path):
+    """An export's layer locks are flocks: a forked worker that kept the fd would hold the lock after the
+    parent died. Workers close what ``keep_from_workers`` names; any other fd they inherit (the control) stays."""
+    import os
+
+    kept = os.open(tmp_path / "kept.lock", os.O_RDWR | os.O_CREAT)
+    other = os.open(tmp_path / "other", os.O_RDWR | os.O_CREAT)
+    parallel.keep_from_workers(kept)
+    try:
+        assert parallel.process_map(_fd_is_open, [kept, kept], jobs=2) == [False, False]
+        assert parallel.process_map(_fd_is_open, [other, other], jobs=2) == [True, True]
+        assert _fd_is_open(kept)  # the parent's own fd is untouched
+    finally:
+        parallel.forget_kept_fd(kept)
+        os.close(kept)
+        os.close(other)
+
+
 def test_jobs_are_bounded_by_the_cores():
     assert parallel.threads_per_run(2, cores=2) == 1 and parallel.threads_per_run(1, cores=4) == 4
     for bad in (0, 3, True):

@@ -248,9 +248,11 @@ def test_one_history_projection_serves_every_function(package, monkeypatch):
         verify_module.verify_history(16, weights, **options),
         verify_module.verify_history(8, weights, **options),
     )
-    assert np.array_equal(long[0][:8], short[0]) and np.array_equal(long[1][:8], short[1])
+    # the same rows projected (bit-equality would test the BLAS: 8- and 16-row GEMMs may round differently)
+    for a, b in ((long[0][:8], short[0]), (long[1][:8], short[1])):
+        np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=2e-3, atol=2e-3)
     other = verify_module.verify_history(8, weights, **{**options, "seed": 1})
-    assert not np.array_equal(other[0], short[0])  # negative control: another seed, another cache
+    assert not np.allclose(other[0], short[0], rtol=2e-3, atol=2e-3)  # negative control: another seed, another cache
     calls = []
     original = reference.history_kv
     monkeypatch.setattr(reference, "history_kv", lambda *a, **k: calls.append(len(a[0])) or original(*a, **k))

@@ -63,6 +63,19 @@ def _limit_threads(threads: int) -> None:
     threadpool_limits(limits=threads, user_api="blas")
 
 
+_FDS_WORKERS_CLOSE: set[int] = set()
+
+
+def keep_from_workers(fd: int) -> None:
+    """Have each worker forked from now on close ``fd`` as it starts: a lock the parent holds (an ``flock``
+    belongs to the open file, which a fork shares) must end with the parent, not with its last worker."""
+    _FDS_WORKERS_CLOSE.add(fd)
+
+
+def forget_kept_fd(fd: int) -> None:
+    _FDS_WORKERS_CLOSE.discard(fd)
+
+
 PARENT_POLL_SECONDS = 0.5  # how often a worker checks that the process that started it is still there
 
 
@@ -73,6 +86,9 @@ def _start_worker(threads: int, parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # held by the parent when it forked
+    for fd in list(_FDS_WORKERS_CLOSE):
+        with contextlib.suppress(OSError):
+            os.close(fd)
     _limit_threads(threads)
     _die_with_parent(parent)
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from anelab.core.errors import AnelabInputError
 from anelab.core.files import file_kind
+from anelab.core.parallel import forget_kept_fd, keep_from_workers
 from anelab.core.termination import raise_if_terminated
 
 STAGING_PREFIX = ".anelab-staging-"  # a staging folder inside --out (never matched as a package)
@@ -94,6 +95,7 @@ def _take_lock(path: Path, what: str) -> _LayerLock:
             if os.stat(path).st_ino == os.fstat(fd).st_ino:  # still the file at that name (not one just unlinked)
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, str(os.getpid()).encode(), 0)
+                keep_from_workers(fd)
                 return _LayerLock(path, fd)
         os.close(fd)
 
@@ -101,6 +103,7 @@ def _take_lock(path: Path, what: str) -> _LayerLock:
 def _release(lock: _LayerLock) -> None:
     with contextlib.suppress(OSError):
         os.unlink(lock.path)
+    forget_kept_fd(lock.fd)
     os.close(lock.fd)
 
 

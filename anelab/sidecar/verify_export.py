@@ -136,12 +136,14 @@ def verify_export(
     fp16: bool = True,
     verify_one: VerifyOne | None = None,
     jobs: int | None = None,
+    layers: list[int] | None = None,
 ) -> ExportVerifyReport:
     """Verify every ``layer_<L>.mlpackage`` of ``directory`` against its checkpoint (``checkpoint_dir``, else
     the one each package records), with one progress bar over the packages. ``verify_one`` replaces the
     NumPy verification of one package (e.g. on the device: then one package at a time, and a ``jobs``
     above 1 is refused). ``jobs``: packages verified at once in worker processes (default
-    ``anelab.core.parallel.default_jobs``); the reports do not depend on it."""
+    ``anelab.core.parallel.default_jobs``); the reports do not depend on it. ``layers``: the layers the export
+    was asked for (``export --layers``); default every attention layer of the checkpoint."""
     packages = export_packages(directory)
     if verify_one is not None:
         if jobs is not None and jobs > 1:
@@ -166,7 +168,7 @@ def verify_export(
         meta = metas[layer] = read_metadata(path)
         design = meta.graph if meta.weights == "fp16" else f"{meta.graph} {meta.weights}"
         verdicts.append(LayerVerdict(layer, str(path), design, report))
-    return ExportVerifyReport(str(directory), verdicts, set_problems(metas, checkpoint_dir))
+    return ExportVerifyReport(str(directory), verdicts, set_problems(metas, checkpoint_dir, layers))
 
 
 def _design_key(meta: SidecarMetadata) -> tuple:
@@ -176,11 +178,14 @@ def _design_key(meta: SidecarMetadata) -> tuple:
             meta.selection_folded)  # fmt: skip
 
 
-def set_problems(metas: dict[int, SidecarMetadata], checkpoint_dir: str | os.PathLike | None) -> list[str]:
+def set_problems(
+    metas: dict[int, SidecarMetadata], checkpoint_dir: str | os.PathLike | None, layers: list[int] | None = None
+) -> list[str]:
     """Why the packages (layer -> metadata) are not one complete export of one checkpoint (empty: they are):
     the packages record more than one checkpoint (without ``checkpoint_dir``, which each is then verified
     against) or more than one design, or the checkpoint's attention layers (full and sliding-window) and the
-    packages' layers differ — a missing layer (an interrupted or failed export) or a stray one."""
+    packages' layers differ — a missing layer (an interrupted or failed export) or a stray one. ``layers``: the
+    set asked for (each must be an attention layer), instead of all of them."""
     from anelab.checkpoints.checkpoint import load_checkpoint
 
     problems = []
@@ -195,14 +200,21 @@ def set_problems(metas: dict[int, SidecarMetadata], checkpoint_dir: str | os.Pat
         problems.append(f"the packages are {len(designs)} designs ({groups})")
     source = checkpoint_dir if checkpoint_dir is not None else sources[0]
     try:
-        expected = set(load_checkpoint(source).geometry.full_attention_layers)
+        attention = set(load_checkpoint(source).geometry.full_attention_layers)
     except AnelabInputError as e:
         return [*problems, f"the checkpoint {source} cannot be read to list its attention layers ({e})"]
+    expected = attention if layers is None else set(layers)
+    if expected - attention:
+        raise AnelabInputError(
+            f"--layers {','.join(map(str, sorted(expected - attention)))}: not an attention layer of {source}"
+        )
+    whose = "the checkpoint's" if layers is None else "the requested"
     missing, stray = sorted(expected - set(metas)), sorted(set(metas) - expected)
     if missing:
         problems.append(
-            f"layer_{missing[0]} is missing ({len(missing)} of the checkpoint's {len(expected)} attention "
-            f"layers: {','.join(map(str, missing))}); export them into this directory"
+            f"layer_{missing[0]} is missing ({len(missing)} of {whose} {len(expected)} attention layers: "
+            f"{','.join(map(str, missing))}); export them into this directory (a partial export made with "
+            "--layers: give verify the same --layers)"
         )
     if stray:
         problems.append(f"layer {','.join(map(str, stray))} is not an attention layer of {source}")
