@@ -94,6 +94,14 @@ from anelab.planner.catalogue import (
 from anelab.planner.coreai_loads import price_loads, priced_fit
 from anelab.planner.envelope import YOURS, ane_kind, gpu_kind, kind_of, worst_kind
 from anelab.planner.fit import CostFit, LoadModel, cached_fit, fit_costs, predicted_ane_seconds
+from anelab.planner.loads import (
+    DEFAULT_PROTOCOL,
+    DEFAULT_RELOAD_POLICY,
+    hidden_reload,
+    pays_specialization,
+    require_protocol,
+    require_reload_policy,
+)
 
 
 # ---- costs of one plan ------------------------------------------------------------------------
@@ -108,13 +116,15 @@ class PlanCosts:
     sources: dict
 
 
-def _family_costs(family: Family, prompt_tokens: int, fit: CostFit) -> PlanCosts:
-    if family.setup_note_seconds is not None:
-        load = LoadModel(flat=family.setup_note_seconds, source=RECORDED)
-        load_source = "recorded ~0.5 s per layer-chunk (seed-35b-setup-note.json)"
-    else:  # the one load model: Qwen 3.8's recorded loads, the power law in score-arena bytes elsewhere
-        load = fit.recorded_load_model()
-        load_source = "recorded per history (seed-38-variant-loads.json); power fit in score-arena bytes elsewhere"
+def _family_costs(family: Family, prompt_tokens: int, fit: CostFit, specialize: bool = False) -> PlanCosts:
+    # the one load model, arena only, every family: reload per prompt (+ specialization when paid)
+    load = fit.recorded_load_model(specialize=specialize)
+    load_source = f"reload {fit.reload_seconds_per_gb:.3g} s/GB of score arena ({fit.reload_basis})" + (
+        f"; + specialization {fit.load_power_coef:.3g} s x (arena/GB)^{fit.load_power_exp:.3g} (every cold load on "
+        "record; Qwen 3.8's recorded loads where they apply)"
+        if specialize
+        else "; specialization cached (paid once per machine, not in this prompt)"
+    )
     load, load_source = price_loads(fit, load, load_source)  # a Core AI sidecar's: from its records
     return PlanCosts(
         gpu_seconds_per_entry=fit.gpu_sparse_seconds_per_entry if family.sparse else fit.gpu_dense_seconds_per_entry,
@@ -164,7 +174,15 @@ class PrefillPlan:
     cost_sources: dict
 
     provenance: dict  # cost -> kind (envelope.KINDS): load, gpu_prefill, ane_attention
-    loads_in_arm: bool  # False: the warm protocol of the recorded dense A/B rows (loads paid before the clock)
+    loads_in_arm: bool  # False: no load at all in the ANE arm (a what-if; every record holds its reloads)
+    protocol: str = DEFAULT_PROTOCOL  # when specialization is paid (planner.loads.PROTOCOLS)
+    protocol_reason: str = ""
+    pays_specialization: bool = False
+    specialization_seconds: float = 0.0  # every visited function's specialization (one-time unless paid here)
+    reload_seconds: float = 0.0  # every visited function's reload (per prompt)
+    reload_policy: str = DEFAULT_RELOAD_POLICY
+    hidden_reload_seconds: float = 0.0  # reload the GPU hides under the preloaded policy
+    preloaded_ane_prefill_seconds: float | None = None  # what the preloaded policy would give
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -285,6 +303,8 @@ def plan(
     gpu_tokens_per_second: float | None = None,
     loads_in_arm: bool = True,
     backend: str | None = None,
+    protocol: str = DEFAULT_PROTOCOL,
+    reload_policy: str = DEFAULT_RELOAD_POLICY,
 ) -> PrefillPlan:
     """Plan the prefill of one prompt and decide ANE offload vs GPU.
 
@@ -295,7 +315,11 @@ def plan(
     ``gpu_tokens_per_second`` (:func:`_costs_and_terms`). ``histories`` defaults to the chunk starts
     the prompt needs (capped at the family's ``max_history``); a prompt past coverage is refused
     unless ``allow_past_coverage`` (then ``fits=False``, on the GPU). ``backend``: whose loads (coreai_loads).
+    ``protocol`` (machine / process / prompt): when specialization is paid; ``reload_policy`` (serialized /
+    preloaded): whether reloads wait for compute (``planner.loads``).
     """
+    require_protocol(protocol)
+    require_reload_policy(reload_policy)
     fam = get_family(family) if family is not None else None
     chunk = REFERENCE_CHUNK if chunk is None and fam is not None else chunk
     if chunk is None:
@@ -311,7 +335,19 @@ def plan(
     fit = priced_fit(fit_costs(data_dir), backend, data_dir) if fam is not None else None
     flags = (load_seconds, gpu_attention_seconds, ane_attention_seconds, non_attention_seconds)
     user = (gpu_prefill_seconds, gpu_tokens_per_second)
-    costs, terms = _costs_and_terms(fam, fit, geometry, prompt_tokens, chunk, hs, schedule, flags, user, loads_in_arm)
+    visited = len(geometry.full_attention_layers) * sum(
+        geometry.score_arena_bytes(chunk, c.history) for c in schedule if c.device == "ane"
+    )
+    pays, protocol_reason = pays_specialization(protocol, visited)
+    costs, terms = _costs_and_terms(
+        fam, fit, geometry, prompt_tokens, chunk, hs, schedule, flags, user, loads_in_arm, pays
+    )
+    split = _load_split(fit or fit_costs(data_dir), geometry, chunk, schedule, costs, terms, reload_policy)
+    if split["hidden_reload_seconds"] > 0:  # preloaded: the hidden reloads leave the ANE arm (and its setup)
+        terms.setup -= split["hidden_reload_seconds"]
+        terms.ane_total -= split["hidden_reload_seconds"]
+        terms.ratio = terms.gpu_total / terms.ane_total
+        terms.decision = "ane" if terms.variants and terms.ratio > 1.0 else "gpu"
     coverage_needed = (max(needed) + chunk) if needed else 0
     reason = _reason(terms, prompt_tokens, chunk, fits, coverage_needed, _coverage(hs, chunk), geometry)
     return PrefillPlan(
@@ -341,15 +377,39 @@ def plan(
         cost_sources={**costs.sources, "histories": hs_source},
         provenance=_provenance(fam, geometry, prompt_tokens, chunk, costs, terms, fit),
         loads_in_arm=loads_in_arm,
+        protocol=protocol,
+        protocol_reason=protocol_reason,
+        pays_specialization=pays,
+        reload_policy=reload_policy,
+        **split,
     )
 
 
-def _costs_and_terms(fam, fit, geometry, prompt_tokens, chunk, hs, schedule, flags, user, loads_in_arm):
+def _load_split(fit: CostFit, geometry, chunk, schedule, costs: PlanCosts, terms, policy: str) -> dict:
+    """Specialization and reload of the visited functions (arena only), and what a preloaded reload hides:
+    per layer-chunk up to the GPU's time between two offloaded blocks (non-attention over the blocks)."""
+    ane_chunks = [c for c in schedule if c.device == "ane"]
+    n_fa = len(geometry.full_attention_layers)
+    arenas = [geometry.score_arena_bytes(chunk, c.history) for c in ane_chunks] * n_fa
+    spec = sum(fit.load_power_coef * (a / 1e9) ** fit.load_power_exp for a in arenas)
+    reloads = [fit.reload_seconds_per_gb * a / 1e9 for a in arenas]
+    gap = costs.non_attention_seconds / len(arenas) if arenas else 0.0
+    hidden_if_preloaded = sum(hidden_reload(r, gap, "preloaded") for r in reloads)
+    hidden = hidden_if_preloaded if policy == "preloaded" else 0.0
+    return {
+        "specialization_seconds": float(spec),
+        "reload_seconds": float(sum(reloads)),
+        "hidden_reload_seconds": float(hidden),
+        "preloaded_ane_prefill_seconds": float(terms.ane_total - hidden_if_preloaded) if arenas else None,
+    }
+
+
+def _costs_and_terms(fam, fit, geometry, prompt_tokens, chunk, hs, schedule, flags, user, loads_in_arm, pays=False):
     """(PlanCosts, PrefillTerms): the family's costs with the flags over them; the user's GPU prefill
     ``user`` = (seconds, tokens per second) replaces the GPU arm, split into attention and the rest in
     the modelled proportion. ``loads_in_arm=False``: the ANE arm leaves the loads out (the warm
     protocol of the recorded dense A/B rows); ``setup_seconds`` still prices them."""
-    base_costs = _family_costs(fam, prompt_tokens, fit) if fam is not None else None
+    base_costs = _family_costs(fam, prompt_tokens, fit, pays) if fam is not None else None
     costs = _costs_from_flags(geometry, chunk, hs, *flags, base_costs)
     terms = _prefill_terms(geometry, chunk, schedule, costs, loads_in_arm)
     user_gpu = _user_gpu_seconds(prompt_tokens, *user)
