@@ -470,6 +470,12 @@ def _add_plan(sub):
     p.add_argument("--list-families", action="store_true", help="list the families, what is recorded and unknown")
     p.add_argument("--fit-report", action="store_true", help="predicted vs recorded ratio of every recorded A/B row")
     p.add_argument(
+        "--backtest",
+        action="store_true",
+        help="every recorded A/B row: recorded ratio, in-sample and leave-one-family-out prediction, side",
+    )
+    _add_protocol(p)
+    p.add_argument(
         "--design",
         type=lambda t: t.split(","),
         help="compare sidecar designs: dense,stateful,stateful-tiled (or 'all'); every family unless --family",
@@ -487,6 +493,12 @@ def _add_plan(sub):
 def _run_plan(args):
     from anelab import planner
 
+    if args.backtest:
+        from anelab.planner.backtest import backtest, format_backtest
+
+        rows = backtest()
+        _print_json(rows) if args.json else print(format_backtest(rows))
+        return 0
     if args.list_families:
         rows = planner.family_table()
         _print_json(rows) if args.json else print(planner.format_family_table(rows))
@@ -569,6 +581,26 @@ def _plan_of(args, planner, backend):
         non_attention_seconds=args.non_attention_seconds,
         gpu_prefill_seconds=args.gpu_prefill_seconds,
         gpu_tokens_per_second=args.gpu_tokens_per_second,
+        protocol=args.protocol,
+        reload_policy=args.reload_policy,
+    )
+
+
+def _add_protocol(p) -> None:
+    from anelab.planner.loads import DEFAULT_PROTOCOL, DEFAULT_RELOAD_POLICY, PROTOCOLS, RELOAD_POLICIES
+
+    p.add_argument(
+        "--protocol",
+        choices=PROTOCOLS,
+        default=DEFAULT_PROTOCOL,
+        help="when a function's ANE specialization is paid: once per machine (default: cached by the OS, as "
+        "TinyTitan's record says), per process, or per prompt; reloads are paid per prompt either way",
+    )
+    p.add_argument(
+        "--reload-policy",
+        choices=RELOAD_POLICIES,
+        default=DEFAULT_RELOAD_POLICY,
+        help="serialized with compute (as measured) or preloaded on a background thread while the GPU runs",
     )
 
 

@@ -86,6 +86,16 @@ def format_plan(d: dict) -> str:
         f"ANE arm: {d['ane_prefill_seconds']:.1f} s (setup {d['setup_seconds']:.1f} s, ANE attention "
         f"{d['ane_attention_seconds']:.1f} s, attention saved {d['attention_saved_seconds']:.1f} s)"
     )
+    if d.get("variants_visited"):
+        pre = d.get("preloaded_ane_prefill_seconds")
+        out.append(
+            f"loads ({d['protocol_reason']}): specialization {d['specialization_seconds']:.1f} s "
+            f"({'in this arm' if d['pays_specialization'] else 'one-time, not in this arm'}), reload "
+            f"{d['reload_seconds']:.1f} s ({d['reload_policy']}"
+            + (f", {d['hidden_reload_seconds']:.1f} s hidden" if d["hidden_reload_seconds"] else "")
+            + ")"
+            + (f"; preloaded on a background thread the ANE arm would be {pre:.1f} s" if pre is not None else "")
+        )
     out.append(f"predicted ratio {d['predicted_ratio']:.2f}x (GPU / ANE)")
     out.append(f"central-cost decision: {d['decision']} — {d['reason']}")
     return "\n".join(out)
