@@ -89,7 +89,7 @@ class LoadModel:
         if self.flat is not None:
             return self.flat, self.source
         if not self.specialize:
-            return reload, f"{FITTED} (reload in proportion to the score arena; specialization cached)"
+            return reload, f"{FITTED} (reload in proportion to the score arena, specialization cached)"
         if self.power_coef is None:
             raise AnelabInputError("no load time for this variant; pass --load-seconds")
         seconds = self.power_coef * (arena_bytes / GB) ** self.power_exp + reload
