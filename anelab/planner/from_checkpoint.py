@@ -117,6 +117,12 @@ def plan_from_checkpoint(
         reason = "flags (no family)"
     else:
         family, reason = closest_family(g.num_heads, g.head_dim, len(g.full_attention_layers))
+    own = None
+    if not all_costs and cost_flags.get("non_attention_seconds") is None:
+        from anelab.planner.gpu_model import own_non_attention, runtime_bandwidth
+
+        bandwidth = runtime_bandwidth(fit_costs().non_attention_seconds)
+        own = own_non_attention(checkpoint.text, checkpoint.tensor_dtype(), prompt_tokens, bandwidth)
     parts = {}
     for kind, layers, budget in (("full", full, None), ("windowed", windowed, g.sliding_window)):
         if layers:
@@ -132,14 +138,16 @@ def plan_from_checkpoint(
                 num_kv_heads=g.num_kv_heads,
                 head_dim=g.head_dim,
                 sparse_budget=budget,
-                **{k: v for k, v in cost_flags.items() if k in _COST_FLAGS},
+                **{k: v for k, v in cost_flags.items() if k in _COST_FLAGS or k in _PLAN_FLAGS},
                 **user_gpu,
+                own_non_attention=own,
             )
     return _combine(checkpoint, g, full, windowed, family if not all_costs else None, reason, parts)
 
 
 _COST_FLAGS = ("load_seconds", "gpu_attention_seconds", "ane_attention_seconds", "non_attention_seconds")
 _USER_GPU_FLAGS = ("gpu_prefill_seconds", "gpu_tokens_per_second")
+_PLAN_FLAGS = ("protocol", "reload_policy")
 
 
 def _combine(checkpoint, g, full, windowed, family, reason, parts) -> CheckpointPlan:

@@ -94,6 +94,7 @@ from anelab.planner.catalogue import (
 from anelab.planner.coreai_loads import price_loads, priced_fit
 from anelab.planner.envelope import YOURS, ane_kind, gpu_kind, kind_of, worst_kind
 from anelab.planner.fit import CostFit, LoadModel, cached_fit, fit_costs, predicted_ane_seconds
+from anelab.planner.gpu_model import RUNTIME
 from anelab.planner.loads import (
     DEFAULT_PROTOCOL,
     DEFAULT_RELOAD_POLICY,
@@ -305,6 +306,7 @@ def plan(
     backend: str | None = None,
     protocol: str = DEFAULT_PROTOCOL,
     reload_policy: str = DEFAULT_RELOAD_POLICY,
+    own_non_attention: tuple[float, str] | None = None,
 ) -> PrefillPlan:
     """Plan the prefill of one prompt and decide ANE offload vs GPU.
 
@@ -316,7 +318,8 @@ def plan(
     the prompt needs (capped at the family's ``max_history``); a prompt past coverage is refused
     unless ``allow_past_coverage`` (then ``fits=False``, on the GPU). ``backend``: whose loads (coreai_loads).
     ``protocol`` (machine / process / prompt): when specialization is paid; ``reload_policy`` (serialized /
-    preloaded): whether reloads wait for compute (``planner.loads``).
+    preloaded): whether reloads wait for compute (``planner.loads``). ``own_non_attention``: (seconds,
+    basis) of the model's own non-attention (``planner.gpu_model``), replacing the family's.
     """
     require_protocol(protocol)
     require_reload_policy(reload_policy)
@@ -340,7 +343,7 @@ def plan(
     )
     pays, protocol_reason = pays_specialization(protocol, visited)
     costs, terms = _costs_and_terms(
-        fam, fit, geometry, prompt_tokens, chunk, hs, schedule, flags, user, loads_in_arm, pays
+        fam, fit, geometry, prompt_tokens, chunk, hs, schedule, flags, user, loads_in_arm, pays, own_non_attention
     )
     split = _load_split(fit or fit_costs(data_dir), geometry, chunk, schedule, costs, terms, reload_policy)
     if split["hidden_reload_seconds"] > 0:  # preloaded: the hidden reloads leave the ANE arm (and its setup)
@@ -404,12 +407,33 @@ def _load_split(fit: CostFit, geometry, chunk, schedule, costs: PlanCosts, terms
     }
 
 
-def _costs_and_terms(fam, fit, geometry, prompt_tokens, chunk, hs, schedule, flags, user, loads_in_arm, pays=False):
+def _own_geometry(costs: PlanCosts, fam: Family, geometry: PlanGeometry, own) -> PlanCosts:
+    """The family's rates carried to this geometry: per score entry in proportion to head_dim (a rate per
+    matmul FLOP, ``planner.gpu_model``), and the model's own non-attention when given."""
+    sources = dict(costs.sources)
+    gpu_rate, ane_rate, n = costs.gpu_seconds_per_entry, costs.ane_seconds_per_entry, costs.non_attention_seconds
+    hd, fam_hd = geometry.head_dim, fam.geometry.head_dim
+    if hd is not None and fam_hd is not None and hd != fam_hd:
+        gpu_rate, ane_rate = gpu_rate * hd / fam_hd, ane_rate * hd / fam_hd
+        for key in ("gpu_attention", "ane_attention"):
+            sources[key] += f"; per matmul FLOP, carried from head_dim {fam_hd} to {hd}"
+    if own is not None:
+        n, basis = own
+        sources["non_attention"] = basis
+        sources["gpu_runtime"] = RUNTIME
+    return PlanCosts(gpu_rate, ane_rate, costs.load, n, sources)
+
+
+def _costs_and_terms(
+    fam, fit, geometry, prompt_tokens, chunk, hs, schedule, flags, user, loads_in_arm, pays=False, own=None
+):
     """(PlanCosts, PrefillTerms): the family's costs with the flags over them; the user's GPU prefill
     ``user`` = (seconds, tokens per second) replaces the GPU arm, split into attention and the rest in
     the modelled proportion. ``loads_in_arm=False``: the ANE arm leaves the loads out (the warm
     protocol of the recorded dense A/B rows); ``setup_seconds`` still prices them."""
     base_costs = _family_costs(fam, prompt_tokens, fit, pays) if fam is not None else None
+    if base_costs is not None:
+        base_costs = _own_geometry(base_costs, fam, geometry, own)
     costs = _costs_from_flags(geometry, chunk, hs, *flags, base_costs)
     terms = _prefill_terms(geometry, chunk, schedule, costs, loads_in_arm)
     user_gpu = _user_gpu_seconds(prompt_tokens, *user)

@@ -40,6 +40,7 @@ from anelab.planner.envelope import (
     worst_kind,
 )
 from anelab.planner.fit import fit_costs
+from anelab.planner.gpu_model import RUNTIME_BAND
 from anelab.planner.plan import PrefillPlan
 from anelab.sidecar.designs import DEFAULT_DESIGN
 
@@ -181,6 +182,9 @@ def plan_arm_costs(plan: PrefillPlan, design: DesignPlan | None = None, data_dir
         sources.get("gpu_prefill") or sources["gpu_attention"],
         relative=True,
     )
+    if sources.get("gpu_runtime") and s.kind not in (YOURS, MEASURED):  # another runtime's rates, your model
+        s = Cost(s.value, s.value / RUNTIME_BAND, s.value * RUNTIME_BAND, EXTRAPOLATED,
+                 f"{s.basis}; x/÷ {RUNTIME_BAND:g} for the runtime ({sources['gpu_runtime']})")  # fmt: skip
     offloaded = plan.attention_saved_seconds + plan.ane_attention_seconds
     ane_seconds = plan.ane_attention_seconds if design is None else design.ane_attention_seconds
     a = banded(ane_seconds, kinds["ane_attention"], ANE_RATE_BAND, sources["ane_attention"])
