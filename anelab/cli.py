@@ -475,6 +475,7 @@ def _add_plan(sub):
         help="every recorded A/B row: recorded ratio, in-sample and leave-one-family-out prediction, side",
     )
     _add_protocol(p)
+    _add_chip(p)
     p.add_argument(
         "--design",
         type=lambda t: t.split(","),
@@ -586,6 +587,15 @@ def _plan_of(args, planner, backend):
     )
 
 
+def _add_chip(p) -> None:
+    p.add_argument(
+        "--chip",
+        default=None,
+        help="an Apple chip (m1 .. m5, m3-max, m4-pro, ...): the fastest each arm could run this prompt on it "
+        "(peak compute or bandwidth, public figures), printed beside the estimate",
+    )
+
+
 def _add_protocol(p) -> None:
     from anelab.planner.loads import DEFAULT_PROTOCOL, DEFAULT_RELOAD_POLICY, PROTOCOLS, RELOAD_POLICIES
 
@@ -670,8 +680,14 @@ def _print_plan(args, result: dict, text: str, parts: list) -> int:
     }
     commands["ane_attention"] = commands["load_per_layer"]
     verdicts = [verdict_for(plan_arm_costs(part), commands).to_dict() for part in parts]
+    bounds = []
+    if getattr(args, "chip", None) is not None:
+        from anelab.planner.chips import bound_sentence, plan_bounds
+
+        bounds = [plan_bounds(part.to_dict(), args.chip) for part in parts]
+        text += "\n" + "\n".join(bound_sentence(b) for b in bounds)
     if args.json:
-        _print_json({**result, "verdicts": verdicts})
+        _print_json({**result, "verdicts": verdicts, **({"bounds": bounds} if bounds else {})})
         return 0
     print(text)
     for part, verdict in zip(parts, verdicts):
@@ -933,6 +949,7 @@ def _add_decide(sub):
     p.add_argument("--measure", action="store_true", help="on a Mac: time the packages and plan again with the times")
     p.add_argument("--repeats", type=int, default=3, help="--measure: timed repeats per measurement (default 3)")
     p.add_argument("--json", action="store_true", help="print decision.json's verdict as JSON")
+    _add_chip(p)
 
 
 def _run_decide(args):
@@ -958,11 +975,19 @@ def _run_decide(args):
         measure=args.measure,
         repeats=args.repeats,
     )
+    if args.chip is not None:
+        from anelab.planner.chips import get_chip
+
+        get_chip(args.chip)  # a bad name is refused before the work
     decision = decide(config).to_dict()
     if args.json:
         _print_json(decision["verdict"])
     else:
         print("\n".join(verdict_lines(decision)))
+        if args.chip is not None:
+            from anelab.planner.chips import bound_sentence, plan_bounds
+
+            print(bound_sentence(plan_bounds(decision["plan"], args.chip)))
         print(f"report: {out / 'report.html'} (also report.md, decision.json)")
     return 0
 

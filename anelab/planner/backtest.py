@@ -24,7 +24,9 @@ from anelab.core.paths import DATA_DIR
 from anelab.planner.catalogue import FAMILIES
 from anelab.planner.fit import cached_fit, predicted_ane_seconds
 
-PROVENANCE = "recorded A/B times (seed 000, Apple M3, TinyTitan) against costs fitted on the records; replayed, not measured"
+PROVENANCE = (
+    "recorded A/B times (seed 000, Apple M3, TinyTitan) against costs fitted on the records; replayed, not measured"
+)
 
 
 def side(ratio: float) -> str:

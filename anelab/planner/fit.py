@@ -97,7 +97,10 @@ class LoadModel:
             return self.floor_seconds, f"{EXTRAPOLATED} (arena fit below the smallest recorded load: floored there)"
         arenas = [score_arena_bytes(self.recorded_heads, self.recorded_chunk, h) for h in self.by_history]
         inside = bool(arenas) and min(arenas) <= arena_bytes <= max(arenas)
-        return seconds, f"{FITTED if inside else EXTRAPOLATED} (specialization power law + reload, in score-arena bytes)"
+        return (
+            seconds,
+            f"{FITTED if inside else EXTRAPOLATED} (specialization power law + reload, in score-arena bytes)",
+        )
 
 
 def fit_load_power(arena_bytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
@@ -389,8 +392,9 @@ def load_fit_report(data_dir: str | Path | None = None) -> list[dict]:
             "history": h,
             "score_arena_gb": float(a / GB),
             "recorded_seconds": float(s),
-            "power_fit_seconds": float(fit.load_power_coef * (a / GB) ** fit.load_power_exp
-                                       + fit.reload_seconds_per_gb * a / GB),  # specialization + reload
+            "power_fit_seconds": float(
+                fit.load_power_coef * (a / GB) ** fit.load_power_exp + fit.reload_seconds_per_gb * a / GB
+            ),  # specialization + reload
             "linear_fit_seconds": float(intercept + slope * a / GB),
         }
         for h, a, s in zip(fit.recorded_loads, arenas, seconds)

@@ -117,10 +117,12 @@ def plan_from_checkpoint(
         reason = "flags (no family)"
     else:
         family, reason = closest_family(g.num_heads, g.head_dim, len(g.full_attention_layers))
-    own = None
-    if not all_costs and cost_flags.get("non_attention_seconds") is None:
-        from anelab.planner.gpu_model import own_non_attention, runtime_bandwidth
+    from anelab.planner.gpu_model import active_parameters, bytes_per_weight, own_non_attention, runtime_bandwidth
 
+    own = None
+    active = active_parameters(checkpoint.text)
+    weights = (active, active * bytes_per_weight(checkpoint.tensor_dtype())[0])
+    if not all_costs and cost_flags.get("non_attention_seconds") is None:
         bandwidth = runtime_bandwidth(fit_costs().non_attention_seconds)
         own = own_non_attention(checkpoint.text, checkpoint.tensor_dtype(), prompt_tokens, bandwidth)
     parts = {}
@@ -141,6 +143,7 @@ def plan_from_checkpoint(
                 **{k: v for k, v in cost_flags.items() if k in _COST_FLAGS or k in _PLAN_FLAGS},
                 **user_gpu,
                 own_non_attention=own,
+                weights=weights,
             )
     return _combine(checkpoint, g, full, windowed, family if not all_costs else None, reason, parts)
 

@@ -70,7 +70,9 @@ def active_parameters(text: dict) -> int:
     experts = text.get("num_experts_per_tok") or 0
     moe_width = text.get("moe_intermediate_size")
     if experts and moe_width:
-        mlp = 3 * hidden * int(moe_width) * int(experts) + 3 * hidden * int(text.get("shared_expert_intermediate_size") or 0)
+        mlp = 3 * hidden * int(moe_width) * int(experts) + 3 * hidden * int(
+            text.get("shared_expert_intermediate_size") or 0
+        )
     else:
         mlp = 3 * hidden * int(text.get("intermediate_size") or 4 * hidden)
     return layers * (attention + mlp)

@@ -78,7 +78,6 @@ from anelab.core.paths import DATA_DIR
 from anelab.planner.catalogue import (
     EXTRAPOLATED,
     FLAG,
-    RECORDED,
     REFERENCE_CHUNK,
     REFERENCE_TOKENS,
     Chunk,
@@ -184,6 +183,7 @@ class PrefillPlan:
     reload_policy: str = DEFAULT_RELOAD_POLICY
     hidden_reload_seconds: float = 0.0  # reload the GPU hides under the preloaded policy
     preloaded_ane_prefill_seconds: float | None = None  # what the preloaded policy would give
+    weights: dict | None = None  # {"active": weights one token multiplies through, "bytes": their bytes}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -307,6 +307,7 @@ def plan(
     protocol: str = DEFAULT_PROTOCOL,
     reload_policy: str = DEFAULT_RELOAD_POLICY,
     own_non_attention: tuple[float, str] | None = None,
+    weights: tuple[float, float] | None = None,
 ) -> PrefillPlan:
     """Plan the prefill of one prompt and decide ANE offload vs GPU.
 
@@ -384,8 +385,19 @@ def plan(
         protocol_reason=protocol_reason,
         pays_specialization=pays,
         reload_policy=reload_policy,
+        weights=_weights(fam, weights),
         **split,
     )
+
+
+def _weights(fam: Family | None, weights) -> dict | None:
+    """(active weights, bytes) of the model: given (a checkpoint's), else the family's assumed ones."""
+    if weights is None and fam is not None:
+        from anelab.planner.gpu_model import BYTES_PER_WEIGHT, FAMILY_WEIGHTS
+
+        params, storage = FAMILY_WEIGHTS[fam.name]
+        weights = (params, params * BYTES_PER_WEIGHT[storage])
+    return None if weights is None else {"active": float(weights[0]), "bytes": float(weights[1])}
 
 
 def _load_split(fit: CostFit, geometry, chunk, schedule, costs: PlanCosts, terms, policy: str) -> dict:

@@ -18,7 +18,8 @@ interval (each cost at the end of its interval that favours the other side) deci
 0, ``gpu`` below; ``depends`` only when the interval spans 0 (a reachable value flips it), with the
 measurement that would settle it. An extrapolated cost carries a band wide enough for what it does
 not know (``planner.envelope``), so extrapolation alone never makes a verdict "depends"; and a
-threshold below zero at the costs' most favourable ends (no load could be fast enough) decides "gpu". With ``loads_in_arm`` False (the warm protocol) the
+threshold below zero at the costs' most favourable ends (no load could be fast enough) decides "gpu".
+With ``loads_in_arm`` False (no load in the arm, a what-if) the
 loads are left out of the gain and X is reported for the record only.
 """
 
