@@ -658,8 +658,8 @@ def predicted_vs_recorded(data_dir: str | Path | None = None) -> list[dict]:
       measured GPU seconds as given and predicts its ANE seconds.
     - ``leave_one_out``: the same, with the row's ANE time held out of the fit.
     - ``plan``: what :func:`plan` says for the family at the row's prompt and chunk (non-attention
-      from the family fit, scaled by tokens) — no measured time of the row as input; for the dense
-      Qwen 3.5 rows under their warm protocol (``loads_in_arm=False``: their arm holds no load).
+      from the family fit, scaled by tokens) — no measured time of the row as input, under the default
+      protocol (``planner.loads``). The held-out-family backtest is ``planner.backtest``.
     Errors are (predicted - recorded) / recorded.
     """
     directory = str(Path(data_dir or DATA_DIR).resolve())
@@ -670,11 +670,7 @@ def predicted_vs_recorded(data_dir: str | Path | None = None) -> list[dict]:
             continue
         pred_in, clamped_in = predicted_ane_seconds(row, fit)
         pred_loo, clamped_loo = predicted_ane_seconds(row, cached_fit(directory, (row.record, row.family)))
-        fam = get_family(row.family)
-        warm = not fam.sparse and fam.setup_note_seconds is None  # the dense rows' arm holds no load
-        planned = plan(
-            row.prompt_tokens, family=row.family, chunk=row.chunk, data_dir=directory, loads_in_arm=not warm
-        ).predicted_ratio
+        planned = plan(row.prompt_tokens, family=row.family, chunk=row.chunk, data_dir=directory).predicted_ratio
         r_in, r_loo = row.gpu_seconds / pred_in, row.gpu_seconds / pred_loo
         out.append(
             {
