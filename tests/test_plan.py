@@ -13,7 +13,6 @@ from anelab.core.errors import AnelabInputError
 from anelab.planner.catalogue import FAMILIES, chunk_schedule
 from anelab.planner.fit import fit_load_power
 from anelab.planner.plan import plan, predicted_vs_recorded
-from anelab.planner.verdict import plan_arm_costs, verdict_for
 
 DENSE_FAMILIES = [
     "qwen3.5-2b-4bit",
