@@ -597,20 +597,19 @@ def _add_chip(p) -> None:
 
 
 def _add_protocol(p) -> None:
-    from anelab.planner.loads import DEFAULT_PROTOCOL, DEFAULT_RELOAD_POLICY, PROTOCOLS, RELOAD_POLICIES
-
+    # values checked by anelab.planner.loads (not imported here: the parser is built for every command)
     p.add_argument(
         "--protocol",
-        choices=PROTOCOLS,
-        default=DEFAULT_PROTOCOL,
-        help="when a function's ANE specialization is paid: once per machine (default: cached by the OS, as "
-        "TinyTitan's record says), per process, or per prompt; reloads are paid per prompt either way",
+        default="machine",
+        help="machine | process | prompt: when a function's ANE specialization is paid — once per machine "
+        "(default: cached by the OS, as TinyTitan's record says), per process, or per prompt; reloads are paid "
+        "per prompt either way",
     )
     p.add_argument(
         "--reload-policy",
-        choices=RELOAD_POLICIES,
-        default=DEFAULT_RELOAD_POLICY,
-        help="serialized with compute (as measured) or preloaded on a background thread while the GPU runs",
+        default="serialized",
+        help="serialized | preloaded: reloads wait for compute (as measured) or load on a background thread "
+        "while the GPU runs",
     )
 
 

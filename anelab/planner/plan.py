@@ -318,12 +318,9 @@ def plan(
     ``gpu_tokens_per_second`` (:func:`_costs_and_terms`). ``histories`` defaults to the chunk starts
     the prompt needs (capped at the family's ``max_history``); a prompt past coverage is refused
     unless ``allow_past_coverage`` (then ``fits=False``, on the GPU). ``backend``: whose loads (coreai_loads).
-    ``protocol`` (machine / process / prompt): when specialization is paid; ``reload_policy`` (serialized /
-    preloaded): whether reloads wait for compute (``planner.loads``). ``own_non_attention``: (seconds,
-    basis) of the model's own non-attention (``planner.gpu_model``), replacing the family's.
+    ``protocol`` / ``reload_policy`` (``planner.loads``); ``own_non_attention``: (s, basis), ``planner.gpu_model``.
     """
-    require_protocol(protocol)
-    require_reload_policy(reload_policy)
+    require_protocol(protocol), require_reload_policy(reload_policy)
     fam = get_family(family) if family is not None else None
     chunk = REFERENCE_CHUNK if chunk is None and fam is not None else chunk
     if chunk is None:
@@ -331,27 +328,19 @@ def plan(
     require_positive("--prompt-tokens", prompt_tokens)
     require_positive("--chunk", chunk)
     geometry = plan_geometry(fam, num_layers, full_attention_layers, num_heads, num_kv_heads, head_dim, sparse_budget)
-    schedule = chunk_schedule(prompt_tokens, chunk)
-    needed = [c.history for c in schedule if c.device == "ane"]
-    hs, hs_source = _histories(chunk, needed, histories, max_history, fam)
-    fits = _check_coverage(prompt_tokens, chunk, needed, hs, fam, allow_past_coverage)
-    schedule = schedule if fits else [Chunk(c.index, c.start, c.tokens, "gpu") for c in schedule]
+    schedule, needed, hs, hs_source, fits = _schedule(
+        prompt_tokens, chunk, histories, max_history, fam, allow_past_coverage
+    )
     fit = priced_fit(fit_costs(data_dir), backend, data_dir) if fam is not None else None
     flags = (load_seconds, gpu_attention_seconds, ane_attention_seconds, non_attention_seconds)
     user = (gpu_prefill_seconds, gpu_tokens_per_second)
-    visited = len(geometry.full_attention_layers) * sum(
-        geometry.score_arena_bytes(chunk, c.history) for c in schedule if c.device == "ane"
-    )
-    pays, protocol_reason = pays_specialization(protocol, visited)
+    pays, protocol_reason = pays_specialization(protocol, _visited_arena(geometry, chunk, schedule))
     costs, terms = _costs_and_terms(
         fam, fit, geometry, prompt_tokens, chunk, hs, schedule, flags, user, loads_in_arm, pays, own_non_attention
     )
     split = _load_split(fit or fit_costs(data_dir), geometry, chunk, schedule, costs, terms, reload_policy)
-    if split["hidden_reload_seconds"] > 0:  # preloaded: the hidden reloads leave the ANE arm (and its setup)
-        terms.setup -= split["hidden_reload_seconds"]
-        terms.ane_total -= split["hidden_reload_seconds"]
-        terms.ratio = terms.gpu_total / terms.ane_total
-        terms.decision = "ane" if terms.variants and terms.ratio > 1.0 else "gpu"
+    split.update(protocol=protocol, protocol_reason=protocol_reason, pays_specialization=pays,
+                 reload_policy=reload_policy, weights=_weights(fam, weights))  # fmt: skip
     coverage_needed = (max(needed) + chunk) if needed else 0
     reason = _reason(terms, prompt_tokens, chunk, fits, coverage_needed, _coverage(hs, chunk), geometry)
     return PrefillPlan(
@@ -364,30 +353,43 @@ def plan(
         coverage_needed=coverage_needed,
         fits=fits,
         chunks=[{**asdict(c), "history": c.history} for c in schedule],
-        variants=terms.variants,
-        variants_visited=len(terms.variants),
-        load_seconds=terms.load_by_history,
-        setup_seconds=terms.setup,
         non_attention_seconds=costs.non_attention_seconds,
-        gpu_attention_seconds=terms.gpu_attention,
-        ane_attention_seconds=terms.ane_attention,
-        attention_saved_seconds=terms.saved,
-        gpu_prefill_seconds=terms.gpu_total,
-        ane_prefill_seconds=terms.ane_total,
-        predicted_ratio=terms.ratio,
-        decision=terms.decision,
         reason=reason,
-        keys_per_query=terms.keys,
+        **_term_fields(terms),
         cost_sources={**costs.sources, "histories": hs_source},
         provenance=_provenance(fam, geometry, prompt_tokens, chunk, costs, terms, fit),
         loads_in_arm=loads_in_arm,
-        protocol=protocol,
-        protocol_reason=protocol_reason,
-        pays_specialization=pays,
-        reload_policy=reload_policy,
-        weights=_weights(fam, weights),
         **split,
     )
+
+
+def _term_fields(terms) -> dict:
+    """The plan's fields that are a ``PrefillTerms``' numbers."""
+    return {
+        "variants": terms.variants,
+        "variants_visited": len(terms.variants),
+        "load_seconds": terms.load_by_history,
+        "setup_seconds": terms.setup,
+        "gpu_attention_seconds": terms.gpu_attention,
+        "ane_attention_seconds": terms.ane_attention,
+        "attention_saved_seconds": terms.saved,
+        "gpu_prefill_seconds": terms.gpu_total,
+        "ane_prefill_seconds": terms.ane_total,
+        "predicted_ratio": terms.ratio,
+        "decision": terms.decision,
+        "keys_per_query": terms.keys,
+    }
+
+
+def _schedule(prompt_tokens, chunk, histories, max_history, fam, allow_past_coverage):
+    """(schedule, histories the ANE chunks need, histories on hand, their source, fits): a prompt past
+    coverage is refused, or (``allow_past_coverage``) planned on the GPU."""
+    schedule = chunk_schedule(prompt_tokens, chunk)
+    needed = [c.history for c in schedule if c.device == "ane"]
+    hs, hs_source = _histories(chunk, needed, histories, max_history, fam)
+    fits = _check_coverage(prompt_tokens, chunk, needed, hs, fam, allow_past_coverage)
+    schedule = schedule if fits else [Chunk(c.index, c.start, c.tokens, "gpu") for c in schedule]
+    return schedule, needed, hs, hs_source, fits
 
 
 def _weights(fam: Family | None, weights) -> dict | None:
@@ -400,9 +402,16 @@ def _weights(fam: Family | None, weights) -> dict | None:
     return None if weights is None else {"active": float(weights[0]), "bytes": float(weights[1])}
 
 
+def _visited_arena(geometry: PlanGeometry, chunk: int, schedule: list[Chunk]) -> int:
+    """Score-arena bytes of every (layer, history) function a schedule's ANE chunks visit."""
+    n_fa = len(geometry.full_attention_layers)
+    return n_fa * sum(geometry.score_arena_bytes(chunk, c.history) for c in schedule if c.device == "ane")
+
+
 def _load_split(fit: CostFit, geometry, chunk, schedule, costs: PlanCosts, terms, policy: str) -> dict:
     """Specialization and reload of the visited functions (arena only), and what a preloaded reload hides:
-    per layer-chunk up to the GPU's time between two offloaded blocks (non-attention over the blocks)."""
+    per layer-chunk up to the GPU's time between two offloaded blocks (non-attention over the blocks).
+    Under the preloaded ``policy`` the hidden reloads leave ``terms`` (its setup, ANE arm, ratio)."""
     ane_chunks = [c for c in schedule if c.device == "ane"]
     n_fa = len(geometry.full_attention_layers)
     arenas = [geometry.score_arena_bytes(chunk, c.history) for c in ane_chunks] * n_fa
@@ -411,11 +420,16 @@ def _load_split(fit: CostFit, geometry, chunk, schedule, costs: PlanCosts, terms
     gap = costs.non_attention_seconds / len(arenas) if arenas else 0.0
     hidden_if_preloaded = sum(hidden_reload(r, gap, "preloaded") for r in reloads)
     hidden = hidden_if_preloaded if policy == "preloaded" else 0.0
+    if hidden > 0:  # preloaded: the hidden reloads leave the ANE arm (and its setup)
+        terms.setup -= hidden
+        terms.ane_total -= hidden
+        terms.ratio = terms.gpu_total / terms.ane_total
+        terms.decision = "ane" if terms.variants and terms.ratio > 1.0 else "gpu"
     return {
         "specialization_seconds": float(spec),
         "reload_seconds": float(sum(reloads)),
         "hidden_reload_seconds": float(hidden),
-        "preloaded_ane_prefill_seconds": float(terms.ane_total - hidden_if_preloaded) if arenas else None,
+        "preloaded_ane_prefill_seconds": float(terms.ane_total + hidden - hidden_if_preloaded) if arenas else None,
     }
 
 
