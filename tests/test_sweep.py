@@ -140,7 +140,9 @@ def recorded_power_law() -> tuple[float, float, float]:
     total = [16 * 4096 * (h + 4096) * 2 / 1e9 for h in (0, 4096, 8192, 12288)] * 10
     best = None
     for b in np.arange(0.25, 3.0001, 0.005):
-        logs = [math.log(s) - b * math.log(g) for g, s in points] + [math.log(130.0) - math.log(sum(g**b for g in total))]
+        logs = [math.log(s) - b * math.log(g) for g, s in points] + [
+            math.log(130.0) - math.log(sum(g**b for g in total))
+        ]
         log_a = sum(logs) / len(logs)
         miss = sum((v - log_a) ** 2 for v in logs)
         if best is None or miss < best[0] - 1e-12:

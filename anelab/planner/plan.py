@@ -34,31 +34,34 @@ Where costs come from (:func:`fit_costs`, reading the records in ``data/``):
 - ANE rate: one measured h0 prediction of Qwen 3.8 (0.43 s for 24 x 4,096 x 4,096 entries),
   assumed to hold for every family (all are head_dim 256 here).
 - Dense GPU rate: one weighted least-squares fit over every dense A/B row (Qwen 3.5 and the 35B,
-  both widths); each row contributes ``gpu - ane = gpu_attention - ane_attention - setup``
-  (non-attention cancels; setup is the 35B's note, and none for Qwen 3.5 — see below).
+  both widths); each row contributes ``gpu - ane = gpu_attention - ane_attention - loads``
+  (non-attention cancels; the loads are the row's reloads, see below).
 - Sparse GPU rate: the two Qwen 3.8 rows, the same way.
-- Loads — one load model for every family and design (``LoadModel.at_arena``): Qwen 3.8's three
-  recorded ``MLModel(contentsOf:)`` times where arena, chunk and heads match; otherwise a power law
-  in score-arena bytes fitted on those three ("fitted" inside their range at their geometry,
-  "extrapolated" elsewhere), never below the smallest recorded load; the 35B keeps the runtime's
-  ~0.5 s per layer-chunk note. ``planner.envelope`` gives each cost its interval and
-  ``planner.verdict`` the three-way verdict.
-- Non-attention: per family, the mean residual of its rows at the reference workload.
+- Loads — one load model for every family and design, a function of the score arena only
+  (``planner.loads``, ``LoadModel.at_arena``): a reload per prompt in proportion to the arena
+  (TinyTitan's ~0.5 s per layer-chunk at the 35B's arenas), plus the function's specialization when
+  the protocol pays it (a power law fitted on every cold load on record: Qwen 3.8's variant and
+  package-composition loads and the 35B's ~130 s total; Qwen 3.8's recorded loads where they apply).
+  The default protocol ("machine") pays specialization once per machine, so a plan holds reloads
+  only — unless the visited arenas exceed the machine's memory (Qwen 3.8: 29 GB on the 24 GB M3),
+  when the cache cannot hold them and every prompt pays them. ``planner.envelope`` gives each cost
+  its interval and ``planner.verdict`` the three-way verdict.
+- Non-attention: per family, the mean residual of its rows at the reference workload; a checkpoint's
+  own from its weights per token (``planner.gpu_model``).
 
 :func:`predicted_vs_recorded` reports how well that recovers each recorded ratio, in-sample and
-leave-one-out.
+leave-one-out; ``planner.backtest`` with each family held out.
 
 What the fit says that the seed does not (read these before trusting a decomposition):
 
-- A dense per-variant setup fitted beside the rate comes out below zero: the Qwen 3.5 A/B rows'
-  measured runs (after a warm-up run) hold no load. So none is fitted: those rows are the *warm*
-  protocol (``loads_in_arm=False`` reproduces them), while a plan pays each visited function's load
-  per prompt by the one load model — extrapolated at Qwen 3.5's heads, hence a ``depends`` verdict.
-- Qwen 3.8's recorded ANE arm (273.5 s) holds the 244 s of loads only if its non-attention prefill
-  is ~5 s, so the fit puts ~186 s of its GPU prefill into sparse attention (a gather rate 3.4x the
-  dense GPU rate per score entry). Either the GPU's gather path is that slow, or the recorded ANE
-  arm hides part of the loads; the seed does not say which. The verdict does not depend on it:
-  the setup alone exceeds the whole GPU prefill.
+- A flat reload per layer-chunk (the note's 0.5 s taken per function) puts the chunk-1,024 2B row
+  (18 layer-chunks of 17-50 MB arenas) on the GPU side; a reload in proportion to the arena keeps
+  every row on its recorded side. A per-variant constant fitted beside the rate comes out negative.
+- Qwen 3.8's recorded ANE arm (273.5 s) is 76 s slower than its GPU arm: with reloads only (~18 s)
+  and its ANE attention (~15 s) that is impossible, so its arm holds its ~245 s of cold loads — the
+  only record whose specializations were not cached. The fit then puts ~186 s of its GPU prefill into
+  sparse attention (a gather rate ~3x the dense GPU rate per score entry); the seed does not say
+  whether the GPU's gather path is that slow.
 - Weight precision moves only non-attention: 4-bit and 8-bit of one model share attention rates.
 """
 
