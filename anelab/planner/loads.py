@@ -109,8 +109,8 @@ def pays_specialization(protocol: str, visited_arena_bytes: float, memory_bytes:
         return True, "protocol 'process': the process's first prompt specializes the functions it visits"
     if not cache_holds(visited_arena_bytes, memory_bytes):
         return True, (
-            f"protocol 'machine', but the visited arenas ({visited_arena_bytes / GB:.1f} GB) exceed the "
-            f"{memory_bytes / GB:.0f} GB of memory: the cache cannot hold them (assumed; Qwen 3.8's A/B shows it)"
+            f"protocol 'machine', but the visited arenas ({visited_arena_bytes / 2**30:.1f} GiB) exceed the "
+            f"{memory_bytes / 2**30:.0f} GiB of memory: the cache cannot hold them (assumed; Qwen 3.8's A/B shows it)"
         )
     return False, "protocol 'machine': specialized once per machine and OS (cached), reloaded per prompt"
 
