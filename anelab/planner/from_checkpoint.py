@@ -13,8 +13,11 @@ The checkpoint gives the attention layers (full and sliding window), heads, KV h
   tiled design gives a windowed layer one function over a ring of about W + C cache slots.
 
 A kind is offloaded when its ANE arm beats its GPU arm; the two verdicts combine into one.
-Costs: the recorded dense family closest in heads x head_dim and attention-layer count (or
-``family``), overridden by any cost flag — ``cost_family`` / ``cost_family_reason`` say which.
+Costs: the rates of the recorded dense family closest in heads x head_dim and attention-layer count
+(or ``family``) — TinyTitan's GPU path on an M3 — carried to this model by what it computes
+(``planner.gpu_model``: its own weights per token for non-attention, its head_dim per score entry
+for attention, x/÷ 10 for the runtime question), overridden by any cost flag; ``cost_family`` /
+``cost_family_reason`` say which.
 """
 
 from __future__ import annotations
