@@ -430,7 +430,11 @@ PLAN_EXAMPLES = """examples:
   anelab plan --list-families
       the families, what is recorded and what is unknown
   anelab plan --fit-report
-      predicted vs recorded ratio of every recorded A/B row"""
+      predicted vs recorded ratio of every recorded A/B row
+  anelab plan --backtest
+      every recorded row: recorded ratio, in-sample and family-held-out prediction, side
+  anelab plan --family qwen3.5-2b-4bit --prompt-tokens 4333 --chip m3 --reload-policy preloaded
+      the estimate beside the fastest an M3 could run each arm; reloads hidden behind the GPU"""
 
 
 def _add_plan(sub):
