@@ -965,6 +965,10 @@ def _run_decide(args):
         raise AnelabInputError(f"--prompt-tokens must be a positive integer, got {args.prompt_tokens}")
     require_at_most("--prompt-tokens", args.prompt_tokens, MAX_POSITIONS, "decide for a shorter prompt")
     check_user_gpu(args.gpu_prefill_seconds, args.gpu_tokens_per_second)
+    if args.chip is not None:
+        from anelab.planner.chips import get_chip
+
+        get_chip(args.chip)  # a bad name is refused before the work
     out = Path(args.out) if args.out else Path(f"decide-{Path(args.checkpoint).name}")
     config = DecideConfig(
         checkpoint=_checkpoint(args.checkpoint),
@@ -978,10 +982,6 @@ def _run_decide(args):
         measure=args.measure,
         repeats=args.repeats,
     )
-    if args.chip is not None:
-        from anelab.planner.chips import get_chip
-
-        get_chip(args.chip)  # a bad name is refused before the work
     decision = decide(config).to_dict()
     if args.json:
         _print_json(decision["verdict"])

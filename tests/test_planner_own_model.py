@@ -127,3 +127,10 @@ def test_cli_chip(capsys):
     assert "bound on M4 Max" in capsys.readouterr().out
     assert main(["plan", "--family", "qwen3.5-2b-4bit", "--prompt-tokens", "4333", "--chip", "m9"]) == 2
     assert "unknown --chip" in capsys.readouterr().err
+
+
+def test_decide_refuses_an_unknown_chip_before_any_work(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["decide", str(tmp_path / "no-model"), "--prompt-tokens", "64", "--chip", "m9", "--out", str(out)]
+    assert main(argv) == 2
+    assert "unknown --chip" in capsys.readouterr().err and not out.exists()
