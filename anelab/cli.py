@@ -440,7 +440,11 @@ PLAN_EXAMPLES = """examples:
   anelab plan --list-families
       the families, what is recorded and what is unknown
   anelab plan --fit-report
-      predicted vs recorded ratio of every recorded A/B row"""
+      predicted vs recorded ratio of every recorded A/B row
+  anelab plan --backtest
+      every recorded row: recorded ratio, in-sample and family-held-out prediction, side
+  anelab plan --family qwen3.5-2b-4bit --prompt-tokens 4333 --chip m3 --reload-policy preloaded
+      the estimate beside the fastest an M3 could run each arm; reloads hidden behind the GPU"""
 
 
 def _add_plan(sub):
@@ -480,6 +484,13 @@ def _add_plan(sub):
     p.add_argument("--list-families", action="store_true", help="list the families, what is recorded and unknown")
     p.add_argument("--fit-report", action="store_true", help="predicted vs recorded ratio of every recorded A/B row")
     p.add_argument(
+        "--backtest",
+        action="store_true",
+        help="every recorded A/B row: recorded ratio, in-sample and leave-one-family-out prediction, side",
+    )
+    _add_protocol(p)
+    _add_chip(p)
+    p.add_argument(
         "--design",
         type=lambda t: t.split(","),
         help="compare sidecar designs: dense,stateful,stateful-tiled (or 'all'); every family unless --family",
@@ -497,6 +508,12 @@ def _add_plan(sub):
 def _run_plan(args):
     from anelab import planner
 
+    if args.backtest:
+        from anelab.planner.backtest import backtest, format_backtest
+
+        rows = backtest()
+        _print_json(rows) if args.json else print(format_backtest(rows))
+        return 0
     if args.list_families:
         rows = planner.family_table()
         _print_json(rows) if args.json else print(planner.format_family_table(rows))
@@ -579,6 +596,34 @@ def _plan_of(args, planner, backend):
         non_attention_seconds=args.non_attention_seconds,
         gpu_prefill_seconds=args.gpu_prefill_seconds,
         gpu_tokens_per_second=args.gpu_tokens_per_second,
+        protocol=args.protocol,
+        reload_policy=args.reload_policy,
+    )
+
+
+def _add_chip(p) -> None:
+    p.add_argument(
+        "--chip",
+        default=None,
+        help="an Apple chip (m1 .. m5, m3-max, m4-pro, ...): the fastest each arm could run this prompt on it "
+        "(peak compute or bandwidth, public figures), printed beside the estimate",
+    )
+
+
+def _add_protocol(p) -> None:
+    # values checked by anelab.planner.loads (not imported here: the parser is built for every command)
+    p.add_argument(
+        "--protocol",
+        default="machine",
+        help="machine | process | prompt: when a function's ANE specialization is paid — once per machine "
+        "(default: cached by the OS, as TinyTitan's record says), per process, or per prompt; reloads are paid "
+        "per prompt either way",
+    )
+    p.add_argument(
+        "--reload-policy",
+        default="serialized",
+        help="serialized | preloaded: reloads wait for compute (as measured) or load on a background thread "
+        "while the GPU runs",
     )
 
 
@@ -648,8 +693,14 @@ def _print_plan(args, result: dict, text: str, parts: list) -> int:
     }
     commands["ane_attention"] = commands["load_per_layer"]
     verdicts = [verdict_for(plan_arm_costs(part), commands).to_dict() for part in parts]
+    bounds = []
+    if getattr(args, "chip", None) is not None:
+        from anelab.planner.chips import bound_sentence, plan_bounds
+
+        bounds = [plan_bounds(part.to_dict(), args.chip) for part in parts]
+        text += "\n" + "\n".join(bound_sentence(b) for b in bounds)
     if args.json:
-        _print_json({**result, "verdicts": verdicts})
+        _print_json({**result, "verdicts": verdicts, **({"bounds": bounds} if bounds else {})})
         return 0
     print(text)
     for part, verdict in zip(parts, verdicts):
@@ -911,6 +962,7 @@ def _add_decide(sub):
     p.add_argument("--measure", action="store_true", help="on a Mac: time the packages and plan again with the times")
     p.add_argument("--repeats", type=int, default=3, help="--measure: timed repeats per measurement (default 3)")
     p.add_argument("--json", action="store_true", help="print decision.json's verdict as JSON")
+    _add_chip(p)
 
 
 def _run_decide(args):
@@ -923,6 +975,10 @@ def _run_decide(args):
         raise AnelabInputError(f"--prompt-tokens must be a positive integer, got {args.prompt_tokens}")
     require_at_most("--prompt-tokens", args.prompt_tokens, MAX_POSITIONS, "decide for a shorter prompt")
     check_user_gpu(args.gpu_prefill_seconds, args.gpu_tokens_per_second)
+    if args.chip is not None:
+        from anelab.planner.chips import get_chip
+
+        get_chip(args.chip)  # a bad name is refused before the work
     out = Path(args.out) if args.out else Path(f"decide-{Path(args.checkpoint).name}")
     config = DecideConfig(
         checkpoint=_checkpoint(args.checkpoint),
@@ -941,6 +997,10 @@ def _run_decide(args):
         _print_json(decision["verdict"])
     else:
         print("\n".join(verdict_lines(decision)))
+        if args.chip is not None:
+            from anelab.planner.chips import bound_sentence, plan_bounds
+
+            print(bound_sentence(plan_bounds(decision["plan"], args.chip)))
         print(f"report: {out / 'report.html'} (also report.md, decision.json)")
     return 0
 

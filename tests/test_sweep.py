@@ -125,14 +125,29 @@ def mismatches(rows: list[dict], hand: dict) -> list[str]:
     return out
 
 
-def recorded_power_law() -> tuple[float, float]:
-    """Fit log(seconds) = log(a) + b log(arena / 1e9) on the recorded Qwen 3.8 loads (24 heads, chunk 4,096)."""
+def recorded_power_law() -> tuple[float, float, float]:
+    """(a, b, r): a cold load = a (arena/GB)^b (specialization) + r arena/GB (reload), re-fitted here on the
+    records (issue 30): r = TinyTitan's ~0.5 s per layer-chunk at the 35B's mean visited arena (16 heads,
+    h0 and h4096); a, b minimise the squared log misses of Qwen 3.8's cold loads (variants and package
+    compositions, less their reload) and of the 35B's ~130 s over its 40 functions (h0..h12288, 10 layers)."""
     rec = json.loads((DATA / "seed-38-variant-loads.json").read_text())
+    comp = json.loads((DATA / "seed-38-package-composition-loads.json").read_text())
     heads, chunk = rec["parameters"]["heads"], rec["parameters"]["chunk"]
-    x = [math.log(heads * chunk * (r["history"] + chunk) * 2 / 1e9) for r in rec["results"]["loads"]]
-    y = [math.log(r["seconds"]) for r in rec["results"]["loads"]]
-    b, log_a = np.polyfit(x, y, 1)
-    return math.exp(log_a), b
+    r = 0.5 / ((16 * 4096 * 4096 * 2 + 16 * 4096 * 8192 * 2) / 2 / 1e9)
+    points = [(heads * chunk * (x["history"] + chunk) * 2 / 1e9, x["seconds"]) for x in rec["results"]["loads"]]
+    points += [(heads * chunk * chunk * 2 / 1e9, x["seconds"]) for x in comp["results"]["loads"]]
+    points = [(g, s - r * g) for g, s in points]
+    total = [16 * 4096 * (h + 4096) * 2 / 1e9 for h in (0, 4096, 8192, 12288)] * 10
+    best = None
+    for b in np.arange(0.25, 3.0001, 0.005):
+        logs = [math.log(s) - b * math.log(g) for g, s in points] + [
+            math.log(130.0) - math.log(sum(g**b for g in total))
+        ]
+        log_a = sum(logs) / len(logs)
+        miss = sum((v - log_a) ** 2 for v in logs)
+        if best is None or miss < best[0] - 1e-12:
+            best = (miss, math.exp(log_a), float(b))
+    return best[1], best[2], r
 
 
 def test_every_column_matches_the_hand_computed_tiny_case():
@@ -179,12 +194,12 @@ def test_negative_control_a_wrong_input_fails_the_hand_table(wrong):
 
 
 def test_setup_prices_each_visited_function_with_the_recorded_load_fit():
-    a, b = recorded_power_law()
+    a, b, r = recorded_power_law()
     n_layers = len(TINY.full_attention_layers)
     rows = {r["chunk"]: r for r in chunk_sweep(TINY, PROMPT, CHUNKS, key_tile=TILE, data_dir=DATA)}
     for chunk, arenas in HAND_DENSE_ARENAS.items():
-        dense = n_layers * sum(a * (x / 1e9) ** b for x in arenas)
-        stateful = n_layers * a * (HAND_STATEFUL_ARENA[chunk] / 1e9) ** b
+        dense = n_layers * sum(a * (x / 1e9) ** b + r * x / 1e9 for x in arenas)
+        stateful = n_layers * (a * (HAND_STATEFUL_ARENA[chunk] / 1e9) ** b + r * HAND_STATEFUL_ARENA[chunk] / 1e9)
         assert rows[chunk]["dense_setup_seconds"] == pytest.approx(dense, rel=1e-9)
         assert rows[chunk]["stateful_setup_seconds"] == pytest.approx(stateful, rel=1e-9)
         assert rows[chunk]["dense_setup_extrapolated"] and rows[chunk]["stateful_setup_extrapolated"]  # bytes vs GB
@@ -195,11 +210,12 @@ def test_setup_prices_each_visited_function_with_the_recorded_load_fit():
 
 
 def test_decode_function_adds_one_function_and_its_load():
-    a, b = recorded_power_law()
+    a, b, r = recorded_power_law()
     row = chunk_sweep(TINY, PROMPT, (4,), key_tile=TILE, decode=True, data_dir=DATA)[0]
     assert (row["stateful_functions_per_layer"], row["stateful_functions"]) == (2, 4)
     # c4 arena 2*4*12*2 = 192 bytes; c1 arena 2*1*12*2 = 48 bytes
-    assert row["stateful_setup_seconds"] == pytest.approx(2 * a * ((192 / 1e9) ** b + (48 / 1e9) ** b), rel=1e-9)
+    cold = a * ((192 / 1e9) ** b + (48 / 1e9) ** b) + r * (192 + 48) / 1e9
+    assert row["stateful_setup_seconds"] == pytest.approx(2 * cold, rel=1e-9)
 
 
 def test_load_floor_prices_every_small_load_at_the_floor():

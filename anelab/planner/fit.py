@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +25,16 @@ from anelab.planner.catalogue import (
     ane_score_entries,
     chunk_schedule,
     gpu_score_entries,
+)
+from anelab.planner.loads import (
+    DEFAULT_PROTOCOL,
+    RELOAD_NOTE_SECONDS,
+    SPECIALIZATION_NOTE_SECONDS,
+    TINYTITAN_NOTE,
+    fit_specialization,
+    note_arenas,
+    pays_specialization,
+    reload_anchor_bytes,
 )
 
 
@@ -51,10 +61,13 @@ class LoadModel:
     source: str = UNKNOWN
     recorded_head_dim: int | None = None
     floor_seconds: float | None = None
+    reload_seconds_per_byte: float = 0.0  # the reload's price per score-arena byte (``planner.loads``)
+    specialize: bool = True  # the price includes the function's specialization (the protocol pays it)
 
     def seconds(self, geometry: PlanGeometry, chunk: int, history: int) -> tuple[float, str]:
         """(seconds, where the number came from) for the variant ``h<history>`` at this chunk."""
-        if history in self.by_history and chunk == self.recorded_chunk and geometry.num_heads == self.recorded_heads:
+        recorded_here = chunk == self.recorded_chunk and geometry.num_heads == self.recorded_heads
+        if history in self.by_history and recorded_here and self.specialize:
             return self.by_history[history], self.source
         if self.flat is not None:
             return self.flat, self.source
@@ -68,20 +81,26 @@ class LoadModel:
             None,
             self.recorded_head_dim,
         )
-        if same_geometry:
+        reload = self.reload_seconds_per_byte * arena_bytes
+        if same_geometry and self.specialize:
             for history, seconds in self.by_history.items():
                 if score_arena_bytes(num_heads, chunk, history) == arena_bytes:
                     return seconds, self.source
         if self.flat is not None:
             return self.flat, self.source
+        if not self.specialize:
+            return reload, f"{FITTED} (reload in proportion to the score arena, specialization cached)"
         if self.power_coef is None:
             raise AnelabInputError("no load time for this variant; pass --load-seconds")
-        seconds = self.power_coef * (arena_bytes / GB) ** self.power_exp
+        seconds = self.power_coef * (arena_bytes / GB) ** self.power_exp + reload
         if self.floor_seconds is not None and seconds < self.floor_seconds:
             return self.floor_seconds, f"{EXTRAPOLATED} (arena fit below the smallest recorded load: floored there)"
         arenas = [score_arena_bytes(self.recorded_heads, self.recorded_chunk, h) for h in self.by_history]
-        inside = same_geometry and bool(arenas) and min(arenas) <= arena_bytes <= max(arenas)
-        return seconds, f"{FITTED if inside else EXTRAPOLATED} (power law in score-arena bytes)"
+        inside = bool(arenas) and min(arenas) <= arena_bytes <= max(arenas)
+        return (
+            seconds,
+            f"{FITTED if inside else EXTRAPOLATED} (specialization power law + reload, in score-arena bytes)",
+        )
 
 
 def fit_load_power(arena_bytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
@@ -120,25 +139,32 @@ class ABRow:
 
 @dataclass(frozen=True)
 class CostFit:
-    """Rates and setups fitted on the records (see the module docstring for the procedure)."""
+    """Rates and loads fitted on the records (see ``_fit`` for the procedure).
+
+    ``load_power_coef`` / ``load_power_exp``: the specialization law in score-arena bytes;
+    ``reload_seconds_per_gb``: the reload's price; both arena-only (``planner.loads``)."""
 
     ane_seconds_per_entry: float
     gpu_dense_seconds_per_entry: float
     gpu_sparse_seconds_per_entry: float
     load_power_coef: float
     load_power_exp: float
-    recorded_loads: dict  # history -> seconds (Qwen 3.8) at recorded_load_chunk, recorded_load_heads
+    recorded_loads: dict  # history -> seconds (Qwen 3.8, cold) at recorded_load_chunk, recorded_load_heads
     recorded_load_chunk: int
     recorded_load_heads: int
     recorded_load_head_dim: int
     min_recorded_load_seconds: float  # the smallest load any record holds (data/ane-gather-probe.json)
-    load_log_loo_residuals: tuple  # leave-one-out residuals of the power law, ln(recorded / predicted)
+    load_log_loo_residuals: tuple  # leave-one-out residuals of the specialization law, ln(recorded / predicted)
     non_attention_seconds: dict  # family -> seconds at REFERENCE_TOKENS
     non_attention_clamped: tuple  # families whose fitted non-attention was negative, set to 0
     rows: tuple  # ABRow used
+    reload_seconds_per_gb: float = 0.0
+    reload_basis: str = ""
+    held_out: str | None = None  # the model whose rows and load records this fit did not see
 
-    def recorded_load_model(self) -> LoadModel:
-        """Qwen 3.8's recorded loads where they apply, the power law in score-arena bytes elsewhere."""
+    def recorded_load_model(self, specialize: bool = False) -> LoadModel:
+        """The one load model: reload in proportion to the arena, plus (``specialize``) the specialization
+        law — Qwen 3.8's recorded cold loads where arena, chunk and heads match."""
         return LoadModel(
             self.recorded_loads,
             self.recorded_load_chunk,
@@ -147,7 +173,9 @@ class CostFit:
             power_exp=self.load_power_exp,
             source=RECORDED,
             recorded_head_dim=self.recorded_load_head_dim,
-            floor_seconds=self.min_recorded_load_seconds,
+            floor_seconds=self.min_recorded_load_seconds if specialize else None,
+            reload_seconds_per_byte=self.reload_seconds_per_gb / GB,
+            specialize=specialize,
         )
 
     def to_dict(self) -> dict:
@@ -189,29 +217,29 @@ def _by_file(records: list[dict], name: str) -> dict:
 
 @dataclass(frozen=True)
 class _RowTerms:
-    """Score entries and variants of one recorded row under its family's geometry."""
+    """Score entries, variants and loads of one recorded row under its family's geometry."""
 
     gpu_entries: float
     ane_entries: float
     variants: int
-    fixed_setup: float | None  # seconds, or None when the row's measured ANE arm holds no load (dense rows)
+    visited_arena_bytes: float  # every (layer, history) function the row's ANE arm runs
+    fixed_setup: float  # seconds of loads in the row's ANE arm (reloads, plus specialization if paid)
+    pays_specialization: bool
 
 
-def _row_terms(row: ABRow, recorded_load: LoadModel) -> _RowTerms:
-    family = FAMILIES[row.family]
-    g = family.geometry
+def _row_terms(row: ABRow, fit_load: LoadModel, protocol: str = DEFAULT_PROTOCOL) -> _RowTerms:
+    """A row's terms; ``fit_load`` prices its loads (specialization included or not, by ``protocol`` and
+    whether the cache holds the row's visited arenas, ``planner.loads.pays_specialization``)."""
+    g = FAMILIES[row.family].geometry
     chunks = [c for c in chunk_schedule(row.prompt_tokens, row.chunk) if c.device == "ane"]
     n_fa = len(g.full_attention_layers)
     gpu = sum(gpu_score_entries(g, c.tokens, c.history) for c in chunks) * n_fa
     ane = sum(ane_score_entries(g, row.chunk, c.history) for c in chunks) * n_fa
-    variants = len(chunks) * n_fa
-    if family.sparse:
-        fixed = n_fa * sum(recorded_load.seconds(g, row.chunk, c.history)[0] for c in chunks)
-    elif family.setup_note_seconds is not None:
-        fixed = family.setup_note_seconds * variants
-    else:
-        fixed = None
-    return _RowTerms(float(gpu), float(ane), variants, fixed)
+    arena = float(sum(g.score_arena_bytes(row.chunk, c.history) for c in chunks) * n_fa)
+    pays, _ = pays_specialization(protocol, arena)
+    load = replace(fit_load, specialize=pays, floor_seconds=fit_load.floor_seconds if pays else None)
+    fixed = n_fa * sum(load.seconds(g, row.chunk, c.history)[0] for c in chunks)
+    return _RowTerms(float(gpu), float(ane), len(chunks) * n_fa, arena, float(fixed), pays)
 
 
 def _wls(columns: list[np.ndarray], y: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -219,86 +247,119 @@ def _wls(columns: list[np.ndarray], y: np.ndarray, w: np.ndarray) -> np.ndarray:
     return np.linalg.lstsq(a, y * w, rcond=None)[0]
 
 
-def _fit(records: list[dict], exclude_ane: tuple[str, str] | None = None) -> CostFit:
-    """Fit the cost model; ``exclude_ane`` = (record, family) holds one row's ANE time out."""
+NOTE_FAMILY = "agentworld-35b-a3b-4bit"  # the model TinyTitan's record describes (its reload and specialization)
+SPARSE_MODEL = "qwen3.8-125b-a6b"
+
+
+def _load_records(records: list[dict], held_out: str | None):
+    """(points, totals, reload per GB, its basis, Qwen 3.8's cold loads, their chunk and heads) of every load
+    record not of the ``held_out`` model: single cold loads less their reload, and the note's total."""
     loads = _by_file(records, "seed-38-variant-loads.json")
     chunk_l, heads_l = loads["parameters"]["chunk"], loads["parameters"]["heads"]
     by_history = {int(x["history"]): float(x["seconds"]) for x in loads["results"]["loads"]}
-    load_geometry = PlanGeometry(1, (0,), heads_l)
-    arenas = [load_geometry.score_arena_bytes(chunk_l, h) for h in by_history]
-    coef, exp = fit_load_power(arenas, list(by_history.values()))
-    recorded_load = LoadModel(by_history, chunk_l, heads_l, power_coef=coef, power_exp=exp, source=RECORDED)
+    note = FAMILIES[NOTE_FAMILY].geometry
+    reload_gb = RELOAD_NOTE_SECONDS / (reload_anchor_bytes(note.num_heads) / GB)
+    basis = f"~{RELOAD_NOTE_SECONDS} s per layer-chunk at the 35B's mean visited arena ({TINYTITAN_NOTE})"
+    if held_out == SPARSE_MODEL:
+        by_history = {}
+    points = [(score_arena_bytes(heads_l, chunk_l, h), s - reload_gb * score_arena_bytes(heads_l, chunk_l, h) / GB)
+              for h, s in by_history.items()]  # fmt: skip
+    if held_out != SPARSE_MODEL:
+        comp = _by_file(records, "seed-38-package-composition-loads.json")
+        h0 = score_arena_bytes(heads_l, chunk_l, 0)
+        points += [(h0, float(x["seconds"]) - reload_gb * h0 / GB) for x in comp["results"]["loads"]]
+    totals = []
+    if held_out != FAMILIES[NOTE_FAMILY].model:
+        totals.append((note_arenas(note.num_heads, len(note.full_attention_layers)), SPECIALIZATION_NOTE_SECONDS))
+    return points, totals, reload_gb, basis, by_history, chunk_l, heads_l
+
+
+def _fit(records: list[dict], exclude_ane: tuple[str, str] | None = None, held_out: str | None = None) -> CostFit:
+    """Fit the cost model. ``exclude_ane`` = (record, family) holds one row's ANE time out; ``held_out``
+    (a model, e.g. "qwen3.5-2b") holds out its A/B rows and its load records (the backtest).
+
+    Loads first (arena only): reload from TinyTitan's note, specialization by ``fit_specialization``
+    on every cold load. Then the GPU rates: per row ``gpu - ane = g * gpu_entries - a * ane_entries -
+    loads`` (non-attention cancels), weighted by 1/ane (~ ratio error); ``a`` is the recorded h0
+    prediction. Without sparse rows the sparse rate is the dense one (assumed)."""
+    points, totals, reload_gb, reload_basis, by_history, chunk_l, heads_l = _load_records(records, held_out)
+    coef, exp = fit_specialization(points, totals)
+    floor = float(min(r["load_seconds"] for r in _by_file(records, "ane-gather-probe.json")["results"]["rows"]))
+    base_load = LoadModel(by_history, chunk_l, heads_l, power_coef=coef, power_exp=exp, source=RECORDED,
+                          recorded_head_dim=FAMILIES["qwen3.8-125b-a6b-4bit"].geometry.head_dim,
+                          floor_seconds=floor, reload_seconds_per_byte=reload_gb / GB)  # fmt: skip
 
     h0 = _by_file(records, "seed-38-h0-ane-vs-cpu.json")
     p = h0["parameters"]
     ane_rate = h0["results"]["ane_seconds"] / (p["heads"] * p["chunk"] * (p["history"] + p["chunk"]))
 
     rows = _load_rows(records)
-    paired = [r for r in rows if r.ane_seconds is not None and (r.record, r.family) != exclude_ane]
-    terms = {(r.record, r.family): _row_terms(r, recorded_load) for r in rows}
+    seen = [r for r in rows if held_out is None or FAMILIES[r.family].model != held_out]
+    paired = [r for r in seen if r.ane_seconds is not None and (r.record, r.family) != exclude_ane]
+    terms = {(r.record, r.family): _row_terms(r, base_load) for r in rows}
 
-    # dense: gpu - ane + ane_attention + fixed_setup = g * gpu_entries. The Qwen 3.5 rows hold no load
-    # term: a per-variant setup fitted beside the rate comes out negative (their measured runs follow a
-    # warm-up run, so the loads were evidently paid before the clock), so none is fitted.
+    def rate(kind_rows):
+        t = [terms[(r.record, r.family)] for r in kind_rows]
+        y = np.array([r.gpu_seconds - r.ane_seconds + ane_rate * x.ane_entries + x.fixed_setup
+                      for r, x in zip(kind_rows, t)])  # fmt: skip
+        w = np.array([1.0 / r.ane_seconds for r in kind_rows])
+        return float(_wls([np.array([x.gpu_entries for x in t])], y, w)[0])
+
     dense = [r for r in paired if not FAMILIES[r.family].sparse]
     if not dense:
         raise AnelabInputError("no dense A/B rows to fit; restore data/v5.5-ane-matrix-3.json")
-    t = [terms[(r.record, r.family)] for r in dense]
-    y = np.array(
-        [r.gpu_seconds - r.ane_seconds + ane_rate * x.ane_entries + (x.fixed_setup or 0.0) for r, x in zip(dense, t)]
-    )
-    w = np.array([1.0 / r.ane_seconds for r in dense])  # residuals relative to the ANE time ~ ratio error
-    g_dense = _wls([np.array([x.gpu_entries for x in t])], y, w)[0]
-
+    g_dense = rate(dense)
     sparse = [r for r in paired if FAMILIES[r.family].sparse]
-    if not sparse:
-        raise AnelabInputError("no sparse A/B rows to fit; restore data/v5.6-ane-38-*.json")
-    t = [terms[(r.record, r.family)] for r in sparse]
-    y = np.array([r.gpu_seconds - r.ane_seconds + ane_rate * x.ane_entries + x.fixed_setup for r, x in zip(sparse, t)])
-    g_sparse = _wls([np.array([x.gpu_entries for x in t])], y, np.array([1.0 / r.ane_seconds for r in sparse]))[0]
+    g_sparse = rate(sparse) if sparse else g_dense
 
     non_attention, clamped = {}, []
     for name, family in FAMILIES.items():
         gpu_rate = g_sparse if family.sparse else g_dense
         residuals = []
-        for r in rows:
+        for r in seen:
             if r.family != name or (r.prompt_tokens, r.chunk) != (REFERENCE_TOKENS, REFERENCE_CHUNK):
                 continue
             x = terms[(r.record, r.family)]
             residuals.append(r.gpu_seconds - gpu_rate * x.gpu_entries)
             if r.ane_seconds is not None and (r.record, r.family) != exclude_ane:
-                residuals.append(r.ane_seconds - ane_rate * x.ane_entries - (x.fixed_setup or 0.0))
+                residuals.append(r.ane_seconds - ane_rate * x.ane_entries - x.fixed_setup)
         if residuals:
             n = float(np.mean(residuals))
             if n < 0:
                 clamped.append(name)
                 n = 0.0
             non_attention[name] = n
-    probe = _by_file(records, "ane-gather-probe.json")
     return CostFit(
-        float(ane_rate),
-        float(g_dense),
-        float(g_sparse),
-        coef,
-        exp,
-        by_history,
-        chunk_l,
-        heads_l,
-        FAMILIES["qwen3.8-125b-a6b-4bit"].geometry.head_dim,
-        float(min(r["load_seconds"] for r in probe["results"]["rows"])),
-        _loo_log_residuals(arenas, list(by_history.values())),
-        non_attention,
-        tuple(clamped),
-        tuple(rows),
-    )
+        float(ane_rate), g_dense, g_sparse, coef, exp, by_history, chunk_l, heads_l,
+        FAMILIES["qwen3.8-125b-a6b-4bit"].geometry.head_dim, floor, _loo_specialization(points, totals),
+        non_attention, tuple(clamped), tuple(rows), reload_gb, reload_basis, held_out,
+    )  # fmt: skip
+
+
+def _loo_specialization(points, totals) -> tuple[float, ...]:
+    """ln(recorded / predicted) of each load record, by the specialization law fitted on the others."""
+    out = []
+    for i in range(len(points) + len(totals)):
+        p = [x for j, x in enumerate(points) if j != i]
+        t = [x for j, x in enumerate(totals) if j + len(points) != i]
+        if not p and not t:
+            continue
+        coef, exp = fit_specialization(p, t)
+        if i < len(points):
+            arena, seconds = points[i]
+            out.append(float(np.log(seconds / (coef * (arena / GB) ** exp))))
+        else:
+            arenas, seconds = totals[i - len(points)]
+            out.append(float(np.log(seconds / (coef * np.sum((np.asarray(arenas, dtype=float) / GB) ** exp)))))
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=8)
-def cached_fit(data_dir: str, exclude_ane: tuple[str, str] | None) -> CostFit:
+def cached_fit(data_dir: str, exclude_ane: tuple[str, str] | None, held_out: str | None = None) -> CostFit:
     directory = Path(data_dir)
     if not directory.is_dir():
         raise AnelabInputError(f"recorded data folder {directory} not found; run from the repository or pass data_dir")
-    return _fit(read_records(directory), exclude_ane)
+    return _fit(read_records(directory), exclude_ane, held_out)
 
 
 def fit_costs(data_dir: str | Path | None = None) -> CostFit:
@@ -331,7 +392,9 @@ def load_fit_report(data_dir: str | Path | None = None) -> list[dict]:
             "history": h,
             "score_arena_gb": float(a / GB),
             "recorded_seconds": float(s),
-            "power_fit_seconds": float(fit.load_power_coef * (a / GB) ** fit.load_power_exp),
+            "power_fit_seconds": float(
+                fit.load_power_coef * (a / GB) ** fit.load_power_exp + fit.reload_seconds_per_gb * a / GB
+            ),  # specialization + reload
             "linear_fit_seconds": float(intercept + slope * a / GB),
         }
         for h, a, s in zip(fit.recorded_loads, arenas, seconds)
@@ -342,8 +405,8 @@ def load_fit_report(data_dir: str | Path | None = None) -> list[dict]:
 def predicted_ane_seconds(row: ABRow, fit: CostFit) -> tuple[float, bool]:
     """ANE-arm seconds for a recorded row given its measured GPU seconds; True if non-attention clamped."""
     family = FAMILIES[row.family]
-    x = _row_terms(row, fit.recorded_load_model())
+    x = _row_terms(row, fit.recorded_load_model(specialize=True))
     gpu_rate = fit.gpu_sparse_seconds_per_entry if family.sparse else fit.gpu_dense_seconds_per_entry
-    setup = x.fixed_setup or 0.0
+    setup = x.fixed_setup
     n = row.gpu_seconds - gpu_rate * x.gpu_entries
     return max(n, 0.0) + fit.ane_seconds_per_entry * x.ane_entries + setup, n < 0

@@ -13,8 +13,11 @@ The checkpoint gives the attention layers (full and sliding window), heads, KV h
   tiled design gives a windowed layer one function over a ring of about W + C cache slots.
 
 A kind is offloaded when its ANE arm beats its GPU arm; the two verdicts combine into one.
-Costs: the recorded dense family closest in heads x head_dim and attention-layer count (or
-``family``), overridden by any cost flag — ``cost_family`` / ``cost_family_reason`` say which.
+Costs: the rates of the recorded dense family closest in heads x head_dim and attention-layer count
+(or ``family``) — TinyTitan's GPU path on an M3 — carried to this model by what it computes
+(``planner.gpu_model``: its own weights per token for non-attention, its head_dim per score entry
+for attention, x/÷ 10 for the runtime question), overridden by any cost flag; ``cost_family`` /
+``cost_family_reason`` say which.
 """
 
 from __future__ import annotations
@@ -117,6 +120,14 @@ def plan_from_checkpoint(
         reason = "flags (no family)"
     else:
         family, reason = closest_family(g.num_heads, g.head_dim, len(g.full_attention_layers))
+    from anelab.planner.gpu_model import active_parameters, bytes_per_weight, own_non_attention, runtime_bandwidth
+
+    own = None
+    active = active_parameters(checkpoint.text)
+    weights = (active, active * bytes_per_weight(checkpoint.tensor_dtype())[0])
+    if not all_costs and cost_flags.get("non_attention_seconds") is None:
+        bandwidth = runtime_bandwidth(fit_costs().non_attention_seconds)
+        own = own_non_attention(checkpoint.text, checkpoint.tensor_dtype(), prompt_tokens, bandwidth)
     parts = {}
     for kind, layers, budget in (("full", full, None), ("windowed", windowed, g.sliding_window)):
         if layers:
@@ -132,14 +143,17 @@ def plan_from_checkpoint(
                 num_kv_heads=g.num_kv_heads,
                 head_dim=g.head_dim,
                 sparse_budget=budget,
-                **{k: v for k, v in cost_flags.items() if k in _COST_FLAGS},
+                **{k: v for k, v in cost_flags.items() if k in _COST_FLAGS or k in _PLAN_FLAGS},
                 **user_gpu,
+                own_non_attention=own,
+                weights=weights,
             )
     return _combine(checkpoint, g, full, windowed, family if not all_costs else None, reason, parts)
 
 
 _COST_FLAGS = ("load_seconds", "gpu_attention_seconds", "ane_attention_seconds", "non_attention_seconds")
 _USER_GPU_FLAGS = ("gpu_prefill_seconds", "gpu_tokens_per_second")
+_PLAN_FLAGS = ("protocol", "reload_policy")
 
 
 def _combine(checkpoint, g, full, windowed, family, reason, parts) -> CheckpointPlan:

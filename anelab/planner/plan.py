@@ -34,31 +34,34 @@ Where costs come from (:func:`fit_costs`, reading the records in ``data/``):
 - ANE rate: one measured h0 prediction of Qwen 3.8 (0.43 s for 24 x 4,096 x 4,096 entries),
   assumed to hold for every family (all are head_dim 256 here).
 - Dense GPU rate: one weighted least-squares fit over every dense A/B row (Qwen 3.5 and the 35B,
-  both widths); each row contributes ``gpu - ane = gpu_attention - ane_attention - setup``
-  (non-attention cancels; setup is the 35B's note, and none for Qwen 3.5 — see below).
+  both widths); each row contributes ``gpu - ane = gpu_attention - ane_attention - loads``
+  (non-attention cancels; the loads are the row's reloads, see below).
 - Sparse GPU rate: the two Qwen 3.8 rows, the same way.
-- Loads — one load model for every family and design (``LoadModel.at_arena``): Qwen 3.8's three
-  recorded ``MLModel(contentsOf:)`` times where arena, chunk and heads match; otherwise a power law
-  in score-arena bytes fitted on those three ("fitted" inside their range at their geometry,
-  "extrapolated" elsewhere), never below the smallest recorded load; the 35B keeps the runtime's
-  ~0.5 s per layer-chunk note. ``planner.envelope`` gives each cost its interval and
-  ``planner.verdict`` the three-way verdict.
-- Non-attention: per family, the mean residual of its rows at the reference workload.
+- Loads — one load model for every family and design, a function of the score arena only
+  (``planner.loads``, ``LoadModel.at_arena``): a reload per prompt in proportion to the arena
+  (TinyTitan's ~0.5 s per layer-chunk at the 35B's arenas), plus the function's specialization when
+  the protocol pays it (a power law fitted on every cold load on record: Qwen 3.8's variant and
+  package-composition loads and the 35B's ~130 s total; Qwen 3.8's recorded loads where they apply).
+  The default protocol ("machine") pays specialization once per machine, so a plan holds reloads
+  only — unless the visited arenas exceed the machine's memory (Qwen 3.8: 29 GB on the 24 GB M3),
+  when the cache cannot hold them and every prompt pays them. ``planner.envelope`` gives each cost
+  its interval and ``planner.verdict`` the three-way verdict.
+- Non-attention: per family, the mean residual of its rows at the reference workload; a checkpoint's
+  own from its weights per token (``planner.gpu_model``).
 
 :func:`predicted_vs_recorded` reports how well that recovers each recorded ratio, in-sample and
-leave-one-out.
+leave-one-out; ``planner.backtest`` with each family held out.
 
 What the fit says that the seed does not (read these before trusting a decomposition):
 
-- A dense per-variant setup fitted beside the rate comes out below zero: the Qwen 3.5 A/B rows'
-  measured runs (after a warm-up run) hold no load. So none is fitted: those rows are the *warm*
-  protocol (``loads_in_arm=False`` reproduces them), while a plan pays each visited function's load
-  per prompt by the one load model — extrapolated at Qwen 3.5's heads, hence a ``depends`` verdict.
-- Qwen 3.8's recorded ANE arm (273.5 s) holds the 244 s of loads only if its non-attention prefill
-  is ~5 s, so the fit puts ~186 s of its GPU prefill into sparse attention (a gather rate 3.4x the
-  dense GPU rate per score entry). Either the GPU's gather path is that slow, or the recorded ANE
-  arm hides part of the loads; the seed does not say which. The verdict does not depend on it:
-  the setup alone exceeds the whole GPU prefill.
+- A flat reload per layer-chunk (the note's 0.5 s taken per function) puts the chunk-1,024 2B row
+  (18 layer-chunks of 17-50 MB arenas) on the GPU side; a reload in proportion to the arena keeps
+  every row on its recorded side. A per-variant constant fitted beside the rate comes out negative.
+- Qwen 3.8's recorded ANE arm (273.5 s) is 76 s slower than its GPU arm: with reloads only (~18 s)
+  and its ANE attention (~15 s) that is impossible, so its arm holds its ~245 s of cold loads — the
+  only record whose specializations were not cached. The fit then puts ~186 s of its GPU prefill into
+  sparse attention (a gather rate ~3x the dense GPU rate per score entry); the seed does not say
+  whether the GPU's gather path is that slow.
 - Weight precision moves only non-attention: 4-bit and 8-bit of one model share attention rates.
 """
 
@@ -78,7 +81,6 @@ from anelab.core.paths import DATA_DIR
 from anelab.planner.catalogue import (
     EXTRAPOLATED,
     FLAG,
-    RECORDED,
     REFERENCE_CHUNK,
     REFERENCE_TOKENS,
     Chunk,
@@ -94,6 +96,15 @@ from anelab.planner.catalogue import (
 from anelab.planner.coreai_loads import price_loads, priced_fit
 from anelab.planner.envelope import YOURS, ane_kind, gpu_kind, kind_of, worst_kind
 from anelab.planner.fit import CostFit, LoadModel, cached_fit, fit_costs, predicted_ane_seconds
+from anelab.planner.gpu_model import RUNTIME
+from anelab.planner.loads import (
+    DEFAULT_PROTOCOL,
+    DEFAULT_RELOAD_POLICY,
+    hidden_reload,
+    pays_specialization,
+    require_protocol,
+    require_reload_policy,
+)
 
 
 # ---- costs of one plan ------------------------------------------------------------------------
@@ -108,13 +119,15 @@ class PlanCosts:
     sources: dict
 
 
-def _family_costs(family: Family, prompt_tokens: int, fit: CostFit) -> PlanCosts:
-    if family.setup_note_seconds is not None:
-        load = LoadModel(flat=family.setup_note_seconds, source=RECORDED)
-        load_source = "recorded ~0.5 s per layer-chunk (seed-35b-setup-note.json)"
-    else:  # the one load model: Qwen 3.8's recorded loads, the power law in score-arena bytes elsewhere
-        load = fit.recorded_load_model()
-        load_source = "recorded per history (seed-38-variant-loads.json); power fit in score-arena bytes elsewhere"
+def _family_costs(family: Family, prompt_tokens: int, fit: CostFit, specialize: bool = False) -> PlanCosts:
+    # the one load model, arena only, every family: reload per prompt (+ specialization when paid)
+    load = fit.recorded_load_model(specialize=specialize)
+    load_source = f"reload {fit.reload_seconds_per_gb:.3g} s/GB of score arena ({fit.reload_basis})" + (
+        f"; + specialization {fit.load_power_coef:.3g} s x (arena/GB)^{fit.load_power_exp:.3g} (every cold load on "
+        "record; Qwen 3.8's recorded loads where they apply)"
+        if specialize
+        else "; specialization cached (paid once per machine, not in this prompt)"
+    )
     load, load_source = price_loads(fit, load, load_source)  # a Core AI sidecar's: from its records
     return PlanCosts(
         gpu_seconds_per_entry=fit.gpu_sparse_seconds_per_entry if family.sparse else fit.gpu_dense_seconds_per_entry,
@@ -164,7 +177,16 @@ class PrefillPlan:
     cost_sources: dict
 
     provenance: dict  # cost -> kind (envelope.KINDS): load, gpu_prefill, ane_attention
-    loads_in_arm: bool  # False: the warm protocol of the recorded dense A/B rows (loads paid before the clock)
+    loads_in_arm: bool  # False: no load at all in the ANE arm (a what-if; every record holds its reloads)
+    protocol: str = DEFAULT_PROTOCOL  # when specialization is paid (planner.loads.PROTOCOLS)
+    protocol_reason: str = ""
+    pays_specialization: bool = False
+    specialization_seconds: float = 0.0  # every visited function's specialization (one-time unless paid here)
+    reload_seconds: float = 0.0  # every visited function's reload (per prompt)
+    reload_policy: str = DEFAULT_RELOAD_POLICY
+    hidden_reload_seconds: float = 0.0  # reload the GPU hides under the preloaded policy
+    preloaded_ane_prefill_seconds: float | None = None  # what the preloaded policy would give
+    weights: dict | None = None  # {"active": weights one token multiplies through, "bytes": their bytes}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -285,6 +307,10 @@ def plan(
     gpu_tokens_per_second: float | None = None,
     loads_in_arm: bool = True,
     backend: str | None = None,
+    protocol: str = DEFAULT_PROTOCOL,
+    reload_policy: str = DEFAULT_RELOAD_POLICY,
+    own_non_attention: tuple[float, str] | None = None,
+    weights: tuple[float, float] | None = None,
 ) -> PrefillPlan:
     """Plan the prefill of one prompt and decide ANE offload vs GPU.
 
@@ -295,7 +321,9 @@ def plan(
     ``gpu_tokens_per_second`` (:func:`_costs_and_terms`). ``histories`` defaults to the chunk starts
     the prompt needs (capped at the family's ``max_history``); a prompt past coverage is refused
     unless ``allow_past_coverage`` (then ``fits=False``, on the GPU). ``backend``: whose loads (coreai_loads).
+    ``protocol`` / ``reload_policy`` (``planner.loads``); ``own_non_attention``: (s, basis), ``planner.gpu_model``.
     """
+    require_protocol(protocol), require_reload_policy(reload_policy)
     fam = get_family(family) if family is not None else None
     chunk = REFERENCE_CHUNK if chunk is None and fam is not None else chunk
     if chunk is None:
@@ -303,15 +331,19 @@ def plan(
     require_positive("--prompt-tokens", prompt_tokens)
     require_positive("--chunk", chunk)
     geometry = plan_geometry(fam, num_layers, full_attention_layers, num_heads, num_kv_heads, head_dim, sparse_budget)
-    schedule = chunk_schedule(prompt_tokens, chunk)
-    needed = [c.history for c in schedule if c.device == "ane"]
-    hs, hs_source = _histories(chunk, needed, histories, max_history, fam)
-    fits = _check_coverage(prompt_tokens, chunk, needed, hs, fam, allow_past_coverage)
-    schedule = schedule if fits else [Chunk(c.index, c.start, c.tokens, "gpu") for c in schedule]
+    schedule, needed, hs, hs_source, fits = _schedule(
+        prompt_tokens, chunk, histories, max_history, fam, allow_past_coverage
+    )
     fit = priced_fit(fit_costs(data_dir), backend, data_dir) if fam is not None else None
     flags = (load_seconds, gpu_attention_seconds, ane_attention_seconds, non_attention_seconds)
     user = (gpu_prefill_seconds, gpu_tokens_per_second)
-    costs, terms = _costs_and_terms(fam, fit, geometry, prompt_tokens, chunk, hs, schedule, flags, user, loads_in_arm)
+    pays, protocol_reason = pays_specialization(protocol, _visited_arena(geometry, chunk, schedule))
+    costs, terms = _costs_and_terms(
+        fam, fit, geometry, prompt_tokens, chunk, hs, schedule, flags, user, loads_in_arm, pays, own_non_attention
+    )
+    split = _load_split(fit or fit_costs(data_dir), geometry, chunk, schedule, costs, terms, reload_policy)
+    split.update(protocol=protocol, protocol_reason=protocol_reason, pays_specialization=pays,
+                 reload_policy=reload_policy, weights=_weights(fam, weights))  # fmt: skip
     coverage_needed = (max(needed) + chunk) if needed else 0
     reason = _reason(terms, prompt_tokens, chunk, fits, coverage_needed, _coverage(hs, chunk), geometry)
     return PrefillPlan(
@@ -324,32 +356,113 @@ def plan(
         coverage_needed=coverage_needed,
         fits=fits,
         chunks=[{**asdict(c), "history": c.history} for c in schedule],
-        variants=terms.variants,
-        variants_visited=len(terms.variants),
-        load_seconds=terms.load_by_history,
-        setup_seconds=terms.setup,
         non_attention_seconds=costs.non_attention_seconds,
-        gpu_attention_seconds=terms.gpu_attention,
-        ane_attention_seconds=terms.ane_attention,
-        attention_saved_seconds=terms.saved,
-        gpu_prefill_seconds=terms.gpu_total,
-        ane_prefill_seconds=terms.ane_total,
-        predicted_ratio=terms.ratio,
-        decision=terms.decision,
         reason=reason,
-        keys_per_query=terms.keys,
+        **_term_fields(terms),
         cost_sources={**costs.sources, "histories": hs_source},
         provenance=_provenance(fam, geometry, prompt_tokens, chunk, costs, terms, fit),
         loads_in_arm=loads_in_arm,
+        **split,
     )
 
 
-def _costs_and_terms(fam, fit, geometry, prompt_tokens, chunk, hs, schedule, flags, user, loads_in_arm):
+def _term_fields(terms) -> dict:
+    """The plan's fields that are a ``PrefillTerms``' numbers."""
+    return {
+        "variants": terms.variants,
+        "variants_visited": len(terms.variants),
+        "load_seconds": terms.load_by_history,
+        "setup_seconds": terms.setup,
+        "gpu_attention_seconds": terms.gpu_attention,
+        "ane_attention_seconds": terms.ane_attention,
+        "attention_saved_seconds": terms.saved,
+        "gpu_prefill_seconds": terms.gpu_total,
+        "ane_prefill_seconds": terms.ane_total,
+        "predicted_ratio": terms.ratio,
+        "decision": terms.decision,
+        "keys_per_query": terms.keys,
+    }
+
+
+def _schedule(prompt_tokens, chunk, histories, max_history, fam, allow_past_coverage):
+    """(schedule, histories the ANE chunks need, histories on hand, their source, fits): a prompt past
+    coverage is refused, or (``allow_past_coverage``) planned on the GPU."""
+    schedule = chunk_schedule(prompt_tokens, chunk)
+    needed = [c.history for c in schedule if c.device == "ane"]
+    hs, hs_source = _histories(chunk, needed, histories, max_history, fam)
+    fits = _check_coverage(prompt_tokens, chunk, needed, hs, fam, allow_past_coverage)
+    schedule = schedule if fits else [Chunk(c.index, c.start, c.tokens, "gpu") for c in schedule]
+    return schedule, needed, hs, hs_source, fits
+
+
+def _weights(fam: Family | None, weights) -> dict | None:
+    """(active weights, bytes) of the model: given (a checkpoint's), else the family's assumed ones."""
+    if weights is None and fam is not None:
+        from anelab.planner.gpu_model import BYTES_PER_WEIGHT, FAMILY_WEIGHTS
+
+        params, storage = FAMILY_WEIGHTS[fam.name]
+        weights = (params, params * BYTES_PER_WEIGHT[storage])
+    return None if weights is None else {"active": float(weights[0]), "bytes": float(weights[1])}
+
+
+def _visited_arena(geometry: PlanGeometry, chunk: int, schedule: list[Chunk]) -> int:
+    """Score-arena bytes of every (layer, history) function a schedule's ANE chunks visit."""
+    n_fa = len(geometry.full_attention_layers)
+    return n_fa * sum(geometry.score_arena_bytes(chunk, c.history) for c in schedule if c.device == "ane")
+
+
+def _load_split(fit: CostFit, geometry, chunk, schedule, costs: PlanCosts, terms, policy: str) -> dict:
+    """Specialization and reload of the visited functions (arena only), and what a preloaded reload hides:
+    per layer-chunk up to the GPU's time between two offloaded blocks (non-attention over the blocks).
+    Under the preloaded ``policy`` the hidden reloads leave ``terms`` (its setup, ANE arm, ratio)."""
+    ane_chunks = [c for c in schedule if c.device == "ane"]
+    n_fa = len(geometry.full_attention_layers)
+    arenas = [geometry.score_arena_bytes(chunk, c.history) for c in ane_chunks] * n_fa
+    spec = sum(fit.load_power_coef * (a / 1e9) ** fit.load_power_exp for a in arenas)
+    reloads = [fit.reload_seconds_per_gb * a / 1e9 for a in arenas]
+    gap = costs.non_attention_seconds / len(arenas) if arenas else 0.0
+    hidden_if_preloaded = sum(hidden_reload(r, gap, "preloaded") for r in reloads)
+    hidden = hidden_if_preloaded if policy == "preloaded" else 0.0
+    if hidden > 0:  # preloaded: the hidden reloads leave the ANE arm (and its setup)
+        terms.setup -= hidden
+        terms.ane_total -= hidden
+        terms.ratio = terms.gpu_total / terms.ane_total
+        terms.decision = "ane" if terms.variants and terms.ratio > 1.0 else "gpu"
+    return {
+        "specialization_seconds": float(spec),
+        "reload_seconds": float(sum(reloads)),
+        "hidden_reload_seconds": float(hidden),
+        "preloaded_ane_prefill_seconds": float(terms.ane_total + hidden - hidden_if_preloaded) if arenas else None,
+    }
+
+
+def _own_geometry(costs: PlanCosts, fam: Family, geometry: PlanGeometry, own) -> PlanCosts:
+    """The family's rates carried to this geometry: per score entry in proportion to head_dim (a rate per
+    matmul FLOP, ``planner.gpu_model``), and the model's own non-attention when given."""
+    sources = dict(costs.sources)
+    gpu_rate, ane_rate, n = costs.gpu_seconds_per_entry, costs.ane_seconds_per_entry, costs.non_attention_seconds
+    hd, fam_hd = geometry.head_dim, fam.geometry.head_dim
+    if hd is not None and fam_hd is not None and hd != fam_hd:
+        gpu_rate, ane_rate = gpu_rate * hd / fam_hd, ane_rate * hd / fam_hd
+        for key in ("gpu_attention", "ane_attention"):
+            sources[key] += f"; per matmul FLOP, carried from head_dim {fam_hd} to {hd}"
+    if own is not None:
+        n, basis = own
+        sources["non_attention"] = basis
+        sources["gpu_runtime"] = RUNTIME
+    return PlanCosts(gpu_rate, ane_rate, costs.load, n, sources)
+
+
+def _costs_and_terms(
+    fam, fit, geometry, prompt_tokens, chunk, hs, schedule, flags, user, loads_in_arm, pays=False, own=None
+):
     """(PlanCosts, PrefillTerms): the family's costs with the flags over them; the user's GPU prefill
     ``user`` = (seconds, tokens per second) replaces the GPU arm, split into attention and the rest in
     the modelled proportion. ``loads_in_arm=False``: the ANE arm leaves the loads out (the warm
     protocol of the recorded dense A/B rows); ``setup_seconds`` still prices them."""
-    base_costs = _family_costs(fam, prompt_tokens, fit) if fam is not None else None
+    base_costs = _family_costs(fam, prompt_tokens, fit, pays) if fam is not None else None
+    if base_costs is not None:
+        base_costs = _own_geometry(base_costs, fam, geometry, own)
     costs = _costs_from_flags(geometry, chunk, hs, *flags, base_costs)
     terms = _prefill_terms(geometry, chunk, schedule, costs, loads_in_arm)
     user_gpu = _user_gpu_seconds(prompt_tokens, *user)
@@ -562,8 +675,8 @@ def predicted_vs_recorded(data_dir: str | Path | None = None) -> list[dict]:
       measured GPU seconds as given and predicts its ANE seconds.
     - ``leave_one_out``: the same, with the row's ANE time held out of the fit.
     - ``plan``: what :func:`plan` says for the family at the row's prompt and chunk (non-attention
-      from the family fit, scaled by tokens) — no measured time of the row as input; for the dense
-      Qwen 3.5 rows under their warm protocol (``loads_in_arm=False``: their arm holds no load).
+      from the family fit, scaled by tokens) — no measured time of the row as input, under the default
+      protocol (``planner.loads``). The held-out-family backtest is ``planner.backtest``.
     Errors are (predicted - recorded) / recorded.
     """
     directory = str(Path(data_dir or DATA_DIR).resolve())
@@ -574,11 +687,7 @@ def predicted_vs_recorded(data_dir: str | Path | None = None) -> list[dict]:
             continue
         pred_in, clamped_in = predicted_ane_seconds(row, fit)
         pred_loo, clamped_loo = predicted_ane_seconds(row, cached_fit(directory, (row.record, row.family)))
-        fam = get_family(row.family)
-        warm = not fam.sparse and fam.setup_note_seconds is None  # the dense rows' arm holds no load
-        planned = plan(
-            row.prompt_tokens, family=row.family, chunk=row.chunk, data_dir=directory, loads_in_arm=not warm
-        ).predicted_ratio
+        planned = plan(row.prompt_tokens, family=row.family, chunk=row.chunk, data_dir=directory).predicted_ratio
         r_in, r_loo = row.gpu_seconds / pred_in, row.gpu_seconds / pred_loo
         out.append(
             {

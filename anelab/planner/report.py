@@ -46,10 +46,12 @@ def format_fit_report(rows: list[dict], fit: dict, loads: list[dict]) -> str:
     out.append(
         f"rates: ANE {fit['ane_seconds_per_entry']:.3g} s/entry (recorded h0), dense GPU "
         f"{fit['gpu_dense_seconds_per_entry']:.3g}, sparse GPU {fit['gpu_sparse_seconds_per_entry']:.3g} s/entry (fitted); "
-        "the dense A/B rows hold no load term (their measured runs follow a warm-up)"
+        f"every ANE arm holds its reloads ({fit['reload_seconds_per_gb']:.3g} s per GB of score arena), Qwen 3.8's its "
+        "specializations too (protocol 'machine', its arenas exceed the M3's memory)"
     )
     out.append(
-        f"load = {fit['load_power_coef']:.3g} s x (score arena / GB) ^ {fit['load_power_exp']:.3g}: "
+        f"cold load = specialization {fit['load_power_coef']:.3g} s x (score arena / GB) ^ {fit['load_power_exp']:.3g} "
+        f"+ reload: "
         + ", ".join(
             f"h{x['history']} {x['recorded_seconds']:.1f} s recorded, {x['power_fit_seconds']:.1f} s fit" for x in loads
         )
@@ -86,6 +88,16 @@ def format_plan(d: dict) -> str:
         f"ANE arm: {d['ane_prefill_seconds']:.1f} s (setup {d['setup_seconds']:.1f} s, ANE attention "
         f"{d['ane_attention_seconds']:.1f} s, attention saved {d['attention_saved_seconds']:.1f} s)"
     )
+    if d.get("variants_visited"):
+        pre = d.get("preloaded_ane_prefill_seconds")
+        out.append(
+            f"loads ({d['protocol_reason']}): specialization {d['specialization_seconds']:.1f} s "
+            f"({'in this arm' if d['pays_specialization'] else 'one-time, not in this arm'}), reload "
+            f"{d['reload_seconds']:.1f} s ({d['reload_policy']}"
+            + (f", {d['hidden_reload_seconds']:.1f} s hidden" if d["hidden_reload_seconds"] else "")
+            + ")"
+            + (f"; preloaded on a background thread the ANE arm would be {pre:.1f} s" if pre is not None else "")
+        )
     out.append(f"predicted ratio {d['predicted_ratio']:.2f}x (GPU / ANE)")
     out.append(f"central-cost decision: {d['decision']} — {d['reason']}")
     return "\n".join(out)

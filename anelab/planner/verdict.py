@@ -15,8 +15,11 @@ so the ANE wins iff ``gain = share * S - A - n * L > 0``. The two thresholds a u
 
 The verdict: ``gpu`` when the ANE does not run (short prompt, past coverage); otherwise the gain's
 interval (each cost at the end of its interval that favours the other side) decides — ``ane`` above
-0, ``gpu`` below — unless a deciding cost is extrapolated, or the interval spans 0: then ``depends``,
-with the measurement that would settle it. With ``loads_in_arm`` False (the warm protocol) the
+0, ``gpu`` below; ``depends`` only when the interval spans 0 (a reachable value flips it), with the
+measurement that would settle it. An extrapolated cost carries a band wide enough for what it does
+not know (``planner.envelope``), so extrapolation alone never makes a verdict "depends"; and a
+threshold below zero at the costs' most favourable ends (no load could be fast enough) decides "gpu".
+With ``loads_in_arm`` False (no load in the arm, a what-if) the
 loads are left out of the gain and X is reported for the record only.
 """
 
@@ -38,6 +41,7 @@ from anelab.planner.envelope import (
     worst_kind,
 )
 from anelab.planner.fit import fit_costs
+from anelab.planner.gpu_model import RUNTIME_BAND
 from anelab.planner.plan import PrefillPlan
 from anelab.sidecar.designs import DEFAULT_DESIGN
 
@@ -104,21 +108,32 @@ def verdict_for(c: ArmCosts, settle_commands: dict | None = None) -> Verdict:
     y = (a.value + n * load.value) / share if share > 0 and c.loads_in_arm else None
     deciding = {"gpu_prefill": s, "ane_attention": a} | ({"load_per_layer": load} if c.loads_in_arm else {})
     extrapolated = tuple(k for k, v in deciding.items() if v.kind == EXTRAPOLATED)
-    if gain[0] > 0 and not extrapolated:
-        decision, why = ANE, f"the ANE gains {gain[0]:.1f} s or more over the whole interval"
-    elif gain[2] < 0 and not extrapolated:
-        decision, why = GPU, f"the ANE loses at least {-gain[2]:.1f} s over the whole interval"
-    else:
-        decision = DEPENDS
-        why = (
-            f"{', '.join(extrapolated)} extrapolated past the records"
-            if extrapolated
-            else f"the interval of the ANE's gain ({gain[0]:.1f} .. {gain[2]:.1f} s) spans the break-even"
-        )
+    decision, why = _decide(c, gain, x)
     commands = settle_commands or {}
     open_costs = [k for k, v in deciding.items() if k in extrapolated or (decision == DEPENDS and v.kind == FITTED)]
     settle = tuple(dict.fromkeys(commands[k] for k in open_costs if k in commands))  # one line per command
     return _verdict(c, decision, s, ane, ratio, gain, x, y, extrapolated, costs, why, settle)
+
+
+def _decide(c: ArmCosts, gain: tuple, x: float | None) -> tuple[str, str]:
+    """ane / gpu / depends from the gain's reachable range: "depends" only when a value inside every
+    cost's interval (extrapolated costs carry their wide bands) flips the sign of the gain."""
+    s, a, share, n = c.gpu_prefill, c.ane_attention, c.offloaded_share, c.layers
+    best_x = (share * s.high - a.low) / n if n else None  # the most load any reachable value allows
+    if best_x is not None and best_x <= 0:
+        return GPU, (
+            f"the threshold is below zero: even at the GPU prefill's high end ({s.high:.4g} s) and the ANE "
+            f"attention's low end ({a.low:.4g} s) one layer's loads would have to take <= {best_x:.3g} s, which no "
+            "load can"
+        )
+    if gain[0] > 0:
+        return ANE, f"the ANE gains {gain[0]:.1f} s or more at every reachable value of the costs"
+    if gain[2] < 0:
+        return GPU, f"the ANE loses at least {-gain[2]:.1f} s at every reachable value of the costs"
+    return DEPENDS, (
+        f"the ANE's gain ranges {gain[0]:.1f} .. {gain[2]:.1f} s over the costs' intervals: a reachable value "
+        f"flips it (at the central GPU prefill the ANE wins iff one layer's loads take <= {x:.3g} s)"
+    )
 
 
 def _verdict(c, decision, s, ane, ratio, gain, x, y, extrapolated, costs, why, settle) -> Verdict:
@@ -168,6 +183,9 @@ def plan_arm_costs(plan: PrefillPlan, design: DesignPlan | None = None, data_dir
         sources.get("gpu_prefill") or sources["gpu_attention"],
         relative=True,
     )
+    if sources.get("gpu_runtime") and s.kind not in (YOURS, MEASURED):  # another runtime's rates, your model
+        s = Cost(s.value, s.value / RUNTIME_BAND, s.value * RUNTIME_BAND, EXTRAPOLATED,
+                 f"{s.basis}; x/÷ {RUNTIME_BAND:g} for the runtime ({sources['gpu_runtime']})")  # fmt: skip
     offloaded = plan.attention_saved_seconds + plan.ane_attention_seconds
     ane_seconds = plan.ane_attention_seconds if design is None else design.ane_attention_seconds
     a = banded(ane_seconds, kinds["ane_attention"], ANE_RATE_BAND, sources["ane_attention"])

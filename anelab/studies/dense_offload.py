@@ -122,3 +122,26 @@ def ratio_sweep(family: str | None, prompt_tokens: Sequence[int], **plan_args) -
         p = plan(int(n), family=family, allow_past_coverage=True, **plan_args)
         rows.append({"prompt_tokens": p.prompt_tokens, "chunk": p.chunk, **{k: getattr(p, k) for k in SWEEP_KEYS}})
     return rows
+
+
+def backtest_and_bound(
+    prompt_tokens: Sequence[int], *, family: str = "qwen3.5-2b-4bit", chip: str = "M3", data_dir=None
+) -> dict:
+    """What notebook 01's backtest figure draws: every recorded A/B row against the planner's ratio in
+    sample and with its family held out (``planner.backtest``), and ``family``'s two planned arms at each
+    prompt length beside the fastest ``chip`` could run them (``planner.chips``). Numbers are the seed's
+    records and fits on them (``provenance``), never fresh measurements."""
+    from anelab.planner.backtest import PROVENANCE, backtest
+    from anelab.planner.chips import get_chip, plan_bounds
+
+    rows = backtest(data_dir)
+    bounds = []
+    for n in prompt_tokens:
+        p = plan(int(n), family=family, data_dir=data_dir, allow_past_coverage=True).to_dict()
+        b = plan_bounds(p, chip)
+        bounds.append({"prompt_tokens": int(n), **{k: b[k] for k in ("gpu_seconds", "ane_seconds", "bound")},
+                       "estimate_gpu_seconds": b["estimate_gpu_seconds"],
+                       "estimate_ane_seconds": b["estimate_ane_seconds"]})  # fmt: skip
+    off_side = [r for r in rows if not r["recorded_side"] == r["in_sample_side"] == r["leave_one_family_out_side"]]
+    return {"rows": rows, "bounds": bounds, "family": family, "chip": get_chip(chip).name,
+            "rows_off_side": len(off_side), "provenance": PROVENANCE}  # fmt: skip

@@ -162,8 +162,9 @@ class LoadPricer:
         pg = planner.PlanGeometry(g.num_layers, tuple(g.full_attention_layers), g.num_heads, g.num_kv_heads, g.head_dim)
         fit = planner.fit_costs(data_dir)
         arenas = [score_arena_bytes(fit.recorded_load_heads, fit.recorded_load_chunk, h) for h in fit.recorded_loads]
-        # the sweep shows the power law itself at kB arenas: its own floor (``floor_seconds``), not the planner's
-        model = dataclasses.replace(fit.recorded_load_model(), floor_seconds=None)
+        # the sweep shows the power law itself at kB arenas: its own floor (``floor_seconds``), not the planner's;
+        # a function's cold load (specialization + reload, issue 30's one load model)
+        model = dataclasses.replace(fit.recorded_load_model(specialize=True), floor_seconds=None)
         return cls(pg, model, (min(arenas), max(arenas)), floor_seconds)
 
     def load(self, chunk: int, history: int) -> tuple[float, str]:

@@ -1,0 +1,136 @@
+"""Issue 30: your model priced from your model, the chip bound, and "depends" only when reachable values flip it.
+
+Configs are the public ones (HuggingFaceTB/SmolLM2-135M, meta-llama/Llama-3.2-1B config.json); expected values
+are computed by hand in the test.
+"""
+
+import pytest
+
+from anelab.cli import main
+from anelab.planner.chips import CHIPS, arm_bounds, chip_table, get_chip, plan_bounds
+from anelab.planner.envelope import Cost
+from anelab.planner.fit import fit_costs
+from anelab.planner.gpu_model import RUNTIME_BAND, active_parameters, own_non_attention, runtime_bandwidth
+from anelab.planner.plan import plan
+from anelab.planner.verdict import ArmCosts, plan_arm_costs, verdict_for
+
+SMOLLM2 = {  # HuggingFaceTB/SmolLM2-135M config.json
+    "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+    "intermediate_size": 1536, "vocab_size": 49152,
+}  # fmt: skip
+SMOLLM2_SHAPE = dict(num_layers=30, full_attention_layers=tuple(range(30)), num_heads=9, num_kv_heads=3, head_dim=64)
+LLAMA_1B_SHAPE = dict(num_layers=16, full_attention_layers=tuple(range(16)), num_heads=32, num_kv_heads=8, head_dim=64)
+
+
+def smollm2_plan(tokens: int, storage: str = "Q4_1"):
+    fit = fit_costs()
+    own = own_non_attention(SMOLLM2, storage, tokens, runtime_bandwidth(fit.non_attention_seconds))
+    return plan(tokens, family="qwen3.5-2b-4bit", **SMOLLM2_SHAPE, own_non_attention=own)
+
+
+def test_active_parameters_by_hand():
+    # per layer: q,o 576x576 each, k,v 576x192 each, MLP 3 x 576 x 1536
+    per_layer = 576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536
+    assert active_parameters(SMOLLM2) == 30 * per_layer == 106_168_320
+    # control: an MoE config counts only the routed experts a token visits
+    moe = {**SMOLLM2, "num_experts": 64, "num_experts_per_tok": 2, "moe_intermediate_size": 256}
+    assert active_parameters(moe) == 30 * (576 * 576 * 2 + 576 * 192 * 2 + 2 * 3 * 576 * 256)
+
+
+def test_smollm2_gpu_arm_scales_from_its_own_weights_and_geometry():
+    two_b = plan(4333, family="qwen3.5-2b-4bit")
+    small = smollm2_plan(4333)
+    fit = fit_costs()
+    # non-attention: its own weights per token, at most a tenth of the 2B's
+    assert small.non_attention_seconds <= two_b.non_attention_seconds / 10
+    assert small.non_attention_seconds == pytest.approx(
+        4333 * 106_168_320 * (20 / 32) / runtime_bandwidth(fit.non_attention_seconds)
+    )
+    # attention: the 2B's rate per FLOP (head_dim 256 -> 64) over its own 30 layers x 9 heads of score entries
+    entries = 30 * 9 * (4096 * 4096 + 237 * 4333)
+    assert small.gpu_attention_seconds == pytest.approx(fit.gpu_dense_seconds_per_entry * 64 / 256 * entries)
+    # the runtime the rates describe is named, and the envelope covers a 10x runtime difference
+    assert "TinyTitan" in small.cost_sources["non_attention"] and "TinyTitan" in small.cost_sources["gpu_runtime"]
+    s = plan_arm_costs(small).gpu_prefill
+    assert (s.low, s.high) == (pytest.approx(s.value / RUNTIME_BAND), pytest.approx(s.value * RUNTIME_BAND))
+    # control: the 2B's own plan keeps its fitted few-percent band
+    s2 = plan_arm_costs(two_b).gpu_prefill
+    assert s2.high / s2.value < 1.5
+    # the issue's previous estimate was 135.4 s at 4,333 tokens: now under a quarter of it
+    assert small.gpu_prefill_seconds < 135.4 / 4
+
+
+def test_the_1b_shape_with_a_one_second_gpu_says_gpu():
+    # issue 30: 4,096 tokens, the user's GPU prefills them in 1 s: the ANE's attention alone costs more
+    p = plan(4096, family="qwen3.5-2b-4bit", **LLAMA_1B_SHAPE, gpu_prefill_seconds=1.0)
+    v = verdict_for(plan_arm_costs(p))
+    assert v.decision == "gpu" and "threshold is below zero" in v.reason
+    # control: a slow GPU (100 s) leaves the ANE a real gain: not "gpu"
+    slow = verdict_for(
+        plan_arm_costs(plan(4096, family="qwen3.5-2b-4bit", **LLAMA_1B_SHAPE, gpu_prefill_seconds=100.0))
+    )
+    assert slow.decision != "gpu"
+
+
+def _arms(s, a, load, share=0.5, layers=4):
+    return ArmCosts("dense", layers, 2, True, s, share, a, load)
+
+
+def test_depends_only_when_a_reachable_value_flips_it():
+    ext = "extrapolated"
+    # extrapolated but every reachable value gains: ane (the old rule said "depends")
+    sure = _arms(Cost(100, 90, 110, ext, "s"), Cost(5, 4, 6, ext, "a"), Cost(1, 0.5, 2, ext, "l"))
+    assert verdict_for(sure).decision == "ane"
+    # the gain's interval spans zero: depends, and the reason says so
+    close = _arms(Cost(100, 50, 200, ext, "s"), Cost(30, 20, 40, ext, "a"), Cost(3, 1, 6, ext, "l"))
+    v = verdict_for(close)
+    assert v.decision == "depends" and "reachable value" in v.reason
+    # every reachable value loses: gpu
+    lost = _arms(Cost(10, 9, 11, ext, "s"), Cost(4, 3.5, 4.5, ext, "a"), Cost(2, 1.5, 3, ext, "l"))
+    assert verdict_for(lost).decision == "gpu"
+
+
+# ---- the chip table and the bound ------------------------------------------------------------------
+def test_every_chip_figure_is_sourced_or_marked():
+    names = {c["name"] for c in chip_table()}
+    assert {f"M{i}{s}" for i in range(1, 6) for s in ("", " Pro", " Max", " Ultra")} - names == {"M4 Ultra"}
+    for chip in chip_table():
+        for key in ("gpu_fp16_tflops", "ane_tops", "bandwidth_gbs"):
+            fig = chip[key]
+            assert (fig["source"] or "").startswith("https://") or fig["note"], (chip["name"], key)
+    assert get_chip("m3-max").name == "M3 Max" and get_chip("M3 Max") is CHIPS["M3 Max"]
+
+
+def test_arm_bounds_by_hand():
+    m3 = CHIPS["M3"]  # 3.6 TFLOPS, 18 TOPS, 100 GB/s
+    b = arm_bounds(m3, prompt_tokens=1000, active_weights=1e9, weight_bytes=1e9, gpu_entries=1e9, ane_entries=2e9,
+                   head_dim=64)  # fmt: skip
+    gpu = (2e9 * 1000 + 256 * 1e9) / 3.6e12
+    assert b["gpu_seconds"] == pytest.approx(gpu) and b["bound"] == "compute"
+    assert b["ane_seconds"] == pytest.approx(2e12 / 3.6e12 + 256 * 2e9 / 18e12)
+    # control: one token is bandwidth-bound (weights read once: 1 GB / 100 GB/s)
+    one = arm_bounds(
+        m3, prompt_tokens=1, active_weights=1e9, weight_bytes=1e9, gpu_entries=0, ane_entries=0, head_dim=64
+    )
+    assert one["bound"] == "bandwidth" and one["gpu_seconds"] == pytest.approx(0.01)
+
+
+def test_recorded_m3_estimates_sit_above_the_m3_bound():
+    # the estimates describe a runtime on an M3: none can be faster than the M3's peak
+    for family in ("qwen3.5-2b-4bit", "qwen3.5-9b-8bit", "agentworld-35b-a3b-4bit", "qwen3.8-125b-a6b-4bit"):
+        b = plan_bounds(plan(4333, family=family).to_dict(), "m3")
+        assert b["estimate_gpu_seconds"] > b["gpu_seconds"] > 0 and b["estimate_ane_seconds"] > b["ane_seconds"] > 0
+
+
+def test_cli_chip(capsys):
+    assert main(["plan", "--family", "qwen3.5-2b-4bit", "--prompt-tokens", "4333", "--chip", "m4-max"]) == 0
+    assert "bound on M4 Max" in capsys.readouterr().out
+    assert main(["plan", "--family", "qwen3.5-2b-4bit", "--prompt-tokens", "4333", "--chip", "m9"]) == 2
+    assert "unknown --chip" in capsys.readouterr().err
+
+
+def test_decide_refuses_an_unknown_chip_before_any_work(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["decide", str(tmp_path / "no-model"), "--prompt-tokens", "64", "--chip", "m9", "--out", str(out)]
+    assert main(argv) == 2
+    assert "unknown --chip" in capsys.readouterr().err and not out.exists()
