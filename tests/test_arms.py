@@ -1,5 +1,7 @@
 """Whole-model arms: the sidecar arm equals the reference arm within fp16 noise on every layer, a perturbed
-sidecar arm diverges from its layer on, mask arms separate past the indexer's window, bad input is refused."""
+sidecar arm diverges from its layer on, mask arms separate past the indexer's window, bad input is refused; a
+greedy divergence at a built tie is a near-tie and a wrong mask's is a divergence; resident and streamed weights
+give the same runs bit for bit."""
 
 from __future__ import annotations
 

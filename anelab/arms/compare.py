@@ -2,7 +2,11 @@
 
 Per arm pair (``compare_runs``): relative difference of the hidden state after every layer over all prompt
 positions; of the logits at the last prompt position and at every decoded step; greedy token agreement; the
-first layer whose difference exceeds the fp16 noise threshold.
+first layer whose difference exceeds the fp16 noise threshold; and each decoded step where the greedy tokens
+differ, with the reference's top-2 logit margin there beside the arm's logits noise, labelled a near-tie or a
+divergence (``label_divergences``, ``NEAR_TIE_RULE``): on real weights fp16 noise can move greedy text where the
+reference's top two logits are nearly equal, which is not an error — the agreement is reported raw and
+excluding near-ties.
 """
 
 from __future__ import annotations
