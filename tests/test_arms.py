@@ -311,7 +311,7 @@ def _counting(model, monkeypatch):
     return reads
 
 
-def test_resident_and_streamed_weights_give_identical_runs(setup, monkeypatch):
+def test_resident_and_streamed_weights_give_identical_runs(setup, monkeypatch, tmp_path):
     from anelab.arms.resident import RESIDENT, STREAMED
     from anelab.arms.run import run_arms
 
@@ -333,7 +333,7 @@ def test_resident_and_streamed_weights_give_identical_runs(setup, monkeypatch):
         assert np.array_equal(resident[name].tokens, streamed[name].tokens)
         assert np.array_equal(resident[name].hidden, streamed[name].hidden)
     # control: the comparison sees a run of another model's weights
-    other = load_model(_model(root / "other-model", seed=1)[0])
+    other = load_model(_model(tmp_path / "seed-1-model", seed=1)[0])
     control = run_arms(other, prompt, arms[:1], decode=DECODE, chunk=CHUNK, resident_budget=0)
     assert not np.array_equal(control["reference"].logits, resident["reference"].logits)
 
