@@ -243,6 +243,8 @@ def test_a_divergence_at_a_built_tie_is_a_near_tie_and_agreement_excludes_it(set
     assert d.reference_margin == pytest.approx(1e-6, rel=0.5) and d.arm_noise == pytest.approx(noise)
     cmp = compare_runs(tied, replace(arm, tokens=tokens))
     assert cmp.greedy_agreement == pytest.approx((DECODE - 1) / DECODE) and cmp.agreement_excluding_near_ties == 1.0
+    assert cmp.closest[0] == 2 and cmp.closest[1] == pytest.approx(1e-6, rel=0.5)  # the built tie is the closest call
+    assert compare_runs(reference, arm).closest[1] > 1e-3  # control: unedited, no step comes that near
     # control: the same swap where the reference's margin is 10x the arm's noise is a divergence
     wide, other = _tied_at(reference, 2, 20 * noise)
     tokens[2] = other

@@ -123,6 +123,8 @@ class PairComparison:
     first_divergent_layer: int | None
     noise: float
     divergences: list[GreedyDivergence] = field(default_factory=list)
+    closest: tuple[int, float, float] | None = None  # (step, reference top-2 margin, arm logits noise): the
+    # reference's smallest margin while both texts were the same (how near the text came to a tie)
 
     @property
     def prompt_logits_diff(self) -> float:
@@ -145,6 +147,10 @@ class PairComparison:
             f"{d.arm_noise:.4g}{'' if d.same_text_before else '; the texts already differed'})"
             for d in self.divergences
         ]
+        if self.closest is not None:
+            step, margin, noise = self.closest
+            head += (f"; closest call: step {step}, reference top-2 margin {margin:.4g} (near-tie band "
+                     f"{2 * noise:.4g})")  # fmt: skip
         return "; ".join([head, *steps])
 
     @property
@@ -167,6 +173,9 @@ class PairComparison:
             "near_ties": self.near_ties,
             "divergences": [d.to_dict() for d in self.divergences],
             "near_tie_rule": NEAR_TIE_RULE.format(noise=self.noise),
+            "closest_call": None
+            if self.closest is None
+            else dict(zip(("step", "reference_margin", "arm_noise"), self.closest, strict=True)),  # fmt: skip
         }
 
 
@@ -198,7 +207,20 @@ def compare_runs(a: ArmRun, b: ArmRun, noise: float = NOISE) -> PairComparison:
         beyond[0] if beyond else None,
         float(noise),
         label_divergences(a.logits, b.logits, a.tokens, b.tokens, noise),
+        closest_call(a.logits, b.logits, a.tokens, b.tokens),
     )
+
+
+def closest_call(reference_logits, arm_logits, reference_tokens, arm_tokens) -> tuple[int, float, float]:
+    """(step, margin, noise): the step with the reference's smallest top-2 logit margin among those both runs
+    reached with the same text (up to and including the first divergence), its margin, and the arm's logits
+    noise (``label_divergences``). Shapes as ``label_divergences``."""
+    differ = np.flatnonzero(np.asarray(reference_tokens) != np.asarray(arm_tokens))
+    last = int(differ[0]) if differ.size else len(reference_tokens) - 1
+    margins = [top2_margin(row) for row in np.asarray(reference_logits)[: last + 1]]
+    step = int(np.argmin(margins))
+    noise = float(np.max(np.abs(np.asarray(arm_logits[0], np.float64) - np.asarray(reference_logits[0], np.float64))))
+    return step, float(margins[step]), noise
 
 
 @dataclass
