@@ -863,6 +863,13 @@ def _add_compare_arms(sub):
         "(mlx-lm's model: every family it runs, Qwen 3.5 hybrids and MoE included), or auto (default: numpy "
         "where anelab models the family, else mlx)",
     )
+    p.add_argument(
+        "--resident-budget",
+        type=float,
+        default=None,
+        help="GiB of float32 decoder weights kept in memory (numpy engine; default 4; 0 streams every read from the "
+        "checkpoint's files, the path for models that do not fit)",
+    )
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
 
 
@@ -889,12 +896,19 @@ def _run_compare_arms(args):
         chunk=args.chunk,
         compute_units=args.compute_units,
         engine=args.engine,
+        resident_budget=None if args.resident_budget is None else _resident_bytes(args.resident_budget),
     )
     if args.json:
         _print_json(report.to_dict())
     else:
         print(report.table())
     return 0
+
+
+def _resident_bytes(gib: float) -> int:
+    if not gib >= 0 or gib == float("inf"):
+        raise AnelabInputError(f"--resident-budget must be a finite number of GiB >= 0 (0 streams), got {gib}")
+    return int(gib * 2**30)
 
 
 _register("compare-arms", _add_compare_arms, _run_compare_arms)

@@ -1,5 +1,7 @@
 """Whole-model arms: the sidecar arm equals the reference arm within fp16 noise on every layer, a perturbed
-sidecar arm diverges from its layer on, mask arms separate past the indexer's window, bad input is refused."""
+sidecar arm diverges from its layer on, mask arms separate past the indexer's window, bad input is refused; a
+greedy divergence at a built tie is a near-tie and a wrong mask's is a divergence; resident and streamed weights
+give the same runs bit for bit."""
 
 from __future__ import annotations
 
@@ -206,3 +208,151 @@ def test_compare_arms_on_the_embedded_dense_default(tmp_path, monkeypatch, capsy
     assert max(pair["layer_diffs"]) < NOISE and pair["greedy_agreement"] == 1.0
     assert (tmp_path / "build" / "checkpoints" / "anelab-tiny-dense" / "config.json").is_file()
     assert sorted(p.name for p in (tmp_path / "sc").iterdir()) == [f"layer_{i}.mlpackage" for i in range(4)]
+
+
+# ---- near-ties: a greedy divergence at a tie is labelled so, a real one is not ------------------------------------
+def _tied_at(run, step: int, margin: float):
+    """``run`` (an ArmRun) with its logits at ``step`` made to hold a second token ``margin`` below its top one:
+    (the edited run, that token)."""
+    from dataclasses import replace
+
+    logits = run.logits.copy()
+    top = int(np.argmax(logits[step]))
+    runner_up = (top + 1) % logits.shape[1]
+    logits[step, runner_up] = logits[step, top] - np.float32(margin)
+    return replace(run, logits=logits), runner_up
+
+
+def test_a_divergence_at_a_built_tie_is_a_near_tie_and_agreement_excludes_it(setup):
+    from dataclasses import replace
+
+    from anelab.arms.compare import DIVERGENCE, NEAR_TIE
+
+    root, model, prompt, reference, _, _ = setup
+    sidecars = open_sidecars(root / "sidecars", model, PROMPT)
+    arm = run_arm(model, prompt, Arm("sidecar", "sidecar"), decode=DECODE, sidecars=sidecars)
+    assert np.array_equal(arm.tokens, reference.tokens)  # the unedited pair agrees
+    noise = float(np.max(np.abs(arm.logits[0] - reference.logits[0])))
+    assert noise > 0
+    # the reference's top two logits at step 2 built 1e-6 apart, and the arm taking the other one there
+    tied, other = _tied_at(reference, 2, 1e-6)
+    tokens = arm.tokens.copy()
+    tokens[2] = other
+    (d,) = compare_runs(tied, replace(arm, tokens=tokens)).divergences
+    assert (d.step, d.label, d.same_text_before) == (2, NEAR_TIE, True)
+    assert d.reference_margin == pytest.approx(1e-6, rel=0.5) and d.arm_noise == pytest.approx(noise)
+    cmp = compare_runs(tied, replace(arm, tokens=tokens))
+    assert cmp.greedy_agreement == pytest.approx((DECODE - 1) / DECODE) and cmp.agreement_excluding_near_ties == 1.0
+    assert cmp.closest[0] == 2 and cmp.closest[1] == pytest.approx(1e-6, rel=0.5)  # the built tie is the closest call
+    assert compare_runs(reference, arm).closest[1] > 1e-3  # control: unedited, no step comes that near
+    # control: the same swap where the reference's margin is 10x the arm's noise is a divergence
+    wide, other = _tied_at(reference, 2, 20 * noise)
+    tokens[2] = other
+    (d,) = compare_runs(wide, replace(arm, tokens=tokens)).divergences
+    assert d.label == DIVERGENCE
+    assert compare_runs(wide, replace(arm, tokens=tokens)).agreement_excluding_near_ties < 1.0
+
+
+def test_a_wrong_mask_divergence_is_labelled_a_divergence_even_at_a_small_margin(setup):
+    from anelab.arms.compare import DIVERGENCE, label_divergences
+
+    root, model, prompt, _, _, _ = setup
+    sidecars = open_sidecars(root / "sidecars", model, PROMPT)
+    reference = run_arm(model, prompt, Arm("reference"), decode=12, chunk=CHUNK)
+    wrong = run_arm(model, prompt, Arm("mask dropped", "sidecar", perturbation=Perturbation(0, "mask_dropped")),
+                    decode=12, sidecars=sidecars)  # fmt: skip
+    cmp = compare_runs(reference, wrong)
+    assert cmp.prompt_logits_diff > NOISE and cmp.divergences  # the wrong mask moves the text
+    assert {d.label for d in cmp.divergences} == {DIVERGENCE}
+    assert cmp.agreement_excluding_near_ties == cmp.greedy_agreement < 1.0
+    first = cmp.divergences[0]
+    assert first.same_text_before and first.reference_margin < 2 * first.arm_noise  # a margin the noise could swap
+    # the rule's guard labels it: with the wrong arm's difference counted as fp16 noise it would be a near-tie
+    loose = label_divergences(reference.logits, wrong.logits, reference.tokens, wrong.tokens, noise=10.0)
+    assert loose[0].step == first.step and loose[0].label == "near-tie"
+
+
+def test_near_ties_are_reported_in_the_table_and_json(setup, monkeypatch, capsys):
+    import anelab.arms.compare as compare
+
+    root, model, _, _, _, _ = setup
+    real = compare.compare_runs
+
+    def tie_at_step_1(a, b, noise=NOISE):
+        tied, other = _tied_at(a, 1, 1e-7)
+        b.tokens[1] = other
+        return real(tied, b, noise)
+
+    monkeypatch.setattr(compare, "compare_runs", tie_at_step_1)
+    argv = ["compare-arms", str(model.path), "--sidecars", str(root / "sidecars"), "--prompt-tokens", str(PROMPT)]
+    assert main([*argv, "--decode", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "step 1: near-tie (reference top-2 margin" in out and "excluding 1 near-tie(s)" in out
+    assert "near-tie: the reference's top-2 logit margin at the step is at most twice" in out
+    assert main([*argv, "--decode", "3", "--json"]) == 0
+    (pair,) = json.loads(capsys.readouterr().out)["pairs"]
+    assert pair["near_ties"] == 1 and pair["greedy_agreement_excluding_near_ties"] == 1.0
+    assert pair["divergences"][0]["label"] == "near-tie" and "near_tie_rule" in pair
+
+
+def test_label_divergences_refuses_mismatched_logits():
+    from anelab.arms.compare import label_divergences
+
+    with pytest.raises(AnelabInputError, match="not one"):
+        label_divergences(np.zeros((3, 5)), np.zeros((2, 5)), np.zeros(3, int), np.zeros(3, int))
+
+
+# ---- resident or streamed weights: the same results, and said which -----------------------------------------------
+def _counting(model, monkeypatch):
+    """Count ModelCheckpoint.layer reads of ``model``'s class during a run."""
+    from anelab.checkpoints.model import ModelCheckpoint
+
+    reads = []
+    real = ModelCheckpoint.layer
+    monkeypatch.setattr(ModelCheckpoint, "layer", lambda self, layer: reads.append(layer) or real(self, layer))
+    return reads
+
+
+def test_resident_and_streamed_weights_give_identical_runs(setup, monkeypatch, tmp_path):
+    from anelab.arms.resident import RESIDENT, STREAMED
+    from anelab.arms.run import run_arms
+
+    root, model, prompt, _, _, _ = setup
+    sidecars = open_sidecars(root / "sidecars", model, PROMPT)
+    arms = [Arm("reference"), Arm("sidecar", "sidecar")]
+    reads = _counting(model, monkeypatch)
+    runs = {}
+    for budget in (None, 0):
+        reads.clear()
+        runs[budget] = run_arms(model, prompt, arms, decode=DECODE, sidecars=sidecars, resident_budget=budget)
+        runs[budget, "reads"] = list(reads)
+    resident, streamed = runs[None], runs[0]
+    assert resident["sidecar"].weights.mode == RESIDENT and streamed["sidecar"].weights.mode == STREAMED
+    assert runs[None, "reads"] == [0, 1]  # resident: each layer read once for the whole run
+    assert runs[0, "reads"] == [0, 1] * DECODE  # streamed: the prefill's read and one per decoded step after it
+    for name in ("reference", "sidecar"):
+        assert np.array_equal(resident[name].logits, streamed[name].logits)
+        assert np.array_equal(resident[name].tokens, streamed[name].tokens)
+        assert np.array_equal(resident[name].hidden, streamed[name].hidden)
+    # control: the comparison sees a run of another model's weights
+    other = load_model(_model(tmp_path / "seed-1-model", seed=1)[0])
+    control = run_arms(other, prompt, arms[:1], decode=DECODE, chunk=CHUNK, resident_budget=0)
+    assert not np.array_equal(control["reference"].logits, resident["reference"].logits)
+
+
+def test_the_budget_picks_streamed_and_the_output_says_which(setup, capsys):
+    from anelab.arms.resident import STREAMED, float32_bytes, plan_weights
+
+    root, model, _, _, _, _ = setup
+    size = float32_bytes(model)
+    assert size == 4 * sum(int(np.prod(model.checkpoint.tensors.shape(n))) for n in model.checkpoint.tensors.names())
+    assert plan_weights(model, size).mode == "resident" and plan_weights(model, size - 1).mode == STREAMED
+    with pytest.raises(AnelabInputError, match="budget must be >= 0"):
+        plan_weights(model, -1)
+    argv = ["compare-arms", str(model.path), "--sidecars", str(root / "sidecars"), "--prompt-tokens", str(PROMPT)]
+    assert main([*argv, "--decode", "2"]) == 0
+    assert "weights resident (float32" in capsys.readouterr().out
+    assert main([*argv, "--decode", "2", "--resident-budget", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["weights"]["mode"] == STREAMED
+    assert main([*argv, "--decode", "2", "--resident-budget", "-1"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1

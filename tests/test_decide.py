@@ -366,3 +366,47 @@ def test_a_prompt_the_ane_does_not_run_is_gpu_without_thresholds():
     v = verdict_for(plan_arm_costs(plan(1000, family="qwen3.8-125b-a6b-4bit")))
     assert v.decision == "gpu" and "short prompt" in v.reason
     assert v.max_load_per_layer_seconds is None and v.min_gpu_prefill_seconds is None
+
+
+# ---- decide's evidence caches the arms (keyed by content): a rerun repeats nothing, a changed input repeats them --
+def test_a_rerun_reuses_the_arms_and_a_changed_prompt_or_checkpoint_runs_them(tmp_path, monkeypatch):
+    import anelab.arms.compare as compare
+
+    shape = dict(scale=8, num_layers=2, vocab=96, intermediate=64)
+    checkpoint = make_llama32_1b_shaped(tmp_path / "model", **shape)
+    calls = []
+    real = compare.compare_arms
+    monkeypatch.setattr(compare, "compare_arms", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+
+    def run(prompt=PROMPT):
+        return decide(DecideConfig(checkpoint, prompt, tmp_path / "out", design="dense", chunk=CHUNK))
+
+    first = run()
+    assert calls == [PROMPT] and not first.evidence["arms"]["reused"]
+    again = run()  # the same inputs: nothing repeated, the same summary
+    assert calls == [PROMPT] and again.evidence["arms"]["reused"]
+    assert all(r["reused"] for r in again.evidence["verify"].values())
+    assert {k: v for k, v in again.evidence["arms"].items() if k != "reused"} == {
+        k: v for k, v in first.evidence["arms"].items() if k != "reused"
+    }
+    assert "earlier run" in (tmp_path / "out" / "report.md").read_text()
+    # a changed prompt length runs the arms again
+    longer = run(PROMPT + CHUNK)
+    assert calls == [PROMPT, PROMPT + CHUNK] and not longer.evidence["arms"]["reused"]
+    # another model copied over the checkpoint's files: exported, verified and run again
+    other = make_llama32_1b_shaped(tmp_path / "other", **shape, seed=1)
+    for path in other.iterdir():
+        shutil.copyfile(path, checkpoint / path.name)
+    changed = run(PROMPT + CHUNK)
+    assert calls == [PROMPT, PROMPT + CHUNK, PROMPT + CHUNK] and not changed.evidence["arms"]["reused"]
+    assert not any(r["reused"] for r in changed.evidence["verify"].values())
+    assert changed.evidence["arms"]["layer_differences"] != longer.evidence["arms"]["layer_differences"]
+
+
+def test_decide_reports_greedy_divergences_labelled(decided):
+    decision, out = decided
+    arms = decision.evidence["arms"]
+    assert arms["greedy_agreement_excluding_near_ties"] == 1.0 and arms["divergences"] == []
+    assert "greedy agreement 100.0% raw, 100.0% excluding 0 near-tie(s)" in arms["greedy_summary"]
+    assert "Greedy text: greedy agreement" in (out / "report.md").read_text()
+    assert "excluding 0 near-tie(s)" in (out / "report.html").read_text()

@@ -72,7 +72,7 @@ def test_arms_decoding_in_lockstep_equal_each_arm_alone_and_share_each_weight_re
     reads = []
     real_layer = type(model).layer
     monkeypatch.setattr(type(model), "layer", lambda self, i: reads.append(i) or real_layer(self, i))
-    together = run_arms(model, prompt, arms, decode=DECODE, sidecars=sidecars)
+    together = run_arms(model, prompt, arms, decode=DECODE, sidecars=sidecars, resident_budget=0)  # streamed
     for arm in arms:
         a, b = alone[arm.name], together[arm.name]
         assert np.array_equal(a.hidden, b.hidden) and np.array_equal(a.logits, b.logits)
@@ -81,6 +81,9 @@ def test_arms_decoding_in_lockstep_equal_each_arm_alone_and_share_each_weight_re
     assert not np.array_equal(together["reference"].logits, together["sidecar"].logits)
     # the prefill reads each layer once for all three arms, and so does each decode step
     assert len(reads) == model.num_layers * DECODE
+    reads.clear()  # resident (the default budget): each layer read once for the whole run, the same results
+    resident = run_arms(model, prompt, arms, decode=DECODE, sidecars=sidecars)
+    assert len(reads) == model.num_layers and np.array_equal(resident["shifted"].logits, together["shifted"].logits)
     with pytest.raises(AnelabInputError, match="arm names must differ"):
         run_arms(model, prompt, [Arm("reference"), Arm("reference")], decode=1, chunk=CHUNK)
 

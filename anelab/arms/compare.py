@@ -2,13 +2,17 @@
 
 Per arm pair (``compare_runs``): relative difference of the hidden state after every layer over all prompt
 positions; of the logits at the last prompt position and at every decoded step; greedy token agreement; the
-first layer whose difference exceeds the fp16 noise threshold.
+first layer whose difference exceeds the fp16 noise threshold; and each decoded step where the greedy tokens
+differ, with the reference's top-2 logit margin there beside the arm's logits noise, labelled a near-tie or a
+divergence (``label_divergences``, ``NEAR_TIE_RULE``): on real weights fp16 noise can move greedy text where the
+reference's top two logits are nearly equal, which is not an error — the agreement is reported raw and
+excluding near-ties.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +31,78 @@ from anelab.sidecar.compare import (
 )
 
 NOISE = RELATIVE_ERROR_THRESHOLD  # a layer differs "beyond fp16 noise" above this relative difference
+NEAR_TIE, DIVERGENCE = "near-tie", "divergence"
+NEAR_TIE_RULE = (
+    "near-tie: the reference's top-2 logit margin at the step is at most twice the arm's logits noise (the largest "
+    "|arm - reference| logit at the prompt's last position: errors of e each can swap two logits 2e apart), and "
+    "the arm's logits there are within the fp16 noise threshold (relative difference <= {noise:.0e}); otherwise "
+    "a divergence"
+)
 ENGINES = ("auto", "numpy", "mlx")  # who runs everything but the sidecars: anelab's NumPy forward, or mlx-lm
 DECODED_ON = {"numpy": "the reference path", "mlx": "mlx-lm"}
+
+
+@dataclass(frozen=True)
+class GreedyDivergence:
+    """One decoded step where arm b's greedy token differs from arm a's (the reference's).
+
+    reference_margin: a's top-1 minus top-2 logit at the step; arm_noise: max |b - a| over the logits at the
+    prompt's last position (step 0, where both saw the same tokens); same_text_before: both had decoded the
+    same tokens before this step (False: the step conditions on different texts); label: ``near-tie`` or
+    ``divergence`` (``NEAR_TIE_RULE``).
+    """
+
+    step: int
+    reference_token: int
+    arm_token: int
+    reference_margin: float
+    arm_noise: float
+    same_text_before: bool
+    label: str
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def top2_margin(logits: np.ndarray) -> float:
+    """logits [V] -> the largest minus the second largest (0 for a tie)."""
+    top = np.partition(np.asarray(logits, np.float64), -2)[-2:]
+    return float(top[1] - top[0])
+
+
+def label_divergences(
+    reference_logits: np.ndarray,
+    arm_logits: np.ndarray,
+    reference_tokens: np.ndarray,
+    arm_tokens: np.ndarray,
+    noise: float = NOISE,
+) -> list[GreedyDivergence]:
+    """Each step where the greedy tokens differ, labelled near-tie or divergence by ``NEAR_TIE_RULE``.
+
+    reference_logits, arm_logits [N, V] float (row 0 at the prompt's last position, row i after feeding token
+    i - 1 of that run); reference_tokens, arm_tokens int [N]; noise: the relative logits difference within which
+    an arm counts as fp16 noise at the prompt's last position (beyond it, no difference is noise)."""
+    ref, arm = np.asarray(reference_logits, np.float64), np.asarray(arm_logits, np.float64)
+    steps = np.size(reference_tokens)
+    if ref.shape != arm.shape or ref.ndim != 2 or ref.shape[0] != steps or np.size(arm_tokens) != steps or not steps:
+        raise AnelabInputError(f"logits {list(ref.shape)} and {list(arm.shape)} are not one [steps, vocabulary] pair")
+    arm_noise = float(np.max(np.abs(arm[0] - ref[0])))
+    within = relative_error(arm[0], ref[0]) <= noise
+    out = []
+    for step in np.flatnonzero(np.asarray(reference_tokens) != np.asarray(arm_tokens)):
+        margin = top2_margin(ref[step])
+        same = bool(np.array_equal(reference_tokens[:step], arm_tokens[:step]))
+        label = NEAR_TIE if within and margin <= 2 * arm_noise else DIVERGENCE
+        out.append(GreedyDivergence(int(step), int(reference_tokens[step]), int(arm_tokens[step]), margin, arm_noise,
+                                    same, label))  # fmt: skip
+    return out
+
+
+def agreement_excluding_near_ties(steps: int, divergences: list[GreedyDivergence]) -> float:
+    """Greedy agreement over the steps that are not near-ties (1.0 when every step is one)."""
+    ties = sum(d.label == NEAR_TIE for d in divergences)
+    kept = steps - ties
+    return 1.0 if kept == 0 else (kept - (len(divergences) - ties)) / kept
 
 
 @dataclass
@@ -48,10 +122,36 @@ class PairComparison:
     first_divergent_step: int | None
     first_divergent_layer: int | None
     noise: float
+    divergences: list[GreedyDivergence] = field(default_factory=list)
+    closest: tuple[int, float, float] | None = None  # (step, reference top-2 margin, arm logits noise): the
+    # reference's smallest margin while both texts were the same (how near the text came to a tie)
 
     @property
     def prompt_logits_diff(self) -> float:
         return self.step_logits_diffs[0]
+
+    @property
+    def near_ties(self) -> int:
+        return sum(d.label == NEAR_TIE for d in self.divergences)
+
+    @property
+    def agreement_excluding_near_ties(self) -> float:
+        return agreement_excluding_near_ties(len(self.step_logits_diffs), self.divergences)
+
+    def greedy_summary(self) -> str:
+        """One line: agreement raw and excluding near-ties, then each differing step (margin, noise, label)."""
+        head = (f"greedy agreement {self.greedy_agreement:.1%} raw, {self.agreement_excluding_near_ties:.1%} "
+                f"excluding {self.near_ties} near-tie(s)")  # fmt: skip
+        steps = [
+            f"step {d.step}: {d.label} (reference top-2 margin {d.reference_margin:.4g} vs arm logits noise "
+            f"{d.arm_noise:.4g}{'' if d.same_text_before else '; the texts already differed'})"
+            for d in self.divergences
+        ]
+        if self.closest is not None:
+            step, margin, noise = self.closest
+            head += (f"; closest call: step {step}, reference top-2 margin {margin:.4g} (near-tie band "
+                     f"{2 * noise:.4g})")  # fmt: skip
+        return "; ".join([head, *steps])
 
     @property
     def identical_text(self) -> bool:
@@ -69,6 +169,13 @@ class PairComparison:
             "first_divergent_step": self.first_divergent_step,
             "first_divergent_layer": self.first_divergent_layer,
             "noise": self.noise,
+            "greedy_agreement_excluding_near_ties": self.agreement_excluding_near_ties,
+            "near_ties": self.near_ties,
+            "divergences": [d.to_dict() for d in self.divergences],
+            "near_tie_rule": NEAR_TIE_RULE.format(noise=self.noise),
+            "closest_call": None
+            if self.closest is None
+            else dict(zip(("step", "reference_margin", "arm_noise"), self.closest, strict=True)),  # fmt: skip
         }
 
 
@@ -99,7 +206,21 @@ def compare_runs(a: ArmRun, b: ArmRun, noise: float = NOISE) -> PairComparison:
         int(differ[0]) if differ.size else None,
         beyond[0] if beyond else None,
         float(noise),
+        label_divergences(a.logits, b.logits, a.tokens, b.tokens, noise),
+        closest_call(a.logits, b.logits, a.tokens, b.tokens),
     )
+
+
+def closest_call(reference_logits, arm_logits, reference_tokens, arm_tokens) -> tuple[int, float, float]:
+    """(step, margin, noise): the step with the reference's smallest top-2 logit margin among those both runs
+    reached with the same text (up to and including the first divergence), its margin, and the arm's logits
+    noise (``label_divergences``). Shapes as ``label_divergences``."""
+    differ = np.flatnonzero(np.asarray(reference_tokens) != np.asarray(arm_tokens))
+    last = int(differ[0]) if differ.size else len(reference_tokens) - 1
+    margins = [top2_margin(row) for row in np.asarray(reference_logits)[: last + 1]]
+    step = int(np.argmin(margins))
+    noise = float(np.max(np.abs(np.asarray(arm_logits[0], np.float64) - np.asarray(reference_logits[0], np.float64))))
+    return step, float(margins[step]), noise
 
 
 @dataclass
@@ -113,6 +234,11 @@ class ArmsReport:
     runs: dict[str, ArmRun]
     pairs: list[PairComparison]
     engine: str = "numpy"
+
+    @property
+    def weights(self):
+        """How the run held the decoder weights (``arms.resident.WeightsPlan``; None on mlx-lm)."""
+        return next(iter(self.runs.values())).weights if self.runs else None
 
     def table(self) -> str:
         """The per-layer table (relative hidden difference per pair) and the summary lines."""
@@ -134,6 +260,12 @@ class ArmsReport:
                 f"{len(p.step_logits_diffs)} steps {max(p.step_logits_diffs):.3%}; greedy agreement "
                 f"{p.greedy_agreement:.0%} ({step}); first layer beyond {p.noise:.0e}: {first}"
             )
+            if p.divergences:
+                lines.append(f"  {p.greedy_summary()}")
+        if any(p.divergences for p in self.pairs):
+            lines.append(f"  ({NEAR_TIE_RULE.format(noise=self.pairs[0].noise)})")
+        if self.weights is not None:
+            lines.append(self.weights.describe())
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -145,6 +277,7 @@ class ArmsReport:
             "chunk": self.chunk,
             "tokens": {name: run.tokens.tolist() for name, run in self.runs.items()},
             "pairs": [p.to_dict() for p in self.pairs],
+            "weights": None if self.weights is None else self.weights.to_dict(),
         }
 
 
@@ -262,6 +395,7 @@ def compare_arms(
     compute_units: str | None = None,
     runtime=None,
     engine: str = "auto",
+    resident_budget: int | None = None,
 ) -> ArmsReport:
     """Run the arms on one prompt and compare them.
 
@@ -273,7 +407,8 @@ def compare_arms(
     (``runtime_runner``; ``runtime`` defaults to this machine's, refused off-Mac) instead of NumPy.
     ``engine`` (``choose_engine``): ``numpy`` runs everything but the sidecars on anelab's forward (the
     reference arm is it too), ``mlx`` on mlx-lm (the reference arm is mlx-lm's own forward, the sidecar arm
-    the hybrid).
+    the hybrid). ``resident_budget`` (bytes, numpy engine): the decoder weights are kept resident when their
+    float32 size fits it, else streamed (``arms.resident``; default ``RESIDENT_BUDGET_BYTES``, 0 streams).
     """
 
     engine, model = open_engine_model(checkpoint, engine)
@@ -298,8 +433,9 @@ def compare_arms(
     order = [("reference", "sidecar"), ("folded", "causal-only")]
     names = {arm.name for arm in arms}
     wanted = tuple((a, b) for a, b in order if a in names and b in names)
+    options = {"resident_budget": resident_budget} if engine == "numpy" else {}
     runs = run_arms_on(engine, model, prompt, arms, decode=decode, chunk=chunk, sidecars=sidecar_set,
-                       keep_hidden=False, layer_pairs=wanted)  # fmt: skip
+                       keep_hidden=False, layer_pairs=wanted, **options)  # fmt: skip
     pairs = [compare_runs(runs[a], runs[b]) for a, b in wanted]
     used = sidecar_set.chunk if sidecar_set else (chunk or REFERENCE_CHUNK)
     return ArmsReport(model.path, prompt, decode, used, runs, pairs, engine)

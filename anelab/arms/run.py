@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from anelab.arms.resident import WeightsPlan, weights_for_run
 from anelab.arms.sidecars import SidecarSet
 from anelab.checkpoints.model import ModelCheckpoint
 from anelab.core import reference
@@ -104,6 +105,7 @@ class ArmRun:
     logits: np.ndarray
     tokens: np.ndarray
     layer_diffs: dict[str, list[float]] = field(default_factory=dict)
+    weights: WeightsPlan | None = None  # how the run held the decoder weights (resident or streamed; None: mlx-lm)
 
 
 @dataclass
@@ -240,16 +242,32 @@ def _prefill_chunk_major(model, states, x, starts, chunk, arm, sidecars, hidden,
 PREFILL_ORDERS = {"layer": _prefill_layer_major, "chunk": _prefill_chunk_major}
 
 
+_BLAS = []  # one threadpoolctl controller, made on first use
+
+
+def one_blas_thread():
+    """Context: BLAS on one thread. A decoded step's products are matrix-vector ones, bound by memory: a second
+    BLAS thread only adds its hand-off, and on a shared machine a thread waiting for a busy core makes each
+    product ~20x slower (0.3 ms -> 6 ms for [1, 576] x [576, 1536] under a load of 10 on 2 cores)."""
+    if not _BLAS:
+        from threadpoolctl import ThreadpoolController
+
+        _BLAS.append(ThreadpoolController())
+    return _BLAS[0].limit(limits=1, user_api="blas")
+
+
 def _decode_step_together(model, runs: list[tuple[Arm, list[_Layer]]], tokens: list[int], position: int, sidecars,
                           head) -> list[np.ndarray]:  # fmt: skip
     """One greedy step of every arm on the reference path: each layer's weights (and the LM head's blocks) read
-    once for all arms, every arm's row through them on its own -> one logits row [V] per arm."""
+    once for all arms, every arm's row through them on its own -> one logits row [V] per arm (on one BLAS thread:
+    ``one_blas_thread``)."""
     xs = [embed(np.array([token]), head) for token in tokens]
-    for layer in range(model.num_layers):
-        with _loaded_once(model, layer, [states[layer] for _, states in runs]):
-            for i, (arm, states) in enumerate(runs):
-                xs[i] = _layer_rows(model, layer, states[layer], xs[i], position, arm, sidecars, prefill=False)
-    return [rows[0] for rows in lm_logits_each(xs, head, model.eps)]
+    with one_blas_thread():
+        for layer in range(model.num_layers):
+            with _loaded_once(model, layer, [states[layer] for _, states in runs]):
+                for i, (arm, states) in enumerate(runs):
+                    xs[i] = _layer_rows(model, layer, states[layer], xs[i], position, arm, sidecars, prefill=False)
+        return [rows[0] for rows in lm_logits_each(xs, head, model.eps)]
 
 
 def _check_arm(arm: Arm, model: ModelCheckpoint, sidecars: SidecarSet | None) -> None:
@@ -296,6 +314,7 @@ def run_arms(
     order: str = "layer",
     keep_hidden: bool = True,
     layer_pairs: tuple[tuple[str, str], ...] = (),
+    resident_budget: int | None = None,
 ) -> dict[str, ArmRun]:
     """Each arm's prefill of ``prompt`` (int [P]) chunk by chunk, then the arms' greedy decodes of ``decode``
     tokens in lockstep -> arm name -> its run.
@@ -315,11 +334,17 @@ def run_arms(
     ``layer_pairs`` (a, b): arm b's per-layer relative difference from arm a, computed as each layer
     finishes (``ArmRun.layer_diffs``); ``keep_hidden=False`` then drops each layer's hidden states
     [P, D] once compared instead of keeping [L, P, D] per arm (1.9 GB for two arms of an 8B model).
+
+    ``resident_budget`` (bytes; default ``arms.resident.RESIDENT_BUDGET_BYTES``, 0 streams): the decoder weights
+    are kept resident in float32 from their first read when they fit it, else streamed from the files at every
+    read as described above (``arms.resident``; the results are equal bit for bit either way). Each run's
+    ``weights`` says which.
     """
     from anelab.core.progress import tqdm
 
     prompt = np.asarray(prompt)
     chunk = _check_run(model, prompt, arms, decode, chunk, sidecars, order)
+    model, weights = weights_for_run(model, resident_budget)
     names = [arm.name for arm in arms]
     unknown = sorted({name for pair in layer_pairs for name in pair} - set(names))
     if unknown:
@@ -356,7 +381,7 @@ def run_arms(
     for i, (run, arm_logits, arm_tokens) in enumerate(zip(runs, logits, tokens, strict=True)):
         diffs = {names[a]: d for (a, b), d in pairs.items() if b == i}
         hidden = run.hidden if keep_hidden else None
-        results[run.arm.name] = ArmRun(run.arm, hidden, np.stack(arm_logits), np.array(arm_tokens), diffs)
+        results[run.arm.name] = ArmRun(run.arm, hidden, np.stack(arm_logits), np.array(arm_tokens), diffs, weights)
     return results
 
 

@@ -149,10 +149,27 @@ def markdown(decision: dict, figure: str) -> str:
         f"{a['decode']} decoded): logits {a['logits_relative_difference']:.3%}, greedy agreement "
         f"{a['greedy_agreement']:.0%}, first layer beyond {a['noise']:.0e}: {a['first_divergent_layer']}. {a['note']}",
     ]
+    out += _greedy_lines(a)
     if v["settle"]:
         out += ["", "## What would change the answer", ""]
         out += [f"- {what}: `{command}`" for what, command in v["settle"]]
     return "\n".join(out) + "\n"
+
+
+def _greedy_lines(arms: dict) -> list[str]:
+    """The greedy text's agreement raw and excluding near-ties, each divergence labelled (arms.compare), and
+    whether these results were reused from the evidence (older evidence carries no labels: nothing printed)."""
+    out = []
+    if "greedy_summary" in arms:
+        out += ["", f"Greedy text: {arms['greedy_summary']}."]
+        if arms.get("divergences"):
+            from anelab.arms.compare import NEAR_TIE_RULE
+
+            out.append(f"({NEAR_TIE_RULE.format(noise=arms['noise'])}.)")
+    if arms.get("reused"):
+        out.append("(The arms' results are those of an earlier run with the same checkpoint, packages and prompt, "
+                   "kept in evidence.json.)")  # fmt: skip
+    return out
 
 
 def html(decision: dict, figure_png_bytes: bytes) -> str:
@@ -168,6 +185,7 @@ def html(decision: dict, figure_png_bytes: bytes) -> str:
         verdict_lines=verdict_lines(decision),
         costs=cost_rows(decision),
         seconds=seconds,
+        greedy_lines=[line for line in _greedy_lines(decision["evidence"]["arms"]) if line],
         figure_uri="data:image/png;base64," + base64.b64encode(figure_png_bytes).decode("ascii"),
     )
 

@@ -7,8 +7,12 @@ stage to stage (``Checkpoint``, ``ModelCheckpoint``, :class:`PromptPlan`, ``Desi
 ``Verdict``); they become dicts only where JSON is written (``evidence.json``, ``decision.json``, the report
 in ``decide.report``). Each prompt length is planned once.
 
-Resumable: ``DIR/evidence.json`` keeps each package's content hash and its verification; a package already
-exported and verified with the same hash, the same request and the same anelab version is reused.
+Resumable: ``DIR/evidence.json`` keeps each package's content hash and its verification, and the whole-model
+arms' summary; a package already exported and verified with the same hash, the same request, the same checkpoint
+(``checkpoint_identity``) and the same anelab version is reused, and so are the arms' results when the checkpoint,
+the served design's package hashes, the prompt length, the chunk, the decode length, the engine and the anelab
+version are all the same (``arms_key``). A rerun with the same inputs repeats none of it; any changed input
+repeats what depends on it.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ class Opened:
     model: object  # anelab.checkpoints.model.ModelCheckpoint, or arms.mlx_engine.MlxArmsModel (engine mlx)
     runtime: object | None
     engine: str = "numpy"
+    identity: dict = field(default_factory=dict)  # checkpoint_identity: what the evidence is keyed on
 
     @property
     def layers(self) -> list[int]:
@@ -210,15 +215,31 @@ def open_request(config: DecideConfig) -> Opened:
                 f"({runtime.unavailable_reason()}); drop --measure or run on a Mac"
             )
         require_neural_engine(runtime, "--measure the ANE arm")
-    return Opened(checkpoint, model, runtime, engine)
+    return Opened(checkpoint, model, runtime, engine, checkpoint_identity(checkpoint))
+
+
+def checkpoint_identity(checkpoint) -> dict:
+    """What decide's evidence recognises a checkpoint by: its resolved path, format, and the size and modification
+    time (ns) of its config and of every file holding its tensors — a file rewritten in place (another model saved
+    over it) changes its time; hashing the bytes would cost a rerun seconds per GB (an 8B model: ~16 GB)."""
+    path = Path(checkpoint.path).resolve()
+    root = path if path.is_dir() else path.parent
+    names = sorted(set(checkpoint.tensors.files()) | ({"config.json"} if (root / "config.json").is_file() else set()))
+    files = {}
+    for name in names:
+        stat = (root / name).stat()
+        files[name] = [stat.st_size, stat.st_mtime_ns]
+    return {"path": str(path), "format": checkpoint.format, "files": files}
 
 
 # ---- evidence: export, verify (resumable) ----------------------------------------------------------------------
 class EvidenceFile:
     """``DIR/evidence.json``: per design, the export request and each layer's package hash and verification."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    ARMS = "whole-model arms"  # the key of the arms' entry (never a design's name)
+
+    def __init__(self, path: Path, checkpoint: dict | None = None):
+        self.path, self.checkpoint = path, checkpoint or {}
         try:
             self.data = json.loads(path.read_text())
         except FileNotFoundError:
@@ -230,10 +251,21 @@ class EvidenceFile:
         """The layers kept for ``design`` exported as ``request`` by this anelab version, through the ANE gate or
         not (``gated``; a new request: none)."""
         kept = self.data.get(design)
-        wanted = {"request": request.to_dict(), "anelab": __version__, "gated": gated}
+        wanted = {"request": request.to_dict(), "anelab": __version__, "gated": gated, "checkpoint": self.checkpoint}
         if not isinstance(kept, dict) or {k: kept.get(k) for k in wanted} != wanted:
             kept = self.data[design] = {**wanted, "layers": {}}
         return kept["layers"]
+
+    def arms(self, key: dict) -> dict | None:
+        """The arms' summary recorded under ``key`` (``arms_key``), or None (none recorded, or another key)."""
+        kept = self.data.get(self.ARMS)
+        if isinstance(kept, dict) and kept.get("key") == key and isinstance(kept.get("result"), dict):
+            return kept["result"]
+        return None
+
+    def record_arms(self, key: dict, result: dict) -> None:
+        self.data[self.ARMS] = {"key": key, "result": result}
+        self.write()
 
     def write(self) -> None:
         atomic_write_text(self.path, json.dumps(self.data, indent=2, sort_keys=True))
@@ -255,7 +287,7 @@ def export_and_verify(
 
     directory = config.out / "sidecars" / request.graph
     gate = AneGate.for_runtime(opened.runtime) if gated else None
-    evidence = EvidenceFile(config.out / "evidence.json")
+    evidence = EvidenceFile(config.out / "evidence.json", opened.identity)
     kept = evidence.layers(request.graph, request, gated=gate is not None)
     reused = {}
     for layer in opened.layers:
@@ -326,22 +358,52 @@ def _verify_summary(report) -> dict:
     }
 
 
-def whole_model_evidence(config: DecideConfig, opened: Opened, candidate: DesignPlan, directory: Path, bar) -> dict:
+def whole_model_evidence(
+    config: DecideConfig, opened: Opened, candidate: DesignPlan, directory: Path, verified: dict, bar
+) -> dict:
     """The whole-model arms at the candidate's chunk on the candidate's own packages (every design the registry
     builds is served; per-history packages of the same chunk only for one the arms would not serve), on anelab's
-    forward or mlx-lm's (``Opened.engine``). Returns the arms' summary (JSON)."""
-    from anelab.arms.compare import compare_arms
-
+    forward or mlx-lm's (``Opened.engine``). Returns the arms' summary (JSON), the one ``evidence.json`` holds
+    when nothing it depends on changed (``arms_key``; ``reused`` says so)."""
     served_by = candidate.design
     if not get_design(served_by).served_by_arms:
         served_by = next(name for name in PRICED if DESIGNS[name].served_by_arms and not DESIGNS[name].stateful)
         per_history = replace(candidate, design=served_by, capacity=None, key_tile=None, query_tile=None)
         bar.total += len(opened.layers)
-        directory, _, _ = export_and_verify(config, opened, per_history.sidecar_request(), bar)
-    bar.set_postfix_str("whole-model arms")
+        directory, verified, _ = export_and_verify(config, opened, per_history.sidecar_request(), bar)
+    evidence = EvidenceFile(config.out / "evidence.json", opened.identity)
+    key = arms_key(config, opened, served_by, candidate.chunk, verified)
+    known = evidence.arms(key)
+    reused = known is not None
+    if not reused:
+        bar.set_postfix_str("whole-model arms")
+        known = run_whole_model_arms(config, opened, directory, served_by, candidate)
+        evidence.record_arms(key, known)
+    bar.update(1)
+    return {**known, "reused": reused}
+
+
+def arms_key(config: DecideConfig, opened: Opened, served_by: str, chunk: int, verified: dict) -> dict:
+    """What the arms' results depend on: the checkpoint, the served packages' content hashes, the prompt length
+    (its seeded ids), the chunk, the decode length, the engine and the anelab version."""
+    return {
+        "checkpoint": opened.identity,
+        "served_by": served_by,
+        "packages": {str(layer): v["sha256"] for layer, v in sorted(verified.items())},
+        "prompt_tokens": int(config.prompt_tokens),
+        "chunk": int(chunk),
+        "decode": int(config.decode),
+        "engine": opened.engine,
+        "anelab": __version__,
+    }
+
+
+def run_whole_model_arms(config: DecideConfig, opened: Opened, directory: Path, served_by: str, candidate) -> dict:
+    """compare-arms of the reference and the sidecar arm on the served packages: the summary decide records."""
+    from anelab.arms.compare import compare_arms
+
     report = compare_arms(opened.model, directory, config.prompt_tokens, decode=config.decode, engine=opened.engine)
     pair = report.pairs[0]
-    bar.update(1)
     return {
         "engine": report.engine,
         "served_by": served_by,
@@ -355,10 +417,15 @@ def whole_model_evidence(config: DecideConfig, opened: Opened, candidate: Design
         "logits_relative_difference": pair.prompt_logits_diff,
         "max_step_logits_difference": max(pair.step_logits_diffs) if pair.step_logits_diffs else None,
         "greedy_agreement": pair.greedy_agreement,
+        "greedy_agreement_excluding_near_ties": pair.agreement_excluding_near_ties,
+        "near_ties": pair.near_ties,
+        "divergences": [d.to_dict() for d in pair.divergences],
+        "greedy_summary": pair.greedy_summary(),
         "identical_text": pair.identical_text,
         "first_divergent_layer": pair.first_divergent_layer,
         "layer_differences": [float(x) for x in pair.layer_diffs],
         "noise": pair.noise,
+        "weights": None if report.weights is None else report.weights.describe(),
     }
 
 
@@ -532,7 +599,7 @@ def decide(config: DecideConfig) -> Decision:
         candidate = choose_design(config, plan)
         bar.update(1)
         directory, verified, refusal = export_and_verify(config, opened, candidate.sidecar_request(), bar)
-        arms = whole_model_evidence(config, opened, candidate, directory, bar)
+        arms = whole_model_evidence(config, opened, candidate, directory, verified, bar)
         measured, final = None, verdicts[candidate.design]
         if opened.runtime is not None:
             bar.set_postfix_str("measure on this Mac")
