@@ -302,3 +302,38 @@ def study_record(studies: list[WidthStudy], parameters: dict) -> dict:
         {"widths": {str(s.chunk): s.to_dict() for s in studies}},
         unknown=["Core ML / ANE numerics (this run evaluates the saved program with NumPy)"],
     )
+
+
+# ---- real text (default-real): folded vs causal-only selection on the whole model's real attention ------------
+def real_fold_comparison(model, prompt: np.ndarray, tokenizer, kept_blocks: int, compress_ratio: int, *,
+                         decode: int, chunk: int):  # fmt: skip
+    """The model read as sparse-indexed (``arms.run.Indexer``: ``kept_blocks`` blocks of ``compress_ratio`` keys,
+    scored on each layer's own q/k) on ``prompt`` (int [P], real text): the folded arm (selection in the mask)
+    against the causal-only arm (a sidecar without the fold), both on the reference attention, decoded greedily
+    -> ``real_text.TextPair`` (causal-only against folded)."""
+    from anelab.arms.run import Arm, Indexer
+    from anelab.studies.real_text import run_pair
+
+    indexer = Indexer(int(kept_blocks), int(compress_ratio))
+    arms = (Arm("folded", "reference", indexer, fold=True), Arm("causal-only", "reference", indexer, fold=False))
+    return run_pair(model, prompt, arms, tokenizer, decode=decode, chunk=chunk)
+
+
+def separation(pair, threshold: float = RELATIVE_ERROR_THRESHOLD) -> dict:
+    """Where two arms' logits separate while their text agrees (``pair``: a ``real_text.TextPair``): the decode
+    steps before the texts differ, the logits difference there (max and at the last prompt position), how many of
+    those steps exceed ``threshold``, and the first layer whose hidden state differs beyond it."""
+    c = pair.comparison
+    agreeing = pair.agreeing_steps
+    diffs = [c.step_logits_diffs[i] for i in agreeing]
+    return {
+        "text_identical": c.identical_text,
+        "first_divergent_step": c.first_divergent_step,
+        "agreeing_steps": len(agreeing),
+        "prompt_logits_diff": c.prompt_logits_diff,
+        "max_logits_diff_while_agreeing": max(diffs, default=None),
+        "agreeing_steps_beyond_threshold": sum(d > threshold for d in diffs),
+        "first_layer_beyond_threshold": c.first_divergent_layer,
+        "last_layer_diff": c.layer_diffs[-1],
+        "threshold": threshold,
+    }
