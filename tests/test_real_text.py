@@ -120,12 +120,12 @@ def test_verify_margins_on_real_activations_pass_and_a_perturbed_sidecar_fails(s
                                            activations=acts, label="tiny")  # fmt: skip
     assert [(r.mode, r.inputs, r.layer) for r in rows][:2] == [
         ("fp16", "random rows", 0),
-        ("fp16", "real activations", 0),
+        ("fp16", "prompt activations", 0),
     ]
     assert len(rows) == 8 and all(r.passed and 0 < r.error < r.threshold and r.control_margin > 1 for r in rows)
     assert all((r.compression is None) == (r.mode == "fp16") for r in rows)
     summary = whole_model_arms.margin_summary(rows)
-    assert summary[("tiny", "fp16", "real activations")]["layers"] == 2
+    assert summary[("tiny", "fp16", "prompt activations")]["layers"] == 2
     assert summary[("tiny", "int8", "random rows")]["compression_bound"] == 0.03
     # negative control: a sidecar whose attention output is off by 3 % must land above the threshold
     package = root / "margins" / "fp16" / "layer_0.mlpackage"
@@ -138,7 +138,7 @@ def test_verify_margins_on_real_activations_pass_and_a_perturbed_sidecar_fails(s
 
     monkeypatch.setattr(SavedPackage, "evaluate", perturbed)
     report = verify_per_history_package(package, checkpoint, progress=False, activations=acts[0])
-    row = whole_model_arms.margin_row(report, "tiny", "fp16", "real activations")
+    row = whole_model_arms.margin_row(report, "tiny", "fp16", "prompt activations")
     assert row.error > RELATIVE_ERROR_THRESHOLD and not row.passed
 
 

@@ -284,8 +284,9 @@ def study_width(
     return WidthStudy(case, check, control, greedy, edge_kb, edge, sweep, message)
 
 
-def study_record(studies: list[WidthStudy], parameters: dict) -> dict:
-    """A measured record (kind ``mask_fold``) of the study's numbers at every width."""
+def study_record(studies: list[WidthStudy], parameters: dict, real: dict | None = None) -> dict:
+    """A measured record (kind ``mask_fold``) of the study's numbers at every width (and ``real``: the
+    default-real section's comparisons, budget name -> ``TextPair.to_dict()`` with its separation)."""
     from anelab.core.records import make_record
 
     if not studies:
@@ -299,7 +300,7 @@ def study_record(studies: list[WidthStudy], parameters: dict) -> dict:
             "evaluator": "anelab.sidecar.evaluate (saved package, NumPy, fp16 storage emulated)",
             "reference": "anelab.core.reference fp64",
         },
-        {"widths": {str(s.chunk): s.to_dict() for s in studies}},
+        {"widths": {str(s.chunk): s.to_dict() for s in studies}, **({"real_text": real} if real else {})},
         unknown=["Core ML / ANE numerics (this run evaluates the saved program with NumPy)"],
     )
 

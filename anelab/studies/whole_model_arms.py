@@ -65,15 +65,25 @@ def greedy_proxy(
 
 
 def arms_record(
-    parameters: dict, pairs: dict[str, PairComparison], sweep: list[WindowPoint], proxy: list[dict]
+    parameters: dict,
+    pairs: dict[str, PairComparison],
+    sweep: list[WindowPoint],
+    proxy: list[dict],
+    real: dict | None = None,
 ) -> dict:
-    """A measured record (kind ``whole_model_arms``) of the per-layer differences, the sweep and the proxy."""
+    """A measured record (kind ``whole_model_arms``) of the per-layer differences, the sweep and the proxy (and
+    ``real``: the default-real sections' results — the sidecar arm on real text, the verify margins)."""
     from anelab.core.records import make_record
 
     return make_record(
         "whole_model_arms",
         {**parameters, "noise": NOISE, "evaluator": "saved packages evaluated with NumPy (fp16 storage emulated)"},
-        {"pairs": {k: p.to_dict() for k, p in pairs.items()}, "sweep": [p.to_dict() for p in sweep], "proxy": proxy},
+        {
+            "pairs": {k: p.to_dict() for k, p in pairs.items()},
+            "sweep": [p.to_dict() for p in sweep],
+            "proxy": proxy,
+            **({"real_text": real} if real else {}),
+        },
         unknown=["Core ML / ANE numerics (this run evaluates the saved programs with NumPy)"],
     )
 
@@ -99,7 +109,7 @@ class MarginRow:
 
     checkpoint: str
     mode: str
-    inputs: str  # "random rows" or "real activations"
+    inputs: str  # "random rows" or "prompt activations"
     layer: int
     error: float
     threshold: float
@@ -159,7 +169,7 @@ def verify_margins(
             if activations is not None:
                 report = verify_per_history_package(result.package, checkpoint, progress=False,
                                                     activations=activations[layer])  # fmt: skip
-                rows.append(margin_row(report, label, mode, "real activations"))
+                rows.append(margin_row(report, label, mode, "prompt activations"))
     return rows
 
 
