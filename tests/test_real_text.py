@@ -170,3 +170,15 @@ def test_sidecar_on_real_text_stays_at_fp16_noise_and_a_broken_layer_does_not(se
     broken = Arm("sidecar", "sidecar", perturbation=Perturbation(0, "mask_dropped"))
     control = real_text.run_pair(model, prompt, (Arm("reference"), broken), tok, decode=DECODE, sidecars=sidecars)
     assert control.comparison.first_divergent_layer == 0 and control.comparison.prompt_logits_diff > NOISE
+
+
+def test_docs_prompt_through_the_real_tokenizer_reads_back_as_the_readme(real_gguf):
+    """default-real's own tokenizer (from the GGUF metadata): the prompt decodes to the README's first words;
+    control: the same ids shifted by one decode to other text."""
+    from anelab.checkpoints.checkpoint import load_checkpoint
+
+    tokenizer = load_checkpoint(real_gguf).tokenizer()
+    ids = real_text.docs_prompt(tokenizer, 32)
+    text = real_text.docs_text()
+    assert ids.size == 32 and text.startswith(tokenizer.decode(ids)) and len(tokenizer.decode(ids)) > 60
+    assert not text.startswith(tokenizer.decode(ids + 1))
