@@ -1,6 +1,7 @@
 """Verification of a saved sidecar package against the independent NumPy reference.
 
-For every function h<H> the same inputs — random fp16 hidden rows, a K/V history produced by the
+For every function h<H> the same inputs — random fp16 hidden rows (or, with ``activations``, a real prompt's
+post-norm rows at the layer), a K/V history produced by the
 reference from random history rows, and the causal mask — go to the saved package (evaluated from
 disk with ``anelab.sidecar.evaluate``; Core ML on a Mac later) and to ``anelab.core.reference``. The relative
 error ||package - reference|| / ||reference|| of ``attn_out``, ``k_chunk`` and ``v_chunk`` must stay
@@ -229,8 +230,12 @@ def verify_per_history_package(
     precision: str = REFERENCE_PRECISION,
     evaluator: Evaluator | None = None,
     progress: bool = True,
+    activations: np.ndarray | None = None,
 ) -> VerifyReport:
     """Verify every function h<H> of a saved dense or tiled sidecar against the reference (module docstring).
+
+    ``activations`` [P, D]: the layer's real attention inputs (post-norm rows of a prompt through the model,
+    positions 0 .. P-1) feed the cases in place of random fp16 rows (``function_cases``).
 
     ``precision``: the reference's ("fp32": its own error against fp64 is measured on a slice of every
     function and must stay under ``REFERENCE_ERROR_BOUND``; "fp64": the exact math, slower).
@@ -261,7 +266,9 @@ def verify_per_history_package(
     compressed = meta.weights != "fp16"
     compression = (checkpoint.layer(meta.layer), meta.weights) if compressed else None
     with tqdm(total=len(names) * (4 + compressed), desc="verify", unit="case", disable=not progress) as run.progress:
-        for inputs, weights, rng in function_cases(meta, checkpoint, saved, names, seed=seed, run=run):
+        for inputs, weights, rng in function_cases(
+            meta, checkpoint, saved, names, seed=seed, run=run, activations=activations
+        ):
             report.comparisons += function_comparisons(run, inputs, weights, rng, compression=compression)
     if meta.selection_folded:
         with _timed(report.seconds, "fold check"):
@@ -320,26 +327,80 @@ class CaseRun:
 
 
 def function_cases(
-    meta: SidecarMetadata, checkpoint, saved: SavedPackage, names: list[str], *, seed: int, run: CaseRun
+    meta: SidecarMetadata,
+    checkpoint,
+    saved: SavedPackage,
+    names: list[str],
+    *,
+    seed: int,
+    run: CaseRun,
+    activations: np.ndarray | None = None,
 ):
     """Per function ``h<H>``: (its inputs, the weights its graph holds, its random stream). The K/V history
     comes from one projection shared by every function (its first H positions), or — compressed weights —
-    from each function's own stored weights (dequantized)."""
+    from each function's own stored weights (dequantized).
+
+    ``activations`` [P, D] (the layer's real attention inputs, post-norm, positions 0 .. P-1; P >= the longest
+    history + chunk): the history rows are its first H rows and the chunk rows the next C, in place of random
+    fp16 rows (``activation_inputs``); the controls' random draws still come from the function's stream."""
     checkpoint_weights = checkpoint.layer(meta.layer)
     compressed = meta.weights != "fp16"
     cache = dict(geometry=checkpoint.geometry, seed=seed, rope_coverage=meta.coverage, precision=run.precision)
+    if activations is not None:
+        activations = check_activations(activations, checkpoint.geometry, max(map(history_of, names)) + meta.chunk)
     with _timed(run.seconds, "inputs"):
-        shared = None if compressed else verify_history(max(map(history_of, names)), checkpoint_weights, **cache)
+        shared = None if compressed or activations is not None else verify_history(
+            max(map(history_of, names)), checkpoint_weights, **cache)  # fmt: skip
     for name in names:
         with _timed(run.seconds, "inputs"):
             weights = (
                 quantize.dequantized_weights(saved, name, checkpoint_weights) if compressed else checkpoint_weights
             )
-            history = verify_history(history_of(name), weights, **cache) if compressed else shared
             rng = np.random.default_rng([seed, history_of(name)])
+            if activations is not None:
+                inputs = activation_inputs(name, meta.chunk, weights, checkpoint.geometry, activations,
+                                           rope_coverage=meta.coverage, precision=run.precision)  # fmt: skip
+                yield inputs, weights, rng
+                continue
+            history = verify_history(history_of(name), weights, **cache) if compressed else shared
             inputs = random_function_inputs(name, meta.chunk, weights, checkpoint.geometry, rng,
                                             rope_coverage=meta.coverage, precision=run.precision, history_kv=history)  # fmt: skip
         yield inputs, weights, rng
+
+
+def check_activations(activations: np.ndarray, geometry: AttentionGeometry, rows: int) -> np.ndarray:
+    """Real attention inputs [P, D] as fp16, refused in one line unless 2-D with D = hidden_size, P >= ``rows``
+    and finite in fp16."""
+    a = np.asarray(activations)
+    if a.ndim != 2 or a.shape[1] != geometry.hidden_size or a.shape[0] < rows:
+        raise AnelabInputError(
+            f"activations must be [P >= {rows}, {geometry.hidden_size}] (the longest history + a chunk of rows), "
+            f"got {list(a.shape)}; use a longer prompt"
+        )
+    with np.errstate(over="ignore"):
+        a16 = a.astype(np.float16)
+    if not np.all(np.isfinite(a16)):
+        raise AnelabInputError("activations overflow fp16 (a row holds inf or nan); the sidecar could not take them")
+    return a16
+
+
+def activation_inputs(
+    function: str,
+    chunk: int,
+    weights: AttentionWeights,
+    geometry: AttentionGeometry,
+    activations: np.ndarray,
+    *,
+    rope_coverage: int | None = None,
+    precision: str = "fp64",
+) -> FunctionInputs:
+    """The inputs of ``h<H>`` from real rows (activations fp16 [P, D], positions 0 .. P-1): the cache is rows
+    0 .. H-1 projected by the reference (fp16 [H, Hkv, d]), the chunk rows H .. H+C-1."""
+    history = history_of(function)
+    k_hist, v_hist = reference.history_kv(activations[:history], weights, geometry, precision,
+                                          rope_coverage=rope_coverage)  # fmt: skip
+    hidden = np.ascontiguousarray(activations[history : history + chunk])
+    return FunctionInputs(function, history, hidden, k_hist.astype(np.float16), v_hist.astype(np.float16))
 
 
 def function_comparisons(

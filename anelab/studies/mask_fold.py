@@ -284,8 +284,9 @@ def study_width(
     return WidthStudy(case, check, control, greedy, edge_kb, edge, sweep, message)
 
 
-def study_record(studies: list[WidthStudy], parameters: dict) -> dict:
-    """A measured record (kind ``mask_fold``) of the study's numbers at every width."""
+def study_record(studies: list[WidthStudy], parameters: dict, real: dict | None = None) -> dict:
+    """A measured record (kind ``mask_fold``) of the study's numbers at every width (and ``real``: the
+    default-real section's comparisons, budget name -> ``TextPair.to_dict()`` with its separation)."""
     from anelab.core.records import make_record
 
     if not studies:
@@ -299,6 +300,41 @@ def study_record(studies: list[WidthStudy], parameters: dict) -> dict:
             "evaluator": "anelab.sidecar.evaluate (saved package, NumPy, fp16 storage emulated)",
             "reference": "anelab.core.reference fp64",
         },
-        {"widths": {str(s.chunk): s.to_dict() for s in studies}},
+        {"widths": {str(s.chunk): s.to_dict() for s in studies}, **({"real_text": real} if real else {})},
         unknown=["Core ML / ANE numerics (this run evaluates the saved program with NumPy)"],
     )
+
+
+# ---- real text (default-real): folded vs causal-only selection on the whole model's real attention ------------
+def real_fold_comparison(model, prompt: np.ndarray, tokenizer, kept_blocks: int, compress_ratio: int, *,
+                         decode: int, chunk: int):  # fmt: skip
+    """The model read as sparse-indexed (``arms.run.Indexer``: ``kept_blocks`` blocks of ``compress_ratio`` keys,
+    scored on each layer's own q/k) on ``prompt`` (int [P], real text): the folded arm (selection in the mask)
+    against the causal-only arm (a sidecar without the fold), both on the reference attention, decoded greedily
+    -> ``real_text.TextPair`` (causal-only against folded)."""
+    from anelab.arms.run import Arm, Indexer
+    from anelab.studies.real_text import run_pair
+
+    indexer = Indexer(int(kept_blocks), int(compress_ratio))
+    arms = (Arm("folded", "reference", indexer, fold=True), Arm("causal-only", "reference", indexer, fold=False))
+    return run_pair(model, prompt, arms, tokenizer, decode=decode, chunk=chunk)
+
+
+def separation(pair, threshold: float = RELATIVE_ERROR_THRESHOLD) -> dict:
+    """Where two arms' logits separate while their text agrees (``pair``: a ``real_text.TextPair``): the decode
+    steps before the texts differ, the logits difference there (max and at the last prompt position), how many of
+    those steps exceed ``threshold``, and the first layer whose hidden state differs beyond it."""
+    c = pair.comparison
+    agreeing = pair.agreeing_steps
+    diffs = [c.step_logits_diffs[i] for i in agreeing]
+    return {
+        "text_identical": c.identical_text,
+        "first_divergent_step": c.first_divergent_step,
+        "agreeing_steps": len(agreeing),
+        "prompt_logits_diff": c.prompt_logits_diff,
+        "max_logits_diff_while_agreeing": max(diffs, default=None),
+        "agreeing_steps_beyond_threshold": sum(d > threshold for d in diffs),
+        "first_layer_beyond_threshold": c.first_divergent_layer,
+        "last_layer_diff": c.layer_diffs[-1],
+        "threshold": threshold,
+    }

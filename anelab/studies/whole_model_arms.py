@@ -12,6 +12,7 @@ from anelab.arms.compare import NOISE, PairComparison, compare_runs
 from anelab.arms.run import Arm, Indexer, run_arms
 from anelab.arms.sidecars import SidecarSet
 from anelab.checkpoints.model import ModelCheckpoint
+from anelab.core.errors import AnelabInputError
 
 
 @dataclass
@@ -64,14 +65,142 @@ def greedy_proxy(
 
 
 def arms_record(
-    parameters: dict, pairs: dict[str, PairComparison], sweep: list[WindowPoint], proxy: list[dict]
+    parameters: dict,
+    pairs: dict[str, PairComparison],
+    sweep: list[WindowPoint],
+    proxy: list[dict],
+    real: dict | None = None,
 ) -> dict:
-    """A measured record (kind ``whole_model_arms``) of the per-layer differences, the sweep and the proxy."""
+    """A measured record (kind ``whole_model_arms``) of the per-layer differences, the sweep and the proxy (and
+    ``real``: the default-real sections' results — the sidecar arm on real text, the verify margins)."""
     from anelab.core.records import make_record
 
     return make_record(
         "whole_model_arms",
         {**parameters, "noise": NOISE, "evaluator": "saved packages evaluated with NumPy (fp16 storage emulated)"},
-        {"pairs": {k: p.to_dict() for k, p in pairs.items()}, "sweep": [p.to_dict() for p in sweep], "proxy": proxy},
+        {
+            "pairs": {k: p.to_dict() for k, p in pairs.items()},
+            "sweep": [p.to_dict() for p in sweep],
+            "proxy": proxy,
+            **({"real_text": real} if real else {}),
+        },
         unknown=["Core ML / ANE numerics (this run evaluates the saved programs with NumPy)"],
     )
+
+
+# ---- real text (default-real): the sidecar arm against the reference, and the verify margin -------------------
+def real_sidecar_comparison(
+    model: ModelCheckpoint, prompt: np.ndarray, sidecars: SidecarSet, tokenizer, *, decode: int
+):
+    """The reference arm and the sidecar arm (every attention layer from its saved package) on ``prompt`` (int
+    [P], real text), both decoded greedily -> ``real_text.TextPair`` (sidecar against reference)."""
+    from anelab.studies.real_text import run_pair
+
+    arms = (Arm("reference"), Arm("sidecar", "sidecar"))
+    return run_pair(model, prompt, arms, tokenizer, decode=decode, sidecars=sidecars)
+
+
+@dataclass
+class MarginRow:
+    """One package's verification, summarised: ``error`` the worst relative error of the comparisons held to the
+    fp16 threshold (package vs the reference with the weights the graph holds; full and partial chunk, every
+    function), ``compression`` the worst against the checkpoint's own weights with its ``compression_bound``
+    (None for fp16), ``control_margin`` the weakest negative control over its bound (> 1: every control failed)."""
+
+    checkpoint: str
+    mode: str
+    inputs: str  # "random rows" or "prompt activations"
+    layer: int
+    error: float
+    threshold: float
+    compression: float | None
+    compression_bound: float | None
+    control_margin: float
+    passed: bool
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def margin_row(report, checkpoint: str, mode: str, inputs: str) -> MarginRow:
+    """A ``MarginRow`` from one ``sidecar.verify_cases.VerifyReport``."""
+    checked = [c for c in report.comparisons if not c.control and c.bound is None]
+    compressed = [c for c in report.comparisons if not c.control and c.bound is not None]
+    controls = [c.worst / (report.threshold if c.bound is None else c.bound) for c in report.comparisons if c.control]
+    if not checked or not controls:
+        raise AnelabInputError(f"{report.package}: the report holds no checked comparison or no control")
+    return MarginRow(
+        checkpoint, mode, inputs, report.layer, max(c.worst for c in checked), report.threshold,
+        max((c.worst for c in compressed), default=None), compressed[0].bound if compressed else None,
+        min(controls), report.passed,
+    )  # fmt: skip
+
+
+def verify_margins(
+    checkpoint,
+    out_dir,
+    modes: list[str],
+    layers: list[int],
+    *,
+    chunk: int,
+    activations: dict[int, np.ndarray] | None = None,
+    label: str | None = None,
+) -> list[MarginRow]:
+    """Export ``layers`` of ``checkpoint`` in each weight mode (functions h0, h<chunk>) and verify every package
+    (``verify_cases.verify_per_history_package``) on random rows and, when ``activations`` (layer -> post-norm
+    rows [P >= 2 chunk, D], ``real_text.attention_inputs``) is given, on those real rows too."""
+    from pathlib import Path
+
+    from anelab.core.progress import tqdm
+    from anelab.sidecar.export import export_sidecars
+    from anelab.sidecar.verify_cases import verify_per_history_package
+
+    label = label or Path(checkpoint).name
+    rows = []
+    for mode in tqdm(list(modes), desc="weight modes", unit="mode"):
+        results = export_sidecars(checkpoint, Path(out_dir) / mode, int(chunk), [0, int(chunk)], list(layers),
+                                  weights_mode=mode)  # fmt: skip
+        for result in results:
+            layer = int(result.metadata.layer)
+            report = verify_per_history_package(result.package, checkpoint, progress=False)
+            rows.append(margin_row(report, label, mode, "random rows"))
+            if activations is not None:
+                report = verify_per_history_package(result.package, checkpoint, progress=False,
+                                                    activations=activations[layer])  # fmt: skip
+                rows.append(margin_row(report, label, mode, "prompt activations"))
+    return rows
+
+
+def margin_summary(rows: list[MarginRow]) -> dict[tuple[str, str, str], dict]:
+    """(checkpoint, mode, inputs) -> min / median / max of the per-layer error (and of the compression error)."""
+    groups: dict[tuple[str, str, str], list[MarginRow]] = {}
+    for r in rows:
+        groups.setdefault((r.checkpoint, r.mode, r.inputs), []).append(r)
+    out = {}
+    for key, group in groups.items():
+        errors = np.array([r.error for r in group])
+        entry = {"layers": len(group), "min": float(errors.min()), "median": float(np.median(errors)),
+                 "max": float(errors.max()), "headroom": float(group[0].threshold / errors.max()),
+                 "passed": all(r.passed for r in group)}  # fmt: skip
+        comp = [r.compression for r in group if r.compression is not None]
+        if comp:
+            entry.update(compression_max=float(max(comp)), compression_bound=group[0].compression_bound)
+        out[key] = entry
+    return out
+
+
+def random_twin(model: ModelCheckpoint, directory, layers: int, *, vocab: int = 2048, seed: int = 0):
+    """A random-weight checkpoint of ``model``'s attention geometry with ``layers`` layers (``vocab`` words,
+    the same MLP width): what the verify margin is beside, weights aside."""
+    import dataclasses
+    from pathlib import Path
+
+    from anelab.checkpoints.model import write_random_model
+
+    g = dataclasses.replace(model.geometry, num_layers=int(layers), full_attention_layers=tuple(range(int(layers))))
+    directory = Path(directory)
+    if (directory / "config.json").is_file():
+        return directory
+    return write_random_model(directory, g, vocab=vocab, intermediate=model.intermediate, seed=seed, tied=model.tied)
