@@ -1,4 +1,4 @@
-"""Real text in the studies (``anelab.studies.real_text``, the real-text parts of ``mask_fold`` and
+"""Real text in the studies (``anelab.arms.real_text``, the real-text parts of ``mask_fold`` and
 ``whole_model_arms``) and verification on real activations (``verify_cases`` with ``activations``).
 
 Fast: a tiny two-layer model written here, short prompts; each check with a negative control."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from anelab.arms import real_text
 from anelab.arms.compare import NOISE
 from anelab.arms.run import Arm, Perturbation, run_arms
 from anelab.arms.sidecars import open_sidecars
@@ -22,7 +23,7 @@ from anelab.sidecar.drivers import prompt_reference
 from anelab.sidecar.evaluate import SavedPackage
 from anelab.sidecar.export import export_sidecars
 from anelab.sidecar.verify_cases import activation_inputs, check_activations, verify_per_history_package
-from anelab.studies import mask_fold, real_text, whole_model_arms
+from anelab.studies import mask_fold, whole_model_arms
 
 CHUNK, PROMPT, DECODE, RATIO = 8, 40, 4, 4
 GEOMETRY = AttentionGeometry(variant="qwen3", hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,

@@ -75,7 +75,7 @@ STUDIES: tuple[Study, ...] = (
         "be caught?",
         "everything: saved graph vs fp64 reference under folded, causal and swept masks, vacuity guard, greedy vs raw",
         None,
-        ("mask_fold_checks", "mask_fold_budget_sweep", "mask_fold_greedy_vs_raw"),
+        ("mask_fold_checks", "mask_fold_budget_sweep", "mask_fold_greedy_vs_raw", "mask_fold_real_text"),
         (
             Headline("fold_error", "fold error: saved graph vs fp64 reference, widest chunk", "relative", "mask_fold",
                      lambda rs: (w := widest(rs)) and w["check"]["fold_error"]),
@@ -152,7 +152,7 @@ STUDIES: tuple[Study, ...] = (
         "check would notice a wrong mask?",
         "the whole dense model on its sidecars: chunked prefill, greedy decode, per-layer and logits differences",
         "Core ML numerics of the same arms (anelab compare-arms --compute-units)",
-        ("arms_per_layer_difference", "arms_logits_vs_greedy"),
+        ("arms_per_layer_difference", "arms_logits_vs_greedy", "arms_real_text", "arms_verify_margin"),
     ),
 )  # fmt: skip
 

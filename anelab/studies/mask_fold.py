@@ -312,8 +312,8 @@ def real_fold_comparison(model, prompt: np.ndarray, tokenizer, kept_blocks: int,
     scored on each layer's own q/k) on ``prompt`` (int [P], real text): the folded arm (selection in the mask)
     against the causal-only arm (a sidecar without the fold), both on the reference attention, decoded greedily
     -> ``real_text.TextPair`` (causal-only against folded)."""
+    from anelab.arms.real_text import run_pair
     from anelab.arms.run import Arm, Indexer
-    from anelab.studies.real_text import run_pair
 
     indexer = Indexer(int(kept_blocks), int(compress_ratio))
     arms = (Arm("folded", "reference", indexer, fold=True), Arm("causal-only", "reference", indexer, fold=False))

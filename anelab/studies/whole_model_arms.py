@@ -94,7 +94,7 @@ def real_sidecar_comparison(
 ):
     """The reference arm and the sidecar arm (every attention layer from its saved package) on ``prompt`` (int
     [P], real text), both decoded greedily -> ``real_text.TextPair`` (sidecar against reference)."""
-    from anelab.studies.real_text import run_pair
+    from anelab.arms.real_text import run_pair
 
     arms = (Arm("reference"), Arm("sidecar", "sidecar"))
     return run_pair(model, prompt, arms, tokenizer, decode=decode, sidecars=sidecars)
