@@ -564,7 +564,8 @@ EXPECT = {
     "package weight.bin truncated": "program or weights cannot be read",
     "package weight.bin empty": "program or weights cannot be read",
     "package weight.bin missing": "program or weights cannot be read",
-    "package model.mlmodel byte flipped": "model spec does not parse",
+    # which refusal depends on the byte the flip hits (the spec's framing, or a field the program reader then meets)
+    "package model.mlmodel byte flipped": ("model spec does not parse", "program or weights cannot be read"),
     "package metadata anelab.chunk=-16": "'anelab.chunk' is -16",
     "package metadata sourceTensors a list": "source_tensors is not a JSON object",
     "package metadata format 99": "sidecar format 99",
@@ -776,11 +777,16 @@ def sources(tmp_path_factory) -> Sources:
 def test_one_line_exit_2_nothing_written(name, sources, tmp_path):
     outcome = run_case(name, tmp_path, sources)
     assert not outcome.problems(), (name, outcome.problems())
-    assert EXPECT[name] in outcome.lines[0], (name, outcome.lines[0])
+    assert _says(EXPECT[name], outcome.lines[0]), (name, outcome.lines[0])
 
 
 def test_every_row_says_what_its_line_must_name():
     assert set(EXPECT) == set(CASES)
+
+
+def _says(expect: str | tuple[str, ...], line: str) -> bool:
+    """Whether ``line`` holds the expected phrase (or one of the expected alternatives)."""
+    return any(phrase in line for phrase in ((expect,) if isinstance(expect, str) else expect))
 
 
 # ---- outside pytest: count the outcomes (e.g. against main before the fixes) -----------------------------
@@ -793,7 +799,7 @@ def _one(name: str, sources_root: str) -> int:
     sources = Sources(*(Path(sources_root) / n for n in ("dense", "hybrid", "export")))
     root = Path(tempfile.mkdtemp(dir=sources_root, prefix="row-"))
     o = run_case(name, root, sources)
-    problems = o.problems() or ([] if EXPECT[name] in o.lines[0] else [f"the line does not say {EXPECT[name]!r}"])
+    problems = o.problems() or ([] if _says(EXPECT[name], o.lines[0]) else [f"the line does not say {EXPECT[name]!r}"])
     print(json.dumps({"code": o.code, "traceback": o.traceback, "hung": o.hung, "problems": problems}))
     return 0
 
