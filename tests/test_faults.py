@@ -270,6 +270,10 @@ def test_verify_dir_fails_a_partial_export_and_passes_the_whole_one(full_export,
     assert main(["verify", str(partial), "--layers", "0,1,3"]) == 0  # the set asked for with export --layers
     assert main(["verify", str(partial), "--layers", "0,1,2"]) == 1  # control: layer 2 asked for, not there
     assert "layer_2 is missing (1 of the requested 3" in capsys.readouterr().out
+    assert main(["verify", str(partial), "--layers", "0,7"]) == 2  # layer 7 is no attention layer: refused
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--layers 7: not an attention layer" in err[0], err
+    assert main(["verify", str(partial / "layer_0.mlpackage"), "--layers", "0"]) == 2  # --layers on one package
 
 
 def test_verify_dir_fails_two_designs_and_two_checkpoints(dense, full_export, tmp_path, capsys):

@@ -152,6 +152,8 @@ def verify_export(
     elif jobs is None:
         jobs = default_jobs(len(packages))
     threads_per_run(jobs)  # 1..cores, else refused in one line before anything runs
+    if layers is not None and packages:  # a --layers that names no attention layer is refused before any work
+        _attention_layers(checkpoint_dir or read_metadata(packages[0][1]).source, layers)
     checkpoint = None if checkpoint_dir is None else str(checkpoint_dir)
     work = [(str(path), checkpoint, fp16) for _, path in packages]
     with tqdm(total=len(packages), desc="verify packages", unit="pkg") as bar:
@@ -186,7 +188,6 @@ def set_problems(
     against) or more than one design, or the checkpoint's attention layers (full and sliding-window) and the
     packages' layers differ — a missing layer (an interrupted or failed export) or a stray one. ``layers``: the
     set asked for (each must be an attention layer), instead of all of them."""
-    from anelab.checkpoints.checkpoint import load_checkpoint
 
     problems = []
     sources = sorted({m.source for m in metas.values()})
@@ -200,14 +201,11 @@ def set_problems(
         problems.append(f"the packages are {len(designs)} designs ({groups})")
     source = checkpoint_dir if checkpoint_dir is not None else sources[0]
     try:
-        attention = set(load_checkpoint(source).geometry.full_attention_layers)
+        attention = _attention_layers(source, None)
     except AnelabInputError as e:
         return [*problems, f"the checkpoint {source} cannot be read to list its attention layers ({e})"]
+    _refuse_other_layers(layers, attention, source)
     expected = attention if layers is None else set(layers)
-    if expected - attention:
-        raise AnelabInputError(
-            f"--layers {','.join(map(str, sorted(expected - attention)))}: not an attention layer of {source}"
-        )
     whose = "the checkpoint's" if layers is None else "the requested"
     missing, stray = sorted(expected - set(metas)), sorted(set(metas) - expected)
     if missing:
@@ -219,6 +217,22 @@ def set_problems(
     if stray:
         problems.append(f"layer {','.join(map(str, stray))} is not an attention layer of {source}")
     return problems
+
+
+def _attention_layers(source, layers: list[int] | None) -> set[int]:
+    """The checkpoint's attention layers (full and sliding-window); a ``layers`` naming another is refused."""
+    from anelab.checkpoints.checkpoint import load_checkpoint
+
+    attention = set(load_checkpoint(source).geometry.full_attention_layers)
+    _refuse_other_layers(layers, attention, source)
+    return attention
+
+
+def _refuse_other_layers(layers: list[int] | None, attention: set[int], source) -> None:
+    if layers is not None and set(layers) - attention:
+        raise AnelabInputError(
+            f"--layers {','.join(map(str, sorted(set(layers) - attention)))}: not an attention layer of {source}"
+        )
 
 
 def _verify_numpy(job: tuple[str, str | None, bool]) -> VerifyReport:
