@@ -324,7 +324,7 @@ def _is_hybrid_config(text: dict) -> bool:
     return "linear_attention" in types or "full_attention_interval" in text
 
 
-def _config_int(
+def config_int(
     text: dict, key: str, default: int | None = None, *, maximum: int | None = None, minimum: int | None = None
 ) -> int:
     """config.json ``key`` as an integer (a float holding a whole number counts, as JSON writers emit ``4.0``);
@@ -342,13 +342,24 @@ def _config_int(
     return int(value)
 
 
-def _config_number(text: dict, key: str, default: float | None) -> float | None:
+def config_number(text: dict, key: str, default: float | None) -> float | None:
     value = text.get(key, default)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not value > 0:
         raise AnelabInputError(f"config.json {key!r} must be a finite positive number, got {_shown(value)}")
     return float(value)
+
+
+def config_flag(text: dict, key: str, default: bool) -> bool:
+    """config.json ``key`` as true/false (absent or null: ``default``); a string, number or list is refused
+    rather than read by truthiness (``"false"`` would be true)."""
+    value = text.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise AnelabInputError(f"config.json {key!r} must be true or false, got {_shown(value)}")
+    return value
 
 
 def _shown(value) -> str:
@@ -396,7 +407,7 @@ def _window_size(text: dict, family: ModelFamily) -> int | None:
     value = text.get("sliding_window", family.window_default)
     if value is None:
         return None
-    return _config_int({"sliding_window": value}, "sliding_window", maximum=MAX_POSITIONS)
+    return config_int({"sliding_window": value}, "sliding_window", maximum=MAX_POSITIONS)
 
 
 def _sliding_rule(text: dict, family: ModelFamily, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
@@ -427,12 +438,12 @@ def _sliding_rule(text: dict, family: ModelFamily, num_layers: int) -> tuple[int
     elif rule in ("global", "qwen_all", "layer_types"):
         sliding = tuple(range(num_layers))
     elif rule == "qwen":
-        first = _config_int(text, "max_window_layers", 28)  # transformers' default
+        first = config_int(text, "max_window_layers", 28)  # transformers' default
         sliding = tuple(range(first, num_layers))
     elif rule == "gemma2":
         sliding = tuple(i for i in range(num_layers) if (i + 1) % 2)
     elif rule == "gemma3":
-        pattern = _config_int(text, "sliding_window_pattern", 6, minimum=1)
+        pattern = config_int(text, "sliding_window_pattern", 6, minimum=1)
         sliding = tuple(i for i in range(num_layers) if (i + 1) % pattern)
     elif rule == "smollm3":
         sliding = _no_rope_layers(text, num_layers)
@@ -446,7 +457,7 @@ def _no_rope_layers(text: dict, num_layers: int) -> tuple[int, ...]:
     ``no_rope_layer_interval``-th layer ((i + 1) % interval == 0)."""
     flags = text.get("no_rope_layers")
     if flags is None:
-        interval = _config_int(text, "no_rope_layer_interval", 4, minimum=1)
+        interval = config_int(text, "no_rope_layer_interval", 4, minimum=1)
         flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
     if not isinstance(flags, list) or len(flags) != num_layers or any(f not in (0, 1) for f in flags):
         raise AnelabInputError(f"config.json no_rope_layers must list 0/1 per layer ({num_layers}), got {flags!r}")
@@ -463,12 +474,12 @@ def full_attention_layers(config: dict) -> tuple[int, ...]:
     """
     _, family = detect_family(config)
     text = text_config(config)
-    num_layers = _config_int(text, "num_hidden_layers", maximum=MAX_LAYERS)
+    num_layers = config_int(text, "num_hidden_layers", maximum=MAX_LAYERS)
     types = _layer_types(text, num_layers)
     if types is not None:
         layers = tuple(i for i, t in enumerate(types) if t != "linear_attention")
     elif family.hybrid:
-        interval = _config_int(text, "full_attention_interval", 4)
+        interval = config_int(text, "full_attention_interval", 4)
         if interval <= 0:
             raise AnelabInputError(f"config.json full_attention_interval must be positive, got {interval}")
         layers = tuple(i for i in range(num_layers) if (i + 1) % interval == 0)
@@ -496,9 +507,9 @@ def _refuse_unmodelled(text: dict, family: ModelFamily, model_type: str) -> None
 
 def _scale(text: dict, family: ModelFamily) -> float | None:
     if family.scale == "query_pre_attn_scalar":
-        return _config_number(text, "query_pre_attn_scalar", 256) ** -0.5
+        return config_number(text, "query_pre_attn_scalar", 256) ** -0.5
     if family.scale == "attention_multiplier":
-        return _config_number(text, "attention_multiplier", 1.0)
+        return config_number(text, "attention_multiplier", 1.0)
     return None
 
 
@@ -515,7 +526,7 @@ def _rope_options(text: dict, family: ModelFamily, model_type: str, head_dim: in
             full = {k: v for k, v in full.items() if k not in ("rope_type", "type")}
     mpe = text.get("max_position_embeddings")
     if mpe is not None:
-        _config_int(text, "max_position_embeddings", minimum=1)
+        config_int(text, "max_position_embeddings", minimum=1)
     scaling = RopeScaling.from_config(
         full, max_position_embeddings=mpe, original_max_position_embeddings=text.get("original_max_position_embeddings")
     )
@@ -552,7 +563,7 @@ def _rope_options(text: dict, family: ModelFamily, model_type: str, head_dim: in
 
 def _after_o_proj(text: dict, family: ModelFamily) -> str:
     if family.scale == "attention_multiplier":
-        multiplier = _config_number(text, "residual_multiplier", 1.0)
+        multiplier = config_number(text, "residual_multiplier", 1.0)
         return (
             ""
             if multiplier == 1.0
@@ -566,20 +577,20 @@ def geometry_from_config(config: dict) -> AttentionGeometry:
     model_type, family = detect_family(config)
     text = text_config(config)
     _refuse_unmodelled(text, family, model_type)
-    hidden = _config_int(text, "hidden_size", maximum=MAX_WIDTH)
-    heads = _config_int(text, "num_attention_heads", maximum=MAX_HEADS)
-    kv_heads = _config_int(text, "num_key_value_heads", heads, maximum=MAX_HEADS)
+    hidden = config_int(text, "hidden_size", maximum=MAX_WIDTH)
+    heads = config_int(text, "num_attention_heads", maximum=MAX_HEADS)
+    kv_heads = config_int(text, "num_key_value_heads", heads, maximum=MAX_HEADS)
     if heads <= 0 or hidden <= 0:
         raise AnelabInputError(
             f"config.json hidden_size and num_attention_heads must be positive, got {hidden}, {heads}"
         )
     head_dim = _head_dim(text, family, hidden, heads)
-    eps = _config_number(text, family.eps_key, family.eps_default)
+    eps = config_number(text, family.eps_key, family.eps_default)
 
-    attention_bias = bool(text.get(family.bias_key, family.bias_default))
+    attention_bias = config_flag(text, family.bias_key, family.bias_default)
     qkv_bias = attention_bias if family.qkv_bias is None else family.qkv_bias
     o_bias = attention_bias if family.o_bias is None else family.o_bias
-    num_layers = _config_int(text, "num_hidden_layers", maximum=MAX_LAYERS)
+    num_layers = config_int(text, "num_hidden_layers", maximum=MAX_LAYERS)
     window, sliding = _sliding_rule(text, family, num_layers)
     return AttentionGeometry(
         variant=family.variant,
@@ -594,7 +605,7 @@ def geometry_from_config(config: dict) -> AttentionGeometry:
         has_o_bias=o_bias,
         rope_layout=family.rope_layout,
         query_scale=_scale(text, family),
-        logit_softcap=_config_number(text, "attn_logit_softcapping", 50.0) if family.softcap else None,
+        logit_softcap=config_number(text, "attn_logit_softcapping", 50.0) if family.softcap else None,
         qk_norm=family.qk_norm,
         sliding_window=window,
         sliding_layers=sliding,
@@ -610,7 +621,7 @@ def _head_dim(text: dict, family: ModelFamily, hidden: int, heads: int) -> int:
     A head_dim of 0 or less is no head width and is refused, not replaced by the default."""
     if text.get("head_dim") is None:
         return family.head_dim or hidden // heads
-    head_dim = _config_int(text, "head_dim", maximum=MAX_HEAD_DIM)
+    head_dim = config_int(text, "head_dim", maximum=MAX_HEAD_DIM)
     if head_dim <= 0:
         raise AnelabInputError(f"config.json head_dim must be a positive integer, got {head_dim}; fix or remove it")
     return head_dim

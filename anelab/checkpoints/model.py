@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from anelab.checkpoints.checkpoint import Checkpoint, load_checkpoint, write_checkpoint, write_checkpoint_directory
-from anelab.checkpoints.config import MODEL_FAMILIES, text_config
+from anelab.checkpoints.config import MODEL_FAMILIES, config_flag, config_int, config_number, text_config
 from anelab.checkpoints.safetensors_io import STORAGE_DTYPES, TORCH_DTYPE_NAMES, LazyTensor
 from anelab.core.decoder import (
     ACTIVATIONS,
@@ -365,42 +365,28 @@ class ModelCheckpoint:
         )
 
 
-def _int(text: dict, key: str, default=None) -> int:
-    value = text.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise AnelabInputError(f"config.json {key!r} must be a non-negative integer, got {value!r}")
-    return value
-
-
-def _number(text: dict, key: str, default: float) -> float:
-    value = text.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise AnelabInputError(f"config.json {key!r} must be a positive number, got {value!r}")
-    return float(value)
-
-
 def _moe_options(text: dict, family: DecoderFamily) -> dict:
     """Qwen3-MoE's routing keys with transformers' defaults (``num_experts`` 128 when absent,
     configuration_qwen3_moe.py:100; ``text_config`` has already read ``num_local_experts`` as it)."""
     if not family.moe and text.get("num_experts"):
         raise AnelabInputError("config.json num_experts: routed experts are modelled for qwen3_moe only; refusing")
-    experts = _int(text, "num_experts", 128 if family.moe else 0)
+    experts = config_int(text, "num_experts", 128 if family.moe else 0, minimum=0)
     if not experts:
         return {}
-    top_k = _int(text, "num_experts_per_tok", 8)
+    top_k = config_int(text, "num_experts_per_tok", 8, minimum=0)
     if not 1 <= top_k <= experts:
         raise AnelabInputError(f"config.json num_experts_per_tok ({top_k}) must be in 1..num_experts ({experts})")
     mlp_only = text.get("mlp_only_layers") or []
     if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
         raise AnelabInputError(f"config.json mlp_only_layers must be a list of layer indices, got {mlp_only!r}")
-    step = _int(text, "decoder_sparse_step", 1)
+    step = config_int(text, "decoder_sparse_step", 1, minimum=0)
     if step < 1:
         raise AnelabInputError("config.json decoder_sparse_step must be >= 1")
     return {
         "experts": experts,
-        "moe_intermediate": _int(text, "moe_intermediate_size", 768),
+        "moe_intermediate": config_int(text, "moe_intermediate_size", 768, minimum=0),
         "top_k": top_k,
-        "norm_topk_prob": bool(text.get("norm_topk_prob", False)),
+        "norm_topk_prob": config_flag(text, "norm_topk_prob", False),
         "sparse_step": step,
         "mlp_only_layers": tuple(mlp_only),
     }
@@ -408,6 +394,8 @@ def _moe_options(text: dict, family: DecoderFamily) -> dict:
 
 def _activation(text: dict, family: DecoderFamily, model_type: str) -> str:
     act = text.get(family.activation_key) or family.activation_default
+    if not isinstance(act, str):
+        raise AnelabInputError(f"config.json {family.activation_key} must be an activation name, got {act!r}")
     if family.legacy_gelu and act == "gelu":
         act = "gelu_pytorch_tanh"  # GemmaConfig.__post_init__ rewrites the legacy value
     if act not in ACTIVATIONS:
@@ -423,8 +411,11 @@ def _model_dtype(checkpoint: Checkpoint) -> np.dtype:
     names = {torch: storage for storage, torch in TORCH_DTYPE_NAMES.items()}
     for config in (checkpoint.text, checkpoint.config):
         for key in ("dtype", "torch_dtype"):
-            if config.get(key) in names:
-                return STORAGE_DTYPES[names[config[key]]]
+            value = config.get(key)
+            if value is not None and not isinstance(value, str):
+                raise AnelabInputError(f'config.json {key!r} must be a dtype name such as "bfloat16", got {value!r}')
+            if value in names:
+                return STORAGE_DTYPES[names[value]]
     return STORAGE_DTYPES.get(checkpoint.tensor_dtype(), STORAGE_DTYPES["F32"])
 
 
@@ -436,10 +427,10 @@ def _scalars(checkpoint: Checkpoint, family: DecoderFamily, model_type: str) -> 
         # Gemma: a float32 buffer sqrt(hidden) cast to the weights' dtype (bf16: sqrt(3072) = 55.4256 -> 55.5)
         out["embedding_multiplier"] = float(np.float32(math.sqrt(d)).astype(_model_dtype(checkpoint)))
     elif family.embedding_scale == "embedding_multiplier":
-        out["embedding_multiplier"] = _number(text, "embedding_multiplier", 1.0)
+        out["embedding_multiplier"] = config_number(text, "embedding_multiplier", 1.0)
     if family.multipliers:
-        out["residual_multiplier"] = _number(text, "residual_multiplier", 1.0)
-        out["logit_divisor"] = _number(text, "logits_scaling", 1.0)
+        out["residual_multiplier"] = config_number(text, "residual_multiplier", 1.0)
+        out["logit_divisor"] = config_number(text, "logits_scaling", 1.0)
     cap = text.get("final_logit_softcapping", family.final_softcap_default)
     if cap is not None and not family.final_softcap:
         raise AnelabInputError(
@@ -447,7 +438,7 @@ def _scalars(checkpoint: Checkpoint, family: DecoderFamily, model_type: str) -> 
             "set it to null (anelab refuses the ambiguity)"
         )
     if cap is not None:
-        out["logit_softcap"] = _number({"final_logit_softcapping": cap}, "final_logit_softcapping", cap)
+        out["logit_softcap"] = config_number({"final_logit_softcapping": cap}, "final_logit_softcapping", cap)
     return out
 
 
@@ -476,11 +467,11 @@ def load_model(path: str | os.PathLike | Checkpoint | ModelCheckpoint) -> ModelC
     return ModelCheckpoint(
         checkpoint=checkpoint,
         family=family,
-        vocab_size=_int(text, "vocab_size"),
-        intermediate=_int(text, "intermediate_size"),
-        tied=bool(tie_source.get("tie_word_embeddings", family.tie_default)),
+        vocab_size=config_int(text, "vocab_size", minimum=0),
+        intermediate=config_int(text, "intermediate_size", minimum=0),
+        tied=config_flag(tie_source, "tie_word_embeddings", family.tie_default),
         activation=_activation(text, family, model_type),
-        mlp_bias=bool(text.get(family.mlp_bias_key, family.mlp_bias_default)) if family.mlp_bias_key else False,
+        mlp_bias=config_flag(text, family.mlp_bias_key, family.mlp_bias_default) if family.mlp_bias_key else False,
         **_scalars(checkpoint, family, model_type),
         **_moe_options(text, family),
     )
