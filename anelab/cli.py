@@ -444,7 +444,11 @@ PLAN_EXAMPLES = """examples:
   anelab plan --backtest
       every recorded row: recorded ratio, in-sample and family-held-out prediction, side
   anelab plan --family qwen3.5-2b-4bit --prompt-tokens 4333 --chip m3 --reload-policy preloaded
-      the estimate beside the fastest an M3 could run each arm; reloads hidden behind the GPU"""
+      the estimate beside the fastest an M3 could run each arm; reloads hidden behind the GPU
+  anelab plan --family qwen3.5-2b-4bit --prompt-tokens 4333 --gpu-runtime mlx-lm --chip m4-max
+      the same ANE arm against mlx-lm's prefill on an M4 Max instead of the seed's GPU path
+  anelab plan --gpu-runtimes
+      the GPU runtimes a plan can price and the public mlx-lm records behind mlx-lm's"""
 
 
 def _add_plan(sub):
@@ -459,7 +463,8 @@ def _add_plan(sub):
     p.add_argument("--family", help="a recorded family (see --list-families); supplies geometry and fitted costs")
     p.add_argument(
         "--checkpoint",
-        help="plan a checkpoint's own layers (full and windowed), heads and head_dim; costs from the closest family",
+        help="plan a checkpoint's own layers (full and windowed), heads and head_dim; its GPU arm from its own "
+        "FLOPs (mlx-lm), the ANE's costs from the closest family",
     )
     p.add_argument("--prompt-tokens", type=int, help="prompt length in tokens")
     p.add_argument("--chunk", type=int, help="prefill chunk = sidecar width (default with a family: 4096)")
@@ -490,6 +495,12 @@ def _add_plan(sub):
     )
     _add_protocol(p)
     _add_chip(p)
+    _add_gpu_runtime(p)
+    p.add_argument(
+        "--gpu-runtimes",
+        action="store_true",
+        help="the GPU runtimes a plan can price and the public mlx-lm records behind mlx-lm's (each held out)",
+    )
     p.add_argument(
         "--design",
         type=lambda t: t.split(","),
@@ -513,6 +524,16 @@ def _run_plan(args):
 
         rows = backtest()
         _print_json(rows) if args.json else print(format_backtest(rows))
+        return 0
+    if args.gpu_runtimes:
+        from anelab.planner.gpu_model import GPU_RUNTIMES
+        from anelab.planner.mlx_lm_rates import fit_mlx_lm, format_mlx_lm_fit
+
+        fit = fit_mlx_lm()
+        if args.json:
+            _print_json({"runtimes": GPU_RUNTIMES, "mlx_lm": fit.to_dict()})
+        else:
+            print("\n".join(f"{k}: {v}" for k, v in GPU_RUNTIMES.items()) + "\n" + format_mlx_lm_fit(fit))
         return 0
     if args.list_families:
         rows = planner.family_table()
@@ -598,6 +619,8 @@ def _plan_of(args, planner, backend):
         gpu_tokens_per_second=args.gpu_tokens_per_second,
         protocol=args.protocol,
         reload_policy=args.reload_policy,
+        gpu_runtime=args.gpu_runtime or "tinytitan",
+        chip=args.chip,
     )
 
 
@@ -606,7 +629,19 @@ def _add_chip(p) -> None:
         "--chip",
         default=None,
         help="an Apple chip (m1 .. m5, m3-max, m4-pro, ...): the fastest each arm could run this prompt on it "
-        "(peak compute or bandwidth, public figures), printed beside the estimate",
+        "(peak compute or bandwidth, public figures), printed beside the estimate; mlx-lm's GPU arm is priced "
+        "on it (default: the seed's M3)",
+    )
+
+
+def _add_gpu_runtime(p, default: str | None = None) -> None:
+    # values checked by anelab.planner.gpu_model.require_gpu_runtime
+    p.add_argument(
+        "--gpu-runtime",
+        default=default,
+        help="whose GPU prefill the GPU arm is: mlx-lm (batched prefill, fitted to public mlx-lm records on the "
+        "chip's peak; default for a checkpoint) | tinytitan (the seed's recorded GPU path on an M3; default for "
+        "a --family)",
     )
 
 
@@ -643,6 +678,8 @@ def _run_plan_checkpoint_designs(args) -> int:
         query_tile=args.query_tile,
         gpu_prefill_seconds=args.gpu_prefill_seconds,
         gpu_tokens_per_second=args.gpu_tokens_per_second,
+        gpu_runtime=args.gpu_runtime or "mlx-lm",
+        chip=args.chip,
     )
     rows = {
         f"{Path(args.checkpoint).name} ({kind})": [d.to_dict() for d in kind_plans]
@@ -731,6 +768,10 @@ def _run_plan_checkpoint(args):
         non_attention_seconds=args.non_attention_seconds,
         gpu_prefill_seconds=args.gpu_prefill_seconds,
         gpu_tokens_per_second=args.gpu_tokens_per_second,
+        protocol=args.protocol,
+        reload_policy=args.reload_policy,
+        gpu_runtime=args.gpu_runtime or "mlx-lm",
+        chip=args.chip,
     )
     result = checkpoint_plan.to_dict()
     return _print_plan(args, result, planner.format_checkpoint_plan(result), list(checkpoint_plan.parts.values()))
@@ -977,6 +1018,7 @@ def _add_decide(sub):
     p.add_argument("--repeats", type=int, default=3, help="--measure: timed repeats per measurement (default 3)")
     p.add_argument("--json", action="store_true", help="print decision.json's verdict as JSON")
     _add_chip(p)
+    _add_gpu_runtime(p, default="mlx-lm")
 
 
 def _run_decide(args):
@@ -993,6 +1035,9 @@ def _run_decide(args):
         from anelab.planner.chips import get_chip
 
         get_chip(args.chip)  # a bad name is refused before the work
+    from anelab.planner.gpu_model import require_gpu_runtime
+
+    require_gpu_runtime(args.gpu_runtime)
     out = Path(args.out) if args.out else Path(f"decide-{Path(args.checkpoint).name}")
     config = DecideConfig(
         checkpoint=_checkpoint(args.checkpoint),
@@ -1003,6 +1048,8 @@ def _run_decide(args):
         family=args.family,
         gpu_prefill_seconds=args.gpu_prefill_seconds,
         gpu_tokens_per_second=args.gpu_tokens_per_second,
+        gpu_runtime=args.gpu_runtime,
+        chip=args.chip,
         measure=args.measure,
         repeats=args.repeats,
     )

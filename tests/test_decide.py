@@ -163,7 +163,8 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def decided(model, tmp_path_factory):
     out = tmp_path_factory.mktemp("decide-out")
-    return decide(DecideConfig(model, PROMPT, out, design="dense", chunk=CHUNK)), out
+    # TinyTitan's GPU path (the seed's): its rates carried to this model leave the verdict open ("depends")
+    return decide(DecideConfig(model, PROMPT, out, design="dense", chunk=CHUNK, gpu_runtime="tinytitan")), out
 
 
 def test_decide_labels_extrapolated_costs_and_says_depends(decided):
@@ -176,6 +177,7 @@ def test_decide_labels_extrapolated_costs_and_says_depends(decided):
     assert any("--measure" in command for _, command in v["settle"])
     assert any("--gpu-prefill-seconds S" in command for _, command in v["settle"])
     assert d["checkpoint"]["rope"] == "llama3" and d["checkpoint"]["heads"] == 4
+    assert d["plan"]["gpu_runtime"] == "tinytitan" and "TinyTitan's GPU path" in (out / "report.md").read_text()
 
 
 def test_decide_evidence_verify_and_arms(decided):
@@ -203,6 +205,9 @@ def test_decide_is_resumable_and_notices_a_changed_package(decided, model):
     _, out = decided
     again = decide(DecideConfig(model, PROMPT, out, design="dense", chunk=CHUNK))
     assert all(r["reused"] for r in again.evidence["verify"].values())
+    # the default GPU arm is mlx-lm's (issue 30), and the report says so; on it a 64-token prompt stays on the GPU
+    assert again.to_dict()["plan"]["gpu_runtime"] == "mlx-lm" and again.to_dict()["verdict"]["decision"] == "gpu"
+    assert "GPU arm: mlx-lm on an Apple M3" in (out / "report.md").read_text()
     # negative control: a package whose bytes changed is exported and verified again (the old one set aside)
     pkg = out / "sidecars" / "dense" / "layer_1.mlpackage"
     (next(pkg.rglob("Manifest.json"))).write_text(next(pkg.rglob("Manifest.json")).read_text() + " ")

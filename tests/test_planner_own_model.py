@@ -134,3 +134,99 @@ def test_decide_refuses_an_unknown_chip_before_any_work(tmp_path, capsys):
     argv = ["decide", str(tmp_path / "no-model"), "--prompt-tokens", "64", "--chip", "m9", "--out", str(out)]
     assert main(argv) == 2
     assert "unknown --chip" in capsys.readouterr().err and not out.exists()
+
+
+# ---- mlx-lm's GPU arm: public records on the chip's peak ------------------------------------------------
+def test_mlx_lm_causal_steps_by_hand():
+    from anelab.planner.mlx_lm_rates import causal_step_entries
+
+    # 4,333 tokens in steps of 2,048: each step scores its history and half its own square (rounded up)
+    assert causal_step_entries(4333) == 2048 * 1024 + 2048 * (2048 + 1024) + 237 * (4096 + 119) == 9_387_563
+    # control: a windowed layer's mask is an array, every row scores min(window, keys) keys
+    assert causal_step_entries(1000, window=512) == 1000 * 512
+
+
+def test_mlx_lm_record_efficiency_by_hand():
+    from anelab.planner.mlx_lm_rates import MLX_LM_RECORDS, fit_mlx_lm, record_efficiency
+
+    qwen = next(r for r in MLX_LM_RECORDS if r.model == "Qwen3 0.6B Q4" and r.prompt_tokens == 2048)
+    per_layer = 1024 * 128 * (2 * 16 + 2 * 8) + 3 * 1024 * 3072  # q,o + k,v at head_dim 128; the MLP
+    flops = 2 * 28 * per_layer * 2048 + 4 * 128 * 16 * 28 * (2048 * 1024)
+    by_hand = flops / (2048 / 10278.775) / 17.4e12  # the M4 Max's 17.4 TFLOPS figure
+    assert record_efficiency(qwen) == pytest.approx(by_hand) and 0.6 < by_hand < 0.7
+    fit = fit_mlx_lm()
+    effs = [r["efficiency"] for r in fit.records]
+    assert len(effs) == 9 and all(0.2 < e < 1.0 for e in effs)  # below the peak, as any runtime is
+    assert min(effs) < fit.efficiency < max(effs)
+    assert fit.band == pytest.approx(max(max(effs) / fit.efficiency, fit.efficiency / min(effs)))
+    # each record predicted from the other eight lands within a factor of two of its speed
+    assert all(abs(r["held_out_error"]) < 1.0 for r in fit.records)
+    assert all(r["source"].startswith("https://github.com/ml-explore/") for r in fit.records)
+
+
+def test_smollm2_on_mlx_lm_is_at_most_a_tenth_of_the_2b():
+    """Issue 30's done-when: the 135M model's 4,333-token GPU prefill from its own FLOPs, at most a tenth of the
+    2B's, on the same runtime; the control (TinyTitan's path, which streams the weights per token and whose
+    attention dominates) is not."""
+    from anelab.planner.mlx_lm_rates import fit_mlx_lm
+
+    weights = (106_168_320, 106_168_320 * 20 / 32)
+    small = plan(4333, family="qwen3.5-2b-4bit", **SMOLLM2_SHAPE, weights=weights, gpu_runtime="mlx-lm")
+    two_b = plan(4333, family="qwen3.5-2b-4bit", gpu_runtime="mlx-lm")
+    assert small.gpu_prefill_seconds <= two_b.gpu_prefill_seconds / 10
+    rate = 3.6e12 * fit_mlx_lm().efficiency  # the M3's figure at the fitted fraction
+    entries = 2048 * 1024 + 2048 * (2048 + 1024) + 237 * (4096 + 119)
+    assert small.non_attention_seconds == pytest.approx(2 * 106_168_320 * 4333 / rate)
+    assert small.gpu_attention_seconds == pytest.approx(4 * 64 * 9 * 30 * entries / rate)
+    assert two_b.gpu_prefill_seconds == pytest.approx((2 * 2e9 * 4333 + 4 * 256 * 8 * 6 * entries) / rate)
+    assert small.gpu_runtime == "mlx-lm" and "mlx-lm on an Apple M3" in small.cost_sources["gpu_runtime"]
+    s = plan_arm_costs(small).gpu_prefill  # the envelope: the public records' spread
+    assert s.kind == "extrapolated" and s.high / s.value == pytest.approx(fit_mlx_lm().band)
+    # control: on TinyTitan's path the same model is not a tenth of the 2B
+    tiny = smollm2_plan(4333)
+    assert tiny.gpu_prefill_seconds > plan(4333, family="qwen3.5-2b-4bit").gpu_prefill_seconds / 10
+    # every chip's estimate sits above its bound (the fraction of peak is below one)
+    for chip in ("m1", "m3", "m3-max", "m4-max"):
+        p = plan(4333, family="qwen3.5-2b-4bit", **SMOLLM2_SHAPE, weights=weights, gpu_runtime="mlx-lm", chip=chip)
+        b = plan_bounds(p.to_dict(), chip)
+        assert b["estimate_gpu_seconds"] > b["gpu_seconds"] > 0
+    m4 = plan(4333, family="qwen3.5-2b-4bit", **SMOLLM2_SHAPE, weights=weights, gpu_runtime="mlx-lm", chip="m4-max")
+    assert m4.gpu_prefill_seconds == pytest.approx(small.gpu_prefill_seconds * 3.6 / 17.4)
+
+
+def test_the_seed_2b_on_mlx_lm_keeps_its_ane_costs_and_loses():
+    # the ANE side is the recorded one either way; only the GPU arm changes: TinyTitan's 49.9 s vs mlx-lm's
+    tiny, mlx = plan(4333, family="qwen3.5-2b-4bit"), plan(4333, family="qwen3.5-2b-4bit", gpu_runtime="mlx-lm")
+    assert mlx.ane_attention_seconds == pytest.approx(tiny.ane_attention_seconds)
+    assert mlx.setup_seconds == pytest.approx(tiny.setup_seconds)
+    assert tiny.decision == "ane" and mlx.decision == "gpu" and mlx.gpu_prefill_seconds < tiny.gpu_prefill_seconds / 4
+
+
+def test_gpu_runtime_refusals_and_listing(capsys):
+    from anelab.core.errors import AnelabInputError
+
+    with pytest.raises(AnelabInputError, match="sparse indexer mlx-lm does not run"):
+        plan(4333, family="qwen3.8-125b-a6b-4bit", gpu_runtime="mlx-lm")
+    assert main(["plan", "--family", "qwen3.5-2b-4bit", "--prompt-tokens", "4333", "--gpu-runtime", "cuda"]) == 2
+    assert "unknown --gpu-runtime 'cuda'" in capsys.readouterr().err
+    assert main(["plan", "--gpu-runtimes"]) == 0
+    out = capsys.readouterr().out
+    assert "tinytitan:" in out and "mlx-lm:" in out and out.count("https://github.com/ml-explore/") == 9
+    argv = ["plan", "--family", "qwen3.5-2b-4bit", "--prompt-tokens", "4333"]
+    assert main(argv) == 0 and "TinyTitan's GPU path on an Apple M3" in capsys.readouterr().out
+    assert main([*argv, "--gpu-runtime", "mlx-lm", "--chip", "m4-max"]) == 0
+    assert "mlx-lm on an Apple M4 Max" in capsys.readouterr().out
+
+
+def test_a_checkpoint_is_priced_on_mlx_lm_unless_told(tmp_path, capsys):
+    from anelab.checkpoints.default import make_dense_checkpoint
+    from anelab.planner.from_checkpoint import plan_from_checkpoint
+
+    ck = make_dense_checkpoint(tmp_path / "dense")
+    default, tiny = plan_from_checkpoint(ck, 2048), plan_from_checkpoint(ck, 2048, gpu_runtime="tinytitan")
+    assert default.parts["full"].gpu_runtime == "mlx-lm" and tiny.parts["full"].gpu_runtime == "tinytitan"
+    assert "TinyTitan" in tiny.parts["full"].cost_sources["gpu_runtime"]
+    assert default.gpu_prefill_seconds < tiny.gpu_prefill_seconds
+    assert main(["plan", "--checkpoint", str(ck), "--prompt-tokens", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "the GPU arm is mlx-lm's" in out and "mlx-lm on an Apple M3" in out

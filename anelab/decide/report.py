@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from anelab.core.records import atomic_write_bytes, atomic_write_text
+from anelab.planner.report import gpu_runtime_phrase
 from anelab.planner.verdict import thresholds_sentence
 
 TEMPLATE_DIR = Path(__file__).with_name("templates")
@@ -46,6 +47,8 @@ def verdict_lines(decision: dict) -> list[str]:
         f"ANE arm {seconds(ane['value'])} s [{seconds(ane['low'])} .. {seconds(ane['high'])}] ({ane['kind']}); "
         f"predicted ratio {v['predicted_ratio']:.2f}x (GPU / ANE)",
         f"thresholds: {thresholds_sentence(v)}",
+        f"GPU arm: {gpu_runtime_phrase(decision['plan'])} (--gpu-runtime, --chip); ANE attention and loads: "
+        "TinyTitan's sidecars recorded on an Apple M3 (seed 000) unless measured here",
     ]
     for what, command in v["settle"]:
         lines.append(f"to settle it: {what}: {command}")

@@ -53,6 +53,8 @@ class DecideConfig:
     family: str | None = None
     gpu_prefill_seconds: float | None = None
     gpu_tokens_per_second: float | None = None
+    gpu_runtime: str = "mlx-lm"  # whose GPU prefill the GPU arm is (planner.gpu_model.GPU_RUNTIMES)
+    chip: str | None = None  # the Mac's chip (mlx-lm's GPU arm is priced on it; default the seed's M3)
     measure: bool = False
     runtime: object | None = None  # a CoreMLRuntime; default this machine's (needed only with measure)
     repeats: int = 3
@@ -137,8 +139,9 @@ class Plans:
 
         config = self.config
         checkpoint_plan, by_kind = checkpoint_designs(
-            self.opened.checkpoint, prompt_tokens, None, family=config.family, chunk=config.chunk, **user_gpu
-        )
+            self.opened.checkpoint, prompt_tokens, None, family=config.family, chunk=config.chunk,
+            gpu_runtime=config.gpu_runtime, chip=config.chip, **user_gpu,
+        )  # fmt: skip
         if "full" not in by_kind:
             raise AnelabInputError(
                 f"{config.checkpoint}: every attention layer slides over a window; decide compares designs for "

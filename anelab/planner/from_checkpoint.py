@@ -13,11 +13,13 @@ The checkpoint gives the attention layers (full and sliding window), heads, KV h
   tiled design gives a windowed layer one function over a ring of about W + C cache slots.
 
 A kind is offloaded when its ANE arm beats its GPU arm; the two verdicts combine into one.
-Costs: the rates of the recorded dense family closest in heads x head_dim and attention-layer count
-(or ``family``) — TinyTitan's GPU path on an M3 — carried to this model by what it computes
-(``planner.gpu_model``: its own weights per token for non-attention, its head_dim per score entry
-for attention, x/÷ 10 for the runtime question), overridden by any cost flag; ``cost_family`` /
-``cost_family_reason`` say which.
+Costs: the GPU arm is the runtime's (``gpu_runtime``): by default mlx-lm's batched prefill of this
+model's own FLOPs on the chip (``planner.mlx_lm_rates``: the fraction of peak public mlx-lm records
+reach, x/÷ their spread); or TinyTitan's GPU path on an M3, the rates of the recorded dense family
+closest in heads x head_dim and attention-layer count (or ``family``) carried to this model by what it
+computes (``planner.gpu_model``: its own weights per token, its head_dim per score entry, x/÷ 10). The
+ANE's attention and loads are the recorded family's (TinyTitan's sidecars on an M3). Any cost flag
+overrides; ``cost_family`` / ``cost_family_reason`` say which family.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from anelab.core.errors import AnelabInputError
 from anelab.planner.catalogue import FAMILIES, PlanGeometry, get_family
 from anelab.planner.fit import fit_costs
+from anelab.planner.gpu_model import MLX_LM, TINYTITAN
 from anelab.planner.plan import PrefillPlan, plan
 from anelab.sidecar.designs import SidecarRequest
 
@@ -87,6 +90,8 @@ def plan_from_checkpoint(
     chunk: int | None = None,
     histories=None,
     max_history: int | None = None,
+    gpu_runtime: str = MLX_LM,
+    chip: str | None = None,
     **cost_flags,
 ) -> CheckpointPlan:
     """Plan ``prompt_tokens`` on the checkpoint's attention layers (see the module docstring); ``checkpoint``:
@@ -96,6 +101,8 @@ def plan_from_checkpoint(
     ``non_attention_seconds`` as :func:`plan` takes them; with all four no family is used.
     ``gpu_prefill_seconds`` / ``gpu_tokens_per_second``: the user's GPU prefill of the prompt (a model
     with windowed layers is refused: one number cannot be split between its kinds of layer).
+    ``gpu_runtime`` (default ``mlx-lm``, the runtime Mac users run this model with; ``tinytitan``: the seed's
+    path) and ``chip`` (default the seed's M3): whose GPU prefill the GPU arm is (``planner.plan``).
     """
     from anelab.checkpoints.checkpoint import load_checkpoint
 
@@ -125,7 +132,7 @@ def plan_from_checkpoint(
     own = None
     active = active_parameters(checkpoint.text)
     weights = (active, active * bytes_per_weight(checkpoint.tensor_dtype())[0])
-    if not all_costs and cost_flags.get("non_attention_seconds") is None:
+    if gpu_runtime == TINYTITAN and not all_costs and cost_flags.get("non_attention_seconds") is None:
         bandwidth = runtime_bandwidth(fit_costs().non_attention_seconds)
         own = own_non_attention(checkpoint.text, checkpoint.tensor_dtype(), prompt_tokens, bandwidth)
     parts = {}
@@ -147,6 +154,8 @@ def plan_from_checkpoint(
                 **user_gpu,
                 own_non_attention=own,
                 weights=weights,
+                gpu_runtime=gpu_runtime,
+                chip=chip,
             )
     return _combine(checkpoint, g, full, windowed, family if not all_costs else None, reason, parts)
 

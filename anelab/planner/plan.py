@@ -93,10 +93,11 @@ from anelab.planner.catalogue import (
     positive_seconds,
     require_positive,
 )
+from anelab.planner.chips import get_chip
 from anelab.planner.coreai_loads import price_loads, priced_fit
 from anelab.planner.envelope import YOURS, ane_kind, gpu_kind, kind_of, worst_kind
 from anelab.planner.fit import CostFit, LoadModel, cached_fit, fit_costs, predicted_ane_seconds
-from anelab.planner.gpu_model import RUNTIME
+from anelab.planner.gpu_model import MLX_LM, RUNTIME, RUNTIME_BAND, TINYTITAN, require_gpu_runtime
 from anelab.planner.loads import (
     DEFAULT_PROTOCOL,
     DEFAULT_RELOAD_POLICY,
@@ -187,6 +188,9 @@ class PrefillPlan:
     hidden_reload_seconds: float = 0.0  # reload the GPU hides under the preloaded policy
     preloaded_ane_prefill_seconds: float | None = None  # what the preloaded policy would give
     weights: dict | None = None  # {"active": weights one token multiplies through, "bytes": their bytes}
+    gpu_runtime: str = TINYTITAN  # whose GPU prefill the GPU arm describes (gpu_model.GPU_RUNTIMES)
+    gpu_chip: str = "M3"  # the chip the GPU arm's numbers describe
+    gpu_runtime_band: float | None = None  # x/÷ for carrying a runtime's rates to this model (None: the fit's own)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -311,48 +315,46 @@ def plan(
     reload_policy: str = DEFAULT_RELOAD_POLICY,
     own_non_attention: tuple[float, str] | None = None,
     weights: tuple[float, float] | None = None,
+    gpu_runtime: str = TINYTITAN,
+    chip: str | None = None,
 ) -> PrefillPlan:
     """Plan the prefill of one prompt and decide ANE offload vs GPU.
 
-    ``family`` supplies geometry and fitted costs (:data:`FAMILIES`); any geometry or cost argument
-    overrides it (without a family all are needed): ``load_seconds`` (one, or one per history);
-    ``gpu_attention_seconds`` / ``ane_attention_seconds`` (one layer, full chunk at history 0, scaled
-    by score entries); ``non_attention_seconds``; the user's ``gpu_prefill_seconds`` or
-    ``gpu_tokens_per_second`` (:func:`_costs_and_terms`). ``histories`` defaults to the chunk starts
-    the prompt needs (capped at the family's ``max_history``); a prompt past coverage is refused
-    unless ``allow_past_coverage`` (then ``fits=False``, on the GPU). ``backend``: whose loads (coreai_loads).
-    ``protocol`` / ``reload_policy`` (``planner.loads``); ``own_non_attention``: (s, basis), ``planner.gpu_model``.
-    """
-    require_protocol(protocol), require_reload_policy(reload_policy)
-    fam = get_family(family) if family is not None else None
-    chunk = REFERENCE_CHUNK if chunk is None and fam is not None else chunk
-    if chunk is None:
-        raise AnelabInputError("pass --chunk (the sidecar's width) or a --family")
-    require_positive("--prompt-tokens", prompt_tokens)
-    require_positive("--chunk", chunk)
+    ``family``: geometry and fitted costs (:data:`FAMILIES`); geometry or cost arguments override it (without
+    a family all are needed): ``load_seconds`` (one, or one per history); ``gpu_attention_seconds`` /
+    ``ane_attention_seconds`` (one layer, full chunk at history 0, scaled by score entries);
+    ``non_attention_seconds``; the user's ``gpu_prefill_seconds`` / ``gpu_tokens_per_second`` replace the GPU
+    arm. ``histories``: default the chunk starts the prompt needs; past coverage is refused unless
+    ``allow_past_coverage`` (then on the GPU). ``backend``: whose loads (coreai_loads); ``protocol`` /
+    ``reload_policy``: ``planner.loads``; ``own_non_attention``: (s, basis), ``planner.gpu_model``; ``gpu_runtime``:
+    ``tinytitan`` (the recorded rows' rates, an M3) or ``mlx-lm`` (on ``chip``, default M3)."""
+    require_protocol(protocol), require_reload_policy(reload_policy), require_gpu_runtime(gpu_runtime)
+    fam, chunk = _family_and_chunk(family, chunk)
+    require_positive("--prompt-tokens", prompt_tokens), require_positive("--chunk", chunk)
     geometry = plan_geometry(fam, num_layers, full_attention_layers, num_heads, num_kv_heads, head_dim, sparse_budget)
     schedule, needed, hs, hs_source, fits = _schedule(
         prompt_tokens, chunk, histories, max_history, fam, allow_past_coverage
     )
     fit = priced_fit(fit_costs(data_dir), backend, data_dir) if fam is not None else None
     flags = (load_seconds, gpu_attention_seconds, ane_attention_seconds, non_attention_seconds)
-    user = (gpu_prefill_seconds, gpu_tokens_per_second)
+    user, coverage = (gpu_prefill_seconds, gpu_tokens_per_second), _coverage(hs, chunk)
     pays, protocol_reason = pays_specialization(protocol, _visited_arena(geometry, chunk, schedule))
+    runtime = GpuRuntime(gpu_runtime, get_chip(chip or "M3").name, _weights(fam, weights), own_non_attention)
     costs, terms = _costs_and_terms(
-        fam, fit, geometry, prompt_tokens, chunk, hs, schedule, flags, user, loads_in_arm, pays, own_non_attention
+        fam, fit, geometry, prompt_tokens, chunk, hs, schedule, flags, user, loads_in_arm, pays, runtime
     )
     split = _load_split(fit or fit_costs(data_dir), geometry, chunk, schedule, costs, terms, reload_policy)
     split.update(protocol=protocol, protocol_reason=protocol_reason, pays_specialization=pays,
-                 reload_policy=reload_policy, weights=_weights(fam, weights))  # fmt: skip
+                 reload_policy=reload_policy, weights=runtime.weights, **runtime.fields(fam))  # fmt: skip
     coverage_needed = (max(needed) + chunk) if needed else 0
-    reason = _reason(terms, prompt_tokens, chunk, fits, coverage_needed, _coverage(hs, chunk), geometry)
+    reason = _reason(terms, prompt_tokens, chunk, fits, coverage_needed, coverage, geometry)
     return PrefillPlan(
         family=fam.name if fam else None,
         geometry=geometry.to_dict(),
         prompt_tokens=prompt_tokens,
         chunk=chunk,
         histories=hs,
-        coverage=_coverage(hs, chunk),
+        coverage=coverage,
         coverage_needed=coverage_needed,
         fits=fits,
         chunks=[{**asdict(c), "history": c.history} for c in schedule],
@@ -360,10 +362,19 @@ def plan(
         reason=reason,
         **_term_fields(terms),
         cost_sources={**costs.sources, "histories": hs_source},
-        provenance=_provenance(fam, geometry, prompt_tokens, chunk, costs, terms, fit),
+        provenance=_provenance(fam, geometry, prompt_tokens, chunk, costs, terms, fit, runtime.name),
         loads_in_arm=loads_in_arm,
         **split,
     )
+
+
+def _family_and_chunk(family: str | None, chunk: int | None) -> tuple[Family | None, int]:
+    """The family (or None) and the chunk: given, else the family's reference chunk; neither is refused."""
+    fam = get_family(family) if family is not None else None
+    chunk = REFERENCE_CHUNK if chunk is None and fam is not None else chunk
+    if chunk is None:
+        raise AnelabInputError("pass --chunk (the sidecar's width) or a --family")
+    return fam, chunk
 
 
 def _term_fields(terms) -> dict:
@@ -453,16 +464,74 @@ def _own_geometry(costs: PlanCosts, fam: Family, geometry: PlanGeometry, own) ->
     return PlanCosts(gpu_rate, ane_rate, costs.load, n, sources)
 
 
+@dataclass(frozen=True)
+class GpuRuntime:
+    """Whose GPU prefill a plan prices (``gpu_model.GPU_RUNTIMES``), on which chip, for which weights
+    (``{"active", "bytes"}``), and the model's own non-attention on TinyTitan's path (s, basis) when given."""
+
+    name: str
+    chip: str
+    weights: dict | None
+    own_non_attention: tuple[float, str] | None = None
+
+    def fields(self, fam: Family | None) -> dict:
+        """The plan's runtime fields; the band: mlx-lm's record spread, or x/÷ RUNTIME_BAND when TinyTitan's
+        rates are carried to another model than a recorded family."""
+        if self.name == MLX_LM:
+            from anelab.planner.mlx_lm_rates import fit_mlx_lm
+
+            band = fit_mlx_lm().band
+        else:
+            band = RUNTIME_BAND if self.own_non_attention is not None else None
+        chip = self.chip if self.name == MLX_LM else "M3"
+        return {"gpu_runtime": self.name, "gpu_chip": chip, "gpu_runtime_band": band if fam is not None else None}
+
+
+def _mlx_lm_costs(costs: PlanCosts, fam: Family, geometry: PlanGeometry, prompt_tokens: int, schedule, runtime):
+    """The GPU arm as mlx-lm would run it on ``runtime.chip``: its linear FLOPs and its causal attention FLOPs at
+    the fitted fraction of the chip's peak (``planner.mlx_lm_rates``). The attention seconds are spread over the
+    plan's chunks per score entry, so the offloaded chunks' share is what the ANE saves."""
+    from anelab.planner.mlx_lm_rates import fit_mlx_lm, peak_flops, prefill_flops
+
+    if fam.sparse and geometry.sparse_budget is not None:
+        raise AnelabInputError(
+            f"--gpu-runtime mlx-lm: {fam.name}'s GPU path is a sparse indexer mlx-lm does not run; use tinytitan"
+        )
+    head_dim = geometry.head_dim or fam.geometry.head_dim
+    if runtime.weights is None or head_dim is None:
+        raise AnelabInputError("--gpu-runtime mlx-lm needs the model's weights and head_dim; pass a --checkpoint")
+    fit = fit_mlx_lm()
+    rate = peak_flops(runtime.chip) * fit.efficiency
+    layers = len(geometry.full_attention_layers)
+    linear, attention = prefill_flops(runtime.weights["active"], head_dim, geometry.num_heads, layers, prompt_tokens,
+                                      window=geometry.sparse_budget)  # fmt: skip
+    entries = layers * sum(gpu_score_entries(geometry, c.tokens, c.history) for c in schedule)
+    at = f"at {fit.efficiency:.2f} of the {runtime.chip}'s GPU peak (mlx-lm, {len(fit.records)} public records)"
+    sources = {
+        **costs.sources,
+        "gpu_attention": f"mlx-lm: {attention / 1e12:.3g} TFLOP of fused causal attention in steps of 2,048 {at}",
+        "non_attention": f"mlx-lm: 2 x {runtime.weights['active'] / 1e6:.0f} M active weights x "
+        f"{prompt_tokens:,} tokens = {linear / 1e12:.3g} TFLOP {at}",
+        "gpu_runtime": f"mlx-lm on an Apple {runtime.chip} (x/÷ {fit.band:.2f}: the farthest public record)",
+    }
+    per_entry = attention / rate / entries if entries else 0.0
+    return PlanCosts(per_entry, costs.ane_seconds_per_entry, costs.load, linear / rate, sources)
+
+
 def _costs_and_terms(
-    fam, fit, geometry, prompt_tokens, chunk, hs, schedule, flags, user, loads_in_arm, pays=False, own=None
+    fam, fit, geometry, prompt_tokens, chunk, hs, schedule, flags, user, loads_in_arm, pays=False, runtime=None
 ):
     """(PlanCosts, PrefillTerms): the family's costs with the flags over them; the user's GPU prefill
     ``user`` = (seconds, tokens per second) replaces the GPU arm, split into attention and the rest in
     the modelled proportion. ``loads_in_arm=False``: the ANE arm leaves the loads out (the warm
     protocol of the recorded dense A/B rows); ``setup_seconds`` still prices them."""
+    runtime = runtime or GpuRuntime(TINYTITAN, "M3", None)
     base_costs = _family_costs(fam, prompt_tokens, fit, pays) if fam is not None else None
-    if base_costs is not None:
-        base_costs = _own_geometry(base_costs, fam, geometry, own)
+    if base_costs is not None and runtime.name == MLX_LM:
+        base_costs = _mlx_lm_costs(_own_geometry(base_costs, fam, geometry, None), fam, geometry, prompt_tokens,
+                                   schedule, runtime)  # fmt: skip
+    elif base_costs is not None:
+        base_costs = _own_geometry(base_costs, fam, geometry, runtime.own_non_attention)
     costs = _costs_from_flags(geometry, chunk, hs, *flags, base_costs)
     terms = _prefill_terms(geometry, chunk, schedule, costs, loads_in_arm)
     user_gpu = _user_gpu_seconds(prompt_tokens, *user)
@@ -505,7 +574,7 @@ def _scaled_gpu_costs(costs: PlanCosts, factor: float, user_seconds: float, as_s
     )
 
 
-def _provenance(fam, geometry, prompt_tokens, chunk, costs: PlanCosts, terms, fit) -> dict:
+def _provenance(fam, geometry, prompt_tokens, chunk, costs: PlanCosts, terms, fit, runtime: str = TINYTITAN) -> dict:
     """Kind of each deciding cost (``envelope.KINDS``): the loads, the GPU prefill, the ANE attention."""
     loads = [kind_of(v["source"]) for v in terms.load_by_history.values()]
     gpu_source = costs.sources.get("gpu_prefill") or costs.sources.get("gpu_attention", "")
@@ -513,6 +582,8 @@ def _provenance(fam, geometry, prompt_tokens, chunk, costs: PlanCosts, terms, fi
         gpu = YOURS
     elif gpu_source.startswith("flag"):
         gpu = YOURS if costs.sources.get("non_attention", "").startswith("flag") else EXTRAPOLATED
+    elif runtime == MLX_LM:
+        gpu = EXTRAPOLATED  # public records of other models on other chips
     else:
         gpu = gpu_kind(fam.name if fam else None, geometry, prompt_tokens, chunk, fit)
     ane_source = costs.sources.get("ane_attention", "")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from anelab.planner.envelope import YOURS
+
 
 def format_family_table(rows: list[dict]) -> str:
     """The catalogue (``family_table()``) as text: each family's geometry facts with their status."""
@@ -59,6 +61,18 @@ def format_fit_report(rows: list[dict], fit: dict, loads: list[dict]) -> str:
     return "\n".join(out)
 
 
+def gpu_runtime_phrase(d: dict) -> str:
+    """Whose GPU prefill a plan's GPU arm is (``PrefillPlan.to_dict()``), in words."""
+    sources = d.get("cost_sources", {})
+    if str(sources.get("gpu_prefill", "")).startswith(YOURS):
+        return "your GPU runtime's number"
+    if d.get("gpu_runtime") == "mlx-lm":
+        return sources.get("gpu_runtime", f"mlx-lm on an Apple {d.get('gpu_chip', 'M3')}")
+    return "TinyTitan's GPU path on an Apple M3 (seed 000)" + (
+        "; --gpu-runtime mlx-lm prices mlx-lm's" if d.get("family") else ""
+    )
+
+
 def format_plan(d: dict) -> str:
     """A plan (``PrefillPlan.to_dict()``) as text: schedule, variants, both arms, verdict."""
     out = []
@@ -81,8 +95,8 @@ def format_plan(d: dict) -> str:
         f"{len(d['load_seconds'])} histories){'; loads ' + loads if loads else ''}"
     )
     out.append(
-        f"GPU arm: non-attention {d['non_attention_seconds']:.1f} s + attention {d['gpu_attention_seconds']:.1f} s "
-        f"= {d['gpu_prefill_seconds']:.1f} s"
+        f"GPU arm: non-attention {d['non_attention_seconds']:.3g} s + attention {d['gpu_attention_seconds']:.3g} s "
+        f"= {d['gpu_prefill_seconds']:.3g} s — {gpu_runtime_phrase(d)}"
     )
     out.append(
         f"ANE arm: {d['ane_prefill_seconds']:.1f} s (setup {d['setup_seconds']:.1f} s, ANE attention "
@@ -110,7 +124,8 @@ def format_checkpoint_plan(d: dict) -> str:
     out = [
         f"{d['checkpoint']} ({d['model_type']}): {d['num_layers']} layers, {len(d['full_layers'])} full attention"
         f"{window}; {d['num_heads']} heads, {d['num_kv_heads']} KV heads, head_dim {d['head_dim']}",
-        f"costs: {d['cost_family'] or 'flags'} — {d['cost_family_reason']}",
+        f"costs: {d['cost_family'] or 'flags'} — {d['cost_family_reason']}"
+        + ("; the GPU arm is mlx-lm's" if any(p.get("gpu_runtime") == "mlx-lm" for p in d["parts"].values()) else ""),
     ]
     for kind, part in d["parts"].items():
         out += [f"--- {kind} layers ---", format_plan(part)]

@@ -41,7 +41,6 @@ from anelab.planner.envelope import (
     worst_kind,
 )
 from anelab.planner.fit import fit_costs
-from anelab.planner.gpu_model import RUNTIME_BAND
 from anelab.planner.plan import PrefillPlan
 from anelab.sidecar.designs import DEFAULT_DESIGN
 
@@ -183,9 +182,10 @@ def plan_arm_costs(plan: PrefillPlan, design: DesignPlan | None = None, data_dir
         sources.get("gpu_prefill") or sources["gpu_attention"],
         relative=True,
     )
-    if sources.get("gpu_runtime") and s.kind not in (YOURS, MEASURED):  # another runtime's rates, your model
-        s = Cost(s.value, s.value / RUNTIME_BAND, s.value * RUNTIME_BAND, EXTRAPOLATED,
-                 f"{s.basis}; x/÷ {RUNTIME_BAND:g} for the runtime ({sources['gpu_runtime']})")  # fmt: skip
+    band = plan.gpu_runtime_band
+    if band and s.kind not in (YOURS, MEASURED):  # a runtime's rates carried to this model (and chip)
+        s = Cost(s.value, s.value / band, s.value * band, EXTRAPOLATED,
+                 f"{s.basis}; x/÷ {band:.3g} for the runtime ({sources.get('gpu_runtime', plan.gpu_runtime)})")  # fmt: skip
     offloaded = plan.attention_saved_seconds + plan.ane_attention_seconds
     ane_seconds = plan.ane_attention_seconds if design is None else design.ane_attention_seconds
     a = banded(ane_seconds, kinds["ane_attention"], ANE_RATE_BAND, sources["ane_attention"])

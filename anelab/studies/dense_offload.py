@@ -145,3 +145,24 @@ def backtest_and_bound(
     off_side = [r for r in rows if not r["recorded_side"] == r["in_sample_side"] == r["leave_one_family_out_side"]]
     return {"rows": rows, "bounds": bounds, "family": family, "chip": get_chip(chip).name,
             "rows_off_side": len(off_side), "provenance": PROVENANCE}  # fmt: skip
+
+
+def gpu_runtime_arms(prompt_tokens: Sequence[int], *, family: str = "qwen3.5-2b-4bit", chip: str = "M3",
+                     data_dir=None) -> dict:  # fmt: skip
+    """What notebook 01's runtime figure draws: ``family``'s GPU arm on TinyTitan's recorded path and on mlx-lm
+    (``planner.mlx_lm_rates``, on ``chip``), each beside the ANE arm planned against it (the ANE's costs are the
+    recorded ones either way), and the public mlx-lm records' fraction of peak. Seconds per prompt length."""
+    from anelab.planner.chips import get_chip
+    from anelab.planner.mlx_lm_rates import fit_mlx_lm
+
+    rows = []
+    for n in prompt_tokens:
+        row = {"prompt_tokens": int(n)}
+        for runtime in ("tinytitan", "mlx-lm"):
+            p = plan(int(n), family=family, data_dir=data_dir, allow_past_coverage=True, gpu_runtime=runtime,
+                     chip=chip)  # fmt: skip
+            row[runtime] = {"gpu_seconds": p.gpu_prefill_seconds, "ane_seconds": p.ane_prefill_seconds,
+                            "ratio": p.predicted_ratio, "decision": p.decision}  # fmt: skip
+        rows.append(row)
+    fit = fit_mlx_lm()
+    return {"rows": rows, "family": family, "chip": get_chip(chip).name, "mlx_lm": fit.to_dict()}
