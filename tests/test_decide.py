@@ -415,3 +415,20 @@ def test_decide_reports_greedy_divergences_labelled(decided):
     assert "greedy agreement 100.0% raw, 100.0% excluding 0 near-tie(s)" in arms["greedy_summary"]
     assert "Greedy text: greedy agreement" in (out / "report.md").read_text()
     assert "excluding 0 near-tie(s)" in (out / "report.html").read_text()
+
+
+def test_decide_on_a_chip_prices_mlx_lm_there_and_prints_the_bound(decided, model, capsys):
+    """``decide --chip``: the GPU arm is mlx-lm's on that chip and the chip's bound is printed beside the arms;
+    the evidence of the fixture's run (same out) is reused, so only the plan and the report are new."""
+    _, out = decided
+    argv = ["decide", str(model), "--prompt-tokens", str(PROMPT), "--chunk", str(CHUNK), "--design", "dense",
+            "--out", str(out)]  # fmt: skip
+    assert main([*argv, "--chip", "m4-max"]) == 0
+    text = capsys.readouterr().out
+    assert "GPU arm: mlx-lm on an Apple M4 Max" in text and "bound on M4 Max (peak figures" in text
+    d = json.loads((out / "decision.json").read_text())
+    assert d["plan"]["gpu_chip"] == "M4 Max" and d["plan"]["gpu_runtime"] == "mlx-lm"
+    # control: tinytitan's arm is the M3's whatever the chip, and the report says so
+    assert main([*argv, "--chip", "m4-max", "--gpu-runtime", "tinytitan"]) == 0
+    assert "GPU arm: TinyTitan's GPU path on an Apple M3" in capsys.readouterr().out
+    assert main([*argv, "--gpu-runtime", "cuda"]) == 2 and "unknown --gpu-runtime" in capsys.readouterr().err
