@@ -20,9 +20,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from anelab.core.paths import DATA_DIR
 from anelab.planner.catalogue import FAMILIES
-from anelab.planner.fit import cached_fit, predicted_ane_seconds
+from anelab.planner.fit import cached_fit, ratio_under, timed_ab_rows
 
 PROVENANCE = (
     "recorded A/B times (seed 000, Apple M3, TinyTitan) against costs fitted on the records; replayed, not measured"
@@ -35,16 +34,12 @@ def side(ratio: float) -> str:
 
 def backtest(data_dir: str | Path | None = None) -> list[dict]:
     """One dict per recorded row: recorded, in-sample and leave-one-family-out ratios, their errors and sides."""
-    directory = str(Path(data_dir or DATA_DIR).resolve())
-    fit = cached_fit(directory, None)
+    directory, fit, rows = timed_ab_rows(data_dir)
     out = []
-    for row in fit.rows:
-        if row.ane_seconds is None:
-            continue
+    for row in rows:
         model = FAMILIES[row.family].model
         recorded = row.gpu_seconds / row.ane_seconds
-        r_in = row.gpu_seconds / predicted_ane_seconds(row, fit)[0]
-        r_out = row.gpu_seconds / predicted_ane_seconds(row, cached_fit(directory, None, model))[0]
+        r_in, r_out = ratio_under(row, fit), ratio_under(row, cached_fit(directory, None, model))
         out.append(
             {
                 "family": row.family,

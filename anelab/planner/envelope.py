@@ -31,7 +31,7 @@ from pathlib import Path
 
 from anelab.core.paths import DATA_DIR
 from anelab.planner.catalogue import EXTRAPOLATED, FAMILIES, FITTED, RECORDED, PlanGeometry
-from anelab.planner.fit import CostFit, cached_fit, predicted_ane_seconds
+from anelab.planner.fit import CostFit, cached_fit, ratio_under, timed_ab_rows
 
 YOURS, MEASURED = "yours", "measured on this Mac"
 KINDS = (RECORDED, FITTED, EXTRAPOLATED, YOURS, MEASURED)
@@ -100,14 +100,10 @@ def load_band_factor(fit: CostFit) -> float:
 
 def leave_one_out_errors(data_dir: str | Path | None = None) -> list[dict]:
     """Each recorded A/B ratio against the fit that held its ANE time out: (family, sparse, error)."""
-    directory = str(Path(data_dir or DATA_DIR).resolve())
-    fit = cached_fit(directory, None)
+    directory, _, rows = timed_ab_rows(data_dir)
     out = []
-    for row in fit.rows:
-        if row.ane_seconds is None:
-            continue
-        predicted, _ = predicted_ane_seconds(row, cached_fit(directory, (row.record, row.family)))
-        ratio = row.gpu_seconds / predicted
+    for row in rows:
+        ratio = ratio_under(row, cached_fit(directory, (row.record, row.family)))
         out.append({"family": row.family, "sparse": FAMILIES[row.family].sparse, "error": ratio / row.ratio - 1})
     return out
 

@@ -402,6 +402,19 @@ def load_fit_report(data_dir: str | Path | None = None) -> list[dict]:
 
 
 # ---- how well the fit recovers the records ----------------------------------------------------
+def timed_ab_rows(data_dir: str | Path | None = None) -> tuple[str, CostFit, list[ABRow]]:
+    """(the resolved data folder, the fit on every record, the recorded A/B rows with both arms timed): what the
+    backtest, the envelope's leave-one-out and the fit report each predict again."""
+    directory = str(Path(data_dir or DATA_DIR).resolve())
+    fit = cached_fit(directory, None)
+    return directory, fit, [row for row in fit.rows if row.ane_seconds is not None]
+
+
+def ratio_under(row: ABRow, fit: CostFit) -> float:
+    """A recorded row's GPU seconds over the ANE seconds ``fit`` predicts for it (:func:`predicted_ane_seconds`)."""
+    return row.gpu_seconds / predicted_ane_seconds(row, fit)[0]
+
+
 def predicted_ane_seconds(row: ABRow, fit: CostFit) -> tuple[float, bool]:
     """ANE-arm seconds for a recorded row given its measured GPU seconds; True if non-attention clamped."""
     family = FAMILIES[row.family]

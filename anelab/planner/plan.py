@@ -77,7 +77,6 @@ from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import chunk_starts, validate_chunk_and_histories
 from anelab.core.geometry import coverage as _coverage
 from anelab.core.limits import require_finite_positive
-from anelab.core.paths import DATA_DIR
 from anelab.planner.catalogue import (
     EXTRAPOLATED,
     FLAG,
@@ -96,7 +95,7 @@ from anelab.planner.catalogue import (
 from anelab.planner.chips import get_chip
 from anelab.planner.coreai_loads import price_loads, priced_fit
 from anelab.planner.envelope import YOURS, ane_kind, gpu_kind, kind_of, worst_kind
-from anelab.planner.fit import CostFit, LoadModel, cached_fit, fit_costs, predicted_ane_seconds
+from anelab.planner.fit import CostFit, LoadModel, cached_fit, fit_costs, predicted_ane_seconds, timed_ab_rows
 from anelab.planner.gpu_model import MLX_LM, RUNTIME, RUNTIME_BAND, TINYTITAN, require_gpu_runtime
 from anelab.planner.loads import (
     DEFAULT_PROTOCOL,
@@ -750,12 +749,9 @@ def predicted_vs_recorded(data_dir: str | Path | None = None) -> list[dict]:
       protocol (``planner.loads``). The held-out-family backtest is ``planner.backtest``.
     Errors are (predicted - recorded) / recorded.
     """
-    directory = str(Path(data_dir or DATA_DIR).resolve())
-    fit = cached_fit(directory, None)
+    directory, fit, rows = timed_ab_rows(data_dir)
     out = []
-    for row in fit.rows:
-        if row.ane_seconds is None:
-            continue
+    for row in rows:
         pred_in, clamped_in = predicted_ane_seconds(row, fit)
         pred_loo, clamped_loo = predicted_ane_seconds(row, cached_fit(directory, (row.record, row.family)))
         planned = plan(row.prompt_tokens, family=row.family, chunk=row.chunk, data_dir=directory).predicted_ratio
