@@ -11,6 +11,7 @@ every other job is cancelled and every worker has exited; workers die with their
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import sys
@@ -82,7 +83,11 @@ PARENT_POLL_SECONDS = 0.5  # how often a worker checks that the process that sta
 def _start_worker(threads: int, parent: int) -> None:
     """A worker's first step: its share of the BLAS threads; Ctrl-C left to the parent (which stops every
     worker itself: a terminal sends SIGINT to the whole group, and a worker that raised KeyboardInterrupt
-    mid-layer would report a half-done job); and death with the parent, however the parent ends."""
+    mid-layer would report a half-done job); death with the parent, however the parent ends; and what it
+    inherited frozen (``gc.freeze``): the parent's objects (its imported modules, an opened checkpoint) stay
+    alive in the worker anyway, and a full garbage collection then walks only what the worker made (coremltools'
+    ``convert`` ends with one: ~0.09 s each over an inherited heap with coremltools imported, 4 per layer)."""
+    gc.freeze()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # held by the parent when it forked

@@ -284,6 +284,7 @@ def export_and_verify(
     from anelab.core.parallel import default_jobs, process_map
     from anelab.runtimes.gate import AneGate, AneGateError
     from anelab.runtimes.interface import package_content_hash
+    from anelab.sidecar.coremltools_import import coremltools_modules
 
     directory = config.out / "sidecars" / request.graph
     gate = AneGate.for_runtime(opened.runtime) if gated else None
@@ -309,6 +310,7 @@ def export_and_verify(
         bar.set_postfix_str(f"export and verify {len(todo)} layers")
         jobs = 1 if gate is not None else default_jobs(len(todo))
         source = opened.checkpoint if jobs == 1 else str(opened.checkpoint.path)  # workers open their own
+        coremltools_modules()  # imported before the workers fork, so they inherit it (~1.5 s each otherwise)
         work = [(source, str(directory), layer, request, gate) for layer in todo]
         try:
             process_map(_export_and_verify_layer, work, jobs=jobs, on_result=record)
@@ -328,10 +330,12 @@ def _export_and_verify_layer(job: tuple) -> dict:
     """One layer exported as the request asks and verified (in a worker process or inline): its evidence
     entry. ``job`` = (checkpoint or its directory, output directory, layer, SidecarRequest, ANE gate or None)."""
     from anelab.runtimes.interface import package_content_hash
-    from anelab.sidecar.export import export_request
+    from anelab.sidecar.export import export_request, worker_checkpoint
     from anelab.sidecar.verify import verify_package
 
     checkpoint, directory, layer, request, gate = job
+    if isinstance(checkpoint, str):  # a worker: its jobs share one opening, export and verify alike
+        checkpoint = worker_checkpoint(checkpoint)
     [result] = export_request(checkpoint, directory, request, [layer], gate=gate, jobs=1)
     report = verify_package(result.package, checkpoint, progress=False)
     return {"sha256": package_content_hash(result.package), "verify": _verify_summary(report)}
