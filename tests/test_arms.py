@@ -101,6 +101,51 @@ def test_a_perturbed_layer_diverges_from_that_layer_on(setup, arm):
     assert cmp.prompt_logits_diff > NOISE
 
 
+def test_arms_in_processes_of_their_own_give_the_runs_of_one_process_bit_for_bit(setup, monkeypatch):
+    """On two cores or more the arms run in forked processes of their own (``arms.run.arm_groups``), one BLAS
+    thread each; every logit, token and per-layer difference is the one a single process gives on its own BLAS
+    threads (a one-row product, a prompt's last chunk of one row here, runs on one thread either way)."""
+    import anelab.arms.run as arms_run
+    from anelab.arms.resident import weights_for_run
+    from anelab.core.parallel import available_cores
+
+    root, model, prompt, _, _, _ = setup
+    prompt = prompt[: CHUNK + 1]  # a last chunk of one row
+    _, weights = weights_for_run(model)
+    sidecars = open_sidecars(root / "sidecars", model, prompt.size)
+    assert available_cores() >= 2 and len(arms_run.arm_groups(model, weights, 2, prompt.size, "layer", sidecars)) == 2
+    arms = [Arm("reference"), Arm("sidecar", "sidecar")]
+    pairs = (("reference", "sidecar"),)
+    options = dict(decode=DECODE, sidecars=sidecars, layer_pairs=pairs, keep_hidden=False)  # as compare_arms runs
+    apart = arms_run.run_arms(model, prompt, arms, **options)
+    monkeypatch.setattr(arms_run, "arm_groups", lambda model, weights, n, *args: [list(range(n))])
+    together = arms_run.run_arms(model, prompt, arms, **options)
+    for name in ("reference", "sidecar"):
+        a, b = apart[name], together[name]
+        assert np.array_equal(a.logits, b.logits) and np.array_equal(a.tokens, b.tokens)
+        assert a.layer_diffs == b.layer_diffs and a.hidden is None
+    assert apart["sidecar"].layer_diffs["reference"][0] > 0  # control: the two arms' layers really differ
+    assert not np.array_equal(apart["sidecar"].logits, apart["reference"].logits)
+
+
+def test_a_sidecar_runner_that_keeps_what_its_caller_reads_keeps_the_arms_in_one_process(setup):
+    """A call log or a runner of the caller's own (a Core ML runtime, a spy) would lose what a forked process
+    records: such arms run in this process."""
+    import anelab.arms.run as arms_run
+    from anelab.arms.resident import weights_for_run
+
+    root, model, prompt, _, _, _ = setup
+    _, weights = weights_for_run(model)
+    sidecars = open_sidecars(root / "sidecars", model, PROMPT)
+    assert len(arms_run.arm_groups(model, weights, 2, PROMPT, "layer", sidecars)) == 2
+    sidecars.calls = []
+    assert arms_run.arm_groups(model, weights, 2, PROMPT, "layer", sidecars) == [[0, 1]]
+    sidecars.calls, numpy_run = None, sidecars.runner
+    sidecars.runner = lambda *a: numpy_run(*a)
+    assert arms_run.arm_groups(model, weights, 2, PROMPT, "layer", sidecars) == [[0, 1]]
+    assert arms_run.arm_groups(model, weights, 2, PROMPT, "chunk", None) == [[0, 1]]  # chunk-major: one process
+
+
 def test_mask_arms_separate_only_past_the_dense_exact_window(setup):
     root, model, prompt, _, _, _ = setup
     sidecars = open_sidecars(root / "sidecars", model, PROMPT)

@@ -216,6 +216,48 @@ def test_decide_is_resumable_and_notices_a_changed_package(decided, model):
     assert (pkg.parent / "layer_1.mlpackage.stale-1").exists()
 
 
+def _spied_verify(job):
+    """decide's ``_verify_layer``, recording (package, this worker's niceness) in a file beside the package."""
+    import os
+    from pathlib import Path
+
+    import anelab.decide.run as run
+
+    with open(Path(job[1]).parent / "verified-beside.txt", "a") as f:
+        f.write(f"{Path(job[1]).name} {os.nice(0)}\n")
+    return run._VERIFY_LAYER(job)
+
+
+def test_the_last_layers_are_verified_beside_the_arms_with_the_same_evidence(decided, model, tmp_path, monkeypatch):
+    """The last ``VERIFIED_BESIDE_THE_ARMS`` of the layers are exported first and verified while the arms run, in
+    low-priority workers; the evidence (verify summaries, evidence.json, the arms) is what verifying every layer
+    before the arms gives. Control: with the fraction 0 nothing is verified beside."""
+    import anelab.decide.run as run
+    from anelab.core.parallel import BESIDE_NICENESS
+
+    decision, _ = decided  # every layer verified before the arms (the fraction of 2 layers rounds to none)
+    monkeypatch.setattr(run, "_VERIFY_LAYER", run._verify_layer, raising=False)
+    monkeypatch.setattr(run, "_verify_layer", _spied_verify)
+    monkeypatch.setattr(run, "VERIFIED_BESIDE_THE_ARMS", 0.5)
+    beside = decide(DecideConfig(model, PROMPT, tmp_path / "beside", design="dense", chunk=CHUNK))
+    spied = (tmp_path / "beside" / "sidecars" / "dense" / "verified-beside.txt").read_text().split()
+    assert spied == ["layer_1.mlpackage", str(min(19, BESIDE_NICENESS))]  # the last layer, at the lowest priority
+    drop = {"package", "sha256"}  # where the packages are, and their export time
+    for layer in ("0", "1"):
+        mine, theirs = beside.evidence["verify"][layer], decision.evidence["verify"][layer]
+        assert {k: v for k, v in mine.items() if k not in drop} == {k: v for k, v in theirs.items() if k not in drop}
+    kept = json.loads((tmp_path / "beside" / "evidence.json").read_text())["dense"]["layers"]
+    assert sorted(kept) == ["0", "1"] and all(kept[k]["verify"]["passed"] for k in kept)
+    assert kept["1"]["sha256"] == beside.evidence["verify"]["1"]["sha256"]
+    same_arms = ("logits_relative_difference", "layer_differences", "greedy_agreement", "divergences")
+    assert all(beside.evidence["arms"][k] == decision.evidence["arms"][k] for k in same_arms)
+    again = decide(DecideConfig(model, PROMPT, tmp_path / "beside", design="dense", chunk=CHUNK))
+    assert all(r["reused"] for r in again.evidence["verify"].values())  # recorded: a rerun repeats nothing
+    monkeypatch.setattr(run, "VERIFIED_BESIDE_THE_ARMS", 0.0)
+    decide(DecideConfig(model, PROMPT, tmp_path / "before", design="dense", chunk=CHUNK))
+    assert not (tmp_path / "before" / "sidecars" / "dense" / "verified-beside.txt").exists()
+
+
 def test_decide_reads_its_checkpoint_once_and_plans_each_prompt_once(model, tmp_path, monkeypatch):
     """Issue 28: decide opened the checkpoint 24 times and planned the same prompt several times. Now one read
     (the whole model reuses the opened checkpoint; inline export and verify take it too) and one plan per

@@ -358,3 +358,33 @@ def test_a_hugging_face_cache_snapshot_loads_and_a_link_out_of_it_does_not(dense
     (snapshot / "model.safetensors").symlink_to(elsewhere / "model.safetensors")
     with pytest.raises(AnelabInputError, match="outside"):
         load_checkpoint(snapshot)
+
+
+def test_an_export_beside_another_never_takes_its_staging_folder_for_an_abandoned_one(tmp_path, monkeypatch):
+    """Two exports into one directory (decide's workers export a layer each): one clears abandoned staging
+    folders at the moment the other's owner lock file exists but is not yet locked. The other's folder is not
+    visible as a staging folder until its lock is held, so it survives and its export lands. Control: a staging
+    folder whose owner is gone is cleared."""
+    from anelab.sidecar import out_dir
+
+    out = tmp_path / "out"
+    out.mkdir()
+    real = out_dir._take_lock
+
+    def racing(path, what):
+        if path.name == out_dir.OWNER_LOCK:
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o644))  # created, not yet locked
+            out_dir._remove_abandoned_staging(out)  # the other export, clearing up at that moment
+        return real(path, what)
+
+    monkeypatch.setattr(out_dir, "_take_lock", racing)
+    with out_dir.exporting(out, [0]) as staging:
+        assert staging.folder.name.startswith(STAGING_PREFIX) and staging.folder.is_dir()
+        (staging.folder / "layer_0.mlpackage").mkdir()
+        staging.commit([0])
+    assert (out / "layer_0.mlpackage").is_dir()
+    gone = out / f"{STAGING_PREFIX}999999999-x"  # control: an owner that does not exist
+    gone.mkdir()
+    (gone / out_dir.OWNER_LOCK).write_text("999999999")
+    out_dir._remove_abandoned_staging(out)
+    assert not gone.exists()

@@ -247,6 +247,66 @@ def test_a_truncated_gguf_is_refused_in_one_line(sources, tmp_path):
         load_checkpoint(cut).layer(1)
 
 
+def _metadata_arrays_file(path: Path) -> Path:
+    """A GGUF file whose metadata holds every kind of array gguf writes: strings (a vocabulary with multi-byte
+    and empty ones), integers, floats, booleans, and an array of arrays (its writer writes no empty array)."""
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_array("t.tokens", [f"tok{i}" for i in range(300)] + ["é✓", "", "<|end|>"])
+    writer.add_array("t.scores", [float(i) / 7 for i in range(50)])
+    writer.add_array("t.types", list(range(-3, 40)))
+    writer.add_array("t.flags", [True, False, True])
+    writer.add_array("t.nested", [[1, 2], [3, 4, 5]])
+    writer.add_string("t.name", "x")
+    writer.add_tensor("token_embd.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_the_reader_serves_metadata_arrays_as_ggufs_own_reader_does_without_reading_them_at_open(tmp_path):
+    """anelab's reader (``gguf_file._lazy_array_reader``) leaves metadata arrays unread at open, yet every field,
+    every element, slice and index of it, and every tensor are what gguf's own ``GGUFReader`` gives."""
+    path = _metadata_arrays_file(tmp_path / "arrays.gguf")
+    ours, theirs = gguf_file._lazy_array_reader()(str(path)), gguf.GGUFReader(path)
+    lazy = {k for k, f in ours.fields.items() if isinstance(f, gguf_file.LazyArrayField)}
+    assert lazy == {"t.tokens", "t.scores", "t.types", "t.flags"}  # the nested array is gguf's own
+    assert all(ours.fields[k]._field is None for k in lazy)  # nothing of them built at open
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        mine = ours.fields[key]
+        assert (mine.offset, mine.name, list(mine.types)) == (field.offset, field.name, list(field.types))
+        value = field.contents()
+        assert mine.contents() == value and [type(v) for v in np.ravel(mine.contents())] == [
+            type(v) for v in np.ravel(value)
+        ]
+        if isinstance(value, list) and value:
+            for index in (0, -1, slice(1, 4), slice(None, None, 3)):
+                assert mine.contents(index) == field.contents(index), (key, index)
+        assert mine.data == field.data and len(mine.parts) == len(field.parts)
+        assert all(np.array_equal(a, b) for a, b in zip(mine.parts, field.parts, strict=True))
+    assert ours.fields["t.tokens"].count == 303
+    assert ours.data_offset == theirs.data_offset
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (a.name, a.tensor_type, a.data_offset, a.n_bytes) == (b.name, b.tensor_type, b.data_offset, b.n_bytes)
+        assert np.array_equal(a.data, b.data)
+
+
+def test_a_string_array_running_past_the_end_of_the_file_is_refused_at_open(tmp_path):
+    """Negative control: the lengths of a metadata string array are walked at open, so a length that runs past the
+    end of the file is refused there in one line (gguf's own reader would read short strings silently)."""
+    path = _metadata_arrays_file(tmp_path / "arrays.gguf")
+    data = bytearray(path.read_bytes())
+    at = data.index(b"tok299") - 8  # the u64 length before the 300th token
+    data[at : at + 8] = (len(data)).to_bytes(8, "little")
+    (tmp_path / "bad.gguf").write_bytes(bytes(data))
+    with pytest.raises(AnelabInputError, match="not a readable GGUF file .*past the end of the file") as refused:
+        gguf_file.read_gguf(tmp_path / "bad.gguf")
+    assert "\n" not in str(refused.value)
+    gguf_file.read_gguf(path)  # the intact file opens
+
+
 def test_the_cli_exports_verifies_and_compares_arms_on_a_gguf_file(sources, tmp_path, capsys):
     path = write_gguf(sources["llama"], tmp_path / "m.gguf", "Q8_0")
     out = tmp_path / "sc"

@@ -43,6 +43,51 @@ def test_results_come_back_in_item_order_from_several_processes():
     assert parallel.process_map(_pid, [0, 1], jobs=1) == [os.getpid()] * 2
 
 
+def _frozen(_: int) -> int:
+    import gc
+
+    return gc.get_freeze_count()
+
+
+def test_a_worker_freezes_what_it_inherited_so_its_collections_walk_only_what_it_makes():
+    """A worker starts by freezing the heap it inherited (``gc.freeze``): a full collection there (coremltools'
+    ``convert`` ends with one) skips the parent's objects. Control: in this process nothing is frozen."""
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    inherited = len(gc.get_objects())
+    assert all(count >= inherited // 2 for count in parallel.process_map(_frozen, [0, 1], jobs=2))
+    assert parallel.process_map(_frozen, [0, 1], jobs=1) == [0, 0]
+
+
+def _niceness(n: int) -> tuple[int, int]:
+    import os
+
+    return n * n, os.nice(0)
+
+
+def test_background_map_runs_beside_the_block_at_the_lowest_priority_and_stops_with_an_error():
+    """``background_map``: the jobs run in workers while the block goes on (it is not waited for), at niceness
+    ``BESIDE_NICENESS``, results in item order; a job's error is raised by ``collect``, and an error in the block
+    ends the workers before it propagates."""
+    import os
+    import time
+
+    start = time.perf_counter()
+    with parallel.background_map(_niceness, [3, 1, 2], jobs=2) as collect:
+        entered = time.perf_counter() - start
+        results = collect()
+    assert [r for r, _ in results] == [9, 1, 4] and entered < 5
+    assert {nice for _, nice in results} == {min(19, os.nice(0) + parallel.BESIDE_NICENESS)}
+    assert os.nice(0) != parallel.BESIDE_NICENESS  # control: this process runs at its own priority
+    with pytest.raises(AnelabInputError, match="item -3 is negative"):
+        with parallel.background_map(_square_or_refuse, [1, -3], jobs=2) as collect:
+            collect()
+    with pytest.raises(KeyError, match="the block failed"):
+        with parallel.background_map(_square_or_refuse, [1, 2], jobs=2):
+            raise KeyError("the block failed")
+
+
 def test_a_workers_one_line_error_reaches_the_caller_unchanged():
     with pytest.raises(AnelabInputError, match="item -3 is negative; pass a count"):
         parallel.process_map(_square_or_refuse, [1, -3, 2], jobs=2)

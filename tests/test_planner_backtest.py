@@ -8,6 +8,7 @@ import json
 import math
 import shutil
 
+import numpy as np
 import pytest
 
 from anelab.cli import main
@@ -68,6 +69,41 @@ def test_specialization_fit_by_hand():
     assert (coef, exp) == (pytest.approx(65.0), 1.0)
     # control: points on another law give another exponent
     assert fit_specialization([(a * GB, 2 * a) for a in (0.5, 1.0, 2.0)])[1] == pytest.approx(1.0, abs=0.005)
+
+
+def _fit_one_exponent_at_a_time(points, totals=()):
+    """The specialization fit as a plain scan: each exponent of the grid on its own (the oracle for the
+    vectorized ``fit_specialization``)."""
+    distinct = {a for a, _ in points} | {tuple(a) for a, _ in totals}
+    grid = np.arange(0.25, 3.0001, 0.005) if len(distinct) > 1 else np.array([1.0])
+    best = None
+    for exp in grid:
+        logs = [np.log(s) - exp * np.log(a / GB) for a, s in points]
+        logs += [np.log(s) - np.log(np.sum((np.asarray(a, dtype=float) / GB) ** exp)) for a, s in totals]
+        log_coef = float(np.mean(logs))
+        miss = float(np.sum((np.asarray(logs) - log_coef) ** 2))
+        if best is None or miss < best[0] - 1e-12:
+            best = (miss, float(np.exp(log_coef)), float(exp))
+    return best[1], best[2]
+
+
+def test_the_specialization_fit_is_the_one_exponent_at_a_time_scans_bit_for_bit():
+    """Every exponent of the grid is scored at once, with the operations a scan of one exponent at a time makes:
+    the same (coef, exp) to the last bit on the recorded loads and on random ones (points, totals, both)."""
+    from anelab.planner import fit as fit_module
+
+    points, totals, *_ = fit_module._load_records(fit_module.read_records(DATA_DIR), None)  # the recorded loads
+    rng = np.random.default_rng(7)
+    cases = [(points, totals), (points, []), ([], totals)]
+    for _ in range(60):
+        points = [(float(rng.uniform(0.1, 5) * GB), float(rng.uniform(0.1, 50))) for _ in range(rng.integers(0, 7))]
+        totals = [([float(x) for x in rng.uniform(0.1, 3, rng.integers(1, 40)) * GB], float(rng.uniform(1, 200)))
+                  for _ in range(rng.integers(0 if points else 1, 3))]  # fmt: skip
+        cases.append((points, totals))
+    cases = [(p, t) for p, t in cases if p or t]
+    assert [fit_specialization(p, t) for p, t in cases] == [_fit_one_exponent_at_a_time(p, t) for p, t in cases]
+    # control: the scan tells the fits apart (the comparison is not vacuous)
+    assert len({fit_specialization(p, t) for p, t in cases}) > len(cases) // 2
 
 
 def test_protocol_and_cache():

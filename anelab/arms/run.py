@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from anelab.arms.resident import WeightsPlan, weights_for_run
+from anelab.arms.resident import RESIDENT, WeightsPlan, weights_for_run
 from anelab.arms.sidecars import SidecarSet
 from anelab.checkpoints.model import ModelCheckpoint
 from anelab.core import reference
@@ -173,12 +173,14 @@ def _attend(model, layer, state: _Layer, normed, start, arm: Arm, sidecars, *, p
 
 
 def _layer_rows(model, layer: int, state: _Layer, x, start: int, arm: Arm, sidecars, *, prefill: bool) -> np.ndarray:
-    """Rows x [r, D] at ``start`` through one loaded layer (its cache appended): the layer's output [r, D]."""
-    normed = attention_input(x, state.weights, model.eps)
-    attn, k, v = _attend(model, layer, state, normed, start, arm, sidecars, prefill=prefill)
-    state.k.append(k.astype(np.float32))
-    state.v.append(v.astype(np.float32))
-    return finish_layer(x, attn, state.weights, model.eps)
+    """Rows x [r, D] at ``start`` through one loaded layer (its cache appended): the layer's output [r, D]. One row
+    (a decoded token, a prompt's last chunk of one) goes through on one BLAS thread (``one_blas_thread``)."""
+    with one_blas_thread() if x.shape[0] == 1 else contextlib.nullcontext():
+        normed = attention_input(x, state.weights, model.eps)
+        attn, k, v = _attend(model, layer, state, normed, start, arm, sidecars, prefill=prefill)
+        state.k.append(k.astype(np.float32))
+        state.v.append(v.astype(np.float32))
+        return finish_layer(x, attn, state.weights, model.eps)
 
 
 @dataclass
@@ -248,7 +250,10 @@ _BLAS = []  # one threadpoolctl controller, made on first use
 def one_blas_thread():
     """Context: BLAS on one thread. A decoded step's products are matrix-vector ones, bound by memory: a second
     BLAS thread only adds its hand-off, and on a shared machine a thread waiting for a busy core makes each
-    product ~20x slower (0.3 ms -> 6 ms for [1, 576] x [576, 1536] under a load of 10 on 2 cores)."""
+    product ~20x slower (0.3 ms -> 6 ms for [1, 576] x [576, 1536] under a load of 10 on 2 cores). A
+    matrix-vector product also splits its sums differently on more threads (its last bits change; a
+    matrix-matrix one's do not): on one thread, every one-row product of the arms is the same on any machine and
+    in the processes of ``_run_apart``."""
     if not _BLAS:
         from threadpoolctl import ThreadpoolController
 
@@ -352,37 +357,152 @@ def run_arms(
     pairs = {(names.index(a), names.index(b)): [] for a, b in layer_pairs}
     head, g = model.head(), model.geometry
     coverage = model.rope_coverage(prompt.size, decode)
-    keep = keep_hidden or order != "layer"  # the chunk-major order compares afterwards, from the kept states
+    groups = arm_groups(model, weights, len(arms), prompt.size, order, sidecars)
+    apart = len(groups) > 1  # each group of arms in its own process (``arm_groups``)
+    keep = keep_hidden or order != "layer" or apart  # compared afterwards, from the kept states
+    hidden_shape = (model.num_layers, prompt.size, g.hidden_size)
     runs = [
         _Prefill(arm, [_Layer(rope_coverage=coverage) for _ in range(model.num_layers)], embed(prompt, head),
-                 np.zeros((model.num_layers, prompt.size, g.hidden_size), np.float32) if keep else None)
+                 (_shared_zeros(hidden_shape) if apart else np.zeros(hidden_shape, np.float32)) if keep else None)
         for arm in arms
     ]  # fmt: skip
     starts = chunk_starts(prompt.size, chunk)
     with tqdm(total=model.num_layers * (1 if order == "layer" else len(arms)), desc="prefill", unit="layer",
               leave=False) as progress:  # fmt: skip
-        if order == "layer":
+        if apart:
+            logits, tokens = _run_apart(model, runs, groups, starts, chunk, sidecars, decode, head, progress)
+        elif order == "layer":
             _prefill_layer_major(model, runs, starts, chunk, sidecars, pairs, progress)
         else:
             for run in runs:
                 _prefill_chunk_major(model, run.states, run.x, starts, chunk, run.arm, sidecars, run.hidden, progress)
+        if apart or order != "layer":
             for a, b in pairs:
                 pairs[(a, b)] = [relative_error(runs[b].hidden[i], runs[a].hidden[i]) for i in range(model.num_layers)]
-    logits = [[rows[0]] for rows in lm_logits_each([run.x[-1:] for run in runs], head, model.eps)]
-    tokens = [[int(np.argmax(rows[0]))] for rows in logits]
-    stepping = [(run.arm, run.states) for run in runs]
-    for step in tqdm(range(1, decode), desc="decode", unit="token", leave=False, disable=decode < 2):
-        step_logits = _decode_step_together(model, stepping, [t[-1] for t in tokens], prompt.size + step - 1,
-                                            sidecars, head)  # fmt: skip
-        for arm_logits, arm_tokens, row in zip(logits, tokens, step_logits, strict=True):
-            arm_logits.append(row)
-            arm_tokens.append(int(np.argmax(row)))
+    if not apart:
+        logits, tokens = _logits_and_decode(model, runs, decode, prompt.size, sidecars, head)
     results = {}
     for i, (run, arm_logits, arm_tokens) in enumerate(zip(runs, logits, tokens, strict=True)):
         diffs = {names[a]: d for (a, b), d in pairs.items() if b == i}
         hidden = run.hidden if keep_hidden else None
         results[run.arm.name] = ArmRun(run.arm, hidden, np.stack(arm_logits), np.array(arm_tokens), diffs, weights)
     return results
+
+
+def _logits_and_decode(model, runs: list[_Prefill], decode: int, prompt_tokens: int, sidecars, head, *,
+                       progress: bool = True) -> tuple[list[list[np.ndarray]], list[list[int]]]:  # fmt: skip
+    """After the prefill: each run's logits at the last prompt position, then ``decode - 1`` greedy steps of every
+    run in lockstep -> (per run, its logits rows [V] float32; per run, its tokens)."""
+    from anelab.core.progress import tqdm
+
+    with one_blas_thread():  # matrix-vector products, as each decoded step's
+        logits = [[rows[0]] for rows in lm_logits_each([run.x[-1:] for run in runs], head, model.eps)]
+    tokens = [[int(np.argmax(rows[0]))] for rows in logits]
+    stepping = [(run.arm, run.states) for run in runs]
+    for step in tqdm(range(1, decode), desc="decode", unit="token", leave=False, disable=decode < 2 or not progress):
+        step_logits = _decode_step_together(model, stepping, [t[-1] for t in tokens], prompt_tokens + step - 1,
+                                            sidecars, head)  # fmt: skip
+        for arm_logits, arm_tokens, row in zip(logits, tokens, step_logits, strict=True):
+            arm_logits.append(row)
+            arm_tokens.append(int(np.argmax(row)))
+    return logits, tokens
+
+
+# ---- arms in processes of their own ------------------------------------------------------------------------------
+def arm_groups(
+    model, weights: WeightsPlan, arms: int, prompt_tokens: int, order: str, sidecars=None
+) -> list[list[int]]:
+    """Which arms run together, each group in a process of its own: one group (this process) unless the arms are
+    several, the order is layer-major, the weights are resident, this machine has two cores or more, worker
+    processes are forked (``core.parallel.start_method``: they inherit the opened model and sidecars), the sidecars
+    (if any) are served by a runner that keeps nothing its caller reads (``numpy_runner``; no call log), and every
+    process's resident weights and every arm's layer outputs [L, P, D] float32 fit half this process's memory;
+    then arms i, i + n, i + 2n, ... form group i of n = min(arms, cores, ``DEFAULT_MAX_JOBS``).
+
+    An arm's run does not depend on the others it runs beside (``run_arms``), so the results are the same bit
+    for bit: BLAS's products are the same on one thread as on several (a test runs both ways)."""
+    from anelab.core.limits import memory_limit
+    from anelab.core.parallel import DEFAULT_MAX_JOBS, available_cores, start_method
+
+    n = min(arms, available_cores(), DEFAULT_MAX_JOBS)
+    served_anywhere = sidecars is None or (sidecars.calls is None and getattr(sidecars.runner, "forkable", False))
+    if n < 2 or order != "layer" or weights.mode != RESIDENT or start_method() != "fork" or not served_anywhere:
+        return [list(range(arms))]
+    hidden = arms * model.num_layers * prompt_tokens * model.geometry.hidden_size * 4
+    if n * weights.float32_bytes + hidden > memory_limit()[0] // 2:
+        return [list(range(arms))]
+    return [list(range(i, arms, n)) for i in range(n)]
+
+
+def _shared_zeros(shape: tuple[int, ...]) -> np.ndarray:
+    """float32 zeros [shape] in memory shared with the processes forked after it (an anonymous shared map)."""
+    import mmap
+
+    return np.frombuffer(mmap.mmap(-1, max(1, int(np.prod(shape)) * 4)), np.float32, int(np.prod(shape))).reshape(shape)
+
+
+_APART: dict = {}  # the run that the processes of ``_run_apart`` inherit (set just before they fork)
+
+
+def _run_apart(model, runs: list[_Prefill], groups: list[list[int]], starts, chunk, sidecars, decode: int, head,
+               progress) -> tuple[list, list]:  # fmt: skip
+    """Each group of runs prefilled layer-major and decoded in a forked process of its own (``core.parallel``: one
+    BLAS thread each), every run's layer outputs written into its shared ``hidden`` [L, P, D]; ``progress`` counts
+    the layers done -> (per run, its logits rows; per run, its tokens), in the order of ``runs``. ``model`` is a
+    resident one (``arm_groups``): every layer is read here first, once, and the processes inherit it."""
+    import multiprocessing
+    import threading
+
+    from anelab.core.parallel import process_map
+
+    for layer in range(model.num_layers):  # resident weights read once, here: the processes share these pages
+        model.attention(layer)
+        model.layer(layer)
+    done = multiprocessing.get_context("fork").Value("i", 0)
+    _APART.update(model=model, runs=runs, groups=groups, starts=starts, chunk=chunk, sidecars=sidecars,
+                  decode=decode, head=head, done=done, prompt_tokens=runs[0].x.shape[0])  # fmt: skip
+    finished = threading.Event()
+
+    def show() -> None:  # the layers every process has finished, as they finish
+        while not finished.wait(0.2):
+            progress.update(done.value // len(groups) - progress.n)
+
+    watcher = threading.Thread(target=show, name="anelab-arms-progress", daemon=True)
+    watcher.start()
+    try:
+        results = process_map(_run_group, range(len(groups)), jobs=len(groups))
+    finally:
+        finished.set()
+        watcher.join()
+        _APART.clear()
+    progress.update(progress.total - progress.n)
+    logits, tokens = [None] * len(runs), [None] * len(runs)
+    for group, (group_logits, group_tokens) in zip(groups, results, strict=True):
+        for index, arm_logits, arm_tokens in zip(group, group_logits, group_tokens, strict=True):
+            logits[index], tokens[index] = arm_logits, arm_tokens
+    return logits, tokens
+
+
+class _Counter:
+    """A progress bar's ``update`` that counts into a shared integer (a forked process's layers)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def update(self, n: int = 1) -> None:
+        with self.value.get_lock():
+            self.value.value += n
+
+
+def _run_group(index: int) -> tuple[list, list]:
+    """In a forked process: group ``index`` of ``_APART``'s runs prefilled (layer outputs into their shared
+    ``hidden``) and decoded -> (per run of the group, its logits rows; its tokens)."""
+    job = _APART
+    runs = [job["runs"][i] for i in job["groups"][index]]
+    _prefill_layer_major(job["model"], runs, job["starts"], job["chunk"], job["sidecars"], {}, _Counter(job["done"]))
+    model = job["model"]
+    return _logits_and_decode(model, runs, job["decode"], job["prompt_tokens"], job["sidecars"], job["head"],
+                              progress=False)  # fmt: skip
 
 
 def _check_run(model, prompt: np.ndarray, arms: list[Arm], decode: int, chunk, sidecars, order: str) -> int:

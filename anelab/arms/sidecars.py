@@ -247,6 +247,7 @@ def numpy_runner(sidecars: SidecarSet, keep_open: int = 1) -> SidecarRunner:
         out = evaluate_with_state(opened[layer], function, inputs, states[layer])
         return {**out, **state_rows(states[layer].__getitem__, int(inputs["start"][0]), sidecars.chunk)}
 
+    run.forkable = True  # keeps nothing its caller reads: serves the same in a forked process (arms.run.arm_groups)
     return run
 
 

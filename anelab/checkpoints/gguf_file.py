@@ -103,14 +103,117 @@ def is_gguf_file(path: Path) -> bool:
 
 @functools.lru_cache(maxsize=4)
 def _reader(path: str, mtime_ns: int, size: int):
-    """gguf's reader of ``path`` (parsing a 49k-token vocabulary takes ~2 s: kept per process while the file
-    is unchanged)."""
-    import gguf
-
+    """gguf's reader of ``path``, its metadata arrays read lazily (``_lazy_array_reader``), kept per process while
+    the file is unchanged."""
     try:
-        return gguf.GGUFReader(path)
+        return _lazy_array_reader()(path)
     except (ValueError, OSError, IndexError) as e:
         raise AnelabInputError(f"{path}: not a readable GGUF file ({e}); re-download it") from None
+
+
+class LazyArrayField:
+    """One metadata array of a GGUF file (``tokenizer.ggml.tokens``: 49k strings) as gguf's ``ReaderField`` serves it,
+    built only when its elements are first asked for; ``count`` (its length) is known without them.
+
+    gguf's reader makes two NumPy views per string of such an array at open: ~0.5 M objects for a 49k vocabulary,
+    ~2 s to build, then walked by every full garbage collection of the process (coremltools' ``convert`` ends with
+    one: 0.14 s per converted function) and by each worker forked from it. The config and the tensors need none
+    of it; the tokenizer reads it once."""
+
+    def __init__(self, reader, offset: int, name: str, value_offset: int, count: int, types: list):
+        self.reader, self.offset, self.name, self.types = reader, offset, name, types
+        self.value_offset, self.count = value_offset, count
+        self._field = None
+
+    def values(self) -> list:
+        """Every element, as ``contents()`` gives them (str, or Python numbers), read straight from the bytes."""
+        start, data = self.value_offset + 12, self.reader.data
+        if self.count and self.types[-1] == 8:  # GGUFValueType.STRING: u64 length, then UTF-8 bytes
+            view, out, pos = memoryview(data), [], start
+            for _ in range(self.count):
+                length = int.from_bytes(view[pos : pos + 8], "little")
+                out.append(str(view[pos + 8 : pos + 8 + length], encoding="utf-8"))
+                pos += 8 + length
+            return out
+        scalar = self.reader.gguf_scalar_to_np.get(self.types[-1]) if self.count else np.uint8
+        return np.frombuffer(data, np.dtype(scalar).newbyteorder("<"), self.count, start).tolist()
+
+    def field(self):
+        """gguf's own ``ReaderField`` of these bytes, as its reader builds it (``GGUFReader._build_fields``)."""
+        if self._field is None:
+            import gguf
+
+            r = self.reader
+            head = list(r._get_str(self.offset)) + [r._get(self.value_offset - 4, np.uint32)]
+            _, parts, indices, types = r._get_field_parts(self.value_offset, gguf.GGUFValueType.ARRAY)
+            self._field = gguf.ReaderField(
+                self.offset, self.name, head + parts, [i + len(head) for i in indices], types
+            )
+        return self._field
+
+    @property
+    def parts(self) -> list:
+        return self.field().parts
+
+    @property
+    def data(self) -> list:
+        return self.field().data
+
+    def contents(self, index_or_slice: int | slice = slice(None)):
+        return self.values()[index_or_slice]
+
+
+@functools.cache
+def _lazy_array_reader():
+    """``gguf.GGUFReader`` whose metadata arrays of scalars or strings are ``LazyArrayField``s: at open only their
+    extent is read (a string array's lengths, walked), so the reader holds a few hundred objects, not ~0.5 M.
+    Every other field, the tensor infos and a byte-swapped file are read by gguf's own code."""
+    import gguf
+
+    ARRAY, STRING = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING
+
+    class Reader(gguf.GGUFReader):
+        def _build_fields(self, offs: int, count: int) -> int:
+            for _ in range(count):
+                key_length, key = self._get_str(offs)
+                value_offset = offs + int(key_length.nbytes + key.nbytes) + 4
+                raw_type = int(self._get(value_offset - 4, np.uint32)[0])
+                if self.byte_order != "I" or raw_type != ARRAY:
+                    offs = super()._build_fields(offs, 1)  # one field, as gguf reads it
+                    continue
+                item = int(self._get(value_offset, np.uint32)[0])
+                n = int(self._get(value_offset + 4, np.uint64)[0])
+                size = self._array_bytes(value_offset + 12, item, n)
+                if size is None:  # an array of arrays: as gguf reads it
+                    offs = super()._build_fields(offs, 1)
+                    continue
+                types = [ARRAY] + ([gguf.GGUFValueType(item)] if n else [])  # gguf's: the item type from item 0
+                field = LazyArrayField(self, offs, str(bytes(key), encoding="utf-8"), value_offset, n, types)
+                self._push_field(field, skip_sum=True)
+                offs = value_offset + 12 + size
+            return offs
+
+        def _array_bytes(self, start: int, item: int, n: int) -> int | None:
+            """Bytes of ``n`` items of type ``item`` from ``start`` (None: an array of arrays); refuses an array that
+            runs past the end of the file."""
+            end = len(self.data)
+            if item == STRING:
+                view, pos = memoryview(self.data), start
+                for _ in range(n):
+                    if pos + 8 > end:
+                        raise ValueError(f"a metadata string array runs past the end of the file at {pos}")
+                    pos += 8 + int.from_bytes(view[pos : pos + 8], "little")
+                size = pos - start
+            else:
+                scalar = self.gguf_scalar_to_np.get(gguf.GGUFValueType(item))
+                if scalar is None:
+                    return None
+                size = n * np.dtype(scalar).itemsize
+            if start + size > end:
+                raise ValueError(f"a metadata array runs past the end of the file at {start}")
+            return size
+
+    return Reader
 
 
 def read_gguf(path: Path):
@@ -129,6 +232,14 @@ def metadata(reader, key: str, default=None):
     """The value of metadata ``key`` (a Python scalar, string or list), or ``default``."""
     found = reader.fields.get(key)
     return default if found is None else found.contents()
+
+
+def _length(reader, key: str) -> int:
+    """The length of metadata ``key``'s value (0 when absent), without decoding a lazily read array."""
+    found = reader.fields.get(key)
+    if found is None:
+        return 0
+    return found.count if isinstance(found, LazyArrayField) else len(found.contents())
 
 
 def undo_rope_permutation(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -216,7 +327,8 @@ def config_from_metadata(reader, path: Path, tensor_names: set[str]) -> dict:
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
     config.setdefault("num_key_value_heads", heads)  # llama.cpp: n_head_kv defaults to n_head
     config.setdefault("rope_theta", LLAMA_CPP_ROPE_BASE)
-    config.setdefault("vocab_size", len(metadata(reader, "tokenizer.ggml.tokens", [])) or None)
+    if "vocab_size" not in config:
+        config["vocab_size"] = _length(reader, "tokenizer.ggml.tokens") or None
     head_dim = _int_key(reader, arch, "attention.key_length", hidden // heads if heads else 0)
     if _int_key(reader, arch, "attention.value_length", head_dim) != head_dim:
         raise AnelabInputError(f"{path}: GGUF value_length differs from key_length; not modelled")

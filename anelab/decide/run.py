@@ -17,6 +17,7 @@ repeats what depends on it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -274,8 +275,11 @@ class EvidenceFile:
         atomic_write_text(self.path, json.dumps(self.data, indent=2, sort_keys=True))
 
 
+VERIFIED_BESIDE_THE_ARMS = 1 / 6  # of the layers exported in worker processes: verified while the arms run
+
+
 def export_and_verify(
-    config: DecideConfig, opened: Opened, request: SidecarRequest, bar, *, gated: bool = True
+    config: DecideConfig, opened: Opened, request: SidecarRequest, bar, *, gated: bool = True, beside: bool = False
 ) -> tuple[Path, dict, str | None]:
     """Each layer's package of ``request`` exported and verified, reusing what ``evidence.json`` holds for the
     same request and content hash; the others in worker processes (``anelab.core.parallel``), the evidence
@@ -283,10 +287,15 @@ def export_and_verify(
     layer at a time in this process (the gate runs its children), so the whole-model A/B may serve it; when the
     gate refuses, the packages are exported again without it (their numbers are still the evidence) and the
     refusal is returned: the ANE arm does not run on this Mac. Returns (directory, layer -> verification summary,
-    the gate's refusal or None)."""
+    the gate's refusal or None).
+
+    ``beside``: the last ``VERIFIED_BESIDE_THE_ARMS`` of the layers exported in worker processes are exported
+    only; their summaries say ``pending`` (with their content hash) until ``verified_beside`` verifies them while
+    the arms run (on the core the arms leave idle: the sidecar arm's chain of layers outlasts the reference arm)."""
     from anelab.core.parallel import default_jobs, process_map
     from anelab.runtimes.gate import AneGate, AneGateError
     from anelab.runtimes.interface import package_content_hash
+    from anelab.sidecar.coremltools_import import coremltools_modules
 
     directory = config.out / "sidecars" / request.graph
     gate = AneGate.for_runtime(opened.runtime) if gated else None
@@ -302,7 +311,13 @@ def export_and_verify(
     todo = [layer for layer in opened.layers if not reused[layer]]
     bar.update(len(opened.layers) - len(todo))
 
+    pending: dict[int, str] = {}  # layer -> content hash: exported, verified beside the arms
+
     def record(job, known) -> None:
+        if "verify" not in known:
+            pending[job[2]] = known["sha256"]
+            bar.set_postfix_str(f"exported layer {job[2]}")
+            return
         kept[str(job[2])] = known
         evidence.write()
         bar.set_postfix_str(f"exported and verified layer {job[2]}")
@@ -312,7 +327,10 @@ def export_and_verify(
         bar.set_postfix_str(f"export and verify {len(todo)} layers")
         jobs = 1 if gate is not None else default_jobs(len(todo))
         source = opened.checkpoint if jobs == 1 else str(opened.checkpoint.path)  # workers open their own
-        work = [(source, str(directory), layer, request, gate) for layer in todo]
+        coremltools_modules()  # imported before the workers fork, so they inherit it (~1.5 s each otherwise)
+        directory.mkdir(parents=True, exist_ok=True)  # here: no worker's export made it (nor removes it if empty)
+        held = set(todo[len(todo) - int(len(todo) * VERIFIED_BESIDE_THE_ARMS) :]) if beside and jobs > 1 else set()
+        work = [(source, str(directory), layer, request, gate, layer not in held) for layer in todo]
         try:
             process_map(_export_and_verify_layer, work, jobs=jobs, on_result=record)
         except AneGateError as e:
@@ -321,21 +339,72 @@ def export_and_verify(
             return (*export_and_verify(config, opened, request, bar, gated=False)[:2], refusal)
     summaries = {}
     for layer in opened.layers:
-        known, pkg = kept[str(layer)], directory / f"layer_{layer}.mlpackage"
-        summaries[layer] = {**known["verify"], "reused": reused[layer], "package": str(pkg), "sha256": known["sha256"]}
+        pkg = directory / f"layer_{layer}.mlpackage"
+        if layer in pending:
+            summaries[layer] = {"pending": True, "reused": False, "package": str(pkg), "sha256": pending[layer]}
+        else:
+            known = kept[str(layer)]
+            summaries[layer] = {**known["verify"], "reused": reused[layer], "package": str(pkg),
+                                "sha256": known["sha256"]}  # fmt: skip
         summaries[layer]["capacity"] = request.capacity
     return directory, summaries, None
 
 
-def _export_and_verify_layer(job: tuple) -> dict:
-    """One layer exported as the request asks and verified (in a worker process or inline): its evidence
-    entry. ``job`` = (checkpoint or its directory, output directory, layer, SidecarRequest, ANE gate or None)."""
+@contextlib.contextmanager
+def verified_beside(config: DecideConfig, opened: Opened, request: SidecarRequest, verified: dict, bar):
+    """Context: the layers ``export_and_verify(beside=True)`` left ``pending`` verified in low-priority worker
+    processes (``core.parallel.background_map``) while the block runs (the arms); on leaving it, their evidence is
+    recorded (a package whose bytes changed meanwhile is not: the next run exports it again) and ``verified``
+    completed in place. Nothing pending: the block alone."""
+    from anelab.core.parallel import background_map, default_jobs
+
+    pending = sorted(layer for layer, summary in verified.items() if summary.get("pending"))
+    if not pending:
+        yield
+        return
+    work = [(str(opened.checkpoint.path), verified[layer]["package"]) for layer in pending]
+    with background_map(_verify_layer, work, jobs=default_jobs(len(work))) as collect:
+        yield
+        bar.set_postfix_str(f"verify {len(pending)} layers")
+        reports = collect()
     from anelab.runtimes.interface import package_content_hash
-    from anelab.sidecar.export import export_request
+
+    evidence = EvidenceFile(config.out / "evidence.json", opened.identity)
+    kept = evidence.layers(request.graph, request, gated=False)
+    for layer, summary in zip(pending, reports, strict=True):
+        held = verified[layer]
+        if package_content_hash(held["package"]) == held["sha256"]:
+            kept[str(layer)] = {"sha256": held["sha256"], "verify": summary}
+        verified[layer] = {**summary, "reused": False, "package": held["package"], "sha256": held["sha256"],
+                           "capacity": held["capacity"]}  # fmt: skip
+        bar.update(1)
+    evidence.write()
+
+
+def _verify_layer(job: tuple[str, str]) -> dict:
+    """One exported package verified (in a worker process): its verification summary. ``job`` = (checkpoint path,
+    package path)."""
+    from anelab.sidecar.export import worker_checkpoint
     from anelab.sidecar.verify import verify_package
 
-    checkpoint, directory, layer, request, gate = job
+    checkpoint, package = job
+    return _verify_summary(verify_package(package, worker_checkpoint(checkpoint), progress=False))
+
+
+def _export_and_verify_layer(job: tuple) -> dict:
+    """One layer exported as the request asks and verified (in a worker process or inline): its evidence
+    entry. ``job`` = (checkpoint or its directory, output directory, layer, SidecarRequest, ANE gate or None,
+    verify it here: False leaves it to ``verified_beside``, the entry then without ``verify``)."""
+    from anelab.runtimes.interface import package_content_hash
+    from anelab.sidecar.export import export_request, worker_checkpoint
+    from anelab.sidecar.verify import verify_package
+
+    checkpoint, directory, layer, request, gate, verify = job
+    if isinstance(checkpoint, str):  # a worker: its jobs share one opening, export and verify alike
+        checkpoint = worker_checkpoint(checkpoint)
     [result] = export_request(checkpoint, directory, request, [layer], gate=gate, jobs=1)
+    if not verify:  # verified beside the arms (``verified_beside``)
+        return {"sha256": package_content_hash(result.package)}
     report = verify_package(result.package, checkpoint, progress=False)
     return {"sha256": package_content_hash(result.package), "verify": _verify_summary(report)}
 
@@ -601,8 +670,10 @@ def decide(config: DecideConfig) -> Decision:
         verdicts = {name: verdict_for(c, commands) for name, c in plan.arm_costs.items()}
         candidate = choose_design(config, plan)
         bar.update(1)
-        directory, verified, refusal = export_and_verify(config, opened, candidate.sidecar_request(), bar)
-        arms = whole_model_evidence(config, opened, candidate, directory, verified, bar)
+        request = candidate.sidecar_request()
+        directory, verified, refusal = export_and_verify(config, opened, request, bar, beside=True)
+        with verified_beside(config, opened, request, verified, bar):
+            arms = whole_model_evidence(config, opened, candidate, directory, verified, bar)
         measured, final = None, verdicts[candidate.design]
         if opened.runtime is not None:
             bar.set_postfix_str("measure on this Mac")

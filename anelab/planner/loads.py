@@ -84,14 +84,19 @@ def fit_specialization(
         raise AnelabInputError("a specialization fit needs at least one load record")
     distinct = {a for a, _ in points} | {tuple(a) for a, _ in totals}
     grid = np.arange(0.25, 3.0001, 0.005) if len(distinct) > 1 else np.array([1.0])
+    # logs[i, j]: record j's log miss at exponent grid[i] before the mean, every exponent at once (the same
+    # operations per element as one exponent at a time: the fit is the same bit for bit, ~50x faster)
+    columns = [np.log(s) - grid * np.log(a / GB) for a, s in points]
+    for a, s in totals:
+        scaled = np.asarray(a, dtype=float) / GB
+        columns.append(np.log(s) - np.log([np.sum(scaled**exp) for exp in grid]))
+    logs = np.stack(columns, axis=1)
+    log_coefs = np.mean(logs, axis=1)
+    misses = np.sum((logs - log_coefs[:, None]) ** 2, axis=1)
     best = None
-    for exp in grid:
-        logs = [np.log(s) - exp * np.log(a / GB) for a, s in points]
-        logs += [np.log(s) - np.log(np.sum((np.asarray(a, dtype=float) / GB) ** exp)) for a, s in totals]
-        log_coef = float(np.mean(logs))
-        miss = float(np.sum((np.asarray(logs) - log_coef) ** 2))
+    for exp, log_coef, miss in zip(grid, log_coefs, misses, strict=True):
         if best is None or miss < best[0] - 1e-12:
-            best = (miss, float(np.exp(log_coef)), float(exp))
+            best = (float(miss), float(np.exp(float(log_coef))), float(exp))
     return best[1], best[2]
 
 

@@ -413,6 +413,7 @@ def export_request(
         else:
             work = [(str(checkpoint.path), layer, design.name, opts, str(staging.folder), str(staging.tmp), target.name)
                     for layer in layers]  # fmt: skip
+            coremltools_modules()  # imported before the workers fork, so they inherit it (~1.5 s each otherwise)
             results = process_map(_export_in_worker, work, jobs=jobs, on_result=lambda job, _: bar.update(per_layer))
         for result, dest in zip(results, staging.commit(layers, target.suffix), strict=True):
             result.package = dest
@@ -486,10 +487,11 @@ def _export_in_worker(job: tuple[str, int, str, SidecarOptions, str, str]) -> Ex
     options, staging directory, the staging's temporary directory (where coremltools' temporaries go), back-end)."""
     checkpoint_dir, layer, design_name, options, out_dir, tmp, backend = job
     tempfile.tempdir = tmp
-    checkpoint = _worker_checkpoint(checkpoint_dir)
+    checkpoint = worker_checkpoint(checkpoint_dir)
     return export_design(checkpoint, layer, get_design(design_name), options, out_dir, backend=backend)
 
 
 @functools.lru_cache(maxsize=1)
-def _worker_checkpoint(checkpoint_dir: str):
+def worker_checkpoint(checkpoint_dir: str):
+    """The checkpoint at ``checkpoint_dir`` opened once per worker process: every job the worker runs shares it."""
     return load_checkpoint(checkpoint_dir)

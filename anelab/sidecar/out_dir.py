@@ -30,6 +30,7 @@ from anelab.core.parallel import forget_kept_fd, keep_from_workers
 from anelab.core.termination import raise_if_terminated
 
 STAGING_PREFIX = ".anelab-staging-"  # a staging folder inside --out (never matched as a package)
+MAKING_PREFIX = ".anelab-making-"  # a staging folder before its owner holds its lock (then renamed to STAGING_PREFIX)
 OWNER_LOCK = "owner.lock"  # inside a staging folder: held by the export that owns it
 
 
@@ -108,7 +109,11 @@ def _release(lock: _LayerLock) -> None:
 
 
 def _remove_abandoned_staging(out: Path) -> None:
-    """Staging folders whose owner is gone (its ``owner.lock`` free): left by an export killed with SIGKILL."""
+    """Staging folders whose owner is gone (its ``owner.lock`` free): left by an export killed with SIGKILL. A
+    folder still being made (``MAKING_PREFIX``) is removed only when the process in its name is gone."""
+    for folder in out.glob(f"{MAKING_PREFIX}*"):
+        if not _alive(folder.name.removeprefix(MAKING_PREFIX).split("-")[0]):
+            shutil.rmtree(folder, ignore_errors=True)
     for folder in out.glob(f"{STAGING_PREFIX}*"):
         owner = folder / OWNER_LOCK
         try:
@@ -177,15 +182,20 @@ def exporting(out: str | os.PathLike, layers: list[int]) -> Iterator[Staging]:
     is removed too (see the module docstring)."""
     out, created = prepare_out(out)
     locks: list[_LayerLock] = []
-    staging = None
+    staging = making = None
     saved_tmp = tempfile.tempdir
     try:
         for layer in sorted(set(layers)):
             locks.append(_take_lock(out / lock_name(layer), f"layer_{layer}.mlpackage in {out}"))
         _remove_abandoned_staging(out)
-        folder = Path(tempfile.mkdtemp(dir=out, prefix=f"{STAGING_PREFIX}{os.getpid()}-"))
-        owner = _take_lock(folder / OWNER_LOCK, str(folder))
+        # made under another name and renamed once its owner lock is held: another export into ``out`` (decide's
+        # workers export a layer each) never sees a staging folder whose lock is free because it is not taken yet
+        making = Path(tempfile.mkdtemp(dir=out, prefix=f"{MAKING_PREFIX}{os.getpid()}-"))
+        owner = _take_lock(making / OWNER_LOCK, str(making))
         locks.append(owner)
+        folder = out / (STAGING_PREFIX + making.name.removeprefix(MAKING_PREFIX))
+        os.replace(making, folder)
+        owner.path = folder / OWNER_LOCK
         staging = Staging(out, folder, folder / "tmp")
         staging.tmp.mkdir()
         tempfile.tempdir = str(staging.tmp)  # coremltools' temporary packages and weight folders land here
@@ -203,6 +213,8 @@ def exporting(out: str | os.PathLike, layers: list[int]) -> Iterator[Staging]:
         tempfile.tempdir = saved_tmp
         if staging is not None:
             shutil.rmtree(staging.folder, ignore_errors=True)
+        if making is not None and making.exists():  # failed before it became the staging folder
+            shutil.rmtree(making, ignore_errors=True)
         for lock in reversed(locks):
             _release(lock)
         if created and not any(out.iterdir()):

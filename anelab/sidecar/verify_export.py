@@ -20,6 +20,7 @@ from anelab.core.parallel import default_jobs, process_map, threads_per_run
 from anelab.core.progress import tqdm
 from anelab.sidecar.backends import BACKENDS, read_metadata
 from anelab.sidecar.compare import Comparison
+from anelab.sidecar.coremltools_import import coremltools_modules
 from anelab.sidecar.format import SidecarMetadata
 from anelab.sidecar.verify import VerifyReport, verify_package
 
@@ -158,6 +159,7 @@ def verify_export(
     work = [(str(path), checkpoint, fp16) for _, path in packages]
     with tqdm(total=len(packages), desc="verify packages", unit="pkg") as bar:
         if verify_one is None:
+            coremltools_modules()  # imported before the workers fork, so they inherit it (~1.5 s each otherwise)
             reports = process_map(_verify_numpy, work, jobs=jobs, on_result=lambda job, _: bar.update())
         else:
             reports = []
