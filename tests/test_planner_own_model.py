@@ -230,3 +230,19 @@ def test_a_checkpoint_is_priced_on_mlx_lm_unless_told(tmp_path, capsys):
     assert main(["plan", "--checkpoint", str(ck), "--prompt-tokens", "2048"]) == 0
     out = capsys.readouterr().out
     assert "the GPU arm is mlx-lm's" in out and "mlx-lm on an Apple M3" in out
+
+
+def test_plan_checkpoint_passes_the_protocol_and_reload_policy(tmp_path, capsys):
+    """``plan --checkpoint`` took --protocol / --reload-policy and dropped them (the defaults were planned)."""
+    import json
+
+    from anelab.checkpoints.default import make_dense_checkpoint
+
+    ck = str(make_dense_checkpoint(tmp_path / "dense"))
+    argv = ["plan", "--checkpoint", ck, "--prompt-tokens", "8192", "--chunk", "4096", "--json"]
+    assert main([*argv, "--protocol", "prompt", "--reload-policy", "preloaded"]) == 0
+    part = json.loads(capsys.readouterr().out)["parts"]["full"]
+    assert (part["protocol"], part["pays_specialization"], part["reload_policy"]) == ("prompt", True, "preloaded")
+    assert main(argv) == 0  # control: the defaults
+    part = json.loads(capsys.readouterr().out)["parts"]["full"]
+    assert (part["protocol"], part["pays_specialization"], part["reload_policy"]) == ("machine", False, "serialized")
