@@ -216,6 +216,11 @@ def test_gpu_runtime_refusals_and_listing(capsys):
     assert main(argv) == 0 and "TinyTitan's GPU path on an Apple M3" in capsys.readouterr().out
     assert main([*argv, "--gpu-runtime", "mlx-lm", "--chip", "m4-max"]) == 0
     assert "mlx-lm on an Apple M4 Max" in capsys.readouterr().out
+    assert main([*argv, "--gpu-prefill-seconds", "10"]) == 0 and "your GPU runtime's number" in capsys.readouterr().out
+    flags = ["plan", "--prompt-tokens", "4096", "--chunk", "1024", "--layers", "4", "--full-attention-layers",
+             "0,1,2,3", "--heads", "8", "--kv-heads", "2", "--head-dim", "64", "--load-seconds", "0.5",
+             "--gpu-attention-seconds", "0.1", "--ane-attention-seconds", "0.05", "--non-attention-seconds", "2"]  # fmt: skip
+    assert main(flags) == 0 and "= 6 s — the cost flags" in capsys.readouterr().out  # no runtime named for flags
 
 
 def test_a_checkpoint_is_priced_on_mlx_lm_unless_told(tmp_path, capsys):

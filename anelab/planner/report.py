@@ -66,6 +66,8 @@ def gpu_runtime_phrase(d: dict) -> str:
     sources = d.get("cost_sources", {})
     if str(sources.get("gpu_prefill", "")).startswith(YOURS):
         return "your GPU runtime's number"
+    if str(sources.get("gpu_attention", "")).startswith("flag") and not d.get("family"):
+        return "the cost flags"
     if d.get("gpu_runtime") == "mlx-lm":
         return sources.get("gpu_runtime", f"mlx-lm on an Apple {d.get('gpu_chip', 'M3')}")
     return "TinyTitan's GPU path on an Apple M3 (seed 000)" + (
