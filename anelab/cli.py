@@ -519,6 +519,10 @@ def _add_plan(sub):
 def _run_plan(args):
     from anelab import planner
 
+    replays = [f for f, on in (("--backtest", args.backtest), ("--fit-report", args.fit_report),
+                                ("--list-families", args.list_families)) if on]  # fmt: skip
+    if replays and args.gpu_runtime is not None:
+        raise AnelabInputError(f"plan {replays[0]} replays TinyTitan's recorded rows; drop --gpu-runtime")
     if args.backtest:
         from anelab.planner.backtest import backtest, format_backtest
 
@@ -549,29 +553,14 @@ def _run_plan(args):
         return 0
     if args.prompt_tokens is None:
         raise AnelabInputError("plan: pass --prompt-tokens N (or --list-families / --fit-report)")
+    if args.backend is not None and (args.design or args.checkpoint):
+        raise AnelabInputError("plan: --backend prices a --family plan's loads; drop --design / --checkpoint")
     if args.checkpoint is not None and args.design:
         return _run_plan_checkpoint_designs(args)
     if args.checkpoint is not None:
         return _run_plan_checkpoint(args)
     if args.design:
-        from anelab.planner.design_plans import DESIGNS, compare_designs
-
-        designs = list(DESIGNS) if args.design == ["all"] else args.design
-        families = [args.family] if args.family else list(planner.FAMILIES)
-        chunk = args.chunk or planner.REFERENCE_CHUNK
-        rows = {
-            f: [
-                d.to_dict()
-                for d in compare_designs(
-                    args.prompt_tokens, f, chunk, designs, key_tile=args.tile, query_tile=args.query_tile
-                )
-            ]
-            for f in families
-        }
-        _print_json(rows) if args.json else print(planner.format_designs(rows))
-        return 0
-    if args.backend is not None and (args.design or args.checkpoint):
-        raise AnelabInputError("plan: --backend prices a --family plan's loads; drop --design / --checkpoint")
+        return _run_plan_family_designs(args, planner)
     prefill_plan = _family_plan(args, planner)
     result = prefill_plan.to_dict()
     text = planner.format_plan(result)
@@ -580,6 +569,42 @@ def _run_plan(args):
 
         text += f"\nloads priced for --backend {args.backend}; " + flip_sentence(_family_plan(args, planner, None))
     return _print_plan(args, result, text, [prefill_plan])
+
+
+def _run_plan_family_designs(args, planner) -> int:
+    """``plan --design ...`` on the recorded families (every family unless --family)."""
+    from anelab.planner.design_plans import DESIGNS, compare_designs
+
+    designs = list(DESIGNS) if args.design == ["all"] else args.design
+    families = [args.family] if args.family else list(planner.FAMILIES)
+    chunk = args.chunk or planner.REFERENCE_CHUNK
+    rows = {
+        f: [
+            d.to_dict()
+            for d in compare_designs(
+                args.prompt_tokens,
+                f,
+                chunk,
+                designs,
+                key_tile=args.tile,
+                query_tile=args.query_tile,
+                gpu_runtime=args.gpu_runtime or "tinytitan",
+                protocol=args.protocol,
+                reload_policy=args.reload_policy,
+                chip=args.chip,
+            )  # fmt: skip
+        ]
+        for f in families
+    }
+    if args.json:
+        _print_json(rows)
+    else:
+        from anelab.planner.chips import get_chip
+        from anelab.planner.report import gpu_runtime_phrase
+
+        runtime = {"gpu_runtime": args.gpu_runtime or "tinytitan", "gpu_chip": get_chip(args.chip or "M3").name}
+        print(planner.format_designs(rows) + "\nGPU arm: " + gpu_runtime_phrase(runtime))
+    return 0
 
 
 def _family_plan(args, planner, backend="given"):
@@ -678,6 +703,8 @@ def _run_plan_checkpoint_designs(args) -> int:
         query_tile=args.query_tile,
         gpu_prefill_seconds=args.gpu_prefill_seconds,
         gpu_tokens_per_second=args.gpu_tokens_per_second,
+        protocol=args.protocol,
+        reload_policy=args.reload_policy,
         gpu_runtime=args.gpu_runtime or "mlx-lm",
         chip=args.chip,
     )

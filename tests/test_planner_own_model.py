@@ -251,3 +251,38 @@ def test_plan_checkpoint_passes_the_protocol_and_reload_policy(tmp_path, capsys)
     assert main(argv) == 0  # control: the defaults
     part = json.loads(capsys.readouterr().out)["parts"]["full"]
     assert (part["protocol"], part["pays_specialization"], part["reload_policy"]) == ("machine", False, "serialized")
+
+
+def test_design_tables_take_the_runtime_and_the_protocol(tmp_path, capsys):
+    """``plan --design`` priced TinyTitan's arm whatever --gpu-runtime said, and ``plan --checkpoint --design``
+    dropped --protocol / --reload-policy; the record replays refuse --gpu-runtime rather than ignore it."""
+    import json
+
+    from anelab.checkpoints.default import make_dense_checkpoint
+
+    argv = ["plan", "--prompt-tokens", "4333", "--design", "dense", "--family", "qwen3.5-2b-4bit"]
+    assert main([*argv, "--json"]) == 0
+    tiny = json.loads(capsys.readouterr().out)["qwen3.5-2b-4bit"][0]
+    assert main([*argv, "--json", "--gpu-runtime", "mlx-lm"]) == 0
+    mlx = json.loads(capsys.readouterr().out)["qwen3.5-2b-4bit"][0]
+    assert mlx["gpu_prefill_seconds"] == pytest.approx(plan(4333, family="qwen3.5-2b-4bit", gpu_runtime="mlx-lm")
+                                                       .gpu_prefill_seconds)  # fmt: skip
+    assert mlx["gpu_prefill_seconds"] < tiny["gpu_prefill_seconds"] / 4
+    assert main([*argv, "--gpu-runtime", "mlx-lm"]) == 0 and "GPU arm: mlx-lm on an Apple M3" in capsys.readouterr().out
+    assert main([*argv, "--json", "--protocol", "prompt"]) == 0  # specialization paid per prompt, every design
+    paid_family = json.loads(capsys.readouterr().out)["qwen3.5-2b-4bit"][0]
+    assert paid_family["setup_seconds"] > tiny["setup_seconds"]
+    ck = str(make_dense_checkpoint(tmp_path / "dense"))
+    design = ["plan", "--checkpoint", ck, "--prompt-tokens", "8192", "--chunk", "4096", "--design", "dense", "--json"]
+    assert main(design) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert main([*design, "--protocol", "prompt"]) == 0
+    paid = json.loads(capsys.readouterr().out)
+    (rows_default,), (rows_paid,) = default.values(), paid.values()
+    assert rows_paid[0]["setup_seconds"] > rows_default[0]["setup_seconds"]  # specialization paid per prompt
+    # --backend prices a family plan's loads: with --design it was ignored (the refusal came after the return)
+    assert main([*argv, "--backend", "coreai"]) == 2
+    assert "--backend prices a --family plan's loads" in capsys.readouterr().err
+    for replay in ("--backtest", "--fit-report", "--list-families"):
+        assert main(["plan", replay, "--gpu-runtime", "mlx-lm"]) == 2
+        assert "replays TinyTitan's recorded rows; drop --gpu-runtime" in capsys.readouterr().err

@@ -105,10 +105,11 @@ class DesignPlan:
         )
 
 
-def family_design_costs(family: str, prompt_tokens: int, chunk: int) -> DesignCosts:
+def family_design_costs(family: str, prompt_tokens: int, chunk: int, **runtime) -> DesignCosts:
     """A recorded family's costs for the comparison (the per-history plan past any coverage cap is
-    planned as if the histories existed: the cap is a property of that design)."""
-    p = plan(prompt_tokens, family=family, chunk=chunk, max_history=None, allow_past_coverage=True)
+    planned as if the histories existed: the cap is a property of that design); ``runtime``: :func:`plan`'s
+    ``gpu_runtime``, ``chip``, ``protocol``, ``reload_policy``."""
+    p = plan(prompt_tokens, family=family, chunk=chunk, max_history=None, allow_past_coverage=True, **runtime)
     if not p.fits:  # past the family's recorded cap: plan the per-history design as if it were built
         needed = max(c["history"] for c in p.chunks)
         fam = get_family(family)
@@ -122,11 +123,12 @@ def family_design_costs(family: str, prompt_tokens: int, chunk: int) -> DesignCo
             head_dim=fam.geometry.head_dim,
             sparse_budget=fam.geometry.sparse_budget,
             family=family,
+            **runtime,
         )
     fit = fit_costs()
     return DesignCosts(
         ane_seconds_per_entry=fit.ane_seconds_per_entry,
-        load=fit.recorded_load_model(),
+        load=fit.recorded_load_model(specialize=p.pays_specialization),
         gpu_prefill_seconds=p.gpu_prefill_seconds,
         gpu_attention_seconds=p.gpu_attention_seconds,
         non_attention_seconds=p.non_attention_seconds,
@@ -253,11 +255,13 @@ def compare_designs(
     capacity: int | None = None,
     key_tile: int | None = None,
     query_tile: int | None = None,
+    **plan_options,
 ) -> list[DesignPlan]:
-    """Every requested design for a recorded family at one prompt and chunk width."""
+    """Every requested design for a recorded family at one prompt and chunk width; ``plan_options``:
+    :func:`plan`'s ``gpu_runtime``, ``chip``, ``protocol``, ``reload_policy``."""
     require_plannable(prompt_tokens, chunk)
     fam = get_family(family)
-    costs = family_design_costs(family, prompt_tokens, chunk)
+    costs = family_design_costs(family, prompt_tokens, chunk, **plan_options)
     return [
         design_plan(
             fam.geometry,

@@ -225,7 +225,7 @@ def checkpoint_designs(
     for kind, part in checkpoint_plan.parts.items():
         costs = DesignCosts(
             ane_seconds_per_entry=fit.ane_seconds_per_entry,
-            load=fit.recorded_load_model(),
+            load=fit.recorded_load_model(specialize=part.pays_specialization),
             gpu_prefill_seconds=part.gpu_prefill_seconds,
             gpu_attention_seconds=part.gpu_attention_seconds,
             non_attention_seconds=part.non_attention_seconds,

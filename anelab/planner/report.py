@@ -69,7 +69,7 @@ def gpu_runtime_phrase(d: dict) -> str:
     if str(sources.get("gpu_attention", "")).startswith("flag") and not d.get("family"):
         return "the cost flags"
     if d.get("gpu_runtime") == "mlx-lm":
-        return sources.get("gpu_runtime", f"mlx-lm on an Apple {d.get('gpu_chip', 'M3')}")
+        return sources.get("gpu_runtime", f"mlx-lm on an Apple {d.get('gpu_chip', 'M3')} (planner.mlx_lm_rates)")
     return "TinyTitan's GPU path on an Apple M3 (seed 000)" + (
         "; --gpu-runtime mlx-lm prices mlx-lm's" if d.get("family") else ""
     )
