@@ -77,7 +77,7 @@ def figure_png(decision: dict) -> bytes:
 
     rows = decision["sweep"]
     x = [r["prompt_tokens"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
+    fig, ax = plt.subplots(figsize=(7.5, 4.7), dpi=110)
     for arm, color in (("gpu", "tab:blue"), ("ane", "tab:orange")):
         kinds = sorted({r[arm]["kind"] for r in rows})
         label = f"{'GPU' if arm == 'gpu' else 'ANE'} arm ({', '.join(kinds)})"
@@ -101,13 +101,15 @@ def figure_png(decision: dict) -> bytes:
     ax.set_ylabel("prefill time (s)")
     ax.set_title(f"{Path(decision['checkpoint']['path']).name}: ANE ({decision['candidate']}) vs GPU prefill")
     ax.legend(loc="lower right", fontsize=9, title="shaded: interval; (provenance)", title_fontsize=9)
-    provenance = "predicted by anelab's planner from the seeds' M3 records (data/)"
+    provenance = f"predicted by anelab's planner: GPU arm {gpu_runtime_phrase(decision['plan']).split(' (')[0]}; " + (
+        "ANE arm from the seed's M3 records (data/)"
+    )
     if decision["measured"]:
         provenance += "; measured on this Mac where marked"
     if decision["yours"]:
         provenance += "; your GPU number where marked 'yours'"
     fig.text(0.01, 0.01, provenance, fontsize=9, color="0.35")
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     plt.close(fig)
