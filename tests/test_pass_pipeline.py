@@ -1,0 +1,134 @@
+"""The exporter's pass pipeline (``coremltools_import.apply_pipeline_validated_at_cleanups``): coremltools' passes
+validated after its cleanups instead of after every pass write the very package coremltools' own pipeline writes,
+for every design of the table; a pass that breaks the program is still refused; another coremltools version runs
+coremltools' own pipeline."""
+
+from __future__ import annotations
+
+import pytest
+
+from anelab.checkpoints.checkpoint import load_checkpoint
+from anelab.checkpoints.default import default_checkpoint_dir
+from anelab.sidecar import coremltools_import
+from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools, save_model
+from anelab.sidecar.designs import DENSE, DESIGNS, STATEFUL, STATEFUL_TILED, TILED
+from anelab.sidecar.export import convert_program, function_builds
+from anelab.sidecar.format import WEIGHTS_RELATIVE
+
+OPTIONS = {  # each design at a shape that exercises its passes (stateful-tiled: query tiles narrower than the chunk)
+    DENSE: ({}, [0, 64]),
+    TILED: ({"key_tile": 32}, [0, 64]),
+    STATEFUL: ({"capacity": 128, "decode": True}, None),
+    STATEFUL_TILED: ({"capacity": 256, "decode": True, "key_tile": 32, "query_tile": 16}, None),
+}
+
+
+def _package_bytes(pkg) -> tuple[bytes, bytes]:
+    ct, _, _ = coremltools_modules()
+    spec = ct.utils.load_spec(str(pkg))
+    return spec.SerializeToString(deterministic=True), (pkg / WEIGHTS_RELATIVE).read_bytes()
+
+
+def _coremltools_own(prog, dest):
+    """What ``convert_program`` does, through coremltools' own pipeline (a validation after every pass)."""
+    ct, _, _ = coremltools_modules()
+    with quiet_coremltools():
+        model = ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=ct.target.macOS15,
+                           compute_precision=ct.precision.FLOAT16, skip_model_load=True)  # fmt: skip
+        save_model(model, dest)
+    return dest
+
+
+def _builds(graph: str, layer_index: int = 0):
+    checkpoint = load_checkpoint(default_checkpoint_dir())
+    layer = checkpoint.geometry.full_attention_layers[layer_index]
+    options, histories = OPTIONS[graph]
+    return function_builds(checkpoint.geometry, checkpoint.layer(layer), graph, 64, histories, **options)
+
+
+def test_every_design_of_the_table_has_a_shape_here():
+    assert set(OPTIONS) == set(DESIGNS)
+
+
+@pytest.mark.parametrize("graph", sorted(OPTIONS))
+def test_the_pipeline_writes_what_coremltools_own_writes(tmp_path, graph):
+    """Each function of the design, converted both ways: the same spec and the same weights, byte for byte."""
+    for name, build in _builds(graph).items():
+        ours = convert_program(build(), tmp_path / f"ours_{name}.mlpackage")
+        theirs = _coremltools_own(build(), tmp_path / f"theirs_{name}.mlpackage")
+        assert _package_bytes(ours) == _package_bytes(theirs), name
+
+
+def test_the_comparison_tells_two_layers_apart(tmp_path):
+    """Control for the byte comparison: the same function of two layers (other weights) differs."""
+    [first, *_] = _builds(DENSE, 0).values()
+    [second, *_] = _builds(DENSE, 1).values()
+    a = convert_program(first(), tmp_path / "a.mlpackage")
+    b = convert_program(second(), tmp_path / "b.mlpackage")
+    assert _package_bytes(a) != _package_bytes(b)
+
+
+def _count_validations(monkeypatch, convert) -> int:
+    from coremltools.converters.mil.mil import Program
+
+    calls, inner = [], Program.validate
+
+    def counted(self, *args, **kwargs):
+        calls.append(kwargs.get("check_essential_scope", False))
+        return inner(self, *args, **kwargs)
+
+    monkeypatch.setattr(Program, "validate", counted)
+    convert()
+    return len(calls)
+
+
+def test_the_program_is_validated_after_its_cleanups_not_after_every_pass(tmp_path, monkeypatch):
+    [build, *_] = _builds(DENSE).values()
+    ours = _count_validations(monkeypatch, lambda: convert_program(build(), tmp_path / "ours.mlpackage"))
+    theirs = _count_validations(monkeypatch, lambda: _coremltools_own(build(), tmp_path / "theirs.mlpackage"))
+    ct, _, _ = coremltools_modules()
+    passes = len(ct.PassPipeline.DEFAULT.passes)
+    assert theirs > passes  # coremltools: after every pass of the default pipeline (95), and more
+    assert ours < 20  # here: at the start, after each of the 11 dead-code eliminations, at the end
+
+
+def test_a_pass_that_breaks_the_program_is_still_refused(tmp_path, monkeypatch):
+    """Negative control: a pass that leaves an op reading a var no op defines — the validation after the last
+    pass raises, as coremltools' own would after that pass."""
+    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
+
+    class Orphaning:
+        def set_options(self, options):
+            pass
+
+        def __call__(self, prog):  # the first op that reads another op's output loses that producer
+            block = prog.functions["main"]
+            for op in block.operations:
+                producers = [v.op for v in op.inputs.values() if hasattr(v, "op") and v.op is not None]
+                if producers and producers[0].op_type != "const":
+                    block.operations.remove(producers[0])
+                    return
+
+    ct, _, _ = coremltools_modules()
+    monkeypatch.setitem(PASS_REGISTRY.passes, "test::orphaning", Orphaning())
+    pipeline = ct.PassPipeline.DEFAULT
+    pipeline.append_pass("test::orphaning")
+    [build, *_] = _builds(DENSE).values()
+    with pytest.raises(ValueError, match="not visible"):
+        coremltools_import.apply_pipeline_validated_at_cleanups(build(), pipeline)
+    # control: the same pipeline without the breaking pass runs clean
+    clean = ct.PassPipeline.DEFAULT
+    coremltools_import.apply_pipeline_validated_at_cleanups(build(), clean)
+
+
+def test_another_coremltools_runs_its_own_pipeline(monkeypatch):
+    ct, _, _ = coremltools_modules()
+    from coremltools.converters.mil.mil.passes.pass_pipeline import PassPipelineManager
+
+    own = PassPipelineManager.apply_pipeline
+    with coremltools_import.pipelines_validated_at_cleanups():
+        assert PassPipelineManager.apply_pipeline is coremltools_import.apply_pipeline_validated_at_cleanups
+    assert PassPipelineManager.apply_pipeline is own  # restored on leaving
+    monkeypatch.setattr(ct, "__version__", "9.1")
+    with coremltools_import.pipelines_validated_at_cleanups():
+        assert PassPipelineManager.apply_pipeline is own
