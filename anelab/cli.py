@@ -1012,7 +1012,7 @@ def _run_ab(args):
     from anelab.core.paths import MEASURED_DIR
 
     request = ab_request(
-        args.checkpoint, args.sidecars, args.prompt_tokens, compute_units=args.compute_units, warmup=args.warmup,
+        _checkpoint(args.checkpoint), args.sidecars, args.prompt_tokens, compute_units=args.compute_units, warmup=args.warmup,
         repeats=args.repeats, dtype=args.dtype, seed=args.seed, out_dir=Path(args.out) if args.out else MEASURED_DIR,
     )  # fmt: skip
     report = run_ab(request)

@@ -159,6 +159,9 @@ def test_where_both_engines_run_they_agree(made, family):
         assert relative_error(mlx.logits, numpy.logits) < bound and np.array_equal(mlx.tokens, numpy.tokens)
         assert max(relative_error(mlx.hidden[i], numpy.hidden[i]) for i in range(2)) < bound
     assert relative_error(runs["mlx"]["sidecar"].logits, runs["mlx"]["reference"].logits) > 1e-5  # not vacuous
+    held = {engine: runs[engine]["reference"].weights for engine in runs}  # both hold every float32 weight
+    assert held["mlx"].mode == held["numpy"].mode == "resident" and held["mlx"].budget_bytes is None
+    assert held["mlx"].float32_bytes == held["numpy"].float32_bytes  # mlx-lm's arrays vs the checkpoint's tensors
 
 
 @pytest.mark.parametrize("family, design", [("qwen3_5", "stateful"), ("qwen3_5", "stateful-tiled"),
@@ -179,8 +182,25 @@ def test_compare_arms_runs_a_qwen3_5_hybrid_end_to_end(made, capsys):
     assert main(argv + ["--decode", "3"]) == 0  # engine auto: anelab's forward does not model Gated DeltaNet
     out = capsys.readouterr().out
     assert "on mlx-lm" in out and "greedy agreement 100% (identical)" in out
+    assert "weights resident (mlx-lm holds all" in out  # how the engine held the weights, said
     assert main(argv + ["--engine", "numpy"]) == 2
     assert "linear-attention" in capsys.readouterr().err
+
+
+def test_a_gguf_file_on_mlx_lm_is_refused_in_one_line(made, capsys):
+    """mlx-lm reads checkpoint directories: a GGUF file (default-real) given to the mlx engine or to the A/B (by
+    name) is refused in one line naming the NumPy engine (it crashed in mlx-lm's loader: ``<file>/config.json``)."""
+    from anelab.arms.compare import open_engine_model
+    from anelab.checkpoints.default import resolve_checkpoint
+
+    with pytest.raises(AnelabInputError, match="not GGUF files.*--engine numpy"):
+        open_engine_model(resolve_checkpoint("default-real"), "mlx")
+    _, directory = made["llama"]
+    assert main(["ab", "default-real", "--sidecars", str(directory), "--prompt-tokens", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "not GGUF files" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    # control: the same engine on a checkpoint directory opens it
+    assert open_mlx_arms_model(made["llama"][0]).num_layers > 0
 
 
 # ---- the A/B ---------------------------------------------------------------------------------------------------

@@ -237,7 +237,7 @@ class ArmsReport:
 
     @property
     def weights(self):
-        """How the run held the decoder weights (``arms.resident.WeightsPlan``; None on mlx-lm)."""
+        """How the run held the decoder weights (``arms.resident.WeightsPlan``; on mlx-lm ``mlx_engine.mlx_weights``)."""
         return next(iter(self.runs.values())).weights if self.runs else None
 
     def table(self) -> str:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from anelab.arms.resident import RESIDENT, WeightsPlan
 from anelab.arms.run import Arm, ArmRun
 from anelab.arms.sidecars import SidecarSet
 from anelab.checkpoints.checkpoint import Checkpoint, load_checkpoint
@@ -150,5 +151,17 @@ def run_mlx_arms(
             for a, b in layer_pairs
             if b == arm.name
         }
-        runs[arm.name] = ArmRun(arm, hidden if keep_hidden else None, logits, tokens, diffs)
+        runs[arm.name] = ArmRun(arm, hidden if keep_hidden else None, logits, tokens, diffs, mlx_weights(model))
     return runs
+
+
+def mlx_weights(model: MlxArmsModel) -> WeightsPlan:
+    """How mlx-lm holds the weights: all resident from the open (``open_mlx_model`` evaluates every array), in
+    its dtype; no resident budget applies (``--resident-budget`` is the NumPy engine's)."""
+    from anelab.core.limits import human_bytes
+
+    size = model.mlx.parameter_bytes
+    reason = (
+        f"mlx-lm holds all {human_bytes(size)} of its {model.mlx.dtype} parameters from the open; no budget applies"
+    )
+    return WeightsPlan(RESIDENT, size, None, reason)

@@ -302,9 +302,10 @@ def _open(request: AbRequest) -> _Opened:
     from anelab.checkpoints.checkpoint import load_checkpoint
     from anelab.runtimes.coreml import default_runtime
     from anelab.runtimes.mlx.hybrid import Hybrid
-    from anelab.runtimes.mlx.model import mlx_versions, open_mlx_model
+    from anelab.runtimes.mlx.model import mlx_versions, open_mlx_model, require_mlx_readable
 
     check_compute_units(request.compute_units)
+    require_mlx_readable(request.checkpoint)  # before the sidecars are checked against it
     if request.warmup < 0 or request.repeats < 1:
         raise AnelabInputError(f"--warmup must be >= 0 and --repeats >= 1, got {request.warmup} and {request.repeats}")
     checkpoint = load_checkpoint(request.checkpoint)

@@ -42,12 +42,13 @@ def float32_bytes(model: ModelCheckpoint) -> int:
 
 @dataclass(frozen=True)
 class WeightsPlan:
-    """How a run holds the decoder weights: ``mode`` resident or streamed, the float32 bytes resident costs,
-    the budget it was held against, and why (one phrase)."""
+    """How a run holds the decoder weights: ``mode`` resident or streamed, the float32 bytes resident costs
+    (on mlx-lm: the bytes its parameter arrays hold), the budget it was held against (None: no budget applies,
+    mlx-lm holds the whole model), and why (one phrase)."""
 
     mode: str
     float32_bytes: int
-    budget_bytes: int
+    budget_bytes: int | None
     reason: str
 
     def describe(self) -> str:

@@ -105,7 +105,7 @@ class ArmRun:
     logits: np.ndarray
     tokens: np.ndarray
     layer_diffs: dict[str, list[float]] = field(default_factory=dict)
-    weights: WeightsPlan | None = None  # how the run held the decoder weights (resident or streamed; None: mlx-lm)
+    weights: WeightsPlan | None = None  # how the run held the decoder weights (resident or streamed)
 
 
 @dataclass

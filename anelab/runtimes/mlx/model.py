@@ -62,6 +62,11 @@ class MlxModel:
     dtype: str
 
     @property
+    def parameter_bytes(self) -> int:
+        """Bytes of every parameter array (all evaluated when the model is opened: mlx-lm holds them in memory)."""
+        return int(sum(v.nbytes for _, v in _leaves(self.model.parameters())))
+
+    @property
     def body(self):
         """The module that owns the decoder-layer list and the final norm (``model.model``: ``LlamaModel``,
         ``Qwen3_5TextModel``, ...)."""
@@ -120,6 +125,18 @@ def _find_embedding(body):
     return embed
 
 
+def require_mlx_readable(path: str | os.PathLike) -> None:
+    """Refuse (one line) a checkpoint mlx-lm's loader cannot open: a file, e.g. a GGUF file (llama.cpp's), where it
+    opens ``<path>/config.json``."""
+    path = Path(path)
+    if not path.is_dir():
+        raise AnelabInputError(
+            f"mlx-lm cannot load {path}: it reads checkpoint directories (Hugging Face or MLX layout), not "
+            f"{'GGUF files' if path.suffix.lower() == '.gguf' else 'files'}; give the model's directory (compare-arms "
+            "runs a GGUF file on anelab's forward: --engine numpy)"
+        )
+
+
 def open_mlx_model(path: str | os.PathLike, *, dtype: str | None = None) -> MlxModel:
     """mlx-lm's model of the checkpoint at ``path`` (its weights read now), cast to ``dtype`` when given
     (``float32`` for a reference; default: the checkpoint's own dtypes, as a user runs it). Refuses (one line)
@@ -130,6 +147,7 @@ def open_mlx_model(path: str | os.PathLike, *, dtype: str | None = None) -> MlxM
     path = Path(path)
     if dtype is not None and dtype not in MLX_DTYPES:
         raise AnelabInputError(f"--dtype {dtype!r}: use one of {', '.join(MLX_DTYPES)}")
+    require_mlx_readable(path)
     try:
         model, config = load_model(path, lazy=True)
     except (ValueError, FileNotFoundError, KeyError, TypeError) as e:
