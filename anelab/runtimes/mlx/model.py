@@ -127,9 +127,9 @@ def _find_embedding(body):
 
 def require_mlx_readable(path: str | os.PathLike) -> None:
     """Refuse (one line) a checkpoint mlx-lm's loader cannot open: a file, e.g. a GGUF file (llama.cpp's), where it
-    opens ``<path>/config.json``."""
+    opens ``<path>/config.json``. A missing path is left to the checkpoint reader, which names it."""
     path = Path(path)
-    if not path.is_dir():
+    if path.exists() and not path.is_dir():
         raise AnelabInputError(
             f"mlx-lm cannot load {path}: it reads checkpoint directories (Hugging Face or MLX layout), not "
             f"{'GGUF files' if path.suffix.lower() == '.gguf' else 'files'}; give the model's directory (compare-arms "
