@@ -326,13 +326,55 @@ def _add_verify(sub):
         default=None,
         help="on a Mac: run every case through Core ML predict (cpu_and_ne | cpu_and_gpu | cpu_only) beside NumPy",
     )
+    p.add_argument(
+        "--real-text",
+        type=int,
+        default=None,
+        metavar="N",
+        help="feed the cases each layer's real attention inputs, the first N tokens of README.md through the whole "
+        "model (a checkpoint with a tokenizer, e.g. default-real; dense and tiled packages; N >= the longest "
+        "history + the chunk), instead of random rows",
+    )
     p.add_argument("--json", action="store_true")
+
+
+def _real_text_verify(path: Path, args):
+    """``verify --real-text N``: one package's verification fed its layer's real attention inputs (one package at a
+    time, in this process; the inputs computed once, from the checkpoint given or the one the packages record)."""
+    from anelab.arms.real_text import docs_activations
+    from anelab.sidecar.backends import read_metadata
+    from anelab.sidecar.verify import verify_package
+    from anelab.sidecar.verify_export import export_packages
+
+    if args.compute_units is not None:
+        raise AnelabInputError("--real-text feeds the NumPy evaluation; drop --compute-units")
+    if args.jobs is not None and args.jobs > 1:
+        raise AnelabInputError("--real-text verifies one package at a time (the inputs are computed here); drop --jobs")
+    if args.real_text < 1:
+        raise AnelabInputError(f"--real-text must be at least 1 token, got {args.real_text}")
+    from anelab.sidecar.backends import is_sidecar
+
+    directory = path.is_dir() and not (path / "Manifest.json").exists() and not is_sidecar(path)
+    first = export_packages(path)[0][1] if directory else path
+    source = _checkpoint(args.checkpoint) if args.checkpoint is not None else read_metadata(first).source
+    inputs, said = docs_activations(source, args.real_text)
+
+    def verify_one(package, checkpoint):
+        report = verify_package(
+            package, checkpoint, fp16=not args.fp32, activations=inputs[read_metadata(package).layer]
+        )
+        report.inputs = said
+        return report
+
+    return verify_one
 
 
 def _run_verify(args):
     from anelab.sidecar.verify import verify_package
 
-    if args.compute_units is not None:
+    if args.real_text is not None:
+        verify_one = _real_text_verify(Path(args.package), args)
+    elif args.compute_units is not None:
         from anelab.runtimes.device_verify import verify_on_device
 
         def verify_one(package, checkpoint):
@@ -348,7 +390,8 @@ def _run_verify(args):
     if path.is_dir() and not (path / "Manifest.json").exists() and not is_sidecar(path):  # an export directory
         from anelab.sidecar.verify_export import verify_export
 
-        on_device = verify_one if args.compute_units is not None else None  # None: NumPy, no per-package bars
+        # None: the NumPy verification in worker processes, no per-package bars
+        on_device = verify_one if args.compute_units is not None or args.real_text is not None else None
         checkpoint = _checkpoint(args.checkpoint)
         report = verify_export(
             path, checkpoint, fp16=not args.fp32, verify_one=on_device, jobs=args.jobs, layers=args.layers

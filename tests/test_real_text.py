@@ -183,3 +183,68 @@ def test_docs_prompt_through_the_real_tokenizer_reads_back_as_the_readme(real_gg
     text = real_text.docs_text()
     assert ids.size == 32 and text.startswith(tokenizer.decode(ids)) and len(tokenizer.decode(ids)) > 60
     assert not text.startswith(tokenizer.decode(ids + 1))
+
+
+# ---- verify --real-text ----------------------------------------------------------------------------------------
+def test_verify_real_text_feeds_each_layer_its_own_real_rows(real_gguf, tmp_path, capsys, monkeypatch):
+    """``verify DIR --real-text N`` on default-real: every package's cases take its own layer's rows of the first N
+    README tokens (a spy sees [N, D] rows, a different array per layer) and the report says so; control: the
+    same packages on random rows report other errors and say "random fp16 rows"."""
+    import json
+
+    from anelab.cli import main
+    from anelab.sidecar import verify as verify_module
+
+    out = tmp_path / "sidecars"
+    export_sidecars(real_gguf, out, 16, [0, 16], [0, 1], jobs=1)
+    fed = {}
+    inner = verify_module.verify_package
+
+    def spy(package, checkpoint=None, **kwargs):
+        fed[str(package)] = kwargs.get("activations")
+        return inner(package, checkpoint, **kwargs)
+
+    monkeypatch.setattr(verify_module, "verify_package", spy)
+    argv = ["verify", str(out), "--layers", "0,1", "--json"]
+    assert main([*argv, "--real-text", "32"]) == 0
+    real = json.loads(capsys.readouterr().out)
+    assert all("the first 32 tokens of README.md" in v["report"]["inputs"] for v in real["layers"])
+    arrays = [fed[str(out / f"layer_{layer}.mlpackage")] for layer in (0, 1)]
+    assert all(a.shape == (32, 576) for a in arrays) and not np.array_equal(arrays[0], arrays[1])
+    assert main(argv) == 0  # control: random rows
+    random_rows = json.loads(capsys.readouterr().out)
+    assert all(v["report"]["inputs"] == "random fp16 rows" for v in random_rows["layers"])
+    worst = [[c["worst"] for c in v["report"]["comparisons"]] for v in real["layers"]]
+    assert worst != [[c["worst"] for c in v["report"]["comparisons"]] for v in random_rows["layers"]]
+
+
+def test_verify_real_text_refuses_what_it_cannot_feed(setup, real_gguf, tmp_path, capsys):
+    """One line each: a checkpoint without a tokenizer, --jobs above 1, --compute-units, a prompt shorter than a
+    function's rows, and (through the API) a stateful package."""
+    from anelab.cli import main
+    from anelab.sidecar.designs import SidecarRequest
+    from anelab.sidecar.export import export_request
+    from anelab.sidecar.verify import verify_package
+
+    _, checkpoint, _, _ = setup
+    export_sidecars(checkpoint, tmp_path / "tiny", CHUNK, [0, CHUNK], jobs=1)
+    export_sidecars(real_gguf, tmp_path / "real", 16, [0, 16], [0], jobs=1)
+    cases = [
+        (["verify", str(tmp_path / "tiny"), "--real-text", "16"], "needs a checkpoint with a tokenizer"),
+        (["verify", str(tmp_path / "real"), "--layers", "0", "--real-text", "32", "--jobs", "2"], "drop --jobs"),
+        (
+            ["verify", str(tmp_path / "real"), "--real-text", "32", "--compute-units", "cpu_only"],
+            "drop --compute-units",
+        ),
+        (["verify", str(tmp_path / "real" / "layer_0.mlpackage"), "--real-text", "20"], "longest history"),
+    ]
+    capsys.readouterr()  # the exports' progress bars
+    for argv, words in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err  # beside progress bars (the prompt's prefill), one error line
+        errors = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("anelab: error")]
+        assert len(errors) == 1 and words in errors[0] and "Traceback" not in err, err
+    request = SidecarRequest(CHUNK, None, "stateful", capacity=2 * CHUNK)
+    [stateful] = export_request(checkpoint, tmp_path / "stateful", request, [0], jobs=1)
+    with pytest.raises(AnelabInputError, match="per-history designs"):
+        verify_package(stateful.package, checkpoint, activations=np.zeros((2 * CHUNK, 32), np.float32))

@@ -97,3 +97,23 @@ def attention_inputs(model: ModelCheckpoint, prompt: np.ndarray, layers: list[in
         before = embed(np.asarray(prompt), model.head()) if layer == 0 else run.hidden[layer - 1]
         out[layer] = attention_input(before, model.layer(layer), model.eps).astype(np.float32)
     return out
+
+
+def docs_activations(checkpoint, tokens: int, *, chunk: int = 64) -> tuple[dict[int, np.ndarray], str]:
+    """The real attention inputs of the first ``tokens`` tokens of ``DOCS_SOURCE`` under the checkpoint's own
+    tokenizer, for every decoder layer (``attention_inputs``: layer -> float32 [tokens, D]), and a phrase saying
+    where they came from. ``checkpoint``: a path or an opened whole model; one with no tokenizer (the random
+    test checkpoints) is refused in one line."""
+    from anelab.checkpoints.model import load_model
+
+    model = checkpoint if isinstance(checkpoint, ModelCheckpoint) else load_model(checkpoint)
+    try:
+        tokenizer = model.checkpoint.tokenizer()
+    except AnelabInputError:
+        raise AnelabInputError(
+            f"--real-text needs a checkpoint with a tokenizer (tokenizer.json or a GGUF file's), e.g. default-real; "
+            f"{model.path} has none"
+        ) from None
+    prompt = docs_prompt(tokenizer, tokens)
+    inputs = attention_inputs(model, prompt, list(range(model.num_layers)), chunk=chunk)
+    return inputs, f"real attention inputs: the first {int(tokens)} tokens of {DOCS_SOURCE} through the model"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from anelab.core.errors import AnelabInputError
 from anelab.sidecar.backends import read_metadata
 from anelab.sidecar.compare import REFERENCE_PRECISION, Evaluator
 from anelab.sidecar.designs import design_of
@@ -51,6 +52,7 @@ def verify_package(
     precision: str = REFERENCE_PRECISION,
     evaluator: Evaluator | None = None,
     progress: bool = True,
+    activations=None,
 ) -> VerifyReport:
     """Verify a saved sidecar against the reference with its design's cases and negative controls.
 
@@ -58,12 +60,22 @@ def verify_package(
     its own error against fp64 is measured on a slice and bounded; "fp64"); ``evaluator``: runs the
     package instead of the NumPy evaluation (Core ML on a Mac), beside it. A request the design cannot
     serve is refused in one line. ``progress``: show this package's own progress bar (``verify_export``
-    shows one for the whole export instead).
+    shows one for the whole export instead). ``activations`` float [P, D]: the layer's real attention inputs
+    (post-norm rows of a prompt, positions 0 .. P-1) feed the cases instead of random rows (per-history designs).
     """
     meta = read_metadata(package)
     design = design_of(meta, str(package))
     if evaluator is not None:
         design.require_device_verify()
+    if activations is not None:
+        if design.stateful:
+            raise AnelabInputError(
+                f"{package}: real attention inputs feed the per-history designs' cases (dense, tiled), not {design.name}"
+            )
+        if evaluator is not None:
+            raise AnelabInputError("real attention inputs feed the NumPy evaluation; drop --compute-units")
+        return design.verify(package, checkpoint_dir, seed=seed, fp16=fp16, functions=functions, precision=precision,
+                             progress=progress, activations=activations)  # fmt: skip
     return design.verify(
         package,
         checkpoint_dir,

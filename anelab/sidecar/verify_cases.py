@@ -86,6 +86,7 @@ class VerifyReport:
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per phase (package, reference, ...)
     # the negative controls the package's design declares for this run: (function label, case)
     declared_controls: list[tuple[str, str]] = field(default_factory=list)
+    inputs: str = "random fp16 rows"  # what the cases were fed (real attention inputs: said where they came from)
 
     @property
     def vacuous(self) -> bool:
@@ -121,6 +122,7 @@ class VerifyReport:
             "layer": self.layer,
             "threshold": self.threshold,
             "evaluator": self.evaluator,
+            "inputs": self.inputs,
             "passed": self.passed,
             "vacuous": self.vacuous,
             "declared_controls": [list(d) for d in self.declared_controls],
@@ -135,7 +137,7 @@ class VerifyReport:
     def table(self) -> str:
         lines = [
             f"verify {self.package} (layer {self.layer}; reference {self.reference_precision}; "
-            f"package via {self.evaluator}; threshold {self.threshold:.0e})",
+            f"package via {self.evaluator}; threshold {self.threshold:.0e}; inputs: {self.inputs})",
             f"{'function':<10} {'case':<28} {'rows':>5} " + " ".join(f"{o:>10}" for o in OUTPUTS) + "  result",
         ]
         for c in self.comparisons:
@@ -260,6 +262,8 @@ def verify_per_history_package(
         reference_precision=precision,
         declared_controls=per_history_controls(meta, checkpoint.geometry, names),
     )
+    if activations is not None:
+        report.inputs = "real attention inputs (the layer's post-norm rows of a prompt)"
     report.seconds["open"] = time.perf_counter() - start
     run = CaseRun(saved, checkpoint.geometry, fp16, precision, evaluator, meta.sliding_window,
                   checkpoint.geometry.window_of(meta.layer), meta.coverage, report.seconds, report.reference_checks)  # fmt: skip

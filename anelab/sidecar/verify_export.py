@@ -87,7 +87,8 @@ class ExportVerifyReport:
 
     def table(self) -> str:
         lines = [
-            f"verify {self.directory}: {len(self.layers)} packages",
+            f"verify {self.directory}: {len(self.layers)} packages"
+            + "".join(sorted({f"; inputs: {v.report.inputs}" for v in self.layers})),
             f"{'layer':>5}  {'design':<22} {'worst error':>12} {'(bound)':>9}  {'weakest control':>15}  result",
         ]
         for v in self.layers:
