@@ -338,6 +338,13 @@ def _add_verify(sub):
     p.add_argument("--json", action="store_true")
 
 
+def _is_export_directory(path: Path) -> bool:
+    """A directory of layer packages (not a package: an .mlpackage holds a Manifest.json, an .aimodel is a sidecar)."""
+    from anelab.sidecar.backends import is_sidecar
+
+    return path.is_dir() and not (path / "Manifest.json").exists() and not is_sidecar(path)
+
+
 def _real_text_verify(path: Path, args):
     """``verify --real-text N``: one package's verification fed its layer's real attention inputs (one package at a
     time, in this process; the inputs computed once, from the checkpoint given or the one the packages record)."""
@@ -352,10 +359,7 @@ def _real_text_verify(path: Path, args):
         raise AnelabInputError("--real-text verifies one package at a time (the inputs are computed here); drop --jobs")
     if args.real_text < 1:
         raise AnelabInputError(f"--real-text must be at least 1 token, got {args.real_text}")
-    from anelab.sidecar.backends import is_sidecar
-
-    directory = path.is_dir() and not (path / "Manifest.json").exists() and not is_sidecar(path)
-    first = export_packages(path)[0][1] if directory else path
+    first = export_packages(path)[0][1] if _is_export_directory(path) else path
     source = _checkpoint(args.checkpoint) if args.checkpoint is not None else read_metadata(first).source
     inputs, said = docs_activations(source, args.real_text)
 
@@ -384,17 +388,15 @@ def _run_verify(args):
         def verify_one(package, checkpoint):
             return verify_package(package, checkpoint, fp16=not args.fp32)
 
-    from anelab.sidecar.backends import is_sidecar
-
     path = Path(args.package)
-    if path.is_dir() and not (path / "Manifest.json").exists() and not is_sidecar(path):  # an export directory
+    if _is_export_directory(path):
         from anelab.sidecar.verify_export import verify_export
 
-        # None: the NumPy verification in worker processes, no per-package bars
-        on_device = verify_one if args.compute_units is not None or args.real_text is not None else None
+        # on the device or on real text: one package at a time here; None: NumPy in worker processes
+        one_by_one = verify_one if args.compute_units is not None or args.real_text is not None else None
         checkpoint = _checkpoint(args.checkpoint)
         report = verify_export(
-            path, checkpoint, fp16=not args.fp32, verify_one=on_device, jobs=args.jobs, layers=args.layers
+            path, checkpoint, fp16=not args.fp32, verify_one=one_by_one, jobs=args.jobs, layers=args.layers
         )
     else:
         if args.layers is not None:

@@ -67,15 +67,13 @@ def verify_package(
     design = design_of(meta, str(package))
     if evaluator is not None:
         design.require_device_verify()
+    real = {}
     if activations is not None:
         if design.stateful:
             raise AnelabInputError(
                 f"{package}: real attention inputs feed the per-history designs' cases (dense, tiled), not {design.name}"
             )
-        if evaluator is not None:
-            raise AnelabInputError("real attention inputs feed the NumPy evaluation; drop --compute-units")
-        return design.verify(package, checkpoint_dir, seed=seed, fp16=fp16, functions=functions, precision=precision,
-                             progress=progress, activations=activations)  # fmt: skip
+        real["activations"] = activations
     return design.verify(
         package,
         checkpoint_dir,
@@ -85,4 +83,5 @@ def verify_package(
         precision=precision,
         evaluator=evaluator,
         progress=progress,
+        **real,
     )
