@@ -306,14 +306,7 @@ def rope_frequencies(
     ):
         raise AnelabInputError(f"rope theta must be a finite number > 0, got {theta!r}")
     theta = float(theta)
-    if (
-        isinstance(rotary_dim, bool)
-        or not isinstance(rotary_dim, (int, np.integer))
-        or rotary_dim < 2
-        or rotary_dim % 2
-    ):
-        raise AnelabInputError(f"rotary_dim must be an even integer >= 2, got {rotary_dim!r}")
-    dim = int(rotary_dim)
+    dim = _even_rotary_dim(rotary_dim)
     coverage = _positive_int(coverage, "coverage")
     if scaling.rope_theta is not None and scaling.rope_theta != theta:
         raise AnelabInputError(
@@ -468,7 +461,8 @@ def rope_cos_sin(
     return (np.cos(emb) * factor).astype(dtype), (np.sin(emb) * factor).astype(dtype)
 
 
-def _interleave_permutation(size: int, rotary_dim: int) -> np.ndarray:
+def _even_rotary_dim(rotary_dim) -> int:
+    """``rotary_dim`` as an int, refused in one line unless it is an even integer >= 2."""
     if (
         isinstance(rotary_dim, bool)
         or not isinstance(rotary_dim, (int, np.integer))
@@ -476,6 +470,11 @@ def _interleave_permutation(size: int, rotary_dim: int) -> np.ndarray:
         or rotary_dim % 2
     ):
         raise AnelabInputError(f"rotary_dim must be an even integer >= 2, got {rotary_dim!r}")
+    return int(rotary_dim)
+
+
+def _interleave_permutation(size: int, rotary_dim: int) -> np.ndarray:
+    rotary_dim = _even_rotary_dim(rotary_dim)
     if rotary_dim > size:
         raise AnelabInputError(f"rotary_dim {rotary_dim} exceeds the last axis ({size})")
     return np.concatenate([np.arange(0, rotary_dim, 2), np.arange(1, rotary_dim, 2), np.arange(rotary_dim, size)])
