@@ -866,8 +866,8 @@ def _add_size(sub):
 
 
 def _run_size(args):
+    from anelab.core.gather_size import GatherSizing
     from anelab.core.geometry import GB
-    from anelab.studies.gather_sizing import GatherSizing
 
     s = GatherSizing(args.heads, args.head_dim, args.chunk, args.total, args.budget, kv_heads=args.kv_heads)
     d = s.to_dict()
@@ -909,7 +909,7 @@ def _add_probe(sub):
 
 
 def _run_probe(args):
-    from anelab.studies.gather_sizing import probe, probe_record, probe_table
+    from anelab.runtimes.gather_probe import probe, probe_record, probe_table
 
     results = probe(
         args.chunk,

@@ -36,8 +36,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "anelab"
 REGISTRY = PACKAGE / "sidecar" / "designs.py"
 NAMES = set(DESIGNS) | set(RENAMED)
 # the one other word that spells a design name: the full-scores probe graph as records written before its
-# rename call it (studies.gather_sizing.RECORDED_PROBE_NAMES) — a record's word, read under the new name, not a design
-RECORD_WORDS = {("anelab/studies/gather_sizing.py", "dense")}
+# rename call it (sidecar.graphs.probe_graphs.RECORDED_PROBE_NAMES) — a record's word, read under the new name, not a design
+RECORD_WORDS = {("anelab/sidecar/graphs/probe_graphs.py", "dense")}
 CHUNK, PROMPT = 8, 13  # two chunk starts (0, 8); the second chunk is partial (5 rows)
 GEOMETRY = AttentionGeometry(
     variant="qwen3", hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, num_layers=2,

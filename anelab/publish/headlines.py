@@ -32,8 +32,8 @@ def widest(records: list[dict]) -> dict | None:
 
 def probe_ratio(field: str) -> Callable[[list[dict]], float | None]:
     """gather / full-scores of ``field`` at the first probe chunk of the last ``gather_probe_numpy`` record
-    (a record from before the rename calls the full-scores probe "dense": ``studies.gather_sizing.probe_graph_name``)."""
-    from anelab.studies.gather_sizing import FULL_SCORES, GATHER, probe_graph_name
+    (a record from before the rename calls the full-scores probe "dense": ``sidecar.graphs.probe_graphs.probe_graph_name``)."""
+    from anelab.sidecar.graphs.probe_graphs import FULL_SCORES, GATHER, probe_graph_name
 
     def value(records: list[dict]) -> float | None:
         if not records:

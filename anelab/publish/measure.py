@@ -217,7 +217,7 @@ def _block_ab(run: MeasureRun, pkg: Path, checkpoint: Path) -> list[dict]:
 
 def _gather_probe(run: MeasureRun) -> tuple[str, list[dict]]:
     from anelab.core.records import make_record
-    from anelab.studies.gather_sizing import measure_probes_on_runtime, probe, probe_inputs
+    from anelab.runtimes.gather_probe import measure_probes_on_runtime, probe, probe_inputs
 
     out = Path(run.config.build) / "probes"
     results = probe(run.config.probe_chunk, repeats=1, out_dir=out)

@@ -123,7 +123,7 @@ def _fold_workload(record: dict) -> str:
 
 
 def _seed_gather_sizing():
-    from anelab.studies.gather_sizing import GatherSizing
+    from anelab.core.gather_size import GatherSizing
 
     return GatherSizing(24, 256, 4096, 8192, 2051)  # the seed's sizing: 24 heads x 256, budget 2,051
 
@@ -172,15 +172,15 @@ COMPARISONS: tuple[Comparison, ...] = (
     Comparison("gathered keys at chunk 4,096, budget 2,051", "GB", SIZING,
                lambda r: r["results"]["sizing_at_chunk_4096"]["gathered_keys_gb"],
                predicted=lambda: _seed_gather_sizing().gather_key_bytes / GB,
-               predicted_by="anelab.studies.gather_sizing (formula)"),
+               predicted_by="anelab.core.gather_size (formula)"),
     Comparison("dense score matrix at chunk 4,096", "GB", SIZING,
                lambda r: r["results"]["sizing_at_chunk_4096"]["dense_score_matrix_gb"],
                predicted=lambda: _seed_gather_sizing().dense_score_bytes / GB,
-               predicted_by="anelab.studies.gather_sizing (formula)"),
+               predicted_by="anelab.core.gather_size (formula)"),
     Comparison("gathered keys / dense scores", "x", SIZING,
                lambda r: r["results"]["sizing_at_chunk_4096"]["data_factor"],
                predicted=lambda: _seed_gather_sizing().ratio,
-               predicted_by="anelab.studies.gather_sizing (formula)"),
+               predicted_by="anelab.core.gather_size (formula)"),
     *(
         Comparison(f"setup: cold load of variant h{h}", "s", LOADS, _seed_load(h),
                    "load_timing", _fresh_cold_load(h), _load_workload,
