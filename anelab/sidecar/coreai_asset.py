@@ -31,6 +31,7 @@ from anelab.sidecar.coreai_import import coreai_modules, coreai_version
 from anelab.sidecar.coreai_lower import MAX_INT16_POSITION, NE_MASKED, deviations, lower_program
 from anelab.sidecar.evaluate import FunctionInfo, SavedPackage, TensorSignature
 from anelab.sidecar.format import COREAI_META, SidecarMetadata
+from anelab.sidecar.out_dir import replace_directory
 
 SUFFIX = ".aimodel"
 VERIFIED_REASON = (
@@ -89,7 +90,7 @@ def write_asset(
     metadata.set_custom(COREAI_META, fields)
     try:
         program.save_asset(work, metadata=metadata)
-        _replace_dir(work, dest)
+        replace_directory(work, dest)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return dest, fields
@@ -145,17 +146,6 @@ def _state_constraints(ca, program, functions: list[str]) -> str:
     except Exception as e:  # the beta's refusal is the finding: recorded, the states left unconstrained
         return f"IOSurface hardware constraints on the states refused by the beta ({type(e).__name__}: {str(e)[:120]})"
     return "IOSurface hardware constraints on both states (interleave 1, alignment 1), as the iOS export sets them"
-
-
-def _replace_dir(src: Path, dest: Path) -> None:
-    """Move a finished asset into place; an existing one is swapped out, then removed."""
-    if dest.exists():
-        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-        os.replace(dest, old)
-        os.replace(src, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(src, dest)
 
 
 # ---- reading back -----------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from anelab.sidecar.designs import (
     get_design,
 )
 from anelab.sidecar.format import FORMAT_VERSION, SidecarMetadata, weight_bytes
-from anelab.sidecar.out_dir import exporting
+from anelab.sidecar.out_dir import exporting, replace_directory
 from anelab.sidecar.quantize import compress_package
 
 OFF_MAC_REASON = (
@@ -167,17 +167,6 @@ def share_identical_constants(program) -> None:
             op.weight_id = str(index)
 
 
-def _replace_dir(src: Path, dest: Path) -> None:
-    """Move a finished package into place; an existing package is swapped out, then removed."""
-    if dest.exists():
-        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-        os.replace(dest, old)
-        os.replace(src, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(src, dest)
-
-
 def sidecar_options(
     graph: str | None,
     geometry: AttentionGeometry,
@@ -292,7 +281,7 @@ def export_design(
         if gate is not None:  # ... then every function of the merged package must load under its name
             gate.check_merged_loads(final, list(variants))
         if target.derive is None:  # the Core ML package is the sidecar
-            _replace_dir(final, dest)
+            replace_directory(final, dest)
         else:
             dest, _ = target.derive(final, dest, meta)
             meta = target.read_metadata(dest)

@@ -220,3 +220,14 @@ def exporting(out: str | os.PathLike, layers: list[int]) -> Iterator[Staging]:
         if created and not any(out.iterdir()):
             with contextlib.suppress(OSError):
                 out.rmdir()
+
+
+def replace_directory(src: Path, dest: Path) -> None:
+    """Move a finished package (or asset) folder into place; an existing one is swapped out, then removed."""
+    if dest.exists():
+        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+        os.replace(dest, old)
+        os.replace(src, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dest)
