@@ -331,7 +331,8 @@ def _add_verify(sub):
         type=int,
         default=None,
         metavar="N",
-        help="feed the cases each layer's real attention inputs, the first N tokens of README.md through the whole "
+        help="feed the cases each layer's real attention inputs, the first N tokens of the README's frozen text "
+        "(docs/prompt/readme-a615004.md) through the whole "
         "model (a checkpoint with a tokenizer, e.g. default-real; dense and tiled packages; N >= the longest "
         "history + the chunk), instead of random rows",
     )

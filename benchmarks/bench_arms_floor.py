@@ -16,7 +16,8 @@ average is printed beside every number, and ratios are only comparable within on
 Usage: python benchmarks/bench_arms_floor.py [--checkpoint default-real] [--tokens FILE | --prompt-tokens N]
        [--decode 24] [--sidecars DIR] [--chunk C] [--quick]
 (``--quick``: default-dense, 64 tokens, 4 decoded — a smoke run.) Without --tokens, default-real's prompt is the
-first N tokens of this repository's README (real prose); other checkpoints get seeded random ids.
+first N tokens of the README frozen at a615004 (docs/prompt/readme-a615004.md, real prose); other checkpoints get
+seeded random ids.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def _prompt(args, checkpoint):
     if args.checkpoint == "default-real":
         from anelab.checkpoints.checkpoint import load_checkpoint
 
-        text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+        text = (Path(__file__).resolve().parent.parent / "docs/prompt/readme-a615004.md").read_text()
         return load_checkpoint(checkpoint).tokenizer().encode(text)[: args.prompt_tokens]
     return None
 

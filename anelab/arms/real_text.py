@@ -19,15 +19,18 @@ from anelab.core.decoder import attention_input, embed
 from anelab.core.errors import AnelabInputError
 from anelab.core.paths import REPO_ROOT
 
-DOCS_SOURCE = "README.md"  # the default prompt's text: the project's own README (prose; code blocks dropped)
+# The default prompt's text: the project's README as it stood at commit a615004, frozen (prose; code blocks dropped).
+# The README itself became a short front page; the committed real-text figures and the numbers quoted in notebooks
+# 02 and 07 were drawn from this text, so it stays byte for byte (its SHA-256 is pinned in tests/test_real_text.py).
+DOCS_SOURCE = "docs/prompt/readme-a615004.md"
 _FENCE = re.compile(r"^```.*?^```[^\n]*\n?", re.MULTILINE | re.DOTALL)
 
 
 def docs_text(source: str = DOCS_SOURCE) -> str:
-    """A repository document (``README.md``, ``docs/*.md``) as prose: fenced code blocks and tables dropped."""
+    """A repository document (``README.md``, ``docs/**/*.md``) as prose: fenced code blocks and tables dropped."""
     path = REPO_ROOT / source
     if not path.is_file() or path.suffix != ".md":
-        raise AnelabInputError(f"{source}: not a Markdown file of the repository (README.md or docs/*.md)")
+        raise AnelabInputError(f"{source}: not a Markdown file of the repository (README.md or docs/**/*.md)")
     text = _FENCE.sub("", path.read_text(encoding="utf-8"))
     lines = [line for line in text.splitlines() if not line.lstrip().startswith("|")]
     return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
