@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from anelab.core.records import atomic_write_bytes, atomic_write_text
-from anelab.planner.report import gpu_runtime_phrase
+from anelab.planner.gpu_runtimes import gpu_runtime_phrase
 from anelab.planner.verdict import thresholds_sentence
 
 TEMPLATE_DIR = Path(__file__).with_name("templates")

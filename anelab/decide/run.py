@@ -54,8 +54,11 @@ class DecideConfig:
     family: str | None = None
     gpu_prefill_seconds: float | None = None
     gpu_tokens_per_second: float | None = None
-    gpu_runtime: str = "mlx-lm"  # whose GPU prefill the GPU arm is (planner.gpu_model.GPU_RUNTIMES)
-    chip: str | None = None  # the Mac's chip (mlx-lm's GPU arm is priced on it; default the seed's M3)
+    gpu_runtime: str | None = (
+        None  # whose GPU prefill the GPU arm is (planner.gpu_runtimes; None: a checkpoint's default)
+    )
+    chip: str | None = None  # the Mac's chip (both arms are priced on it; None: this Mac's, else the seed's M3)
+    objective: str = "time"  # what the verdict optimises: time or energy (planner.energy)
     measure: bool = False
     runtime: object | None = None  # a CoreMLRuntime; default this machine's (needed only with measure)
     repeats: int = 3
@@ -141,7 +144,7 @@ class Plans:
         config = self.config
         checkpoint_plan, by_kind = checkpoint_designs(
             self.opened.checkpoint, prompt_tokens, None, family=config.family, chunk=config.chunk,
-            gpu_runtime=config.gpu_runtime, chip=config.chip, **user_gpu,
+            gpu_runtime=config.gpu_runtime, chip=config.chip, objective=config.objective, **user_gpu,
         )  # fmt: skip
         if "full" not in by_kind:
             raise AnelabInputError(
@@ -721,7 +724,7 @@ def _yours(config: DecideConfig, verdict: Verdict) -> list[str]:
 
 def _config_dict(config: DecideConfig) -> dict:
     keys = ("checkpoint", "prompt_tokens", "out", "design", "chunk", "family", "gpu_prefill_seconds")
-    keys += ("gpu_tokens_per_second", "measure", "repeats", "decode")
+    keys += ("gpu_tokens_per_second", "measure", "repeats", "decode", "gpu_runtime", "chip", "objective")
     return {k: str(getattr(config, k)) if isinstance(getattr(config, k), Path) else getattr(config, k) for k in keys}
 
 

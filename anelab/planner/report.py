@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from anelab.planner.envelope import YOURS
+from anelab.planner.gpu_runtimes import gpu_runtime_phrase
 
 
 def format_family_table(rows: list[dict]) -> str:
@@ -61,20 +61,6 @@ def format_fit_report(rows: list[dict], fit: dict, loads: list[dict]) -> str:
     return "\n".join(out)
 
 
-def gpu_runtime_phrase(d: dict) -> str:
-    """Whose GPU prefill a plan's GPU arm is (``PrefillPlan.to_dict()``), in words."""
-    sources = d.get("cost_sources", {})
-    if str(sources.get("gpu_prefill", "")).startswith(YOURS):
-        return "your GPU runtime's number"
-    if str(sources.get("gpu_attention", "")).startswith("flag") and not d.get("family"):
-        return "the cost flags"
-    if d.get("gpu_runtime") == "mlx-lm":
-        return sources.get("gpu_runtime", f"mlx-lm on an Apple {d.get('gpu_chip', 'M3')} (planner.mlx_lm_rates)")
-    return "TinyTitan's GPU path on an Apple M3 (seed 000)" + (
-        "; --gpu-runtime mlx-lm prices mlx-lm's" if d.get("family") else ""
-    )
-
-
 def format_plan(d: dict) -> str:
     """A plan (``PrefillPlan.to_dict()``) as text: schedule, variants, both arms, verdict."""
     out = []
@@ -127,7 +113,7 @@ def format_checkpoint_plan(d: dict) -> str:
         f"{d['checkpoint']} ({d['model_type']}): {d['num_layers']} layers, {len(d['full_layers'])} full attention"
         f"{window}; {d['num_heads']} heads, {d['num_kv_heads']} KV heads, head_dim {d['head_dim']}",
         f"costs: {d['cost_family'] or 'flags'} — {d['cost_family_reason']}"
-        + ("; the GPU arm is mlx-lm's" if any(p.get("gpu_runtime") == "mlx-lm" for p in d["parts"].values()) else ""),
+        + f"; the GPU arm is {next(iter(d['parts'].values())).get('gpu_runtime')}'s",
     ]
     for kind, part in d["parts"].items():
         out += [f"--- {kind} layers ---", format_plan(part)]

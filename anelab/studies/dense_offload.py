@@ -153,12 +153,13 @@ def gpu_runtime_arms(prompt_tokens: Sequence[int], *, family: str = "qwen3.5-2b-
     (``planner.mlx_lm_rates``, on ``chip``), each beside the ANE arm planned against it (the ANE's costs are the
     recorded ones either way), and the public mlx-lm records' fraction of peak. Seconds per prompt length."""
     from anelab.planner.chips import get_chip
+    from anelab.planner.gpu_runtimes import modelled_runtimes
     from anelab.planner.mlx_lm_rates import fit_mlx_lm
 
     rows = []
     for n in prompt_tokens:
         row = {"prompt_tokens": int(n)}
-        for runtime in ("tinytitan", "mlx-lm"):
+        for runtime in modelled_runtimes():
             p = plan(int(n), family=family, data_dir=data_dir, allow_past_coverage=True, gpu_runtime=runtime,
                      chip=chip)  # fmt: skip
             row[runtime] = {"gpu_seconds": p.gpu_prefill_seconds, "ane_seconds": p.ane_prefill_seconds,
