@@ -93,7 +93,7 @@ from anelab.planner.coreai_loads import priced_fit
 from anelab.planner.energy import DEFAULT_OBJECTIVE, energy_decision, plan_energy, require_objective
 from anelab.planner.envelope import YOURS, ane_kind, gpu_kind, kind_of, worst_kind
 from anelab.planner.fit import cached_fit, fit_costs, predicted_ane_seconds, timed_ab_rows
-from anelab.planner.gpu_runtimes import GpuRuntime, plan_runtime
+from anelab.planner.gpu_runtimes import TINYTITAN, GpuRuntime, plan_runtime
 from anelab.planner.loads import (
     DEFAULT_PROTOCOL,
     DEFAULT_RELOAD_POLICY,
