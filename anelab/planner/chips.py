@@ -249,11 +249,11 @@ def carry_recorded_gpu(chip: Chip) -> tuple[float, float, str]:
     """(attention factor, non-attention factor, basis) carrying the seed's GPU path from the M3 to ``chip``: its
     attention by GPU throughput, its non-attention (weights streamed once per token) by memory bandwidth."""
     seed = CHIPS[SEED_CHIP]
-    missing = [f"{what} for {chip.name}" for what, f in (("a GPU throughput figure", chip.gpu_fp16_tflops),
-                                                          ("a memory bandwidth figure", chip.bandwidth_gbs)) if not f.known]  # fmt: skip
+    figures = (("GPU throughput", chip.gpu_fp16_tflops), ("memory bandwidth", chip.bandwidth_gbs))
+    missing = [what for what, f in figures if not f.known]
     if missing:
-        raise AnelabInputError(f"--chip {chip.name}: no {' or '.join(missing)}; tinytitan cannot be carried to it "
-                               "(use --gpu-runtime mlx-lm or another --chip)")  # fmt: skip
+        raise AnelabInputError(f"--chip {chip.name}: no {' or '.join(missing)} figure for {chip.name}; tinytitan "
+                               "cannot be carried to it (use --gpu-runtime mlx-lm or another --chip)")  # fmt: skip
     gpu = seed.gpu_fp16_tflops.value / chip.gpu_fp16_tflops.value
     non = seed.bandwidth_gbs.value / chip.bandwidth_gbs.value
     basis = (
