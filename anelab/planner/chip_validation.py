@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from anelab.planner.chip_figures import CARRY_BAND, GPU_CORES, GPU_MATMUL_TFLOPS, MOBIUS, PLACEMENT, Figure
 from anelab.planner.chips import SEED_CHIP, get_chip
 from anelab.planner.gpu_model import active_parameters
-from anelab.planner.mlx_lm_rates import _QWEN3_06B
+from anelab.planner.mlx_lm_rates import QWEN3_06B
 
 # SigLIP-base-224 vision tower (ViT-B/16): 12 layers, hidden 768, MLP 3072, 196 patches; batch 16
 _SIGLIP = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072}
@@ -54,7 +54,7 @@ PUBLIC_PAIRS: tuple[PublicPair, ...] = (
     PublicPair("SigLIP-base-224 vision tower, batch 16, fp16 (233.0 vs 1085.7 img/s)", "M5 Max", 233.0 / 1085.7,
                _linear_flops(_SIGLIP, _SIGLIP_TOKENS), 2.0 * active_parameters(_SIGLIP), 1, PLACEMENT),
     PublicPair("Qwen3-0.6B Core ML prefill of 128 tokens (ANE 12.5 ms, GPU 9.3 ms)", "M5 Pro", 9.3 / 12.5,
-               _linear_flops(_QWEN3_06B, 128), 2.0 * active_parameters(_QWEN3_06B), 1, MOBIUS),
+               _linear_flops(QWEN3_06B, 128), 2.0 * active_parameters(QWEN3_06B), 1, MOBIUS),
 )  # fmt: skip
 
 CANNOT_EXPRESS: tuple[dict, ...] = (

@@ -102,6 +102,7 @@ def format_plan(d: dict) -> str:
         )
     out.append(f"predicted ratio {d['predicted_ratio']:.2f}x (GPU / ANE)")
     out.append(f"central-cost decision: {d['decision']} — {d['reason']}")
+    out += chip_lines(d) if d.get("chip") else []
     return "\n".join(out)
 
 
@@ -164,5 +165,31 @@ def format_verdict(v: dict) -> str:
         f"thresholds: {thresholds_sentence(v)}",
         "envelope: " + "; ".join(f"{name.replace('_', ' ')} {span(c)} {c['kind']}" for name, c in v["costs"].items()),
     ]
+    if v.get("energy"):
+        out.append(energy_line(v["energy"]) + f"; objective {v['objective']} (on time: {v['time_decision']})")
     out += [f"to settle it: {what}: {command}" for what, command in v["settle"]]
     return "\n".join(out)
+
+
+def energy_line(e: dict) -> str:
+    """Both arms' joules with intervals and the power figures' kinds (``planner.energy``)."""
+
+    def joules(j):
+        return f"{j['value']:.4g} J [{j['low']:.4g} .. {j['high']:.4g}]"
+
+    watts = ", ".join(f"{k} {p['watts']:.3g} W ({p['kind']})" for k, p in e["power"].items())
+    return f"energy: GPU arm {joules(e['gpu_joules'])}, ANE arm {joules(e['ane_joules'])} ({watts}) -> {e['decision']}"
+
+
+def chip_lines(d: dict) -> list[str]:
+    """A plan's chip, how it was chosen, the ANE arm's carry to it, both arms' joules and the cold start."""
+    out = [f"chip: {d['chip']} — {d['chip_choice'] or '--chip'}"]
+    if d.get("ane_chip") and d["ane_chip"]["scale"] != 1.0:
+        out.append(f"ANE attention on the {d['chip']}: {d['ane_chip']['basis']}")
+    if d.get("energy"):
+        out.append(energy_line(d["energy"]) + f" (assumes {d['energy']['assumes']})")
+        out += [f"  {k} power: {p['note'] or ''} ({p['source']})" for k, p in d["energy"]["power"].items()]
+    if d.get("cold_start"):
+        out.append(d["cold_start"]["sentence"])
+    out.append(f"objective: {d['objective']} (decision on seconds: {d['time_decision']})")
+    return out
