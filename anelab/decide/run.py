@@ -102,6 +102,7 @@ class Decision:
     sweep: list = field(default_factory=list)  # figure rows
     measured: bool = False
     yours: list = field(default_factory=list)  # which numbers are the user's / measured here
+    chip_map: dict = field(default_factory=dict)  # chip x prompt length -> ratio and verdict (planner.chip_map)
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -690,8 +691,8 @@ def decide(config: DecideConfig) -> Decision:
             costs = with_measured(plan.arm_costs[candidate.design], measured, candidate, config.prompt_tokens)
             final = verdict_for(costs, commands)
             bar.update(1)
-        bar.set_postfix_str("sweep prompt lengths")
-        rows = sweep(config, plans, candidate, measured)
+        bar.set_postfix_str("sweep prompt lengths and chips")
+        rows, chips = sweep(config, plans, candidate, measured), checkpoint_chip_map(config, opened, plan.full.chip)
         bar.update(1)
     decision = Decision(
         config=_config_dict(config),
@@ -709,9 +710,25 @@ def decide(config: DecideConfig) -> Decision:
         sweep=rows,
         measured=measured is not None,
         yours=_yours(config, final),
+        chip_map=chips,
     )
     write_report(decision, config.out)
     return decision
+
+
+def checkpoint_chip_map(config: DecideConfig, opened: Opened, chip: str) -> dict:
+    """The verdict map of the user's checkpoint (its full-attention layers' plan on every chip at a few prompt
+    lengths around theirs), their chip's row marked; the user's own GPU number is theirs, so it is left out."""
+    from anelab.planner.chip_map import verdict_map
+    from anelab.planner.from_checkpoint import plan_from_checkpoint
+
+    def plan_at(chip_name: str, n: int):
+        return plan_from_checkpoint(opened.checkpoint, n, family=config.family, chunk=config.chunk,
+                                    gpu_runtime=config.gpu_runtime, chip=chip_name,
+                                    objective=config.objective).parts["full"]  # fmt: skip
+
+    lengths = sorted({1024, 4096, 16384, config.prompt_tokens})
+    return verdict_map(plan_at, lengths, mark=chip)
 
 
 def _yours(config: DecideConfig, verdict: Verdict) -> list[str]:
