@@ -231,3 +231,12 @@ def test_no_runtime_name_is_spelled_outside_the_table(tmp_path):
     assert runtime_literals(Path(__file__).resolve().parent.parent / "anelab") == []
     (tmp_path / "bad.py").write_text('if runtime == "mlx-lm":\n    pass\n')
     assert runtime_literals(tmp_path) == [f"{tmp_path / 'bad.py'}:1"]  # negative control
+
+
+def test_every_design_is_carried_to_the_chip():
+    from anelab.planner.design_plans import compare_designs
+
+    on = {c: {d.design: d.ane_attention_seconds for d in compare_designs(N, TWO_B, 4096, chip=c)} for c in ("m3", "m5")}
+    scale = plan(N, family=TWO_B, chip="m5").ane_chip["scale"]
+    for design, seconds in on["m3"].items():
+        assert on["m5"][design] == pytest.approx(seconds * scale, rel=1e-9) and scale < 0.9

@@ -127,13 +127,19 @@ def family_design_costs(family: str, prompt_tokens: int, chunk: int, **runtime) 
         )
     fit = fit_costs()
     return DesignCosts(
-        ane_seconds_per_entry=fit.ane_seconds_per_entry,
+        ane_seconds_per_entry=fit.ane_seconds_per_entry * chip_scale(p),
         load=fit.recorded_load_model(specialize=p.pays_specialization),
         gpu_prefill_seconds=p.gpu_prefill_seconds,
         gpu_attention_seconds=p.gpu_attention_seconds,
         non_attention_seconds=p.non_attention_seconds,
         per_history=p,
     )
+
+
+def chip_scale(per_history: PrefillPlan) -> float:
+    """The per-history plan's ANE carry to its chip (``ane_chips``), applied to every design's ANE rate: the same
+    chunk on the same engine (1.0 on the seed's M3 or with a flag's ANE attention)."""
+    return per_history.ane_chip["scale"] if per_history.ane_chip else 1.0
 
 
 def design_plan(

@@ -218,14 +218,14 @@ def checkpoint_designs(
     compared with; every design is priced by the one load model at its score arena; windowed layers
     are priced as built (``design_plan``'s ``window``: the stateful-tiled ring of about W + C slots,
     the other designs scoring the whole history). ``cost_flags`` go to :func:`plan_from_checkpoint`."""
-    from anelab.planner.design_plans import DESIGNS, DesignCosts, design_plan
+    from anelab.planner.design_plans import DESIGNS, DesignCosts, chip_scale, design_plan
 
     checkpoint_plan = plan_from_checkpoint(checkpoint, prompt_tokens, family=family, chunk=chunk, **cost_flags)
     fit = fit_costs()
     plans = {}
     for kind, part in checkpoint_plan.parts.items():
         costs = DesignCosts(
-            ane_seconds_per_entry=fit.ane_seconds_per_entry,
+            ane_seconds_per_entry=fit.ane_seconds_per_entry * chip_scale(part),
             load=fit.recorded_load_model(specialize=part.pays_specialization),
             gpu_prefill_seconds=part.gpu_prefill_seconds,
             gpu_attention_seconds=part.gpu_attention_seconds,
