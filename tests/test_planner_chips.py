@@ -240,3 +240,24 @@ def test_every_design_is_carried_to_the_chip():
     scale = plan(N, family=TWO_B, chip="m5").ane_chip["scale"]
     for design, seconds in on["m3"].items():
         assert on["m5"][design] == pytest.approx(seconds * scale, rel=1e-9) and scale < 0.9
+
+
+def test_the_seed_calibration_names_what_limits_the_sidecar_graph():
+    """At the recorded layer-chunk (Qwen 3.8 h0: 24 x 4,096 x 4,096 at head_dim 256, 0.43 s recorded) the M3
+    roofline is compute past the cliff; the recorded time sits above it (an efficiency, not a contradiction)."""
+    from anelab.planner.chip_validation import seed_calibration
+
+    c = seed_calibration()
+    assert c["recorded"] == pytest.approx(0.43, rel=0.02) and c["bound"] == "compute past the cliff"
+    flops = 4 * 256 * 24 * 4096 * 4096
+    assert c["compute"] == pytest.approx(flops / (cf.ANE_GEMM_TFLOPS["M3"].value * 1e12 * 4.0 / 5.7), rel=1e-9)
+    assert c["traffic"] < c["compute"] and c["recorded_over_roofline"] > 1.0
+
+
+def test_plan_validate_chips_prints_the_table(capsys):
+    assert main(["plan", "--validate-chips"]) == 0
+    out = capsys.readouterr().out
+    assert "calibration on the seed's M3" in out and "cannot express:" in out
+    assert re.search(r"^M5 Max\s+0\.215\s+0\.255", out, re.M)
+    assert main(["plan", "--validate-chips", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["rows"]) >= 3 + 10

@@ -131,6 +131,18 @@ def _seed_rows(data_dir=None) -> list[dict]:
     return rows
 
 
+def seed_calibration(data_dir=None) -> dict:
+    """What limits the sidecar graph on the seed's M3 (``ane_chips.calibration``) at the one recorded ANE prediction:
+    Qwen 3.8's h0 layer-chunk (its heads x 4,096 x 4,096 at head_dim 256), from the fitted rate per score entry."""
+    from anelab.planner.ane_chips import calibration
+    from anelab.planner.catalogue import REFERENCE_CHUNK, get_family
+    from anelab.planner.fit import fit_costs
+
+    g = get_family("qwen3.8-125b-a6b-4bit").geometry
+    recorded = fit_costs(data_dir).ane_seconds_per_entry * g.num_heads * REFERENCE_CHUNK * REFERENCE_CHUNK
+    return calibration(recorded, g, REFERENCE_CHUNK)
+
+
 def validate_chips(pairs: tuple[PublicPair, ...] = PUBLIC_PAIRS, *, seed_rows: bool = True, data_dir=None) -> dict:
     """Every public pair predicted and compared (``inside`` its interval or not), the seed's M3 rows, and the
     measurements the model cannot express."""
@@ -142,12 +154,17 @@ def validate_chips(pairs: tuple[PublicPair, ...] = PUBLIC_PAIRS, *, seed_rows: b
                      **p, "inside": inside})  # fmt: skip
     if seed_rows:
         rows += _seed_rows(data_dir)
-    return {"rows": rows, "cannot_express": list(CANNOT_EXPRESS)}
+    return {"rows": rows, "cannot_express": list(CANNOT_EXPRESS), "calibration": seed_calibration(data_dir)}
 
 
 def format_validation(v: dict) -> str:
     """The validation table as text: predicted vs published ratio (GPU s / ANE s), interval, inside or not."""
-    out = [f"{'chip':7s} {'published':>9s} {'predicted':>9s} {'interval':>15s} inside  measurement — figures — source"]
+    c = v["calibration"]
+    out = [f"calibration on the seed's {SEED_CHIP} (Qwen 3.8 h0, one layer-chunk): recorded {c['recorded']:.3g} s; "
+           f"roofline compute {c['compute']:.3g} s{' past the cliff' if c['past_cliff'] else ''}, score-arena traffic "
+           f"{c['traffic']:.3g} s, dispatch {c['dispatch'] * 1e3:.2g} ms -> {c['bound']}-bound, recorded / roofline "
+           f"{c['recorded_over_roofline']:.2f} (kept by every chip's carry)",
+           f"{'chip':7s} {'published':>9s} {'predicted':>9s} {'interval':>15s} inside  measurement — figures — source"]  # fmt: skip
     for r in v["rows"]:
         pred = "-" if r["predicted_ratio"] is None else f"{r['predicted_ratio']:.3g}"
         interval = "-" if r["low"] is None else f"{r['low']:.3g} .. {r['high']:.3g}"
