@@ -162,8 +162,10 @@ def design_plan(
     schedule = chunk_schedule(prompt_tokens, chunk)
     on_ane = schedule[0].device == "ane"
     used = geometry.num_heads * sum(min(p + 1, window or p + 1) for p in range(prompt_tokens))  # keys a query sees
+    scale = chip_scale(costs.per_history) if costs.per_history is not None else 1.0
+    carried = f", carried to the {costs.per_history.chip} x {scale:.3g} (ane_chips)" if scale != 1.0 else ""
     assumptions = [
-        "ANE attention: recorded rate per score entry (Qwen 3.8 h0 prediction), masked entries included",
+        f"ANE attention: recorded rate per score entry (Qwen 3.8 h0 prediction){carried}, masked entries included",
         "GPU arm, non-attention and GPU attention: the per-history plan's (plan())",
     ]
     price = _per_history_terms if not pricing.one_function_per_layer else _one_function_terms
