@@ -542,6 +542,8 @@ def _add_plan(sub):
     _add_protocol(p)
     _add_chip(p)
     _add_gpu_runtime(p)
+    p.add_argument("--validate-chips", action="store_true", help="the per-chip model's predicted ANE-vs-GPU ratio "
+                   "against every public measurement on other chips (inside its interval or not)")  # fmt: skip
     p.add_argument(
         "--gpu-runtimes",
         action="store_true",
@@ -576,14 +578,20 @@ def _run_plan(args):
         _print_json(rows) if args.json else print(format_backtest(rows))
         return 0
     if args.gpu_runtimes:
-        from anelab.planner.gpu_model import GPU_RUNTIMES
+        from anelab.planner.gpu_runtimes import runtime_descriptions
         from anelab.planner.mlx_lm_rates import fit_mlx_lm, format_mlx_lm_fit
 
-        fit = fit_mlx_lm()
+        fit, runtimes = fit_mlx_lm(), runtime_descriptions()
         if args.json:
-            _print_json({"runtimes": GPU_RUNTIMES, "mlx_lm": fit.to_dict()})
+            _print_json({"runtimes": runtimes, "mlx_lm": fit.to_dict()})
         else:
-            print("\n".join(f"{k}: {v}" for k, v in GPU_RUNTIMES.items()) + "\n" + format_mlx_lm_fit(fit))
+            print("\n".join(f"{k}: {v}" for k, v in runtimes.items()) + "\n" + format_mlx_lm_fit(fit))
+        return 0
+    if args.validate_chips:
+        from anelab.planner.chip_validation import format_validation, validate_chips
+
+        rows = validate_chips()
+        _print_json(rows) if args.json else print(format_validation(rows))
         return 0
     if args.list_families:
         rows = planner.family_table()
@@ -634,7 +642,7 @@ def _run_plan_family_designs(args, planner) -> int:
                 designs,
                 key_tile=args.tile,
                 query_tile=args.query_tile,
-                gpu_runtime=args.gpu_runtime or "tinytitan",
+                gpu_runtime=args.gpu_runtime,
                 protocol=args.protocol,
                 reload_policy=args.reload_policy,
                 chip=args.chip,
@@ -645,10 +653,10 @@ def _run_plan_family_designs(args, planner) -> int:
     if args.json:
         _print_json(rows)
     else:
-        from anelab.planner.chips import get_chip
-        from anelab.planner.report import gpu_runtime_phrase
+        from anelab.planner.chips import resolve_chip
+        from anelab.planner.gpu_runtimes import gpu_runtime_phrase
 
-        runtime = {"gpu_runtime": args.gpu_runtime or "tinytitan", "gpu_chip": get_chip(args.chip or "M3").name}
+        runtime = {"gpu_runtime": args.gpu_runtime, "gpu_chip": resolve_chip(args.chip)[0].name}
         print(planner.format_designs(rows) + "\nGPU arm: " + gpu_runtime_phrase(runtime))
     return 0
 
@@ -690,8 +698,9 @@ def _plan_of(args, planner, backend):
         gpu_tokens_per_second=args.gpu_tokens_per_second,
         protocol=args.protocol,
         reload_policy=args.reload_policy,
-        gpu_runtime=args.gpu_runtime or "tinytitan",
+        gpu_runtime=args.gpu_runtime,
         chip=args.chip,
+        objective=args.objective,
     )
 
 
@@ -699,14 +708,17 @@ def _add_chip(p) -> None:
     p.add_argument(
         "--chip",
         default=None,
-        help="an Apple chip (m1 .. m5, m3-max, m4-pro, ...): the fastest each arm could run this prompt on it "
-        "(peak compute or bandwidth, public figures), printed beside the estimate; mlx-lm's GPU arm is priced "
-        "on it (default: the seed's M3)",
+        help="an Apple chip (m1 .. m5, m3-max, m4-pro, m5-max, ...): both arms are priced on it from its sourced "
+        "figures (planner.chips) and the fastest each arm could run is printed beside the estimate (default: "
+        "this Mac's chip; off a Mac the seed's M3, said so)",
     )
+    # values checked by anelab.planner.energy.require_objective
+    p.add_argument("--objective", default="time", help="time | energy: what the verdict optimises (default "
+                   "time); both seconds and joules are reported either way")  # fmt: skip
 
 
 def _add_gpu_runtime(p, default: str | None = None) -> None:
-    # values checked by anelab.planner.gpu_model.require_gpu_runtime
+    # values checked by anelab.planner.gpu_runtimes.require_gpu_runtime
     p.add_argument(
         "--gpu-runtime",
         default=default,
@@ -751,7 +763,7 @@ def _run_plan_checkpoint_designs(args) -> int:
         gpu_tokens_per_second=args.gpu_tokens_per_second,
         protocol=args.protocol,
         reload_policy=args.reload_policy,
-        gpu_runtime=args.gpu_runtime or "mlx-lm",
+        gpu_runtime=args.gpu_runtime,
         chip=args.chip,
     )
     rows = {
@@ -843,7 +855,7 @@ def _run_plan_checkpoint(args):
         gpu_tokens_per_second=args.gpu_tokens_per_second,
         protocol=args.protocol,
         reload_policy=args.reload_policy,
-        gpu_runtime=args.gpu_runtime or "mlx-lm",
+        gpu_runtime=args.gpu_runtime,
         chip=args.chip,
     )
     result = checkpoint_plan.to_dict()
@@ -1091,7 +1103,7 @@ def _add_decide(sub):
     p.add_argument("--repeats", type=int, default=3, help="--measure: timed repeats per measurement (default 3)")
     p.add_argument("--json", action="store_true", help="print decision.json's verdict as JSON")
     _add_chip(p)
-    _add_gpu_runtime(p, default="mlx-lm")
+    _add_gpu_runtime(p)
 
 
 def _run_decide(args):
@@ -1108,9 +1120,9 @@ def _run_decide(args):
         from anelab.planner.chips import get_chip
 
         get_chip(args.chip)  # a bad name is refused before the work
-    from anelab.planner.gpu_model import require_gpu_runtime
+    from anelab.planner.gpu_runtimes import default_gpu_runtime, require_gpu_runtime
 
-    require_gpu_runtime(args.gpu_runtime)
+    require_gpu_runtime(args.gpu_runtime or default_gpu_runtime(checkpoint=True))
     out = Path(args.out) if args.out else Path(f"decide-{Path(args.checkpoint).name}")
     config = DecideConfig(
         checkpoint=_checkpoint(args.checkpoint),
@@ -1123,6 +1135,7 @@ def _run_decide(args):
         gpu_tokens_per_second=args.gpu_tokens_per_second,
         gpu_runtime=args.gpu_runtime,
         chip=args.chip,
+        objective=args.objective,
         measure=args.measure,
         repeats=args.repeats,
     )

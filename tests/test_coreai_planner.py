@@ -86,3 +86,18 @@ def test_plan_without_a_record_says_which_load_would_flip_it(capsys, tmp_path, m
     assert main(["plan", "--family", QWEN38, "--prompt-tokens", "4333", "--backend", "coreai"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no Core AI record" in err and "if a variant loads in <= 7.11 s" in err
+
+
+def test_a_core_ai_plan_prices_the_per_model_floor_once_per_asset_and_says_whether_packing_pays(data_dir):
+    """Issue 40: under --backend coreai the cold start holds ~10 s per asset (one per full-attention layer,
+    Apple developer forums thread 857290); one packed asset pays it once. Core ML's plan holds no floor."""
+    _write(data_dir / "measured", coreai={"fresh_process": 0.5})
+    p = plan(4333, family=QWEN38, backend="coreai", data_dir=data_dir)
+    layers = len(p.geometry["full_attention_layers"])
+    floor = p.cold_start["parts"]["coreai_model_floor"]
+    assert floor["seconds"] == pytest.approx(10.0 * layers) and "forums/thread/857290" in floor["source"]
+    once = 0.0 if p.pays_specialization else p.specialization_seconds  # Qwen 3.8 pays it per prompt (past memory)
+    assert p.cold_start["one_time_seconds"] == pytest.approx(once + 10.0 * layers)
+    assert p.cold_start["packed"]["one_time_seconds"] == pytest.approx(once + 10.0)
+    assert "packing the" in p.cold_start["sentence"]
+    assert "coreai_model_floor" not in plan(4333, family=QWEN38, data_dir=data_dir).cold_start["parts"]

@@ -470,7 +470,31 @@ def test_decide_on_a_chip_prices_mlx_lm_there_and_prints_the_bound(decided, mode
     assert "GPU arm: mlx-lm on an Apple M4 Max" in text and "bound on M4 Max (peak figures" in text
     d = json.loads((out / "decision.json").read_text())
     assert d["plan"]["gpu_chip"] == "M4 Max" and d["plan"]["gpu_runtime"] == "mlx-lm"
-    # control: tinytitan's arm is the M3's whatever the chip, and the report says so
+    # control: tinytitan's arm is the M3's path carried to the chip by its figures, and the report says so
     assert main([*argv, "--chip", "m4-max", "--gpu-runtime", "tinytitan"]) == 0
-    assert "GPU arm: TinyTitan's GPU path on an Apple M3" in capsys.readouterr().out
+    assert "GPU arm: TinyTitan's GPU path on an Apple M3 (seed 000), carried to an Apple M4 Max" in (
+        capsys.readouterr().out
+    )
     assert main([*argv, "--gpu-runtime", "cuda"]) == 2 and "unknown --gpu-runtime" in capsys.readouterr().err
+
+
+def test_decide_reports_the_chip_row_joules_and_the_cold_start(decided, model):
+    """Issue 40: decision.json carries both arms' joules with their sources and the chip x prompt-length map with
+    the user's chip (here the seed's M3: not a Mac) marked; the report shows the row and the prompts that repay.
+    The fixture's evidence is reused (same out), so only the plan and the report are new."""
+    _, out = decided
+    argv = ["decide", str(model), "--prompt-tokens", str(PROMPT), "--chunk", str(CHUNK), "--design", "dense",
+            "--out", str(out), "--gpu-runtime", "tinytitan"]  # fmt: skip
+    assert main(argv) == 0
+    d = json.loads((out / "decision.json").read_text())
+    energy = d["verdict"]["energy"]
+    assert energy["gpu_joules"]["value"] > 0 and energy["ane_joules"]["low"] <= energy["ane_joules"]["high"]
+    assert all(p["source"] for p in energy["power"].values())
+    marked = [r for r in d["chip_map"]["rows"] if r["marked"]]
+    assert [r["chip"] for r in marked] == ["M3"] and d["plan"]["chip_choice"].startswith("the seed's M3 (not a Mac")
+    assert PROMPT in d["chip_map"]["prompt_lengths"] and len(marked[0]["cells"]) == len(d["chip_map"]["prompt_lengths"])
+    assert any(r["refused"] for r in d["chip_map"]["rows"])  # a chip with an unknown figure is named, not priced
+    md = (out / "report.md").read_text()
+    assert "## Your chip among the others" in md and "| **M3 (yours)** |" in md
+    assert "cold start" in md and ("repaid after" in md or "never repaid" in md)
+    assert "energy: GPU arm" in md and 'class="marked"' in (out / "report.html").read_text()

@@ -15,7 +15,8 @@ import json
 from pathlib import Path
 
 from anelab.core.records import atomic_write_bytes, atomic_write_text
-from anelab.planner.report import gpu_runtime_phrase
+from anelab.planner.gpu_runtimes import gpu_runtime_phrase
+from anelab.planner.report import energy_line
 from anelab.planner.verdict import thresholds_sentence
 
 TEMPLATE_DIR = Path(__file__).with_name("templates")
@@ -50,6 +51,7 @@ def verdict_lines(decision: dict) -> list[str]:
         f"GPU arm: {gpu_runtime_phrase(decision['plan'])} (--gpu-runtime, --chip); ANE attention and loads: "
         "TinyTitan's sidecars recorded on an Apple M3 (seed 000) unless measured here",
     ]
+    lines += _chip_lines(decision)
     for what, command in v["settle"]:
         lines.append(f"to settle it: {what}: {command}")
     for line in decision["yours"]:
@@ -57,6 +59,44 @@ def verdict_lines(decision: dict) -> list[str]:
     if decision["measured"]:
         lines.append("measured records replaced the predicted costs marked 'measured on this Mac'")
     return lines
+
+
+def _chip_lines(decision: dict) -> list[str]:
+    """The chip, both arms' joules, the objective and the cold start (older decision.json files lack them)."""
+    v, p = decision["verdict"], decision["plan"]
+    out = []
+    if p.get("chip"):
+        out.append(f"chip: {p['chip']} — {p['chip_choice']}")
+    if v.get("energy"):
+        out.append(energy_line(v["energy"]) + f"; objective {v['objective']} (on time: {v['time_decision']})")
+    if p.get("cold_start"):
+        out.append(p["cold_start"]["sentence"])
+    return out
+
+
+def chip_map_rows(decision: dict) -> list[dict]:
+    """The verdict map's rows for the report: chip (the user's marked), then per prompt length ratio and verdict."""
+    m = decision.get("chip_map") or {}
+    rows = []
+    for r in m.get("rows", []):
+        cells = [f"{c['ratio']:.2f}x {c['decision']}" for c in r["cells"]] or [r["refused"]]
+        rows.append({"chip": r["chip"] + (" (yours)" if r["marked"] else ""), "marked": r["marked"], "cells": cells})
+    return rows
+
+
+def chip_map_markdown(decision: dict) -> list[str]:
+    m = decision.get("chip_map")
+    if not m:
+        return []
+    lengths = m["prompt_lengths"]
+    out = ["", "## Your chip among the others", "", "Ratio (GPU arm / ANE arm) and verdict per chip and prompt length; "
+           "your chip's row is marked.", "", "| chip | " + " | ".join(f"{n:,}" for n in lengths) + " |",
+           "|---|" + "---|" * len(lengths)]  # fmt: skip
+    for r in chip_map_rows(decision):
+        name = f"**{r['chip']}**" if r["marked"] else r["chip"]
+        cells = r["cells"] if len(r["cells"]) == len(lengths) else [r["cells"][0]] + [""] * (len(lengths) - 1)
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return out
 
 
 def cost_rows(decision: dict) -> list[dict]:
@@ -101,8 +141,9 @@ def figure_png(decision: dict) -> bytes:
     ax.set_ylabel("prefill time (s)")
     ax.set_title(f"{Path(decision['checkpoint']['path']).name}: ANE ({decision['candidate']}) vs GPU prefill")
     ax.legend(loc="lower right", fontsize=9, title="shaded: interval; (provenance)", title_fontsize=9)
+    chip = decision["plan"].get("chip", "M3")
     provenance = f"predicted by anelab's planner: GPU arm {gpu_runtime_phrase(decision['plan']).split(' (')[0]}; " + (
-        "ANE arm from the seed's M3 records (data/)"
+        "ANE arm from the seed's M3 records (data/)" + (f", carried to the {chip}" if chip != "M3" else "")
     )
     if decision["measured"]:
         provenance += "; measured on this Mac where marked"
@@ -155,6 +196,7 @@ def markdown(decision: dict, figure: str) -> str:
         f"{a['greedy_agreement']:.0%}, first layer beyond {a['noise']:.0e}: {a['first_divergent_layer']}. {a['note']}",
     ]
     out += _greedy_lines(a)
+    out += chip_map_markdown(decision)
     if v["settle"]:
         out += ["", "## What would change the answer", ""]
         out += [f"- {what}: `{command}`" for what, command in v["settle"]]
@@ -191,6 +233,7 @@ def html(decision: dict, figure_png_bytes: bytes) -> str:
         costs=cost_rows(decision),
         seconds=seconds,
         greedy_lines=[line for line in _greedy_lines(decision["evidence"]["arms"]) if line],
+        chip_rows=chip_map_rows(decision),
         figure_uri="data:image/png;base64," + base64.b64encode(figure_png_bytes).decode("ascii"),
     )
 

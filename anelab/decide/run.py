@@ -54,8 +54,11 @@ class DecideConfig:
     family: str | None = None
     gpu_prefill_seconds: float | None = None
     gpu_tokens_per_second: float | None = None
-    gpu_runtime: str = "mlx-lm"  # whose GPU prefill the GPU arm is (planner.gpu_model.GPU_RUNTIMES)
-    chip: str | None = None  # the Mac's chip (mlx-lm's GPU arm is priced on it; default the seed's M3)
+    gpu_runtime: str | None = (
+        None  # whose GPU prefill the GPU arm is (planner.gpu_runtimes; None: a checkpoint's default)
+    )
+    chip: str | None = None  # the Mac's chip (both arms are priced on it; None: this Mac's, else the seed's M3)
+    objective: str = "time"  # what the verdict optimises: time or energy (planner.energy)
     measure: bool = False
     runtime: object | None = None  # a CoreMLRuntime; default this machine's (needed only with measure)
     repeats: int = 3
@@ -99,6 +102,7 @@ class Decision:
     sweep: list = field(default_factory=list)  # figure rows
     measured: bool = False
     yours: list = field(default_factory=list)  # which numbers are the user's / measured here
+    chip_map: dict = field(default_factory=dict)  # chip x prompt length -> ratio and verdict (planner.chip_map)
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -141,7 +145,7 @@ class Plans:
         config = self.config
         checkpoint_plan, by_kind = checkpoint_designs(
             self.opened.checkpoint, prompt_tokens, None, family=config.family, chunk=config.chunk,
-            gpu_runtime=config.gpu_runtime, chip=config.chip, **user_gpu,
+            gpu_runtime=config.gpu_runtime, chip=config.chip, objective=config.objective, **user_gpu,
         )  # fmt: skip
         if "full" not in by_kind:
             raise AnelabInputError(
@@ -687,8 +691,8 @@ def decide(config: DecideConfig) -> Decision:
             costs = with_measured(plan.arm_costs[candidate.design], measured, candidate, config.prompt_tokens)
             final = verdict_for(costs, commands)
             bar.update(1)
-        bar.set_postfix_str("sweep prompt lengths")
-        rows = sweep(config, plans, candidate, measured)
+        bar.set_postfix_str("sweep prompt lengths and chips")
+        rows, chips = sweep(config, plans, candidate, measured), checkpoint_chip_map(config, opened, plan.full.chip)
         bar.update(1)
     decision = Decision(
         config=_config_dict(config),
@@ -706,9 +710,25 @@ def decide(config: DecideConfig) -> Decision:
         sweep=rows,
         measured=measured is not None,
         yours=_yours(config, final),
+        chip_map=chips,
     )
     write_report(decision, config.out)
     return decision
+
+
+def checkpoint_chip_map(config: DecideConfig, opened: Opened, chip: str) -> dict:
+    """The verdict map of the user's checkpoint (its full-attention layers' plan on every chip at a few prompt
+    lengths around theirs), their chip's row marked; the user's own GPU number is theirs, so it is left out."""
+    from anelab.planner.chip_map import verdict_map
+    from anelab.planner.from_checkpoint import plan_from_checkpoint
+
+    def plan_at(chip_name: str, n: int):
+        return plan_from_checkpoint(opened.checkpoint, n, family=config.family, chunk=config.chunk,
+                                    gpu_runtime=config.gpu_runtime, chip=chip_name,
+                                    objective=config.objective).parts["full"]  # fmt: skip
+
+    lengths = sorted({1024, 4096, 16384, config.prompt_tokens})
+    return verdict_map(plan_at, lengths, mark=chip)
 
 
 def _yours(config: DecideConfig, verdict: Verdict) -> list[str]:
@@ -721,7 +741,7 @@ def _yours(config: DecideConfig, verdict: Verdict) -> list[str]:
 
 def _config_dict(config: DecideConfig) -> dict:
     keys = ("checkpoint", "prompt_tokens", "out", "design", "chunk", "family", "gpu_prefill_seconds")
-    keys += ("gpu_tokens_per_second", "measure", "repeats", "decode")
+    keys += ("gpu_tokens_per_second", "measure", "repeats", "decode", "gpu_runtime", "chip", "objective")
     return {k: str(getattr(config, k)) if isinstance(getattr(config, k), Path) else getattr(config, k) for k in keys}
 
 

@@ -1,8 +1,10 @@
-"""Apple chips and the fastest each arm of a plan could run on one: the physical bound beside every estimate.
+"""Apple chips, their sourced figures, and the fastest each arm of a plan could run on one.
 
 ``CHIPS``: GPU FP16 throughput (TFLOPS), Neural Engine throughput (trillion operations per second) and
 memory bandwidth (GB/s), each a ``Figure`` with the public page it was read from — or ``source=None``
-and a note saying it is unsourced (a commonly cited figure, or one derived from Apple's wording).
+and a note saying it is unsourced (a commonly cited figure, or one derived from Apple's wording) — and the
+measured ANE / GPU figures of ``planner.chip_figures`` (``chip_row``). The M5 family's GPU figures are
+extrapolated from Core ML's measured GPU matmul (see ``_M5_GPU``). ``SEED_CHIP`` is the M3 of every record.
 Apple quotes GPU throughput in FP32 TFLOPS when it quotes it at all; the GPU's FP16 rate is taken as
 its FP32 rate (assumed). Neural Engine TOPS are Apple's headline figure, taken as the FP16 rate for
 attention (assumed; the precision behind the headline is not stated).
@@ -20,18 +22,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from anelab.core.errors import AnelabInputError
+from anelab.core.records import machine_description
+from anelab.planner.chip_figures import (
+    ANE_WATTS,
+    EXTRAPOLATED_FIGURE,
+    GPU_CORES,
+    GPU_MATMUL_TFLOPS,
+    GPU_WATTS,
+    PLACEMENT,
+    UNSOURCED_NOTE,
+    Figure,
+    ane_cliff,
+    ane_dispatch_ms,
+    ane_gemm,
+    power,
+)
 
-UNSOURCED = "unsourced: commonly cited, not found on a public page by this project"
-
-
-@dataclass(frozen=True)
-class Figure:
-    value: float | None
-    source: str | None  # a public page's URL; None: unsourced (``note`` says why)
-    note: str = ""
-
-    def to_dict(self) -> dict:
-        return {"value": self.value, "source": self.source, "note": self.note or ("" if self.source else UNSOURCED)}
+SEED_CHIP = "M3"  # the chip of every seed record (TinyTitan's M3, 24 GB)
+UNSOURCED = UNSOURCED_NOTE
 
 
 @dataclass(frozen=True)
@@ -41,12 +49,26 @@ class Chip:
     ane_tops: Figure
     bandwidth_gbs: Figure
 
+    def measured(self) -> dict[str, Figure]:
+        """The chip's measured ANE / GPU figures (``planner.chip_figures``), each with its kind and source."""
+        cliff_mb, cliff_factor = ane_cliff(self.name)
+        return {
+            "ane_fp16_gemm_tflops": ane_gemm(self.name),
+            "ane_cliff_mb": cliff_mb,
+            "ane_cliff_factor": cliff_factor,
+            "ane_dispatch_ms": ane_dispatch_ms(self.name),
+            "gpu_matmul_tflops": GPU_MATMUL_TFLOPS.get(self.name) or Figure(None, None, "not measured", kind="unknown"),
+            "ane_watts": power(self.name, ANE_WATTS, "ANE power under load"),
+            "gpu_watts": power(self.name, GPU_WATTS, "GPU power under load"),
+        }
+
     def to_dict(self) -> dict:
         return {
             "name": self.name,
             "gpu_fp16_tflops": self.gpu_fp16_tflops.to_dict(),
             "ane_tops": self.ane_tops.to_dict(),
             "bandwidth_gbs": self.bandwidth_gbs.to_dict(),
+            **{k: f.to_dict() for k, f in self.measured().items()},
         }
 
 
@@ -68,6 +90,31 @@ _M4PM_NE = "https://thedailyscout.com/s/QaFxvjmT9mU"
 _M5 = "https://www.fonearena.com/blog/466700/apple-m5-specs-features.html"
 _NOT_ANNOUNCED = "not announced in the sources searched (Dec 2026 corpus)"
 
+
+def _m5_gpu() -> dict[str, Figure]:
+    """The M5 family's GPU figure on the table's scale (FP32 headline taken as FP16, what mlx-lm's fit divides
+    by): Core ML's measured GPU matmul times the M4 Pro's headline / measured (8.7 / 6.4), then by GPU cores;
+    the M5 from Apple's 'over 4x peak GPU compute for AI' than the M4. All extrapolated."""
+    m4p, m5max = GPU_MATMUL_TFLOPS["M4 Pro"], GPU_MATMUL_TFLOPS["M5 Max"]
+    per_measured = 8.7 / m4p.value  # the M4 Pro's table figure (unsourced) over its measured matmul
+    top = m5max.value * per_measured
+    note = (
+        f"extrapolated: Core ML GPU matmul {m5max.value} TF/s measured on the M5 Max ({m5max.source}) x the "
+        f"M4 Pro's table / measured ratio {per_measured:.2f}"
+    )
+    pro = top * GPU_CORES["M5 Pro"].value / GPU_CORES["M5 Max"].value
+    return {
+        "M5 Max": Figure(top, m5max.source, note, top / per_measured, top, EXTRAPOLATED_FIGURE),
+        "M5 Pro": Figure(pro, m5max.source, note + f"; x {GPU_CORES['M5 Pro'].value:.0f} / "
+                         f"{GPU_CORES['M5 Max'].value:.0f} GPU cores ({GPU_CORES['M5 Pro'].source})",
+                         pro / per_measured, pro, EXTRAPOLATED_FIGURE),
+        "M5": Figure(4 * 4.3, _M5, "extrapolated: Apple's 'over 4x peak GPU compute for AI' x the M4's 4.3 "
+                     "(unsourced)", 4 * 4.3, 4 * 4.3 * per_measured, EXTRAPOLATED_FIGURE),
+    }  # fmt: skip
+
+
+_M5_GPU = _m5_gpu()
+
 CHIPS: dict[str, Chip] = {
     c.name: c
     for c in (
@@ -86,10 +133,9 @@ CHIPS: dict[str, Chip] = {
         Chip("M4", _u(4.3), Figure(38.0, _M4), Figure(120.0, _M4)),
         Chip("M4 Pro", _u(8.7), Figure(38.0, _M4PM_NE), Figure(273.0, _M4PM)),
         Chip("M4 Max", _u(17.4), Figure(38.0, _M4PM_NE), Figure(546.0, _M4PM)),
-        Chip("M5", _u(None, "Apple states 'over 4x peak GPU compute for AI' vs M4, no TFLOPS (" + _M5 + ")"),
-             _u(None, "Apple states a 'faster 16-core Neural Engine', no TOPS"), Figure(153.0, _M5)),
-        Chip("M5 Pro", _u(None, _NOT_ANNOUNCED), _u(None, _NOT_ANNOUNCED), _u(None, _NOT_ANNOUNCED)),
-        Chip("M5 Max", _u(None, _NOT_ANNOUNCED), _u(None, _NOT_ANNOUNCED), _u(None, _NOT_ANNOUNCED)),
+        Chip("M5", _M5_GPU["M5"], _u(None, "Apple states a 'faster 16-core Neural Engine', no TOPS"), Figure(153.0, _M5)),
+        Chip("M5 Pro", _M5_GPU["M5 Pro"], _u(None, _NOT_ANNOUNCED), _u(None, _NOT_ANNOUNCED)),
+        Chip("M5 Max", _M5_GPU["M5 Max"], _u(None, _NOT_ANNOUNCED), Figure(614.0, PLACEMENT, "bus peak (Mac17,7)")),
         Chip("M5 Ultra", _u(None, _NOT_ANNOUNCED), _u(None, _NOT_ANNOUNCED), _u(None, _NOT_ANNOUNCED)),
     )
 }  # fmt: skip
@@ -170,3 +216,48 @@ def bound_sentence(b: dict) -> str:
         + "; "
         + arm("ANE arm", b["estimate_ane_seconds"], b["ane_seconds"])
     )
+
+
+# ---- which chip a plan is for ---------------------------------------------------------------------------------
+def chip_from_brand(brand: str | None) -> str | None:
+    """The table's chip of a ``sysctl machdep.cpu.brand_string`` ("Apple M4 Pro" -> "M4 Pro"); None if not one."""
+    text = str(brand or "").strip().removeprefix("Apple ").strip()
+    return next((c for c in CHIPS if c.lower() == text.lower()), None)
+
+
+def this_machines_brand() -> str | None:
+    """The CPU brand string of this machine on a Mac (``core.records.machine_description``), else None."""
+    import platform
+
+    return machine_description()["chip"] if platform.system() == "Darwin" else None
+
+
+def resolve_chip(name: str | None, brand: str | None = None) -> tuple[Chip, str]:
+    """(chip, how it was chosen): ``--chip`` when given; else this Mac's (``brand``, read by
+    :func:`this_machines_brand` when None); off a Mac, or on a chip the table lacks, the seed's M3 — said so."""
+    if name is not None:
+        return get_chip(name), "--chip"
+    brand = this_machines_brand() if brand is None else brand
+    found = chip_from_brand(brand)
+    if found is not None:
+        return CHIPS[found], f"detected on this Mac ({brand})"
+    why = f"'{brand}' is not in the chip table" if brand else "not a Mac"
+    return CHIPS[SEED_CHIP], f"the seed's {SEED_CHIP} ({why}; pass --chip to price another)"
+
+
+def carry_recorded_gpu(chip: Chip) -> tuple[float, float, str]:
+    """(attention factor, non-attention factor, basis) carrying the seed's GPU path from the M3 to ``chip``: its
+    attention by GPU throughput, its non-attention (weights streamed once per token) by memory bandwidth."""
+    seed = CHIPS[SEED_CHIP]
+    figures = (("GPU throughput", chip.gpu_fp16_tflops), ("memory bandwidth", chip.bandwidth_gbs))
+    missing = [what for what, f in figures if not f.known]
+    if missing:
+        raise AnelabInputError(f"--chip {chip.name}: no {' or '.join(missing)} figure for {chip.name}; tinytitan "
+                               "cannot be carried to it (use --gpu-runtime mlx-lm or another --chip)")  # fmt: skip
+    gpu = seed.gpu_fp16_tflops.value / chip.gpu_fp16_tflops.value
+    non = seed.bandwidth_gbs.value / chip.bandwidth_gbs.value
+    basis = (
+        f"attention x {gpu:.3g} (GPU {seed.gpu_fp16_tflops.value:g} -> {chip.gpu_fp16_tflops.value:.3g} TFLOPS), "
+        f"non-attention x {non:.3g} (bandwidth {seed.bandwidth_gbs.value:g} -> {chip.bandwidth_gbs.value:g} GB/s)"
+    )
+    return gpu, non, basis

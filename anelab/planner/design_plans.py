@@ -127,13 +127,19 @@ def family_design_costs(family: str, prompt_tokens: int, chunk: int, **runtime) 
         )
     fit = fit_costs()
     return DesignCosts(
-        ane_seconds_per_entry=fit.ane_seconds_per_entry,
+        ane_seconds_per_entry=fit.ane_seconds_per_entry * chip_scale(p),
         load=fit.recorded_load_model(specialize=p.pays_specialization),
         gpu_prefill_seconds=p.gpu_prefill_seconds,
         gpu_attention_seconds=p.gpu_attention_seconds,
         non_attention_seconds=p.non_attention_seconds,
         per_history=p,
     )
+
+
+def chip_scale(per_history: PrefillPlan) -> float:
+    """The per-history plan's ANE carry to its chip (``ane_chips``), applied to every design's ANE rate: the same
+    chunk on the same engine (1.0 on the seed's M3 or with a flag's ANE attention)."""
+    return per_history.ane_chip["scale"] if per_history.ane_chip else 1.0
 
 
 def design_plan(
@@ -156,8 +162,10 @@ def design_plan(
     schedule = chunk_schedule(prompt_tokens, chunk)
     on_ane = schedule[0].device == "ane"
     used = geometry.num_heads * sum(min(p + 1, window or p + 1) for p in range(prompt_tokens))  # keys a query sees
+    scale = chip_scale(costs.per_history) if costs.per_history is not None else 1.0
+    carried = f", carried to the {costs.per_history.chip} x {scale:.3g} (ane_chips)" if scale != 1.0 else ""
     assumptions = [
-        "ANE attention: recorded rate per score entry (Qwen 3.8 h0 prediction), masked entries included",
+        f"ANE attention: recorded rate per score entry (Qwen 3.8 h0 prediction){carried}, masked entries included",
         "GPU arm, non-attention and GPU attention: the per-history plan's (plan())",
     ]
     price = _per_history_terms if not pricing.one_function_per_layer else _one_function_terms

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from anelab.core.errors import AnelabInputError
 from anelab.planner.catalogue import FAMILIES, PlanGeometry, get_family
 from anelab.planner.fit import fit_costs
-from anelab.planner.gpu_model import MLX_LM, TINYTITAN
+from anelab.planner.gpu_runtimes import default_gpu_runtime, require_gpu_runtime
 from anelab.planner.plan import PrefillPlan, plan
 from anelab.sidecar.designs import SidecarRequest
 
@@ -90,7 +90,7 @@ def plan_from_checkpoint(
     chunk: int | None = None,
     histories=None,
     max_history: int | None = None,
-    gpu_runtime: str = MLX_LM,
+    gpu_runtime: str | None = None,
     chip: str | None = None,
     **cost_flags,
 ) -> CheckpointPlan:
@@ -101,7 +101,7 @@ def plan_from_checkpoint(
     ``non_attention_seconds`` as :func:`plan` takes them; with all four no family is used.
     ``gpu_prefill_seconds`` / ``gpu_tokens_per_second``: the user's GPU prefill of the prompt (a model
     with windowed layers is refused: one number cannot be split between its kinds of layer).
-    ``gpu_runtime`` (default ``mlx-lm``, the runtime Mac users run this model with; ``tinytitan``: the seed's
+    ``gpu_runtime`` (default: the table's checkpoint default, mlx-lm, the runtime Mac users run a model with; ``tinytitan``: the seed's
     path) and ``chip`` (default the seed's M3): whose GPU prefill the GPU arm is (``planner.plan``).
     """
     from anelab.checkpoints.checkpoint import load_checkpoint
@@ -129,10 +129,11 @@ def plan_from_checkpoint(
         family, reason = closest_family(g.num_heads, g.head_dim, len(g.full_attention_layers))
     from anelab.planner.gpu_model import active_parameters, bytes_per_weight, own_non_attention, runtime_bandwidth
 
-    own = None
-    active = active_parameters(checkpoint.text)
+    own, active = None, active_parameters(checkpoint.text)
     weights = (active, active * bytes_per_weight(checkpoint.tensor_dtype())[0])
-    if gpu_runtime == TINYTITAN and not all_costs and cost_flags.get("non_attention_seconds") is None:
+    gpu_runtime = gpu_runtime or default_gpu_runtime(checkpoint=True)
+    own_flag = all_costs or cost_flags.get("non_attention_seconds") is not None
+    if require_gpu_runtime(gpu_runtime).streams_weights and not own_flag:
         bandwidth = runtime_bandwidth(fit_costs().non_attention_seconds)
         own = own_non_attention(checkpoint.text, checkpoint.tensor_dtype(), prompt_tokens, bandwidth)
     parts = {}
@@ -162,7 +163,7 @@ def plan_from_checkpoint(
 
 _COST_FLAGS = ("load_seconds", "gpu_attention_seconds", "ane_attention_seconds", "non_attention_seconds")
 _USER_GPU_FLAGS = ("gpu_prefill_seconds", "gpu_tokens_per_second")
-_PLAN_FLAGS = ("protocol", "reload_policy")
+_PLAN_FLAGS = ("protocol", "reload_policy", "objective")
 
 
 def _combine(checkpoint, g, full, windowed, family, reason, parts) -> CheckpointPlan:
@@ -217,14 +218,14 @@ def checkpoint_designs(
     compared with; every design is priced by the one load model at its score arena; windowed layers
     are priced as built (``design_plan``'s ``window``: the stateful-tiled ring of about W + C slots,
     the other designs scoring the whole history). ``cost_flags`` go to :func:`plan_from_checkpoint`."""
-    from anelab.planner.design_plans import DESIGNS, DesignCosts, design_plan
+    from anelab.planner.design_plans import DESIGNS, DesignCosts, chip_scale, design_plan
 
     checkpoint_plan = plan_from_checkpoint(checkpoint, prompt_tokens, family=family, chunk=chunk, **cost_flags)
     fit = fit_costs()
     plans = {}
     for kind, part in checkpoint_plan.parts.items():
         costs = DesignCosts(
-            ane_seconds_per_entry=fit.ane_seconds_per_entry,
+            ane_seconds_per_entry=fit.ane_seconds_per_entry * chip_scale(part),
             load=fit.recorded_load_model(specialize=part.pays_specialization),
             gpu_prefill_seconds=part.gpu_prefill_seconds,
             gpu_attention_seconds=part.gpu_attention_seconds,

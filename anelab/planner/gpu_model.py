@@ -26,20 +26,6 @@ from anelab.core.errors import AnelabInputError
 from anelab.planner.catalogue import FAMILIES, REFERENCE_TOKENS
 
 RUNTIME = "TinyTitan's GPU path on an Apple M3 (seed 000)"
-TINYTITAN, MLX_LM = "tinytitan", "mlx-lm"
-# the GPU runtimes a plan's GPU arm can describe (--gpu-runtime): what each one's numbers come from
-GPU_RUNTIMES = {
-    TINYTITAN: f"{RUNTIME}: the recorded A/B rows' fitted rates (weights streamed once per token)",
-    MLX_LM: "mlx-lm's batched prefill: public prefill records' fraction of the chip's GPU peak (planner.mlx_lm_rates)",
-}
-
-
-def require_gpu_runtime(name: str) -> str:
-    if name not in GPU_RUNTIMES:
-        raise AnelabInputError(f"unknown --gpu-runtime {name!r}; choose {' or '.join(GPU_RUNTIMES)}")
-    return name
-
-
 RUNTIME_BAND = 10.0  # x/÷: another runtime on the same Mac can be ten times faster (or slower)
 RECORDED_HEAD_DIM = 256  # every recorded family's head_dim (the fitted rates' geometry)
 

@@ -47,16 +47,16 @@ def _cfg(hidden, layers, heads, kv, head_dim, width, **moe) -> dict:
 
 
 _GEMMA3_270M = _cfg(640, 18, 4, 1, 256, 2048)
-_QWEN3_06B = _cfg(1024, 28, 16, 8, 128, 3072)
+QWEN3_06B = _cfg(1024, 28, 16, 8, 128, 3072)
 _QWEN3_30B_A3B = _cfg(2048, 48, 32, 4, 128, 6144, num_experts_per_tok=8, moe_intermediate_size=768)
 _PR406 = "https://github.com/ml-explore/mlx-lm/pull/406 (M4 Max, after the change)"
 
 MLX_LM_RECORDS: tuple[PublicPrefill, ...] = (
     PublicPrefill("Gemma3 270M", _GEMMA3_270M, "M4 Max", 2048, 28079.604, _PR406),
-    PublicPrefill("Qwen3 0.6B Q4", _QWEN3_06B, "M4 Max", 2048, 10278.775, _PR406),
+    PublicPrefill("Qwen3 0.6B Q4", QWEN3_06B, "M4 Max", 2048, 10278.775, _PR406),
     PublicPrefill("Qwen3 30B A3B Q4", _QWEN3_30B_A3B, "M4 Max", 2048, 1731.991, _PR406),
     PublicPrefill("Gemma3 270M", _GEMMA3_270M, "M4 Max", 512, 24566.622, _PR406),
-    PublicPrefill("Qwen3 0.6B Q4", _QWEN3_06B, "M4 Max", 512, 9520.375, _PR406),
+    PublicPrefill("Qwen3 0.6B Q4", QWEN3_06B, "M4 Max", 512, 9520.375, _PR406),
     PublicPrefill("Qwen3 30B A3B Q4", _QWEN3_30B_A3B, "M4 Max", 512, 1480.329, _PR406),
     PublicPrefill("Qwen3-4B-Instruct-2507 4-bit", _cfg(2560, 36, 32, 8, 128, 9728), "M3 Pro", 2048, 615.28,
                   "https://github.com/ml-explore/mlx-lm/pull/1569 (mlx_lm.benchmark -p 2048, 5 trials)"),

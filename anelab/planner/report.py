@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from anelab.planner.envelope import YOURS
+from anelab.planner.gpu_runtimes import gpu_runtime_phrase
 
 
 def format_family_table(rows: list[dict]) -> str:
@@ -61,20 +61,6 @@ def format_fit_report(rows: list[dict], fit: dict, loads: list[dict]) -> str:
     return "\n".join(out)
 
 
-def gpu_runtime_phrase(d: dict) -> str:
-    """Whose GPU prefill a plan's GPU arm is (``PrefillPlan.to_dict()``), in words."""
-    sources = d.get("cost_sources", {})
-    if str(sources.get("gpu_prefill", "")).startswith(YOURS):
-        return "your GPU runtime's number"
-    if str(sources.get("gpu_attention", "")).startswith("flag") and not d.get("family"):
-        return "the cost flags"
-    if d.get("gpu_runtime") == "mlx-lm":
-        return sources.get("gpu_runtime", f"mlx-lm on an Apple {d.get('gpu_chip', 'M3')} (planner.mlx_lm_rates)")
-    return "TinyTitan's GPU path on an Apple M3 (seed 000)" + (
-        "; --gpu-runtime mlx-lm prices mlx-lm's" if d.get("family") else ""
-    )
-
-
 def format_plan(d: dict) -> str:
     """A plan (``PrefillPlan.to_dict()``) as text: schedule, variants, both arms, verdict."""
     out = []
@@ -116,6 +102,7 @@ def format_plan(d: dict) -> str:
         )
     out.append(f"predicted ratio {d['predicted_ratio']:.2f}x (GPU / ANE)")
     out.append(f"central-cost decision: {d['decision']} — {d['reason']}")
+    out += chip_lines(d) if d.get("chip") else []
     return "\n".join(out)
 
 
@@ -127,7 +114,7 @@ def format_checkpoint_plan(d: dict) -> str:
         f"{d['checkpoint']} ({d['model_type']}): {d['num_layers']} layers, {len(d['full_layers'])} full attention"
         f"{window}; {d['num_heads']} heads, {d['num_kv_heads']} KV heads, head_dim {d['head_dim']}",
         f"costs: {d['cost_family'] or 'flags'} — {d['cost_family_reason']}"
-        + ("; the GPU arm is mlx-lm's" if any(p.get("gpu_runtime") == "mlx-lm" for p in d["parts"].values()) else ""),
+        + f"; the GPU arm is {next(iter(d['parts'].values())).get('gpu_runtime')}'s",
     ]
     for kind, part in d["parts"].items():
         out += [f"--- {kind} layers ---", format_plan(part)]
@@ -178,5 +165,31 @@ def format_verdict(v: dict) -> str:
         f"thresholds: {thresholds_sentence(v)}",
         "envelope: " + "; ".join(f"{name.replace('_', ' ')} {span(c)} {c['kind']}" for name, c in v["costs"].items()),
     ]
+    if v.get("energy"):
+        out.append(energy_line(v["energy"]) + f"; objective {v['objective']} (on time: {v['time_decision']})")
     out += [f"to settle it: {what}: {command}" for what, command in v["settle"]]
     return "\n".join(out)
+
+
+def energy_line(e: dict) -> str:
+    """Both arms' joules with intervals and the power figures' kinds (``planner.energy``)."""
+
+    def joules(j):
+        return f"{j['value']:.4g} J [{j['low']:.4g} .. {j['high']:.4g}]"
+
+    watts = ", ".join(f"{k} {p['watts']:.3g} W ({p['kind']})" for k, p in e["power"].items())
+    return f"energy: GPU arm {joules(e['gpu_joules'])}, ANE arm {joules(e['ane_joules'])} ({watts}) -> {e['decision']}"
+
+
+def chip_lines(d: dict) -> list[str]:
+    """A plan's chip, how it was chosen, the ANE arm's carry to it, both arms' joules and the cold start."""
+    out = [f"chip: {d['chip']} — {d['chip_choice'] or '--chip'}"]
+    if d.get("ane_chip") and d["ane_chip"]["scale"] != 1.0:
+        out.append(f"ANE attention on the {d['chip']}: {d['ane_chip']['basis']}")
+    if d.get("energy"):
+        out.append(energy_line(d["energy"]) + f" (assumes {d['energy']['assumes']})")
+        out += [f"  {k} power: {p['note'] or ''} ({p['source']})" for k, p in d["energy"]["power"].items()]
+    if d.get("cold_start"):
+        out.append(d["cold_start"]["sentence"])
+    out.append(f"objective: {d['objective']} (decision on seconds: {d['time_decision']})")
+    return out

@@ -29,7 +29,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from anelab.planner.catalogue import EXTRAPOLATED, FITTED
+from anelab.planner.chips import SEED_CHIP
 from anelab.planner.design_plans import DesignPlan
+from anelab.planner.energy import DEFAULT_OBJECTIVE, arm_joules, chip_power, energy_decision, power_sources
 from anelab.planner.envelope import (
     ANE_RATE_BAND,
     MEASURED,
@@ -61,6 +63,8 @@ class ArmCosts:
     load_per_layer: Cost  # L
     loads_in_arm: bool = True
     structural_reason: str = ""
+    chip: str = SEED_CHIP  # whose power figures price the joules (planner.energy)
+    objective: str = DEFAULT_OBJECTIVE  # time: the seconds decide; energy: the joules decide
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,9 @@ class Verdict:
     costs: dict  # name -> Cost.to_dict(): gpu_prefill, ane_attention, load_per_layer
     reason: str
     settle: tuple  # (what to measure, exact command) pairs
+    energy: dict | None = None  # joules of both arms with intervals and sources, and the joules' decision
+    objective: str = DEFAULT_OBJECTIVE
+    time_decision: str = ""  # the decision on seconds (= decision when the objective is time)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -135,8 +142,28 @@ def _decide(c: ArmCosts, gain: tuple, x: float | None) -> tuple[str, str]:
     )
 
 
+def _energy(c: ArmCosts) -> dict:
+    """Both arms' joules (low, value, high) on the chip's power figures: the GPU arm's S on the GPU; the ANE arm's
+    S x (1 - share) on the GPU, A on the ANE, its loads on the CPU (planner.energy)."""
+    watts = chip_power(c.chip)
+    s, a, load = c.gpu_prefill, c.ane_attention, c.load_per_layer
+    paid = c.layers if c.loads_in_arm else 0
+    ends = lambda cost, k=1.0: (cost.low * k, cost.value * k, cost.high * k)  # noqa: E731
+    gpu = arm_joules(ends(s), (0, 0, 0), (0, 0, 0), watts)
+    ane = arm_joules(ends(s, 1 - c.offloaded_share), ends(a), ends(load, paid), watts) if c.runs_on_ane else gpu
+    decision, why = energy_decision(gpu, ane, c.runs_on_ane)
+    return {"gpu_joules": gpu, "ane_joules": ane, "power": power_sources(watts), "decision": decision, "reason": why}
+
+
 def _verdict(c, decision, s, ane, ratio, gain, x, y, extrapolated, costs, why, settle) -> Verdict:
+    energy = _energy(c)
+    time_decision = decision
+    if c.objective == "energy":
+        decision, why = energy["decision"], f"energy: {energy['reason']} (time: {time_decision}, {why})"
     return Verdict(
+        energy=energy,
+        objective=c.objective,
+        time_decision=time_decision,
         design=c.design,
         decision=decision,
         gpu_prefill=s.to_dict(),
@@ -189,6 +216,8 @@ def plan_arm_costs(plan: PrefillPlan, design: DesignPlan | None = None, data_dir
     offloaded = plan.attention_saved_seconds + plan.ane_attention_seconds
     ane_seconds = plan.ane_attention_seconds if design is None else design.ane_attention_seconds
     a = banded(ane_seconds, kinds["ane_attention"], ANE_RATE_BAND, sources["ane_attention"])
+    if plan.ane_chip and plan.ane_chip["band"] > 1.0 and a.kind == EXTRAPOLATED:  # carried to another chip
+        a = Cost(a.value, a.low / plan.ane_chip["band"], a.high * plan.ane_chip["band"], a.kind, a.basis)
     if design is None:
         setup, loads, load_kind, load_basis = plan.setup_seconds, len(plan.load_seconds), kinds["load"], sources["load"]
     else:
@@ -211,6 +240,8 @@ def plan_arm_costs(plan: PrefillPlan, design: DesignPlan | None = None, data_dir
         load_per_layer=load,
         loads_in_arm=plan.loads_in_arm,
         structural_reason="" if runs else plan.reason,
+        chip=plan.chip,
+        objective=plan.objective,
     )
 
 

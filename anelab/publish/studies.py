@@ -64,7 +64,7 @@ STUDIES: tuple[Study, ...] = (
         "planner sweeps (offload share, prompt length) over the recorded GPU/ANE matrix",
         "attention-block predict per compute-units setting (CPU+GPU vs CPU+Neural Engine)",
         ("dense_offload_matrix", "dense_offload_share", "dense_offload_prompt_length", "dense_offload_narrow_sidecar",
-         "dense_offload_predicted_vs_recorded", "dense_offload_backtest", "dense_offload_gpu_runtimes",
+         "dense_offload_predicted_vs_recorded", "dense_offload_backtest", "dense_offload_gpu_runtimes", "dense_offload_chip_verdict_map",
          "dense_offload_attention_ab"),
         (Headline("gpu_over_ane", "GPU / Neural Engine predict time (Core ML's own durations) at the largest history "
                   "(Mac only)", "x",

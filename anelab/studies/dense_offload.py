@@ -153,12 +153,13 @@ def gpu_runtime_arms(prompt_tokens: Sequence[int], *, family: str = "qwen3.5-2b-
     (``planner.mlx_lm_rates``, on ``chip``), each beside the ANE arm planned against it (the ANE's costs are the
     recorded ones either way), and the public mlx-lm records' fraction of peak. Seconds per prompt length."""
     from anelab.planner.chips import get_chip
+    from anelab.planner.gpu_runtimes import modelled_runtimes
     from anelab.planner.mlx_lm_rates import fit_mlx_lm
 
     rows = []
     for n in prompt_tokens:
         row = {"prompt_tokens": int(n)}
-        for runtime in ("tinytitan", "mlx-lm"):
+        for runtime in modelled_runtimes():
             p = plan(int(n), family=family, data_dir=data_dir, allow_past_coverage=True, gpu_runtime=runtime,
                      chip=chip)  # fmt: skip
             row[runtime] = {"gpu_seconds": p.gpu_prefill_seconds, "ane_seconds": p.ane_prefill_seconds,
@@ -166,3 +167,22 @@ def gpu_runtime_arms(prompt_tokens: Sequence[int], *, family: str = "qwen3.5-2b-
         rows.append(row)
     fit = fit_mlx_lm()
     return {"rows": rows, "family": family, "chip": get_chip(chip).name, "mlx_lm": fit.to_dict()}
+
+
+def chip_verdict_maps(prompt_tokens: Sequence[int], *, family: str = "qwen3.5-2b-4bit", data_dir=None) -> dict:
+    """What notebook 01's chip figure draws: ``family``'s verdict map (chip x prompt length -> ratio and verdict,
+    ``planner.chip_map``) against each GPU runtime the planner prices, the seed's M3 row marked, and counts of
+    what it shows (chips priced, chips whose row names a missing figure, prompts the ANE wins)."""
+    from anelab.planner.chip_map import family_verdict_map
+    from anelab.planner.chips import SEED_CHIP
+    from anelab.planner.gpu_runtimes import modelled_runtimes
+
+    maps = {r: family_verdict_map(family, prompt_tokens, gpu_runtime=r, mark=SEED_CHIP, data_dir=data_dir)
+            for r in modelled_runtimes()}  # fmt: skip
+    facts = {}
+    for runtime, m in maps.items():
+        priced = [r for r in m["rows"] if not r["refused"]]
+        facts[runtime] = {"chips_priced": len(priced), "chips_refused": len(m["rows"]) - len(priced),
+                          "ane_cells": sum(c["decision"] == "ane" for r in priced for c in r["cells"]),
+                          "chips_with_an_ane_cell": sum(any(c["decision"] == "ane" for c in r["cells"]) for r in priced)}  # fmt: skip
+    return {"family": family, "maps": maps, "facts": facts}
