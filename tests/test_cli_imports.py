@@ -109,13 +109,14 @@ def test_a_gate_refusal_exits_1_and_other_errors_still_raise(monkeypatch, capsys
     def refuse(args):
         raise AneGateError("h0: ANECCompile() FAILED")
 
-    monkeypatch.setattr(cli, "COMMANDS", [("doctor", lambda sub: sub.add_parser("doctor"), refuse)])
+    doctor = cli.command_module("doctor")
+    monkeypatch.setattr(doctor, "main", refuse)
     assert cli.main(["doctor"]) == 1
     assert capsys.readouterr().err.strip() == "anelab: export refused: h0: ANECCompile() FAILED"
 
     def crash(args):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(cli, "COMMANDS", [("doctor", lambda sub: sub.add_parser("doctor"), crash)])
+    monkeypatch.setattr(doctor, "main", crash)
     with pytest.raises(RuntimeError, match="a bug"):  # negative control: not every RuntimeError is a refusal
         cli.main(["doctor"])
