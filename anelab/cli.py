@@ -67,7 +67,8 @@ def command_module(module: str):
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser: every command listed with its help; the flags of ``command`` only (None: of every command)."""
+    """The parser: every command of the table listed with its help, the flags of ``command`` alone built (its
+    module imported); None builds every command's (tests, the runbook check), a name outside the table none."""
     parser = _Parser(prog="anelab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     for name, module, help_line in COMMANDS:
@@ -100,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     try:
         modules = {name: module for name, module, _ in COMMANDS}
-        invoked = argv[0] if argv and argv[0] in modules else ""  # only its flags are built (and its module imported)
-        parser = build_parser(invoked)
+        parser = build_parser(argv[0] if argv and argv[0] in modules else "")  # "": no command's flags
         args = parser.parse_args(argv)
         if not args.command:
             parser.print_help()
