@@ -1,5 +1,5 @@
 """The folder tree is the architecture: imports point one way (core <- checkpoints <- sidecar <- runtimes <-
-planner, arms, decide <- studies <- publish <- cli), no module imports another's private name, every module
+planner, arms, decide <- studies <- publish <- cli and its commands), no module imports another's private name, every module
 states its job."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ LAYERS = (
     ("product", ("planner", "arms", "decide")),
     ("studies", ("studies",)),
     ("publish", ("publish",)),
-    ("cli", ("cli", "__main__")),
+    ("cli", ("cli", "__main__", "commands")),
 )
 LAYER_NAMES = [name for name, _ in LAYERS]
 FOLDER_LAYER = {folder: name for name, folders in LAYERS for folder in folders}
@@ -101,8 +101,11 @@ def test_a_backward_import_is_caught(tmp_path):
     private.write_text(private.read_text() + "\nfrom anelab.sidecar.evaluate import _signature  # noqa\n")
     study = copy / "studies" / "mask_fold.py"
     study.write_text(study.read_text() + "\n\ndef _late():\n    from anelab.publish import figures  # noqa\n")
+    request = copy / "planner" / "plan_request.py"
+    request.write_text(request.read_text() + "\nfrom anelab.commands.arguments import int_list  # noqa\n")
     found = violations(copy)
     assert any("sidecar imports product" in v and "dense.py" in v for v in found), found
+    assert any("product imports cli" in v and "plan_request.py" in v for v in found), found
     assert any("studies imports publish" in v and "mask_fold.py" in v for v in found), found
     assert any("private name _signature" in v for v in found), found
 

@@ -102,6 +102,18 @@ def test_evaluate_loads_only_what_it_needs(evaluate_command):
     )
 
 
+def test_a_command_builds_and_imports_only_its_own_module():
+    """The table lists every command; the parser of one command imports that command's module alone."""
+    modules = modules_after("from anelab.cli import build_parser\nbuild_parser('size')")
+    assert {m for m in modules if m.startswith("anelab.commands.")} == {
+        "anelab.commands.size",
+        "anelab.commands.arguments",
+    }
+    # negative control: the whole parser (the tests' and the runbook's) imports every command's module
+    every = modules_after("from anelab.cli import build_parser\nbuild_parser()")
+    assert {f"anelab.commands.{module}" for _, module, _ in cli.COMMANDS} <= every
+
+
 def test_a_gate_refusal_exits_1_and_other_errors_still_raise(monkeypatch, capsys):
     """The CLI recognises the gate's refusal without importing the gate at its top."""
     from anelab.runtimes.gate import AneGateError
@@ -109,13 +121,14 @@ def test_a_gate_refusal_exits_1_and_other_errors_still_raise(monkeypatch, capsys
     def refuse(args):
         raise AneGateError("h0: ANECCompile() FAILED")
 
-    monkeypatch.setattr(cli, "COMMANDS", [("doctor", lambda sub: sub.add_parser("doctor"), refuse)])
+    doctor = cli.command_module("doctor")
+    monkeypatch.setattr(doctor, "main", refuse)
     assert cli.main(["doctor"]) == 1
     assert capsys.readouterr().err.strip() == "anelab: export refused: h0: ANECCompile() FAILED"
 
     def crash(args):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(cli, "COMMANDS", [("doctor", lambda sub: sub.add_parser("doctor"), crash)])
+    monkeypatch.setattr(doctor, "main", crash)
     with pytest.raises(RuntimeError, match="a bug"):  # negative control: not every RuntimeError is a refusal
         cli.main(["doctor"])

@@ -11,7 +11,8 @@ import stat
 import pytest
 from conftest import TINY_GEOMETRIES
 
-from anelab.cli import PLAN_EXAMPLES, main
+from anelab.cli import main
+from anelab.commands.plan import PLAN_EXAMPLES
 from anelab.core.paths import REPO_ROOT
 from anelab.core.records import atomic_write_text
 from anelab.publish import notebooks

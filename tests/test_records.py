@@ -258,9 +258,7 @@ def test_compare_puts_fresh_and_predicted_beside_the_recorded_values(tmp_path):
     assert "recorded on Mac15,3 (M3)" in m4["recorded_provenance"] and "Mac16,1 (M4)" in m4["fresh_provenance"]
     assert "chunk 64" in m4["workload"]
     # gather sizing at the seed's geometry, by hand: 24 x 4096 x 2051 x 256 x 2 bytes and 24 x 4096 x 8192 x 2
-    sizing = {
-        r["quantity"]: r for r in rows if r["fresh_provenance"].startswith("predicted: anelab.core.gather_size")
-    }
+    sizing = {r["quantity"]: r for r in rows if r["fresh_provenance"].startswith("predicted: anelab.core.gather_size")}
     assert sizing["gathered keys at chunk 4,096, budget 2,051"]["fresh"] == pytest.approx(103.230210048)
     assert sizing["dense score matrix at chunk 4,096"]["fresh"] == pytest.approx(1.610612736)
     assert sizing["gathered keys at chunk 4,096, budget 2,051"]["recorded"] == 103

@@ -34,6 +34,7 @@ from anelab.planner.design_plans import DesignPlan
 from anelab.planner.envelope import MEASURED, YOURS, Cost
 from anelab.planner.from_checkpoint import CheckpointPlan
 from anelab.planner.plan import PrefillPlan
+from anelab.planner.settle import MAC_MEASUREMENT_DECIDE, settle_commands
 from anelab.planner.verdict import ArmCosts, Verdict, plan_arm_costs, verdict_for
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD
 from anelab.sidecar.designs import DESIGNS, PRICED, SidecarRequest, get_design
@@ -164,21 +165,16 @@ class Plans:
         return self.at(n).full.gpu_prefill_seconds / self.at(n, yours=False).full.gpu_prefill_seconds
 
 
-def settle_commands(config: DecideConfig) -> dict:
-    """For each deciding cost: the measurement that settles it and the exact command."""
+def what_settles_it(config: DecideConfig) -> dict:
+    """For each deciding cost: the measurement that settles it and the exact command (``planner.settle``), this
+    run's ``anelab decide`` command with ``--measure`` or the user's ``--gpu-prefill-seconds S``."""
     base = f"anelab decide {config.checkpoint} --prompt-tokens {config.prompt_tokens} --out {config.out}"
     for flag, value in (("--chunk", config.chunk), ("--family", config.family)):
         base += f" {flag} {value}" if value is not None else ""
     base += f" --design {config.design}" if config.design != "auto" else ""
-    mac = ("time this model's own loads and ANE predictions on a Mac (Core ML, cold and warm)", base + " --measure")
-    return {
-        "load_per_layer": mac,
-        "ane_attention": mac,
-        "gpu_prefill": (
-            f"time your GPU runtime's prefill of a {config.prompt_tokens:,}-token prompt (seconds, S)",
-            base + " --gpu-prefill-seconds S",
-        ),
-    }
+    return settle_commands(
+        config.prompt_tokens, gpu_command=base, mac_command=base, mac_measurement=MAC_MEASUREMENT_DECIDE
+    )
 
 
 def choose_design(config: DecideConfig, plan: PromptPlan) -> DesignPlan:
@@ -667,7 +663,7 @@ def decide(config: DecideConfig) -> Decision:
     opened = open_request(config)
     config.out = Path(config.out)
     config.out.mkdir(parents=True, exist_ok=True)
-    commands, plans = settle_commands(config), Plans(config, opened)
+    commands, plans = what_settles_it(config), Plans(config, opened)
     with tqdm(total=3 + len(opened.layers) + bool(opened.runtime), desc="decide", unit="step") as bar:
         bar.set_postfix_str("plan every design")
         plan = plans.at(config.prompt_tokens)

@@ -1,0 +1,44 @@
+"""``anelab ab``: the whole-model prefill A/B, mlx-lm's own prefill (the GPU arm) against the hybrid with every
+full-attention layer on its sidecar (the ANE arm); measured on a Mac, a labelled correctness run elsewhere."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from anelab.arms.prefill_ab import ab_request, run_ab
+from anelab.checkpoints.default import resolve_checkpoint
+from anelab.commands.arguments import int_list, print_json
+from anelab.core.paths import MEASURED_DIR
+
+
+def setup_arg_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="model directory (config.json + safetensors) mlx-lm reads")
+    p.add_argument("--sidecars", required=True, help="directory of layer_<L>.mlpackage for every full-attention layer")
+    p.add_argument("--prompt-tokens", type=int_list, required=True, help="prompt lengths, e.g. 512,2048 (random ids)")
+    p.add_argument(
+        "--compute-units", default="cpu_and_ne", help="the ANE arm's Core ML compute units (cpu_and_ne | all)"
+    )
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs of each arm first (default 1)")
+    p.add_argument("--repeats", type=int, default=2, help="measured runs of each arm (default 2: the seed's protocol)")
+    p.add_argument("--dtype", default=None, help="mlx-lm's parameters: float32 | float16 | bfloat16 (default: the "
+                   "checkpoint's on a Mac, float32 elsewhere)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
+    p.add_argument(
+        "--out", default=None, help="records directory (default data/measured; new files, never overwritten)"
+    )
+    p.add_argument("--json", action="store_true", help="print the records and verdicts as JSON")
+
+
+def main(args) -> int:
+    request = ab_request(
+        resolve_checkpoint(args.checkpoint), args.sidecars, args.prompt_tokens, compute_units=args.compute_units,
+        warmup=args.warmup, repeats=args.repeats, dtype=args.dtype, seed=args.seed,
+        out_dir=Path(args.out) if args.out else MEASURED_DIR,
+    )  # fmt: skip
+    report = run_ab(request)
+    if args.json:
+        print_json(report.to_dict())
+    else:
+        print(report.table())
+    return 0
