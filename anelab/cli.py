@@ -96,9 +96,12 @@ def _add_export(sub):
     )
     p.add_argument(
         "--graph",
+        "--design",
+        dest="graph",
         default=None,
         help="sidecar design (anelab.sidecar.designs; default dense): dense | tiled (online softmax over key tiles) | "
-        "stateful (K/V as Core ML state) | stateful-tiled (K/V in state, key and query tiles)",
+        "stateful (K/V as Core ML state) | stateful-tiled (K/V in state, key and query tiles) | mlp (every layer's MLP, "
+        "one function c<C>, no --histories) | gdn-proj (a hybrid's Gated DeltaNet input projections, likewise)",
     )
     p.add_argument("--query-tile", type=int, default=None, help="stateful-tiled graph: chunk rows per query tile")
     p.add_argument(
@@ -956,6 +959,15 @@ def _add_compare_arms(sub):
         help=CHECKPOINT_HELP + "; by name, its sidecars are exported first when --sidecars names a new directory",
     )
     p.add_argument("--sidecars", default=None, help="directory of layer_<L>.mlpackage for every full-attention layer")
+    p.add_argument(
+        "--mlp-sidecars",
+        default=None,
+        help="directory of --design mlp packages: adds the arms mlp-sidecar (MLPs on their sidecars) and, with "
+        "--sidecars, all-sidecar (numpy engine)",
+    )
+    p.add_argument(
+        "--mlp-layers", type=_int_list, default=None, help="layers whose MLP the mlp arms serve (default: every layer)"
+    )
     p.add_argument("--prompt-tokens", type=int, default=None, help="random prompt length (fixed seed)")
     p.add_argument("--tokens", default=None, help="token ids file (JSON list or whitespace-separated) instead")
     p.add_argument("--decode", type=int, default=32, help="greedy tokens decoded on the reference path (default 32)")
@@ -1010,6 +1022,8 @@ def _run_compare_arms(args):
         compute_units=args.compute_units,
         engine=args.engine,
         resident_budget=None if args.resident_budget is None else _resident_bytes(args.resident_budget),
+        mlp_sidecars=args.mlp_sidecars,
+        mlp_layers=args.mlp_layers,
     )
     if args.json:
         _print_json(report.to_dict())

@@ -19,7 +19,7 @@ import numpy as np
 
 from anelab.arms.engines import run_arms_on
 from anelab.arms.run import REFERENCE_CHUNK, Arm, ArmRun, Indexer
-from anelab.arms.sidecars import numpy_runner, open_sidecars, runtime_runner
+from anelab.arms.sidecars import SidecarSet, numpy_runner, open_block_sidecars, open_sidecars, runtime_runner
 from anelab.checkpoints.model import ModelCheckpoint, load_model
 from anelab.core.errors import AnelabInputError
 from anelab.core.files import decode_utf8, parse_json, read_bytes
@@ -396,6 +396,8 @@ def compare_arms(
     runtime=None,
     engine: str = "auto",
     resident_budget: int | None = None,
+    mlp_sidecars: str | os.PathLike | None = None,
+    mlp_layers: list[int] | None = None,
 ) -> ArmsReport:
     """Run the arms on one prompt and compare them.
 
@@ -409,10 +411,24 @@ def compare_arms(
     reference arm is it too), ``mlx`` on mlx-lm (the reference arm is mlx-lm's own forward, the sidecar arm
     the hybrid). ``resident_budget`` (bytes, numpy engine): the decoder weights are kept resident when their
     float32 size fits it, else streamed (``arms.resident``; default ``RESIDENT_BUDGET_BYTES``, 0 streams).
+
+    ``mlp_sidecars``: a directory of ``--graph mlp`` packages (numpy engine, NumPy evaluation): adds the arm
+    ``mlp-sidecar`` (every MLP of ``mlp_layers``, default all, from its package; attention from the reference) and,
+    with ``sidecars`` too, ``all-sidecar`` (both); each split is compared with the reference.
     """
 
     engine, model = open_engine_model(checkpoint, engine)
-    arm_count = 1 + (sidecars is not None) + 2 * (indexer is not None)
+    if mlp_sidecars is not None and (engine != "numpy" or compute_units is not None):
+        raise AnelabInputError(
+            "MLP sidecars are served by the numpy engine with NumPy evaluation only (not built for mlx-lm or Core ML "
+            "yet); pass --engine numpy and drop --compute-units"
+        )
+    arm_count = (
+        1
+        + (sidecars is not None)
+        + 2 * (indexer is not None)
+        + (mlp_sidecars is not None) * (1 + (sidecars is not None))
+    )
     layers = model.checkpoint if engine == "mlx" else model  # the geometry either way
     require_run_fits(layers, prompt_tokens if tokens is None else np.size(tokens), decode, arm_count)
     prompt = random_prompt(model.vocab_size, prompt_tokens or 0, seed) if tokens is None else np.asarray(tokens)
@@ -424,13 +440,29 @@ def compare_arms(
         if sidecar_set is None:
             raise AnelabInputError("compute units apply to the sidecar arm; pass the sidecar directory too")
         sidecar_set.runner = runtime_runner(sidecar_set, compute_units=compute_units, runtime=runtime)
+    attention_served = sidecar_set is not None
+    if mlp_sidecars is not None:
+        mlp_set = open_block_sidecars(mlp_sidecars, model, layers=mlp_layers)
+        if sidecar_set is None:  # no attention package: the set only carries the MLPs' width
+            sidecar_set = SidecarSet(mlp_set.directory, {}, mlp_set.chunk)
+        elif sidecar_set.chunk != mlp_set.chunk:
+            raise AnelabInputError(
+                f"the MLP sidecars' chunk ({mlp_set.chunk}) differs from the attention sidecars' ({sidecar_set.chunk}); "
+                "export both with one --chunk"
+            )
+        sidecar_set.mlp = mlp_set
     arms = [Arm("reference")]
-    if sidecar_set is not None:
+    if attention_served:
         arms.append(Arm("sidecar", "sidecar"))
+    if mlp_sidecars is not None:
+        arms.append(Arm("mlp-sidecar", mlp="sidecar"))
+        if attention_served:
+            arms.append(Arm("all-sidecar", "sidecar", mlp="sidecar"))
     if indexer is not None:
-        served = "sidecar" if sidecar_set is not None else "reference"
+        served = "sidecar" if attention_served else "reference"
         arms += [Arm("folded", served, indexer, fold=True), Arm("causal-only", served, indexer, fold=False)]
-    order = [("reference", "sidecar"), ("folded", "causal-only")]
+    order = [("reference", "sidecar"), ("reference", "mlp-sidecar"), ("reference", "all-sidecar"),
+             ("folded", "causal-only")]  # fmt: skip
     names = {arm.name for arm in arms}
     wanted = tuple((a, b) for a, b in order if a in names and b in names)
     options = {"resident_budget": resident_budget} if engine == "numpy" else {}

@@ -9,6 +9,8 @@ An *arm* says who serves each attention layer during prefill and with which mask
   ``anelab.core.selection`` folded into each chunk's mask) vs ``causal-only`` (the causal mask alone — what
   a sidecar without the fold computes); the indexer sparsifies the full-attention layers, a sliding
   layer keeps its window (every arm applies a layer's window, ``geometry.window_of``, in prefill and decode);
+- ``mlp="sidecar"`` (any arm): each layer's MLP that the sidecars' MLP set serves (``SidecarSet.mlp``, packages of
+  ``--graph mlp``; every layer or a chosen few) comes from its package during prefill, the rest from NumPy;
 - a negative control: any arm with one layer perturbed (``mask_dropped``: that layer attends to
   every key of the chunk's coverage; ``rope_shifted``: that layer's chunks after the first are rotated
   one position late against their cached history — reference-served layers only; a shift of every
@@ -81,10 +83,12 @@ class Arm:
     indexer: Indexer | None = None
     fold: bool = True
     perturbation: Perturbation | None = None
+    mlp: str = "reference"  # ``sidecar``: every layer the sidecars' MLP set serves takes its MLP from its package
 
     def __post_init__(self):
-        if self.attention not in ATTENTIONS:
-            raise AnelabInputError(f"arm {self.name}: attention {self.attention!r}; use one of {', '.join(ATTENTIONS)}")
+        for block, server in (("attention", self.attention), ("mlp", self.mlp)):
+            if server not in ATTENTIONS:
+                raise AnelabInputError(f"arm {self.name}: {block} {server!r}; use one of {', '.join(ATTENTIONS)}")
 
 
 # ---- one arm -------------------------------------------------------------------------------------------------
@@ -180,7 +184,16 @@ def _layer_rows(model, layer: int, state: _Layer, x, start: int, arm: Arm, sidec
         attn, k, v = _attend(model, layer, state, normed, start, arm, sidecars, prefill=prefill)
         state.k.append(k.astype(np.float32))
         state.v.append(v.astype(np.float32))
-        return finish_layer(x, attn, state.weights, model.eps)
+        return finish_layer(x, attn, state.weights, model.eps, mlp=_mlp_server(layer, arm, sidecars, prefill=prefill))
+
+
+def _mlp_server(layer: int, arm: Arm, sidecars, *, prefill: bool):
+    """Who computes ``layer``'s MLP for this call: its sidecar in an arm's prefill with ``mlp="sidecar"`` when the
+    sidecars serve that layer's MLP ((normed rows [r, D]) -> [r, D]); else None (the layer's weights, in NumPy)."""
+    served = prefill and arm.mlp == "sidecar" and sidecars is not None and sidecars.mlp is not None
+    if not served or layer not in sidecars.mlp.packages:
+        return None
+    return lambda rows: sidecars.mlp.serve(layer, rows)
 
 
 @dataclass
@@ -276,8 +289,10 @@ def _decode_step_together(model, runs: list[tuple[Arm, list[_Layer]]], tokens: l
 
 
 def _check_arm(arm: Arm, model: ModelCheckpoint, sidecars: SidecarSet | None) -> None:
-    if arm.attention == "sidecar" and sidecars is None:
+    if arm.attention == "sidecar" and (sidecars is None or not sidecars.packages):
         raise AnelabInputError(f"arm {arm.name} runs on the sidecars; pass the sidecar directory")
+    if arm.mlp == "sidecar" and (sidecars is None or sidecars.mlp is None):
+        raise AnelabInputError(f"arm {arm.name} runs its MLPs on sidecars; pass the MLP sidecar directory")
     p = arm.perturbation
     if p is not None:
         if not 0 <= p.layer < model.num_layers:

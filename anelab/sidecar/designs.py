@@ -22,16 +22,18 @@ names a design (``tests/test_designs.py`` walks the tree for the names).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from anelab.checkpoints import blocks as checkpoint_blocks
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import AttentionGeometry, chunk_starts, coverage, score_bytes, validate_chunk_and_histories
 from anelab.core.limits import MAX_FUNCTIONS, MAX_POSITIONS, require_at_most, require_memory
 from anelab.core.masks import MASKED, dense_exact_window
 from anelab.core.weights import AttentionWeights
-from anelab.sidecar import drivers, verify_cases
+from anelab.sidecar import drivers, verify_blocks, verify_cases
 from anelab.sidecar.format import (
     MAX_STATE_CAPACITY,
     STATE_CAPACITY_META,
@@ -42,6 +44,8 @@ from anelab.sidecar.format import (
 )
 from anelab.sidecar.graphs.common import SidecarShape
 from anelab.sidecar.graphs.dense import build_dense_program
+from anelab.sidecar.graphs.gdn_projections import GDN_PROJECTIONS, build_gdn_projection_program
+from anelab.sidecar.graphs.mlp import MLP_OUTPUT, MLP_PROJECTIONS, build_mlp_program
 from anelab.sidecar.graphs.stateful import build_stateful_program
 from anelab.sidecar.graphs.stateful_tiled import (
     MAX_TILED_STATE_CAPACITY,
@@ -51,10 +55,11 @@ from anelab.sidecar.graphs.stateful_tiled import (
     window_ring,
 )
 from anelab.sidecar.graphs.tiled import build_tiled_program, validate_key_tile
-from anelab.sidecar.quantize import validate_weights_mode
+from anelab.sidecar.quantize import require_compressible, validate_weights_mode
 
 # the designs' names: written here and nowhere else (tests/test_designs.py)
 DENSE, TILED, STATEFUL, STATEFUL_TILED = "dense", "tiled", "stateful", "stateful-tiled"
+MLP, GDN_PROJ = "mlp", "gdn-proj"  # the non-attention blocks' designs (one chunk-shaped function c<C> per layer)
 
 # Non-const MIL ops of one function as built (before coremltools' passes), counted on built programs
 # (tests/test_stateful_tiled.py checks the formulas): a stateful-tiled function has a fixed part
@@ -124,6 +129,36 @@ class PlannerPricing:
     ops: Callable[[int, int | None, int | None, int | None], int]
     whole_key_tiles: bool = False
     window_ring: Callable[[int, int, int | None], tuple[int, int]] | None = None
+
+
+@dataclass(frozen=True)
+class BlockReader:
+    """What a non-attention design reads from a checkpoint (``anelab.checkpoints.blocks``). ``kind``: what its
+    package records (``anelab.block``); ``layers(checkpoint)``: the layers that have the block; ``weights(checkpoint,
+    layer)``: its float32 weights, finite; ``digests(checkpoint, layer)``: tensor name -> digest of its tensors;
+    ``projections``: its MIL linear ops' output names -> weight field (compression reads them back); ``outputs``:
+    the function's outputs."""
+
+    kind: str
+    layers: Callable
+    weights: Callable
+    digests: Callable
+    projections: dict[str, str]
+    outputs: tuple[str, ...]
+
+    def require_compressible(self, mode: str, weights) -> None:
+        """Refuse (one line) a compression ``mode`` that would silently skip one of ``weights``' projections."""
+        require_compressible(mode, {f: getattr(weights, f).shape for f in self.projections.values()})
+
+
+def _block_options(design: Design, geometry: AttentionGeometry, chunk: int, histories, given: dict) -> SidecarOptions:
+    """A block design's options: the chunk only (its one function has no history)."""
+    if histories is not None:
+        raise AnelabInputError(
+            f"--histories applies to the attention designs; a --graph {design.name} function has no history "
+            "(one c<C> per layer): drop it"
+        )
+    return SidecarOptions(chunk, (0,))
 
 
 def _no_state_options(
@@ -262,6 +297,7 @@ class Design:
     # (options, the layer's sliding window or None) -> the layer's own metadata fields (key_tile,
     # query_tile, ring_slots) and its builder's extra arguments; refuses a layer the options cannot serve
     layer_layout: Callable[[SidecarOptions, int | None], dict] | None = None
+    block: BlockReader | None = None  # a non-attention block's design (None: attention)
 
     # ---- options -----------------------------------------------------------------------------------------
     def options(
@@ -293,7 +329,7 @@ class Design:
             raise AnelabInputError(
                 f"{FLAGS[stray[0]]} applies to --graph {' or '.join(takers)}, not {self.name}; drop it or change --graph"
             )
-        validate_weights_mode(weights, geometry)
+        validate_weights_mode(weights, geometry if self.block is None else None)  # a block checks its own shapes
         _require_export_bounds_before(chunk, histories, given.get("capacity"))
         opts = self.options_rule(self, geometry, chunk, histories, given)
         _require_export_bounds(self, geometry, opts)
@@ -307,19 +343,24 @@ class Design:
     # ---- functions -----------------------------------------------------------------------------------------
     def function_names(self, options: SidecarOptions) -> list[str]:
         """The package's function names, in merge order."""
+        if self.block is not None:
+            return [stateful_function_name(options.chunk)]
         if self.stateful:
             return [stateful_function_name(w) for w in options.widths]
         return [function_name(h) for h in options.histories]
 
     def function_for(self, chunk: int, start: int) -> str:
         """The function that serves the chunk starting at ``start``."""
-        return stateful_function_name(chunk) if self.stateful else function_name(start)
+        return stateful_function_name(chunk) if self.stateful or self.block is not None else function_name(start)
 
     def builds(
         self, geometry: AttentionGeometry, weights: AttentionWeights, options: SidecarOptions
     ) -> dict[str, Callable[[], object]]:
         """Function name -> a builder of its MIL program (built on demand: one at a time in memory)."""
         keys = options.widths if self.stateful else list(options.histories)
+        if self.block is not None:
+            self.block.require_compressible(options.weights, weights)
+            keys = [options.chunk]
         return {
             name: (lambda key=key: self.builder(geometry, weights, options, key))
             for name, key in zip(self.function_names(options), keys, strict=True)
@@ -333,6 +374,7 @@ class Design:
             "mask_mode": options.mask_mode,
             "state_capacity": options.capacity,
             "state_functions": list(functions) if self.stateful else None,
+            "block": None if self.block is None else self.block.kind,
         }
         return {**fields, **self.layer_fields(options, window)}
 
@@ -456,6 +498,41 @@ def stateful_tiled_ops(chunk: int, capacity: int, key_tile: int, query_tile: int
     return OPS_STATEFUL_TILED_BASE + OPS_PER_TILE_PAIR * (chunk // query_tile) * (capacity // key_tile)
 
 
+def _build_mlp(geometry, weights, options: SidecarOptions, width: int):
+    return build_mlp_program(weights, geometry.hidden_size, width)
+
+
+def _build_gdn_projections(geometry, weights, options: SidecarOptions, width: int):
+    return build_gdn_projection_program(weights, geometry.hidden_size, width)
+
+
+def _no_prompt_driver(*args, **kwargs):
+    raise AnelabInputError(
+        "a block package's rows are independent: it has no prompt driver; run its c<C> function on each chunk"
+    )
+
+
+_BLOCK = dict(
+    stateful=False,
+    option_names=frozenset(),
+    options_rule=_block_options,
+    drive_prompt=_no_prompt_driver,
+    verifies_on_device=False,
+    mask_input=lambda meta: False,
+)
+_MLP_READER = BlockReader(MLP, checkpoint_blocks.mlp_layers, checkpoint_blocks.mlp_weights,
+                          checkpoint_blocks.mlp_digests, MLP_PROJECTIONS, (MLP_OUTPUT,))  # fmt: skip
+_GDN_READER = BlockReader("gdn", checkpoint_blocks.linear_attention_layers, checkpoint_blocks.gdn_projection_weights,
+                          checkpoint_blocks.gdn_digests, GDN_PROJECTIONS, tuple(GDN_PROJECTIONS))  # fmt: skip
+
+
+def _block_design(name: str, summary: str, builder, reader: BlockReader, cases: verify_blocks.BlockCases) -> Design:
+    """A non-attention block's design: verified by ``verify_blocks`` with its reader and cases."""
+    return Design(name, summary, builder=builder, block=reader,
+                  verify=functools.partial(verify_blocks.verify_block_package, reader=reader, cases=cases),
+                  controls=cases.declared, **_BLOCK)  # fmt: skip
+
+
 _PER_HISTORY = dict(
     stateful=False,
     options_rule=_no_state_options,
@@ -515,8 +592,24 @@ DESIGNS: dict[str, Design] = {
             layer_layout=_stateful_tiled_layout,
             **{**_STATEFUL, "takes_selection": True},
         ),
+        _block_design(
+            MLP,
+            "one function c<C> per layer: the MLP, down(act(gate(x)) * up(x)), the family's activation; no history",
+            _build_mlp,
+            _MLP_READER,
+            verify_blocks.MLP_CASES,
+        ),
+        _block_design(
+            GDN_PROJ,
+            "one function c<C> per linear-attention layer: its Gated DeltaNet input projections qkv, z, b, a",
+            _build_gdn_projections,
+            _GDN_READER,
+            verify_blocks.GDN_CASES,
+        ),
     )
 }
+ATTENTION_DESIGNS = tuple(name for name, d in DESIGNS.items() if d.block is None)
+BLOCK_DESIGNS = tuple(name for name, d in DESIGNS.items() if d.block is not None)
 DEFAULT_DESIGN = DENSE
 PRICED = tuple(name for name, d in DESIGNS.items() if d.pricing is not None)
 
