@@ -42,6 +42,16 @@ def tensor_digests(checkpoint: Checkpoint, layer: int, stem: str) -> dict[str, s
     }
 
 
+def mlp_source_record(checkpoint: Checkpoint, layer: int, weights_mode: str) -> dict:
+    """``Checkpoint.source_record`` of ``layer``'s MLP tensors."""
+    return checkpoint.source_record(layer, weights_mode, "MLP", MLP_STEM)
+
+
+def gdn_source_record(checkpoint: Checkpoint, layer: int, weights_mode: str) -> dict:
+    """``Checkpoint.source_record`` of ``layer``'s Gated DeltaNet input projections."""
+    return checkpoint.source_record(layer, weights_mode, "Gated DeltaNet input", GDN_STEM)
+
+
 def mlp_digests(checkpoint: Checkpoint, layer: int) -> dict[str, str]:
     return tensor_digests(checkpoint, layer, MLP_STEM)
 

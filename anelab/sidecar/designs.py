@@ -137,7 +137,8 @@ class BlockReader:
     package records (``anelab.block``); ``layers(checkpoint)``: the layers that have the block; ``weights(checkpoint,
     layer)``: its float32 weights, finite; ``digests(checkpoint, layer)``: tensor name -> digest of its tensors;
     ``projections``: its MIL linear ops' output names -> weight field (compression reads them back); ``outputs``:
-    the function's outputs."""
+    the function's outputs; ``source_record(checkpoint, layer, weights_mode)``: what its package records as
+    ``anelab.sourceFormat``."""
 
     kind: str
     layers: Callable
@@ -145,6 +146,7 @@ class BlockReader:
     digests: Callable
     projections: dict[str, str]
     outputs: tuple[str, ...]
+    source_record: Callable
 
     def require_compressible(self, mode: str, weights) -> None:
         """Refuse (one line) a compression ``mode`` that would silently skip one of ``weights``' projections."""
@@ -521,9 +523,10 @@ _BLOCK = dict(
     mask_input=lambda meta: False,
 )
 _MLP_READER = BlockReader(MLP, checkpoint_blocks.mlp_layers, checkpoint_blocks.mlp_weights,
-                          checkpoint_blocks.mlp_digests, MLP_PROJECTIONS, (MLP_OUTPUT,))  # fmt: skip
+                          checkpoint_blocks.mlp_digests, MLP_PROJECTIONS, (MLP_OUTPUT,), checkpoint_blocks.mlp_source_record)  # fmt: skip
 _GDN_READER = BlockReader("gdn", checkpoint_blocks.linear_attention_layers, checkpoint_blocks.gdn_projection_weights,
-                          checkpoint_blocks.gdn_digests, GDN_PROJECTIONS, tuple(GDN_PROJECTIONS))  # fmt: skip
+                          checkpoint_blocks.gdn_digests, GDN_PROJECTIONS, tuple(GDN_PROJECTIONS),
+                          checkpoint_blocks.gdn_source_record)  # fmt: skip
 
 
 def _block_design(name: str, summary: str, builder, reader: BlockReader, cases: verify_blocks.BlockCases) -> Design:

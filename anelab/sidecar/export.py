@@ -328,7 +328,9 @@ def package_metadata(
         source_tensors=checkpoint.attention_digests(layer)
         if design.block is None
         else design.block.digests(checkpoint, layer),
-        source_format=checkpoint.source_record(layer, options.weights),
+        source_format=checkpoint.source_record(layer, options.weights)
+        if design.block is None
+        else design.block.source_record(checkpoint, layer, options.weights),
         layer=layer,
         geometry=checkpoint.geometry.to_dict(),
         chunk=options.chunk,
