@@ -400,6 +400,11 @@ class Design:
 
     # ---- asks that must be refused in one line -------------------------------------------------------------
     def require_arms(self, where: str) -> None:
+        if self.block is not None:
+            raise AnelabInputError(
+                f"{where} is a --graph {self.name} package, not an attention sidecar; the arms take --graph {MLP} "
+                "packages as --mlp-sidecars (no other block is served yet)"
+            )
         if not self.served_by_arms:
             served = ", ".join(d.name for d in DESIGNS.values() if d.served_by_arms)
             raise AnelabInputError(
