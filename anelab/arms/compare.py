@@ -19,7 +19,14 @@ import numpy as np
 
 from anelab.arms.engines import run_arms_on
 from anelab.arms.run import REFERENCE_CHUNK, Arm, ArmRun, Indexer
-from anelab.arms.sidecars import SidecarSet, numpy_runner, open_block_sidecars, open_sidecars, runtime_runner
+from anelab.arms.sidecars import (
+    BlockSidecars,
+    SidecarSet,
+    numpy_runner,
+    open_block_sidecars,
+    open_sidecars,
+    runtime_runner,
+)
 from anelab.checkpoints.model import ModelCheckpoint, load_model
 from anelab.core.errors import AnelabInputError
 from anelab.core.files import decode_utf8, parse_json, read_bytes
@@ -423,12 +430,7 @@ def compare_arms(
             "MLP sidecars are served by the numpy engine with NumPy evaluation only (not built for mlx-lm or Core ML "
             "yet); pass --engine numpy and drop --compute-units"
         )
-    arm_count = (
-        1
-        + (sidecars is not None)
-        + 2 * (indexer is not None)
-        + (mlp_sidecars is not None) * (1 + (sidecars is not None))
-    )
+    arm_count = len(split_arms(sidecars is not None, mlp_sidecars is not None, indexer))
     layers = model.checkpoint if engine == "mlx" else model  # the geometry either way
     require_run_fits(layers, prompt_tokens if tokens is None else np.size(tokens), decode, arm_count)
     prompt = random_prompt(model.vocab_size, prompt_tokens or 0, seed) if tokens is None else np.asarray(tokens)
@@ -442,25 +444,8 @@ def compare_arms(
         sidecar_set.runner = runtime_runner(sidecar_set, compute_units=compute_units, runtime=runtime)
     attention_served = sidecar_set is not None
     if mlp_sidecars is not None:
-        mlp_set = open_block_sidecars(mlp_sidecars, model, layers=mlp_layers)
-        if sidecar_set is None:  # no attention package: the set only carries the MLPs' width
-            sidecar_set = SidecarSet(mlp_set.directory, {}, mlp_set.chunk)
-        elif sidecar_set.chunk != mlp_set.chunk:
-            raise AnelabInputError(
-                f"the MLP sidecars' chunk ({mlp_set.chunk}) differs from the attention sidecars' ({sidecar_set.chunk}); "
-                "export both with one --chunk"
-            )
-        sidecar_set.mlp = mlp_set
-    arms = [Arm("reference")]
-    if attention_served:
-        arms.append(Arm("sidecar", "sidecar"))
-    if mlp_sidecars is not None:
-        arms.append(Arm("mlp-sidecar", mlp="sidecar"))
-        if attention_served:
-            arms.append(Arm("all-sidecar", "sidecar", mlp="sidecar"))
-    if indexer is not None:
-        served = "sidecar" if attention_served else "reference"
-        arms += [Arm("folded", served, indexer, fold=True), Arm("causal-only", served, indexer, fold=False)]
+        sidecar_set = with_mlp_sidecars(sidecar_set, open_block_sidecars(mlp_sidecars, model, layers=mlp_layers))
+    arms = split_arms(attention_served, mlp_sidecars is not None, indexer)
     order = [("reference", "sidecar"), ("reference", "mlp-sidecar"), ("reference", "all-sidecar"),
              ("folded", "causal-only")]  # fmt: skip
     names = {arm.name for arm in arms}
@@ -471,6 +456,36 @@ def compare_arms(
     pairs = [compare_runs(runs[a], runs[b]) for a, b in wanted]
     used = sidecar_set.chunk if sidecar_set else (chunk or REFERENCE_CHUNK)
     return ArmsReport(model.path, prompt, decode, used, runs, pairs, engine)
+
+
+def with_mlp_sidecars(sidecars: SidecarSet | None, mlp: BlockSidecars) -> SidecarSet:
+    """``sidecars`` (None: no attention package, the set then carries only the MLPs' width) serving ``mlp`` too;
+    refused when the two widths differ."""
+    if sidecars is None:
+        return SidecarSet(mlp.directory, {}, mlp.chunk, mlp=mlp)
+    if sidecars.chunk != mlp.chunk:
+        raise AnelabInputError(
+            f"the MLP sidecars' chunk ({mlp.chunk}) differs from the attention sidecars' ({sidecars.chunk}); "
+            "export both with one --chunk"
+        )
+    sidecars.mlp = mlp
+    return sidecars
+
+
+def split_arms(attention: bool, mlp: bool, indexer: Indexer | None) -> list[Arm]:
+    """The arms of one comparison: ``reference``; ``sidecar`` (attention on the sidecars), ``mlp-sidecar`` (MLPs on
+    theirs) and ``all-sidecar`` (both) for the sidecars given; an indexer's ``folded`` and ``causal-only``."""
+    arms = [Arm("reference")]
+    if attention:
+        arms.append(Arm("sidecar", "sidecar"))
+    if mlp:
+        arms.append(Arm("mlp-sidecar", mlp="sidecar"))
+        if attention:
+            arms.append(Arm("all-sidecar", "sidecar", mlp="sidecar"))
+    if indexer is not None:
+        served = "sidecar" if attention else "reference"
+        arms += [Arm("folded", served, indexer, fold=True), Arm("causal-only", served, indexer, fold=False)]
+    return arms
 
 
 def named_with_sidecars(

@@ -86,9 +86,9 @@ class Arm:
     mlp: str = "reference"  # ``sidecar``: every layer the sidecars' MLP set serves takes its MLP from its package
 
     def __post_init__(self):
-        for block, server in (("attention", self.attention), ("mlp", self.mlp)):
+        for server in (self.attention, self.mlp):  # who serves the attention, who the MLPs
             if server not in ATTENTIONS:
-                raise AnelabInputError(f"arm {self.name}: {block} {server!r}; use one of {', '.join(ATTENTIONS)}")
+                raise AnelabInputError(f"arm {self.name}: served by {server!r}; use one of {', '.join(ATTENTIONS)}")
 
 
 # ---- one arm -------------------------------------------------------------------------------------------------
