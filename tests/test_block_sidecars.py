@@ -223,21 +223,37 @@ def test_compare_arms_serves_every_mlp_or_a_chosen_few_from_their_sidecars(made,
     assert only.layer_diffs[0] == 0 and 0 < only.layer_diffs[1] < NOISE  # layer 0's MLP stayed on the reference
 
 
-def test_an_mlp_served_by_another_layers_package_is_caught(made, exported):
-    from anelab.arms.run import Arm, run_arms
+@pytest.mark.parametrize("engine", ["numpy", "mlx"])
+def test_an_mlp_served_by_another_layers_package_is_caught(engine, made, exported):
+    from anelab.arms.compare import open_engine_model
+    from anelab.arms.engines import run_arms_on
+    from anelab.arms.run import Arm
     from anelab.arms.sidecars import SidecarSet
-    from anelab.checkpoints.model import load_model
 
-    model = load_model(made["llama"])
-    mlp = open_block_sidecars(exported[("llama", "mlp")], model)
+    _, model = open_engine_model(made["llama"], engine)
+    mlp = open_block_sidecars(exported[("llama", "mlp")], model if engine == "numpy" else model.checkpoint)
+    assert [read_sidecar_metadata(mlp.packages[i]).layer for i in (0, 1)] == [0, 1]
     mlp.packages[0], mlp.packages[1] = mlp.packages[1], mlp.packages[0]
     mlp.calls = []
     sidecars = SidecarSet(mlp.directory, {}, mlp.chunk, mlp=mlp)
     prompt = np.random.default_rng(7).integers(0, model.vocab_size, PROMPT)
-    runs = run_arms(model, prompt, [Arm("reference"), Arm("mlp-sidecar", mlp="sidecar")], decode=DECODE,
-                    sidecars=sidecars, layer_pairs=(("reference", "mlp-sidecar"),))  # fmt: skip
+    runs = run_arms_on(engine, model, prompt, [Arm("reference"), Arm("mlp-sidecar", mlp="sidecar")], decode=DECODE,
+                       sidecars=sidecars, layer_pairs=(("reference", "mlp-sidecar"),))  # fmt: skip
     assert runs["mlp-sidecar"].layer_diffs["reference"][0] > 10 * NOISE
-    assert mlp.calls == [(0, CHUNK), (0, PROMPT - CHUNK), (1, CHUNK), (1, PROMPT - CHUNK)]  # prefill only
+    assert sorted(mlp.calls) == [(0, PROMPT - CHUNK), (0, CHUNK), (1, PROMPT - CHUNK), (1, CHUNK)]  # prefill only
+
+
+def test_the_mlx_hybrid_serves_a_qwen3_5s_mlps_and_attention_from_their_sidecars(made, exported, tmp_path):
+    """The Qwen 3.5 hybrid (mlx-lm runs its Gated DeltaNet layers): every MLP, its attention layer, or both on
+    sidecars, each split within fp16 noise of mlx-lm's own forward."""
+    export_sidecars(made["qwen3_5"], tmp_path, CHUNK, [0, CHUNK], jobs=1)
+    report = compare_arms(made["qwen3_5"], tmp_path, PROMPT, decode=DECODE, mlp_sidecars=exported[("qwen3_5", "mlp")])
+    assert report.engine == "mlx"
+    pairs = {p.b: p for p in report.pairs}
+    assert set(pairs) == {"sidecar", "mlp-sidecar", "all-sidecar"}
+    for pair in pairs.values():
+        assert 0 < pair.prompt_logits_diff < NOISE and pair.first_divergent_layer is None
+    assert all(d > 0 for d in pairs["mlp-sidecar"].layer_diffs)  # layer 0's MLP already served
 
 
 def test_the_cli_exports_with_design_mlp_and_compare_arms_takes_mlp_sidecars(made, tmp_path, capsys):

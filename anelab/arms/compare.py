@@ -419,16 +419,16 @@ def compare_arms(
     the hybrid). ``resident_budget`` (bytes, numpy engine): the decoder weights are kept resident when their
     float32 size fits it, else streamed (``arms.resident``; default ``RESIDENT_BUDGET_BYTES``, 0 streams).
 
-    ``mlp_sidecars``: a directory of ``--graph mlp`` packages (numpy engine, NumPy evaluation): adds the arm
+    ``mlp_sidecars``: a directory of ``--graph mlp`` packages (NumPy evaluation; either engine): adds the arm
     ``mlp-sidecar`` (every MLP of ``mlp_layers``, default all, from its package; attention from the reference) and,
     with ``sidecars`` too, ``all-sidecar`` (both); each split is compared with the reference.
     """
 
     engine, model = open_engine_model(checkpoint, engine)
-    if mlp_sidecars is not None and (engine != "numpy" or compute_units is not None):
+    if mlp_sidecars is not None and compute_units is not None:
         raise AnelabInputError(
-            "MLP sidecars are served by the numpy engine with NumPy evaluation only (not built for mlx-lm or Core ML "
-            "yet); pass --engine numpy and drop --compute-units"
+            "MLP sidecars are served with NumPy evaluation of the saved packages (Core ML serving is not built for "
+            "them yet); drop --compute-units"
         )
     arm_count = len(split_arms(sidecars is not None, mlp_sidecars is not None, indexer))
     layers = model.checkpoint if engine == "mlx" else model  # the geometry either way
@@ -444,7 +444,10 @@ def compare_arms(
         sidecar_set.runner = runtime_runner(sidecar_set, compute_units=compute_units, runtime=runtime)
     attention_served = sidecar_set is not None
     if mlp_sidecars is not None:
-        sidecar_set = with_mlp_sidecars(sidecar_set, open_block_sidecars(mlp_sidecars, model, layers=mlp_layers))
+        mlp_set = open_block_sidecars(mlp_sidecars, attention_layers, layers=mlp_layers)
+        if engine == "mlx":  # mlx-lm's order is chunk-major: keep every package open
+            mlp_set.keep_open = len(mlp_set.packages)
+        sidecar_set = with_mlp_sidecars(sidecar_set, mlp_set)
     arms = split_arms(attention_served, mlp_sidecars is not None, indexer)
     order = [("reference", "sidecar"), ("reference", "mlp-sidecar"), ("reference", "all-sidecar"),
              ("folded", "causal-only")]  # fmt: skip

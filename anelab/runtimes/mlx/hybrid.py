@@ -9,11 +9,13 @@ history read from mlx-lm's cache token-major [start, kv_heads, head_dim] (for a 
 input; a stateful sidecar holds it in its state), and the sidecar contract's additive mask
 (``masks.causal(C, start, valid_rows=n, window=W)``). The sidecar's ``attn_out`` goes back into the residual
 stream; its ``k_chunk`` / ``v_chunk`` are written into mlx-lm's cache with ``update_and_fetch``, so the rest of
-the prefill and the decode continue on MLX from the cache the sidecars filled. Everything else — linear
-attention, MoE, MLPs, norms, the LM head — is mlx-lm's own.
+the prefill and the decode continue on MLX from the cache the sidecars filled. The MLPs of ``mlp_layers`` are
+served likewise: mlx-lm calls ``mlp(x)`` with x [1, n, D] the MLP's post-norm rows, and their sidecar's output
+(``server.mlp.serve``, rows independent, no cache) goes back in its place. Everything else — linear attention,
+MoE, the other MLPs, norms, the LM head — is mlx-lm's own.
 
 A server is anything with ``chunk``, ``takes_history(layer)`` and ``serve(layer, start, normed, k_history,
-v_history, mask, start_offset=)`` (``anelab.arms.sidecars.SidecarSet``).
+v_history, mask, start_offset=)``, and for MLPs ``mlp.serve(layer, rows)`` (``anelab.arms.sidecars.SidecarSet``).
 """
 
 from __future__ import annotations
@@ -100,8 +102,12 @@ class Hybrid:
     clock: Callable[[], float] = time.perf_counter
     timing: HybridTiming = field(default_factory=HybridTiming)
     serving: bool = False
+    mlp_layers: tuple[int, ...] = ()  # the layers whose MLP the server's ``mlp`` serves in prefill
 
     def __post_init__(self):
+        stray = sorted(i for i in self.mlp_layers if not 0 <= i < self.mlx_model.num_layers)
+        if stray:
+            raise AnelabInputError(f"{self.mlx_model.path}: MLP layers {stray} are not layers of mlx-lm's model")
         have = set(self.mlx_model.attention_layers())
         stray = sorted(set(self.layers) - have)
         if stray:
@@ -148,11 +154,38 @@ class Hybrid:
         self.timing.calls += 1
         return out
 
+    def mlp(self, layer: int, x):
+        """One chunk's MLP input rows x [1, n, D] of ``layer`` through its MLP sidecar -> the MLP's output [1, n, D]."""
+        mx = mlx_core()
+        if x.shape[0] != 1:
+            raise AnelabInputError("the hybrid serves one prompt (batch 1)")
+        t0 = self.clock()
+        mx.eval(x)
+        t1 = self.clock()
+        rows = to_numpy(x[0].astype(mx.float16), np.float16)
+        t2 = self.clock()
+        out = self.server.mlp.serve(layer, rows)
+        t3 = self.clock()
+        result = mx.array(out[None]).astype(x.dtype)
+        self.timing.mlx_s += t1 - t0
+        self.timing.marshalling_s += (t2 - t1) + (self.clock() - t3)
+        self.timing.sidecar_s += t3 - t2
+        self.timing.calls += 1
+        return result
+
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        """Inside the block each served layer's attention is a ``SidecarAttention`` (mlx-lm's own while not
-        ``serving``)."""
+        """Inside the block each served layer's attention is a ``SidecarAttention`` and each served MLP a
+        ``SidecarMlp`` (mlx-lm's own while not ``serving``)."""
         base, hybrid = wrapper_class(), self
+
+        class SidecarMlp(base):
+            def __init__(self, wrapped, layer):
+                super().__init__(wrapped)
+                self.layer = layer
+
+            def __call__(self, x):
+                return hybrid.mlp(self.layer, x) if hybrid.serving else self.wrapped(x)
 
         class SidecarAttention(base):
             def __init__(self, wrapped, layer):
@@ -171,6 +204,11 @@ class Hybrid:
                 while getattr(owner, "is_wrapper", False):  # a tapped layer: its wrapped decoder layer owns self_attn
                     owner = owner["wrapped"]
                 stack.enter_context(replaced(owner, "self_attn", lambda a, i=i: SidecarAttention(a, i)))
+            for i in self.mlp_layers:
+                owner = layers[i]
+                while getattr(owner, "is_wrapper", False):
+                    owner = owner["wrapped"]
+                stack.enter_context(replaced(owner, "mlp", lambda m, i=i: SidecarMlp(m, i)))
             yield
 
 
