@@ -59,7 +59,8 @@ CASES = {("llama", "mlp"): "silu", ("qwen3", "mlp"): "silu", ("gemma3_text", "ml
 def made(tmp_path_factory):
     """family -> its checkpoint, written by mlx-lm."""
     root = tmp_path_factory.mktemp("blocks")
-    return {family: write_mlx_lm_checkpoint(root / family, config, seed=3) for family, config in CONFIGS.items()}
+    return {family: write_mlx_lm_checkpoint(root / family, config, seed=3 + i)  # a seed each: weights differ
+            for i, (family, config) in enumerate(CONFIGS.items())}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,13 @@ names a design (``tests/test_designs.py`` walks the tree for the names).
   tiles of ``query_tile`` rows, causality in-graph (``mask_mode`` ``causal``) or plus a mask input
   (``additive``, which also carries a folded selection). A sliding-window layer keeps a ring of about
   W + C slots instead (its ``layer_layout``: ``stateful_tiled.window_ring``), its window in-graph.
+
+Beside attention, the blocks without history (``Design.block``: a ``BlockReader`` says which layers have the block,
+how its weights and digests are read; verified by ``sidecar.verify_blocks``; not priced by the planner yet):
+
+- ``mlp``: one function ``c<C>`` per layer, ``mlp_out = down(act(gate(x)) * up(x))`` (``graphs.mlp``);
+- ``gdn-proj``: one function ``c<C>`` per linear-attention layer of a hybrid, its Gated DeltaNet input
+  projections qkv, z, b, a (``graphs.gdn_projections``).
 """
 
 from __future__ import annotations
