@@ -968,6 +968,14 @@ def _add_compare_arms(sub):
     p.add_argument(
         "--mlp-layers", type=_int_list, default=None, help="layers whose MLP the mlp arms serve (default: every layer)"
     )
+    p.add_argument(
+        "--gdn-sidecars",
+        default=None,
+        help="directory of --design gdn-proj packages (a Qwen 3.5 hybrid, mlx engine): adds the arm gdn-sidecar",
+    )
+    p.add_argument(
+        "--gdn-layers", type=_int_list, default=None, help="linear-attention layers the gdn arm serves (default: all)"
+    )
     p.add_argument("--prompt-tokens", type=int, default=None, help="random prompt length (fixed seed)")
     p.add_argument("--tokens", default=None, help="token ids file (JSON list or whitespace-separated) instead")
     p.add_argument("--decode", type=int, default=32, help="greedy tokens decoded on the reference path (default 32)")
@@ -1024,6 +1032,8 @@ def _run_compare_arms(args):
         resident_budget=None if args.resident_budget is None else _resident_bytes(args.resident_budget),
         mlp_sidecars=args.mlp_sidecars,
         mlp_layers=args.mlp_layers,
+        gdn_sidecars=args.gdn_sidecars,
+        gdn_layers=args.gdn_layers,
     )
     if args.json:
         _print_json(report.to_dict())

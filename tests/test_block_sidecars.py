@@ -246,17 +246,41 @@ def test_an_mlp_served_by_another_layers_package_is_caught(engine, made, exporte
     assert sorted(mlp.calls) == [(0, PROMPT - CHUNK), (0, CHUNK), (1, PROMPT - CHUNK), (1, CHUNK)]  # prefill only
 
 
-def test_the_mlx_hybrid_serves_a_qwen3_5s_mlps_and_attention_from_their_sidecars(made, exported, tmp_path):
-    """The Qwen 3.5 hybrid (mlx-lm runs its Gated DeltaNet layers): every MLP, its attention layer, or both on
-    sidecars, each split within fp16 noise of mlx-lm's own forward."""
+def test_the_mlx_hybrid_serves_a_qwen3_5s_mlps_projections_and_attention_from_their_sidecars(made, exported, tmp_path):
+    """The Qwen 3.5 hybrid (mlx-lm runs its Gated DeltaNet recurrence): every MLP, every linear-attention layer's
+    input projections, its attention layer, or all three on sidecars, each split within fp16 noise of mlx-lm's own
+    forward."""
     export_sidecars(made["qwen3_5"], tmp_path, CHUNK, [0, CHUNK], jobs=1)
-    report = compare_arms(made["qwen3_5"], tmp_path, PROMPT, decode=DECODE, mlp_sidecars=exported[("qwen3_5", "mlp")])
+    report = compare_arms(made["qwen3_5"], tmp_path, PROMPT, decode=DECODE, mlp_sidecars=exported[("qwen3_5", "mlp")],
+                          gdn_sidecars=exported[("qwen3_5", "gdn-proj")])  # fmt: skip
     assert report.engine == "mlx"
     pairs = {p.b: p for p in report.pairs}
-    assert set(pairs) == {"sidecar", "mlp-sidecar", "all-sidecar"}
+    assert set(pairs) == {"sidecar", "mlp-sidecar", "gdn-sidecar", "all-sidecar"}
     for pair in pairs.values():
         assert 0 < pair.prompt_logits_diff < NOISE and pair.first_divergent_layer is None
     assert all(d > 0 for d in pairs["mlp-sidecar"].layer_diffs)  # layer 0's MLP already served
+    assert pairs["gdn-sidecar"].layer_diffs[0] > 0 and pairs["sidecar"].layer_diffs[2] == 0  # attention: layer 3
+
+
+def test_gdn_projections_served_by_another_layers_package_are_caught(made, exported):
+    from anelab.arms.compare import open_engine_model
+    from anelab.arms.engines import run_arms_on
+    from anelab.arms.run import Arm
+    from anelab.arms.sidecars import SidecarSet
+
+    _, model = open_engine_model(made["qwen3_5"], "mlx")
+    gdn = open_block_sidecars(exported[("qwen3_5", "gdn-proj")], model.checkpoint, "gdn-proj")
+    gdn.packages[0], gdn.packages[1], gdn.keep_open = gdn.packages[1], gdn.packages[0], 3
+    gdn.calls = []
+    prompt = np.random.default_rng(7).integers(0, model.vocab_size, PROMPT)
+    runs = run_arms_on("mlx", model, prompt, [Arm("reference"), Arm("gdn-sidecar", gdn="sidecar")], decode=DECODE,
+                       sidecars=SidecarSet(gdn.directory, {}, gdn.chunk, gdn=gdn),
+                       layer_pairs=(("reference", "gdn-sidecar"),))  # fmt: skip
+    assert runs["gdn-sidecar"].layer_diffs["reference"][0] > 10 * NOISE
+    assert sorted(gdn.calls) == sorted([(i, r) for i in range(3) for r in (CHUNK, PROMPT - CHUNK)])  # once per chunk
+    with pytest.raises(AnelabInputError, match="served on the mlx engine"):
+        compare_arms(made["llama"], None, PROMPT, decode=1, engine="numpy", mlp_sidecars=exported[("llama", "mlp")],
+                     gdn_sidecars=exported[("qwen3_5", "gdn-proj")])  # fmt: skip
 
 
 def test_the_cli_exports_with_design_mlp_and_compare_arms_takes_mlp_sidecars(made, tmp_path, capsys):

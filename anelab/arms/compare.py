@@ -36,6 +36,7 @@ from anelab.sidecar.compare import (
     RELATIVE_ERROR_THRESHOLD,
     relative_error,
 )
+from anelab.sidecar.designs import GDN_PROJ
 
 NOISE = RELATIVE_ERROR_THRESHOLD  # a layer differs "beyond fp16 noise" above this relative difference
 NEAR_TIE, DIVERGENCE = "near-tie", "divergence"
@@ -405,6 +406,8 @@ def compare_arms(
     resident_budget: int | None = None,
     mlp_sidecars: str | os.PathLike | None = None,
     mlp_layers: list[int] | None = None,
+    gdn_sidecars: str | os.PathLike | None = None,
+    gdn_layers: list[int] | None = None,
 ) -> ArmsReport:
     """Run the arms on one prompt and compare them.
 
@@ -421,16 +424,19 @@ def compare_arms(
 
     ``mlp_sidecars``: a directory of ``--graph mlp`` packages (NumPy evaluation; either engine): adds the arm
     ``mlp-sidecar`` (every MLP of ``mlp_layers``, default all, from its package; attention from the reference) and,
-    with ``sidecars`` too, ``all-sidecar`` (both); each split is compared with the reference.
+    with ``sidecars`` too, ``all-sidecar`` (both); each split is compared with the reference. ``gdn_sidecars``: a
+    directory of ``--graph gdn-proj`` packages (a Qwen 3.5 hybrid, mlx engine): adds ``gdn-sidecar`` (the
+    projections of ``gdn_layers``, default every linear-attention layer, from their packages).
     """
 
     engine, model = open_engine_model(checkpoint, engine)
-    if mlp_sidecars is not None and compute_units is not None:
+    blocks = mlp_sidecars is not None or gdn_sidecars is not None
+    if blocks and compute_units is not None:
         raise AnelabInputError(
-            "MLP sidecars are served with NumPy evaluation of the saved packages (Core ML serving is not built for "
+            "block sidecars are served with NumPy evaluation of the saved packages (Core ML serving is not built for "
             "them yet); drop --compute-units"
         )
-    arm_count = len(split_arms(sidecars is not None, mlp_sidecars is not None, indexer))
+    arm_count = len(split_arms(sidecars is not None, mlp_sidecars is not None, indexer, gdn_sidecars is not None))
     layers = model.checkpoint if engine == "mlx" else model  # the geometry either way
     require_run_fits(layers, prompt_tokens if tokens is None else np.size(tokens), decode, arm_count)
     prompt = random_prompt(model.vocab_size, prompt_tokens or 0, seed) if tokens is None else np.asarray(tokens)
@@ -447,10 +453,14 @@ def compare_arms(
         mlp_set = open_block_sidecars(mlp_sidecars, attention_layers, layers=mlp_layers)
         if engine == "mlx":  # mlx-lm's order is chunk-major: keep every package open
             mlp_set.keep_open = len(mlp_set.packages)
-        sidecar_set = with_mlp_sidecars(sidecar_set, mlp_set)
-    arms = split_arms(attention_served, mlp_sidecars is not None, indexer)
-    order = [("reference", "sidecar"), ("reference", "mlp-sidecar"), ("reference", "all-sidecar"),
-             ("folded", "causal-only")]  # fmt: skip
+        sidecar_set = with_block_sidecars(sidecar_set, mlp_set)
+    if gdn_sidecars is not None:
+        gdn_set = open_block_sidecars(gdn_sidecars, attention_layers, GDN_PROJ, layers=gdn_layers)
+        gdn_set.keep_open = len(gdn_set.packages)  # the mlx engine's order is chunk-major
+        sidecar_set = with_block_sidecars(sidecar_set, gdn_set, "gdn")
+    arms = split_arms(attention_served, mlp_sidecars is not None, indexer, gdn_sidecars is not None)
+    order = [("reference", "sidecar"), ("reference", "mlp-sidecar"), ("reference", "gdn-sidecar"),
+             ("reference", "all-sidecar"), ("folded", "causal-only")]  # fmt: skip
     names = {arm.name for arm in arms}
     wanted = tuple((a, b) for a, b in order if a in names and b in names)
     options = {"resident_budget": resident_budget} if engine == "numpy" else {}
@@ -461,30 +471,34 @@ def compare_arms(
     return ArmsReport(model.path, prompt, decode, used, runs, pairs, engine)
 
 
-def with_mlp_sidecars(sidecars: SidecarSet | None, mlp: BlockSidecars) -> SidecarSet:
-    """``sidecars`` (None: no attention package, the set then carries only the MLPs' width) serving ``mlp`` too;
-    refused when the two widths differ."""
+def with_block_sidecars(sidecars: SidecarSet | None, block: BlockSidecars, slot: str = "mlp") -> SidecarSet:
+    """``sidecars`` (None: no attention package, the set then carries only the block's width) serving ``block`` in
+    its ``slot`` (``mlp`` or ``gdn``, the fields of ``SidecarSet``) too; refused when the widths differ."""
     if sidecars is None:
-        return SidecarSet(mlp.directory, {}, mlp.chunk, mlp=mlp)
-    if sidecars.chunk != mlp.chunk:
+        sidecars = SidecarSet(block.directory, {}, block.chunk)
+    if sidecars.chunk != block.chunk:
         raise AnelabInputError(
-            f"the MLP sidecars' chunk ({mlp.chunk}) differs from the attention sidecars' ({sidecars.chunk}); "
-            "export both with one --chunk"
+            f"the --graph {block.design.name} sidecars' chunk ({block.chunk}) differs from the other sidecars' "
+            f"({sidecars.chunk}); export them all with one --chunk"
         )
-    sidecars.mlp = mlp
+    setattr(sidecars, slot, block)
     return sidecars
 
 
-def split_arms(attention: bool, mlp: bool, indexer: Indexer | None) -> list[Arm]:
-    """The arms of one comparison: ``reference``; ``sidecar`` (attention on the sidecars), ``mlp-sidecar`` (MLPs on
-    theirs) and ``all-sidecar`` (both) for the sidecars given; an indexer's ``folded`` and ``causal-only``."""
+def split_arms(attention: bool, mlp: bool, indexer: Indexer | None, gdn: bool = False) -> list[Arm]:
+    """The arms of one comparison: ``reference``; for the sidecars given ``sidecar`` (attention on the sidecars),
+    ``mlp-sidecar`` (MLPs on theirs), ``gdn-sidecar`` (a hybrid's GDN input projections) and, with two kinds or
+    more, ``all-sidecar`` (every kind given); an indexer's ``folded`` and ``causal-only``."""
     arms = [Arm("reference")]
     if attention:
         arms.append(Arm("sidecar", "sidecar"))
     if mlp:
         arms.append(Arm("mlp-sidecar", mlp="sidecar"))
-        if attention:
-            arms.append(Arm("all-sidecar", "sidecar", mlp="sidecar"))
+    if gdn:
+        arms.append(Arm("gdn-sidecar", gdn="sidecar"))
+    if attention + mlp + gdn > 1:
+        served = {True: "sidecar", False: "reference"}
+        arms.append(Arm("all-sidecar", served[attention], mlp=served[mlp], gdn=served[gdn]))
     if indexer is not None:
         served = "sidecar" if attention else "reference"
         arms += [Arm("folded", served, indexer, fold=True), Arm("causal-only", served, indexer, fold=False)]

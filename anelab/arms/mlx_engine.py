@@ -78,6 +78,8 @@ def _check_mlx_arm(arm: Arm, sidecars: SidecarSet | None) -> dict[int, str]:
         raise AnelabInputError(f"arm {arm.name} runs on the sidecars; pass the sidecar directory")
     if arm.mlp == "sidecar" and (sidecars is None or sidecars.mlp is None):
         raise AnelabInputError(f"arm {arm.name} runs its MLPs on sidecars; pass the MLP sidecar directory")
+    if arm.gdn == "sidecar" and (sidecars is None or sidecars.gdn is None):
+        raise AnelabInputError(f"arm {arm.name} runs its GDN projections on sidecars; pass their sidecar directory")
     p = arm.perturbation
     if p is None:
         return {}
@@ -105,10 +107,12 @@ def _run_one(model: MlxArmsModel, prompt: np.ndarray, arm: Arm, decode: int, chu
 
     cache = model.mlx.make_cache()
     hybrid = None
-    if arm.attention == "sidecar" or arm.mlp == "sidecar":
+    if "sidecar" in (arm.attention, arm.mlp, arm.gdn):
         attention = tuple(sidecars.packages) if arm.attention == "sidecar" else ()
         mlps = tuple(sidecars.mlp.packages) if arm.mlp == "sidecar" else ()
-        hybrid = Hybrid(model.mlx, sidecars, model.geometry, attention, controls=controls, mlp_layers=mlps)
+        gdns = tuple(sidecars.gdn.packages) if arm.gdn == "sidecar" else ()
+        hybrid = Hybrid(model.mlx, sidecars, model.geometry, attention, controls=controls, mlp_layers=mlps,
+                        gdn_layers=gdns)  # fmt: skip
     with tapped_layers(model.mlx, sink):
         with hybrid.installed() if hybrid is not None else contextlib.nullcontext():
             logits = prefill(model.mlx, prompt, chunk, cache, hybrid, on_chunk=lambda s: at.update(start=s))

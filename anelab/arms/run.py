@@ -84,9 +84,10 @@ class Arm:
     fold: bool = True
     perturbation: Perturbation | None = None
     mlp: str = "reference"  # ``sidecar``: every layer the sidecars' MLP set serves takes its MLP from its package
+    gdn: str = "reference"  # ``sidecar``: a hybrid's Gated DeltaNet input projections from theirs (MLX engine only)
 
     def __post_init__(self):
-        for server in (self.attention, self.mlp):  # who serves the attention, who the MLPs
+        for server in (self.attention, self.mlp, self.gdn):  # who serves the attention, the MLPs, the projections
             if server not in ATTENTIONS:
                 raise AnelabInputError(f"arm {self.name}: served by {server!r}; use one of {', '.join(ATTENTIONS)}")
 
@@ -293,6 +294,11 @@ def _check_arm(arm: Arm, model: ModelCheckpoint, sidecars: SidecarSet | None) ->
         raise AnelabInputError(f"arm {arm.name} runs on the sidecars; pass the sidecar directory")
     if arm.mlp == "sidecar" and (sidecars is None or sidecars.mlp is None):
         raise AnelabInputError(f"arm {arm.name} runs its MLPs on sidecars; pass the MLP sidecar directory")
+    if arm.gdn == "sidecar":
+        raise AnelabInputError(
+            f"arm {arm.name}: Gated DeltaNet projections are served on the mlx engine (anelab's NumPy forward does not "
+            "run hybrids); pass --engine mlx"
+        )
     p = arm.perturbation
     if p is not None:
         if not 0 <= p.layer < model.num_layers:

@@ -49,6 +49,7 @@ class SidecarSet:
     metadata: dict[int, SidecarMetadata] = field(default_factory=dict)
     calls: list | None = None
     mlp: BlockSidecars | None = None  # the MLP sidecars an arm with ``mlp="sidecar"`` is served by (None: none)
+    gdn: BlockSidecars | None = None  # the GDN projections' sidecars (``gdn="sidecar"``; the MLX hybrid serves them)
 
     def design(self, layer: int) -> Design:
         return design_of(self.metadata[layer], str(self.packages[layer]))
@@ -117,8 +118,12 @@ class BlockSidecars:
     _opened: dict = field(default_factory=dict, repr=False)
 
     def serve(self, layer: int, rows: np.ndarray) -> np.ndarray:
-        """rows [r, D] (r <= C; the block's input, e.g. the MLP's post-norm rows) -> the block's output float32 [r, D]
-        for the r real rows (padded with zero rows to C, read back without them)."""
+        """rows [r, D] (r <= C; the block's input, e.g. the MLP's post-norm rows) -> the block's (first) output
+        float32 [r, n] for the r real rows (padded with zero rows to C, read back without them)."""
+        return self.serve_all(layer, rows)[self.design.block.outputs[0]]
+
+    def serve_all(self, layer: int, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """rows [r, D] -> every output of the block, float32 [r, n_output] for the r real rows (``serve``)."""
         from anelab.sidecar.evaluate import SavedPackage  # heavy: coremltools
 
         r, width = rows.shape[0], self.chunk
@@ -133,8 +138,8 @@ class BlockSidecars:
         if self.calls is not None:
             self.calls.append((int(layer), int(r)))
         function = self.metadata[layer].functions[0]
-        out = self._opened[layer].evaluate(function, {"hidden": hidden})[self.design.block.outputs[0]]
-        return np.asarray(out, np.float32).reshape(width, -1)[:r]
+        out = self._opened[layer].evaluate(function, {"hidden": hidden})
+        return {name: np.asarray(out[name], np.float32).reshape(width, -1)[:r] for name in self.design.block.outputs}
 
 
 def open_block_sidecars(directory: str | os.PathLike, model, name: str = MLP,
@@ -148,6 +153,8 @@ def open_block_sidecars(directory: str | os.PathLike, model, name: str = MLP,
     if not directory.is_dir():
         raise AnelabInputError(f"{name} sidecar directory {directory} does not exist; export them into it first")
     have = design.block.layers(checkpoint)
+    if not have:
+        raise AnelabInputError(f"{checkpoint.path} has no layer with a --graph {name} block")
     layers = have if layers is None else sorted({int(layer) for layer in layers})
     packages, metas = {}, {}
     for layer in layers:
