@@ -267,6 +267,7 @@ def test_gdn_projections_served_by_another_layers_package_are_caught(made, expor
     from anelab.arms.engines import run_arms_on
     from anelab.arms.run import Arm
     from anelab.arms.sidecars import SidecarSet
+    from anelab.checkpoints.model import load_model
 
     _, model = open_engine_model(made["qwen3_5"], "mlx")
     gdn = open_block_sidecars(exported[("qwen3_5", "gdn-proj")], model.checkpoint, "gdn-proj")
@@ -278,9 +279,10 @@ def test_gdn_projections_served_by_another_layers_package_are_caught(made, expor
                        layer_pairs=(("reference", "gdn-sidecar"),))  # fmt: skip
     assert runs["gdn-sidecar"].layer_diffs["reference"][0] > 10 * NOISE
     assert sorted(gdn.calls) == sorted([(i, r) for i in range(3) for r in (CHUNK, PROMPT - CHUNK)])  # once per chunk
-    with pytest.raises(AnelabInputError, match="served on the mlx engine"):
-        compare_arms(made["llama"], None, PROMPT, decode=1, engine="numpy", mlp_sidecars=exported[("llama", "mlp")],
-                     gdn_sidecars=exported[("qwen3_5", "gdn-proj")])  # fmt: skip
+    with pytest.raises(AnelabInputError, match="served on the mlx engine"):  # the NumPy forward runs no hybrid
+        run_arms_on("numpy", load_model(made["llama"]), prompt, [Arm("gdn", gdn="sidecar")], decode=1)
+    with pytest.raises(AnelabInputError, match="has no layer with a --graph gdn-proj block"):
+        compare_arms(made["llama"], None, PROMPT, decode=1, gdn_sidecars=exported[("qwen3_5", "gdn-proj")])
 
 
 def test_the_cli_exports_with_design_mlp_and_compare_arms_takes_mlp_sidecars(made, tmp_path, capsys):
