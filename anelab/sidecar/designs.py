@@ -41,6 +41,7 @@ from anelab.core.limits import MAX_FUNCTIONS, MAX_POSITIONS, require_at_most, re
 from anelab.core.masks import MASKED, dense_exact_window
 from anelab.core.weights import AttentionWeights
 from anelab.sidecar import drivers, verify_blocks, verify_cases
+from anelab.sidecar.block_designs import BlockReader, build_gdn_projections, build_mlp, no_prompt_driver
 from anelab.sidecar.format import (
     MAX_STATE_CAPACITY,
     STATE_CAPACITY_META,
@@ -51,8 +52,8 @@ from anelab.sidecar.format import (
 )
 from anelab.sidecar.graphs.common import SidecarShape
 from anelab.sidecar.graphs.dense import build_dense_program
-from anelab.sidecar.graphs.gdn_projections import GDN_PROJECTIONS, build_gdn_projection_program
-from anelab.sidecar.graphs.mlp import MLP_OUTPUT, MLP_PROJECTIONS, build_mlp_program
+from anelab.sidecar.graphs.gdn_projections import GDN_PROJECTIONS
+from anelab.sidecar.graphs.mlp import MLP_OUTPUT, MLP_PROJECTIONS
 from anelab.sidecar.graphs.stateful import build_stateful_program
 from anelab.sidecar.graphs.stateful_tiled import (
     MAX_TILED_STATE_CAPACITY,
@@ -62,7 +63,7 @@ from anelab.sidecar.graphs.stateful_tiled import (
     window_ring,
 )
 from anelab.sidecar.graphs.tiled import build_tiled_program, validate_key_tile
-from anelab.sidecar.quantize import require_compressible, validate_weights_mode
+from anelab.sidecar.quantize import validate_weights_mode
 
 # the designs' names: written here and nowhere else (tests/test_designs.py)
 DENSE, TILED, STATEFUL, STATEFUL_TILED = "dense", "tiled", "stateful", "stateful-tiled"
@@ -136,28 +137,6 @@ class PlannerPricing:
     ops: Callable[[int, int | None, int | None, int | None], int]
     whole_key_tiles: bool = False
     window_ring: Callable[[int, int, int | None], tuple[int, int]] | None = None
-
-
-@dataclass(frozen=True)
-class BlockReader:
-    """What a non-attention design reads from a checkpoint (``anelab.checkpoints.blocks``). ``kind``: what its
-    package records (``anelab.block``); ``layers(checkpoint)``: the layers that have the block; ``weights(checkpoint,
-    layer)``: its float32 weights, finite; ``digests(checkpoint, layer)``: tensor name -> digest of its tensors;
-    ``projections``: its MIL linear ops' output names -> weight field (compression reads them back); ``outputs``:
-    the function's outputs; ``source_record(checkpoint, layer, weights_mode)``: what its package records as
-    ``anelab.sourceFormat``."""
-
-    kind: str
-    layers: Callable
-    weights: Callable
-    digests: Callable
-    projections: dict[str, str]
-    outputs: tuple[str, ...]
-    source_record: Callable
-
-    def require_compressible(self, mode: str, weights) -> None:
-        """Refuse (one line) a compression ``mode`` that would silently skip one of ``weights``' projections."""
-        require_compressible(mode, {f: getattr(weights, f).shape for f in self.projections.values()})
 
 
 def _block_options(design: Design, geometry: AttentionGeometry, chunk: int, histories, given: dict) -> SidecarOptions:
@@ -512,25 +491,11 @@ def stateful_tiled_ops(chunk: int, capacity: int, key_tile: int, query_tile: int
     return OPS_STATEFUL_TILED_BASE + OPS_PER_TILE_PAIR * (chunk // query_tile) * (capacity // key_tile)
 
 
-def _build_mlp(geometry, weights, options: SidecarOptions, width: int):
-    return build_mlp_program(weights, geometry.hidden_size, width)
-
-
-def _build_gdn_projections(geometry, weights, options: SidecarOptions, width: int):
-    return build_gdn_projection_program(weights, geometry.hidden_size, width)
-
-
-def _no_prompt_driver(*args, **kwargs):
-    raise AnelabInputError(
-        "a block package's rows are independent: it has no prompt driver; run its c<C> function on each chunk"
-    )
-
-
 _BLOCK = dict(
     stateful=False,
     option_names=frozenset(),
     options_rule=_block_options,
-    drive_prompt=_no_prompt_driver,
+    drive_prompt=no_prompt_driver,
     verifies_on_device=False,
     mask_input=lambda meta: False,
 )
@@ -610,14 +575,14 @@ DESIGNS: dict[str, Design] = {
         _block_design(
             MLP,
             "one function c<C> per layer: the MLP, down(act(gate(x)) * up(x)), the family's activation; no history",
-            _build_mlp,
+            build_mlp,
             _MLP_READER,
             verify_blocks.MLP_CASES,
         ),
         _block_design(
             GDN_PROJ,
             "one function c<C> per linear-attention layer: its Gated DeltaNet input projections qkv, z, b, a",
-            _build_gdn_projections,
+            build_gdn_projections,
             _GDN_READER,
             verify_blocks.GDN_CASES,
         ),
