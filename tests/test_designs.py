@@ -37,8 +37,10 @@ REGISTRY = PACKAGE / "sidecar" / "designs.py"
 NAMES = set(DESIGNS) | set(RENAMED)
 # the one other word that spells a design name: the full-scores probe graph as records written before its
 # rename call it (studies.gather_sizing.RECORDED_PROBE_NAMES) — a record's word, read under the new name, not a design
-# and the decoder layer's MLP norm slot (checkpoints.model.NormSlots.mlp), a tensor slot's name, not a design
-RECORD_WORDS = {("anelab/studies/gather_sizing.py", "dense"), ("anelab/checkpoints/model.py", "mlp")}
+# and the MLP's name in other code: the decoder layer's norm slot (checkpoints.model.NormSlots.mlp) and mlx-lm's
+# decoder layer attribute the hybrid swaps (runtimes.mlx.hybrid) — a tensor slot's and a module's name, not a design
+RECORD_WORDS = {("anelab/studies/gather_sizing.py", "dense"), ("anelab/checkpoints/model.py", "mlp"),
+                ("anelab/runtimes/mlx/hybrid.py", "mlp")}  # fmt: skip
 CHUNK, PROMPT = 8, 13  # two chunk starts (0, 8); the second chunk is partial (5 rows)
 GEOMETRY = AttentionGeometry(
     variant="qwen3", hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, num_layers=2,

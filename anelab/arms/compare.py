@@ -457,7 +457,7 @@ def compare_arms(
     if gdn_sidecars is not None:
         gdn_set = open_block_sidecars(gdn_sidecars, attention_layers, GDN_PROJ, layers=gdn_layers)
         gdn_set.keep_open = len(gdn_set.packages)  # the mlx engine's order is chunk-major
-        sidecar_set = with_block_sidecars(sidecar_set, gdn_set, "gdn")
+        sidecar_set = with_block_sidecars(sidecar_set, gdn_set)
     arms = split_arms(attention_served, mlp_sidecars is not None, indexer, gdn_sidecars is not None)
     order = [("reference", "sidecar"), ("reference", "mlp-sidecar"), ("reference", "gdn-sidecar"),
              ("reference", "all-sidecar"), ("folded", "causal-only")]  # fmt: skip
@@ -471,9 +471,10 @@ def compare_arms(
     return ArmsReport(model.path, prompt, decode, used, runs, pairs, engine)
 
 
-def with_block_sidecars(sidecars: SidecarSet | None, block: BlockSidecars, slot: str = "mlp") -> SidecarSet:
-    """``sidecars`` (None: no attention package, the set then carries only the block's width) serving ``block`` in
-    its ``slot`` (``mlp`` or ``gdn``, the fields of ``SidecarSet``) too; refused when the widths differ."""
+def with_block_sidecars(sidecars: SidecarSet | None, block: BlockSidecars) -> SidecarSet:
+    """``sidecars`` (None: no attention package, the set then carries only the block's width) serving ``block`` too,
+    in the field of ``SidecarSet`` named after its kind (``BlockReader.kind``: mlp, gdn); refused when the widths
+    differ."""
     if sidecars is None:
         sidecars = SidecarSet(block.directory, {}, block.chunk)
     if sidecars.chunk != block.chunk:
@@ -481,7 +482,7 @@ def with_block_sidecars(sidecars: SidecarSet | None, block: BlockSidecars, slot:
             f"the --graph {block.design.name} sidecars' chunk ({block.chunk}) differs from the other sidecars' "
             f"({sidecars.chunk}); export them all with one --chunk"
         )
-    setattr(sidecars, slot, block)
+    setattr(sidecars, block.design.block.kind, block)
     return sidecars
 
 

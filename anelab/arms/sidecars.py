@@ -48,7 +48,8 @@ class SidecarSet:
     runner: SidecarRunner | None = None
     metadata: dict[int, SidecarMetadata] = field(default_factory=dict)
     calls: list | None = None
-    mlp: BlockSidecars | None = None  # the MLP sidecars an arm with ``mlp="sidecar"`` is served by (None: none)
+    # the block sidecars, each in the field named after its kind (designs.BlockReader.kind; None: none given)
+    mlp: BlockSidecars | None = None  # the MLP sidecars an arm with ``mlp="sidecar"`` is served by
     gdn: BlockSidecars | None = None  # the GDN projections' sidecars (``gdn="sidecar"``; the MLX hybrid serves them)
 
     def design(self, layer: int) -> Design:
