@@ -388,8 +388,8 @@ class Design:
     def require_arms(self, where: str) -> None:
         if self.block is not None:
             raise AnelabInputError(
-                f"{where} is a --graph {self.name} package, not an attention sidecar; the arms take --graph {MLP} "
-                "packages as --mlp-sidecars (no other block is served yet)"
+                f"{where} is a --graph {self.name} package, not an attention sidecar; the arms take block packages as "
+                f"--mlp-sidecars (--graph {MLP}) or --gdn-sidecars (--graph {GDN_PROJ})"
             )
         if not self.served_by_arms:
             served = ", ".join(d.name for d in DESIGNS.values() if d.served_by_arms)
