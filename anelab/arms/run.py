@@ -436,7 +436,8 @@ def arm_groups(
     """Which arms run together, each group in a process of its own: one group (this process) unless the arms are
     several, the order is layer-major, the weights are resident, this machine has two cores or more, worker
     processes are forked (``core.parallel.start_method``: they inherit the opened model and sidecars), the sidecars
-    (if any) are served by a runner that keeps nothing its caller reads (``numpy_runner``; no call log), and every
+    (if any) are served by a runner that keeps nothing its caller reads (``numpy_runner``; no call log, the MLP
+    sidecars' neither), and every
     process's resident weights and every arm's layer outputs [L, P, D] float32 fit half this process's memory;
     then arms i, i + n, i + 2n, ... form group i of n = min(arms, cores, ``DEFAULT_MAX_JOBS``).
 
@@ -446,7 +447,8 @@ def arm_groups(
     from anelab.core.parallel import DEFAULT_MAX_JOBS, available_cores, start_method
 
     n = min(arms, available_cores(), DEFAULT_MAX_JOBS)
-    served_anywhere = sidecars is None or (sidecars.calls is None and getattr(sidecars.runner, "forkable", False))
+    served_anywhere = sidecars is None or (sidecars.calls is None and getattr(sidecars.runner, "forkable", False)
+                                           and (sidecars.mlp is None or sidecars.mlp.calls is None))  # fmt: skip
     if n < 2 or order != "layer" or weights.mode != RESIDENT or start_method() != "fork" or not served_anywhere:
         return [list(range(arms))]
     hidden = arms * model.num_layers * prompt_tokens * model.geometry.hidden_size * 4
