@@ -28,7 +28,7 @@ from anelab.core.weights import random_attention_weights
 from anelab.runtimes.fake import FakeRuntime
 from anelab.runtimes.open import open_sidecar
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
-from anelab.sidecar.designs import DESIGNS, RENAMED, get_design
+from anelab.sidecar.designs import ATTENTION_DESIGNS, DESIGNS, RENAMED, get_design
 from anelab.sidecar.export import export_sidecars
 from anelab.sidecar.prompt import prompt_reference
 
@@ -37,7 +37,10 @@ REGISTRY = PACKAGE / "sidecar" / "designs.py"
 NAMES = set(DESIGNS) | set(RENAMED)
 # the one other word that spells a design name: the full-scores probe graph as records written before its
 # rename call it (sidecar.graphs.probe_graphs.RECORDED_PROBE_NAMES) — a record's word, read under the new name, not a design
-RECORD_WORDS = {("anelab/sidecar/graphs/probe_graphs.py", "dense")}
+# and the MLP's name in other code: the decoder layer's norm slot (checkpoints.model.NormSlots.mlp) and mlx-lm's
+# decoder layer attribute the hybrid swaps (runtimes.mlx.hybrid) — a tensor slot's and a module's name, not a design
+RECORD_WORDS = {("anelab/sidecar/graphs/probe_graphs.py", "dense"), ("anelab/checkpoints/model.py", "mlp"),
+                ("anelab/runtimes/mlx/hybrid.py", "mlp")}  # fmt: skip
 CHUNK, PROMPT = 8, 13  # two chunk starts (0, 8); the second chunk is partial (5 rows)
 GEOMETRY = AttentionGeometry(
     variant="qwen3", hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, num_layers=2,
@@ -126,7 +129,8 @@ def exported(model_dir, tmp_path_factory):
     """design -> the directory of its packages (every layer; covering the PROMPT-token prompt)."""
     root = tmp_path_factory.mktemp("design-packages")
     out = {}
-    for name, design in DESIGNS.items():
+    for name in ATTENTION_DESIGNS:  # the block designs' own tests: tests/test_block_sidecars.py
+        design = DESIGNS[name]
         histories = None if design.stateful else [0, CHUNK]
         options = {"capacity": 2 * CHUNK} if design.stateful else {}
         export_sidecars(model_dir, root / name, CHUNK, histories, graph=name, **options)
@@ -158,7 +162,7 @@ def _prompt_through_open_sidecar(sidecar, hidden: np.ndarray, *, carry: bool = T
     return np.concatenate(outs)
 
 
-@pytest.mark.parametrize("name", list(DESIGNS))
+@pytest.mark.parametrize("name", ATTENTION_DESIGNS)
 def test_open_sidecar_serves_every_design_through_the_fake(name, exported, model_dir):
     model = load_model(model_dir)
     package = exported[name] / "layer_0.mlpackage"
@@ -189,7 +193,7 @@ def test_a_mask_given_to_a_package_without_a_mask_input_is_refused(exported):
     assert runtime.loads == []
 
 
-@pytest.mark.parametrize("name", list(DESIGNS))
+@pytest.mark.parametrize("name", ATTENTION_DESIGNS)
 def test_the_arms_serve_every_design_or_refuse_it_before_anything_loads(name, exported, model_dir, monkeypatch):
     model = load_model(model_dir)
     design = get_design(name)
@@ -219,7 +223,7 @@ CONTROL_RUNNERS = {"dense": "negative_controls", "tiled": "negative_controls", "
                    "stateful-tiled": "stateful_tiled_controls"}  # fmt: skip
 
 
-@pytest.mark.parametrize("name", list(DESIGNS))
+@pytest.mark.parametrize("name", ATTENTION_DESIGNS)
 def test_verify_passes_only_when_every_declared_control_ran(name, exported, model_dir, monkeypatch):
     from anelab.core.geometry import AttentionGeometry as Geometry
     from anelab.sidecar import verify_cases

@@ -71,7 +71,7 @@ def test_package_from_a_different_checkpoint_fails_verification(exported, tiny_c
     )
     with pytest.raises(AnelabInputError, match=r"tensor model\.layers\.\d+\.self_attn\.\S+ differs"):
         verify_package(pkg, other)
-    monkeypatch.setattr(compare_module, "require_same_tensors", lambda meta, checkpoint: None)
+    monkeypatch.setattr(compare_module, "require_same_tensors", lambda meta, checkpoint, digests=None: None)
     report = verify_package(pkg, other)
     assert not report.passed
     assert not report.vacuous

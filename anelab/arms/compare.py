@@ -19,7 +19,14 @@ import numpy as np
 
 from anelab.arms.engines import run_arms_on
 from anelab.arms.run import REFERENCE_CHUNK, Arm, ArmRun, Indexer
-from anelab.arms.sidecars import numpy_runner, open_sidecars, runtime_runner
+from anelab.arms.sidecars import (
+    BlockSidecars,
+    SidecarSet,
+    numpy_runner,
+    open_block_sidecars,
+    open_sidecars,
+    runtime_runner,
+)
 from anelab.checkpoints.model import ModelCheckpoint, load_model
 from anelab.core.errors import AnelabInputError
 from anelab.core.files import decode_utf8, parse_json, read_bytes
@@ -29,6 +36,7 @@ from anelab.sidecar.compare import (
     RELATIVE_ERROR_THRESHOLD,
     relative_error,
 )
+from anelab.sidecar.designs import GDN_PROJ
 
 NOISE = RELATIVE_ERROR_THRESHOLD  # a layer differs "beyond fp16 noise" above this relative difference
 NEAR_TIE, DIVERGENCE = "near-tie", "divergence"
@@ -396,6 +404,10 @@ def compare_arms(
     runtime=None,
     engine: str = "auto",
     resident_budget: int | None = None,
+    mlp_sidecars: str | os.PathLike | None = None,
+    mlp_layers: list[int] | None = None,
+    gdn_sidecars: str | os.PathLike | None = None,
+    gdn_layers: list[int] | None = None,
 ) -> ArmsReport:
     """Run the arms on one prompt and compare them.
 
@@ -409,10 +421,22 @@ def compare_arms(
     reference arm is it too), ``mlx`` on mlx-lm (the reference arm is mlx-lm's own forward, the sidecar arm
     the hybrid). ``resident_budget`` (bytes, numpy engine): the decoder weights are kept resident when their
     float32 size fits it, else streamed (``arms.resident``; default ``RESIDENT_BUDGET_BYTES``, 0 streams).
+
+    ``mlp_sidecars``: a directory of ``--graph mlp`` packages (NumPy evaluation; either engine): adds the arm
+    ``mlp-sidecar`` (every MLP of ``mlp_layers``, default all, from its package; attention from the reference) and,
+    with ``sidecars`` too, ``all-sidecar`` (both); each split is compared with the reference. ``gdn_sidecars``: a
+    directory of ``--graph gdn-proj`` packages (a Qwen 3.5 hybrid, mlx engine): adds ``gdn-sidecar`` (the
+    projections of ``gdn_layers``, default every linear-attention layer, from their packages).
     """
 
     engine, model = open_engine_model(checkpoint, engine)
-    arm_count = 1 + (sidecars is not None) + 2 * (indexer is not None)
+    blocks = mlp_sidecars is not None or gdn_sidecars is not None
+    if blocks and compute_units is not None:
+        raise AnelabInputError(
+            "block sidecars are served with NumPy evaluation of the saved packages (Core ML serving is not built for "
+            "them yet); drop --compute-units"
+        )
+    arm_count = len(split_arms(sidecars is not None, mlp_sidecars is not None, indexer, gdn_sidecars is not None))
     layers = model.checkpoint if engine == "mlx" else model  # the geometry either way
     require_run_fits(layers, prompt_tokens if tokens is None else np.size(tokens), decode, arm_count)
     prompt = random_prompt(model.vocab_size, prompt_tokens or 0, seed) if tokens is None else np.asarray(tokens)
@@ -424,13 +448,19 @@ def compare_arms(
         if sidecar_set is None:
             raise AnelabInputError("compute units apply to the sidecar arm; pass the sidecar directory too")
         sidecar_set.runner = runtime_runner(sidecar_set, compute_units=compute_units, runtime=runtime)
-    arms = [Arm("reference")]
-    if sidecar_set is not None:
-        arms.append(Arm("sidecar", "sidecar"))
-    if indexer is not None:
-        served = "sidecar" if sidecar_set is not None else "reference"
-        arms += [Arm("folded", served, indexer, fold=True), Arm("causal-only", served, indexer, fold=False)]
-    order = [("reference", "sidecar"), ("folded", "causal-only")]
+    attention_served = sidecar_set is not None
+    if mlp_sidecars is not None:
+        mlp_set = open_block_sidecars(mlp_sidecars, attention_layers, layers=mlp_layers)
+        if engine == "mlx":  # mlx-lm's order is chunk-major: keep every package open
+            mlp_set.keep_open = len(mlp_set.packages)
+        sidecar_set = with_block_sidecars(sidecar_set, mlp_set)
+    if gdn_sidecars is not None:
+        gdn_set = open_block_sidecars(gdn_sidecars, attention_layers, GDN_PROJ, layers=gdn_layers)
+        gdn_set.keep_open = len(gdn_set.packages)  # the mlx engine's order is chunk-major
+        sidecar_set = with_block_sidecars(sidecar_set, gdn_set)
+    arms = split_arms(attention_served, mlp_sidecars is not None, indexer, gdn_sidecars is not None)
+    order = [("reference", "sidecar"), ("reference", "mlp-sidecar"), ("reference", "gdn-sidecar"),
+             ("reference", "all-sidecar"), ("folded", "causal-only")]  # fmt: skip
     names = {arm.name for arm in arms}
     wanted = tuple((a, b) for a, b in order if a in names and b in names)
     options = {"resident_budget": resident_budget} if engine == "numpy" else {}
@@ -439,6 +469,41 @@ def compare_arms(
     pairs = [compare_runs(runs[a], runs[b]) for a, b in wanted]
     used = sidecar_set.chunk if sidecar_set else (chunk or REFERENCE_CHUNK)
     return ArmsReport(model.path, prompt, decode, used, runs, pairs, engine)
+
+
+def with_block_sidecars(sidecars: SidecarSet | None, block: BlockSidecars) -> SidecarSet:
+    """``sidecars`` (None: no attention package, the set then carries only the block's width) serving ``block`` too,
+    in the field of ``SidecarSet`` named after its kind (``BlockReader.kind``: mlp, gdn); refused when the widths
+    differ."""
+    if sidecars is None:
+        sidecars = SidecarSet(block.directory, {}, block.chunk)
+    if sidecars.chunk != block.chunk:
+        raise AnelabInputError(
+            f"the --graph {block.design.name} sidecars' chunk ({block.chunk}) differs from the other sidecars' "
+            f"({sidecars.chunk}); export them all with one --chunk"
+        )
+    setattr(sidecars, block.design.block.kind, block)
+    return sidecars
+
+
+def split_arms(attention: bool, mlp: bool, indexer: Indexer | None, gdn: bool = False) -> list[Arm]:
+    """The arms of one comparison: ``reference``; for the sidecars given ``sidecar`` (attention on the sidecars),
+    ``mlp-sidecar`` (MLPs on theirs), ``gdn-sidecar`` (a hybrid's GDN input projections) and, with two kinds or
+    more, ``all-sidecar`` (every kind given); an indexer's ``folded`` and ``causal-only``."""
+    arms = [Arm("reference")]
+    if attention:
+        arms.append(Arm("sidecar", "sidecar"))
+    if mlp:
+        arms.append(Arm("mlp-sidecar", mlp="sidecar"))
+    if gdn:
+        arms.append(Arm("gdn-sidecar", gdn="sidecar"))
+    if attention + mlp + gdn > 1:
+        served = {True: "sidecar", False: "reference"}
+        arms.append(Arm("all-sidecar", served[attention], mlp=served[mlp], gdn=served[gdn]))
+    if indexer is not None:
+        served = "sidecar" if attention else "reference"
+        arms += [Arm("folded", served, indexer, fold=True), Arm("causal-only", served, indexer, fold=False)]
+    return arms
 
 
 def named_with_sidecars(

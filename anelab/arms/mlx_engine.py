@@ -1,7 +1,8 @@
 """The arms on mlx-lm (``run_arms(..., engine="mlx")``): the reference arm is mlx-lm's own forward of the
-checkpoint, the sidecar arm the hybrid (``anelab.runtimes.mlx.hybrid``: every full-attention layer's prefill
-chunks on its saved sidecar, everything else mlx-lm's), both prefilled in chunks of the sidecars' width with
-mlx-lm's caches threaded, then decoded greedily on mlx-lm from the cache each arm left.
+checkpoint, the sidecar arms the hybrid (``anelab.runtimes.mlx.hybrid``: every full-attention layer's prefill
+chunks on its saved sidecar, and / or the MLPs of the MLP sidecar set on theirs, everything else mlx-lm's), all
+prefilled in chunks of the sidecars' width with mlx-lm's caches threaded, then decoded greedily on mlx-lm from the
+cache each arm left.
 
 It runs every family mlx-lm runs, hybrids (Qwen 3.5's Gated DeltaNet layers) and MoE included; the NumPy engine
 (``anelab.core.decoder``) stays the independent reference where it covers a family. Each layer's output rows
@@ -73,8 +74,12 @@ def _check_mlx_arm(arm: Arm, sidecars: SidecarSet | None) -> dict[int, str]:
         raise AnelabInputError(
             f"arm {arm.name}: the sparse-indexer (mask fold) arms run on the NumPy engine (--engine numpy)"
         )
-    if arm.attention == "sidecar" and sidecars is None:
+    if arm.attention == "sidecar" and (sidecars is None or not sidecars.packages):
         raise AnelabInputError(f"arm {arm.name} runs on the sidecars; pass the sidecar directory")
+    if arm.mlp == "sidecar" and (sidecars is None or sidecars.mlp is None):
+        raise AnelabInputError(f"arm {arm.name} runs its MLPs on sidecars; pass the MLP sidecar directory")
+    if arm.gdn == "sidecar" and (sidecars is None or sidecars.gdn is None):
+        raise AnelabInputError(f"arm {arm.name} runs its GDN projections on sidecars; pass their sidecar directory")
     p = arm.perturbation
     if p is None:
         return {}
@@ -102,8 +107,12 @@ def _run_one(model: MlxArmsModel, prompt: np.ndarray, arm: Arm, decode: int, chu
 
     cache = model.mlx.make_cache()
     hybrid = None
-    if arm.attention == "sidecar":
-        hybrid = Hybrid(model.mlx, sidecars, model.geometry, tuple(sidecars.packages), controls=controls)
+    if "sidecar" in (arm.attention, arm.mlp, arm.gdn):
+        attention = tuple(sidecars.packages) if arm.attention == "sidecar" else ()
+        mlps = tuple(sidecars.mlp.packages) if arm.mlp == "sidecar" else ()
+        gdns = tuple(sidecars.gdn.packages) if arm.gdn == "sidecar" else ()
+        hybrid = Hybrid(model.mlx, sidecars, model.geometry, attention, controls=controls, mlp_layers=mlps,
+                        gdn_layers=gdns)  # fmt: skip
     with tapped_layers(model.mlx, sink):
         with hybrid.installed() if hybrid is not None else contextlib.nullcontext():
             logits = prefill(model.mlx, prompt, chunk, cache, hybrid, on_chunk=lambda s: at.update(start=s))

@@ -9,6 +9,8 @@ An *arm* says who serves each attention layer during prefill and with which mask
   ``anelab.core.selection`` folded into each chunk's mask) vs ``causal-only`` (the causal mask alone — what
   a sidecar without the fold computes); the indexer sparsifies the full-attention layers, a sliding
   layer keeps its window (every arm applies a layer's window, ``geometry.window_of``, in prefill and decode);
+- ``mlp="sidecar"`` (any arm): each layer's MLP that the sidecars' MLP set serves (``SidecarSet.mlp``, packages of
+  ``--graph mlp``; every layer or a chosen few) comes from its package during prefill, the rest from NumPy;
 - a negative control: any arm with one layer perturbed (``mask_dropped``: that layer attends to
   every key of the chunk's coverage; ``rope_shifted``: that layer's chunks after the first are rotated
   one position late against their cached history — reference-served layers only; a shift of every
@@ -81,10 +83,13 @@ class Arm:
     indexer: Indexer | None = None
     fold: bool = True
     perturbation: Perturbation | None = None
+    mlp: str = "reference"  # ``sidecar``: every layer the sidecars' MLP set serves takes its MLP from its package
+    gdn: str = "reference"  # ``sidecar``: a hybrid's Gated DeltaNet input projections from theirs (MLX engine only)
 
     def __post_init__(self):
-        if self.attention not in ATTENTIONS:
-            raise AnelabInputError(f"arm {self.name}: attention {self.attention!r}; use one of {', '.join(ATTENTIONS)}")
+        for server in (self.attention, self.mlp, self.gdn):  # who serves the attention, the MLPs, the projections
+            if server not in ATTENTIONS:
+                raise AnelabInputError(f"arm {self.name}: served by {server!r}; use one of {', '.join(ATTENTIONS)}")
 
 
 # ---- one arm -------------------------------------------------------------------------------------------------
@@ -180,7 +185,16 @@ def _layer_rows(model, layer: int, state: _Layer, x, start: int, arm: Arm, sidec
         attn, k, v = _attend(model, layer, state, normed, start, arm, sidecars, prefill=prefill)
         state.k.append(k.astype(np.float32))
         state.v.append(v.astype(np.float32))
-        return finish_layer(x, attn, state.weights, model.eps)
+        return finish_layer(x, attn, state.weights, model.eps, mlp=_mlp_server(layer, arm, sidecars, prefill=prefill))
+
+
+def _mlp_server(layer: int, arm: Arm, sidecars, *, prefill: bool):
+    """Who computes ``layer``'s MLP for this call: its sidecar in an arm's prefill with ``mlp="sidecar"`` when the
+    sidecars serve that layer's MLP ((normed rows [r, D]) -> [r, D]); else None (the layer's weights, in NumPy)."""
+    served = prefill and arm.mlp == "sidecar" and sidecars is not None and sidecars.mlp is not None
+    if not served or layer not in sidecars.mlp.packages:
+        return None
+    return lambda rows: sidecars.mlp.serve(layer, rows)
 
 
 @dataclass
@@ -276,8 +290,15 @@ def _decode_step_together(model, runs: list[tuple[Arm, list[_Layer]]], tokens: l
 
 
 def _check_arm(arm: Arm, model: ModelCheckpoint, sidecars: SidecarSet | None) -> None:
-    if arm.attention == "sidecar" and sidecars is None:
+    if arm.attention == "sidecar" and (sidecars is None or not sidecars.packages):
         raise AnelabInputError(f"arm {arm.name} runs on the sidecars; pass the sidecar directory")
+    if arm.mlp == "sidecar" and (sidecars is None or sidecars.mlp is None):
+        raise AnelabInputError(f"arm {arm.name} runs its MLPs on sidecars; pass the MLP sidecar directory")
+    if arm.gdn == "sidecar":
+        raise AnelabInputError(
+            f"arm {arm.name}: Gated DeltaNet projections are served on the mlx engine (anelab's NumPy forward does not "
+            "run hybrids); pass --engine mlx"
+        )
     p = arm.perturbation
     if p is not None:
         if not 0 <= p.layer < model.num_layers:
@@ -415,7 +436,8 @@ def arm_groups(
     """Which arms run together, each group in a process of its own: one group (this process) unless the arms are
     several, the order is layer-major, the weights are resident, this machine has two cores or more, worker
     processes are forked (``core.parallel.start_method``: they inherit the opened model and sidecars), the sidecars
-    (if any) are served by a runner that keeps nothing its caller reads (``numpy_runner``; no call log), and every
+    (if any) are served by a runner that keeps nothing its caller reads (``numpy_runner``; no call log, the MLP
+    sidecars' neither), and every
     process's resident weights and every arm's layer outputs [L, P, D] float32 fit half this process's memory;
     then arms i, i + n, i + 2n, ... form group i of n = min(arms, cores, ``DEFAULT_MAX_JOBS``).
 
@@ -425,7 +447,8 @@ def arm_groups(
     from anelab.core.parallel import DEFAULT_MAX_JOBS, available_cores, start_method
 
     n = min(arms, available_cores(), DEFAULT_MAX_JOBS)
-    served_anywhere = sidecars is None or (sidecars.calls is None and getattr(sidecars.runner, "forkable", False))
+    served_anywhere = sidecars is None or (sidecars.calls is None and getattr(sidecars.runner, "forkable", False)
+                                           and (sidecars.mlp is None or sidecars.mlp.calls is None))  # fmt: skip
     if n < 2 or order != "layer" or weights.mode != RESIDENT or start_method() != "fork" or not served_anywhere:
         return [list(range(arms))]
     hidden = arms * model.num_layers * prompt_tokens * model.geometry.hidden_size * 4

@@ -24,7 +24,7 @@ from anelab.sidecar.compare import (
     require_same_geometry,
     require_same_tensors,
 )
-from anelab.sidecar.designs import Design, design_of
+from anelab.sidecar.designs import MLP, Design, design_of, get_design
 from anelab.sidecar.format import STATE_NAMES, SidecarMetadata, function_name, read_sidecar_metadata
 
 # (layer, chunk start, valid rows, inputs) -> outputs {attn_out [C, D], k_chunk [Hkv, C, d], v_chunk [Hkv, C, d]}
@@ -48,6 +48,9 @@ class SidecarSet:
     runner: SidecarRunner | None = None
     metadata: dict[int, SidecarMetadata] = field(default_factory=dict)
     calls: list | None = None
+    # the block sidecars, each in the field named after its kind (designs.BlockReader.kind; None: none given)
+    mlp: BlockSidecars | None = None  # the MLP sidecars an arm with ``mlp="sidecar"`` is served by
+    gdn: BlockSidecars | None = None  # the GDN projections' sidecars (``gdn="sidecar"``; the MLX hybrid serves them)
 
     def design(self, layer: int) -> Design:
         return design_of(self.metadata[layer], str(self.packages[layer]))
@@ -97,6 +100,93 @@ class SidecarSet:
         attn = np.asarray(out["attn_out"], np.float32).reshape(width, g["hidden_size"])[:rows]
         k, v = (np.asarray(out[n], np.float32).reshape(kv)[:, :rows].transpose(1, 0, 2) for n in ("k_chunk", "v_chunk"))
         return attn, k, v
+
+
+@dataclass
+class BlockSidecars:
+    """One non-attention block's saved packages (the MLP's: ``--graph mlp``), one per served layer, checked against
+    one checkpoint. ``serve`` runs one chunk of one layer's rows through its function ``c<C>`` (rows independent, no
+    history), evaluated from disk with NumPy; ``calls``: when a list, every served chunk is appended as
+    (layer, rows)."""
+
+    directory: Path
+    design: Design
+    packages: dict[int, Path]
+    chunk: int
+    metadata: dict[int, SidecarMetadata] = field(default_factory=dict)
+    calls: list | None = None
+    keep_open: int = 2
+    _opened: dict = field(default_factory=dict, repr=False)
+
+    def serve(self, layer: int, rows: np.ndarray) -> np.ndarray:
+        """rows [r, D] (r <= C; the block's input, e.g. the MLP's post-norm rows) -> the block's (first) output
+        float32 [r, n] for the r real rows (padded with zero rows to C, read back without them)."""
+        return self.serve_all(layer, rows)[self.design.block.outputs[0]]
+
+    def serve_all(self, layer: int, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """rows [r, D] -> every output of the block, float32 [r, n_output] for the r real rows (``serve``)."""
+        from anelab.sidecar.evaluate import SavedPackage  # heavy: coremltools
+
+        r, width = rows.shape[0], self.chunk
+        if not 0 < r <= width:
+            raise AnelabInputError(f"a block sidecar call takes 1..{width} rows, got {r}")
+        hidden = np.zeros((width, rows.shape[1]), np.float16)
+        hidden[:r] = rows
+        if layer not in self._opened:
+            while len(self._opened) >= max(1, self.keep_open):
+                self._opened.pop(next(iter(self._opened)))
+            self._opened[layer] = SavedPackage(self.packages[layer])
+        if self.calls is not None:
+            self.calls.append((int(layer), int(r)))
+        function = self.metadata[layer].functions[0]
+        out = self._opened[layer].evaluate(function, {"hidden": hidden})
+        return {name: np.asarray(out[name], np.float32).reshape(width, -1)[:r] for name in self.design.block.outputs}
+
+
+def open_block_sidecars(directory: str | os.PathLike, model, name: str = MLP,
+                        layers: list[int] | None = None) -> BlockSidecars:  # fmt: skip
+    """Check ``directory/layer_<L>.mlpackage`` of the block design ``name`` (default the MLP's) for each layer of
+    ``layers`` (default: every layer that has the block) against the checkpoint (``model``: a ``ModelCheckpoint`` or an
+    opened ``Checkpoint``). Refuses (one line): a missing directory or package, a package of another design or layer,
+    from another checkpoint (geometry, or a digest of the block's tensors), chunk widths that differ."""
+    design, checkpoint = get_design(name), _checkpoint_of(model)
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise AnelabInputError(f"{name} sidecar directory {directory} does not exist; export them into it first")
+    have = design.block.layers(checkpoint)
+    if not have:
+        raise AnelabInputError(f"{checkpoint.path} has no layer with a --graph {name} block")
+    layers = have if layers is None else sorted({int(layer) for layer in layers})
+    packages, metas = {}, {}
+    for layer in layers:
+        if layer not in have:
+            raise AnelabInputError(f"layer {layer} has no --graph {name} block; its layers: {','.join(map(str, have))}")
+        path = directory / f"layer_{layer}.mlpackage"
+        if not path.exists():
+            raise AnelabInputError(
+                f"{directory}: layer_{layer}.mlpackage is missing; export it with 'anelab export CHECKPOINT --graph {name} "
+                f"--out {directory} --layers {layer}' at the same --chunk"
+            )
+        meta = read_sidecar_metadata(path)
+        if design_of(meta, str(path)) is not design:
+            raise AnelabInputError(
+                f"{path} is a --graph {meta.graph} package, not --graph {name}; pass a {name} export"
+            )
+        if meta.layer != layer:
+            raise AnelabInputError(
+                f"{path} records layer {meta.layer}, not {layer}; keep each package under its own name"
+            )
+        require_same_geometry(meta, checkpoint.geometry, checkpoint.path)
+        require_same_tensors(meta, checkpoint, design.block.digests)
+        packages[layer], metas[layer] = path, meta
+    widths = sorted({meta.chunk for meta in metas.values()})
+    if len(widths) != 1:
+        raise AnelabInputError(
+            f"{directory}: the {name} packages' chunk widths differ ({', '.join(map(str, widths))}); re-export with one --chunk"
+            if widths
+            else f"{directory}: no {name} package was asked for"
+        )
+    return BlockSidecars(directory, design, packages, widths[0], metas)
 
 
 def state_rows(read, start: int, chunk: int) -> dict[str, np.ndarray]:

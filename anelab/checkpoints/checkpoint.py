@@ -203,16 +203,22 @@ class Checkpoint:
         name = self.tensor_name(layer, "qkv_proj.weight" if self.family.fused_qkv else "q_proj.weight")
         return self.tensors.storage(name) if self.has_tensor(name) else "missing"
 
-    def source_record(self, layer: int, weights_mode: str = "fp16") -> dict:
+    def source_record(
+        self, layer: int, weights_mode: str = "fp16", block: str = "attention", stem: str | None = None
+    ) -> dict:
         """What a package of ``layer`` records about where its weights came from (``anelab.sourceFormat``): the
-        format, how the layer's attention tensors are stored and, from a quantized source, that the sidecar holds
-        the dequantized projections (stored ``weights_mode``: fp16, or re-compressed)."""
-        stem = self.tensor_name(int(layer), "")
-        storage = sorted({self.tensors.storage(n) for n in self.tensors.names() if n.startswith(stem)})
-        record = {"format": self.format, "attention_storage": storage, "quantized": self.quantized}
+        format, how the layer's ``block`` tensors are stored (the attention's, or those named ``layers.{L}.{stem}*``)
+        and, from a quantized source, that the sidecar holds the dequantized projections (stored ``weights_mode``:
+        fp16, or re-compressed)."""
+        start = self.tensor_name(int(layer), "") if stem is None else f"{self.prefix}layers.{int(layer)}.{stem}"
+        storage = sorted({self.tensors.storage(n) for n in self.tensors.names() if n.startswith(start)})
+        key = "attention_storage" if stem is None else "block_storage"  # a block's: "block" names it
+        record = {"format": self.format, key: storage, "quantized": self.quantized}
+        if stem is not None:
+            record["block"] = block
         if self.quantized:
             stored = "fp16" if weights_mode == "fp16" else f"fp16, then compressed {weights_mode}"
-            record["sidecar_weights"] = f"the dequantized attention projections ({stored})"
+            record["sidecar_weights"] = f"the dequantized {block} projections ({stored})"
         return record
 
     def describe(self) -> str:

@@ -236,6 +236,12 @@ class ModelCheckpoint:
     def attention(self, layer: int) -> AttentionWeights:
         return self.checkpoint.layer(layer)
 
+    def mlp(self, layer: int) -> MlpWeights | PlainMlpWeights | MoeWeights:
+        """One layer's MLP weights (float32), read now (its norms are not read)."""
+        if not 0 <= int(layer) < self.num_layers:
+            raise AnelabInputError(f"layer {layer} is out of range 0..{self.num_layers - 1}")
+        return self._layer_mlp(int(layer))
+
     def rope_coverage(self, prompt_tokens: int, decode: int) -> int | None:
         """The coverage that picks a run's RoPE table (``dynamic`` / ``longrope``; None for the other types).
 
@@ -440,6 +446,40 @@ def _scalars(checkpoint: Checkpoint, family: DecoderFamily, model_type: str) -> 
     if cap is not None:
         out["logit_softcap"] = config_number({"final_logit_softcapping": cap}, "final_logit_softcapping", cap)
     return out
+
+
+# Hybrids whose MLPs (not their linear-attention layers) anelab reads: a dense gated MLP, ``hidden_act`` (SiLU by
+# default), no biases (transformers modeling_qwen3_5.py Qwen3_5MLP; mlx-lm models/qwen3_5.py MLP). Routed experts
+# (qwen3_next, qwen3_5_moe) are refused by ``_moe_options``.
+HYBRID_MLP_FAMILIES: dict[str, DecoderFamily] = {
+    name: DecoderFamily(zero_centred=True) for name in ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3_5_moe",
+                                                        "qwen3_5_moe_text")
+}  # fmt: skip
+
+
+def load_mlp_model(path: str | os.PathLike | Checkpoint | ModelCheckpoint) -> ModelCheckpoint:
+    """A checkpoint opened for its MLPs only (``ModelCheckpoint.mlp``): ``load_model``, or for a hybrid in
+    ``HYBRID_MLP_FAMILIES`` (whose whole-model forward anelab does not run) its dense MLPs; routed experts refused."""
+    if isinstance(path, ModelCheckpoint):
+        return path
+    checkpoint = load_checkpoint(path)
+    family = HYBRID_MLP_FAMILIES.get(checkpoint.model_type)
+    if family is None:
+        return load_model(checkpoint)
+    text = text_config(checkpoint.config)
+    if text.get("num_experts"):
+        raise AnelabInputError(
+            f"model_type {checkpoint.model_type}: its MLPs are routed experts (num_experts), which anelab does not "
+            "export as MLP sidecars; export --design gdn-proj or attention instead"
+        )
+    return ModelCheckpoint(
+        checkpoint=checkpoint,
+        family=family,
+        vocab_size=config_int(text, "vocab_size", minimum=0),
+        intermediate=config_int(text, "intermediate_size", minimum=0),
+        tied=config_flag(text, "tie_word_embeddings", family.tie_default),
+        activation=_activation(text, family, checkpoint.model_type),
+    )
 
 
 def load_model(path: str | os.PathLike | Checkpoint | ModelCheckpoint) -> ModelCheckpoint:

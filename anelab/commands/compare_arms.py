@@ -8,7 +8,7 @@ import argparse
 from anelab.arms.compare import compare_arms, named_with_sidecars, read_tokens
 from anelab.arms.run import Indexer
 from anelab.checkpoints.default import named_checkpoints
-from anelab.commands.arguments import CHECKPOINT_HELP, print_json
+from anelab.commands.arguments import CHECKPOINT_HELP, int_list, print_json
 from anelab.core.errors import AnelabInputError
 
 
@@ -18,6 +18,23 @@ def setup_arg_parser(p: argparse.ArgumentParser) -> None:
         help=CHECKPOINT_HELP + "; by name, its sidecars are exported first when --sidecars names a new directory",
     )
     p.add_argument("--sidecars", default=None, help="directory of layer_<L>.mlpackage for every full-attention layer")
+    p.add_argument(
+        "--mlp-sidecars",
+        default=None,
+        help="directory of --design mlp packages: adds the arms mlp-sidecar (MLPs on their sidecars) and, with "
+        "--sidecars, all-sidecar (numpy engine)",
+    )
+    p.add_argument(
+        "--mlp-layers", type=int_list, default=None, help="layers whose MLP the mlp arms serve (default: every layer)"
+    )
+    p.add_argument(
+        "--gdn-sidecars",
+        default=None,
+        help="directory of --design gdn-proj packages (a Qwen 3.5 hybrid, mlx engine): adds the arm gdn-sidecar",
+    )
+    p.add_argument(
+        "--gdn-layers", type=int_list, default=None, help="linear-attention layers the gdn arm serves (default: all)"
+    )
     p.add_argument("--prompt-tokens", type=int, default=None, help="random prompt length (fixed seed)")
     p.add_argument("--tokens", default=None, help="token ids file (JSON list or whitespace-separated) instead")
     p.add_argument("--decode", type=int, default=32, help="greedy tokens decoded on the reference path (default 32)")
@@ -75,6 +92,10 @@ def main(args) -> int:
         compute_units=args.compute_units,
         engine=args.engine,
         resident_budget=None if args.resident_budget is None else resident_bytes(args.resident_budget),
+        mlp_sidecars=args.mlp_sidecars,
+        mlp_layers=args.mlp_layers,
+        gdn_sidecars=args.gdn_sidecars,
+        gdn_layers=args.gdn_layers,
     )
     if args.json:
         print_json(report.to_dict())

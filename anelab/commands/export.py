@@ -41,9 +41,12 @@ def setup_arg_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--graph",
+        "--design",
+        dest="graph",
         default=None,
         help="sidecar design (anelab.sidecar.designs; default dense): dense | tiled (online softmax over key tiles) | "
-        "stateful (K/V as Core ML state) | stateful-tiled (K/V in state, key and query tiles)",
+        "stateful (K/V as Core ML state) | stateful-tiled (K/V in state, key and query tiles) | mlp (every layer's MLP, "
+        "one function c<C>, no --histories) | gdn-proj (a hybrid's Gated DeltaNet input projections, likewise)",
     )
     p.add_argument("--query-tile", type=int, default=None, help="stateful-tiled graph: chunk rows per query tile")
     p.add_argument(

@@ -252,13 +252,18 @@ def _residual_add(x: np.ndarray, branch: np.ndarray, norm: Norm | None, layer: D
     return x + branch
 
 
-def finish_layer(hidden: np.ndarray, attn_out: np.ndarray, layer: DecoderLayerWeights, eps: float) -> np.ndarray:
+def finish_layer(
+    hidden: np.ndarray, attn_out: np.ndarray, layer: DecoderLayerWeights, eps: float, mlp=None
+) -> np.ndarray:
     """The rest of the layer after the attention: its output norm, residual add, MLP (between its norms), residual add.
 
-    hidden [T, D] the layer's input, attn_out [T, D] the attention branch (o_proj output) -> [T, D].
+    hidden [T, D] the layer's input, attn_out [T, D] the attention branch (o_proj output) -> [T, D]. ``mlp``: who
+    computes the MLP, (normed rows [T, D]) -> [T, D] (a saved sidecar); None: ``mlp_forward`` with the layer's weights.
     """
     h = _residual_add(hidden.astype(DTYPE), attn_out, layer.attention_out_norm, layer, eps)
-    return _residual_add(h, mlp_forward(apply_norm(h, layer.mlp_norm, eps), layer.mlp), layer.mlp_out_norm, layer, eps)
+    normed = apply_norm(h, layer.mlp_norm, eps)
+    branch = mlp_forward(normed, layer.mlp) if mlp is None else mlp(normed)
+    return _residual_add(h, branch, layer.mlp_out_norm, layer, eps)
 
 
 def linear(x: np.ndarray, weight, block_bytes: int = LINEAR_BLOCK_BYTES) -> np.ndarray:

@@ -95,14 +95,14 @@ class Comparison:
 
 
 def load_matching_checkpoint(
-    meta: SidecarMetadata, checkpoint_dir: str | os.PathLike | Checkpoint | None = None
+    meta: SidecarMetadata, checkpoint_dir: str | os.PathLike | Checkpoint | None = None, digests=None
 ) -> Checkpoint:
     """The checkpoint a package was exported from: ``checkpoint_dir`` (a directory or an opened
     ``Checkpoint``), else the path the package records; refused (one line) when it is missing or its
-    geometry or tensors differ from the package's."""
+    geometry or tensors differ from the package's (``digests``: as ``require_same_tensors``)."""
     if isinstance(checkpoint_dir, Checkpoint):
         require_same_geometry(meta, checkpoint_dir.geometry, checkpoint_dir.path)
-        require_same_tensors(meta, checkpoint_dir)
+        require_same_tensors(meta, checkpoint_dir, digests)
         return checkpoint_dir
     source = Path(checkpoint_dir) if checkpoint_dir is not None else Path(meta.source)
     if not is_checkpoint(source):
@@ -112,17 +112,18 @@ def load_matching_checkpoint(
         )
     checkpoint = load_checkpoint(source)
     require_same_geometry(meta, checkpoint.geometry, source)
-    require_same_tensors(meta, checkpoint)
+    require_same_tensors(meta, checkpoint, digests)
     return checkpoint
 
 
-def require_same_tensors(meta: SidecarMetadata, checkpoint: Checkpoint) -> None:
+def require_same_tensors(meta: SidecarMetadata, checkpoint: Checkpoint, digests=None) -> None:
     """Refuse (one line, naming the first differing tensor) a checkpoint whose attention tensors of the
     package's layer differ from those it was built from; the path does not matter (a copy or a new
-    revision with the same tensors is accepted). A package that records no digests is not judged here."""
+    revision with the same tensors is accepted). A package that records no digests is not judged here.
+    ``digests(checkpoint, layer)``: a block design's tensors instead (``designs.BlockReader.digests``)."""
     if meta.source_tensors is None:
         return
-    have = checkpoint.attention_digests(meta.layer)
+    have = checkpoint.attention_digests(meta.layer) if digests is None else digests(checkpoint, meta.layer)
     for name in sorted(set(meta.source_tensors) | set(have)):
         if meta.source_tensors.get(name) != have.get(name):
             how = (

@@ -18,20 +18,30 @@ names a design (``tests/test_designs.py`` walks the tree for the names).
   tiles of ``query_tile`` rows, causality in-graph (``mask_mode`` ``causal``) or plus a mask input
   (``additive``, which also carries a folded selection). A sliding-window layer keeps a ring of about
   W + C slots instead (its ``layer_layout``: ``stateful_tiled.window_ring``), its window in-graph.
+
+Beside attention, the blocks without history (``Design.block``: a ``BlockReader`` says which layers have the block,
+how its weights and digests are read; verified by ``sidecar.verify_blocks``; not priced by the planner yet):
+
+- ``mlp``: one function ``c<C>`` per layer, ``mlp_out = down(act(gate(x)) * up(x))`` (``graphs.mlp``);
+- ``gdn-proj``: one function ``c<C>`` per linear-attention layer of a hybrid, its Gated DeltaNet input
+  projections qkv, z, b, a (``graphs.gdn_projections``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from anelab.checkpoints import blocks as checkpoint_blocks
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import AttentionGeometry, chunk_starts, coverage, score_bytes, validate_chunk_and_histories
 from anelab.core.limits import MAX_FUNCTIONS, MAX_POSITIONS, require_at_most, require_memory
 from anelab.core.masks import MASKED, dense_exact_window
 from anelab.core.weights import AttentionWeights
-from anelab.sidecar import drivers, verify_cases
+from anelab.sidecar import drivers, verify_blocks, verify_cases
+from anelab.sidecar.block_designs import BlockReader, build_gdn_projections, build_mlp, no_prompt_driver
 from anelab.sidecar.format import (
     MAX_STATE_CAPACITY,
     STATE_CAPACITY_META,
@@ -42,6 +52,8 @@ from anelab.sidecar.format import (
 )
 from anelab.sidecar.graphs.common import SidecarShape
 from anelab.sidecar.graphs.dense import build_dense_program
+from anelab.sidecar.graphs.gdn_projections import GDN_PROJECTIONS
+from anelab.sidecar.graphs.mlp import MLP_OUTPUT, MLP_PROJECTIONS
 from anelab.sidecar.graphs.stateful import build_stateful_program
 from anelab.sidecar.graphs.stateful_tiled import (
     MAX_TILED_STATE_CAPACITY,
@@ -55,6 +67,7 @@ from anelab.sidecar.quantize import validate_weights_mode
 
 # the designs' names: written here and nowhere else (tests/test_designs.py)
 DENSE, TILED, STATEFUL, STATEFUL_TILED = "dense", "tiled", "stateful", "stateful-tiled"
+MLP, GDN_PROJ = "mlp", "gdn-proj"  # the non-attention blocks' designs (one chunk-shaped function c<C> per layer)
 
 # Non-const MIL ops of one function as built (before coremltools' passes), counted on built programs
 # (tests/test_stateful_tiled.py checks the formulas): a stateful-tiled function has a fixed part
@@ -124,6 +137,16 @@ class PlannerPricing:
     ops: Callable[[int, int | None, int | None, int | None], int]
     whole_key_tiles: bool = False
     window_ring: Callable[[int, int, int | None], tuple[int, int]] | None = None
+
+
+def _block_options(design: Design, geometry: AttentionGeometry, chunk: int, histories, given: dict) -> SidecarOptions:
+    """A block design's options: the chunk only (its one function has no history)."""
+    if histories is not None:
+        raise AnelabInputError(
+            f"--histories applies to the attention designs; a --graph {design.name} function has no history "
+            "(one c<C> per layer): drop it"
+        )
+    return SidecarOptions(chunk, (0,))
 
 
 def _no_state_options(
@@ -262,6 +285,7 @@ class Design:
     # (options, the layer's sliding window or None) -> the layer's own metadata fields (key_tile,
     # query_tile, ring_slots) and its builder's extra arguments; refuses a layer the options cannot serve
     layer_layout: Callable[[SidecarOptions, int | None], dict] | None = None
+    block: BlockReader | None = None  # a non-attention block's design (None: attention)
 
     # ---- options -----------------------------------------------------------------------------------------
     def options(
@@ -293,7 +317,7 @@ class Design:
             raise AnelabInputError(
                 f"{FLAGS[stray[0]]} applies to --graph {' or '.join(takers)}, not {self.name}; drop it or change --graph"
             )
-        validate_weights_mode(weights, geometry)
+        validate_weights_mode(weights, geometry if self.block is None else None)  # a block checks its own shapes
         _require_export_bounds_before(chunk, histories, given.get("capacity"))
         opts = self.options_rule(self, geometry, chunk, histories, given)
         _require_export_bounds(self, geometry, opts)
@@ -307,19 +331,24 @@ class Design:
     # ---- functions -----------------------------------------------------------------------------------------
     def function_names(self, options: SidecarOptions) -> list[str]:
         """The package's function names, in merge order."""
+        if self.block is not None:
+            return [stateful_function_name(options.chunk)]
         if self.stateful:
             return [stateful_function_name(w) for w in options.widths]
         return [function_name(h) for h in options.histories]
 
     def function_for(self, chunk: int, start: int) -> str:
         """The function that serves the chunk starting at ``start``."""
-        return stateful_function_name(chunk) if self.stateful else function_name(start)
+        return stateful_function_name(chunk) if self.stateful or self.block is not None else function_name(start)
 
     def builds(
         self, geometry: AttentionGeometry, weights: AttentionWeights, options: SidecarOptions
     ) -> dict[str, Callable[[], object]]:
         """Function name -> a builder of its MIL program (built on demand: one at a time in memory)."""
         keys = options.widths if self.stateful else list(options.histories)
+        if self.block is not None:
+            self.block.require_compressible(options.weights, weights)
+            keys = [options.chunk]
         return {
             name: (lambda key=key: self.builder(geometry, weights, options, key))
             for name, key in zip(self.function_names(options), keys, strict=True)
@@ -333,6 +362,7 @@ class Design:
             "mask_mode": options.mask_mode,
             "state_capacity": options.capacity,
             "state_functions": list(functions) if self.stateful else None,
+            "block": None if self.block is None else self.block.kind,
         }
         return {**fields, **self.layer_fields(options, window)}
 
@@ -356,6 +386,11 @@ class Design:
 
     # ---- asks that must be refused in one line -------------------------------------------------------------
     def require_arms(self, where: str) -> None:
+        if self.block is not None:
+            raise AnelabInputError(
+                f"{where} is a --graph {self.name} package, not an attention sidecar; the arms take block packages as "
+                f"--mlp-sidecars (--graph {MLP}) or --gdn-sidecars (--graph {GDN_PROJ})"
+            )
         if not self.served_by_arms:
             served = ", ".join(d.name for d in DESIGNS.values() if d.served_by_arms)
             raise AnelabInputError(
@@ -456,6 +491,28 @@ def stateful_tiled_ops(chunk: int, capacity: int, key_tile: int, query_tile: int
     return OPS_STATEFUL_TILED_BASE + OPS_PER_TILE_PAIR * (chunk // query_tile) * (capacity // key_tile)
 
 
+_BLOCK = dict(
+    stateful=False,
+    option_names=frozenset(),
+    options_rule=_block_options,
+    drive_prompt=no_prompt_driver,
+    verifies_on_device=False,
+    mask_input=lambda meta: False,
+)
+_MLP_READER = BlockReader(MLP, checkpoint_blocks.mlp_layers, checkpoint_blocks.mlp_weights,
+                          checkpoint_blocks.mlp_digests, MLP_PROJECTIONS, (MLP_OUTPUT,), checkpoint_blocks.mlp_source_record)  # fmt: skip
+_GDN_READER = BlockReader("gdn", checkpoint_blocks.linear_attention_layers, checkpoint_blocks.gdn_projection_weights,
+                          checkpoint_blocks.gdn_digests, GDN_PROJECTIONS, tuple(GDN_PROJECTIONS),
+                          checkpoint_blocks.gdn_source_record)  # fmt: skip
+
+
+def _block_design(name: str, summary: str, builder, reader: BlockReader, cases: verify_blocks.BlockCases) -> Design:
+    """A non-attention block's design: verified by ``verify_blocks`` with its reader and cases."""
+    return Design(name, summary, builder=builder, block=reader,
+                  verify=functools.partial(verify_blocks.verify_block_package, reader=reader, cases=cases),
+                  controls=cases.declared, **_BLOCK)  # fmt: skip
+
+
 _PER_HISTORY = dict(
     stateful=False,
     options_rule=_no_state_options,
@@ -515,8 +572,24 @@ DESIGNS: dict[str, Design] = {
             layer_layout=_stateful_tiled_layout,
             **{**_STATEFUL, "takes_selection": True},
         ),
+        _block_design(
+            MLP,
+            "one function c<C> per layer: the MLP, down(act(gate(x)) * up(x)), the family's activation; no history",
+            build_mlp,
+            _MLP_READER,
+            verify_blocks.MLP_CASES,
+        ),
+        _block_design(
+            GDN_PROJ,
+            "one function c<C> per linear-attention layer: its Gated DeltaNet input projections qkv, z, b, a",
+            build_gdn_projections,
+            _GDN_READER,
+            verify_blocks.GDN_CASES,
+        ),
     )
 }
+ATTENTION_DESIGNS = tuple(name for name, d in DESIGNS.items() if d.block is None)
+BLOCK_DESIGNS = tuple(name for name, d in DESIGNS.items() if d.block is not None)
 DEFAULT_DESIGN = DENSE
 PRICED = tuple(name for name, d in DESIGNS.items() if d.pricing is not None)
 

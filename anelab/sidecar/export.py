@@ -268,7 +268,7 @@ def export_design(
     than Core ML (``sidecar.backends``) derives its sidecar from the merged package (no Core ML gate)."""
     target = get_backend(backend)
     gate = gate if target.gated else None
-    builds = design.builds(checkpoint.geometry, require_finite_weights(checkpoint, checkpoint.layer(layer)), options)
+    builds = design.builds(checkpoint.geometry, layer_weights(checkpoint, design, layer), options)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     dest = target.package_path(out_dir, layer)
@@ -292,6 +292,14 @@ def export_design(
         shutil.rmtree(work, ignore_errors=True)
 
 
+def layer_weights(checkpoint, design: Design, layer: int):
+    """The weights ``design`` builds ``layer``'s functions from: its block's (``Design.block``), else the attention's
+    (``AttentionWeights``), refused in one line when a value is not finite."""
+    if design.block is not None:
+        return design.block.weights(checkpoint, layer)
+    return require_finite_weights(checkpoint, checkpoint.layer(layer))
+
+
 def package_metadata(
     checkpoint,
     layer: int,
@@ -302,11 +310,16 @@ def package_metadata(
     evidence: dict,
 ) -> SidecarMetadata:
     """What the finished package records about itself (``variants``: the converted functions)."""
+    window = checkpoint.geometry.window_of(layer) if design.block is None else None  # a block has no window
     return SidecarMetadata(
         format_version=FORMAT_VERSION,
         source=str(Path(checkpoint.path).resolve()),
-        source_tensors=checkpoint.attention_digests(layer),
-        source_format=checkpoint.source_record(layer, options.weights),
+        source_tensors=checkpoint.attention_digests(layer)
+        if design.block is None
+        else design.block.digests(checkpoint, layer),
+        source_format=checkpoint.source_record(layer, options.weights)
+        if design.block is None
+        else design.block.source_record(checkpoint, layer, options.weights),
         layer=layer,
         geometry=checkpoint.geometry.to_dict(),
         chunk=options.chunk,
@@ -323,8 +336,8 @@ def package_metadata(
         coremltools=coremltools_modules()[0].__version__,
         anelab=__version__,
         exported_at=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        sliding_window=checkpoint.geometry.window_of(layer),
-        **design.metadata_fields(options, list(variants), checkpoint.geometry.window_of(layer)),
+        sliding_window=window,
+        **design.metadata_fields(options, list(variants), window),
     )
 
 
@@ -393,6 +406,10 @@ def export_request(
     gate = gate if target.gated else None
     checkpoint = load_checkpoint(checkpoint)
     design, opts = request.options_for(checkpoint.geometry)
+    if design.block is not None and target.name != DEFAULT_BACKEND:
+        raise AnelabInputError(
+            f"--graph {design.name} is exported as a Core ML package only; drop --backend {target.name}"
+        )
     target.check_options(opts.weights, opts.chunk, opts.capacity)
     layers = _export_layers(checkpoint, design, opts, layers)
     jobs = _export_jobs(jobs, gate, len(layers))
@@ -418,7 +435,11 @@ def export_request(
 def _export_layers(checkpoint, design: Design, opts: SidecarOptions, layers: list[int] | None) -> list[int]:
     """The layers to export (default: every full and sliding-window attention layer), each checked before
     any is exported: an attention layer the options can serve, named once, whose attention tensors the
-    checkpoint holds in a dtype anelab reads (a bad tensor in the last layer refuses the export up front)."""
+    checkpoint holds in a dtype anelab reads (a bad tensor in the last layer refuses the export up front). A block
+    design's layers are those its block reader names (``Design.block``: every layer's MLP, the linear-attention
+    layers' projections), read when exported."""
+    if design.block is not None:
+        return _block_layers(checkpoint, design, layers)
     full = list(checkpoint.geometry.full_attention_layers)  # full and sliding-window attention layers
     layers = full if layers is None else list(layers)
     repeated = sorted({layer for layer in layers if layers.count(layer) > 1})
@@ -432,6 +453,23 @@ def _export_layers(checkpoint, design: Design, opts: SidecarOptions, layers: lis
             )
         design.layer_fields(opts, checkpoint.geometry.window_of(layer))  # a layer the options cannot serve: refused now
     _require_readable_tensors(checkpoint, layers)
+    return layers
+
+
+def _block_layers(checkpoint, design: Design, layers: list[int] | None) -> list[int]:
+    """A block design's layers to export (default: every layer that has its block), each named once and having one."""
+    have = list(design.block.layers(checkpoint))
+    layers = have if layers is None else list(layers)
+    repeated = sorted({layer for layer in layers if layers.count(layer) > 1})
+    if repeated:
+        raise AnelabInputError(f"--layers names layer {repeated[0]} twice; name each layer once")
+    if not have:
+        raise AnelabInputError(f"{checkpoint.path} has no layer with a --graph {design.name} block")
+    for layer in layers:
+        if layer not in have:
+            raise AnelabInputError(
+                f"layer {layer} has no --graph {design.name} block; its layers: {','.join(map(str, have))}"
+            )
     return layers
 
 

@@ -87,6 +87,11 @@ MASK_MODE_META = "anelab.maskMode"
 RING_SLOTS_META = "anelab.ringSlots"
 
 
+# a non-attention block's package only (the mlp and gdn-proj designs): the block kind it computes
+# (anelab.checkpoints.blocks: mlp, gdn); one chunk-shaped function c<C>, no history. Absent: an attention block.
+BLOCK_META = "anelab.block"
+
+
 # Core AI assets only (sidecar.coreai_asset): a JSON record of the Neural Engine rules the lowering
 # followed or not, the mask's drop value and the weights-once bytes
 COREAI_META = "anelab.coreai"
@@ -155,13 +160,16 @@ class SidecarMetadata:
     ring_slots: int | None = None
     source_tensors: dict[str, str] | None = None
     source_format: dict | None = None
+    block: str | None = None  # a non-attention block's kind (BLOCK_META); None: attention
 
     @property
     def functions(self) -> list[str]:
         """The package's function names, in the order they were merged: a stateful design's recorded
-        ``state_functions``, else one ``h<H>`` per history."""
+        ``state_functions``, a block's one ``c<C>``, else one ``h<H>`` per history."""
         if self.state_functions:
             return list(self.state_functions)
+        if self.block is not None:
+            return [stateful_function_name(self.chunk)]
         return [function_name(h) for h in self.histories]
 
     def to_strings(self) -> dict[str, str]:
@@ -278,6 +286,7 @@ _FIELDS = {
     "ring_slots": (RING_SLOTS_META, "int", False),
     "source_tensors": (META["source_tensors"], "json", False),
     "source_format": (META["source_format"], "json", False),
+    "block": (BLOCK_META, "str", False),
 }
 
 

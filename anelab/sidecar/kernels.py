@@ -293,6 +293,18 @@ def _k_slice_update(it, op):
     return x
 
 
+GELU_TANH_C = float(np.sqrt(2.0 / np.pi))  # MIL gelu TANH_APPROXIMATION: 0.5 x (1 + tanh(c (x + 0.044715 x^3)))
+
+
+def _k_gelu(it, op):
+    """MIL ``gelu`` in its TANH_APPROXIMATION mode (the Gemma MLP's); EXACT and SIGMOID_APPROXIMATION refused."""
+    mode = str(it.param(op, "mode", "EXACT"))
+    if mode != "TANH_APPROXIMATION":
+        raise AnelabInputError(f"MIL evaluation: gelu mode {mode} is not evaluated (only TANH_APPROXIMATION)")
+    x = it.value(op.inputs["x"])
+    return 0.5 * x * (1.0 + np.tanh(np.float32(GELU_TANH_C) * (x + np.float32(0.044715) * x * x * x)))
+
+
 KERNELS = {  # MIL op name -> kernel(interpreter, op) -> float32/int32 array
     "linear": _k_linear,
     "matmul": _k_matmul,
@@ -318,6 +330,7 @@ KERNELS = {  # MIL op name -> kernel(interpreter, op) -> float32/int32 array
     "sigmoid": _unary(lambda x: 1.0 / (1.0 + np.exp(-x))),
     "tanh": _unary(np.tanh),
     "silu": _unary(lambda x: x / (1.0 + np.exp(-x))),
+    "gelu": _k_gelu,
     "inverse": lambda it, op: 1.0 / (it.value(op.inputs["x"]) + np.float32(it.param(op, "epsilon", 1e-4))),
     "rsqrt": _k_rsqrt,
     "reduce_max": _reduce(np.max),

@@ -64,9 +64,9 @@ ERROR_BOUNDS = {"fp16": 1e-2, "int8": 3e-2, "palettize4": 0.3, "int4-block": 0.3
 PROJECTIONS = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "attn_out": "o_proj"}
 
 
-def validate_weights_mode(mode: str, geometry: AttentionGeometry, target: str = "macOS15") -> str:
-    """Refuse an unknown mode, one the deployment target lacks, or a projection the mode would
-    silently skip (coremltools leaves a weight uncompressed when its block/group does not divide it)."""
+def validate_weights_mode(mode: str, geometry: AttentionGeometry | None, target: str = "macOS15") -> str:
+    """Refuse an unknown mode, one the deployment target lacks, or an attention projection of ``geometry`` the
+    mode would silently skip (coremltools leaves a weight uncompressed when its block/group does not divide it)."""
     if mode not in WEIGHT_MODES:
         raise AnelabInputError(f"unknown --weights {mode!r}; supported: {'|'.join(WEIGHT_MODES)}")
     if target not in DEPLOYMENT_TARGETS:
@@ -75,6 +75,8 @@ def validate_weights_mode(mode: str, geometry: AttentionGeometry, target: str = 
         raise AnelabInputError(
             f"--weights {mode} needs iOS {MINIMUM_IOS[mode]} / macOS {MINIMUM_IOS[mode] - 3}+, not {target}; use int8 or fp16"
         )
+    if geometry is None:  # a block design checks its own projections (require_compressible) when it reads them
+        return mode
     g = geometry
     q_rows = g.num_heads * g.head_dim * (2 if g.is_gated else 1)
     shapes = {
@@ -83,6 +85,12 @@ def validate_weights_mode(mode: str, geometry: AttentionGeometry, target: str = 
         "v_proj": (g.num_kv_heads * g.head_dim, g.hidden_size),
         "o_proj": (g.hidden_size, g.num_heads * g.head_dim),
     }
+    require_compressible(mode, shapes)
+    return mode
+
+
+def require_compressible(mode: str, shapes: dict[str, tuple[int, int]]) -> None:
+    """Refuse a projection (name -> [rows, input columns]) that ``mode`` would silently leave uncompressed."""
     for name, (rows, cols) in shapes.items():
         if mode == "int4-block" and cols % INT4_BLOCK_SIZE:
             raise AnelabInputError(
@@ -93,7 +101,6 @@ def validate_weights_mode(mode: str, geometry: AttentionGeometry, target: str = 
             raise AnelabInputError(
                 f"--weights palettize4: {name} has {rows} output channels, not a multiple of the group {PALETTE_GROUP_SIZE}; use int8"
             )
-    return mode
 
 
 def _optimization(mode: str):
@@ -164,10 +171,23 @@ def compress_package(src: str | os.PathLike, dest: str | os.PathLike, mode: str)
 
 def dequantized_weights(saved, function: str, weights: AttentionWeights) -> AttentionWeights:
     """``weights`` with its four projection matrices replaced by the ones the saved package
-    holds for ``function`` (decompressed from its constexpr ops by ``anelab.sidecar.kernels``).
+    holds for ``function`` (``dequantized_linears``); refused when a shape differs from the checkpoint's."""
+    found = dequantized_linears(saved, function, PROJECTIONS)
+    for name, value in found.items():
+        if value.shape != getattr(weights, name).shape:
+            raise AnelabInputError(
+                f"{saved.path.name}:{function} holds {name} of shape {list(value.shape)}, "
+                f"the checkpoint {list(getattr(weights, name).shape)}; pass the checkpoint it was exported from"
+            )
+    return dataclasses.replace(weights, **found)
 
-    ``saved``: an ``anelab.sidecar.evaluate.SavedPackage``. A projection stored uncompressed is read as is.
-    Refuses a package whose linear ops do not carry the four projections.
+
+def dequantized_linears(saved, function: str, projections: dict[str, str]) -> dict[str, np.ndarray]:
+    """The weight matrices the saved package holds for ``function``'s linear ops, decompressed from their constexpr
+    ops by ``anelab.sidecar.kernels`` (stored uncompressed: read as is) -> {field: float32 [out, in]}.
+
+    ``saved``: an ``anelab.sidecar.evaluate.SavedPackage``; ``projections``: linear op output name -> field name.
+    Refuses a package whose linear ops do not carry every one of them.
     """
     from anelab.sidecar.evaluate import Interpreter
     from anelab.sidecar.kernels import KERNELS
@@ -176,7 +196,7 @@ def dequantized_weights(saved, function: str, weights: AttentionWeights) -> Atte
     it = Interpreter(saved, fn, fp16=True)
     found = {}
     for op in fn.operations:
-        if op.op_type != "linear" or op.outputs[0].name not in PROJECTIONS:
+        if op.op_type != "linear" or op.outputs[0].name not in projections:
             continue
         var = op.inputs["weight"]
         producer = var.op
@@ -189,16 +209,10 @@ def dequantized_weights(saved, function: str, weights: AttentionWeights) -> Atte
             value = kernel(it, producer)
         else:
             value = saved.const_value(var)
-        found[PROJECTIONS[op.outputs[0].name]] = np.asarray(value, dtype=np.float32)
-    missing = sorted(set(PROJECTIONS.values()) - set(found))
+        found[projections[op.outputs[0].name]] = np.asarray(value, dtype=np.float32)
+    missing = sorted(set(projections.values()) - set(found))
     if missing:
         raise AnelabInputError(
             f"{saved.path.name}:{function} lacks the projections {missing}; re-export it with 'anelab export'"
         )
-    for name, value in found.items():
-        if value.shape != getattr(weights, name).shape:
-            raise AnelabInputError(
-                f"{saved.path.name}:{function} holds {name} of shape {list(value.shape)}, "
-                f"the checkpoint {list(getattr(weights, name).shape)}; pass the checkpoint it was exported from"
-            )
-    return dataclasses.replace(weights, **found)
+    return found

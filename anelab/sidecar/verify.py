@@ -69,7 +69,7 @@ def verify_package(
         design.require_device_verify()
     real = {}
     if activations is not None:
-        if design.stateful:
+        if design.stateful or design.block is not None:
             raise AnelabInputError(
                 f"{package}: real attention inputs feed the per-history designs' cases (dense, tiled), not {design.name}"
             )

@@ -87,6 +87,7 @@ class VerifyReport:
     # the negative controls the package's design declares for this run: (function label, case)
     declared_controls: list[tuple[str, str]] = field(default_factory=list)
     inputs: str = "random fp16 rows"  # what the cases were fed (real attention inputs: said where they came from)
+    outputs: tuple[str, ...] = OUTPUTS  # the outputs compared (a block design's own: sidecar.verify_blocks)
 
     @property
     def vacuous(self) -> bool:
@@ -138,7 +139,7 @@ class VerifyReport:
         lines = [
             f"verify {self.package} (layer {self.layer}; reference {self.reference_precision}; "
             f"package via {self.evaluator}; threshold {self.threshold:.0e}; inputs: {self.inputs})",
-            f"{'function':<10} {'case':<28} {'rows':>5} " + " ".join(f"{o:>10}" for o in OUTPUTS) + "  result",
+            f"{'function':<10} {'case':<28} {'rows':>5} " + " ".join(f"{o:>10}" for o in self.outputs) + "  result",
         ]
         for c in self.comparisons:
             bound = self.threshold if c.bound is None else c.bound
@@ -148,7 +149,7 @@ class VerifyReport:
                 if c.control
                 else ("ok" if c.passed else "FAIL")
             )
-            errs = " ".join(f"{c.errors[o]:>10.2e}" if o in c.errors else f"{'-':>10}" for o in OUTPUTS)
+            errs = " ".join(f"{c.errors[o]:>10.2e}" if o in c.errors else f"{'-':>10}" for o in self.outputs)
             lines.append(f"{c.function:<10} {c.case:<28} {c.rows:>5} {errs}  {verdict}")
         for r in self.reference_checks:
             errs = " ".join(f"{r['errors'][o]:>10.2e}" for o in OUTPUTS)

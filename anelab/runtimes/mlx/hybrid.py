@@ -9,11 +9,16 @@ history read from mlx-lm's cache token-major [start, kv_heads, head_dim] (for a 
 input; a stateful sidecar holds it in its state), and the sidecar contract's additive mask
 (``masks.causal(C, start, valid_rows=n, window=W)``). The sidecar's ``attn_out`` goes back into the residual
 stream; its ``k_chunk`` / ``v_chunk`` are written into mlx-lm's cache with ``update_and_fetch``, so the rest of
-the prefill and the decode continue on MLX from the cache the sidecars filled. Everything else — linear
-attention, MoE, MLPs, norms, the LM head — is mlx-lm's own.
+the prefill and the decode continue on MLX from the cache the sidecars filled. The MLPs of ``mlp_layers`` are
+served likewise: mlx-lm calls ``mlp(x)`` with x [1, n, D] the MLP's post-norm rows, and their sidecar's output
+(``server.mlp.serve``, rows independent, no cache) goes back in its place; so do the four input projections of the
+linear-attention layers of ``gdn_layers`` (``server.gdn.serve_all``: qkv, z, b, a in one call per chunk), the conv1d
+and the delta-rule recurrence staying mlx-lm's. Everything else — MoE, the other blocks, norms, the LM head — is
+mlx-lm's own.
 
 A server is anything with ``chunk``, ``takes_history(layer)`` and ``serve(layer, start, normed, k_history,
-v_history, mask, start_offset=)`` (``anelab.arms.sidecars.SidecarSet``).
+v_history, mask, start_offset=)``, for MLPs ``mlp.serve(layer, rows)``, for the projections
+``gdn.serve_all(layer, rows)`` (``anelab.arms.sidecars.SidecarSet``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from anelab.core.errors import AnelabInputError
+from anelab.core.gated_deltanet import GDN_OUTPUTS
 from anelab.core.geometry import AttentionGeometry, chunk_starts
 from anelab.core.masks import causal
 from anelab.runtimes.mlx.model import MlxModel, last_row_head, mlx_core, replaced, to_numpy, wrapper_class
@@ -100,8 +106,14 @@ class Hybrid:
     clock: Callable[[], float] = time.perf_counter
     timing: HybridTiming = field(default_factory=HybridTiming)
     serving: bool = False
+    mlp_layers: tuple[int, ...] = ()  # the layers whose MLP the server's ``mlp`` serves in prefill
+    gdn_layers: tuple[int, ...] = ()  # the linear-attention layers whose input projections the server's ``gdn`` serves
+    _pending: dict = field(default_factory=dict, repr=False)  # layer -> the projections of its chunk not yet taken
 
     def __post_init__(self):
+        stray = sorted(i for i in self.mlp_layers + self.gdn_layers if not 0 <= i < self.mlx_model.num_layers)
+        if stray:
+            raise AnelabInputError(f"{self.mlx_model.path}: MLP layers {stray} are not layers of mlx-lm's model")
         have = set(self.mlx_model.attention_layers())
         stray = sorted(set(self.layers) - have)
         if stray:
@@ -148,11 +160,71 @@ class Hybrid:
         self.timing.calls += 1
         return out
 
+    def mlp(self, layer: int, x):
+        """One chunk's MLP input rows x [1, n, D] of ``layer`` through its MLP sidecar -> the MLP's output [1, n, D]."""
+        mx = mlx_core()
+        if x.shape[0] != 1:
+            raise AnelabInputError("the hybrid serves one prompt (batch 1)")
+        t0 = self.clock()
+        mx.eval(x)
+        t1 = self.clock()
+        rows = to_numpy(x[0].astype(mx.float16), np.float16)
+        t2 = self.clock()
+        out = self.server.mlp.serve(layer, rows)
+        t3 = self.clock()
+        result = mx.array(out[None]).astype(x.dtype)
+        self.timing.mlx_s += t1 - t0
+        self.timing.marshalling_s += (t2 - t1) + (self.clock() - t3)
+        self.timing.sidecar_s += t3 - t2
+        self.timing.calls += 1
+        return result
+
+    def project(self, layer: int, name: str, x):
+        """One of a linear-attention layer's input projections (``qkv``, ``z``, ``b``, ``a``) of the chunk x [1, n, D]:
+        the first of the four calls of a chunk runs the layer's sidecar once for all four, each later call takes its
+        own (mlx-lm's ``GatedDeltaNet.__call__`` calls each once per chunk) -> [1, n, width]."""
+        mx = mlx_core()
+        if x.shape[0] != 1:
+            raise AnelabInputError("the hybrid serves one prompt (batch 1)")
+        pending = self._pending.get(layer)
+        if pending is None or name not in pending:
+            t0 = self.clock()
+            mx.eval(x)
+            t1 = self.clock()
+            rows = to_numpy(x[0].astype(mx.float16), np.float16)
+            t2 = self.clock()
+            pending = self._pending[layer] = dict(self.server.gdn.serve_all(layer, rows))
+            t3 = self.clock()
+            self.timing.mlx_s += t1 - t0
+            self.timing.marshalling_s += t2 - t1
+            self.timing.sidecar_s += t3 - t2
+            self.timing.calls += 1
+        out = pending.pop(name)
+        if out.shape[0] != x.shape[1]:
+            raise AnelabInputError(f"layer {layer}: projection {name} served {out.shape[0]} rows for {x.shape[1]}")
+        return mx.array(out[None]).astype(x.dtype)
+
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        """Inside the block each served layer's attention is a ``SidecarAttention`` (mlx-lm's own while not
-        ``serving``)."""
+        """Inside the block each served layer's attention is a ``SidecarAttention`` and each served MLP a
+        ``SidecarMlp`` (mlx-lm's own while not ``serving``)."""
         base, hybrid = wrapper_class(), self
+
+        class SidecarMlp(base):
+            def __init__(self, wrapped, layer):
+                super().__init__(wrapped)
+                self.layer = layer
+
+            def __call__(self, x):
+                return hybrid.mlp(self.layer, x) if hybrid.serving else self.wrapped(x)
+
+        class SidecarProjection(base):
+            def __init__(self, wrapped, layer, name):
+                super().__init__(wrapped)
+                self.layer, self.name = layer, name
+
+            def __call__(self, x):
+                return hybrid.project(self.layer, self.name, x) if hybrid.serving else self.wrapped(x)
 
         class SidecarAttention(base):
             def __init__(self, wrapped, layer):
@@ -171,7 +243,34 @@ class Hybrid:
                 while getattr(owner, "is_wrapper", False):  # a tapped layer: its wrapped decoder layer owns self_attn
                     owner = owner["wrapped"]
                 stack.enter_context(replaced(owner, "self_attn", lambda a, i=i: SidecarAttention(a, i)))
+            for i in self.mlp_layers:
+                owner = layers[i]
+                while getattr(owner, "is_wrapper", False):
+                    owner = owner["wrapped"]
+                stack.enter_context(replaced(owner, "mlp", lambda m, i=i: SidecarMlp(m, i)))
+            for i in self.gdn_layers:
+                owner = layers[i]
+                while getattr(owner, "is_wrapper", False):
+                    owner = owner["wrapped"]
+                gdn = _separate_projections(owner, i)
+                for name in GDN_OUTPUTS:
+                    stack.enter_context(
+                        replaced(gdn, f"in_proj_{name}", lambda m, i=i, n=name: SidecarProjection(m, i, n))
+                    )
+            self._pending.clear()
             yield
+
+
+def _separate_projections(decoder_layer, layer: int):
+    """The layer's ``linear_attn`` with Qwen 3.5's four separate input projections; refused (one line) for another
+    layout (Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba``) or a layer without linear attention."""
+    gdn = getattr(decoder_layer, "linear_attn", None)
+    if gdn is None or not all(hasattr(gdn, f"in_proj_{name}") for name in GDN_OUTPUTS):
+        raise AnelabInputError(
+            f"layer {layer}: the hybrid serves the Gated DeltaNet projections of Qwen 3.5's layers (in_proj_qkv, "
+            "in_proj_z, in_proj_b, in_proj_a); this layer has none (Qwen3-Next's fused ones are not served yet)"
+        )
+    return gdn
 
 
 def prefill(mlx_model: MlxModel, prompt: np.ndarray, chunk: int, cache, hybrid: Hybrid | None = None,
