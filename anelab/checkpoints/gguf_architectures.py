@@ -99,6 +99,8 @@ class GgufArchitecture:
     ``defaults``: config keys set when the file omits the metadata key that would set them (llama.cpp's
         defaults where transformers' differ).
     ``experts``: the file may hold routed experts (stacked ``ffn_*_exps``).
+    ``ignored``: ``{arch}.<key>`` llama.cpp's loader reads and then disables (Phi-3's sliding window): accepted and
+        not applied, as llama.cpp runs the file.
     """
 
     model_type: str
@@ -117,6 +119,7 @@ class GgufArchitecture:
     gemma_27b_layers: int = 0
     defaults: dict = field(default_factory=dict)
     experts: bool = False
+    ignored: tuple[str, ...] = ()
 
 
 _GEMMA_FIXED = {"hidden_activation": "gelu_pytorch_tanh"}  # llama.cpp's Gemma graphs: LLM_FFN_GELU (tanh form)
@@ -149,7 +152,10 @@ GGUF_ARCHITECTURES: dict[str, GgufArchitecture] = {
         "starcoder2", "Starcoder2ForCausalLM", "STARCODER2", parts=STARCODER2_PARTS,
         eps_key="attention.layer_norm_epsilon", eps_config="norm_epsilon", fixed={"hidden_act": "gelu_pytorch_tanh"},
     ),
-    "phi3": GgufArchitecture("phi3", "Phi3ForCausalLM", "PHI3", parts=PHI3_PARTS),
+    "phi3": GgufArchitecture(
+        "phi3", "Phi3ForCausalLM", "PHI3", parts=PHI3_PARTS, fixed={"sliding_window": None},
+        ignored=("attention.sliding_window", "rope.scaling.original_context_length"),
+    ),
     "qwen3moe": GgufArchitecture(
         "qwen3_moe", "Qwen3MoeForCausalLM", "QWEN3MOE", qk_norm=True, parts=QWEN3MOE_PARTS, experts=True,
         keys={"expert_feed_forward_length": "moe_intermediate_size"}, fixed={"norm_topk_prob": True},
@@ -213,7 +219,7 @@ def _float32(value) -> float:
 
 
 def _refuse_unmodelled_keys(reader, arch: str, spec: GgufArchitecture) -> None:
-    known = set(_CONFIG_KEYS) | set(_CHECKED_KEYS) | set(spec.keys) | {spec.eps_key}
+    known = set(_CONFIG_KEYS) | set(_CHECKED_KEYS) | set(spec.keys) | set(spec.ignored) | {spec.eps_key}
     for key in reader.fields:
         if key.startswith(f"{arch}.") and key.removeprefix(f"{arch}.") not in known:
             raise AnelabInputError(
