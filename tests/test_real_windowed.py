@@ -1,0 +1,139 @@
+"""The real Gemma 3 270M GGUF (``default-real-windowed``): read by anelab, checked against an independent implementation.
+
+Its metadata must give the model the issue describes (18 layers, 15 sliding with a 512-token window and every 6th
+global, hidden 640, 4 query heads and 1 KV head of 256, vocabulary 262,144, tied embeddings). The reference arm's
+logits and greedy text on a real prompt must match mlx-lm's own ``gemma3_text`` model (mlx-lm 0.32.2, run on
+mlx's CPU device in float32) fed weights this test reads itself from the file: each tensor dequantized by the gguf
+package, named by hand in mlx-lm's names, Gemma's ``+ 1`` on the norms undone as llama.cpp's converter
+(``Gemma3Model.modify_tensors``) documents it, the configuration written by hand from the metadata and llama.cpp's
+``load_hparams`` for ``gemma3`` (window pattern 6, local RoPE base 10,000, query scale 1/sqrt(256)). mlx-lm's
+attention, RoPE, windows, norms and MLP share no code with anelab's.
+
+One difference is known and measured apart: mlx-lm (like transformers) multiplies the embeddings by sqrt(640)
+rounded to bfloat16 (25.25); llama.cpp's graph, which anelab follows for a GGUF file, by sqrtf(640) in float32
+(25.298). The logits are compared with anelab set to mlx-lm's value (the implementations must agree) and with its
+own (the size of that convention).
+"""
+
+from __future__ import annotations
+
+import gguf
+import ml_dtypes
+import numpy as np
+import pytest
+
+from anelab.arms.run import Arm, run_arm
+from anelab.checkpoints.checkpoint import load_checkpoint
+from anelab.checkpoints.default import resolve_checkpoint
+from anelab.checkpoints.model import load_model
+from anelab.sidecar.compare import relative_error
+
+PROMPT = (
+    "The Apple Neural Engine is a neural processing unit found in Apple's chips. It runs matrix operations in "
+    "half precision and is used for on-device machine learning. Attention layers of a transformer"
+)
+DECODE = 12
+SAME_IMPLEMENTATION = 2e-4  # logits, anelab against mlx-lm, both float32, same embedding scale (measured ~1e-5)
+GGUF_TO_MLX = {  # llama.cpp's tensor names -> mlx-lm gemma3_text's (models/gemma3_text.py)
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gemma(real_windowed_gguf):
+    return load_model(real_windowed_gguf)
+
+
+def test_the_metadata_gives_gemma3_270m(gemma, real_windowed_gguf):
+    g, ck = gemma.geometry, gemma.checkpoint
+    assert (ck.format, ck.model_type, ck.tensor_dtype()) == ("gguf", "gemma3_text", "Q5_0")
+    assert (g.num_layers, g.hidden_size, g.num_heads, g.num_kv_heads, g.head_dim) == (18, 640, 4, 1, 256)
+    assert g.sliding_window == 512 and g.sliding_layers == tuple(i for i in range(18) if i % 6 != 5)
+    assert (g.rope_theta, g.local_rope_theta, g.attention_scale) == (1e6, 10000.0, 1 / 16)
+    assert (gemma.vocab_size, gemma.intermediate, gemma.tied, gemma.activation) == (
+        262144, 2048, True, "gelu_pytorch_tanh")  # fmt: skip
+    assert gemma.embedding_multiplier == float(np.float32(np.sqrt(640)))  # llama.cpp: sqrtf(n_embd)
+    assert resolve_checkpoint("default-real-windowed") == real_windowed_gguf
+
+
+def _mlx_model(path):
+    """mlx-lm's gemma3_text Model with the file's weights, read here without anelab (module docstring)."""
+    import mlx.core as mx
+    from mlx_lm.models import gemma3_text
+
+    mx.set_default_device(mx.cpu)
+    reader = gguf.GGUFReader(path)
+    args = gemma3_text.ModelArgs(
+        model_type="gemma3_text", hidden_size=640, num_hidden_layers=18, intermediate_size=2048,
+        num_attention_heads=4, head_dim=256, rms_norm_eps=1e-6, vocab_size=262144, num_key_value_heads=1,
+        rope_theta=1e6, rope_local_base_freq=10000.0, query_pre_attn_scalar=256, sliding_window=512,
+        sliding_window_pattern=6,
+    )  # fmt: skip
+    model = gemma3_text.Model(args)
+    weights = {}
+    for t in reader.tensors:
+        stem, kind = t.name.rsplit(".", 1)
+        parts = stem.split(".")
+        name = (f"model.layers.{parts[1]}.{GGUF_TO_MLX[parts[2]]}" if parts[0] == "blk" else GGUF_TO_MLX[stem]) + "." + kind
+        shape = tuple(int(n) for n in reversed(t.shape))
+        values = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
+        if t.name.endswith("norm.weight"):
+            values = values - np.float32(1.0)  # the converter stored w + 1
+        weights[name] = mx.array(values)
+    model.load_weights(list(model.sanitize(weights).items()))
+    mx.eval(model.parameters())
+    return model, mx
+
+
+def _mlx_greedy(model, mx, prompt: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy decode, the whole sequence recomputed each step: (tokens [steps], logits [steps, V] float32)."""
+    tokens, logits = list(prompt), []
+    for _ in range(steps):
+        out = model(mx.array(np.array(tokens)[None]))[0, -1]
+        row = np.array(out.astype(mx.float32))
+        logits.append(row)
+        tokens.append(int(row.argmax()))
+    return np.array(tokens[len(prompt) :]), np.stack(logits)
+
+
+@pytest.mark.slow
+def test_the_reference_arm_matches_mlx_lms_gemma3_on_a_real_prompt(gemma, real_windowed_gguf):
+    tok = gemma.checkpoint.tokenizer()
+    prompt = tok.encode(PROMPT)
+    model, mx = _mlx_model(real_windowed_gguf)
+    mlx_tokens, mlx_logits = _mlx_greedy(model, mx, prompt, DECODE)
+    del model
+    bf16_scale = float(np.float32(np.sqrt(640)).astype(ml_dtypes.bfloat16))
+    same_scale = load_model(load_checkpoint(real_windowed_gguf))
+    same_scale.embedding_multiplier = bf16_scale
+    run = run_arm(same_scale, prompt, Arm("reference"), decode=DECODE)
+    own = run_arm(gemma, prompt, Arm("reference"), decode=DECODE)
+    agree = float(np.mean(run.tokens == mlx_tokens))
+    diff = relative_error(run.logits[0], mlx_logits[0])
+    print(f"\nanelab (bf16 scale) vs mlx-lm: first-step logits rel diff {diff:.2e}, "
+          f"max over steps {max(relative_error(a, b) for a, b in zip(run.logits, mlx_logits)):.2e}, greedy "
+          f"agreement {agree:.2f}; anelab's own f32 scale vs mlx-lm: {relative_error(own.logits[0], mlx_logits[0]):.2e}"
+          f", greedy agreement {float(np.mean(own.tokens == mlx_tokens)):.2f}; text {tok.decode(run.tokens)!r}")  # fmt: skip
+    assert diff < SAME_IMPLEMENTATION
+    assert agree == 1.0, (tok.decode(run.tokens), tok.decode(mlx_tokens))
+    assert len(set(run.tokens.tolist())) > 3  # a sentence, not one token repeated
+
+
+def test_without_unshifting_the_norms_the_reference_arm_does_not_match(gemma, real_windowed_gguf, monkeypatch):
+    """Negative control on the real file: Gemma's + 1 left on the norms (anelab's row with norm_shift 0) changes the
+    first prompt logits far beyond the comparison's bound."""
+    from dataclasses import replace
+
+    from anelab.checkpoints import gguf_architectures
+
+    prompt = gemma.checkpoint.tokenizer().encode(PROMPT)[:24]
+    want = run_arm(gemma, prompt, Arm("reference"), decode=1).logits
+    spec = gguf_architectures.GGUF_ARCHITECTURES["gemma3"]
+    monkeypatch.setitem(gguf_architectures.GGUF_ARCHITECTURES, "gemma3", replace(spec, norm_shift=0.0))
+    got = run_arm(load_model(real_windowed_gguf), prompt, Arm("reference"), decode=1).logits
+    assert relative_error(got, want) > 100 * SAME_IMPLEMENTATION
