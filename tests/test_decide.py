@@ -387,9 +387,9 @@ def test_decide_takes_a_model_with_sliding_window_layers_and_says_which_layers_i
     """A Gemma 3 (5 windowed layers to 1 full, the window biting at this prompt): every layer is exported with the
     candidate design and verified, the arms serve them all, and the verdict says it prices the full-attention layer
     only (the planner plans the windowed ones apart). It was refused before."""
-    from test_gguf_architectures import CASES
-    from test_decoder_families import _tensors
     from safetensors.numpy import save_file
+    from test_decoder_families import _tensors
+    from test_gguf_architectures import CASES
 
     _, config, conventions, _ = CASES["gemma3"]
     gemma3 = tmp_path / "g3"
@@ -404,7 +404,6 @@ def test_decide_takes_a_model_with_sliding_window_layers_and_says_which_layers_i
     assert sorted(decision["evidence"]["verify"], key=int) == [str(i) for i in range(6)]
     assert all(v["passed"] for v in decision["evidence"]["verify"].values())
     assert decision["evidence"]["arms"]["greedy_agreement"] == 1.0
-
 
 
 def test_decide_cli_prints_the_verdict(model, tmp_path, capsys):
