@@ -17,6 +17,8 @@ own (the size of that convention).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import gguf
 import ml_dtypes
 import numpy as np
@@ -32,7 +34,7 @@ PROMPT = (
     "The Apple Neural Engine is a neural processing unit found in Apple's chips. It runs matrix operations in "
     "half precision and is used for on-device machine learning. Attention layers of a transformer"
 )
-DECODE = 12
+DECODE = 8
 SAME_IMPLEMENTATION = 2e-4  # logits, anelab against mlx-lm, both float32, same embedding scale (measured ~1e-5)
 GGUF_TO_MLX = {  # llama.cpp's tensor names -> mlx-lm gemma3_text's (models/gemma3_text.py)
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "attn_q": "self_attn.q_proj",
@@ -79,7 +81,11 @@ def _mlx_model(path):
     for t in reader.tensors:
         stem, kind = t.name.rsplit(".", 1)
         parts = stem.split(".")
-        name = (f"model.layers.{parts[1]}.{GGUF_TO_MLX[parts[2]]}" if parts[0] == "blk" else GGUF_TO_MLX[stem]) + "." + kind
+        name = (
+            (f"model.layers.{parts[1]}.{GGUF_TO_MLX[parts[2]]}" if parts[0] == "blk" else GGUF_TO_MLX[stem])
+            + "."
+            + kind
+        )
         shape = tuple(int(n) for n in reversed(t.shape))
         values = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
         if t.name.endswith("norm.weight"):
@@ -127,8 +133,6 @@ def test_the_reference_arm_matches_mlx_lms_gemma3_on_a_real_prompt(gemma, real_w
 def test_without_unshifting_the_norms_the_reference_arm_does_not_match(gemma, real_windowed_gguf, monkeypatch):
     """Negative control on the real file: Gemma's + 1 left on the norms (anelab's row with norm_shift 0) changes the
     first prompt logits far beyond the comparison's bound."""
-    from dataclasses import replace
-
     from anelab.checkpoints import gguf_architectures
 
     prompt = gemma.checkpoint.tokenizer().encode(PROMPT)[:24]
@@ -137,3 +141,31 @@ def test_without_unshifting_the_norms_the_reference_arm_does_not_match(gemma, re
     monkeypatch.setitem(gguf_architectures.GGUF_ARCHITECTURES, "gemma3", replace(spec, norm_shift=0.0))
     got = run_arm(load_model(real_windowed_gguf), prompt, Arm("reference"), decode=1).logits
     assert relative_error(got, want) > 100 * SAME_IMPLEMENTATION
+
+
+def test_the_resident_head_holds_one_float32_copy_of_the_262144_row_embedding(gemma, monkeypatch):
+    """The arms keep the embedding (tied: the LM head too) in float32 once: 671 MB, dequantized in row blocks straight
+    into that array. Control: dequantized whole, gguf's Q8_0 dequantizer makes float32 temporaries the size of the
+    result, and the peak passes two copies."""
+    import tracemalloc
+
+    from anelab.arms.resident import ResidentModel
+    from anelab.checkpoints import gguf_file
+
+    one = 262144 * 640 * 4
+
+    def peak_of_head():
+        tracemalloc.start()
+        try:
+            head = ResidentModel(replace(gemma, _head=None)).head()
+            return head, tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+
+    head, (current, peak) = peak_of_head()
+    assert head.lm_head is head.embed_tokens and head.embed_tokens.array.nbytes == one
+    assert current < 1.05 * one and peak < 1.2 * one, (current / one, peak / one)
+    del head
+    monkeypatch.setattr(gguf_file, "DEQUANTIZE_BLOCK_BYTES", 1 << 40)
+    _, (_, whole_peak) = peak_of_head()
+    assert whole_peak > 1.9 * one, whole_peak / one

@@ -272,17 +272,23 @@ class GgufSource:
         """Whether llama.cpp's converter stored ``name`` as ``w + norm_shift`` (every ``*norm.weight`` of Gemma)."""
         return bool(self.spec.norm_shift) and self.entries[name].name.endswith("norm.weight")
 
-    def _dequantized(self, name: str) -> np.ndarray:
-        """``name`` whole as float32, dequantized in row blocks of ~``DEQUANTIZE_BLOCK_BYTES`` into one array: gguf's
-        dequantizers make float32 temporaries the size of their input (Q8_0: two), so Gemma 3's 262,144-row
-        embedding (671 MB as float32) would peak at three copies if dequantized at once."""
+    def _dequantized(self, name: str, rows=slice(None)) -> np.ndarray:
+        """``name``'s rows (a slice, or all; an index array is gathered) as float32, a slice dequantized in blocks of
+        ~``DEQUANTIZE_BLOCK_BYTES`` into one array: gguf's dequantizers make float32 temporaries the size of their
+        input (Q8_0: two), so Gemma 3's 262,144-row embedding (671 MB as float32) would peak at three copies if
+        dequantized at once."""
         qtype, shape = self.entries[name].tensor_type, self.shape(name)
-        if len(shape) != 2 or 4 * shape[0] * shape[1] <= DEQUANTIZE_BLOCK_BYTES:
-            return dequantize(self._stored(name), qtype)
-        out = np.empty(shape, np.float32)
-        rows = max(1, DEQUANTIZE_BLOCK_BYTES // (4 * shape[1]))
-        for r0 in range(0, shape[0], rows):
-            out[r0 : r0 + rows] = dequantize(self._stored(name, slice(r0, r0 + rows)), qtype)
+        if not isinstance(rows, slice) or len(shape) != 2:
+            return dequantize(self._stored(name, rows), qtype)
+        first, last, step = rows.indices(shape[0])
+        count = len(range(first, last, step))
+        if step != 1 or 4 * count * shape[1] <= DEQUANTIZE_BLOCK_BYTES:
+            return dequantize(self._stored(name, rows), qtype)
+        out = np.empty((count, shape[1]), np.float32)
+        block = max(1, DEQUANTIZE_BLOCK_BYTES // (4 * shape[1]))
+        for r0 in range(first, last, block):
+            r1 = min(r0 + block, last)
+            out[r0 - first : r1 - first] = dequantize(self._stored(name, slice(r0, r1)), qtype)
         return out
 
     def read_float32(self, name: str) -> np.ndarray:
@@ -296,8 +302,7 @@ class GgufSource:
     def mapped(self, name: str) -> RowTensor:
         if self._permuted_heads(name) is not None or self._shifted(name):
             raise AnelabInputError(f"{name}: a permuted Q/K projection or a shifted norm is read whole, not by rows")
-        qtype = self.entries[name].tensor_type
-        return RowTensor(self.shape(name), lambda rows: dequantize(self._stored(name, rows), qtype))
+        return RowTensor(self.shape(name), lambda rows: self._dequantized(name, rows))
 
     def digest(self, name: str) -> str:
         storage = f"gguf {self.storage(name)} {self.spec.model_type}"
