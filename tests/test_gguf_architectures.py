@@ -316,3 +316,24 @@ def test_phi3s_window_is_not_applied_as_llama_cpp_disables_it_and_a_gemma3_windo
     assert load_checkpoint(written["phi3"][1]).geometry.sliding_layers == ()
     g = load_checkpoint(written["gemma3"][1]).geometry
     assert (g.sliding_window, g.sliding_layers, g.local_rope_theta) == (4, (0, 1, 2, 3, 4), 10000.0)
+
+
+@pytest.mark.parametrize(
+    ("name", "extra", "tensors", "message"),
+    [
+        ("gemma3", {"rope.freq_base_swa": 20000.0}, {}, r"gemma3\.rope\.freq_base_swa = 20000\.0 is not modelled"),
+        ("gemma3", {"attention.sliding_window_pattern": 4}, {}, r"gemma3\.attention\.sliding_window_pattern = 4"),
+        ("granite", {"expert_count": 4}, {}, r"granite\.expert_count > 0: routed experts are modelled for qwen3moe"),
+        ("phi3", {}, {"rope_factors_long.weight": np.ones(2, np.float32)}, "rope_factors_long.weight has no place"),
+        ("gemma2", {"attention.key_length_swa": 8}, {}, r"gemma2\.attention\.key_length_swa = 8 is not modelled"),
+    ],
+)
+def test_what_an_architecture_does_not_model_is_refused_in_one_line_naming_the_key(
+    written, tmp_path, name, extra, tensors, message
+):
+    arch, config, c, written_extra = CASES[name]
+    source = _moe_tensors(c, 0) if arch == "qwen3moe" else _tensors(c, 0)
+    path = write_like_llama_cpp(tmp_path / "m.gguf", arch, config, {**source, **tensors}, {**written_extra, **extra})
+    with pytest.raises(AnelabInputError, match=message) as refused:
+        load_checkpoint(path)
+    assert "\n" not in str(refused.value)
