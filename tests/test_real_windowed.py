@@ -112,7 +112,8 @@ def _mlx_greedy(model, mx, prompt: np.ndarray, steps: int) -> tuple[np.ndarray, 
     """Greedy decode, the whole sequence recomputed each step: (tokens [steps], logits [steps, V] float32)."""
     tokens, logits = list(prompt), []
     for _ in range(steps):
-        out = model(mx.array(np.array(tokens)[None]))[0, -1]
+        hidden = model.model(mx.array(np.array(tokens)[None]))[:, -1:]  # Model.__call__'s tied head, last row only
+        out = model.model.embed_tokens.as_linear(hidden)[0, -1]
         row = np.array(out.astype(mx.float32))
         logits.append(row)
         tokens.append(int(row.argmax()))
