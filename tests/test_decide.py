@@ -383,19 +383,27 @@ def test_decide_refuses_bad_input_in_one_line(model, tmp_path, capsys):
     )
 
 
-def test_decide_refuses_a_model_with_sliding_window_layers(tmp_path, capsys):
-    """decide prices full-attention layers only: a model with windowed layers (Gemma 3: 5 windowed to 1 full)
-    is refused in one line that names them and the command that plans it, before anything is written."""
-    from test_families import FAMILIES, write_family_checkpoint
+def test_decide_takes_a_model_with_sliding_window_layers_and_says_which_layers_its_verdict_prices(tmp_path, capsys):
+    """A Gemma 3 (5 windowed layers to 1 full, the window biting at this prompt): every layer is exported with the
+    candidate design and verified, the arms serve them all, and the verdict says it prices the full-attention layer
+    only (the planner plans the windowed ones apart). It was refused before."""
+    from safetensors.numpy import save_file
+    from test_decoder_families import _tensors
+    from test_gguf_architectures import CASES
 
-    gemma3 = write_family_checkpoint(tmp_path / "g3", next(f for f in FAMILIES if f.name == "gemma3_text"))
-    argv = ["decide", str(gemma3), "--prompt-tokens", "64", "--chunk", "32", "--out", str(tmp_path / "o")]
-    _refused(argv, capsys, "has sliding-window layers")
-    assert not (tmp_path / "o").exists()
-    # control: the same family without its windows is not refused for them
-    llama = write_family_checkpoint(tmp_path / "llama", next(f for f in FAMILIES if f.name == "llama"))
-    main(["decide", str(llama), "--prompt-tokens", "64", "--chunk", "32", "--out", str(tmp_path / "p"), "--measure"])
-    assert "sliding-window" not in capsys.readouterr().err
+    _, config, conventions, _ = CASES["gemma3"]
+    gemma3 = tmp_path / "g3"
+    gemma3.mkdir()
+    (gemma3 / "config.json").write_text(json.dumps(config))
+    save_file(_tensors(conventions, 0), str(gemma3 / "model.safetensors"))
+    out = tmp_path / "o"
+    assert main(["decide", str(gemma3), "--prompt-tokens", "48", "--chunk", "16", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "layers priced: the verdict prices the 1 full-attention layers (5); the 5 sliding-window layers " in printed
+    decision = json.loads((out / "decision.json").read_text())
+    assert sorted(decision["evidence"]["verify"], key=int) == [str(i) for i in range(6)]
+    assert all(v["passed"] for v in decision["evidence"]["verify"].values())
+    assert decision["evidence"]["arms"]["greedy_agreement"] == 1.0
 
 
 def test_decide_cli_prints_the_verdict(model, tmp_path, capsys):

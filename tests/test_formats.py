@@ -96,6 +96,6 @@ def test_list_formats_names_every_format_and_the_named_checkpoints(capsys):
     assert main(["export", "--list-formats", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert [r["format"] for r in listed["formats"]] == list(FORMATS) == [r["format"] for r in supported_formats()]
-    assert set(listed["named"]) == {"default-dense", "default-real"}
+    assert set(listed["named"]) == {"default-dense", "default-real", "default-real-windowed"}
     assert main(["export", "--list-formats"]) == 0
     assert "gguf" in capsys.readouterr().out

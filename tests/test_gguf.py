@@ -223,7 +223,7 @@ def test_a_package_from_a_gguf_matches_a_copy_and_refuses_another_quantization(s
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        (dict(arch="gemma2"), "GGUF architecture 'gemma2' is not modelled"),
+        (dict(arch="falcon"), "GGUF architecture 'falcon' is not modelled"),
         (dict(extra_kv={"llama.attention.sliding_window": 64}), "llama.attention.sliding_window = 64 is not modelled"),
         (dict(extra_kv={"llama.expert_count": 8}), "routed experts"),
         (

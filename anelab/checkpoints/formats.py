@@ -37,7 +37,8 @@ FORMATS: dict[str, CheckpointFormat] = {
     "gguf": CheckpointFormat(
         "gguf",
         "a GGUF file (llama.cpp, Ollama, LM Studio), read with llama.cpp's gguf package: config from its metadata, "
-        "tensors dequantized (F32, F16, BF16, Q4_0 ... Q8_0, K-quants, IQ), llama.cpp's Q/K row order undone, "
+        "tensors dequantized (F32, F16, BF16, Q4_0 ... Q8_0, K-quants, IQ), llama.cpp's conventions per architecture "
+        "undone (gguf_architectures: Q/K row order, Gemma's shifted norms, windows, scalars), "
         "tokenizer and chat template from the metadata",
         gguf_file.is_gguf_file,
         gguf_file.open_gguf,

@@ -1,21 +1,21 @@
 """A GGUF file (llama.cpp, Ollama, LM Studio) as a checkpoint: config from its metadata, tensors dequantized, conventions undone.
 
 Read with the ``gguf`` package (llama.cpp's own Python reader; its ``quants`` dequantize every type it
-knows in NumPy). ``GGUF_ARCHITECTURES`` says, per ``general.architecture``, which transformers model it is
-and which of llama.cpp's conventions are undone (docs/conventions.md §10 cites llama.cpp and transformers):
+knows in NumPy). What each ``general.architecture`` means — its transformers model, the conventions llama.cpp's
+converter and loader apply to it — is one table, ``anelab.checkpoints.gguf_architectures.GGUF_ARCHITECTURES``
+(docs/conventions.md §10 cites llama.cpp and transformers). Undone here, on read:
 
 - tensor names: llama.cpp's (``blk.{L}.attn_q.weight``, ``token_embd.weight``, ...) back to transformers'
   through gguf's own ``TensorNameMap`` (the table llama.cpp's converter writes with);
-- ``llama``: the converter permutes the rows of every Q and K projection (weights and biases) for
-  llama.cpp's interleaved RoPE (``LlamaModel.permute``); undone per head here (``undo_rope_permutation``).
-  ``qwen2`` / ``qwen3`` are written unpermuted (llama.cpp runs them with NeoX RoPE);
-- the config: ``{arch}.block_count``, ``embedding_length``, ``attention.head_count(_kv)``,
-  ``attention.key_length``, ``rope.freq_base``, ``attention.layer_norm_rms_epsilon``, ... under
-  transformers' names (as its GGUF integration maps them), tied embeddings when ``output.weight`` is absent.
+- Q/K rows permuted for llama.cpp's interleaved RoPE (``llama``, ``granite``: ``LlamaModel.permute``), put back
+  per head (``undo_rope_permutation``);
+- norms stored shifted (Gemma 2/3: ``w + 1``), read back as ``w``;
+- stacked routed experts (``blk.{L}.ffn_*_exps.weight`` [E, ...], qwen3moe) served per expert under
+  transformers' ``mlp.experts.{e}.*`` names.
 
 Refused in one line (``REFUSED``): other architectures, metadata keys of the architecture that are not
-modelled (naming the key), tensors with no transformers name (``rope_freqs.weight``: Llama 3's frequency
-factors), routed experts, RoPE scaling other than linear, split or big-endian files.
+modelled (naming the key), sizes past ``anelab.core.limits`` (naming the key), tensors with no transformers
+name, RoPE scaling other than linear, split or big-endian files.
 """
 
 from __future__ import annotations
@@ -28,69 +28,23 @@ from pathlib import Path
 
 import numpy as np
 
+from anelab.checkpoints.gguf_architectures import (
+    GGUF_ARCHITECTURES,
+    REFUSED,
+    GgufArchitecture,
+    architecture_of,
+    config_from_metadata,
+    metadata,
+    transformers_names,
+)
 from anelab.checkpoints.source import CheckpointSource, RowTensor, content_digest
 from anelab.core.errors import AnelabInputError
 
+__all__ = ["GGUF_ARCHITECTURES", "REFUSED", "GgufArchitecture", "is_gguf_file", "open_gguf", "read_gguf"]
+
 GGUF_MAGIC = b"GGUF"
 UNQUANTIZED = ("F32", "F16", "BF16")  # storage types that hold the values themselves
-
-
-@dataclass(frozen=True)
-class GgufArchitecture:
-    """What one GGUF ``general.architecture`` is: its transformers ``model_type`` and ``architecture`` class, the
-    gguf package's ``MODEL_ARCH`` name (its tensor-name table), and the conventions undone when reading it.
-
-    ``permuted_qk``: llama.cpp's converter permuted the Q/K rows (weights and biases) for its interleaved RoPE;
-    ``qk_norm``: the file carries per-head ``attn_q_norm`` / ``attn_k_norm`` (Qwen3).
-    """
-
-    model_type: str
-    architecture: str
-    gguf_arch: str
-    permuted_qk: bool = False
-    qk_norm: bool = False
-
-
-GGUF_ARCHITECTURES: dict[str, GgufArchitecture] = {
-    "llama": GgufArchitecture("llama", "LlamaForCausalLM", "LLAMA", permuted_qk=True),
-    "qwen2": GgufArchitecture("qwen2", "Qwen2ForCausalLM", "QWEN2"),
-    "qwen3": GgufArchitecture("qwen3", "Qwen3ForCausalLM", "QWEN3", qk_norm=True),
-}
-
-# {arch}.<key> -> transformers config key (transformers integrations/ggml.py GGUF_CONFIG_MAPPING, llama rows)
-_CONFIG_KEYS = {
-    "context_length": "max_position_embeddings",
-    "block_count": "num_hidden_layers",
-    "feed_forward_length": "intermediate_size",
-    "embedding_length": "hidden_size",
-    "attention.head_count": "num_attention_heads",
-    "attention.head_count_kv": "num_key_value_heads",
-    "rope.freq_base": "rope_theta",
-    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
-    "vocab_size": "vocab_size",
-}
-# {arch}.<key> read and checked below (head size, rotary dims, scaling), or harmless when zero
-_CHECKED_KEYS = (
-    "attention.key_length",
-    "attention.value_length",
-    "rope.dimension_count",
-    "rope.scaling.type",
-    "rope.scaling.factor",
-    "rope.scale_linear",
-    "expert_count",
-    "expert_used_count",
-)
-_REQUIRED = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
-             "attention.layer_norm_rms_epsilon")  # fmt: skip
-LLAMA_CPP_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base when the file names none
-
-REFUSED = (
-    f"architectures other than {', '.join(GGUF_ARCHITECTURES)} (their llama.cpp conventions are not modelled)",
-    "metadata keys of the architecture anelab does not model (sliding window, soft-caps, ...), named in the refusal",
-    "tensors with no transformers name (rope_freqs.weight: Llama 3's RoPE frequency factors)",
-    "routed experts (expert_count > 0); RoPE scaling other than linear; partial rotary dimensions",
-    "split (llama-gguf-split) or big-endian files",
-)
+DEQUANTIZE_BLOCK_BYTES = 32 << 20  # float32 bytes of one block of rows dequantized at a time
 
 
 def is_gguf_file(path: Path) -> bool:
@@ -228,20 +182,6 @@ def read_gguf(path: Path):
     return reader
 
 
-def metadata(reader, key: str, default=None):
-    """The value of metadata ``key`` (a Python scalar, string or list), or ``default``."""
-    found = reader.fields.get(key)
-    return default if found is None else found.contents()
-
-
-def _length(reader, key: str) -> int:
-    """The length of metadata ``key``'s value (0 when absent), without decoding a lazily read array."""
-    found = reader.fields.get(key)
-    if found is None:
-        return 0
-    return found.count if isinstance(found, LazyArrayField) else len(found.contents())
-
-
 def undo_rope_permutation(rows: np.ndarray, heads: int) -> np.ndarray:
     """Q or K rows (weight [heads * d, D] or bias [heads * d]) back from llama.cpp's order to transformers'.
 
@@ -264,144 +204,40 @@ def dequantize(stored: np.ndarray, qtype) -> np.ndarray:
     return kind.dequantize_rows(stored)
 
 
-def architecture_of(reader, path: Path) -> tuple[str, GgufArchitecture]:
-    arch = metadata(reader, "general.architecture")
-    spec = GGUF_ARCHITECTURES.get(arch)
-    if spec is None:
-        raise AnelabInputError(
-            f"{path}: GGUF architecture {arch!r} is not modelled (its llama.cpp conventions are not undone here); "
-            f"supported: {', '.join(GGUF_ARCHITECTURES)}"
-        )
-    return arch, spec
-
-
-def _int_key(reader, arch: str, key: str, default=None) -> int:
-    value = metadata(reader, f"{arch}.{key}", default)
-    if isinstance(value, list):
-        raise AnelabInputError(f"GGUF {arch}.{key} varies per layer ({value[:4]}...); not modelled")
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise AnelabInputError(f"GGUF {arch}.{key} must be a non-negative integer, got {value!r}")
-    return int(value)
-
-
-def _refuse_unmodelled_keys(reader, arch: str) -> None:
-    known = set(_CONFIG_KEYS) | set(_CHECKED_KEYS)
-    for key in reader.fields:
-        if key.startswith(f"{arch}.") and key.removeprefix(f"{arch}.") not in known:
-            raise AnelabInputError(
-                f"GGUF metadata {key} = {metadata(reader, key)!r} is not modelled by anelab; refusing"
-            )
-    for key in ("expert_count", "expert_used_count"):
-        if _int_key(reader, arch, key, 0):
-            raise AnelabInputError(f"GGUF {arch}.{key} > 0: routed experts in a GGUF file are not modelled")
-
-
-def _float32(value) -> float:
-    """A GGUF float32 as the shortest decimal that is the same float32 (1e-05, not 9.999999747378752e-06)."""
-    return float(np.format_float_positional(np.float32(value), unique=True, trim="-"))
-
-
-def _rope_scaling(reader, arch: str) -> dict | None:
-    kind = metadata(reader, f"{arch}.rope.scaling.type", "none")
-    linear = metadata(reader, f"{arch}.rope.scale_linear")
-    if kind == "linear" or (kind == "none" and linear is not None):
-        factor = metadata(reader, f"{arch}.rope.scaling.factor", linear)
-        return None if factor in (None, 1.0) else {"rope_type": "linear", "factor": _float32(factor)}
-    if kind != "none":
-        raise AnelabInputError(f"GGUF {arch}.rope.scaling.type {kind!r} is not modelled (none or linear); refusing")
-    return None
-
-
-def config_from_metadata(reader, path: Path, tensor_names: set[str]) -> dict:
-    """transformers' config.json for the file: geometry, RoPE and norm settings from ``{arch}.*`` metadata."""
-    arch, spec = architecture_of(reader, path)
-    _refuse_unmodelled_keys(reader, arch)
-    for key in _REQUIRED:
-        if f"{arch}.{key}" not in reader.fields:
-            raise AnelabInputError(f"{path}: GGUF metadata {arch}.{key} is missing; the file is incomplete")
-    config = {"model_type": spec.model_type, "architectures": [spec.architecture], "hidden_act": "silu"}
-    for key, name in _CONFIG_KEYS.items():
-        if f"{arch}.{key}" in reader.fields:
-            value = metadata(reader, f"{arch}.{key}")
-            config[name] = _float32(value) if name in ("rope_theta", "rms_norm_eps") else _int_key(reader, arch, key)
-    heads, hidden = config["num_attention_heads"], config["hidden_size"]
-    config.setdefault("num_key_value_heads", heads)  # llama.cpp: n_head_kv defaults to n_head
-    config.setdefault("rope_theta", LLAMA_CPP_ROPE_BASE)
-    if "vocab_size" not in config:
-        config["vocab_size"] = _length(reader, "tokenizer.ggml.tokens") or None
-    head_dim = _int_key(reader, arch, "attention.key_length", hidden // heads if heads else 0)
-    if _int_key(reader, arch, "attention.value_length", head_dim) != head_dim:
-        raise AnelabInputError(f"{path}: GGUF value_length differs from key_length; not modelled")
-    if _int_key(reader, arch, "rope.dimension_count", head_dim) != head_dim:
-        raise AnelabInputError(
-            f"{path}: GGUF rope.dimension_count < head size (partial rotary) is not modelled for {arch}"
-        )
-    config["head_dim"] = head_dim
-    config["tie_word_embeddings"] = "output.weight" not in tensor_names
-    config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
-    if (scaling := _rope_scaling(reader, arch)) is not None:
-        config["rope_scaling"] = scaling
-    for key in ("bos_token_id", "eos_token_id"):
-        if (value := metadata(reader, f"tokenizer.ggml.{key}")) is not None:
-            config[key] = int(value)
-    return config
-
-
-_LAYER_PARTS = (
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
-    "self_attn.k_norm", "input_layernorm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-)  # fmt: skip
-
-
-def transformers_names(spec: GgufArchitecture, num_layers: int, gguf_names: set[str], path: Path) -> dict[str, str]:
-    """transformers name -> GGUF name of every tensor in the file, through gguf's ``TensorNameMap``; refuses a
-    GGUF tensor that has no transformers name (it would be dropped silently)."""
-    import gguf
-
-    table = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, spec.gguf_arch), num_layers)
-    bases = ["model.embed_tokens", "model.norm", "lm_head"]
-    bases += [f"model.layers.{layer}.{part}" for layer in range(num_layers) for part in _LAYER_PARTS]
-    names = {}
-    for base in bases:
-        stem = table.get_name(base)
-        for suffix in (".weight", ".bias"):
-            if stem is not None and stem + suffix in gguf_names:
-                names[base + suffix] = stem + suffix
-    unplaced = sorted(gguf_names - set(names.values()))
-    if unplaced:
-        raise AnelabInputError(
-            f"{path}: GGUF tensor {unplaced[0]} has no place in anelab's model of {spec.model_type} "
-            f"({len(unplaced)} such tensor{'s' if len(unplaced) > 1 else ''}); refusing rather than dropping it"
-        )
-    return names
-
-
 @dataclass
 class GgufSource:
-    """The tensors of a GGUF file under transformers' names: each dequantized by gguf.quants on read, Q/K rows
-    put back in transformers' order where llama.cpp permuted them; bytes read through one memory map whose
-    pages are released after each tensor."""
+    """The tensors of a GGUF file under transformers' names: each dequantized by gguf.quants on read, with
+    llama.cpp's conventions undone (Q/K rows put back in transformers' order, shifted norms unshifted, one expert
+    of a stacked tensor served alone); bytes read through one memory map whose pages are released after each tensor.
+    """
 
     path: Path
     spec: GgufArchitecture
     heads: int
     kv_heads: int
     entries: dict  # transformers name -> gguf ReaderTensor
+    experts: dict = field(default_factory=dict)  # transformers name of one expert -> its index in a stacked tensor
     _mapped: mmap.mmap | None = field(default=None, repr=False)
 
     def names(self):
         return self.entries.keys()
 
+    def _file_shape(self, name: str) -> tuple[int, ...]:
+        """The stored tensor's shape, outermost first ([E, N, K] for a stacked expert tensor)."""
+        return tuple(int(n) for n in reversed(self.entries[name].shape))
+
     def shape(self, name: str) -> tuple[int, ...] | None:
-        entry = self.entries.get(name)
-        return None if entry is None else tuple(int(n) for n in reversed(entry.shape))
+        if name not in self.entries:
+            return None
+        shape = self._file_shape(name)
+        return shape[1:] if name in self.experts else shape
 
     def storage(self, name: str) -> str:
         return self.entries[name].tensor_type.name
 
     def _stored(self, name: str, rows=slice(None)) -> np.ndarray:
-        """The stored bytes of ``name`` as uint8 [*shape[:-1], bytes per row] (the rows asked for), copied out of
-        the map; the pages touched are released."""
+        """The stored bytes of ``name`` as uint8 [*shape[:-1], bytes per row] (the rows asked for; one expert's
+        block of a stacked tensor), copied out of the map; the pages touched are released."""
         import gguf
 
         entry = self.entries[name]
@@ -410,8 +246,10 @@ class GgufSource:
                 self._mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         if entry.data_offset + entry.n_bytes > len(self._mapped):
             raise AnelabInputError(f"{self.path}: tensor {entry.name} lies outside the file (truncated download?)")
-        shape = gguf.quant_shape_to_byte_shape(self.shape(name), entry.tensor_type)
+        shape = gguf.quant_shape_to_byte_shape(self._file_shape(name), entry.tensor_type)
         stored = np.frombuffer(self._mapped, np.uint8, count=entry.n_bytes, offset=entry.data_offset).reshape(shape)
+        if name in self.experts:
+            return np.array(stored[self.experts[name]][rows])
         out = np.array(stored[rows])
         if isinstance(rows, slice):  # a block of rows (or all): drop its pages; a few gathered rows stay mapped
             first, last, _ = rows.indices(shape[0])
@@ -430,16 +268,41 @@ class GgufSource:
             return self.kv_heads
         return None
 
+    def _shifted(self, name: str) -> bool:
+        """Whether llama.cpp's converter stored ``name`` as ``w + norm_shift`` (every ``*norm.weight`` of Gemma)."""
+        return bool(self.spec.norm_shift) and self.entries[name].name.endswith("norm.weight")
+
+    def _dequantized(self, name: str, rows=slice(None)) -> np.ndarray:
+        """``name``'s rows (a slice, or all; an index array is gathered) as float32, a slice dequantized in blocks of
+        ~``DEQUANTIZE_BLOCK_BYTES`` into one array: gguf's dequantizers make float32 temporaries the size of their
+        input (Q8_0: two), so Gemma 3's 262,144-row embedding (671 MB as float32) would peak at three copies if
+        dequantized at once."""
+        qtype, shape = self.entries[name].tensor_type, self.shape(name)
+        if not isinstance(rows, slice) or len(shape) != 2:
+            return dequantize(self._stored(name, rows), qtype)
+        first, last, step = rows.indices(shape[0])
+        count = len(range(first, last, step))
+        if step != 1 or 4 * count * shape[1] <= DEQUANTIZE_BLOCK_BYTES:
+            return dequantize(self._stored(name, rows), qtype)
+        out = np.empty((count, shape[1]), np.float32)
+        block = max(1, DEQUANTIZE_BLOCK_BYTES // (4 * shape[1]))
+        for r0 in range(first, last, block):
+            r1 = min(r0 + block, last)
+            out[r0 - first : r1 - first] = dequantize(self._stored(name, slice(r0, r1)), qtype)
+        return out
+
     def read_float32(self, name: str) -> np.ndarray:
-        values = dequantize(self._stored(name), self.entries[name].tensor_type)
+        values = self._dequantized(name)
+        if self._shifted(name):
+            # exact for stored values >= 0.5 (Sterbenz; a multiple of the stored value's ulp stays one)
+            values -= np.float32(self.spec.norm_shift)
         heads = self._permuted_heads(name)
         return values if heads is None else np.ascontiguousarray(undo_rope_permutation(values, heads))
 
     def mapped(self, name: str) -> RowTensor:
-        if self._permuted_heads(name) is not None:
-            raise AnelabInputError(f"{name}: a permuted Q/K projection is read whole, not by rows")
-        qtype = self.entries[name].tensor_type
-        return RowTensor(self.shape(name), lambda rows: dequantize(self._stored(name, rows), qtype))
+        if self._permuted_heads(name) is not None or self._shifted(name):
+            raise AnelabInputError(f"{name}: a permuted Q/K projection or a shifted norm is read whole, not by rows")
+        return RowTensor(self.shape(name), lambda rows: self._dequantized(name, rows))
 
     def digest(self, name: str) -> str:
         storage = f"gguf {self.storage(name)} {self.spec.model_type}"
@@ -449,19 +312,41 @@ class GgufSource:
         return [self.path.name]
 
 
+def _per_expert(names: dict[str, str], by_gguf_name: dict, path: Path) -> tuple[dict, dict]:
+    """transformers name -> ReaderTensor, with each stacked expert tensor (``...mlp.experts.gate_proj.weight``
+    [E, N, K]) named once per expert (``...mlp.experts.{e}.gate_proj.weight``) -> (entries, expert index)."""
+    entries, experts = {}, {}
+    for hf, gg in names.items():
+        tensor = by_gguf_name[gg]
+        stem, dot, part = hf.rpartition(".mlp.experts.")
+        if not dot:
+            entries[hf] = tensor
+            continue
+        if len(tensor.shape) != 3:
+            raise AnelabInputError(f"{path}: GGUF expert tensor {gg} must be 3-D [E, N, K], got {list(tensor.shape)}")
+        for e in range(int(tensor.shape[-1])):  # ggml's ne order: the expert axis is outermost, last
+            name = f"{stem}.mlp.experts.{e}.{part}"
+            entries[name], experts[name] = tensor, e
+    return entries, experts
+
+
 def open_gguf(path: Path) -> CheckpointSource:
     """A GGUF file: its metadata as transformers' config, its tensors under transformers' names (nothing read yet)."""
     reader = read_gguf(path)
     by_gguf_name = {t.name: t for t in reader.tensors}
-    config = config_from_metadata(reader, path, set(by_gguf_name))
+    config = config_from_metadata(reader, path, set(by_gguf_name))  # every declared size bounded here
     _, spec = architecture_of(reader, path)
-    names = transformers_names(spec, config["num_hidden_layers"], set(by_gguf_name), path)
+    names = transformers_names(spec, config, set(by_gguf_name), path)
+    entries, experts = _per_expert(names, by_gguf_name, path)
+    if experts and len({n.rsplit(".experts.", 1)[1].split(".")[0] for n in experts}) != config.get("num_experts"):
+        raise AnelabInputError(f"{path}: its stacked expert tensors do not hold expert_count experts; refusing")
     source = GgufSource(
         path=path,
         spec=spec,
         heads=config["num_attention_heads"],
         kv_heads=config["num_key_value_heads"],
-        entries={hf: by_gguf_name[gg] for hf, gg in names.items()},
+        entries=entries,
+        experts=experts,
     )
     quantized = any(t.tensor_type.name not in UNQUANTIZED for t in reader.tensors)
 

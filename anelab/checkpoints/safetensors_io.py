@@ -322,7 +322,7 @@ class MappedTensor:
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         whole = self.file.read_float32(self.name)
-        return whole if dtype is None else whole.astype(dtype)
+        return whole if dtype is None else whole.astype(dtype, copy=False)  # float32 asked: no second copy
 
 
 @dataclass(frozen=True)

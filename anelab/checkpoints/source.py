@@ -79,7 +79,7 @@ class RowTensor:
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         whole = self.read_rows(slice(None))
-        return whole if dtype is None else whole.astype(dtype)
+        return whole if dtype is None else whole.astype(dtype, copy=False)  # float32 asked: no second copy
 
 
 def content_digest(name: str, storage: str, shape: tuple[int, ...], chunks: Iterable) -> str:

@@ -12,7 +12,8 @@ from anelab.core.errors import AnelabInputError
 
 CHECKPOINT_HELP = (
     "checkpoint: a Hugging Face directory (config.json + safetensors), a .gguf file, an mlx_lm.convert -q "
-    "directory, or a name: default-dense (the embedded dense sibling) | default-real (SmolLM2-135M-Instruct)"
+    "directory, or a name: default-dense (the embedded dense sibling) | default-real (SmolLM2-135M-Instruct) | "
+    "default-real-windowed (Gemma 3 270M)"
 )
 
 

@@ -18,6 +18,7 @@ MAX_LAYERS = 4096  # decoder layers in one config.json (the largest released mod
 MAX_WIDTH = 1 << 20  # hidden_size, intermediate_size, vocab_size (the largest real ones are ~256k)
 MAX_HEADS = 4096  # query or KV heads of one attention layer
 MAX_HEAD_DIM = 4096  # one head's width (real heads are 64..512)
+MAX_EXPERTS = 4096  # routed experts of one MoE layer (the largest released models have a few hundred)
 MAX_POSITIONS = 1 << 21  # token positions one command handles: a prompt plus its decode, a package's coverage
 MAX_FUNCTIONS = 1024  # functions in one package: each is converted on its own (seconds each at tiny size)
 MAX_CHUNKS = 1 << 16  # chunks of one planned prompt: the plan lists each chunk and the histories it visits

@@ -34,6 +34,21 @@ def seconds(x: float) -> str:
     return f"{x:.3f}" if x == 0 or abs(x) >= 0.01 else f"{x:.3g}"
 
 
+def sliding_lines(ck: dict) -> list[str]:
+    """What the verdict prices of a model with sliding-window layers: its full-attention layers only (the planner's
+    ``full`` part); the sliding layers are exported, verified and served in the arms like the others."""
+    sliding = ck.get("sliding_layers") or []
+    if not sliding:
+        return []
+    full = [i for i in ck["full_attention_layers"] if i not in sliding]
+    return [
+        f"layers priced: the verdict prices the {len(full)} full-attention layers ({', '.join(map(str, full))}); "
+        f"the {len(sliding)} sliding-window layers (window {ck['sliding_window']:,}) are exported with the same "
+        "design, verified and served in the whole-model arms, but not priced here: 'anelab plan --checkpoint' plans "
+        "them apart"
+    ]
+
+
 def verdict_lines(decision: dict) -> list[str]:
     """The verdict section as plain lines (report.md and ``anelab decide``'s output)."""
     v, ck = decision["verdict"], decision["checkpoint"]
@@ -52,6 +67,7 @@ def verdict_lines(decision: dict) -> list[str]:
         "TinyTitan's sidecars recorded on an Apple M3 (seed 000) unless measured here",
     ]
     lines += _chip_lines(decision)
+    lines += sliding_lines(ck)
     for what, command in v["settle"]:
         lines.append(f"to settle it: {what}: {command}")
     for line in decision["yours"]:

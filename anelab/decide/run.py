@@ -198,12 +198,6 @@ def open_request(config: DecideConfig) -> Opened:
     if not Path(config.checkpoint).exists():
         raise AnelabInputError(f"checkpoint {config.checkpoint} does not exist; pass a model directory (config.json)")
     checkpoint = load_checkpoint(config.checkpoint)
-    g = checkpoint.geometry
-    if g.sliding_layers:
-        raise AnelabInputError(
-            f"{config.checkpoint} has sliding-window layers {list(g.sliding_layers)}; decide covers full-attention "
-            "layers only: plan it with 'anelab plan --checkpoint'"
-        )
     from anelab.arms.compare import open_engine_model
 
     engine, model = open_engine_model(checkpoint)  # the whole-model arms need the whole model: refused here
@@ -748,6 +742,8 @@ def _checkpoint_dict(checkpoint) -> dict:
         "model_type": checkpoint.model_type,
         "layers": g.num_layers,
         "full_attention_layers": list(g.full_attention_layers),
+        "sliding_layers": list(g.sliding_layers),
+        "sliding_window": g.sliding_window,
         "hidden_size": g.hidden_size,
         "heads": g.num_heads,
         "kv_heads": g.num_kv_heads,
