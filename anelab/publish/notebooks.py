@@ -238,7 +238,7 @@ def run_parameters(quick: bool, build: Path) -> dict:
     }
 
 
-NOTEBOOK_TEMPLATE = "executed_notebook.html.j2"  # in anelab/studies/templates: JupyterLab's page, no CDN scripts
+NOTEBOOK_TEMPLATE = "executed_notebook.html.j2"  # in anelab/publish/templates: JupyterLab's page, no CDN scripts
 
 
 def export_html(executed: Path, dest: Path) -> Path:

@@ -34,7 +34,7 @@ class ProbeResult:
     relative_error: ||package - selected_attention|| / ||selected_attention||;
     control_error: the same with the package fed a different (seeded random-score) selection —
     a negative control that must land above the threshold.
-    numpy_eval_seconds: wall time of ``mil_eval.evaluate`` on this machine (NumPy, not the ANE).
+    numpy_eval_seconds: wall time of ``sidecar.mil.evaluate`` on this machine (NumPy, not the ANE).
     """
 
     graph: str
