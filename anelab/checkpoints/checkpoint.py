@@ -20,16 +20,14 @@ import numpy as np
 
 from anelab.checkpoints.config import (
     CONFIG_FILE,
-    DEFAULT_MODEL_TYPES,
     LEGACY_LAYER_TYPES,
     MODEL_FAMILIES,
-    WRITABLE_MODEL_TYPES,
     ModelFamily,
-    config_for_geometry,
     detect_family,
     geometry_from_config,
     text_config,
 )
+from anelab.checkpoints.config_writer import DEFAULT_MODEL_TYPES, WRITABLE_MODEL_TYPES, config_for_geometry
 from anelab.checkpoints.formats import open_source
 from anelab.checkpoints.safetensors_io import INDEX_FILE, STORAGE_DTYPES, LazyTensor, write_safetensors
 from anelab.checkpoints.source import TensorSource

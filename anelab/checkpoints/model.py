@@ -668,7 +668,7 @@ def write_random_model(
 ) -> Path:
     """Write a dense model of ``geometry`` with random weights (``random_model_tensors``) one tensor at a time:
     the benchmarks' 1B- and 8B-shaped checkpoints without holding them in memory."""
-    from anelab.checkpoints.config import config_for_geometry
+    from anelab.checkpoints.config_writer import config_for_geometry
 
     if model_type not in ("llama", "mistral", "qwen2", "qwen3"):
         raise AnelabInputError(f"write_random_model writes dense Llama-layout models, not {model_type!r}")
