@@ -42,11 +42,7 @@ def backtest(data_dir: str | Path | None = None) -> list[dict]:
         r_in, r_out = ratio_under(row, fit), ratio_under(row, cached_fit(directory, None, model))
         out.append(
             {
-                "family": row.family,
-                "record": row.record,
-                "prompt_tokens": row.prompt_tokens,
-                "chunk": row.chunk,
-                "recorded_ratio": row.ratio,
+                **row.identity(),
                 "recorded_side": side(recorded),
                 "in_sample_ratio": r_in,
                 "in_sample_error": r_in / recorded - 1,

@@ -136,6 +136,11 @@ class ABRow:
     ane_seconds: float | None
     ratio: float | None
 
+    def identity(self) -> dict:
+        """The row as every re-prediction of it names it: family, record, prompt, chunk and recorded ratio."""
+        return {"family": self.family, "record": self.record, "prompt_tokens": self.prompt_tokens,
+                "chunk": self.chunk, "recorded_ratio": self.ratio}  # fmt: skip
+
 
 @dataclass(frozen=True)
 class CostFit:

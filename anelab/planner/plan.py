@@ -476,11 +476,7 @@ def predicted_vs_recorded(data_dir: str | Path | None = None) -> list[dict]:
         r_in, r_loo = row.gpu_seconds / pred_in, row.gpu_seconds / pred_loo
         out.append(
             {
-                "family": row.family,
-                "record": row.record,
-                "prompt_tokens": row.prompt_tokens,
-                "chunk": row.chunk,
-                "recorded_ratio": row.ratio,
+                **row.identity(),
                 "in_sample_ratio": r_in,
                 "in_sample_error": (r_in - row.ratio) / row.ratio,
                 "leave_one_out_ratio": r_loo,
