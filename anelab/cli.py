@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from anelab.core.errors import AnelabInputError
+from anelab.core.output_paths import os_error_line, require_output_dir, require_output_file
 
 EXIT_BAD_INPUT = 2
 
@@ -281,6 +282,7 @@ def _run_evaluate(args):
     from anelab.core.records import atomic_write_bytes
     from anelab.sidecar.evaluate import SavedPackage, evaluate
 
+    require_output_file(args.out)  # before the package is read
     pkg = SavedPackage(args.package)
     pkg.function(args.function)
     try:
@@ -911,6 +913,7 @@ def _add_probe(sub):
 def _run_probe(args):
     from anelab.studies.gather_sizing import probe, probe_record, probe_table
 
+    require_output_dir(args.records or ".", "--records")  # before the probes, not after them
     results = probe(
         args.chunk,
         heads=args.heads,
@@ -1373,6 +1376,11 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_BAD_INPUT
     except BrokenPipeError:
         return 0
+    except OSError as e:  # a full disk, a quota, a file-size limit, a read-only file system, a symlink loop: one line
+        if os_error_line(e) is None:
+            raise
+        print(f"anelab: error: {os_error_line(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("anelab: interrupted", file=sys.stderr)
         return 130

@@ -11,10 +11,12 @@ file system, a symlink loop) into one line naming the path and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from anelab.core.errors import AnelabInputError
@@ -136,3 +138,23 @@ def make_output_dir(out: str | os.PathLike, flag: str = "--out") -> tuple[Path, 
     except OSError as e:
         raise write_failure(e, out, flag) from None
     return out, created
+
+
+def _directories(root: Path) -> set[Path]:
+    return {Path(d) for d, _, _ in os.walk(root)} if root.is_dir() else set()
+
+
+@contextlib.contextmanager
+def no_empty_dirs_left(root: str | os.PathLike, flag: str = "--out") -> Iterator[Path]:
+    """Context: ``root`` made (``make_output_dir``); if the block fails or is interrupted, every directory it
+    created under ``root`` (``root`` too) that is left empty is removed again, deepest first."""
+    root = Path(root)
+    before = _directories(root)
+    root, _ = make_output_dir(root, flag)
+    try:
+        yield root
+    except BaseException:
+        for directory in sorted(_directories(root) - before, key=lambda d: len(d.parts), reverse=True):
+            with contextlib.suppress(OSError):
+                directory.rmdir()  # only an empty one goes
+        raise

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from anelab import __version__
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import chunk_starts
+from anelab.core.output_paths import no_empty_dirs_left, require_output_dir
 from anelab.decide.evidence import EvidenceFile, reverify_when_the_arms_disagree, verify_summary
 from anelab.planner.design_plans import DesignPlan
 from anelab.planner.envelope import MEASURED, YOURS, Cost
@@ -608,12 +609,18 @@ def sweep(config: DecideConfig, plans: Plans, candidate: DesignPlan, measured: M
 
 
 def decide(config: DecideConfig) -> Decision:
-    """Plan, export, verify, run the arms, optionally measure, and write the report (module docstring)."""
+    """Plan, export, verify, run the arms, optionally measure, and write the report (module docstring); a run that
+    fails or is interrupted leaves no empty folder behind."""
+    config.out = require_output_dir(config.out)  # before the checkpoint is opened
+    opened = open_request(config)
+    with no_empty_dirs_left(config.out):
+        return _decided(config, opened)
+
+
+def _decided(config: DecideConfig, opened: Opened) -> Decision:
+    """``decide``'s stages once the checkpoint is open and ``config.out`` exists."""
     from anelab.decide.report import write_report
 
-    opened = open_request(config)
-    config.out = Path(config.out)
-    config.out.mkdir(parents=True, exist_ok=True)
     commands, plans = settle_commands(config), Plans(config, opened)
     with tqdm(total=3 + len(opened.layers) + bool(opened.runtime), desc="decide", unit="step") as bar:
         bar.set_postfix_str("plan every design")

@@ -122,6 +122,13 @@ def require_same_tensors(meta: SidecarMetadata, checkpoint: Checkpoint) -> None:
     revision with the same tensors is accepted). A package that records no digests is not judged here."""
     if meta.source_tensors is None:
         return
+    stem = checkpoint.tensor_name(meta.layer, "")
+    foreign = sorted(name for name in meta.source_tensors if not name.startswith(stem))
+    if foreign:  # the metadata's layer is not the one its own tensor digests were taken from
+        raise AnelabInputError(
+            f"the package's metadata names layer {meta.layer}, but the tensors it was built from are another "
+            f"layer's ({foreign[0]}): its metadata was changed after export; re-export it"
+        )
     have = checkpoint.attention_digests(meta.layer)
     for name in sorted(set(meta.source_tensors) | set(have)):
         if meta.source_tensors.get(name) != have.get(name):

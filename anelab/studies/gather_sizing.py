@@ -14,6 +14,7 @@ import numpy as np
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import FP16_BYTES
 from anelab.core.masks import MASKED
+from anelab.core.output_paths import require_output_dir
 
 
 def positive_int(name: str, value) -> int:
@@ -572,6 +573,8 @@ def probe(
     from anelab.core.masks import dense_exact_window
 
     chunk = positive_int("chunk", chunk)
+    if out_dir is not None:  # refused before the probes are built
+        require_output_dir(out_dir)
     history = 3 * chunk if history is None else history
     shape = ProbeShape(heads, head_dim, chunk, history, dense_exact_window(kept_blocks, compress_ratio))
     inputs = probe_inputs(shape, kept_blocks, compress_ratio, seed)
