@@ -259,6 +259,7 @@ def export_and_verify(
     from anelab.runtimes.gate import AneGate, AneGateError
     from anelab.runtimes.interface import package_content_hash
     from anelab.sidecar.coremltools_import import coremltools_modules
+    from anelab.sidecar.out_dir import remove_abandoned_staging
 
     directory = config.out / "sidecars" / request.graph
     gate = AneGate.for_runtime(opened.runtime) if gated else None
@@ -301,6 +302,9 @@ def export_and_verify(
             refusal = " ".join(str(e).split())
             bar.set_postfix_str("the ANE gate refused: export without it")
             return (*export_and_verify(config, opened, request, bar, gated=False)[:2], refusal)
+        except BaseException:  # workers stopped mid-export (a sibling failed, a full disk, SIGTERM) leave staging
+            remove_abandoned_staging(directory)
+            raise
     summaries = {}
     for layer in opened.layers:
         pkg = directory / f"layer_{layer}.mlpackage"

@@ -91,7 +91,7 @@ def _release(lock: _LayerLock) -> None:
     os.close(lock.fd)
 
 
-def _remove_abandoned_staging(out: Path) -> None:
+def remove_abandoned_staging(out: Path) -> None:
     """Staging folders whose owner is gone (its ``owner.lock`` free): left by an export killed with SIGKILL. A
     folder still being made (``MAKING_PREFIX``) is removed only when the process in its name is gone."""
     for folder in out.glob(f"{MAKING_PREFIX}*"):
@@ -170,7 +170,7 @@ def exporting(out: str | os.PathLike, layers: list[int]) -> Iterator[Staging]:
     try:
         for layer in sorted(set(layers)):
             locks.append(_take_lock(out / lock_name(layer), f"layer_{layer}.mlpackage in {out}"))
-        _remove_abandoned_staging(out)
+        remove_abandoned_staging(out)
         # made under another name and renamed once its owner lock is held: another export into ``out`` (decide's
         # workers export a layer each) never sees a staging folder whose lock is free because it is not taken yet
         making = Path(tempfile.mkdtemp(dir=out, prefix=f"{MAKING_PREFIX}{os.getpid()}-"))
