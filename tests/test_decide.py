@@ -279,6 +279,18 @@ def _spied_verify(job):
     return run._VERIFY_LAYER(job)
 
 
+# A verify error (fp16-emulated outputs against the float64 reference) computed in a worker and in this process
+# runs other BLAS kernels and thread counts: an output element's fp16 rounding can flip, which moves the error's
+# third digit (7.354e-4 against 7.347e-4 on an AMD EPYC's Haswell kernels). Compared to within this, not exactly.
+VERIFY_ERROR_RELATIVE_TOLERANCE = 1e-2
+
+
+def _at_verify_precision(summary: dict) -> dict:
+    return {k: pytest.approx(v, rel=VERIFY_ERROR_RELATIVE_TOLERANCE) if isinstance(v, float) else v
+            for k, v in summary.items()}  # fmt: skip
+
+
+@pytest.mark.blas_exact
 def test_the_last_layers_are_verified_beside_the_arms_with_the_same_evidence(decided, model, tmp_path, monkeypatch):
     """The last ``VERIFIED_BESIDE_THE_ARMS`` of the layers are exported first and verified while the arms run, in
     low-priority workers; the evidence (verify summaries, evidence.json, the arms) is what verifying every layer
@@ -296,7 +308,8 @@ def test_the_last_layers_are_verified_beside_the_arms_with_the_same_evidence(dec
     drop = {"package", "sha256"}  # where the packages are, and their export time
     for layer in ("0", "1"):
         mine, theirs = beside.evidence["verify"][layer], decision.evidence["verify"][layer]
-        assert {k: v for k, v in mine.items() if k not in drop} == {k: v for k, v in theirs.items() if k not in drop}
+        kept = {k: v for k, v in mine.items() if k not in drop}
+        assert kept == _at_verify_precision({k: v for k, v in theirs.items() if k not in drop})
     kept = json.loads((tmp_path / "beside" / "evidence.json").read_text())["dense"]["layers"]
     assert sorted(kept) == ["0", "1"] and all(kept[k]["verify"]["passed"] for k in kept)
     assert kept["1"]["sha256"] == beside.evidence["verify"]["1"]["sha256"]

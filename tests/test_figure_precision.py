@@ -19,11 +19,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-import pytest  # noqa: E402
 
 from anelab.publish.figure_precision import AXIS_STEPS, round_to_drawn_precision  # noqa: E402
-
-pytestmark = pytest.mark.blas_exact
 
 # two OpenBLAS kernels every x86-64 CPU with AVX2 runs, and whose float32 GEMMs round differently
 CORE_TYPES = ("Haswell", "Sandybridge")
