@@ -913,7 +913,7 @@ def _add_probe(sub):
 def _run_probe(args):
     from anelab.studies.gather_sizing import probe, probe_record, probe_table
 
-    require_output_dir(args.records or ".", "--records")  # before the probes, not after them
+    args.records and require_output_dir(args.records, "--records")  # before the probes, not after them
     results = probe(
         args.chunk,
         heads=args.heads,

@@ -464,7 +464,7 @@ def test_every_command_that_writes_refuses_a_read_only_or_full_disk_before_worki
     assert len(results) == len(runs), done.stderr[-2000:]
     for name, code, err in results:
         assert code == 2 and len(err.strip().splitlines()) == 1, (name, code, err[-600:])
-        assert ("read-only file system" if name.endswith("read-only") else "free, less than") in err, (name, err)
+        assert ("Read-only file system" if name.endswith("read-only") else "free, less than") in err, (name, err)
     assert lines[len(runs) :] == [], lines  # nothing written to the full disk
 
 

@@ -93,18 +93,20 @@ def _existing_ancestor(out: Path, flag: str) -> Path:
     raise AnelabInputError(f"{flag} {out}: no directory above it exists")  # unreachable for a relative path
 
 
-def require_output_dir(out: str | os.PathLike, flag: str = "--out", need_bytes: int = MIN_FREE_BYTES) -> Path:
+def require_output_dir(
+    out: str | os.PathLike, flag: str = "--out", need_bytes: int = MIN_FREE_BYTES, what: str = "the output"
+) -> Path:
     """``out`` when it is a directory, or a path one can be made at, that this process may write on a disk with
     at least ``need_bytes`` free; else one line naming the path, what is wrong and the fix. Creates nothing."""
     out = Path(out)
     base = _existing_ancestor(out, flag)
     fs = os.statvfs(base)
-    if fs.f_flag & os.ST_RDONLY:
-        raise AnelabInputError(
-            f"{flag} {out}: {base} is on a read-only file system; {_FIXES[errno.EROFS].format(flag=flag)}"
-        )
-    if not os.access(base, os.W_OK | os.X_OK):
-        raise AnelabInputError(f"{flag} {out}: permission denied writing into {base}; choose a {flag} you may write to")
+    read_only, denied = fs.f_flag & os.ST_RDONLY, not os.access(base, os.W_OK | os.X_OK)
+    for code, refused in ((errno.EROFS, read_only), (errno.EACCES, denied)):
+        if refused:
+            raise AnelabInputError(
+                f"cannot write {what} to {out}: {os.strerror(code)} ({base}); {_FIXES[code].format(flag=flag)}"
+            )
     free = fs.f_bavail * fs.f_frsize
     if free < need_bytes:
         raise AnelabInputError(
@@ -128,15 +130,15 @@ def require_output_file(path: str | os.PathLike, flag: str = "--out") -> Path:
     return path
 
 
-def make_output_dir(out: str | os.PathLike, flag: str = "--out") -> tuple[Path, bool]:
+def make_output_dir(out: str | os.PathLike, flag: str = "--out", what: str = "the output") -> tuple[Path, bool]:
     """(``out`` as a directory, whether this call created it), after ``require_output_dir``; a failed ``mkdir``
     is one line."""
-    out = require_output_dir(out, flag)
+    out = require_output_dir(out, flag, what=what)
     created = not out.is_dir()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise write_failure(e, out, flag) from None
+        raise write_failure(e, out, flag, what) from None
     return out, created
 
 

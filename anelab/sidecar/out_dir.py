@@ -44,7 +44,7 @@ def write_error(e: OSError, out: Path) -> AnelabInputError:
 def prepare_out(out: str | os.PathLike) -> tuple[Path, bool]:
     """(``out`` as a directory, whether this call created it); refuses a file, a device, a path under a
     file, a read-only or full disk and a directory that cannot be created (one line each), before any work."""
-    return make_output_dir(out, "--out")
+    return make_output_dir(out, "--out", "the export")
 
 
 # what coremltools' C++ says when a write fails: its weight writer, and std::filesystem's copy of a saved package
