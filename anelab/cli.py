@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 from anelab.core.errors import AnelabInputError
-from anelab.core.output_paths import os_error_line, require_output_dir, require_output_file
 
 EXIT_BAD_INPUT = 2
 
@@ -279,6 +278,7 @@ def _run_evaluate(args):
 
     import numpy as np
 
+    from anelab.core.output_paths import require_output_file
     from anelab.core.records import atomic_write_bytes
     from anelab.sidecar.evaluate import SavedPackage, evaluate
 
@@ -911,6 +911,7 @@ def _add_probe(sub):
 
 
 def _run_probe(args):
+    from anelab.core.output_paths import require_output_dir
     from anelab.studies.gather_sizing import probe, probe_record, probe_table
 
     args.records and require_output_dir(args.records, "--records")  # before the probes, not after them
@@ -1377,6 +1378,8 @@ def _main(argv: list[str] | None) -> int:
     except BrokenPipeError:
         return 0
     except OSError as e:  # a full disk, a quota, a file-size limit, a read-only file system, a symlink loop: one line
+        from anelab.core.output_paths import os_error_line
+
         if os_error_line(e) is None:
             raise
         print(f"anelab: error: {os_error_line(e)}", file=sys.stderr)
