@@ -1057,6 +1057,9 @@ def _add_ab(sub):
 
 
 def _run_ab(args):
+    from anelab.core.limits import require_prompt_lengths
+
+    require_prompt_lengths(args.prompt_tokens)  # before mlx-lm and the arms are imported (seconds)
     from anelab.arms.prefill_ab import ab_request, run_ab
     from anelab.core.paths import MEASURED_DIR
 

@@ -34,7 +34,7 @@ import numpy as np
 from anelab.arms.compare import random_prompt
 from anelab.arms.sidecars import CoreMLRunner, SidecarSet, numpy_runner, open_sidecars
 from anelab.core.errors import AnelabInputError
-from anelab.core.limits import MAX_POSITIONS, require_at_most
+from anelab.core.limits import require_prompt_lengths
 from anelab.core.output_paths import require_output_dir
 from anelab.core.records import machine_kind, make_record, provenance, write_record
 from anelab.planner.envelope import MEASURED, Cost
@@ -264,11 +264,7 @@ def measured_arm_costs(results: dict, design: str, layers: int, machine: str) ->
 
 def _check_prompts(prompt_tokens) -> list[int]:
     """The prompt lengths, each positive and at most ``MAX_POSITIONS`` (checked before anything is built for one)."""
-    prompts = [int(n) for n in prompt_tokens]
-    if not prompts or min(prompts) < 1:
-        raise AnelabInputError(f"--prompt-tokens must list positive lengths, got {list(prompt_tokens)}")
-    require_at_most("--prompt-tokens", max(prompts), MAX_POSITIONS, "use a shorter prompt")
-    return prompts
+    return require_prompt_lengths(prompt_tokens)
 
 
 def _placements(runtime, sidecars: SidecarSet, compute_units: str, clock) -> list[dict]:
