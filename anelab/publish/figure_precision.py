@@ -4,14 +4,14 @@ A float32 result computed through OpenBLAS differs in its last bits from one CPU
 SkylakeX, ...), and a relative error built from it in its fourth or fifth digit; matplotlib writes SVG
 coordinates to six decimals and antialiases PNG edges to 1/256 of a pixel, so those bits reached the committed
 figures. ``round_to_drawn_precision`` rounds every data coordinate an axes draws (lines, bars and other patches,
-collections: scatter offsets, filled areas, segments) to a grid of ``AXIS_STEPS`` steps per axis span — in
+collections: scatter offsets, filled areas, segments; text placed in data coordinates) to a grid of ``AXIS_STEPS`` steps per axis span — in
 data units on a linear axis, in decades on a log axis — far finer than a pixel at the gallery's size, and then
 recomputes the autoscaled limits from the rounded data (explicit limits are rounded on the same grid).
 
 Rounding makes a kernel's difference vanish unless a value lies within that difference of a grid boundary: with
 float32 noise of ~1e-5 of a value and a grid of 1/``AXIS_STEPS`` of the span, about one value in a thousand;
 ``tests/test_figure_precision.py`` redraws a BLAS-computed figure under two OpenBLAS core types and compares
-bytes. Scales other than linear and log (symlog, logit, categories) and text are left as drawn.
+bytes. Scales other than linear and log (symlog, logit) and the words of a text are left as drawn.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _xy(rx, ry, xy) -> np.ndarray:
 
 
 def _round_axes(ax) -> None:
-    from matplotlib import collections, lines, patches
+    from matplotlib import collections, lines, patches, text
 
     xlim, ylim = ax.get_xlim(), ax.get_ylim()  # the autoscaled limits, settled now
     rx, ry = _rounder(ax.get_xscale(), xlim), _rounder(ax.get_yscale(), ylim)
@@ -71,9 +71,14 @@ def _round_axes(ax) -> None:
         return
     data = ax.transData
     for artist in ax.get_children():
-        if isinstance(artist, lines.Line2D) and artist.get_transform() == data:
+        if isinstance(artist, text.Annotation) and artist.xycoords == "data":
+            artist.xy = tuple(_xy(rx, ry, [artist.xy])[0])
+        if isinstance(artist, text.Text) and artist.get_transform() == data:
+            artist.set_position(tuple(_xy(rx, ry, [artist.get_position()])[0]))
+        elif isinstance(artist, lines.Line2D) and artist.get_transform() == data:
             x, y = artist.get_xdata(orig=True), artist.get_ydata(orig=True)
-            if np.asarray(x).dtype.kind in "fiu" and np.asarray(y).dtype.kind in "fiu":
+            plain = not (np.ma.is_masked(x) or np.ma.is_masked(y))  # a masked point stays hidden: left as drawn
+            if plain and np.asarray(x).dtype.kind in "fiu" and np.asarray(y).dtype.kind in "fiu":
                 artist.set_data(_xy(rx, ry, np.column_stack([np.ravel(x), np.ravel(y)])).T)
         elif isinstance(artist, patches.Rectangle) and artist.get_data_transform() == data:
             corners = [artist.get_xy(), (artist.get_x() + artist.get_width(), artist.get_y() + artist.get_height())]
