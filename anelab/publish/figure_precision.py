@@ -69,39 +69,60 @@ def _round_axes(ax) -> None:
     rx, ry = _rounder(ax.get_xscale(), xlim), _rounder(ax.get_yscale(), ylim)
     if rx is None and ry is None:
         return
-    data = ax.transData
     for artist in ax.get_children():
-        if isinstance(artist, text.Annotation) and artist.xycoords == "data":
-            artist.xy = tuple(_xy(rx, ry, [artist.xy])[0])
-        if isinstance(artist, text.Text) and artist.get_transform() == data:
-            artist.set_position(tuple(_xy(rx, ry, [artist.get_position()])[0]))
-        elif isinstance(artist, lines.Line2D) and artist.get_transform() == data:
+        if isinstance(artist, text.Annotation):  # the point it marks: "data", or a pair such as (axes fraction, data)
+            coords = artist.xycoords if isinstance(artist.xycoords, tuple) else (artist.xycoords,) * 2
+            point_rx, point_ry = (rx if coords[0] == "data" else None), (ry if coords[1] == "data" else None)
+            if point_rx is not None or point_ry is not None:
+                artist.xy = tuple(_xy(point_rx, point_ry, [artist.xy])[0])
+        if isinstance(artist, collections.Collection):
+            _round_collection(ax, artist, rx, ry)
+            continue
+        transform = artist.get_data_transform() if isinstance(artist, patches.Patch) else artist.get_transform()
+        ax_rx, ax_ry = _rounders_for(ax, transform, rx, ry)
+        if ax_rx is None and ax_ry is None:
+            continue
+        if isinstance(artist, text.Text):
+            artist.set_position(tuple(_xy(ax_rx, ax_ry, [artist.get_position()])[0]))
+        elif isinstance(artist, lines.Line2D):
             x, y = artist.get_xdata(orig=True), artist.get_ydata(orig=True)
             plain = not (np.ma.is_masked(x) or np.ma.is_masked(y))  # a masked point stays hidden: left as drawn
             if plain and np.asarray(x).dtype.kind in "fiu" and np.asarray(y).dtype.kind in "fiu":
-                artist.set_data(_xy(rx, ry, np.column_stack([np.ravel(x), np.ravel(y)])).T)
-        elif isinstance(artist, patches.Rectangle) and artist.get_data_transform() == data:
+                artist.set_data(_xy(ax_rx, ax_ry, np.column_stack([np.ravel(x), np.ravel(y)])).T)
+        elif isinstance(artist, patches.Rectangle):
             corners = [artist.get_xy(), (artist.get_x() + artist.get_width(), artist.get_y() + artist.get_height())]
-            (x0, y0), (x1, y1) = _xy(rx, ry, corners)
+            (x0, y0), (x1, y1) = _xy(ax_rx, ax_ry, corners)
             artist.set_bounds(x0, y0, x1 - x0, y1 - y0)
-        elif isinstance(artist, patches.Polygon) and artist.get_data_transform() == data:
-            artist.set_xy(_xy(rx, ry, artist.get_xy()))
-        elif isinstance(artist, collections.Collection):
-            _round_collection(artist, data, rx, ry)
+        elif isinstance(artist, patches.Polygon):
+            artist.set_xy(_xy(ax_rx, ax_ry, artist.get_xy()))
     _settle_limits(ax, rx, ry, xlim, ylim)
 
 
-def _round_collection(coll, data, rx, ry) -> None:
+def _rounders_for(ax, transform, rx, ry):
+    """The (x, y) rounders for coordinates drawn through ``transform``: both for data; one for a blended transform
+    (``axhline`` / ``axhspan``: y in data, x a fraction of the axes; ``axvline`` / ``axvspan`` the other way)."""
+    if transform == ax.transData:
+        return rx, ry
+    if transform == ax.get_yaxis_transform(which="grid"):
+        return None, ry
+    if transform == ax.get_xaxis_transform(which="grid"):
+        return rx, None
+    return None, None
+
+
+def _round_collection(ax, coll, rx, ry) -> None:
     from matplotlib import collections
 
-    if coll.get_offset_transform() == data and len(coll.get_offsets()):
-        coll.set_offsets(_xy(rx, ry, coll.get_offsets()))
-    if coll.get_transform() != data:
+    offset_rx, offset_ry = _rounders_for(ax, coll.get_offset_transform(), rx, ry)
+    if (offset_rx or offset_ry) and len(coll.get_offsets()):
+        coll.set_offsets(_xy(offset_rx, offset_ry, coll.get_offsets()))
+    path_rx, path_ry = _rounders_for(ax, coll.get_transform(), rx, ry)
+    if path_rx is None and path_ry is None:
         return  # marker shapes in points (scatter), not data
     if isinstance(coll, collections.LineCollection):
-        coll.set_segments([_xy(rx, ry, seg) for seg in coll.get_segments()])
+        coll.set_segments([_xy(path_rx, path_ry, seg) for seg in coll.get_segments()])
     elif isinstance(coll, collections.PolyCollection):
-        coll.set_verts([_xy(rx, ry, path.vertices) for path in coll.get_paths()])
+        coll.set_verts([_xy(path_rx, path_ry, path.vertices) for path in coll.get_paths()])
 
 
 def _settle_limits(ax, rx, ry, xlim, ylim) -> None:
