@@ -1,10 +1,11 @@
 """A deterministic figure's bytes do not move with the BLAS kernel (issue 44 item 11).
 
 The same figure — row norms of a float32 attention-shaped product (through OpenBLAS) as bars on a log axis, its
-row sums as a line with a band on a linear one — is computed and saved in two processes, each with OpenBLAS pinned to another
-core type (``OPENBLAS_CORETYPE``). The control: the numbers computed differ between the two, and so do the
-bytes of the figure saved without rounding (``deterministic=False``); the figure ``save_figure`` rounds
-(``publish.figure_precision``) is byte-identical.
+row sums as a line with a band on a linear one, a line, a span and a note placed at computed values — is
+computed and saved in two processes, each with OpenBLAS pinned to another core type (``OPENBLAS_CORETYPE``).
+The control: the numbers computed differ between the two, and so do the bytes of the figure saved without
+rounding (``deterministic=False``); the figure ``save_figure`` rounds (``publish.figure_precision``) is
+byte-identical.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ for name, deterministic in (("raw", False), ("rounded", True)):  # a figure each
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(5, 4))
     top.bar(np.arange(norms.size), norms); top.set_yscale("log")
     bottom.plot(np.arange(sums.size), sums); bottom.fill_between(np.arange(sums.size), sums - 1, sums + 1, alpha=0.3)
+    bottom.axhline(sums.mean(), ls="--"); bottom.axvspan(0, float(norms.std()) / 20, alpha=0.1)  # blended
+    top.annotate("mean", (1.0, float(norms.mean())), xycoords=("axes fraction", "data"), ha="right")
     entry = figures.save_figure(fig, name, figures_dir=sys.argv[1], notebook="test", parameters={},
                                 provenance_note="test", caption="c", alt="a", deterministic=deterministic)
     out[name] = {fmt: f["sha256"] for fmt, f in entry["files"].items()}
