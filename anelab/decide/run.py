@@ -7,13 +7,11 @@ stage to stage (``Checkpoint``, ``ModelCheckpoint``, :class:`PromptPlan`, ``Desi
 ``Verdict``); they become dicts only where JSON is written (``evidence.json``, ``decision.json``, the report
 in ``decide.report``). Each prompt length is planned once.
 
-Resumable: ``DIR/evidence.json`` keeps each package's content hash and its verification, and the whole-model
-arms' summary; a package already exported and verified with the same hash (its verification sealed by the run
-that verified it, ``decide.evidence``; a reused package whose arms diverge is verified again), the same request, the same checkpoint
-(``checkpoint_identity``) and the same anelab version is reused, and so are the arms' results when the checkpoint,
-the served design's package hashes, the prompt length, the chunk, the decode length, the engine and the anelab
-version are all the same (``arms_key``). A rerun with the same inputs repeats none of it; any changed input
-repeats what depends on it.
+Resumable: ``DIR/evidence.json`` keeps each package's content hash, its verification (sealed by the run that
+verified it: ``decide.evidence``) and the arms' summary. A package with the same hash, request, checkpoint
+(``checkpoint_identity``) and anelab version is reused (verified again if its arms diverge), and so are the arms
+when the checkpoint, the served packages' hashes, the prompt, chunk, decode length, engine and anelab version
+are all the same (``arms_key``): a rerun with the same inputs repeats none of it, a changed input what depends on it.
 """
 
 from __future__ import annotations
@@ -31,6 +29,7 @@ from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import chunk_starts
 from anelab.core.output_paths import no_empty_dirs_left, require_output_dir
 from anelab.decide.evidence import EvidenceFile, reverify_when_the_arms_disagree, verify_summary
+from anelab.decide.report import write_report
 from anelab.planner.design_plans import DesignPlan
 from anelab.planner.envelope import MEASURED, YOURS, Cost
 from anelab.planner.from_checkpoint import CheckpointPlan
@@ -613,8 +612,7 @@ def sweep(config: DecideConfig, plans: Plans, candidate: DesignPlan, measured: M
 
 
 def decide(config: DecideConfig) -> Decision:
-    """Plan, export, verify, run the arms, optionally measure, and write the report (module docstring); a run that
-    fails or is interrupted leaves no empty folder behind."""
+    """Plan, export, verify, run the arms, measure (a Mac), report (module docstring); a failed run leaves no empty folder."""
     config.out = require_output_dir(config.out)  # before the checkpoint is opened
     opened = open_request(config)
     with no_empty_dirs_left(config.out):
@@ -623,8 +621,6 @@ def decide(config: DecideConfig) -> Decision:
 
 def _decided(config: DecideConfig, opened: Opened) -> Decision:
     """``decide``'s stages once the checkpoint is open and ``config.out`` exists."""
-    from anelab.decide.report import write_report
-
     commands, plans = settle_commands(config), Plans(config, opened)
     with tqdm(total=3 + len(opened.layers) + bool(opened.runtime), desc="decide", unit="step") as bar:
         bar.set_postfix_str("plan every design")
