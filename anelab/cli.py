@@ -112,6 +112,13 @@ def _main(argv: list[str]) -> int:
         return EXIT_BAD_INPUT
     except BrokenPipeError:
         return 0
+    except OSError as e:  # a full disk, a quota, a file-size limit, a read-only file system, a symlink loop: one line
+        from anelab.core.output_paths import os_error_line  # inside: `import anelab.cli` stays light
+
+        if os_error_line(e) is None:
+            raise
+        print(f"anelab: error: {os_error_line(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("anelab: interrupted", file=sys.stderr)
         return 130

@@ -216,6 +216,57 @@ def test_decide_is_resumable_and_notices_a_changed_package(decided, model):
     assert (pkg.parent / "layer_1.mlpackage.stale-1").exists()
 
 
+# ---- issue 44 item 3: a note decide wrote is not evidence ---------------------------------------------------------
+def _tamper_layer_1(decided, dest):
+    """A copy of the fixture's run whose layer 1 weight.bin has bytes overwritten, its new content hash written into
+    evidence.json; returns (out, package, the tampered hash)."""
+    from anelab.runtimes.interface import package_content_hash
+
+    out = shutil.copytree(decided[1], dest)
+    pkg = out / "sidecars" / "dense" / "layer_1.mlpackage"
+    weights = next(pkg.rglob("weight.bin"))
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 256] = b"\x7b" * 256  # fp16 0x7b7b: ~6e4 in place of small weights
+    weights.write_bytes(bytes(data))
+    tampered = package_content_hash(pkg)
+    evidence = json.loads((out / "evidence.json").read_text())
+    evidence["dense"]["layers"]["1"]["sha256"] = tampered
+    (out / "evidence.json").write_text(json.dumps(evidence))
+    return out, pkg, tampered
+
+
+def test_a_tampered_package_whose_hash_is_written_into_the_evidence_is_never_reported_passed(decided, model, tmp_path):
+    from anelab.runtimes.interface import package_content_hash
+
+    out, pkg, tampered = _tamper_layer_1(decided, tmp_path / "out")
+    again = decide(DecideConfig(model, PROMPT, out, design="dense", chunk=CHUNK))
+    layer_1 = again.evidence["verify"]["1"]
+    assert not layer_1["reused"] and layer_1["sha256"] != tampered  # exported and verified again, not trusted
+    set_aside = [package_content_hash(p) for p in pkg.parent.glob("layer_1.mlpackage.stale-*")]
+    assert tampered in set_aside  # set aside, not deleted
+    assert again.evidence["verify"]["0"]["reused"]  # control: the untouched layer's sealed verification is reused
+
+
+def test_a_reused_package_whose_arms_diverge_is_verified_again(decided, model, tmp_path):
+    """The seal forged too (as a tool holding the key could): the arms diverge, so the package is verified again
+    and reported failed. Control: the untouched run's arms do not diverge and nothing is verified again."""
+    from anelab.decide.evidence import EvidenceFile
+    from anelab.sidecar.designs import SidecarRequest
+
+    out, pkg, tampered = _tamper_layer_1(decided, tmp_path / "out")
+    evidence = EvidenceFile(out / "evidence.json")
+    request = SidecarRequest.from_dict(evidence.data["dense"]["request"])
+    evidence.checkpoint = evidence.data["dense"]["checkpoint"]
+    layers = evidence.data["dense"]["layers"]
+    layers["1"] = evidence.sealed("dense", request, False, 1, {k: layers["1"][k] for k in ("sha256", "verify")})
+    evidence.write()
+    again = decide(DecideConfig(model, PROMPT, out, design="dense", chunk=CHUNK))
+    layer_1 = again.evidence["verify"]["1"]
+    assert layer_1["reused"] and layer_1["sha256"] == tampered and again.evidence["arms"]["first_divergent_layer"] == 1
+    assert layer_1["reverified"] and not layer_1["passed"]
+    assert "reverified" not in decided[0].evidence["verify"]["1"]
+
+
 def _spied_verify(job):
     """decide's ``_verify_layer``, recording (package, this worker's niceness) in a file beside the package."""
     import os
@@ -228,6 +279,18 @@ def _spied_verify(job):
     return run._VERIFY_LAYER(job)
 
 
+# A verify error (fp16-emulated outputs against the float64 reference) computed in a worker and in this process
+# runs other BLAS kernels and thread counts: an output element's fp16 rounding can flip, which moves the error's
+# third digit (7.354e-4 against 7.347e-4 on an AMD EPYC's Haswell kernels). Compared to within this, not exactly.
+VERIFY_ERROR_RELATIVE_TOLERANCE = 1e-2
+
+
+def _at_verify_precision(summary: dict) -> dict:
+    return {k: pytest.approx(v, rel=VERIFY_ERROR_RELATIVE_TOLERANCE) if isinstance(v, float) else v
+            for k, v in summary.items()}  # fmt: skip
+
+
+@pytest.mark.blas_exact
 def test_the_last_layers_are_verified_beside_the_arms_with_the_same_evidence(decided, model, tmp_path, monkeypatch):
     """The last ``VERIFIED_BESIDE_THE_ARMS`` of the layers are exported first and verified while the arms run, in
     low-priority workers; the evidence (verify summaries, evidence.json, the arms) is what verifying every layer
@@ -245,7 +308,8 @@ def test_the_last_layers_are_verified_beside_the_arms_with_the_same_evidence(dec
     drop = {"package", "sha256"}  # where the packages are, and their export time
     for layer in ("0", "1"):
         mine, theirs = beside.evidence["verify"][layer], decision.evidence["verify"][layer]
-        assert {k: v for k, v in mine.items() if k not in drop} == {k: v for k, v in theirs.items() if k not in drop}
+        kept = {k: v for k, v in mine.items() if k not in drop}
+        assert kept == _at_verify_precision({k: v for k, v in theirs.items() if k not in drop})
     kept = json.loads((tmp_path / "beside" / "evidence.json").read_text())["dense"]["layers"]
     assert sorted(kept) == ["0", "1"] and all(kept[k]["verify"]["passed"] for k in kept)
     assert kept["1"]["sha256"] == beside.evidence["verify"]["1"]["sha256"]

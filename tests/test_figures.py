@@ -83,6 +83,7 @@ def test_svg_without_the_fixed_salt_is_not_deterministic():
     plt.close(fig)
 
 
+@pytest.mark.blas_exact
 def test_bytes_identical_across_processes():
     code = (
         DRAW

@@ -722,15 +722,16 @@ class _Hang(Exception):
     pass
 
 
-def run_case(name: str, root: Path, sources: Sources) -> Outcome:
-    """Build row ``name``'s input under ``root`` and run its command in this process (bars off, $TMPDIR and
-    the cwd inside ``root``), watching for an escaping exception, a hang and anything written."""
+def run_case(name: str, root: Path, sources: Sources, cases: dict | None = None) -> Outcome:
+    """Build row ``name``'s input (of ``cases``, default ``CASES``) under ``root`` and run its command in this
+    process (bars off, $TMPDIR and the cwd inside ``root``), watching for an escaping exception, a hang and
+    anything written."""
     import traceback
 
     from anelab.cli import main
 
     lab = Lab(root, sources)
-    argv = CASES[name](lab)
+    argv = (CASES if cases is None else cases)[name](lab)
     (root / "tmpdir").mkdir()
     before = _tree(root)
     err = io.StringIO()

@@ -34,6 +34,8 @@ import numpy as np
 from anelab.arms.compare import random_prompt
 from anelab.arms.sidecars import CoreMLRunner, SidecarSet, numpy_runner, open_sidecars
 from anelab.core.errors import AnelabInputError
+from anelab.core.limits import require_prompt_lengths
+from anelab.core.output_paths import require_output_dir
 from anelab.core.records import machine_kind, make_record, provenance, write_record
 from anelab.planner.envelope import MEASURED, Cost
 from anelab.planner.verdict import ArmCosts, Verdict, verdict_for
@@ -261,10 +263,8 @@ def measured_arm_costs(results: dict, design: str, layers: int, machine: str) ->
 
 
 def _check_prompts(prompt_tokens) -> list[int]:
-    prompts = [int(n) for n in prompt_tokens]
-    if not prompts or min(prompts) < 1:
-        raise AnelabInputError(f"--prompt-tokens must list positive lengths, got {list(prompt_tokens)}")
-    return prompts
+    """The prompt lengths, each positive and at most ``MAX_POSITIONS`` (checked before anything is built for one)."""
+    return require_prompt_lengths(prompt_tokens)
 
 
 def _placements(runtime, sidecars: SidecarSet, compute_units: str, clock) -> list[dict]:
@@ -304,6 +304,9 @@ def _open(request: AbRequest) -> _Opened:
     from anelab.runtimes.mlx.hybrid import Hybrid
     from anelab.runtimes.mlx.model import mlx_versions, open_mlx_model, require_mlx_readable
 
+    _check_prompts(request.prompt_tokens)  # bounded before the checkpoint is opened
+    if request.out_dir is not None:  # where the records go: refused before the measurement, not after it
+        require_output_dir(request.out_dir)
     check_compute_units(request.compute_units)
     require_mlx_readable(request.checkpoint)  # before the sidecars are checked against it
     if request.warmup < 0 or request.repeats < 1:

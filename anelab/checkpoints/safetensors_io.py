@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -15,6 +16,7 @@ import numpy as np
 
 from anelab.core.errors import AnelabInputError
 from anelab.core.files import open_regular
+from anelab.core.limits import human_bytes, memory_limit
 
 # safetensors dtype names this loader reads, and their little-endian numpy storage types.
 STORAGE_DTYPES = {
@@ -180,6 +182,17 @@ def _library_refusal(path: Path) -> str | None:
             return None
     except SafetensorError as e:
         return " ".join(str(e).split())[:160]
+    except MemoryError:  # the library maps the whole file: past an address-space limit (ulimit -v) it cannot
+        raise unmappable(path) from None
+
+
+def unmappable(path: Path) -> AnelabInputError:
+    """One line for a file too large to memory-map in this process (its size, the limit and where it comes from)."""
+    limit, source = memory_limit()
+    return AnelabInputError(
+        f"{path}: its {human_bytes(path.stat().st_size)} cannot be memory-mapped in this process ({source} is "
+        f"{human_bytes(limit)}); raise the limit (ulimit -v) or remove the tensors anelab does not read"
+    )
 
 
 @dataclass
@@ -233,7 +246,12 @@ class SafetensorsFile:
         storage = self._storage(entry)
         if self._mapped is None:
             with open(self.path, "rb") as f:
-                self._mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                try:
+                    self._mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                except (MemoryError, OSError) as e:
+                    if isinstance(e, OSError) and e.errno != errno.ENOMEM:
+                        raise
+                    raise unmappable(self.path) from None
         count = (entry.end - entry.begin) // storage.itemsize
         flat = np.frombuffer(self._mapped, dtype=storage, count=count, offset=self.data_start + entry.begin)
         return flat.reshape(entry.shape)

@@ -9,6 +9,7 @@ from pathlib import Path
 from anelab.arms.prefill_ab import ab_request, run_ab
 from anelab.checkpoints.default import resolve_checkpoint
 from anelab.commands.arguments import int_list, print_json
+from anelab.core.limits import require_prompt_lengths
 from anelab.core.paths import MEASURED_DIR
 
 
@@ -31,6 +32,7 @@ def setup_arg_parser(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
+    require_prompt_lengths(args.prompt_tokens)  # before the arms' work
     request = ab_request(
         resolve_checkpoint(args.checkpoint), args.sidecars, args.prompt_tokens, compute_units=args.compute_units,
         warmup=args.warmup, repeats=args.repeats, dtype=args.dtype, seed=args.seed,

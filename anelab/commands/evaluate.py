@@ -11,6 +11,7 @@ import io
 import numpy as np
 
 from anelab.core.errors import AnelabInputError
+from anelab.core.output_paths import require_output_file
 from anelab.core.records import atomic_write_bytes
 from anelab.sidecar.evaluate import SavedPackage, evaluate
 
@@ -24,6 +25,7 @@ def setup_arg_parser(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
+    require_output_file(args.out)  # before the package is read
     pkg = SavedPackage(args.package)
     pkg.function(args.function)
     try:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 
 from anelab.commands.arguments import print_json
+from anelab.core.output_paths import require_output_dir
 from anelab.core.records import write_record
-from anelab.studies.gather_sizing import probe, probe_record, probe_table
+from anelab.runtimes.gather_probe import probe, probe_record, probe_table
 
 
 def setup_arg_parser(p: argparse.ArgumentParser) -> None:
@@ -25,6 +26,7 @@ def setup_arg_parser(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
+    args.records and require_output_dir(args.records, "--records")  # before the probes, not after them
     results = probe(
         args.chunk,
         heads=args.heads,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from anelab.commands.arguments import print_json
+from anelab.core.gather_size import GatherSizing
 from anelab.core.geometry import GB
-from anelab.studies.gather_sizing import GatherSizing
 
 
 def setup_arg_parser(p: argparse.ArgumentParser) -> None:

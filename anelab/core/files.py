@@ -92,12 +92,22 @@ def read_json(path: str | os.PathLike, what: str = "JSON file", limit: int = MAX
     return parse_json(decode_utf8(read_bytes(path, what, limit), str(path), what), str(path), what)
 
 
+def resolved_path(path: str | os.PathLike, what: str) -> Path:
+    """``path`` with every symlink resolved; a symlink loop (or a chain too long to follow) is refused in one line."""
+    try:
+        return Path(path).resolve()
+    except RuntimeError:  # Python 3.11's pathlib: "Symlink loop from ..."
+        raise AnelabInputError(f"{what} {path} is a symlink loop; replace it with the file itself") from None
+    except OSError as e:  # ELOOP from the kernel, or a path component that cannot be read
+        raise AnelabInputError(f"{what} {path} cannot be resolved ({os.strerror(e.errno or errno.EIO)})") from None
+
+
 def confined(path: str | os.PathLike, root: str | os.PathLike, what: str, *, also: tuple[Path, ...] = ()) -> Path:
     """``path`` with every symlink resolved, refused unless it lies inside ``root`` (resolved too) or one of
     ``also``; the refusal names the path as given and where it leads, never the file's contents."""
-    root = Path(root).resolve()
-    resolved = Path(path).resolve()
-    for allowed in (root, *(Path(a).resolve() for a in also)):
+    root = resolved_path(root, what)
+    resolved = resolved_path(path, what)
+    for allowed in (root, *(resolved_path(a, what) for a in also)):
         if resolved == allowed or resolved.is_relative_to(allowed):
             return resolved
     raise AnelabInputError(f"{what} {path} leads to {resolved}, outside {root}; a checkpoint's files stay inside it")

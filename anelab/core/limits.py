@@ -32,6 +32,15 @@ def require_at_most(what: str, value: int, limit: int, fix: str) -> int:
     return value
 
 
+def require_prompt_lengths(prompt_tokens, flag: str = "--prompt-tokens") -> list[int]:
+    """Prompt lengths, each a positive integer of at most ``MAX_POSITIONS`` tokens (one line naming the flag)."""
+    lengths = [int(n) for n in prompt_tokens]
+    if not lengths or min(lengths) < 1:
+        raise AnelabInputError(f"{flag} must list positive lengths, got {list(prompt_tokens)}")
+    require_at_most(flag, max(lengths), MAX_POSITIONS, "use a shorter prompt")
+    return lengths
+
+
 def require_finite_positive(flag: str, value, unit: str) -> float:
     """``value`` as a float when it is a finite number above 0 (``unit`` names what it counts: "seconds",
     "tokens per second"); NaN, infinity, zero and negatives are refused naming the flag and the unit."""

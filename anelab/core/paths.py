@@ -16,4 +16,5 @@ FIGURES_DIR = REPO_ROOT / "figures"  # the committed figures and MANIFEST.json
 BUILD_DIR = Path("build")  # generated files, relative to the working directory
 CHECKPOINTS_DIR = BUILD_DIR / "checkpoints"  # generated checkpoints (the embedded default)
 MODEL_CACHE_DIR = REPO_ROOT / "build" / "models"  # downloaded models (default-real); ANELAB_MODEL_CACHE overrides
+EVIDENCE_KEY_FILE = REPO_ROOT / "build" / "evidence.key"  # seals decide's verifications (decide.evidence)
 RUNS_DIR = REPO_ROOT / "runs"  # run directories of `anelab run` / `anelab batch` (git-ignored)

@@ -7,18 +7,16 @@ stage to stage (``Checkpoint``, ``ModelCheckpoint``, :class:`PromptPlan`, ``Desi
 ``Verdict``); they become dicts only where JSON is written (``evidence.json``, ``decision.json``, the report
 in ``decide.report``). Each prompt length is planned once.
 
-Resumable: ``DIR/evidence.json`` keeps each package's content hash and its verification, and the whole-model
-arms' summary; a package already exported and verified with the same hash, the same request, the same checkpoint
-(``checkpoint_identity``) and the same anelab version is reused, and so are the arms' results when the checkpoint,
-the served design's package hashes, the prompt length, the chunk, the decode length, the engine and the anelab
-version are all the same (``arms_key``). A rerun with the same inputs repeats none of it; any changed input
-repeats what depends on it.
+Resumable: ``DIR/evidence.json`` keeps each package's content hash, its verification (sealed by the run that
+verified it: ``decide.evidence``) and the arms' summary. A package with the same hash, request, checkpoint
+(``checkpoint_identity``) and anelab version is reused (verified again if its arms diverge), and so are the arms
+when the checkpoint, the served packages' hashes, the prompt, chunk, decode length, engine and anelab version
+are all the same (``arms_key``): a rerun with the same inputs repeats none of it, a changed input what depends on it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -29,7 +27,9 @@ from tqdm.auto import tqdm
 from anelab import __version__
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import chunk_starts
-from anelab.core.records import atomic_write_text
+from anelab.core.output_paths import no_empty_dirs_left, require_output_dir
+from anelab.decide.evidence import EvidenceFile, reverify_when_the_arms_disagree, verify_summary
+from anelab.decide.report import write_report
 from anelab.planner.design_plans import DesignPlan
 from anelab.planner.envelope import MEASURED, YOURS, Cost
 from anelab.planner.from_checkpoint import CheckpointPlan
@@ -231,44 +231,6 @@ def checkpoint_identity(checkpoint) -> dict:
 
 
 # ---- evidence: export, verify (resumable) ----------------------------------------------------------------------
-class EvidenceFile:
-    """``DIR/evidence.json``: per design, the export request and each layer's package hash and verification."""
-
-    ARMS = "whole-model arms"  # the key of the arms' entry (never a design's name)
-
-    def __init__(self, path: Path, checkpoint: dict | None = None):
-        self.path, self.checkpoint = path, checkpoint or {}
-        try:
-            self.data = json.loads(path.read_text())
-        except FileNotFoundError:
-            self.data = {}
-        except (json.JSONDecodeError, OSError, UnicodeDecodeError):
-            raise AnelabInputError(f"{path} is not readable JSON; remove it to start the evidence afresh") from None
-
-    def layers(self, design: str, request: SidecarRequest, gated: bool = False) -> dict:
-        """The layers kept for ``design`` exported as ``request`` by this anelab version, through the ANE gate or
-        not (``gated``; a new request: none)."""
-        kept = self.data.get(design)
-        wanted = {"request": request.to_dict(), "anelab": __version__, "gated": gated, "checkpoint": self.checkpoint}
-        if not isinstance(kept, dict) or {k: kept.get(k) for k in wanted} != wanted:
-            kept = self.data[design] = {**wanted, "layers": {}}
-        return kept["layers"]
-
-    def arms(self, key: dict) -> dict | None:
-        """The arms' summary recorded under ``key`` (``arms_key``), or None (none recorded, or another key)."""
-        kept = self.data.get(self.ARMS)
-        if isinstance(kept, dict) and kept.get("key") == key and isinstance(kept.get("result"), dict):
-            return kept["result"]
-        return None
-
-    def record_arms(self, key: dict, result: dict) -> None:
-        self.data[self.ARMS] = {"key": key, "result": result}
-        self.write()
-
-    def write(self) -> None:
-        atomic_write_text(self.path, json.dumps(self.data, indent=2, sort_keys=True))
-
-
 VERIFIED_BESIDE_THE_ARMS = 1 / 6  # of the layers exported in worker processes: verified while the arms run
 
 
@@ -290,6 +252,7 @@ def export_and_verify(
     from anelab.runtimes.gate import AneGate, AneGateError
     from anelab.runtimes.interface import package_content_hash
     from anelab.sidecar.coremltools_import import coremltools_modules
+    from anelab.sidecar.out_dir import remove_abandoned_staging
 
     directory = config.out / "sidecars" / request.graph
     gate = AneGate.for_runtime(opened.runtime) if gated else None
@@ -299,7 +262,8 @@ def export_and_verify(
     for layer in opened.layers:
         pkg = directory / f"layer_{layer}.mlpackage"
         known = kept.get(str(layer))
-        reused[layer] = known is not None and pkg.exists() and package_content_hash(pkg) == known.get("sha256")
+        reused[layer] = (evidence.trusted(request.graph, request, gate is not None, layer, known) and pkg.exists()
+                         and package_content_hash(pkg) == known.get("sha256"))  # fmt: skip
         if not reused[layer] and pkg.exists():
             _set_aside(pkg)
     todo = [layer for layer in opened.layers if not reused[layer]]
@@ -312,7 +276,7 @@ def export_and_verify(
             pending[job[2]] = known["sha256"]
             bar.set_postfix_str(f"exported layer {job[2]}")
             return
-        kept[str(job[2])] = known
+        kept[str(job[2])] = evidence.sealed(request.graph, request, gate is not None, job[2], known)
         evidence.write()
         bar.set_postfix_str(f"exported and verified layer {job[2]}")
         bar.update(1)
@@ -331,6 +295,9 @@ def export_and_verify(
             refusal = " ".join(str(e).split())
             bar.set_postfix_str("the ANE gate refused: export without it")
             return (*export_and_verify(config, opened, request, bar, gated=False)[:2], refusal)
+        except BaseException:  # workers stopped mid-export (a sibling failed, a full disk, SIGTERM) leave staging
+            remove_abandoned_staging(directory)
+            raise
     summaries = {}
     for layer in opened.layers:
         pkg = directory / f"layer_{layer}.mlpackage"
@@ -368,7 +335,8 @@ def verified_beside(config: DecideConfig, opened: Opened, request: SidecarReques
     for layer, summary in zip(pending, reports, strict=True):
         held = verified[layer]
         if package_content_hash(held["package"]) == held["sha256"]:
-            kept[str(layer)] = {"sha256": held["sha256"], "verify": summary}
+            kept[str(layer)] = evidence.sealed(request.graph, request, False, layer,
+                                               {"sha256": held["sha256"], "verify": summary})  # fmt: skip
         verified[layer] = {**summary, "reused": False, "package": held["package"], "sha256": held["sha256"],
                            "capacity": held["capacity"]}  # fmt: skip
         bar.update(1)
@@ -382,7 +350,7 @@ def _verify_layer(job: tuple[str, str]) -> dict:
     from anelab.sidecar.verify import verify_package
 
     checkpoint, package = job
-    return _verify_summary(verify_package(package, worker_checkpoint(checkpoint), progress=False))
+    return verify_summary(verify_package(package, worker_checkpoint(checkpoint), progress=False))
 
 
 def _export_and_verify_layer(job: tuple) -> dict:
@@ -400,7 +368,7 @@ def _export_and_verify_layer(job: tuple) -> dict:
     if not verify:  # verified beside the arms (``verified_beside``)
         return {"sha256": package_content_hash(result.package)}
     report = verify_package(result.package, checkpoint, progress=False)
-    return {"sha256": package_content_hash(result.package), "verify": _verify_summary(report)}
+    return {"sha256": package_content_hash(result.package), "verify": verify_summary(report)}
 
 
 def _set_aside(pkg: Path) -> None:
@@ -409,19 +377,6 @@ def _set_aside(pkg: Path) -> None:
     while pkg.with_name(f"{pkg.name}.stale-{n}").exists():
         n += 1
     os.replace(pkg, pkg.with_name(f"{pkg.name}.stale-{n}"))
-
-
-def _verify_summary(report) -> dict:
-    """Per package: passed, vacuous, cases and controls, and the worst relative error of a non-control case."""
-    cases = [c for c in report.comparisons if not c.control]
-    return {
-        "passed": bool(report.passed),
-        "vacuous": bool(report.vacuous),
-        "cases": len(cases),
-        "controls": len(report.comparisons) - len(cases),
-        "max_relative_error": max((float(c.worst) for c in cases), default=None),
-        "threshold": report.threshold,
-    }
 
 
 def whole_model_evidence(
@@ -651,12 +606,15 @@ def sweep(config: DecideConfig, plans: Plans, candidate: DesignPlan, measured: M
 
 
 def decide(config: DecideConfig) -> Decision:
-    """Plan, export, verify, run the arms, optionally measure, and write the report (module docstring)."""
-    from anelab.decide.report import write_report
-
+    """Plan, export, verify, run the arms, measure (a Mac), report (module docstring); a failed run leaves no empty folder."""
+    config.out = require_output_dir(config.out)  # before the checkpoint is opened
     opened = open_request(config)
-    config.out = Path(config.out)
-    config.out.mkdir(parents=True, exist_ok=True)
+    with no_empty_dirs_left(config.out):
+        return _decided(config, opened)
+
+
+def _decided(config: DecideConfig, opened: Opened) -> Decision:
+    """``decide``'s stages once the checkpoint is open and ``config.out`` exists."""
     commands, plans = what_settles_it(config), Plans(config, opened)
     with tqdm(total=3 + len(opened.layers) + bool(opened.runtime), desc="decide", unit="step") as bar:
         bar.set_postfix_str("plan every design")
@@ -668,6 +626,7 @@ def decide(config: DecideConfig) -> Decision:
         directory, verified, refusal = export_and_verify(config, opened, request, bar, beside=True)
         with verified_beside(config, opened, request, verified, bar):
             arms = whole_model_evidence(config, opened, candidate, directory, verified, bar)
+        reverify_when_the_arms_disagree(opened, verified, arms)
         measured, final = None, verdicts[candidate.design]
         if opened.runtime is not None:
             bar.set_postfix_str("measure on this Mac")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from anelab.core.errors import AnelabInputError
+from anelab.core.output_paths import require_output_dir
 from anelab.core.paths import FIGURES_DIR
 from anelab.core.records import atomic_write_text
 from anelab.publish.figures import read_manifest
@@ -107,7 +108,7 @@ def build_docs(
     Returns (index path, sections); a section whose executed notebook is missing says so on the
     page (and in ``missing``) rather than linking nowhere.
     """
-    figures_dir, html_dir, out_dir = Path(figures_dir), Path(html_dir), Path(out_dir)
+    figures_dir, html_dir, out_dir = Path(figures_dir), Path(html_dir), require_output_dir(out_dir)
     manifest = read_manifest(figures_dir)
     if not manifest["figures"]:
         raise AnelabInputError(f"{figures_dir} has no figures in MANIFEST.json; run make reproduce first")

@@ -4,7 +4,9 @@
 file's sha256, the notebook and the parameters that made it in ``MANIFEST.json`` beside them. The
 bytes depend only on the figure and the pinned matplotlib: the SVG hash salt is fixed (matplotlib
 otherwise salts its element ids with a random uuid), no date goes into either file's metadata, and
-the dpi is a named constant. Both files and the manifest are written atomically (temp + rename).
+the dpi is a named constant; a deterministic figure's data are rounded to what it can show
+(``figure_precision``: the last bits a BLAS kernel moves never reach the files). Both files and the
+manifest are written atomically (temp + rename).
 
 Figures drawn from recorded data (a record with ``origin: "recorded"``, e.g. the seed's M3 tables)
 say so in the figure's footer, below every panel and never on the data: ``label_recorded(ax, record)``
@@ -45,6 +47,7 @@ from pathlib import Path
 from anelab import __version__
 from anelab.core.errors import AnelabInputError
 from anelab.core.records import atomic_write_bytes, atomic_write_text, machine_description, machine_kind
+from anelab.publish.figure_precision import round_to_drawn_precision
 
 DPI = 120
 
@@ -195,6 +198,8 @@ def save_figure(
     entry.update({"deterministic": deterministic, **declared})
     if not entry["deterministic"]:
         entry["host"] = machine_description()
+    else:  # the same bytes under every BLAS kernel: what it draws rounded to what it can show
+        round_to_drawn_precision(fig)
     with _locked(directory):
         for fmt in FORMATS:
             data = figure_bytes(fig, fmt)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from anelab.core.errors import AnelabInputError
 from anelab.core.gather_size import positive_int
+from anelab.core.output_paths import require_output_dir
 from anelab.sidecar.graphs.probe_graphs import (
     FULL_SCORES,
     PROBE_GRAPHS,
@@ -173,6 +174,8 @@ def probe(
     from anelab.core.masks import dense_exact_window
 
     chunk = positive_int("chunk", chunk)
+    if out_dir is not None:  # refused before the probes are built
+        require_output_dir(out_dir)
     history = 3 * chunk if history is None else history
     shape = ProbeShape(heads, head_dim, chunk, history, dense_exact_window(kept_blocks, compress_ratio))
     inputs = probe_inputs(shape, kept_blocks, compress_ratio, seed)

@@ -123,6 +123,13 @@ def require_same_tensors(meta: SidecarMetadata, checkpoint: Checkpoint, digests=
     ``digests(checkpoint, layer)``: a block design's tensors instead (``designs.BlockReader.digests``)."""
     if meta.source_tensors is None:
         return
+    stem = f"{checkpoint.prefix}layers.{meta.layer}."  # any block of that layer (attention, MLP, projections)
+    foreign = sorted(name for name in meta.source_tensors if not name.startswith(stem))
+    if foreign:  # the metadata's layer is not the one its own tensor digests were taken from
+        raise AnelabInputError(
+            f"the package's metadata names layer {meta.layer}, but the tensors it was built from are another "
+            f"layer's ({foreign[0]}): its metadata was changed after export; re-export it"
+        )
     have = checkpoint.attention_digests(meta.layer) if digests is None else digests(checkpoint, meta.layer)
     for name in sorted(set(meta.source_tensors) | set(have)):
         if meta.source_tensors.get(name) != have.get(name):

@@ -17,6 +17,7 @@ SmolLM2-135M's layer 0, attn_out 2.3e-2 against 4.0e-3: past the 1e-2 threshold.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -25,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from anelab.core.errors import AnelabInputError
+from anelab.core.files import open_regular, read_bytes
 from anelab.core.masks import MASKED
 from anelab.sidecar.coreai_cpu_runtime import CpuRuntimeProcess
 from anelab.sidecar.coreai_import import coreai_modules, coreai_version
@@ -38,6 +40,8 @@ VERIFIED_REASON = (
     "not verified: coreai-core's Python API exposes no per-operation compute-unit plan, so Neural Engine "
     "residency is unchecked; time it on macOS 27 with 'anelab measure'"
 )
+# coreai-core's asset layout (coreai/authoring/asset.py, save_asset): the program's bytecode and its SHA-256 digest
+PROGRAM_FILE, PROGRAM_HASH_FILE, PROGRAM_HASH_BYTES = "main.mlirb", "main.hash", 32
 _SUMMARY_DTYPES = {"Float16": "float16", "Float32": "float32", "Int32": "int32", "Int16": "int16", "Bool": "bool"}
 
 
@@ -48,7 +52,28 @@ def require_asset(path: str | os.PathLike) -> Path:
         raise AnelabInputError(f"{path}: not a Core AI asset (no {SUFFIX} suffix); give a layer_<L>{SUFFIX}")
     if not path.is_dir() or not (path / "metadata.json").is_file():
         raise AnelabInputError(f"{path}: no such Core AI asset; give the path of a {SUFFIX} written by 'anelab export'")
+    require_program_hash(path)
     return path
+
+
+def require_program_hash(path: Path) -> None:
+    """Refuse (one line) an asset whose program (``main.mlirb``) is not the one its ``main.hash`` records: truncated,
+    a byte changed, or either file missing — before coreai-core parses it (a truncated program stops its reader
+    with a StopIteration)."""
+    program, recorded = path / PROGRAM_FILE, path / PROGRAM_HASH_FILE
+    digest = hashlib.sha256()
+    try:
+        want = read_bytes(recorded, "Core AI program hash", PROGRAM_HASH_BYTES)
+        with open_regular(program, "Core AI program") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    except AnelabInputError as e:
+        raise AnelabInputError(f"{path}: not a complete Core AI asset ({e}); re-export it") from None
+    if digest.digest() != want:
+        raise AnelabInputError(
+            f"{path}: {PROGRAM_FILE} does not match the SHA-256 in {PROGRAM_HASH_FILE} (truncated or changed after "
+            "export); re-export it"
+        )
 
 
 # ---- writing --------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import numpy as np
 from anelab import __version__
 from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.core.errors import AnelabInputError
+from anelab.core.fp16 import FP16_MAX
 from anelab.core.geometry import AttentionGeometry
 from anelab.core.parallel import default_jobs, process_map, threads_per_run
 from anelab.core.progress import tqdm
@@ -484,20 +485,31 @@ def _require_readable_tensors(checkpoint, layers: list[int]) -> None:
 
 
 def require_finite_weights(checkpoint, weights: AttentionWeights) -> AttentionWeights:
-    """``weights`` when every value is finite; a NaN or infinity is refused naming its tensor (a package built
-    from it would compute NaN, and the reference with it, so verification could not tell)."""
+    """``weights`` when every value is finite in fp16, the sidecar's storage; a NaN or infinity is refused naming its
+    tensor (a package built from it would compute NaN, and the reference with it, so verification could not tell),
+    and so is a finite value past fp16's range (1e30 in BF16: the package would hold infinity)."""
     params = {"q_proj": "q_proj.weight", "k_proj": "k_proj.weight", "v_proj": "v_proj.weight",
               "o_proj": "o_proj.weight", "q_norm": "q_norm.weight", "k_norm": "k_norm.weight",
               "q_bias": "q_proj.bias", "k_bias": "k_proj.bias", "v_bias": "v_proj.bias", "o_bias": "o_proj.bias"}  # fmt: skip
     for attr, param in params.items():
         value = getattr(weights, attr)
-        if value is not None and not np.isfinite(value).all():
+        if value is None:
+            continue
+        fused = getattr(checkpoint, "family", None) is not None and checkpoint.family.fused_qkv and attr[0] in "qkv"
+        name = checkpoint.tensor_name(weights.layer, "qkv_proj.weight" if fused and "proj" in attr else param)
+        if not np.isfinite(value).all():
             bad = int(np.size(value) - np.isfinite(value).sum())
-            fused = getattr(checkpoint, "family", None) is not None and checkpoint.family.fused_qkv and attr[0] in "qkv"
-            name = checkpoint.tensor_name(weights.layer, "qkv_proj.weight" if fused and "proj" in attr else param)
             raise AnelabInputError(
                 f"tensor {name} holds {bad:,} NaN or infinite values; a sidecar of it would compute NaN — "
                 "fix or re-download the checkpoint"
+            )
+        with np.errstate(over="ignore"):  # the overflow is what is counted
+            overflow = int(np.isinf(value.astype(np.float16)).sum())
+        if overflow:
+            raise AnelabInputError(
+                f"tensor {name} holds {overflow:,} values beyond fp16's range (largest |x| {np.abs(value).max():.3g}; fp16 "
+                f"holds up to {FP16_MAX:g}); a sidecar stores its weights in fp16, where they become infinite — "
+                "rescale or fix the checkpoint"
             )
     return weights
 

@@ -13,19 +13,17 @@ left by a killed export (its own lock free) is removed by the next export into t
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import os
 import shutil
 import signal
-import stat
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from anelab.core.errors import AnelabInputError
-from anelab.core.files import file_kind
+from anelab.core.output_paths import make_output_dir, write_failure
 from anelab.core.parallel import forget_kept_fd, keep_from_workers
 from anelab.core.termination import raise_if_terminated
 
@@ -40,38 +38,23 @@ def lock_name(layer: int) -> str:
 
 def write_error(e: OSError, out: Path) -> AnelabInputError:
     """One line for an OSError met while writing into ``out`` (no space, read-only, permission, ...)."""
-    code = e.errno
-    if code is None and isinstance(e, shutil.Error) and e.args and isinstance(e.args[0], list):
-        code = next((x[2].errno for x in e.args[0] if len(x) > 2 and isinstance(x[2], OSError)), None)
-    reason = os.strerror(code) if code else type(e).__name__
-    fixes = {
-        errno.ENOSPC: "free space on that disk or choose another --out",
-        errno.EDQUOT: "free space in your quota or choose another --out",
-        errno.EFBIG: "the file size limit was reached; raise it (ulimit -f) or choose another --out",
-        errno.EROFS: "choose a writable --out",
-        errno.EACCES: "choose a --out you may write to",
-        errno.EPERM: "choose a --out you may write to",
-    }
-    return AnelabInputError(f"cannot write the export to {out}: {reason}; {fixes.get(code, 'check --out')}")
+    return write_failure(e, out, "--out", "the export")
 
 
 def prepare_out(out: str | os.PathLike) -> tuple[Path, bool]:
     """(``out`` as a directory, whether this call created it); refuses a file, a device, a path under a
-    file and a directory that cannot be created (one line each), before any work."""
-    out = Path(out)
-    for parent in [out, *out.parents]:
-        if parent.exists() or parent.is_symlink():
-            mode = parent.stat().st_mode if parent.exists() else 0
-            if not stat.S_ISDIR(mode):
-                where = "is" if parent == out else f"lies under {parent}, which is"
-                raise AnelabInputError(f"--out {out} {where} {file_kind(mode)}, not a directory; give a directory")
-            break
-    created = not out.exists()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise write_error(e, out) from None
-    return out, created
+    file, a read-only or full disk and a directory that cannot be created (one line each), before any work."""
+    return make_output_dir(out, "--out", "the export")
+
+
+# what coremltools' C++ says when a write fails: its weight writer, and std::filesystem's copy of a saved package
+# ("filesystem error: cannot copy: No space left on device [src] [dest]")
+COREMLTOOLS_WRITE_FAILURES = ("FileWriter", "cannot copy", "No space left on device", "File too large")
+
+
+def is_coremltools_write_failure(e: RuntimeError) -> bool:
+    """Whether coremltools' RuntimeError ``e`` is a write that failed (a full disk, a file-size limit)."""
+    return any(text in str(e) for text in COREMLTOOLS_WRITE_FAILURES)
 
 
 @dataclass
@@ -108,7 +91,7 @@ def _release(lock: _LayerLock) -> None:
     os.close(lock.fd)
 
 
-def _remove_abandoned_staging(out: Path) -> None:
+def remove_abandoned_staging(out: Path) -> None:
     """Staging folders whose owner is gone (its ``owner.lock`` free): left by an export killed with SIGKILL. A
     folder still being made (``MAKING_PREFIX``) is removed only when the process in its name is gone."""
     for folder in out.glob(f"{MAKING_PREFIX}*"):
@@ -187,7 +170,7 @@ def exporting(out: str | os.PathLike, layers: list[int]) -> Iterator[Staging]:
     try:
         for layer in sorted(set(layers)):
             locks.append(_take_lock(out / lock_name(layer), f"layer_{layer}.mlpackage in {out}"))
-        _remove_abandoned_staging(out)
+        remove_abandoned_staging(out)
         # made under another name and renamed once its owner lock is held: another export into ``out`` (decide's
         # workers export a layer each) never sees a staging folder whose lock is free because it is not taken yet
         making = Path(tempfile.mkdtemp(dir=out, prefix=f"{MAKING_PREFIX}{os.getpid()}-"))
@@ -202,11 +185,11 @@ def exporting(out: str | os.PathLike, layers: list[int]) -> Iterator[Staging]:
         yield staging
     except OSError as e:
         raise write_error(e, out) from None
-    except RuntimeError as e:  # coremltools' weight writer reports a failed write (ENOSPC, EFBIG) only so
-        if "FileWriter" not in str(e):
+    except RuntimeError as e:  # coremltools reports a failed write (ENOSPC, EFBIG) only as text: its weight writer
+        if not is_coremltools_write_failure(e):  # ("FileWriter") or the package's std::filesystem copy ("cannot copy")
             raise
         raise AnelabInputError(
-            f"cannot write the export to {out}: coremltools could not write the weights (no space left, or a file "
+            f"cannot write the export to {out}: coremltools could not write the package (no space left, or a file "
             "size limit); free space or choose another --out"
         ) from None
     finally:
