@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from anelab.core.gather_size import (  # noqa: F401 (notebook 03's and `anelab size`'s names)
+from anelab.core.gather_size import (  # noqa: F401 (notebook 03's names)
     GatherSizing,
     crossover_budget,
     crossover_total,
