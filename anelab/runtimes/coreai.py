@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from anelab.core.macos import macos_version as macos_version_read_as_coremltools
 from anelab.runtimes.interface import (
     COREAI_MIN_MACOS,
     CoreAIRuntime,
@@ -31,6 +32,7 @@ from anelab.runtimes.interface import (
     RuntimePredictError,
     check_coreai_compute_unit,
 )
+from anelab.sidecar.coreai_import import COREAI_INSTALL
 
 COMPILE_TIMEOUT_S = 3600.0  # coreai-build compile of a large asset
 CACHE_REACH = (
@@ -51,13 +53,6 @@ class _Loop:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
 
-def _macos_version() -> tuple[int, ...]:
-    text = platform.mac_ver()[0]
-    try:
-        return tuple(int(x) for x in text.split(".")) if text else ()
-    except ValueError:
-        return ()
-
 
 class CoreAIMacRuntime(CoreAIRuntime):
     """Core AI through coreai-core on macOS 27 (``platform_name``, ``machine`` and ``macos_version`` let the
@@ -74,7 +69,7 @@ class CoreAIMacRuntime(CoreAIRuntime):
     ):
         self._platform = platform_name if platform_name is not None else sys.platform
         self._machine = machine if machine is not None else platform.machine()
-        self._macos_version = macos_version or _macos_version
+        self._macos_version = macos_version or macos_version_read_as_coremltools
         self._loop: _Loop | None = None
 
     def unavailable_reason(self) -> str:
@@ -91,7 +86,7 @@ class CoreAIMacRuntime(CoreAIRuntime):
         try:
             from coreai.runtime import SpecializationOptions
         except ImportError as e:
-            return f"the Core AI runtime is unavailable: coreai-core does not import ({e}); pip install coreai-core==1.0.0b3"
+            return f"the Core AI runtime is unavailable: coreai-core does not import ({e}); {COREAI_INSTALL}"
         if not SpecializationOptions.is_supported():
             return (
                 "the Core AI runtime is unavailable: coreai-core runs its in-package CPU runtime here (no specialization "

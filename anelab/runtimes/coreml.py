@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from anelab.core.macos import macos_version as macos_version_read_as_coremltools
 from anelab.runtimes.assumptions import FP16_OUTPUTS_AS_FP32, FP32_FEEDS_FP16_INPUTS, STATE_BY_NAME
 from anelab.runtimes.interface import (
     MIN_MACOS,
@@ -30,13 +31,6 @@ from anelab.runtimes.interface import (
 
 LOG_SHOW_TIMEOUT_S = 120.0
 
-
-def _macos_version() -> tuple[int, ...]:
-    text = platform.mac_ver()[0]
-    try:
-        return tuple(int(x) for x in text.split(".")) if text else ()
-    except ValueError:
-        return ()
 
 
 def _import_native() -> None:
@@ -82,7 +76,7 @@ class MacRuntime(CoreMLRuntime):
     ):
         self._platform = platform_name if platform_name is not None else sys.platform
         self._machine = machine if machine is not None else platform.machine()
-        self._macos_version = macos_version or _macos_version
+        self._macos_version = macos_version or macos_version_read_as_coremltools
         self._import_native = import_native or _import_native
         self._ct_loader = ct or _import_ct
         if cache_dir is not None:
