@@ -223,7 +223,17 @@ def _components(total: float, hybrid_timing, core_ml) -> dict:
     return {"total_s": total, **parts, "calls": hybrid_timing.calls}
 
 
-def measured_arm_costs(results: dict, design: str, layers: int, machine: str) -> ArmCosts:
+def _placement_phrase(placements: list[dict]) -> str:
+    """The plan's Neural Engine share of the least-placed package, for the ANE arm's cost source."""
+    if not placements:
+        return "compute plan: not read"
+    least = min(placements, key=lambda p: (p.get("compute_share") or 0.0, p["neural_engine_share"]))
+    compute = "unknown" if least.get("compute_share") is None else f"{least['compute_share']:.0%}"
+    return (f"least-placed package: {least['neural_engine']} of {least['total']} operations and {compute} of its "
+            "compute operations on the Neural Engine")  # fmt: skip
+
+
+def measured_arm_costs(results: dict, design: str, layers: int, machine: str, placements=()) -> ArmCosts:
     """Both arms as measured on this Mac (kind ``measured``): S the GPU arm; the ANE arm the hybrid's whole
     prefill (offloaded share 1), A its runs without loads, L one layer's first-use loads (mean, min .. max)."""
     gpu, ane = results["gpu_arm"], results["ane_arm"]
@@ -248,7 +258,7 @@ def measured_arm_costs(results: dict, design: str, layers: int, machine: str) ->
             ane["min_s"],
             ane["max_s"],
             MEASURED,
-            f"{where}: the hybrid's prefill without loads ({comp})",
+            f"{where}: the hybrid's prefill without loads ({comp}); {_placement_phrase(list(placements))}",
         ),  # fmt: skip
         load_per_layer=Cost(
             statistics.mean(loads),
@@ -371,7 +381,7 @@ def _one_prompt(request: AbRequest, opened: _Opened, n: int) -> PromptAb:
     verdict = None
     if opened.on_mac:
         costs = measured_arm_costs(record["results"], record["parameters"]["design"], len(sidecars.packages),
-                                   machine_kind())  # fmt: skip
+                                   machine_kind(), opened.placements)  # fmt: skip
         verdict = verdict_for(costs)
     return PromptAb(n, record, verdict)
 

@@ -614,7 +614,8 @@ def with_measured(
             from anelab.arms.prefill_ab import measured_arm_costs
             from anelab.core.records import machine_kind
 
-            return measured_arm_costs(record["results"], design.design, costs.layers, machine_kind())
+            placements = record["parameters"].get("placements", ())
+            return measured_arm_costs(record["results"], design.design, costs.layers, machine_kind(), placements)
     registered, starts = get_design(design.design), chunk_starts(prompt_tokens, design.chunk)
     functions = list(dict.fromkeys(registered.function_for(design.chunk, s) for s in starts))
     loads = [measured.load(f) for f in functions]
