@@ -35,7 +35,6 @@ from anelab.planner.envelope import MEASURED, YOURS, Cost
 from anelab.planner.from_checkpoint import CheckpointPlan
 from anelab.planner.plan import PrefillPlan
 from anelab.planner.verdict import ArmCosts, Verdict, plan_arm_costs, verdict_for
-from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD
 from anelab.sidecar.designs import DESIGNS, PRICED, SidecarRequest, get_design
 
 ARMS_DECODE = 8  # greedy tokens decoded after the prefill in the arms
@@ -578,11 +577,11 @@ def whole_model_ab(config: DecideConfig, opened: Opened, directory: Path) -> dic
         [result] = run_ab(request).prompts
     except AnelabInputError as e:
         return {"not_run": str(e)}
-    off = result.record["results"]["correctness"]["logits_relative_difference"]
-    if not off <= RELATIVE_ERROR_THRESHOLD:  # a fast wrong answer is not an ANE arm (NaN included)
+    correctness = result.record["results"]["correctness"]
+    if not correctness["within_bound"]:  # a fast wrong answer is not an ANE arm (NaN included)
         return {
-            "not_run": f"the hybrid's last-prompt logits are {off:.2%} off mlx-lm's own forward (threshold "
-            f"{RELATIVE_ERROR_THRESHOLD:.0%}): its timings are not priced",
+            "not_run": f"the hybrid's last-prompt logits are {correctness['against_fp32']:.2%} off mlx-lm's forward in "
+            f"fp32 (bound {correctness['bound']:.2%}: {correctness['bound_reason']}): its timings are not priced",
             "rejected_record": result.record,
         }
     return {"record": result.record}
