@@ -33,7 +33,6 @@ from anelab.runtimes.interface import (
 LOG_SHOW_TIMEOUT_S = 120.0
 
 
-
 def _import_native() -> None:
     """Import coremltools' native module (raises ImportError/OSError when it is not there)."""
     with contextlib.redirect_stderr(io.StringIO()):  # coremltools prints its own warnings on import

@@ -348,7 +348,7 @@ def refuse_without_neural_engine(runtime: CoreMLRuntime) -> None:
 
 
 def unified_log_caveat(runtime: CoreMLRuntime) -> str:
-    """"" where the probe read Core ML's own lines in the unified log on this Mac; else the caveat every gate verdict
+    """ "" where the probe read Core ML's own lines in the unified log on this Mac; else the caveat every gate verdict
     carries beside its compute plan and survived predict (the probe row ``core_ml_logs_reach_the_client_pid``)."""
     state, detail = runtime.assumption_verdict(CORE_ML_LOGS_FOR_CLIENT, GATE_COMPUTE_UNITS)
     if state == "passed":

@@ -661,7 +661,21 @@ class CoreAIRuntime(abc.ABC):
 
     @abc.abstractmethod
     def predict(self, function: Any, inputs: dict[str, np.ndarray], state: dict | None = None) -> dict:
-        """Run an entrypoint; raises ``RuntimePredictError`` when Core AI refuses (the framework's text)."""
+        """Run an entrypoint; raises ``RuntimePredictError`` when Core AI refuses (the framework's text). Inputs and
+        states given as NumPy are copied into the runtime's arrays on every call: a timed predict takes
+        ``prepare_inputs`` and ``make_state`` made before its clock."""
+
+    def prepare_process(self) -> list[str]:
+        """This process's one-time Core AI work (importing ``coreai.runtime``), done before any clock starts."""
+        return []
+
+    def prepare_inputs(self, inputs: dict[str, np.ndarray]) -> dict:
+        """The inputs as the runtime takes them, made once (a predict given these copies nothing in)."""
+        return dict(inputs)
+
+    def make_state(self, function: Any) -> dict:
+        """A fresh zero state of ``function`` in the runtime's own arrays, kept across predicts ({} if stateless)."""
+        return {}
 
     @abc.abstractmethod
     def release(self, model: Any) -> None:

@@ -478,7 +478,10 @@ def _verdicts_of(run: ChildRun, units: str) -> dict[str, dict]:
         if not _runs_in(name, units) or name in out:
             continue
         if name == running:
-            out[name] = {"passed": False, "detail": f"the probe child {ended} during this check ({run.stderr_tail()!r})"}
+            out[name] = {
+                "passed": False,
+                "detail": f"the probe child {ended} during this check ({run.stderr_tail()!r})",
+            }
         else:
             out[name] = {
                 "passed": False,
