@@ -18,7 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from anelab.core.macos import macos_version as macos_version_read_as_coremltools
-from anelab.runtimes.assumptions import FP16_OUTPUTS_AS_FP32, FP32_FEEDS_FP16_INPUTS, STATE_BY_NAME
+from anelab.runtimes.assumptions import (
+    FP16_OUTPUTS_AS_FP32,
+    FP32_FEEDS_FP16_INPUTS,
+    FRESH_STATE_ZEROED,
+    STATE_BY_NAME,
+)
 from anelab.runtimes.interface import (
     COMPUTE_OPERATORS,
     MIN_MACOS,
@@ -225,7 +230,7 @@ class MacRuntime(CoreMLRuntime):
 
     # predict --------------------------------------------------------------------------------------
     def make_state(self, handle):
-        self.require_assumptions(STATE_BY_NAME, compute_units=self.handle_units(handle))
+        self.require_assumptions(STATE_BY_NAME, FRESH_STATE_ZEROED, compute_units=self.handle_units(handle))
         try:
             return handle.make_state()
         except Exception as e:

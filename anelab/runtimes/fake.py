@@ -76,7 +76,8 @@ import numpy as np
 
 from anelab.runtimes.assumptions import FP16_OUTPUTS_AS_FP32, FP32_FEEDS_FP16_INPUTS, STATE_BY_NAME
 from anelab.runtimes.fake_log import UNREADABLE_LINES, FakeUnifiedLog
-from anelab.runtimes.fake_script import (  # noqa: F401 - FakeClock, FakeCrash, FakeState are imported from here too
+from anelab.runtimes.fake_script import (
+    FIRST_USE_ON_CPU,  # noqa: F401 - FakeClock, FakeCrash, FakeState are imported from here too
     FIRST_USE_SCRIPT,
     CallList,
     FakeClock,
@@ -328,8 +329,8 @@ class FakeRuntime(CoreMLRuntime):
         return stem
 
     def script(self, name: str) -> FakeFunction:
-        if name == FIRST_USE_STEM and name not in self.functions:
-            return FIRST_USE_SCRIPT
+        if name == FIRST_USE_STEM and name not in self.functions:  # a Mac may keep the tiny model on the CPU
+            return FIRST_USE_SCRIPT if self.first_use_on_ane else FIRST_USE_ON_CPU
         return self.functions.get(name, self.default)
 
     def _calls_of(self, package) -> list:
@@ -511,7 +512,7 @@ class FakeRuntime(CoreMLRuntime):
     def make_state(self, handle):
         from anelab.runtimes.assumptions import FRESH_STATE_ZEROED
 
-        self.require_assumptions(STATE_BY_NAME, compute_units=handle.compute_units)
+        self.require_assumptions(STATE_BY_NAME, FRESH_STATE_ZEROED, compute_units=handle.compute_units)
         sig = self._signature(handle.function, handle.package)
         states = (sig[1] if sig else None) or self.script(handle.function).states or {}
         fill = np.ones if self.lacks_under(FRESH_STATE_ZEROED, handle.compute_units) else np.zeros

@@ -119,6 +119,11 @@ FIRST_USE_SCRIPT = FakeFunction(
 )  # fmt: skip
 
 
+FIRST_USE_ON_CPU = FakeFunction(
+    **{**FIRST_USE_SCRIPT.to_args(), "assignment": {"neural_engine": 0, "gpu": 0, "cpu": 1}}
+)
+
+
 class CallList(list):
     """``calls``: a list that also appends each call to a file (in a child process, for the parent)."""
 

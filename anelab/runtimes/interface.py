@@ -31,6 +31,7 @@ from anelab.runtimes.assumptions import (
     assumption,
     settings_needed,
 )
+from anelab.runtimes.first_use import first_use_package  # noqa: F401 - re-exported
 from anelab.runtimes.native_output import NativeOutput, capture_native_output  # noqa: F401 - re-exported
 
 COMPUTE_UNITS = frozenset({"cpu_only", "cpu_and_gpu", "cpu_and_ne", "all"})
@@ -354,6 +355,9 @@ class CoreMLRuntime(abc.ABC):
             self.predict(handle, prepare_inputs(zero_inputs(self.signature(tiny, None))))
             del handle
             done.append(f"loaded and predicted a tiny model ({tiny.name}) under {units}: Core ML's first use")
+            # its plan, read in this process (it just loaded and predicted here): on the CPU, the ANE's first use is ahead
+            if units in NEURAL_ENGINE_UNITS and not self.plan_path(self.compile(tiny), units)["neural_engine"]:
+                done.append(FIRST_USE_OFF_ANE)
         return done
 
     # predict ----------------------------------------------------------------------------------------
@@ -532,41 +536,12 @@ class CoreMLRuntime(abc.ABC):
         self.__dict__.pop("_probe_cache", None)
 
 
+FIRST_USE_OFF_ANE = (
+    "the tiny first-use model's compute plan put nothing on the Neural Engine: the Neural Engine's own first use "
+    "falls inside the first timed load or predict under it"
+)
 PREFLIGHT_LOAD_STEPS = ("load", "predict")  # what a child survives before a function is loaded in this process
 PREFLIGHT_PLAN_STEPS = ("plan",)  # ... before a compute plan is built here
-
-
-def first_use_package() -> Path:
-    """A tiny model (``y = x * 2``, fp16 [1, 8]) that pays a process's first Core ML load and predict before any
-    clock starts; built once per machine and coremltools version (in the temporary directory: no project file
-    is written) and reused."""
-    from importlib.metadata import version
-
-    where = Path(tempfile.gettempdir()) / f"anelab-first-use-coremltools-{version('coremltools')}"
-    FIRST_USE_PACKAGE = where / "anelab_first_use.mlpackage"  # noqa: N806 - one fixed path
-    if (FIRST_USE_PACKAGE / "Manifest.json").is_file():
-        return FIRST_USE_PACKAGE
-    from anelab.sidecar.coremltools_import import coremltools_modules
-    from anelab.sidecar.export import convert_program
-
-    ct, mb, types = coremltools_modules()
-
-    @mb.program(input_specs=[mb.TensorSpec((1, 8), types.fp16)], opset_version=ct.target.iOS18)
-    def double(x):
-        return mb.mul(x=x, y=mb.const(val=np.full((1, 8), 2.0, np.float16)), name="y")
-
-    FIRST_USE_PACKAGE.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".first-use.", dir=FIRST_USE_PACKAGE.parent))
-    try:
-        built = convert_program(double, work / FIRST_USE_PACKAGE.name)
-        try:
-            os.replace(built, FIRST_USE_PACKAGE)
-        except OSError:  # another process built it first
-            if not (FIRST_USE_PACKAGE / "Manifest.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return FIRST_USE_PACKAGE
 
 
 CHILD_TIMED_OUT = -9999  # the exit code recorded for a child process stopped for not finishing in time

@@ -39,10 +39,11 @@ from typing import Any
 from anelab.core.errors import AnelabInputError
 from anelab.core.progress import tqdm
 from anelab.core.records import make_record, write_record
-from anelab.runtimes.assumptions import CORE_ML_LOAD_DURATION, CORE_ML_PREDICT_DURATION
+from anelab.runtimes.assumptions import CORE_ML_LOAD_DURATION, CORE_ML_PREDICT_DURATION, FRESH_COPY_COMPILES_COLD
 from anelab.runtimes.child import ANSWER_PREFIX, read_answer, run_child, write_answer  # noqa: F401 - ANSWER_PREFIX, read_answer: also imported from here
 from anelab.runtimes.interface import (
     CHILD_TIMED_OUT,
+    FIRST_USE_OFF_ANE,
     NEURAL_ENGINE_UNITS,
     PREFLIGHT_LOAD_STEPS,
     CoreMLRuntime,
@@ -157,6 +158,8 @@ def measure(
 
 
 def _finish(kind: str, parameters: dict, results: dict, unknown: list[str], out_dir) -> dict:
+    if FIRST_USE_OFF_ANE in parameters.get("before_clock", []):  # the ANE's first use fell in a timed call
+        unknown = [*unknown, FIRST_USE_OFF_ANE]
     record = make_record(kind, parameters, results, origin="measured", unknown=unknown)
     if out_dir is not None:
         path = write_record(out_dir, record)
@@ -205,6 +208,8 @@ def time_load(
     check_compute_units(compute_units)
     runtime.require_available()
     runtime.require_assumptions(CORE_ML_LOAD_DURATION, compute_units=compute_units)
+    if cold:  # a fresh copy at a new path loads cold only where no content-keyed cache serves it (ANE-only row)
+        runtime.require_assumptions(FRESH_COPY_COMPILES_COLD, compute_units=compute_units)
     pkg = require_package(pkg)
     in_children = cold and fresh_process
     before_clock = runtime.prepare_process("cpu_only" if in_children else compute_units)
