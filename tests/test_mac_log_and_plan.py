@@ -189,3 +189,28 @@ def test_a_first_use_model_kept_on_the_cpu_is_said_before_the_clock():
     on_cpu = FakeRuntime(first_use_on_ane=False)
     assert FIRST_USE_OFF_ANE in on_cpu.prepare_process("cpu_only") + on_cpu.prepare_process("cpu_and_ne")
     assert FIRST_USE_OFF_ANE not in FakeRuntime().prepare_process("cpu_and_ne")  # control
+
+
+# ---- item 15: device comparisons allow the fp16 accumulation a Neural Engine may do ------------------------------
+def test_the_fakes_ane_noise_grows_with_the_width_and_the_device_threshold_allows_it(monkeypatch):
+    import numpy as np
+
+    from anelab.runtimes import device_verify
+    from anelab.runtimes.device_verify import FP16_ACCUMULATION_AT_576, device_threshold
+    from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
+
+    fake = FakeRuntime()
+    clean = {"attn_out": np.random.default_rng(0).standard_normal((8, 576)).astype(np.float32)}
+    noisy = fake._as_returned(dict(clean), "h0", "cpu_and_ne")["attn_out"]
+    error = relative_error(noisy, clean["attn_out"])
+    assert error > RELATIVE_ERROR_THRESHOLD  # a 576-wide block on the fake ANE: beyond the old 1 % bound
+    assert relative_error(fake._as_returned(dict(clean), "h0", "cpu_only")["attn_out"], clean["attn_out"]) < 1e-3
+
+    class Meta:
+        geometry = {"hidden_size": 576, "num_heads": 9, "head_dim": 64}
+
+    monkeypatch.setattr(device_verify, "read_sidecar_metadata", lambda pkg: Meta)
+    bound, why = device_threshold("x.mlpackage", "cpu_and_ne")
+    assert bound == pytest.approx(RELATIVE_ERROR_THRESHOLD + FP16_ACCUMULATION_AT_576) and error < bound
+    assert "576" in why
+    assert device_threshold("x.mlpackage", "cpu_only")[0] == RELATIVE_ERROR_THRESHOLD  # control: no ANE, no allowance

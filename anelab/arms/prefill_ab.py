@@ -76,6 +76,7 @@ class AbRequest:
     clock: Callable[[], float] = time.perf_counter
     out_dir: Path | None = None
     seed: int = 0
+    mlx_checkpoint: Path | None = None  # the directory mlx-lm reads (default: checkpoint; a GGUF file's fp16 copy)
 
 
 @dataclass
@@ -216,7 +217,7 @@ def _fp32_reference_logits(opened, prompt: np.ndarray) -> np.ndarray | None:
 
     if opened.mlx_model.dtype == "float32":
         return None
-    reference = open_mlx_model(opened.checkpoint.path, dtype="float32")
+    reference = open_mlx_model(opened.mlx_model.path, dtype="float32")
     try:
         return _reference_logits(reference, prompt, opened.sidecars.chunk)
     finally:
@@ -382,7 +383,8 @@ def _open(request: AbRequest) -> _Opened:
     from anelab.runtimes.mlx.model import mlx_versions, open_mlx_model, require_mlx_readable
 
     check_compute_units(request.compute_units)
-    require_mlx_readable(request.checkpoint)  # before the sidecars are checked against it
+    mlx_path = Path(request.mlx_checkpoint or request.checkpoint)
+    require_mlx_readable(mlx_path)  # before the sidecars are checked against it
     if request.warmup < 0 or request.repeats < 1:
         raise AnelabInputError(f"--warmup must be >= 0 and --repeats >= 1, got {request.warmup} and {request.repeats}")
     checkpoint = load_checkpoint(request.checkpoint)
@@ -391,7 +393,7 @@ def _open(request: AbRequest) -> _Opened:
     sidecars = open_sidecars(request.sidecars, checkpoint, max(_check_prompts(request.prompt_tokens)))
     gpu_device = require_gpu_arm_device(on_mac)
     placements = _placements(runtime, sidecars, request.compute_units, request.clock) if on_mac else []
-    mlx_model = open_mlx_model(checkpoint.path, dtype=request.dtype or (None if on_mac else OFF_MAC_DTYPE))
+    mlx_model = open_mlx_model(mlx_path, dtype=request.dtype or (None if on_mac else OFF_MAC_DTYPE))
     if on_mac:
         sidecars.runner = CoreMLRunner(
             sidecars, compute_units=request.compute_units, runtime=runtime, clock=request.clock
@@ -407,6 +409,7 @@ def _parameters(request: AbRequest, opened: _Opened, n: int) -> dict:
     sidecars = opened.sidecars
     return {
         "checkpoint": str(opened.checkpoint.path),
+        "mlx_checkpoint": str(opened.mlx_model.path),
         "model_type": opened.checkpoint.model_type,
         "prompt_tokens": n,
         "chunk": sidecars.chunk,

@@ -570,9 +570,11 @@ def whole_model_ab(config: DecideConfig, opened: Opened, directory: Path) -> dic
     """The whole-model A/B on this Mac (``arms.prefill_ab``: mlx-lm's prefill vs the hybrid) at the prompt, or why
     it did not run (a package the ANE gate never passed, MLX missing): {"record": ...} or {"not_run": why}."""
     from anelab.arms.prefill_ab import ab_request, run_ab
+    from anelab.runtimes.mlx.from_gguf import mlx_readable_path
 
     request = ab_request(opened.checkpoint.path, directory, [config.prompt_tokens], runtime=opened.runtime,
-                         clock=config.clock or time.perf_counter, out_dir=config.out / "measured")  # fmt: skip
+                         clock=config.clock or time.perf_counter, out_dir=config.out / "measured",
+                         mlx_checkpoint=mlx_readable_path(opened.checkpoint))  # a GGUF file: its fp16 copy  # fmt: skip
     try:
         [result] = run_ab(request).prompts
     except AnelabInputError as e:

@@ -137,6 +137,7 @@ class FakeRuntime(CoreMLRuntime):
         versions_spawn_s: float = 0.004,
         first_use_on_ane: bool = True,
         plan_lists_every_function: bool = True,
+        fp16_accumulation: bool = True,
     ):
         self.functions = dict(functions or {})
         self.default = default if default is not None else FakeFunction()
@@ -158,6 +159,7 @@ class FakeRuntime(CoreMLRuntime):
         self.unified_log = FakeUnifiedLog(self.log_dir, core_ml_lines)
         self.versions_spawn_s = float(versions_spawn_s)
         self.plan_lists_every_function = bool(plan_lists_every_function)
+        self.fp16_accumulation = bool(fp16_accumulation)  # ANE outputs carry fp16-accumulation noise of their width
         self.first_use_on_ane = bool(first_use_on_ane)  # False: the tiny first-use model's plan is all CPU
         self._imported = self._first_used = False  # this process's one-time work done (see prepare_process)
         self._core_ml_used = False  # this process's first modelWithContentsOfURL done
@@ -210,6 +212,7 @@ class FakeRuntime(CoreMLRuntime):
                 "versions_spawn_s": self.versions_spawn_s,
                 "first_use_on_ane": self.first_use_on_ane,
                 "plan_lists_every_function": self.plan_lists_every_function,
+                "fp16_accumulation": self.fp16_accumulation,
                 "probed": False,  # a child reads its parent's verdicts (spec_for_child names the file)
             },
         }
@@ -584,6 +587,10 @@ class FakeRuntime(CoreMLRuntime):
         self._predicts += 1
         rng = np.random.default_rng([self._predicts, len(name), sum(map(ord, units))])
         scale = self.noise.get(units, 0.0)
+        if units in NEURAL_ENGINE_UNITS and self.fp16_accumulation:  # the ANE's fp16 accumulation over the row width
+            from anelab.runtimes.device_verify import fp16_accumulation_error
+
+            scale = max(scale, fp16_accumulation_error(max(np.shape(v)[-1] for v in outputs.values())))
         dtype = np.float16 if self.lacks_under(FP16_OUTPUTS_AS_FP32, units) else np.float32
         return {k: (v * (1 + scale * rng.standard_normal(v.shape))).astype(dtype) for k, v in outputs.items()}
 
