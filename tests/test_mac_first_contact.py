@@ -181,3 +181,33 @@ def test_a_mac_whose_mlx_default_device_is_not_the_gpu_is_refused(monkeypatch):
     assert prefill_ab.require_gpu_arm_device(on_mac=False) == "cpu"  # off a Mac: said, not refused
     monkeypatch.setattr(prefill_ab, "mlx_device", lambda: ("gpu", True))
     assert prefill_ab.require_gpu_arm_device(on_mac=True) == "gpu"  # control
+
+
+# ---- item 13: a GGUF checkpoint's whole-model A/B runs ---------------------------------------------------------
+def test_a_gguf_checkpoints_ab_runs_mlx_lm_on_its_fp16_copy_and_decide_asks_for_it(made, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from test_gguf import write_gguf
+
+    from anelab.decide import run as decide_run
+    from anelab.runtimes.mlx import from_gguf
+    from anelab.runtimes.mlx.from_gguf import mlx_readable_path
+
+    path = write_gguf(made["float32"][0], tmp_path / "m.gguf", "F32")
+    export_sidecars(path, tmp_path / "sidecars", CHUNK, [0, CHUNK])
+    with pytest.raises(AnelabInputError, match="GGUF"):  # what decide met before: mlx-lm's loader refuses the file
+        run_ab(ab_request(path, tmp_path / "sidecars", [PROMPT]))
+    copy = mlx_readable_path(load_checkpoint(path), tmp_path / "copies")
+    assert mlx_readable_path(load_checkpoint(path), tmp_path / "copies") == copy  # written once
+    [result] = run_ab(ab_request(path, tmp_path / "sidecars", [PROMPT], mlx_checkpoint=copy)).prompts
+    assert result.record["parameters"]["mlx_checkpoint"] == str(copy)
+    assert result.results["correctness"]["within_bound"]
+    # decide's whole-model A/B hands mlx-lm that copy (its request, captured)
+    asked = []
+    monkeypatch.setattr(from_gguf, "MLX_COPY_DIR", tmp_path / "copies")
+    monkeypatch.setattr(prefill_ab, "run_ab", lambda request: asked.append(request) or SimpleNamespace(prompts=[]))
+    config = SimpleNamespace(prompt_tokens=PROMPT, clock=None, out=tmp_path / "out")
+    opened = SimpleNamespace(checkpoint=load_checkpoint(path), runtime=None)
+    with pytest.raises(ValueError):  # no prompt came back from the stand-in run_ab
+        decide_run.whole_model_ab(config, opened, tmp_path / "sidecars")
+    assert asked[0].mlx_checkpoint == copy
