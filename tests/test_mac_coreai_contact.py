@@ -131,3 +131,22 @@ def test_a_timed_predict_takes_arrays_made_before_its_clock(asset):
     t = fake.clock()
     fake.predict(function, inputs)
     assert fake.clock() - t > fake.costs.predict_s
+
+
+def test_measure_goes_on_past_a_core_ai_failure(monkeypatch, tmp_path):
+    """A Core AI step that fails (a fresh-process child that died before answering) is one line in ``unavailable``;
+    the Core ML steps after it (block_ab, the gather probe) still run."""
+    from types import SimpleNamespace
+
+    from anelab.publish import measure, measure_coreai
+
+    def dies(*a, **k):
+        raise RuntimeError("a fresh-process Core AI load of layer_0.aimodel was killed by SIGABRT: no answer line")
+
+    monkeypatch.setattr(measure_coreai, "coreai_records", dies)
+    run = SimpleNamespace(config=SimpleNamespace(chunk=8, build=str(tmp_path), repeats=1), clock=None,
+                          unavailable={}, recorded=lambda *a: False, skipped=[], keep=lambda *a: None)  # fmt: skip
+    said = []
+    measure._coreai(run, FakeCoreAIRuntime(), tmp_path, 0, [0], "key", said.append, False)
+    assert run.unavailable["coreai"].startswith("failed: a fresh-process") and "\n" not in run.unavailable["coreai"]
+    assert said == [f"coreai: not measured — {run.unavailable['coreai']}"]
