@@ -35,6 +35,7 @@ from anelab.planner.envelope import MEASURED, YOURS, Cost
 from anelab.planner.from_checkpoint import CheckpointPlan
 from anelab.planner.plan import PrefillPlan
 from anelab.planner.verdict import ArmCosts, Verdict, plan_arm_costs, verdict_for
+from anelab.runtimes.mlx.from_gguf import mlx_readable_path
 from anelab.sidecar.designs import DESIGNS, PRICED, SidecarRequest, get_design
 
 ARMS_DECODE = 8  # greedy tokens decoded after the prefill in the arms
@@ -570,7 +571,6 @@ def whole_model_ab(config: DecideConfig, opened: Opened, directory: Path) -> dic
     """The whole-model A/B on this Mac (``arms.prefill_ab``: mlx-lm's prefill vs the hybrid) at the prompt, or why
     it did not run (a package the ANE gate never passed, MLX missing): {"record": ...} or {"not_run": why}."""
     from anelab.arms.prefill_ab import ab_request, run_ab
-    from anelab.runtimes.mlx.from_gguf import mlx_readable_path
 
     request = ab_request(opened.checkpoint.path, directory, [config.prompt_tokens], runtime=opened.runtime,
                          clock=config.clock or time.perf_counter, out_dir=config.out / "measured",

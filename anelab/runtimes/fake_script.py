@@ -8,14 +8,11 @@ import json
 import shutil
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
 from anelab.runtimes.interface import RuntimePredictError
-
-if TYPE_CHECKING:
-    from anelab.runtimes.fake import FakeRuntime
 
 
 class FakeClock:
@@ -146,7 +143,7 @@ class FakeHandle:
     (a ``CompiledMLModel``). ``load_s`` / ``last_predict_s``: Core ML's own durations.
     """
 
-    def __init__(self, runtime: FakeRuntime, package: str, compiled: Path, name: str, units: str, temporary: bool):
+    def __init__(self, runtime: Any, package: str, compiled: Path, name: str, units: str, temporary: bool):
         self.runtime, self.package, self.compiled = runtime, package, compiled
         self.function, self.compute_units, self.temporary = name, units, temporary
         self.load_s: float | None = None
