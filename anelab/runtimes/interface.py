@@ -509,7 +509,12 @@ class CoreMLRuntime(abc.ABC):
         """
         if self.ignore_probe_file:
             return
-        passed = self.__dict__.setdefault("_passed_assumptions", set())  # resolved once per runtime (forget_verdicts)
+        # what passed is resolved once per runtime while the verdicts file stays the same (a stat, no read)
+        stamp = self.probe_file.stat().st_mtime_ns if self.probe_file.is_file() else None
+        memo = self.__dict__.get("_passed_assumptions")
+        if memo is None or memo[0] != stamp:
+            memo = self.__dict__["_passed_assumptions"] = (stamp, set())
+        passed = memo[1]
         for name in names:
             if (name, compute_units) in passed:
                 continue
