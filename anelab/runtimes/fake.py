@@ -52,11 +52,9 @@ duration plus ``load_call_s`` (argument checks and the proxy, outside ``modelWit
 process's first load also pays ``core_ml_first_use_s`` inside Core ML's own duration (``CoreMLPython.mm:500-503``
 times the process's first ``modelWithContentsOfURL``); ``exit_stdout`` is printed to fd 1 at exit.
 
-No kinder than a Mac (issue 41): ``versions()`` spawns three processes as ``sysctl`` and ``sw_vers`` do
-(``versions_spawn_s`` each); Core ML's log lines may be redacted, missing or a helper's (``core_ml_lines``,
-``runtimes.fake_log``); a merged package's plan lists every function (``plan_lists_every_function``); the
-first-use model may stay on the CPU (``first_use_on_ane``); ANE outputs carry fp16-accumulation noise of their
-width (``fp16_accumulation``), the same for the same values.
+Issue 41: ``versions()`` spawns three processes as ``sysctl``/``sw_vers`` do; log lines may be redacted, missing or
+a helper's (``core_ml_lines``); a merged plan lists every function; the first-use model may stay on the CPU
+(``first_use_on_ane``); ANE outputs carry fp16-accumulation noise of their width, the same for the same values.
 
 Functions are identified by name: ``load(pkg, "h4096", ...)`` is function ``h4096``; a
 single-function package loaded with ``function=None`` is identified by its file stem (the exporter
