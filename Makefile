@@ -13,6 +13,10 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
+	@# coreai-core has wheels for macOS 26+ on Apple silicon only (none for macOS 15): the extra is added there
+	@if [ "$$(uname -s)" = Darwin ] && [ "$$(uname -m)" = arm64 ] && [ "$$(sw_vers -productVersion | cut -d. -f1)" -ge 26 ]; then \
+	  $(PY) -m pip install --quiet -e '.[test,coreai]' || echo "note: coreai-core did not install (a Python built for an older macOS SDK is offered no macosx_26_0 wheel); the Core AI commands will refuse in one line"; \
+	fi
 	$(PY) -m ipykernel install --sys-prefix --name anelab --display-name "anelab (.venv)" >/dev/null
 	@touch $(STAMP)
 

@@ -365,7 +365,7 @@ def test_a_fake_mac_run_replaces_predicted_costs_with_measured_ones(decided, mod
     v = decision.verdict
     assert decision.measured and not any(r["reused"] for r in decision.evidence["verify"].values())
     whole = decision.evidence["measured"]["whole_model"]
-    assert "off mlx-lm's own forward" in whole["not_run"] and "record" not in whole
+    assert "off mlx-lm's forward in fp32" in whole["not_run"] and "record" not in whole
     assert v["costs"]["load_per_layer"]["kind"] == "measured on this Mac"
     assert v["costs"]["load_per_layer"]["value"] == pytest.approx(0.25 + 0.282)  # h0 + h32 cold loads
     assert v["costs"]["ane_attention"]["value"] == pytest.approx(2 * (0.01 + 0.01))  # 2 layers x 2 calls

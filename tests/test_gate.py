@@ -231,6 +231,7 @@ def test_one_operation_on_the_ane_is_enough_and_nothing_is_not(tmp_path):
         "total_ops": 173,
         "stderr_markers": [],
         "predicted": True,
+        "log_caveat": "",
     }
     for assignment in (None, {"unreported": 173}):
         runtime = FakeRuntime({"h0": FakeFunction(assignment=assignment)})
@@ -292,8 +293,8 @@ def test_export_with_a_healthy_runtime_records_verified_with_evidence(checkpoint
     meta = read_sidecar_metadata(result.package)  # read back from the saved package
     assert meta.ane_verified is True and meta.ane_reason == VERIFIED_REASON
     assert meta.ane_evidence == {
-        "h0": {"ane_ops": 12, "total_ops": 17, "stderr_markers": [], "predicted": True},
-        "h4": {"ane_ops": 10, "total_ops": 17, "stderr_markers": [], "predicted": True},
+        "h0": {"ane_ops": 12, "total_ops": 17, "stderr_markers": [], "predicted": True, "log_caveat": ""},
+        "h4": {"ane_ops": 10, "total_ops": 17, "stderr_markers": [], "predicted": True, "log_caveat": ""},
     }
     calls = runtime.child_calls()
     # the real variants' specs were read: the zero inputs matched them (the fake refuses any mismatch)

@@ -11,6 +11,7 @@ import pytest
 from anelab.cli import main
 from anelab.core.records import read_records
 from anelab.publish.measure import STEPS, MeasureConfig, measure
+from anelab.runtimes.assumptions import ASSUMPTION_NAMES
 from anelab.runtimes.fake import FakeFunction, FakeRuntime
 
 
@@ -62,7 +63,7 @@ def test_every_step_writes_records_tagged_with_the_package_and_provenance(measur
         "load_memory", "load_timing", "predict_timing",
     ]  # fmt: skip
     probe = next(r for r in records if r["kind"] == "core_ml_probe")
-    assert probe["results"]["failed"] == [] and len(probe["results"]["assumptions"]) == 20
+    assert probe["results"]["failed"] == [] and len(probe["results"]["assumptions"]) == len(ASSUMPTION_NAMES)
     for r in records:
         assert len(r["parameters"]["measure"]["package_sha256"]) == 64
         assert {"chip", "os_version", "coremltools"} <= set(r["provenance"])

@@ -11,7 +11,10 @@ Per prompt length N (the seed's protocol: a warm-up, then two measured runs of e
   prediction), ``marshalling_s`` (rows, history and outputs between MLX and NumPy; Core ML's input and output
   conversions; a stateful layer's K/V read back) and ``mlx_graph_s`` (the rest of the run's wall time: mlx-lm
   building its graph, Python);
-- correctness: the hybrid's logits at the last prompt position against mlx-lm's own chunked forward's.
+- correctness: the hybrid's logits at the last prompt position against mlx-lm's own chunked forward's, and — when
+  the checkpoint runs in bf16 or fp16 — against the same forward in fp32, within a bound that knows its reference's
+  precision (``correctness_bound``: the sidecars' fp16 threshold plus twice the reference's own error against fp32
+  on that prompt, so a bf16 model's own noise can never reject its A/B).
 
 Each prompt length is one record (``core.records``, never overwritten) with the machine, MLX, mlx-lm and
 coremltools versions. On a Mac the verdict prices both arms as measured (``planner.verdict``: the ANE arm is the
@@ -40,8 +43,9 @@ from anelab.core.records import machine_kind, make_record, provenance, write_rec
 from anelab.planner.envelope import MEASURED, Cost
 from anelab.planner.verdict import ArmCosts, Verdict, verdict_for
 from anelab.runtimes.interface import NEURAL_ENGINE_UNITS, check_compute_units
-from anelab.sidecar.compare import relative_error
+from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
 
+REFERENCE_NOISE_FACTOR = 2.0  # the hybrid's own bf16 layers stray from fp32 about as far as the reference does
 AB_WARMUP, AB_REPEATS = 1, 2  # the seed's protocol: one warm-up, two measured runs per arm
 GPU_PREFILL_STEP = 2048  # mlx-lm's default prefill_step_size (mlx_lm.generate.generate_step)
 OFF_MAC_DTYPE = "float32"  # off a Mac the run checks correctness: fp32 on mlx-cpu
@@ -74,6 +78,7 @@ class AbRequest:
     clock: Callable[[], float] = time.perf_counter
     out_dir: Path | None = None
     seed: int = 0
+    mlx_checkpoint: Path | None = None  # the directory mlx-lm reads (default: checkpoint; a GGUF file's fp16 copy)
 
 
 @dataclass
@@ -135,20 +140,41 @@ def _stats(samples: list[float]) -> dict:
             "samples_s": list(samples)}  # fmt: skip
 
 
-def _time_gpu_arm(mlx_model, prompt: np.ndarray, request: AbRequest) -> dict:
-    """mlx-lm's own prefill (``generate_step`` with max_tokens=0: the prompt and its first token's logits)."""
+def mlx_device() -> tuple[str, bool]:
+    """(MLX's default device type, whether Metal is available here)."""
     import mlx.core as mx
-    from mlx_lm.generate import generate_step
+
+    return str(mx.default_device().type).rsplit(".", 1)[-1], bool(mx.metal.is_available())
+
+
+def require_gpu_arm_device(on_mac: bool) -> str:
+    """The device the GPU arm runs on, said in the record; refused (one line) on a Mac whose Metal is there but whose
+    MLX default device is not the GPU (a GPU arm timed on the CPU would make any ANE arm look fast)."""
+    device, metal = mlx_device()
+    if on_mac and metal and device != "gpu":
+        raise AnelabInputError(
+            f"MLX's default device is the {device}, not the GPU: the GPU arm would be timed on the {device}; "
+            "unset whatever sets mx.set_default_device (or MLX_DEVICE) and run again"
+        )
+    return device if metal else f"{device} (no Metal here: not a GPU's timings)"
+
+
+def _time_gpu_arm(mlx_model, prompt: np.ndarray, request: AbRequest) -> dict:
+    """mlx-lm's own prefill (``generate_step`` with max_tokens=0: the prompt and its first token's logits), inside
+    mlx-lm's ``wired_limit`` as its ``stream_generate`` runs it (a model near the limit is kept wired, not paged)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step, generation_stream, wired_limit
 
     samples = []
-    for i in range(request.warmup + request.repeats):
-        cache = mlx_model.make_cache()
-        t0 = request.clock()
-        for _ in generate_step(mx.array(prompt.astype(np.int32)), mlx_model.model, max_tokens=0, prompt_cache=cache,
-                               prefill_step_size=GPU_PREFILL_STEP):  # fmt: skip
-            pass
-        if i >= request.warmup:
-            samples.append(request.clock() - t0)
+    with wired_limit(mlx_model.model, [generation_stream]):  # entered before the clocks, as mlx-lm does
+        for i in range(request.warmup + request.repeats):
+            cache = mlx_model.make_cache()
+            t0 = request.clock()
+            for _ in generate_step(mx.array(prompt.astype(np.int32)), mlx_model.model, max_tokens=0,
+                                   prompt_cache=cache, prefill_step_size=GPU_PREFILL_STEP):  # fmt: skip
+                pass
+            if i >= request.warmup:
+                samples.append(request.clock() - t0)
     return _stats(samples)
 
 
@@ -158,6 +184,46 @@ def _reference_logits(mlx_model, prompt: np.ndarray, chunk: int) -> np.ndarray:
     from anelab.runtimes.mlx.model import to_numpy
 
     return to_numpy(prefill(mlx_model, prompt, chunk, mlx_model.make_cache()))
+
+
+def correctness_bound(reference_noise: float) -> float:
+    """The largest relative difference of the hybrid's logits from the fp32 reference that is still correct: the
+    sidecars' fp16 threshold (``RELATIVE_ERROR_THRESHOLD``) plus ``REFERENCE_NOISE_FACTOR`` times the checkpoint
+    dtype's own error against fp32 on the same prompt (0 for an fp32 run)."""
+    return RELATIVE_ERROR_THRESHOLD + REFERENCE_NOISE_FACTOR * float(reference_noise)
+
+
+def judge_correctness(got: np.ndarray, want: np.ndarray, want_fp32: np.ndarray | None, chunk: int) -> dict:
+    """The A/B's correctness entry from the last-position logits [V]: the hybrid's (``got``), mlx-lm's forward in the
+    run's dtype (``want``) and in fp32 (``want_fp32``; None when the run is fp32 already)."""
+    reference = want if want_fp32 is None else want_fp32
+    noise = 0.0 if want_fp32 is None else relative_error(want, want_fp32)
+    off = relative_error(got, reference)
+    bound = correctness_bound(noise)
+    return {
+        "logits_relative_difference": relative_error(got, want),
+        "same_greedy_token": int(np.argmax(got)) == int(np.argmax(want)),
+        "reference": f"mlx-lm's own forward in chunks of {chunk} (untimed)",
+        "against_fp32": off,
+        "reference_precision_noise": noise,
+        "bound": bound,
+        "within_bound": bool(off <= bound),  # NaN is never within
+        "bound_reason": f"{RELATIVE_ERROR_THRESHOLD:.0e} (fp16 sidecars) + {REFERENCE_NOISE_FACTOR:g} x the run "
+        f"dtype's own error against fp32 on this prompt ({noise:.2e})",
+    }
+
+
+def _fp32_reference_logits(opened, prompt: np.ndarray) -> np.ndarray | None:
+    """mlx-lm's forward in fp32 (untimed, its own copy of the weights, released after) when the run is not fp32."""
+    from anelab.runtimes.mlx.model import open_mlx_model
+
+    if opened.mlx_model.dtype == "float32":
+        return None
+    reference = open_mlx_model(opened.mlx_model.path, dtype="float32")
+    try:
+        return _reference_logits(reference, prompt, opened.sidecars.chunk)
+    finally:
+        del reference
 
 
 def _time_ane_arm(mlx_model, sidecars: SidecarSet, hybrid, prompt: np.ndarray, request: AbRequest, runner):
@@ -225,7 +291,17 @@ def _components(total: float, hybrid_timing, core_ml) -> dict:
     return {"total_s": total, **parts, "calls": hybrid_timing.calls}
 
 
-def measured_arm_costs(results: dict, design: str, layers: int, machine: str) -> ArmCosts:
+def _placement_phrase(placements: list[dict]) -> str:
+    """The plan's Neural Engine share of the least-placed package, for the ANE arm's cost source."""
+    if not placements:
+        return "compute plan: not read"
+    least = min(placements, key=lambda p: (p.get("compute_share") or 0.0, p["neural_engine_share"]))
+    compute = "unknown" if least.get("compute_share") is None else f"{least['compute_share']:.0%}"
+    return (f"least-placed package: {least['neural_engine']} of {least['total']} operations and {compute} of its "
+            "compute operations on the Neural Engine")  # fmt: skip
+
+
+def measured_arm_costs(results: dict, design: str, layers: int, machine: str, placements=()) -> ArmCosts:
     """Both arms as measured on this Mac (kind ``measured``): S the GPU arm; the ANE arm the hybrid's whole
     prefill (offloaded share 1), A its runs without loads, L one layer's first-use loads (mean, min .. max)."""
     gpu, ane = results["gpu_arm"], results["ane_arm"]
@@ -250,7 +326,7 @@ def measured_arm_costs(results: dict, design: str, layers: int, machine: str) ->
             ane["min_s"],
             ane["max_s"],
             MEASURED,
-            f"{where}: the hybrid's prefill without loads ({comp})",
+            f"{where}: the hybrid's prefill without loads ({comp}); {_placement_phrase(list(placements))}",
         ),  # fmt: skip
         load_per_layer=Cost(
             statistics.mean(loads),
@@ -277,6 +353,7 @@ def _placements(runtime, sidecars: SidecarSet, compute_units: str, clock) -> lis
         )
     placed = []
     for pkg in sidecars.packages.values():
+        runtime.content_hash(pkg)  # the package's hash, outside the clock (the compile cache's key)
         t0 = clock()
         runtime.compile(pkg)  # once per package content (cached): paid before the loads, recorded apart
         compile_s = clock() - t0
@@ -296,6 +373,7 @@ class _Opened:
     provenance: dict
     on_mac: bool
     placements: list[dict]
+    gpu_device: str = "gpu"
 
 
 def _open(request: AbRequest) -> _Opened:
@@ -308,15 +386,17 @@ def _open(request: AbRequest) -> _Opened:
     if request.out_dir is not None:  # where the records go: refused before the measurement, not after it
         require_output_dir(request.out_dir)
     check_compute_units(request.compute_units)
-    require_mlx_readable(request.checkpoint)  # before the sidecars are checked against it
+    mlx_path = Path(request.mlx_checkpoint or request.checkpoint)
+    require_mlx_readable(mlx_path)  # before the sidecars are checked against it
     if request.warmup < 0 or request.repeats < 1:
         raise AnelabInputError(f"--warmup must be >= 0 and --repeats >= 1, got {request.warmup} and {request.repeats}")
     checkpoint = load_checkpoint(request.checkpoint)
     runtime = request.runtime if request.runtime is not None else default_runtime()
     on_mac = runtime.available()
     sidecars = open_sidecars(request.sidecars, checkpoint, max(_check_prompts(request.prompt_tokens)))
+    gpu_device = require_gpu_arm_device(on_mac)
     placements = _placements(runtime, sidecars, request.compute_units, request.clock) if on_mac else []
-    mlx_model = open_mlx_model(checkpoint.path, dtype=request.dtype or (None if on_mac else OFF_MAC_DTYPE))
+    mlx_model = open_mlx_model(mlx_path, dtype=request.dtype or (None if on_mac else OFF_MAC_DTYPE))
     if on_mac:
         sidecars.runner = CoreMLRunner(
             sidecars, compute_units=request.compute_units, runtime=runtime, clock=request.clock
@@ -324,13 +404,15 @@ def _open(request: AbRequest) -> _Opened:
     else:
         sidecars.runner = numpy_runner(sidecars, keep_open=len(sidecars.packages))
     hybrid = Hybrid(mlx_model, sidecars, checkpoint.geometry, tuple(sidecars.packages), clock=request.clock)
-    return _Opened(checkpoint, sidecars, mlx_model, hybrid, {**provenance(), **mlx_versions()}, on_mac, placements)
+    return _Opened(checkpoint, sidecars, mlx_model, hybrid, {**provenance(), **mlx_versions()}, on_mac, placements,
+                   gpu_device)  # fmt: skip
 
 
 def _parameters(request: AbRequest, opened: _Opened, n: int) -> dict:
     sidecars = opened.sidecars
     return {
         "checkpoint": str(opened.checkpoint.path),
+        "mlx_checkpoint": str(opened.mlx_model.path),
         "model_type": opened.checkpoint.model_type,
         "prompt_tokens": n,
         "chunk": sidecars.chunk,
@@ -340,6 +422,7 @@ def _parameters(request: AbRequest, opened: _Opened, n: int) -> dict:
         "compute_units": request.compute_units if opened.on_mac else "none (NumPy evaluation of the saved programs)",
         "mlx_dtype": opened.mlx_model.dtype,
         "gpu_prefill_step": GPU_PREFILL_STEP,
+        "gpu_arm_device": opened.gpu_device,
         "warmup": request.warmup,
         "repeats": request.repeats,
         "seed": request.seed,
@@ -358,13 +441,11 @@ def _one_prompt(request: AbRequest, opened: _Opened, n: int) -> PromptAb:
     prompt = random_prompt(mlx_model.vocab_size, n, request.seed)
     gpu = _time_gpu_arm(mlx_model, prompt, request)
     want = _reference_logits(mlx_model, prompt, sidecars.chunk)
+    if opened.on_mac:  # the first use and the pre-flight children, before any of the ANE arm's clocks
+        _or_refuse(lambda: sidecars.runner.prepare(prompt.size))
     with opened.hybrid.installed():
         ane, got = _time_ane_arm(mlx_model, sidecars, opened.hybrid, prompt, request, sidecars.runner)
-    correctness = {
-        "logits_relative_difference": relative_error(got, want),
-        "same_greedy_token": int(np.argmax(got)) == int(np.argmax(want)),
-        "reference": f"mlx-lm's own forward in chunks of {sidecars.chunk} (untimed)",
-    }
+    correctness = judge_correctness(got, want, _fp32_reference_logits(opened, prompt), sidecars.chunk)
     unknown = [COLD_LOAD_CAVEAT] if opened.on_mac else [NOT_A_MAC.format(machine=machine_kind())]
     record = make_record("whole_model_ab", _parameters(request, opened, n),
                          {"gpu_arm": gpu, "ane_arm": ane, "correctness": correctness},
@@ -374,7 +455,7 @@ def _one_prompt(request: AbRequest, opened: _Opened, n: int) -> PromptAb:
     verdict = None
     if opened.on_mac:
         costs = measured_arm_costs(record["results"], record["parameters"]["design"], len(sidecars.packages),
-                                   machine_kind())  # fmt: skip
+                                   machine_kind(), opened.placements)  # fmt: skip
         verdict = verdict_for(costs)
     return PromptAb(n, record, verdict)
 

@@ -381,25 +381,38 @@ class CoreMLRunner:
             for layer, pkg in sidecars.packages.items()
         }
 
-    def load_all(self, prompt_tokens: int) -> dict[tuple[int, str], float]:
-        """Load every function a ``prompt_tokens`` prompt visits, layer by layer (seconds per (layer, function)).
-        Before any clock starts, the process pays Core ML's first use and each function's Neural Engine compile
-        is survived once in a child (``CoreMLRuntime.preflight``): the timed load is the load alone."""
-        from anelab.runtimes.interface import NEURAL_ENGINE_UNITS, PREFLIGHT_LOAD_STEPS
-
+    def _to_load(self, prompt_tokens: int) -> list[tuple[int, object, int, str]]:
         starts = chunk_starts(int(prompt_tokens), self.sidecars.chunk)
-        for runtime, units in {(s.runtime, s.compute_units) for s in self.opened.values()}:
-            runtime.prepare_process(units)
+        wanted = []
         for layer, sidecar in self.opened.items():
             for start in starts:
                 name = sidecar.function_for(start)
                 if (layer, name) not in self.timing.loads and name not in sidecar.loaded:
-                    runtime, units = sidecar.runtime, sidecar.compute_units
-                    if units in NEURAL_ENGINE_UNITS and not runtime.is_child:
-                        runtime.preflight(sidecar.package, name, units, PREFLIGHT_LOAD_STEPS)
-                    t0 = self.clock()
-                    sidecar.handle_for(start)
-                    self.timing.loads[(layer, name)] = self.clock() - t0
+                    wanted.append((layer, sidecar, start, name))
+        return list({(layer, name): (layer, s, start, name) for layer, s, start, name in wanted}.values())
+
+    def prepare(self, prompt_tokens: int) -> None:
+        """What ``load_all`` needs done before its clocks, paid here: the process's Core ML first use, and each
+        function's Neural Engine compile survived once in a child (``CoreMLRuntime.preflight``, a subprocess)."""
+        from anelab.runtimes.interface import NEURAL_ENGINE_UNITS, PREFLIGHT_LOAD_STEPS
+
+        for runtime, units in {(s.runtime, s.compute_units) for s in self.opened.values()}:
+            runtime.prepare_process(units)
+        for _, sidecar, _, name in self._to_load(prompt_tokens):
+            runtime, units = sidecar.runtime, sidecar.compute_units
+            if units in NEURAL_ENGINE_UNITS and not runtime.is_child:
+                runtime.preflight(sidecar.package, name, units, PREFLIGHT_LOAD_STEPS)
+        self.prepared = int(prompt_tokens)
+
+    def load_all(self, prompt_tokens: int) -> dict[tuple[int, str], float]:
+        """Load every function a ``prompt_tokens`` prompt visits, layer by layer (seconds per (layer, function)),
+        after ``prepare`` (called here unless it ran for this prompt): the timed load is the load alone."""
+        if getattr(self, "prepared", None) != int(prompt_tokens):
+            self.prepare(prompt_tokens)
+        for layer, sidecar, start, name in self._to_load(prompt_tokens):
+            t0 = self.clock()
+            sidecar.handle_for(start)
+            self.timing.loads[(layer, name)] = self.clock() - t0
         return self.timing.loads
 
     def __call__(self, layer: int, start: int, valid_rows: int, inputs: dict) -> dict:

@@ -23,6 +23,7 @@ Schema (version 1)::
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import os
 import platform
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from anelab.core.errors import AnelabInputError
 from anelab.core.files import read_json
+from anelab.core.macos import macos_version_text
 from anelab.core.paths import REPO_ROOT
 
 SCHEMA_VERSION = 1
@@ -68,11 +70,17 @@ def _run(cmd: list[str]) -> str | None:
 
 
 def machine_description() -> dict:
-    """Machine model, chip and OS of this machine (macOS via sysctl; elsewhere from platform)."""
+    """Machine model, chip and OS of this machine (macOS via sysctl and sw_vers; elsewhere from platform), read
+    once per process: two ``sysctl`` spawns per call would otherwise land inside whatever clock calls it."""
+    return dict(_machine_description())
+
+
+@functools.lru_cache(maxsize=1)
+def _machine_description() -> dict:
     if sys.platform == "darwin":
         model = _run(["sysctl", "-n", "hw.model"]) or "unknown"
         chip = _run(["sysctl", "-n", "machdep.cpu.brand_string"]) or "unknown"
-        os_version = "macOS " + (platform.mac_ver()[0] or "unknown")
+        os_version = "macOS " + macos_version_text()  # sw_vers, not platform.mac_ver() (16.0 in compat mode)
     else:
         model = f"{platform.system()} {platform.machine()}"
         chip = platform.processor() or platform.machine() or "unknown"

@@ -36,7 +36,7 @@ from anelab.planner.from_checkpoint import CheckpointPlan
 from anelab.planner.plan import PrefillPlan
 from anelab.planner.settle import MAC_MEASUREMENT_DECIDE, settle_commands
 from anelab.planner.verdict import ArmCosts, Verdict, plan_arm_costs, verdict_for
-from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD
+from anelab.runtimes.mlx.from_gguf import mlx_readable_path
 from anelab.sidecar.designs import DESIGNS, PRICED, SidecarRequest, get_design
 
 ARMS_DECODE = 8  # greedy tokens decoded after the prefill in the arms
@@ -522,16 +522,17 @@ def whole_model_ab(config: DecideConfig, opened: Opened, directory: Path) -> dic
     from anelab.arms.prefill_ab import ab_request, run_ab
 
     request = ab_request(opened.checkpoint.path, directory, [config.prompt_tokens], runtime=opened.runtime,
-                         clock=config.clock or time.perf_counter, out_dir=config.out / "measured")  # fmt: skip
+                         clock=config.clock or time.perf_counter, out_dir=config.out / "measured",
+                         mlx_checkpoint=mlx_readable_path(opened.checkpoint))  # a GGUF file: its fp16 copy  # fmt: skip
     try:
         [result] = run_ab(request).prompts
     except AnelabInputError as e:
         return {"not_run": str(e)}
-    off = result.record["results"]["correctness"]["logits_relative_difference"]
-    if not off <= RELATIVE_ERROR_THRESHOLD:  # a fast wrong answer is not an ANE arm (NaN included)
+    correctness = result.record["results"]["correctness"]
+    if not correctness["within_bound"]:  # a fast wrong answer is not an ANE arm (NaN included)
         return {
-            "not_run": f"the hybrid's last-prompt logits are {off:.2%} off mlx-lm's own forward (threshold "
-            f"{RELATIVE_ERROR_THRESHOLD:.0%}): its timings are not priced",
+            "not_run": f"the hybrid's last-prompt logits are {correctness['against_fp32']:.2%} off mlx-lm's forward in "
+            f"fp32 (bound {correctness['bound']:.2%}: {correctness['bound_reason']}): its timings are not priced",
             "rejected_record": result.record,
         }
     return {"record": result.record}
@@ -563,7 +564,8 @@ def with_measured(
             from anelab.arms.prefill_ab import measured_arm_costs
             from anelab.core.records import machine_kind
 
-            return measured_arm_costs(record["results"], design.design, costs.layers, machine_kind())
+            placements = record["parameters"].get("placements", ())
+            return measured_arm_costs(record["results"], design.design, costs.layers, machine_kind(), placements)
     registered, starts = get_design(design.design), chunk_starts(prompt_tokens, design.chunk)
     functions = list(dict.fromkeys(registered.function_for(design.chunk, s) for s in starts))
     loads = [measured.load(f) for f in functions]

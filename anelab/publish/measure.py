@@ -319,8 +319,13 @@ def _coreai(run: MeasureRun, runtime: CoreAIRuntime | None, checkpoint, layer, h
         echo(f"coreai: not measured — {reason}")
         return
     cfg = run.config
-    _step(run, "coreai", key, lambda: coreai_records(runtime, checkpoint, layer, cfg.chunk, histories, Path(cfg.build),
-                                                     repeats=cfg.repeats, clock=run.clock, coreml_key=key), echo)  # fmt: skip
+    try:  # a Core AI failure (a child that died before answering, a refused load) does not stop the Core ML steps
+        _step(run, "coreai", key, lambda: coreai_records(runtime, checkpoint, layer, cfg.chunk, histories,
+                                                         Path(cfg.build), repeats=cfg.repeats, clock=run.clock,
+                                                         coreml_key=key), echo)  # fmt: skip
+    except (RuntimeError, AnelabInputError) as e:
+        run.unavailable["coreai"] = f"failed: {' '.join(str(e).split())}"
+        echo(f"coreai: not measured — {run.unavailable['coreai']}")
 
 
 def _step(run: MeasureRun, name: str, key: str, work: Callable[[], list[dict]], echo) -> None:

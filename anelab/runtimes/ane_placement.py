@@ -23,13 +23,26 @@ class AnePlacement:
     gpu: int
     cpu: int
     total: int
+    compute_ops: int = 0  # matmuls, linears, softmaxes (interface.COMPUTE_OPERATORS): the block's arithmetic
+    compute_ops_on_neural_engine: int = 0
 
     @property
     def neural_engine_share(self) -> float:
         return self.neural_engine / self.total if self.total else 0.0
 
+    @property
+    def compute_share(self) -> float | None:
+        """The share of the compute operations the plan puts on the Neural Engine (None: the plan named none)."""
+        return self.compute_ops_on_neural_engine / self.compute_ops if self.compute_ops else None
+
     def to_dict(self) -> dict:
-        return {**asdict(self), "neural_engine_share": self.neural_engine_share}
+        return {**asdict(self), "neural_engine_share": self.neural_engine_share, "compute_share": self.compute_share}
+
+
+# Priced as ANE attention only when at least this share of the block's compute operations (matmuls, linears,
+# softmax) prefers the Neural Engine: an operation count weighs a reshape like a matmul (the seed's healthy
+# sidecars have 64-74 of 173 operations there, 37-43 %), so the share that decides is the compute operations'.
+MIN_COMPUTE_SHARE = 0.5
 
 
 def require_neural_engine(runtime: CoreMLRuntime, doing: str) -> None:
@@ -56,12 +69,19 @@ def require_ane_placement(
             "is unknown, so its timings are not priced as ANE attention"
         ) from None
     placement = AnePlacement(
-        str(pkg), compute_units, counts["neural_engine"], counts["gpu"], counts["cpu"], counts["total"]
-    )
+        str(pkg), compute_units, counts["neural_engine"], counts["gpu"], counts["cpu"], counts["total"],
+        int(counts.get("compute_ops", 0)), int(counts.get("compute_ops_on_neural_engine", 0)),
+    )  # fmt: skip
     if placement.neural_engine == 0:
         raise AnelabInputError(
             f"{pkg}: Core ML's compute plan under {compute_units} puts none of its {placement.total} operations on the "
             f"Neural Engine (cpu {placement.cpu}, gpu {placement.gpu}): its predictions would be a CPU/GPU fallback, "
             "refused as ANE attention; re-export it so the ANE gate runs on this Mac"
+        )
+    if placement.compute_share is not None and placement.compute_share < MIN_COMPUTE_SHARE:
+        raise AnelabInputError(
+            f"{pkg}: Core ML's compute plan under {compute_units} puts {placement.compute_ops_on_neural_engine} of its "
+            f"{placement.compute_ops} compute operations (matmuls, softmax) on the Neural Engine, below "
+            f"{MIN_COMPUTE_SHARE:.0%}: its predictions would be mostly CPU/GPU work, refused as ANE attention"
         )
     return placement

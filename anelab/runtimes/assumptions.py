@@ -42,6 +42,7 @@ STATE_BY_NAME = "make_state_and_read_state_by_name"
 FRESH_STATE_ZEROED = "fresh_state_is_zero_filled"
 STATE_SHARED_BY_FUNCTIONS = "one_state_shared_by_two_functions"
 COMPUTE_PLAN_OF_COMPILED = "compute_plan_of_a_compiled_model"
+PROBE_ON_ANE = "probe_graphs_reach_the_neural_engine"
 UNGATED_LOAD_AND_PLAN_SURVIVE = "ungated_load_and_plan_survive"
 CORE_ML_LOAD_DURATION = "core_ml_load_duration"
 CORE_ML_PREDICT_DURATION = "core_ml_predict_duration"
@@ -128,6 +129,16 @@ ASSUMPTIONS: tuple[CoreMLAssumption, ...] = (
         "CoreMLRuntime.compute_plan_assignment (the ANE gate's operation count)",
     ),
     CoreMLAssumption(
+        PROBE_ON_ANE,
+        "the probe's own tiny stateful graph is planned on the Neural Engine under cpu_and_ne (operations and its "
+        "matmuls / softmax), so the verdicts its cpu_and_ne child records are the Neural Engine's",
+        "coremltools/models/compute_plan.py:403-448 (the plan of the compiled probe package); Core ML may keep a "
+        "graph this small on the CPU",
+        "every later check of the probe's cpu_and_ne child (each needs it, else 'not run'), hence every cpu_and_ne "
+        "verdict code relies on — the gate's among them",
+        ANE_ONLY,
+    ),
+    CoreMLAssumption(
         UNGATED_LOAD_AND_PLAN_SURVIVE,
         "loading and planning a package the gate never passed, under the Neural Engine, leaves the process alive "
         "(only a predict kills)",
@@ -190,10 +201,13 @@ ASSUMPTIONS: tuple[CoreMLAssumption, ...] = (
     ),
     CoreMLAssumption(
         CORE_ML_LOGS_FOR_CLIENT,
-        "Core ML writes unified-log lines under the client process's PID while it loads and predicts on the "
-        "Neural Engine (else an ANE failure logged there is not the client's to see)",
-        "no coremltools line; the gate reads the log of its child's PID only (runtimes/gate.py run_child)",
-        "the ANE gate's marker search in the unified log",
+        "at least one readable (unredacted) Core ML line reaches the unified log for the client's PID or the Neural "
+        "Engine's helper processes (ANECompilerService, aned) while it loads and predicts on the Neural Engine; "
+        "lines are Core ML's when they name coreml, espresso, e5rt or ane as a word",
+        "no coremltools line; Apple's frameworks log arguments as <private> by default and info lines are often not "
+        "persisted; the gate reads its child's PID and the helpers' (runtimes/gate.py run_child)",
+        "the ANE gate's evidence: where it failed, every verdict carries the caveat (runtimes.gate.unified_log_caveat) "
+        "that an ANE failure reported only in the log would be missed",
         ANE_ONLY,
     ),
 )

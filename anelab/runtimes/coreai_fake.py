@@ -25,13 +25,20 @@ Each rule follows coreai-core's stubs and sources (``coreai/runtime/__init__.pyi
   ``RuntimePredictError``; a non-contiguous array is read as raw memory, ignoring its strides, as
   ``NDArray`` does (Apple: "The runtime reads raw memory as if contiguous"); ``predict_s`` per call on
   ``neural_engine`` (``predict_other_s`` elsewhere). Outputs are zeros of the output shapes: the fake
-  times and refuses, it computes nothing (the CPU runtime in ``sidecar.coreai_asset`` does that).
+  times and refuses, it computes nothing (the CPU runtime in ``sidecar.coreai_asset`` does that). An input or a
+  state given as NumPy is copied into Core AI's arrays on every call (``copy_s_per_mb``); ``prepare_inputs`` and
+  ``make_state`` give arrays that pass as they are (``FakeNDArray``);
+- **import**: a process's first use of Core AI imports ``coreai`` (``import_s``, 0.11-0.44 s measured here) unless
+  ``prepare_process`` paid it before the clock;
+- **exit**: with ``abort_at_exit`` a child process aborts (SIGABRT) after its work, as coreai-core has been seen
+  to about one process in six — its answer, already written, must still be read.
 
 Time comes from a ``FakeClock`` (``runtimes.fake``) that moves only when the fake works.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -63,6 +70,8 @@ class FakeCoreAICosts:
     predict_s: float = 0.05
     predict_other_s: float = 0.4
     teardown_s: float = 0.1
+    import_s: float = 0.3
+    copy_s_per_mb: float = 0.002
 
 
 @dataclass
@@ -86,18 +95,22 @@ class FakeCoreAIRuntime(CoreAIRuntime):
     cache_file: str | None = None
     costs: FakeCoreAICosts = field(default_factory=FakeCoreAICosts)
     python_clears_system_cache: bool = False
+    abort_at_exit: bool = False  # a child of this fake aborts at exit (after answering)
     unavailable: str = ""
     clock: FakeClock = field(default_factory=FakeClock)
     calls: list = field(default_factory=list)
     name = "fake-coreai"
 
     def __post_init__(self):
+        self._imported = False
         if self.cache_file is None:  # its own cache folder, removed with it (tests make many fakes)
             own = tempfile.mkdtemp(prefix="anelab-fake-coreai-")
             weakref.finalize(self, shutil.rmtree, own, True)
             self.cache_file = str(Path(own) / "cache.json")
 
     def unavailable_reason(self) -> str:
+        if not self.unavailable:  # as on a Mac: the check imports coreai.runtime (the process's first use)
+            self._import()
         return self.unavailable
 
     # ---- the cache (a file: shared with child processes) ---------------------------------------------
@@ -125,8 +138,19 @@ class FakeCoreAIRuntime(CoreAIRuntime):
         return "derived artifacts" + (" and the system cache entry" if self.python_clears_system_cache else "")
 
     # ---- loading ----------------------------------------------------------------------------------
+    def prepare_process(self) -> list[str]:
+        self.require_available()
+        self._import()
+        return ["imported coreai (fake: import_s)"]
+
+    def _import(self) -> None:
+        if not self._imported:
+            self._imported = True
+            self.clock.advance(self.costs.import_s)
+
     def specialize(self, asset: Path, compute_unit: str) -> FakeModel:
         self.require_available()
+        self._import()  # the process's first Core AI call imports coreai
         unit = check_coreai_compute_unit(compute_unit)
         asset = Path(asset)
         entrypoints = _entrypoints(asset)
@@ -169,7 +193,20 @@ class FakeCoreAIRuntime(CoreAIRuntime):
         return [dest]
 
     # ---- predicting -------------------------------------------------------------------------------------
+    def prepare_inputs(self, inputs: dict[str, np.ndarray]) -> dict:
+        return {k: np.ascontiguousarray(v).view(FakeNDArray) for k, v in inputs.items()}
+
+    def make_state(self, function: FakeFunction) -> dict:
+        states = function.signature.get("states") or {}
+        return {n: np.zeros(shape, dtype=dtype).view(FakeNDArray) for n, (shape, dtype) in states.items()}
+
+    def _copy_in(self, arrays: dict) -> None:
+        """NumPy arrays are copied into Core AI's arrays (NDArray(data)) on every call: charged per MB."""
+        copied = sum(np.asarray(v).nbytes for v in arrays.values() if not isinstance(v, FakeNDArray))
+        self.clock.advance(self.costs.copy_s_per_mb * copied / 1e6)
+
     def predict(self, function: FakeFunction, inputs: dict[str, np.ndarray], state: dict | None = None) -> dict:
+        self._copy_in({**inputs, **(state or {})})
         sig = function.signature
         for name, (shape, dtype) in sig["inputs"].items():
             if name not in inputs:
@@ -189,13 +226,21 @@ class FakeCoreAIRuntime(CoreAIRuntime):
 
     def child_spec(self) -> dict:
         args = {"cache_file": self.cache_file, "costs": asdict(self.costs),
-                "python_clears_system_cache": self.python_clears_system_cache}  # fmt: skip
+                "python_clears_system_cache": self.python_clears_system_cache, "abort_at_exit": self.abort_at_exit}  # fmt: skip
         return {"factory": "anelab.runtimes.coreai_fake:fake_from_args", "args": args}
 
 
-def fake_from_args(cache_file: str, costs: dict, python_clears_system_cache: bool) -> FakeCoreAIRuntime:
-    """The fake rebuilt in a child process (``child_spec``): the same cache file, a fresh clock."""
-    return FakeCoreAIRuntime(cache_file, FakeCoreAICosts(**costs), python_clears_system_cache)
+class FakeNDArray(np.ndarray):
+    """An array already in (fake) Core AI's form: a predict given it copies nothing."""
+
+
+def fake_from_args(cache_file: str, costs: dict, python_clears_system_cache: bool,
+                   abort_at_exit: bool = False) -> FakeCoreAIRuntime:  # fmt: skip
+    """The fake rebuilt in a child process (``child_spec``): the same cache file, a fresh clock; with
+    ``abort_at_exit`` the process aborts when it exits (after its answer is written)."""
+    if abort_at_exit:
+        atexit.register(os.abort)
+    return FakeCoreAIRuntime(cache_file, FakeCoreAICosts(**costs), python_clears_system_cache, abort_at_exit)
 
 
 def _as_raw_memory(arr: np.ndarray) -> np.ndarray:

@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -36,13 +35,16 @@ import numpy as np
 
 from anelab.core.errors import AnelabInputError
 from anelab.core.records import make_record
-from anelab.runtimes.interface import CHILD_TIMED_OUT, CoreAIRuntime, describe_child_exit, runtime_from_spec
+from anelab.runtimes.child import read_answer, run_child, write_answer
+from anelab.runtimes.interface import CoreAIRuntime, describe_child_exit, runtime_from_spec
 
 COLD_CAVEAT = (
     "whether Core AI's system cache (AIModelCache) keyed the fresh copy as new: coreai-core cannot clear that "
     "cache (deleteEntries(for:) is Swift-only), so a cold load is the first load of a copy at a new path"
 )
 FRESH_CHILD_TIMEOUT_S = 1800.0
+PREDICT_TIMED = ("predict alone: inputs wrapped in Core AI's arrays once before the clock, states made once from the "
+                 "entrypoint's descriptors and kept across calls, outputs returned as zero-copy views")  # fmt: skip
 ENTRYPOINT_COUNTS = (1, 3, 9, 30)
 
 
@@ -123,38 +125,36 @@ def time_fresh_process(
     names = _entrypoints(asset)
     _load_once(runtime, asset, compute_unit, clock, names)
     request = {"spec": runtime.child_spec(), "asset": str(asset), "compute_unit": compute_unit, "names": names}
-    samples, functions = [], []
+    samples, functions, exits, before = [], [], [], []
     for _ in range(int(repeats)):
-        code, answer, tail = _run_child(request)
+        run = run_child("anelab.runtimes.coreai_timing:fresh_process_child", request, FRESH_CHILD_TIMEOUT_S)
+        answer, why = read_answer(run.stdout)  # read whatever the exit: Core AI may abort after the answer
         if answer is None:
-            raise RuntimeError(f"a fresh-process Core AI load of {asset.name} {describe_child_exit(code)}: {tail}")
+            raise RuntimeError(
+                f"a fresh-process Core AI load of {asset.name} {describe_child_exit(run.returncode)}: "
+                f"{why}; {run.stderr_tail(200)}"
+            )
         samples.append(answer["load_s"])
         functions.append(answer["load_function_s"])
-    return _record("fresh_process", asset, compute_unit, names, samples, functions, None, extra)
+        before = answer.get("before_clock", [])
+        exits.append(0 if run.returncode == 0 else describe_child_exit(run.returncode))
+    more = {**(extra or {}), "before_clock": before, "child_exits": exits}
+    record = _record("fresh_process", asset, compute_unit, names, samples, functions, None, more)
+    if any(e != 0 for e in exits):
+        record["unknown"] = [*record.get("unknown", []), "some fresh-process children ended abnormally after their "
+                             "answer (child_exits): the load they timed had finished"]  # fmt: skip
+    return record
 
 
 def fresh_process_child() -> None:
-    """The child of ``time_fresh_process``: one load of the asset, its duration as JSON on stdout."""
+    """The child of ``time_fresh_process``: the process's Core AI import paid before the clock (``prepare_process``),
+    then one load of the asset; its duration as the answer line on stdout (``runtimes.child``)."""
     request = json.loads(sys.stdin.read())
     runtime = runtime_from_spec(request["spec"])
     clock = getattr(runtime, "clock", None) or time.perf_counter
+    before_clock = runtime.prepare_process()
     load, functions = _load_once(runtime, Path(request["asset"]), request["compute_unit"], clock, request["names"])
-    print(json.dumps({"load_s": load, "load_function_s": functions}))
-
-
-def _run_child(request: dict) -> tuple[int, dict | None, str]:
-    from anelab.core.paths import REPO_ROOT
-
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    code = "from anelab.runtimes.coreai_timing import fresh_process_child; fresh_process_child()"
-    try:
-        done = subprocess.run([sys.executable, "-c", code], input=json.dumps(request), capture_output=True,
-                              text=True, env=env, timeout=FRESH_CHILD_TIMEOUT_S)  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return CHILD_TIMED_OUT, None, f"no answer within {FRESH_CHILD_TIMEOUT_S:.0f} s"
-    lines = done.stdout.strip().splitlines()
-    tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
-    return done.returncode, (json.loads(lines[-1]) if done.returncode == 0 and lines else None), tail
+    write_answer({"load_s": load, "load_function_s": functions, "before_clock": before_clock})
 
 
 def time_entrypoint_counts(
@@ -181,6 +181,7 @@ def time_compiled(
     clock: Callable[[], float] = time.perf_counter, extra: dict | None = None,
 ) -> list[dict]:  # fmt: skip
     """``coreai-build compile`` (timed), then each compiled ``.aimodelc`` loaded cold and warm."""
+    runtime.require_available()  # the process's coreai import, before the clock
     asset, work = Path(asset), Path(work)
     names = _entrypoints(asset)
     t = clock()
@@ -212,9 +213,10 @@ def time_predictions(
     records = []
     for name in _entrypoints(asset):
         sig = signatures[name]
-        inputs = {n: np.zeros(shape, dtype) for n, (shape, dtype) in sig["inputs"].items()}
-        state = {n: np.zeros(shape, dtype) for n, (shape, dtype) in sig["states"].items()} or None
         function = runtime.load_function(model, name)
+        # Core AI's own arrays, made before the clock: the timed predict copies nothing in (states kept across calls)
+        inputs = runtime.prepare_inputs({n: np.zeros(shape, dtype) for n, (shape, dtype) in sig["inputs"].items()})
+        state = runtime.make_state(function) if sig["states"] else None
         runtime.predict(function, inputs, state)  # warm-up
         samples = []
         for _ in range(int(repeats)):
@@ -222,7 +224,7 @@ def time_predictions(
             runtime.predict(function, inputs, state)
             samples.append(clock() - t)
         parameters = {"asset": asset.name, "entrypoint": name, "compute_unit": compute_unit, "repeats": int(repeats),
-                      "score_arena_bytes": sig.get("score_arena_bytes"), **(extra or {})}  # fmt: skip
+                      "score_arena_bytes": sig.get("score_arena_bytes"), "timed": PREDICT_TIMED, **(extra or {})}  # fmt: skip
         records.append(make_record("coreai_predict", parameters, _stats(samples), origin="measured", unknown=[
             "which compute unit each op ran on: Core AI's Python API reports no per-operation placement"]))  # fmt: skip
     runtime.release(model)

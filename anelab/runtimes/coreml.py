@@ -17,8 +17,15 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from anelab.runtimes.assumptions import FP16_OUTPUTS_AS_FP32, FP32_FEEDS_FP16_INPUTS, STATE_BY_NAME
+from anelab.core.macos import macos_version as macos_version_read_as_coremltools
+from anelab.runtimes.assumptions import (
+    FP16_OUTPUTS_AS_FP32,
+    FP32_FEEDS_FP16_INPUTS,
+    FRESH_STATE_ZEROED,
+    STATE_BY_NAME,
+)
 from anelab.runtimes.interface import (
+    COMPUTE_OPERATORS,
     MIN_MACOS,
     CoreMLRuntime,
     RuntimeLoadError,
@@ -29,14 +36,6 @@ from anelab.runtimes.interface import (
 )
 
 LOG_SHOW_TIMEOUT_S = 120.0
-
-
-def _macos_version() -> tuple[int, ...]:
-    text = platform.mac_ver()[0]
-    try:
-        return tuple(int(x) for x in text.split(".")) if text else ()
-    except ValueError:
-        return ()
 
 
 def _import_native() -> None:
@@ -82,7 +81,7 @@ class MacRuntime(CoreMLRuntime):
     ):
         self._platform = platform_name if platform_name is not None else sys.platform
         self._machine = machine if machine is not None else platform.machine()
-        self._macos_version = macos_version or _macos_version
+        self._macos_version = macos_version or macos_version_read_as_coremltools
         self._import_native = import_native or _import_native
         self._ct_loader = ct or _import_ct
         if cache_dir is not None:
@@ -231,7 +230,7 @@ class MacRuntime(CoreMLRuntime):
 
     # predict --------------------------------------------------------------------------------------
     def make_state(self, handle):
-        self.require_assumptions(STATE_BY_NAME, compute_units=self.handle_units(handle))
+        self.require_assumptions(STATE_BY_NAME, FRESH_STATE_ZEROED, compute_units=self.handle_units(handle))
         try:
             return handle.make_state()
         except Exception as e:
@@ -246,7 +245,7 @@ class MacRuntime(CoreMLRuntime):
             raise RuntimePredictError(f"predict failed: {_one_line(e)}") from e
 
     # compute plan ---------------------------------------------------------------------------------
-    def plan_path(self, compiled, compute_units):
+    def plan_path(self, compiled, compute_units, function=None):
         check_compute_units(compute_units)
         self.require_available()
         compiled = Path(compiled)
@@ -270,6 +269,9 @@ class MacRuntime(CoreMLRuntime):
             for op in block.operations:
                 usage = plan.get_compute_device_usage_for_mlprogram_operation(op)
                 device = None if usage is None else usage.preferred_compute_device
+                if op.operator_name in COMPUTE_OPERATORS:
+                    counts["compute_ops"] += 1
+                    counts["compute_ops_on_neural_engine"] += isinstance(device, MLNeuralEngineComputeDevice)
                 if isinstance(device, MLNeuralEngineComputeDevice):
                     counts["neural_engine"] += 1
                 elif isinstance(device, MLGPUComputeDevice):
@@ -281,20 +283,23 @@ class MacRuntime(CoreMLRuntime):
                 for inner in op.blocks:
                     visit(inner)
 
-        for function in program.functions.values():
-            visit(function.block)
+        listed = program.functions
+        for name in [function] if function in listed else list(listed):  # a merged plan: the function asked only
+            visit(listed[name].block)
         counts["total"] = counts["neural_engine"] + counts["gpu"] + counts["cpu"]
         return counts
 
     # unified log ----------------------------------------------------------------------------------
-    def read_unified_log(self, pid, start, end):
-        """``log show`` for one process and time window (Core ML's [espresso]/[coreml] lines reach no fd)."""
+    def read_unified_log(self, pid, start, end, helpers=()):
+        """``log show`` for one process (and the named helper processes) and time window (Core ML's
+        [espresso]/[coreml] lines reach no fd)."""
         fmt = "%Y-%m-%d %H:%M:%S"
         window = [
             _dt.datetime.fromtimestamp(start - 1).strftime(fmt),
             _dt.datetime.fromtimestamp(end + 1).strftime(fmt),
         ]
-        cmd = ["log", "show", "--style", "compact", "--info", "--debug", "--predicate", f"processID == {int(pid)}"]
+        predicate = " OR ".join([f"processID == {int(pid)}", *(f'process == "{name}"' for name in helpers)])
+        cmd = ["log", "show", "--style", "compact", "--info", "--debug", "--predicate", predicate]
         cmd += ["--start", window[0], "--end", window[1]]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=LOG_SHOW_TIMEOUT_S)

@@ -15,8 +15,40 @@ import numpy as np
 
 from anelab.runtimes.assumptions import STATE_SHARED_BY_FUNCTIONS
 from anelab.runtimes.coreml import default_runtime
-from anelab.runtimes.interface import CoreMLRuntime, check_compute_units, prepare_inputs, require_gate_verdict
-from anelab.sidecar.format import STATE_NAMES
+from anelab.runtimes.interface import (
+    NEURAL_ENGINE_UNITS,
+    CoreMLRuntime,
+    check_compute_units,
+    prepare_inputs,
+    require_gate_verdict,
+)
+from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD
+from anelab.sidecar.format import STATE_NAMES, read_sidecar_metadata
+
+# fp16 accumulation of a 576-wide projection: 2.3e-2 relative error, measured here on coreai-core's CPU runtime
+# (issue 41, SmolLM2-135M's hidden 576). Whether the Neural Engine accumulates so is a Mac's to answer; until then a
+# device comparison under it allows that error, grown as the square root of the reduction width (a random walk).
+FP16_ACCUMULATION_AT_576 = 2.3e-2
+ACCUMULATION_WIDTH = 576
+
+
+def fp16_accumulation_error(width: int) -> float:
+    """The relative error fp16 accumulation adds over a ``width``-long reduction (scaled from 576's measurement)."""
+    return FP16_ACCUMULATION_AT_576 * float(np.sqrt(max(int(width), 1) / ACCUMULATION_WIDTH))
+
+
+def device_threshold(package: str | os.PathLike, compute_units: str) -> tuple[float, str]:
+    """(the threshold device comparisons are held to, why): the fp16 threshold, plus under the Neural Engine the fp16
+    accumulation error of the block's widest reduction (hidden size or heads x head_dim)."""
+    if compute_units not in NEURAL_ENGINE_UNITS:
+        return RELATIVE_ERROR_THRESHOLD, "fp16 storage"
+    g = read_sidecar_metadata(package).geometry
+    width = max(int(g["hidden_size"]), int(g["num_heads"]) * int(g["head_dim"]))
+    extra = fp16_accumulation_error(width)
+    return RELATIVE_ERROR_THRESHOLD + extra, (
+        f"fp16 storage {RELATIVE_ERROR_THRESHOLD:.0e} + fp16 accumulation over {width} ({extra:.1e}: "
+        f"{FP16_ACCUMULATION_AT_576:.1e} measured at {ACCUMULATION_WIDTH}, scaled by its square root)"
+    )
 
 
 class CoreMLEvaluator:
@@ -69,6 +101,9 @@ def verify_on_device(
     runtime = runtime if runtime is not None else default_runtime()
     runtime.require_available()
     require_gate_verdict(package, compute_units, "verify it on the device")
-    return verify_package(
-        package, checkpoint_dir, seed=seed, evaluator=CoreMLEvaluator(runtime, package, compute_units)
-    )
+    evaluator = CoreMLEvaluator(runtime, package, compute_units)
+    threshold, why = device_threshold(package, compute_units)
+    evaluator.name += f"; threshold {threshold:.1e}: {why}"
+    report = verify_package(package, checkpoint_dir, seed=seed, evaluator=evaluator)
+    report.threshold = max(report.threshold, threshold)  # every comparison without its own bound is held to it
+    return report

@@ -52,6 +52,10 @@ duration plus ``load_call_s`` (argument checks and the proxy, outside ``modelWit
 process's first load also pays ``core_ml_first_use_s`` inside Core ML's own duration (``CoreMLPython.mm:500-503``
 times the process's first ``modelWithContentsOfURL``); ``exit_stdout`` is printed to fd 1 at exit.
 
+Issue 41: ``versions()`` spawns three processes as ``sysctl``/``sw_vers`` do; log lines may be redacted, missing or
+a helper's (``core_ml_lines``); a merged plan lists every function; the first-use model may stay on the CPU
+(``first_use_on_ane``); ANE outputs carry fp16-accumulation noise of their width, the same for the same values.
+
 Functions are identified by name: ``load(pkg, "h4096", ...)`` is function ``h4096``; a
 single-function package loaded with ``function=None`` is identified by its file stem (the exporter
 writes each variant as ``h<H>.mlpackage`` before the merge). Time comes from a ``FakeClock`` that
@@ -65,16 +69,29 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 import time
 import uuid
 import weakref
-from dataclasses import dataclass, field, fields
+import zlib
 from pathlib import Path
 
 import numpy as np
 
 from anelab.runtimes.assumptions import FP16_OUTPUTS_AS_FP32, FP32_FEEDS_FP16_INPUTS, STATE_BY_NAME
+from anelab.runtimes.fake_log import UNREADABLE_LINES, FakeUnifiedLog
+from anelab.runtimes.fake_script import (
+    FIRST_USE_ON_CPU,  # noqa: F401 - FakeClock, FakeCrash, FakeState are imported from here too
+    FIRST_USE_SCRIPT,
+    CallList,
+    FakeClock,
+    FakeCrash,
+    FakeFunction,
+    FakeHandle,
+    FakeState,
+    check_predict_inputs,
+)
 from anelab.runtimes.interface import (
     ASSIGNMENT_KEYS,
     NEURAL_ENGINE_UNITS,
@@ -89,160 +106,6 @@ from anelab.runtimes.interface import (
 DEVICE_NOISE = {"cpu_and_ne": 1e-3, "all": 1e-3, "cpu_and_gpu": 5e-4, "cpu_only": 1e-4}
 FIRST_USE_STEM = "anelab_first_use"  # interface.first_use_package(): scripted as the tiny model it is
 UNSTABLE_AFTER = 150  # a Mac lacking stateful_predicts_stable crashes at this stateful predict (#2716: ~100-200)
-
-
-class FakeClock:
-    """A clock for ``anelab.runtimes.timing.measure``: ``clock()`` returns seconds; only ``advance`` moves it."""
-
-    def __init__(self, start: float = 1000.0):
-        self.now = float(start)
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        if seconds < 0:
-            raise ValueError(f"a clock cannot go back ({seconds} s)")
-        self.now += float(seconds)
-
-
-class FakeCrash(BaseException):  # noqa: N818 - it stands for a signal, not an error
-    """What would have been a fatal signal in a real process (in-process fake only)."""
-
-    def __init__(self, signal_name: str, where: str):
-        super().__init__(f"{signal_name} in {where}")
-        self.signal_name = signal_name
-
-
-@dataclass
-class FakeFunction:
-    """Scripted behaviour of one function.
-
-    load_stdout / load_stderr: text written to fd 1 / fd 2 during a load (the load still returns).
-    exit_stderr:   text written to fd 2 only when the process exits (after a load).
-    log_text:      text that reaches only the unified log (during a load).
-    predict_stderr: text written to fd 2 during a predict.
-    plan_stderr / plan_error: fd-2 text while the compute plan is built / a RuntimeError instead of a plan.
-    load_error / unloadable_units: the load raises (always / under these compute units).
-    predict_error: every predict raises ``RuntimePredictError`` with this text.
-    predict_signal: e.g. "SIGKILL": the process dies at the first predict (no exception) — under
-                   ``signal_units`` only (None: every setting), and with ``signal_when_merged`` only when the
-                   function was loaded from a package of more than one function.
-    exit_stdout:   text written to fd 1 only when the process exits (after a load).
-    load_call_s:   wall seconds of a load outside Core ML's own load duration.
-    assignment:    operations per preferred device (neural_engine, gpu, cpu[, unreported]); total derived.
-    inputs / states / output_shapes: name -> shape; ``None``: read from the package's spec when it has one.
-    cold_load_s / warm_load_s / teardown_s / convert_s: seconds on the clock (convert_s: the fp16 -> fp32
-                   cast of inputs coremltools does in the caller's dict).
-    output_convert_s: seconds per predict converting the outputs to NumPy, outside Core ML's duration.
-    predict_s:     seconds per predict, by compute-units setting (missing setting: ``predict_default_s``).
-    outputs:       what ``predict`` returns (a copy); empty: zeros of the output shapes.
-    """
-
-    load_stdout: str = ""
-    load_stderr: str = ""
-    exit_stderr: str = ""
-    log_text: str = ""
-    predict_stderr: str = ""
-    plan_stderr: str = ""
-    plan_error: str | None = None
-    load_error: str | None = None
-    unloadable_units: frozenset[str] = frozenset()
-    predict_error: str | None = None
-    predict_signal: str | None = None
-    signal_units: frozenset[str] | None = None
-    signal_when_merged: bool = False
-    exit_stdout: str = ""
-    load_call_s: float = 0.0
-    assignment: dict[str, int] | None = field(default_factory=lambda: {"neural_engine": 64, "gpu": 0, "cpu": 109})
-    inputs: dict[str, tuple] | None = None
-    states: dict[str, tuple] | None = None
-    output_shapes: dict[str, tuple] | None = None
-    cold_load_s: float = 6.0
-    warm_load_s: float = 1.0
-    teardown_s: float = 0.2
-    convert_s: float = 0.05
-    output_convert_s: float = 0.02
-    predict_s: dict[str, float] = field(default_factory=dict)
-    predict_default_s: float = 0.5
-    outputs: dict = field(default_factory=dict)
-
-    def to_args(self) -> dict:
-        """JSON-able fields (for a child process); ``outputs`` are not carried."""
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "outputs"}
-        d["unloadable_units"] = sorted(self.unloadable_units)
-        d["signal_units"] = None if self.signal_units is None else sorted(self.signal_units)
-        return d
-
-    @classmethod
-    def from_args(cls, d: dict) -> FakeFunction:
-        d = dict(d)
-        d["unloadable_units"] = frozenset(d.get("unloadable_units", ()))
-        if d.get("signal_units") is not None:
-            d["signal_units"] = frozenset(d["signal_units"])
-        return cls(**d)
-
-
-FIRST_USE_SCRIPT = FakeFunction(
-    assignment={"neural_engine": 1, "gpu": 0, "cpu": 0}, cold_load_s=0.002, warm_load_s=0.001, teardown_s=0.0,
-    convert_s=0.0, output_convert_s=0.0, predict_default_s=0.0005,
-)  # fmt: skip
-
-
-class _CallList(list):
-    """``calls``: a list that also appends each call to a file (in a child process, for the parent)."""
-
-    def __init__(self, path):
-        super().__init__()
-        self.path = path
-
-    def append(self, item):
-        super().append(item)
-        if self.path:
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a") as f:
-                f.write(json.dumps(list(item)) + "\n")
-
-
-class FakeHandle:
-    """A loaded function; releasing it costs ``teardown_s`` and deletes a temporary compiled copy.
-
-    ``temporary``: loaded from an ``.mlpackage`` (an ``MLModel``), else from a ``.mlmodelc``
-    (a ``CompiledMLModel``). ``load_s`` / ``last_predict_s``: Core ML's own durations.
-    """
-
-    def __init__(self, runtime: FakeRuntime, package: str, compiled: Path, name: str, units: str, temporary: bool):
-        self.runtime, self.package, self.compiled = runtime, package, compiled
-        self.function, self.compute_units, self.temporary = name, units, temporary
-        self.load_s: float | None = None
-        self.last_predict_s: float | None = None
-        self.merged = False  # loaded from a package of more than one function
-
-    def __getitem__(self, key):  # older callers read handle["function"]
-        return {"package": self.package, "function": self.function, "compute_units": self.compute_units}[key]
-
-    def __del__(self):
-        try:
-            self.runtime.clock.advance(self.runtime.script(self.function).teardown_s)
-            if self.runtime._calls_of(self.package) is self.runtime.calls:  # noqa: SLF001 - its own runtime
-                self.runtime.released.append(self.function)
-            if self.temporary:
-                shutil.rmtree(self.compiled, ignore_errors=True)
-        except Exception:  # interpreter shutdown
-            pass
-
-
-class FakeState(dict):
-    """A fresh ``MLState``: state name -> zeros; ``read_state(name)`` as coremltools 9.0's ``MLState``
-    (a bad name raises ``RuntimeError``, ``CoreMLPython.mm:697-704``). ``made_by``: the function whose
-    handle made it."""
-
-    made_by: str | None = None
-
-    def read_state(self, name: str) -> np.ndarray:
-        if name not in self:
-            raise RuntimeError(f"no state named {name!r}")
-        return np.array(self[name], dtype=np.float32)
 
 
 class FakeRuntime(CoreMLRuntime):
@@ -275,6 +138,11 @@ class FakeRuntime(CoreMLRuntime):
         chip: str = "Apple M4 (fake)",
         macos: str = "macOS 15.3 (fake)",
         probed: bool = True,
+        core_ml_lines: str = "clear",
+        versions_spawn_s: float = 0.004,
+        first_use_on_ane: bool = True,
+        plan_lists_every_function: bool = True,
+        fp16_accumulation: bool = True,
     ):
         self.functions = dict(functions or {})
         self.default = default if default is not None else FakeFunction()
@@ -293,13 +161,18 @@ class FakeRuntime(CoreMLRuntime):
         self.core_ml_first_use_s = float(core_ml_first_use_s)
         self.noise = dict(DEVICE_NOISE if noise is None else noise)
         self.chip, self.macos = chip, macos
+        self.unified_log = FakeUnifiedLog(self.log_dir, core_ml_lines)
+        self.versions_spawn_s = float(versions_spawn_s)
+        self.plan_lists_every_function = bool(plan_lists_every_function)
+        self.fp16_accumulation = bool(fp16_accumulation)  # ANE outputs carry fp16-accumulation noise of their width
+        self.first_use_on_ane = bool(first_use_on_ane)  # False: the tiny first-use model's plan is all CPU
         self._imported = self._first_used = False  # this process's one-time work done (see prepare_process)
         self._core_ml_used = False  # this process's first modelWithContentsOfURL done
         self._stateful_predicts: dict[str, int] = {}  # per setting, this process
         self._predicts = 0
         self.first_use_calls: list[tuple] = []  # the tiny first-use model's calls (kept out of ``calls``)
         self._saved: dict = {}
-        self.calls: list[tuple] = _CallList(calls_file)
+        self.calls: list[tuple] = CallList(calls_file)
         self.loads: list[tuple[str, str, str]] = []  # (package path, function, compute units)
         self.compiles: list[str] = []  # package paths compiled (cache or per .mlpackage load)
         self.released: list[str] = []  # functions whose handle was released
@@ -340,14 +213,24 @@ class FakeRuntime(CoreMLRuntime):
                 "noise": self.noise,
                 "chip": self.chip,
                 "macos": self.macos,
+                "core_ml_lines": self.unified_log.core_ml_lines,
+                "versions_spawn_s": self.versions_spawn_s,
+                "first_use_on_ane": self.first_use_on_ane,
+                "plan_lists_every_function": self.plan_lists_every_function,
+                "fp16_accumulation": self.fp16_accumulation,
                 "probed": False,  # a child reads its parent's verdicts (spec_for_child names the file)
             },
         }
 
     # versions, verdicts, the probe, pre-flight ------------------------------------------------------
-    def versions(self) -> dict[str, str]:
+    def read_versions(self) -> dict[str, str]:
+        """As costly as a Mac's: two ``sysctl`` spawns and one ``sw_vers`` (``machine_description``), each a real
+        subprocess here and ``versions_spawn_s`` on the fake's clock."""
         from importlib.metadata import version
 
+        for _ in range(3):
+            subprocess.run(["true"], check=False)
+            self.clock.advance(self.versions_spawn_s)
         return {"chip": self.chip, "macos": self.macos, "coremltools": version("coremltools")}
 
     def lacks_under(self, name: str, units: str | None = None) -> bool:
@@ -361,11 +244,12 @@ class FakeRuntime(CoreMLRuntime):
     def expected_verdicts(self) -> dict:
         """What ``anelab doctor --probe`` finds on this fake Mac: every row passed under each of its settings,
         except what ``lacks`` breaks (a row that needs a failed one fails with it, as the probe records)."""
-        from anelab.runtimes.assumptions import ANY_UNITS, ASSUMPTIONS
+        from anelab.runtimes.assumptions import ANY_UNITS, ASSUMPTIONS, CORE_ML_LOGS_FOR_CLIENT
 
         table = {}
         for a in ASSUMPTIONS:
-            units = {u: {"passed": not self.lacks_under(a.name, None if u == ANY_UNITS else u),
+            units = {u: {"passed": not self.lacks_under(a.name, None if u == ANY_UNITS else u) and not (
+                             a.name == CORE_ML_LOGS_FOR_CLIENT and self.unified_log.core_ml_lines in UNREADABLE_LINES),
                          "detail": "seeded by the fake (what the probe finds on it)"} for u in a.compute_units}  # fmt: skip
             table[a.name] = {"passed": all(v["passed"] for v in units.values()), "detail": "seeded", "units": units}
         return table
@@ -453,8 +337,8 @@ class FakeRuntime(CoreMLRuntime):
         return stem
 
     def script(self, name: str) -> FakeFunction:
-        if name == FIRST_USE_STEM and name not in self.functions:
-            return FIRST_USE_SCRIPT
+        if name == FIRST_USE_STEM and name not in self.functions:  # a Mac may keep the tiny model on the CPU
+            return FIRST_USE_SCRIPT if self.first_use_on_ane else FIRST_USE_ON_CPU
         return self.functions.get(name, self.default)
 
     def _calls_of(self, package) -> list:
@@ -480,27 +364,15 @@ class FakeRuntime(CoreMLRuntime):
             os.write(fd, text.encode())
 
     def _log(self, text: str) -> None:
-        if text:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.log_dir / f"{os.getpid()}.log", "a") as f:
-                for line in text.splitlines():
-                    f.write(f"{time.time():.6f}\t{line}\n")
+        self.unified_log.write(text)
 
-    def read_unified_log(self, pid, start, end):
+    def read_unified_log(self, pid, start, end, helpers=()):
         from anelab.runtimes.assumptions import UNIFIED_LOG_READABLE
         from anelab.runtimes.interface import UnifiedLogUnavailable
 
         if UNIFIED_LOG_READABLE in self.lacks:
             raise UnifiedLogUnavailable("'log show' did not finish within 120 s")
-        path = self.log_dir / f"{int(pid)}.log"
-        if not path.is_file():
-            return ""
-        lines = []
-        for row in path.read_text().splitlines():
-            stamp, _, text = row.partition("\t")
-            if start - 1 <= float(stamp) <= end + 1:
-                lines.append(text)
-        return "\n".join(lines)
+        return self.unified_log.read(pid, start, end, tuple(helpers))
 
     def signature(self, pkg, function):
         """Scripted (``FakeFunction.inputs``; fp16) or the package's spec; empty for a stand-in without one."""
@@ -632,7 +504,7 @@ class FakeRuntime(CoreMLRuntime):
         from anelab.runtimes.assumptions import CORE_ML_LOGS_FOR_CLIENT
 
         if not self.lacks_under(CORE_ML_LOGS_FOR_CLIENT):
-            self._log(text)
+            self.unified_log.write_core_ml(text)
 
     def load_duration_s(self, handle):
         from anelab.runtimes.assumptions import CORE_ML_LOAD_DURATION
@@ -648,7 +520,7 @@ class FakeRuntime(CoreMLRuntime):
     def make_state(self, handle):
         from anelab.runtimes.assumptions import FRESH_STATE_ZEROED
 
-        self.require_assumptions(STATE_BY_NAME, compute_units=handle.compute_units)
+        self.require_assumptions(STATE_BY_NAME, FRESH_STATE_ZEROED, compute_units=handle.compute_units)
         sig = self._signature(handle.function, handle.package)
         states = (sig[1] if sig else None) or self.script(handle.function).states or {}
         fill = np.ones if self.lacks_under(FRESH_STATE_ZEROED, handle.compute_units) else np.zeros
@@ -695,7 +567,7 @@ class FakeRuntime(CoreMLRuntime):
         self._crash_if_unstable(handle, state)
         sig = self._signature(name, handle.package)
         if sig is not None:
-            self._check(name, inputs, state, *sig, names_checked=handle.temporary)
+            check_predict_inputs(inputs, state, *sig, names_checked=handle.temporary)
         self._refuse_foreign_state(handle, state)
         if f.predict_error is not None:
             raise RuntimePredictError(f"predict failed: {f.predict_error}")
@@ -716,10 +588,16 @@ class FakeRuntime(CoreMLRuntime):
 
     def _as_returned(self, outputs: dict, name: str, units: str) -> dict:
         """The device's outputs: the program's values with fp16-sized relative noise of this setting, fp32
-        (fp16 on a Mac lacking fp16_outputs_come_back_as_fp32)."""
+        (fp16 on a Mac lacking fp16_outputs_come_back_as_fp32). The noise is a function of the values (a device
+        rounds the same inputs the same way): a repeated predict gives the same output."""
         self._predicts += 1
-        rng = np.random.default_rng([self._predicts, len(name), sum(map(ord, units))])
+        seen = zlib.crc32(b"".join(np.ascontiguousarray(v, np.float32).tobytes() for v in outputs.values()))
+        rng = np.random.default_rng([seen, len(name), sum(map(ord, units))])
         scale = self.noise.get(units, 0.0)
+        if units in NEURAL_ENGINE_UNITS and self.fp16_accumulation:  # the ANE's fp16 accumulation over the row width
+            from anelab.runtimes.device_verify import fp16_accumulation_error
+
+            scale = max(scale, fp16_accumulation_error(max(np.shape(v)[-1] for v in outputs.values())))
         dtype = np.float16 if self.lacks_under(FP16_OUTPUTS_AS_FP32, units) else np.float32
         return {k: (v * (1 + scale * rng.standard_normal(v.shape))).astype(dtype) for k, v in outputs.items()}
 
@@ -769,45 +647,17 @@ class FakeRuntime(CoreMLRuntime):
             out = evaluate_with_state(saved, name, typed, state)
         return {k: np.asarray(v, dtype=np.float32) for k, v in out.items()}
 
-    @staticmethod
-    def _check(name, inputs, state, expected, states, _outputs, *, names_checked: bool) -> None:
-        for (
-            key
-        ) in inputs:  # MLModel checks names (model.py:1055-1060); CompiledMLModel does not (_compiled_model.py:227-231)
-            if names_checked and key not in expected:
-                raise RuntimePredictError(
-                    f'predict failed: Provided key "{key}", in the input dict, does not match any of the model '
-                    f"input name(s), which are: {set(expected)}"
-                )
-        for key, shape in expected.items():
-            if key not in inputs:
-                raise RuntimePredictError(
-                    f'predict failed: {{ NSLocalizedDescription = "Feature {key} is required but not specified."; }}'
-                )
-            if tuple(np.shape(inputs[key])) != tuple(shape):
-                raise RuntimePredictError(
-                    f"predict failed: {{ NSLocalizedDescription = \"For input feature '{key}', the provided shape "
-                    f"{tuple(np.shape(inputs[key]))} is not compatible with the model's feature description.\"; }}"
-                )
-        if states and state is None:
-            first = next(iter(states))
-            raise RuntimePredictError(
-                f'predict failed: {{ NSLocalizedDescription = "The input feature for {first} must be an MLState, '
-                f'but it was not."; }}'
-            )
-
     # compute plan ---------------------------------------------------------------------------------
-    def plan_path(self, compiled, compute_units):
+    def plan_path(self, compiled, compute_units, function=None):
+        """The default function's plan of a single-function package; of a merged one, the function asked — and, with
+        no function asked, every function's operations summed (``plan_lists_every_function``; as a plan that lists
+        the whole program would be counted)."""
         check_compute_units(compute_units)
         self.require_available()
         compiled = Path(compiled)
         if compiled.suffix != ".mlmodelc":  # coremltools 9.0 #2757: libc++abi terminate, SIGABRT
             self._crash("SIGABRT", f"MLComputePlan.load_from_path({compiled.name})")
-        from anelab.runtimes.assumptions import (
-            COMPUTE_PLAN_OF_COMPILED,
-            MERGED_LIKE_VARIANT,
-            UNGATED_LOAD_AND_PLAN_SURVIVE,
-        )
+        from anelab.runtimes.assumptions import COMPUTE_PLAN_OF_COMPILED, UNGATED_LOAD_AND_PLAN_SURVIVE
 
         if self.lacks_under(COMPUTE_PLAN_OF_COMPILED, compute_units):
             raise RuntimeError("MLComputePlan: the plan could not be loaded (this fake Mac lacks it)")
@@ -815,20 +665,35 @@ class FakeRuntime(CoreMLRuntime):
             self._crash("SIGKILL", f"MLComputePlan.load_from_path({compiled.name}, {compute_units})")
         source = self._source(compiled)
         declared = self._functions_in(source)
-        # the default function is planned: a merged package's first; a single-function variant named by its stem
-        name = declared[0] if len(declared) > 1 else self.function_of(compiled, None)
-        self._calls_of(source).append(("compute_plan", source, name, compute_units))
+        if len(declared) > 1:
+            names = [function] if function in declared else declared if self.plan_lists_every_function else declared[:1]
+        else:  # a single-function variant is named by its stem
+            names = [self.function_of(compiled, None)]
+        self._calls_of(source).append(("compute_plan", source, names[0], compute_units))
+        counts = {key: 0 for key in ASSIGNMENT_KEYS}
+        for name in names:
+            for key, value in self._function_plan(name, compute_units, merged=len(declared) > 1).items():
+                counts[key] += value
+        counts["total"] = counts["neural_engine"] + counts["gpu"] + counts["cpu"]
+        return counts
+
+    def _function_plan(self, name: str, compute_units: str, *, merged: bool) -> dict[str, int]:
+        from anelab.runtimes.assumptions import MERGED_LIKE_VARIANT
+
         f = self.script(name)
         self._emit(2, f.plan_stderr)
         if f.plan_error is not None:
             raise RuntimeError(f.plan_error)
-        counts = {key: 0 for key in ASSIGNMENT_KEYS}
+        counts = {key: 0 for key in ASSIGNMENT_KEYS if key != "total"}
         for key, value in (f.assignment or {}).items():
-            if key not in counts or key == "total":
+            if key not in counts:
                 raise ValueError(f"FakeFunction.assignment key {key!r}; use neural_engine, gpu, cpu, unreported")
             counts[key] = int(value)
-        if len(declared) > 1 and self.lacks_under(MERGED_LIKE_VARIANT, compute_units):  # merged: nothing on the ANE
+        if merged and self.lacks_under(MERGED_LIKE_VARIANT, compute_units):  # merged: nothing on the ANE
             counts["cpu"] += counts["neural_engine"]
             counts["neural_engine"] = 0
-        counts["total"] = counts["neural_engine"] + counts["gpu"] + counts["cpu"]
+        if "compute_ops" not in (f.assignment or {}):  # default: the block's compute ops go where most of it goes
+            counts["compute_ops"] = f.compute_ops
+            on_ane = f.compute_ops if f.compute_ops_on_ane is None else f.compute_ops_on_ane
+            counts["compute_ops_on_neural_engine"] = on_ane if counts["neural_engine"] else 0
         return counts

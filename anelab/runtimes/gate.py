@@ -32,14 +32,11 @@ import contextlib
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from anelab.core.paths import REPO_ROOT
 from anelab.runtimes.assumptions import (
     COMPILE_TO_MLMODELC,
     COMPUTE_PLAN_OF_COMPILED,
@@ -52,15 +49,15 @@ from anelab.runtimes.assumptions import (
     STATE_BY_NAME,
     UNIFIED_LOG_READABLE,
 )
+from anelab.runtimes.child import run_child as run_python_child
 from anelab.runtimes.interface import (
-    CHILD_TIMED_OUT,
+    CORE_ML_HELPERS,
     PREFLIGHT_LOAD_STEPS,
     CoreMLRuntime,
     PreflightRefusedError,
     UnifiedLogUnavailable,
     capture_native_output,
     describe_child_exit,
-    package_content_hash,
     prepare_inputs,
     runtime_from_spec,
     spec_for_child,
@@ -83,9 +80,10 @@ GATE_ASSUMPTIONS = (
     COMPUTE_PLAN_OF_COMPILED,
     NATIVE_OUTPUT_ON_FDS,
     UNIFIED_LOG_READABLE,
-    CORE_ML_LOGS_FOR_CLIENT,
     MERGED_LIKE_VARIANT,
 )
+# CORE_ML_LOGS_FOR_CLIENT is not among them: where Core ML's lines are redacted or not persisted the gate still
+# judges on the compute plan and a survived predict, and its evidence carries that caveat (``unified_log_caveat``)
 
 
 CHILD_TIMEOUT_S = 1800.0  # an ANE compile of a large variant takes minutes; a VM without an ANE can hang
@@ -270,35 +268,14 @@ def run_child(
             "compute_units": compute_units,
             "result": str(result),
         }
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-        }
-        start = time.time()
-        proc = subprocess.Popen(
-            [sys.executable, "-c", "from anelab.runtimes.gate import child_main; child_main()"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        try:
-            out, err = proc.communicate(json.dumps(request), timeout=CHILD_TIMEOUT_S)
-            code = proc.returncode
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-            code = None
-        end = time.time()
+        run = run_python_child("anelab.runtimes.gate:child_main", request, CHILD_TIMEOUT_S)
         events = [json.loads(line) for line in result.read_text().splitlines()] if result.is_file() else []
-    try:
-        log, log_error = runtime.read_unified_log(proc.pid, start, end), ""
+    out, err = run.stdout, run.stderr
+    try:  # the child's own lines and the Neural Engine compiler's helper processes' (they compile for it)
+        log, log_error = runtime.read_unified_log(run.pid, run.start, run.end, helpers=CORE_ML_HELPERS), ""
     except UnifiedLogUnavailable as e:
         log, log_error = "", str(e)
-    report = ChildReport(
-        events, code if code is not None else CHILD_TIMED_OUT, out, err, log, unified_log_error=log_error
-    )
+    report = ChildReport(events, run.returncode, out, err, log, unified_log_error=log_error)
     for e in events:
         if e["what"] == "output":
             step = e["step"] + (f" of {e['function']}" if e["function"] else "")
@@ -370,6 +347,18 @@ def refuse_without_neural_engine(runtime: CoreMLRuntime) -> None:
         raise AneGateError(f"ANE gate: {reason}; nothing was loaded and the sidecar is not exported")
 
 
+def unified_log_caveat(runtime: CoreMLRuntime) -> str:
+    """ "" where the probe read Core ML's own lines in the unified log on this Mac; else the caveat every gate verdict
+    carries beside its compute plan and survived predict (the probe row ``core_ml_logs_reach_the_client_pid``)."""
+    state, detail = runtime.assumption_verdict(CORE_ML_LOGS_FOR_CLIENT, GATE_COMPUTE_UNITS)
+    if state == "passed":
+        return ""
+    return (
+        f"no readable Core ML line reached the unified log on this Mac ({state}: {detail}): an ANE compiler failure "
+        "reported only there would be missed; this verdict rests on the compute plan and a survived predict"
+    )
+
+
 # ---- what children survived on this Mac (content, function, setting, steps, versions) -----------------------------
 def _memo_file(runtime: CoreMLRuntime, kind: str) -> Path:
     return runtime.probe_file.with_name(f"core-ml-{kind}.jsonl")
@@ -401,7 +390,7 @@ def _memo_put(runtime: CoreMLRuntime, kind: str, key: str, value=True) -> None:
 
 def record_survived(runtime: CoreMLRuntime, package: Path, functions, compute_units: str, steps) -> None:
     """Remember that a child ran ``steps`` of each of ``functions`` of ``package`` under ``compute_units`` and lived."""
-    content = package_content_hash(package)
+    content = runtime.content_hash(package)
     for function in functions:
         _memo_put(runtime, "survived", _memo_key(runtime, content, function, compute_units, steps))
 
@@ -410,7 +399,7 @@ def preflight(runtime: CoreMLRuntime, package, function: str | None, compute_uni
     """``CoreMLRuntime.preflight``: ``steps`` of ``function`` in a child first (once per content, function, setting,
     steps and Mac); a crash, a failed step or an ANE refusal marker refuses in one line, and this process lives."""
     package, steps = Path(package), tuple(steps)
-    key = _memo_key(runtime, package_content_hash(package), function, compute_units, steps)
+    key = _memo_key(runtime, runtime.content_hash(package), function, compute_units, steps)
     if _memo_get(runtime, "survived", key):
         return
     report = run_child(runtime, package, [function], list(steps), compute_units=compute_units,
@@ -437,10 +426,11 @@ def check_variants(runtime: CoreMLRuntime, variants: dict[str, Path]) -> dict[st
     refuse_without_neural_engine(runtime)
     evidence: dict[str, dict] = {}
     for function, pkg in variants.items():
-        key = _memo_key(runtime, package_content_hash(Path(pkg) / "Data"), function, GATE_COMPUTE_UNITS, ("variant",))
+        key = _memo_key(runtime, runtime.content_hash(Path(pkg) / "Data"), function, GATE_COMPUTE_UNITS, ("variant",))
         passed = _memo_get(runtime, "gated-variants", key)
         evidence[function] = passed if isinstance(passed, dict) else _gate_variant(runtime, function, Path(pkg))
         _memo_put(runtime, "gated-variants", key, evidence[function])
+        evidence[function] = {**evidence[function], "log_caveat": unified_log_caveat(runtime)}
     return evidence
 
 

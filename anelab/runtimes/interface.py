@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import ctypes
 import hashlib
 import os
 import shutil
 import signal
-import sys
 import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +31,8 @@ from anelab.runtimes.assumptions import (
     assumption,
     settings_needed,
 )
+from anelab.runtimes.first_use import first_use_package  # noqa: F401 - re-exported
+from anelab.runtimes.native_output import NativeOutput, capture_native_output  # noqa: F401 - re-exported
 
 COMPUTE_UNITS = frozenset({"cpu_only", "cpu_and_gpu", "cpu_and_ne", "all"})
 
@@ -46,8 +45,16 @@ MIN_MACOS = (15, 0)  # multifunction mlprograms with fp16 I/O target macOS 15 / 
 
 
 # keys of compute_plan_assignment(): operations per PREFERRED device, plus operations the plan
-# lists without a device usage ("unreported"); total = neural_engine + gpu + cpu
-ASSIGNMENT_KEYS = ("neural_engine", "gpu", "cpu", "unreported", "total")
+# lists without a device usage ("unreported"); total = neural_engine + gpu + cpu; compute_ops: the operations
+# that carry an attention block's arithmetic (COMPUTE_OPERATORS), compute_ops_on_neural_engine: those the plan
+# puts on the Neural Engine (an operation count alone weighs a reshape like a matmul)
+ASSIGNMENT_KEYS = ("neural_engine", "gpu", "cpu", "unreported", "total", "compute_ops", "compute_ops_on_neural_engine")
+COMPUTE_OPERATORS = frozenset({"matmul", "linear", "softmax", "einsum", "conv", "scaled_dot_product_attention"})
+
+
+# the processes that compile and run a client's model on the Neural Engine and log about it under their own PID
+# (the client's PID sees none of their lines): read beside a child's own lines by the gate and the probe
+CORE_ML_HELPERS = ("ANECompilerService", "aned")
 
 
 COMPILED_CACHE_DIR = BUILD_DIR / "compiled"  # compiled packages: <stem>-<content hash>.mlmodelc
@@ -127,64 +134,6 @@ def empty_assignment() -> dict[str, int]:
     return {key: 0 for key in ASSIGNMENT_KEYS}
 
 
-# ---- native output ---------------------------------------------------------------------------------
-@dataclass
-class NativeOutput:
-    """What was written to file descriptors 1 and 2 inside ``capture_native_output`` (set on exit)."""
-
-    stdout: str = ""
-    stderr: str = ""
-
-    @property
-    def text(self) -> str:
-        """Both streams, stderr first (where Core ML's ANE compiler messages usually are)."""
-        return "\n".join(part for part in (self.stderr, self.stdout) if part)
-
-
-def _flush_all() -> None:
-    """Flush Python's streams and every C stdio buffer (``fflush(NULL)``), so no byte crosses the swap."""
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None).fflush(None)
-
-
-@contextlib.contextmanager
-def capture_native_output() -> Iterator[NativeOutput]:
-    """Capture everything written to file descriptors 1 and 2 — by C/Objective-C code too.
-
-    Core ML reports ANE compiler failures on the process's native stdout or stderr while the call
-    returns normally, so redirecting ``sys.stdout``/``sys.stderr`` would miss them. Both fds are
-    pointed at temporary files with ``os.dup2``; C stdio buffers are flushed (libc ``fflush``)
-    before the fds are restored. Messages Core ML prints only at process exit, or only to the
-    unified log, are not seen here: run the call in a child process (``anelab.runtimes.gate``).
-    """
-    captured = NativeOutput()
-    _flush_all()
-    saved = {fd: os.dup(fd) for fd in (1, 2)}
-    sinks = {fd: tempfile.TemporaryFile(mode="w+b") for fd in (1, 2)}
-    try:
-        for fd, sink in sinks.items():
-            os.dup2(sink.fileno(), fd)
-        try:
-            yield captured
-        finally:
-            _flush_all()
-            for fd, old in saved.items():
-                os.dup2(old, fd)
-            texts = {}
-            for fd, sink in sinks.items():
-                sink.seek(0)
-                texts[fd] = sink.read().decode("utf-8", errors="replace")
-            captured.stdout, captured.stderr = texts[1], texts[2]
-    finally:
-        for fd in saved.values():
-            os.close(fd)
-        for sink in sinks.values():
-            sink.close()
-
-
 # ---- what a package holds --------------------------------------------------------------------------
 def package_content_hash(pkg: str | os.PathLike) -> str:
     """SHA-256 over the package's files (relative path and bytes, in sorted order): the compile cache key."""
@@ -196,6 +145,17 @@ def package_content_hash(pkg: str | os.PathLike) -> str:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
     return digest.hexdigest()
+
+
+def package_stat_key(pkg: str | os.PathLike) -> tuple:
+    """What identifies a package's bytes without reading them: its resolved path and every file's relative path,
+    size, inode and modification time (a rewrite in place or a new package at the same path changes it)."""
+    root = Path(pkg).resolve()
+    files = []
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        st = path.stat()
+        files.append((path.relative_to(root).as_posix(), st.st_size, st.st_ino, st.st_mtime_ns))
+    return (str(root), tuple(files))
 
 
 def package_functions(pkg: str | os.PathLike) -> list[str]:
@@ -300,10 +260,19 @@ class CoreMLRuntime(abc.ABC):
     def compile_to(self, pkg: Path, dest: Path) -> Path:
         """Compile ``pkg`` (.mlpackage) into ``dest`` (.mlmodelc, not existing yet); return ``dest``."""
 
+    def content_hash(self, pkg: str | os.PathLike) -> str:
+        """``package_content_hash(pkg)``, computed once per package bytes in this runtime (``package_stat_key``): a
+        load, a pre-flight memo lookup or a compile-cache lookup inside a clock hashes nothing."""
+        memo = self.__dict__.setdefault("_content_hashes", {})
+        key = package_stat_key(pkg)
+        if key not in memo:
+            memo[key] = package_content_hash(pkg)
+        return memo[key]
+
     def compiled_path(self, pkg: str | os.PathLike) -> Path:
         """Where the compiled copy of ``pkg`` lives in the cache (``<stem>-<content hash>.mlmodelc``)."""
         pkg = Path(pkg)
-        return Path(self.cache_dir) / f"{pkg.stem}-{package_content_hash(pkg)[:20]}.mlmodelc"
+        return Path(self.cache_dir) / f"{pkg.stem}-{self.content_hash(pkg)[:20]}.mlmodelc"
 
     def compile(self, pkg: str | os.PathLike) -> Path:
         """The compiled copy of ``pkg``: compiled once, then reused for every load and compute plan."""
@@ -386,6 +355,9 @@ class CoreMLRuntime(abc.ABC):
             self.predict(handle, prepare_inputs(zero_inputs(self.signature(tiny, None))))
             del handle
             done.append(f"loaded and predicted a tiny model ({tiny.name}) under {units}: Core ML's first use")
+            # its plan, read in this process (it just loaded and predicted here): on the CPU, the ANE's first use is ahead
+            if units in NEURAL_ENGINE_UNITS and not self.plan_path(self.compile(tiny), units)["neural_engine"]:
+                done.append(FIRST_USE_OFF_ANE)
         return done
 
     # predict ----------------------------------------------------------------------------------------
@@ -408,23 +380,31 @@ class CoreMLRuntime(abc.ABC):
         """Operations of the package's program per preferred compute device (keys: ``ASSIGNMENT_KEYS``).
 
         Asked of the compiled copy (the plan needs a ``.mlmodelc``). Counts the device the plan
-        PREFERS for each operation. Only the default function is planned: coremltools 9.0's binding
-        (``MLComputePlan.load_from_path``) takes no function name and loads the plan without one.
+        PREFERS for each operation. Only the default function is counted: coremltools 9.0's binding
+        (``MLComputePlan.load_from_path``) takes no function name, and a plan that lists every function of a
+        merged package is read for the package's default function alone (``plan_path(function=...)``).
         """
         check_compute_units(compute_units)
         self.require_available()
         self.require_assumptions(COMPUTE_PLAN_OF_COMPILED, compute_units=compute_units)
         if compute_units in NEURAL_ENGINE_UNITS and not self.is_child:
             self.preflight(pkg, None, compute_units, PREFLIGHT_PLAN_STEPS)
-        return self.plan_path(self.compile(pkg), compute_units)
+        try:
+            default, functions = function_signatures(pkg)
+        except AnelabInputError:  # no readable spec (a stand-in): the plan says what it holds
+            default, functions = None, {}
+        return self.plan_path(self.compile(pkg), compute_units, function=default if len(functions) > 1 else None)
 
     @abc.abstractmethod
-    def plan_path(self, compiled: Path, compute_units: str) -> dict[str, int]:
-        """``compute_plan_assignment`` of an already compiled ``.mlmodelc``."""
+    def plan_path(self, compiled: Path, compute_units: str, function: str | None = None) -> dict[str, int]:
+        """``compute_plan_assignment`` of an already compiled ``.mlmodelc``: the operations of ``function`` where the
+        plan lists it (None: of every function the plan lists — one, for a single-function package)."""
 
     # evidence ---------------------------------------------------------------------------------------
-    def read_unified_log(self, pid: int, start: float, end: float) -> str:
-        """Unified-log lines of process ``pid`` between two ``time.time()`` stamps ("" where there is no log).
+    def read_unified_log(self, pid: int, start: float, end: float, helpers: tuple[str, ...] = ()) -> str:
+        """Unified-log lines of process ``pid`` — and of the processes named in ``helpers`` (``CORE_ML_HELPERS``:
+        the Neural Engine compiler logs from its own processes) — between two ``time.time()`` stamps ("" where
+        there is no log).
 
         Raises ``UnifiedLogUnavailable`` when the log could not be read (its contents are then unknown)."""
         return ""
@@ -454,7 +434,15 @@ class CoreMLRuntime(abc.ABC):
         )
 
     def versions(self) -> dict[str, str]:
-        """What a probe verdict holds for: the chip, the macOS and the coremltools version of this machine."""
+        """What a probe verdict holds for: the chip, the macOS and the coremltools version of this machine — read
+        once per runtime (``read_versions`` spawns ``sysctl`` and ``sw_vers`` on a Mac: never inside a clock)."""
+        cached = self.__dict__.get("_versions")
+        if cached is None:
+            cached = self.__dict__["_versions"] = self.read_versions()
+        return dict(cached)
+
+    def read_versions(self) -> dict[str, str]:
+        """``versions()`` read afresh (``machine_description``: two ``sysctl`` and one ``sw_vers`` on a Mac)."""
         from importlib.metadata import version
 
         from anelab.core.records import machine_description
@@ -521,7 +509,15 @@ class CoreMLRuntime(abc.ABC):
         """
         if self.ignore_probe_file:
             return
+        # what passed is resolved once per runtime while the verdicts file stays the same (a stat, no read)
+        stamp = self.probe_file.stat().st_mtime_ns if self.probe_file.is_file() else None
+        memo = self.__dict__.get("_passed_assumptions")
+        if memo is None or memo[0] != stamp:
+            memo = self.__dict__["_passed_assumptions"] = (stamp, set())
+        passed = memo[1]
         for name in names:
+            if (name, compute_units) in passed:
+                continue
             state, detail = self.assumption_verdict(name, compute_units)
             if state == "unprobed" and not self.is_child:
                 self.probe_first(f"Core ML assumption {name!r} is unprobed ({detail})")
@@ -537,43 +533,20 @@ class CoreMLRuntime(abc.ABC):
                     f"refusing to measure: it relies on the Core ML assumption {name!r}, which no probe of this Mac "
                     f"has judged ({detail}); run 'anelab doctor --probe' on this Mac first"
                 )
+            passed.add((name, compute_units))
+
+    def forget_verdicts(self) -> None:
+        """Drop what this runtime resolved of the probe verdicts (a probe in this process just replaced them)."""
+        self.__dict__.pop("_passed_assumptions", None)
+        self.__dict__.pop("_probe_cache", None)
 
 
+FIRST_USE_OFF_ANE = (
+    "the tiny first-use model's compute plan put nothing on the Neural Engine: the Neural Engine's own first use "
+    "falls inside the first timed load or predict under it"
+)
 PREFLIGHT_LOAD_STEPS = ("load", "predict")  # what a child survives before a function is loaded in this process
 PREFLIGHT_PLAN_STEPS = ("plan",)  # ... before a compute plan is built here
-
-
-def first_use_package() -> Path:
-    """A tiny model (``y = x * 2``, fp16 [1, 8]) that pays a process's first Core ML load and predict before any
-    clock starts; built once per machine and coremltools version (in the temporary directory: no project file
-    is written) and reused."""
-    from importlib.metadata import version
-
-    where = Path(tempfile.gettempdir()) / f"anelab-first-use-coremltools-{version('coremltools')}"
-    FIRST_USE_PACKAGE = where / "anelab_first_use.mlpackage"  # noqa: N806 - one fixed path
-    if (FIRST_USE_PACKAGE / "Manifest.json").is_file():
-        return FIRST_USE_PACKAGE
-    from anelab.sidecar.coremltools_import import coremltools_modules
-    from anelab.sidecar.export import convert_program
-
-    ct, mb, types = coremltools_modules()
-
-    @mb.program(input_specs=[mb.TensorSpec((1, 8), types.fp16)], opset_version=ct.target.iOS18)
-    def double(x):
-        return mb.mul(x=x, y=mb.const(val=np.full((1, 8), 2.0, np.float16)), name="y")
-
-    FIRST_USE_PACKAGE.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".first-use.", dir=FIRST_USE_PACKAGE.parent))
-    try:
-        built = convert_program(double, work / FIRST_USE_PACKAGE.name)
-        try:
-            os.replace(built, FIRST_USE_PACKAGE)
-        except OSError:  # another process built it first
-            if not (FIRST_USE_PACKAGE / "Manifest.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return FIRST_USE_PACKAGE
 
 
 CHILD_TIMED_OUT = -9999  # the exit code recorded for a child process stopped for not finishing in time
@@ -668,7 +641,21 @@ class CoreAIRuntime(abc.ABC):
 
     @abc.abstractmethod
     def predict(self, function: Any, inputs: dict[str, np.ndarray], state: dict | None = None) -> dict:
-        """Run an entrypoint; raises ``RuntimePredictError`` when Core AI refuses (the framework's text)."""
+        """Run an entrypoint; raises ``RuntimePredictError`` when Core AI refuses (the framework's text). Inputs and
+        states given as NumPy are copied into the runtime's arrays on every call: a timed predict takes
+        ``prepare_inputs`` and ``make_state`` made before its clock."""
+
+    def prepare_process(self) -> list[str]:
+        """This process's one-time Core AI work (importing ``coreai.runtime``), done before any clock starts."""
+        return []
+
+    def prepare_inputs(self, inputs: dict[str, np.ndarray]) -> dict:
+        """The inputs as the runtime takes them, made once (a predict given these copies nothing in)."""
+        return dict(inputs)
+
+    def make_state(self, function: Any) -> dict:
+        """A fresh zero state of ``function`` in the runtime's own arrays, kept across predicts ({} if stateless)."""
+        return {}
 
     @abc.abstractmethod
     def release(self, model: Any) -> None:

@@ -36,7 +36,12 @@ import numpy as np
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import chunk_starts
 from anelab.core.masks import MASKED, causal, dense_exact_window
-from anelab.runtimes.assumptions import STATE_SHARED_BY_FUNCTIONS
+from anelab.runtimes.assumptions import (
+    FRESH_STATE_ZEROED,
+    INT32_INPUTS_ACCEPTED,
+    STATE_SHARED_BY_FUNCTIONS,
+    STATEFUL_PREDICTS_STABLE,
+)
 from anelab.runtimes.coreml import default_runtime
 from anelab.runtimes.interface import NEURAL_ENGINE_UNITS, CoreMLRuntime, check_compute_units
 from anelab.sidecar.designs import DENSE, Design, design_of
@@ -340,5 +345,20 @@ def open_sidecar(
             sidecar.function_for(start, last_rows if start == starts[-1] else None)
     runtime = runtime if runtime is not None else default_runtime()
     runtime.require_available()
+    runtime.require_assumptions(
+        *assumptions_relied_on(meta, sidecar.stateful, compute_units), compute_units=compute_units
+    )
     sidecar.runtime = runtime
     return sidecar
+
+
+def assumptions_relied_on(meta: SidecarMetadata, stateful: bool, compute_units: str) -> tuple[str, ...]:
+    """The probe rows a sidecar's predicts rely on, asked for when it is opened (before any clock): a stateful one's
+    int32 start and zero-filled fresh state; a palettized stateful one's surviving many Neural Engine predicts
+    (apple/coremltools#2716)."""
+    if not stateful:
+        return ()
+    needed = (INT32_INPUTS_ACCEPTED, FRESH_STATE_ZEROED)
+    if str(meta.weights).startswith("palettize") and compute_units in NEURAL_ENGINE_UNITS:
+        needed += (STATEFUL_PREDICTS_STABLE,)
+    return needed

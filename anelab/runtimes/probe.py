@@ -23,10 +23,9 @@ import ctypes
 import io
 import json
 import os
-import subprocess
+import re
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,8 +35,9 @@ import numpy as np
 from anelab.core.errors import AnelabInputError
 from anelab.core.records import make_record, write_record
 from anelab.runtimes import assumptions as a
+from anelab.runtimes.child import ChildRun, run_child
 from anelab.runtimes.interface import (
-    CHILD_TIMED_OUT,
+    CORE_ML_HELPERS,
     CoreMLRuntime,
     RuntimeLoadError,
     RuntimePredictError,
@@ -56,7 +56,8 @@ MATCH = 1e-2  # relative error allowed between Core ML and the saved program in 
 CONTROL = 10 * MATCH  # a negative control must differ by at least this much, or the comparison proves nothing
 PROBE_CHILD_TIMEOUT_S = 900.0
 LOG_MARKER = "anelab-probe: unified-log marker of pid"
-CORE_ML_LOG_WORDS = ("coreml", "espresso", "e5rt", "ane")  # a unified-log line of Core ML's (lower-cased search)
+CORE_ML_LOG_WORDS = ("coreml", "espresso", "e5rt", "ane", "anec", "aned", "anecompilerservice")  # Core ML's lines
+CORE_ML_LOG_WORD = re.compile(r"\b(?:" + "|".join(CORE_ML_LOG_WORDS) + r")\b", re.IGNORECASE)  # words, not substrings
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,22 @@ def _compute_plan(p: _Probe) -> str:
     if int(counts["total"]) <= 0:
         raise AssertionError("the compute plan of the compiled copy lists no operation on any device")
     return f"{counts['total']} operations planned ({counts['neural_engine']} prefer the Neural Engine)"
+
+
+def _probe_on_ane(p: _Probe) -> str:
+    """The ANE child's verdicts are the Neural Engine's only if its tiny graphs run there: the plan of the stateful
+    probe package must put operations, and its matmuls and softmax, on the Neural Engine."""
+    counts = p.runtime.plan_path(p.compiled, p.units, function=f"c{PROBE_CHUNK}")
+    if int(counts["neural_engine"]) <= 0 or int(counts.get("compute_ops_on_neural_engine", 0)) <= 0:
+        raise AssertionError(
+            f"the probe's c{PROBE_CHUNK} has {counts['neural_engine']} of {counts['total']} operations and "
+            f"{counts.get('compute_ops_on_neural_engine', 0)} of {counts.get('compute_ops', 0)} compute operations on "
+            "the Neural Engine: every cpu_and_ne verdict here would be the CPU's"
+        )
+    return (
+        f"{counts['neural_engine']} of {counts['total']} operations, {counts['compute_ops_on_neural_engine']} of "
+        f"{counts['compute_ops']} compute operations on the Neural Engine"
+    )
 
 
 def _ungated_survive(p: _Probe) -> str:
@@ -312,7 +329,9 @@ def _merged_like_variant(p: _Probe) -> str:
         dest = p.work / f"{kind}-{p.units}" / f"{kind}.mlmodelc"
         dest.parent.mkdir(parents=True)
         compiled[kind] = p.runtime.compile_to(Path(getattr(p.packages, kind)), dest)
-    plans = {kind: p.runtime.plan_path(path, p.units) for kind, path in compiled.items()}
+    # h0's own operations: a plan of the merged package may list h2's too (counted apart, as the gate's variant is)
+    plans = {kind: p.runtime.plan_path(path, p.units, function="h0" if kind == "merged" else None)
+             for kind, path in compiled.items()}  # fmt: skip
     geometry = AttentionGeometry.from_dict(read_sidecar_metadata(p.packages.variant).geometry)
     given = prepare_inputs(block_inputs(geometry, PROBE_CHUNK, 0, seed=5))
     outs = {kind: p.runtime.predict(p.runtime.load_path(path, "h0", p.units), dict(given))["attn_out"]
@@ -368,6 +387,7 @@ CHECKS: tuple[tuple[str, Callable[[_Probe], str], tuple[str, ...]], ...] = (
     (a.NATIVE_OUTPUT_ON_FDS, _native_output, ()),
     (a.LOAD_FUNCTION_BY_NAME, _load_by_name, (a.COMPILE_TO_MLMODELC,)),
     (a.COMPUTE_PLAN_OF_COMPILED, _compute_plan, (a.COMPILE_TO_MLMODELC,)),
+    (a.PROBE_ON_ANE, _probe_on_ane, (a.COMPUTE_PLAN_OF_COMPILED,)),
     (a.UNGATED_LOAD_AND_PLAN_SURVIVE, _ungated_survive, (a.LOAD_FUNCTION_BY_NAME,)),
     (a.CORE_ML_LOAD_DURATION, _load_duration, (a.LOAD_FUNCTION_BY_NAME,)),
     (a.STATE_BY_NAME, _state_by_name, (a.LOAD_FUNCTION_BY_NAME,)),
@@ -415,9 +435,12 @@ def probe_child_main() -> None:
         with contextlib.suppress(Exception):
             _compile(probe)
             passed.add(a.COMPILE_TO_MLMODELC)
+    on_ane_first = False  # in the ANE child, every check after the placement row needs it (else it judged the CPU)
     for name, check, needs in CHECKS:
         if not _runs_in(name, units):
             continue
+        needs = (*needs, a.PROBE_ON_ANE) if on_ane_first else needs
+        on_ane_first = on_ane_first or name == a.PROBE_ON_ANE
         missing = [n for n in needs if n not in passed]
         if missing:
             record(name, "verdict", {"passed": False, "detail": f"not run: it needs {', '.join(missing)}"})
@@ -431,41 +454,16 @@ def probe_child_main() -> None:
         record(name, "verdict", verdict)
 
 
-@dataclass
-class _ChildRun:
-    events: list[dict]
-    returncode: int
-    pid: int
-    start: float
-    end: float
-    stderr_tail: str
-
-
-def _run_probe_child(runtime: CoreMLRuntime, packages: ProbePackages, units: str, work: Path) -> _ChildRun:
-    from anelab.core.paths import REPO_ROOT
-
+def _run_probe_child(runtime: CoreMLRuntime, packages: ProbePackages, units: str, work: Path) -> ChildRun:
     result = work / f"probe-{units}.jsonl"
     request = {"runtime": spec_for_child(runtime, cache_dir=work / f"compiled-{units}", judging=True),
                "packages": asdict(packages), "compute_units": units, "result": str(result), "work": str(work)}  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    start = time.time()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from anelab.runtimes.probe import probe_child_main; probe_child_main()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
-    try:
-        _, err = proc.communicate(json.dumps(request), timeout=PROBE_CHILD_TIMEOUT_S)
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        _, err = proc.communicate()
-        code = CHILD_TIMED_OUT
-    events = [json.loads(line) for line in result.read_text().splitlines()] if result.is_file() else []
-    tail = (err.strip().splitlines() or ["no output"])[-1][:160]
-    return _ChildRun(events, code, proc.pid, start, time.time(), tail)
+    run = run_child("anelab.runtimes.probe:probe_child_main", request, PROBE_CHILD_TIMEOUT_S)
+    run.events = [json.loads(line) for line in result.read_text().splitlines()] if result.is_file() else []
+    return run
 
 
-def _verdicts_of(run: _ChildRun, units: str) -> dict[str, dict]:
+def _verdicts_of(run: ChildRun, units: str) -> dict[str, dict]:
     """Each row's verdict from one child's events; a row it was running or never reached when it died fails."""
     out: dict[str, dict] = {}
     running = None
@@ -480,7 +478,10 @@ def _verdicts_of(run: _ChildRun, units: str) -> dict[str, dict]:
         if not _runs_in(name, units) or name in out:
             continue
         if name == running:
-            out[name] = {"passed": False, "detail": f"the probe child {ended} during this check ({run.stderr_tail!r})"}
+            out[name] = {
+                "passed": False,
+                "detail": f"the probe child {ended} during this check ({run.stderr_tail()!r})",
+            }
         else:
             out[name] = {
                 "passed": False,
@@ -489,23 +490,33 @@ def _verdicts_of(run: _ChildRun, units: str) -> dict[str, dict]:
     return out
 
 
-def _log_rows(runtime: CoreMLRuntime, run: _ChildRun) -> dict[str, dict]:
-    """The unified log of the exited ANE child: its own marker (unredacted) and Core ML's lines, counted."""
+def core_ml_log_lines(text: str) -> tuple[list[str], list[str]]:
+    """(Core ML's lines, the redacted ones among them) in unified-log text: lines naming one of
+    ``CORE_ML_LOG_WORDS`` as a word ("plane" is not "ane"), the probe's own marker left out."""
+    lines = [line for line in text.splitlines() if LOG_MARKER not in line and CORE_ML_LOG_WORD.search(line)]
+    return lines, [line for line in lines if "<private>" in line]
+
+
+def _log_rows(runtime: CoreMLRuntime, run: ChildRun) -> dict[str, dict]:
+    """The unified log of the exited ANE child and of the Neural Engine's helper processes over its lifetime: its own
+    marker (unredacted) and Core ML's lines, counted. One clear Core ML line is enough: Apple's frameworks log their
+    arguments as <private> by default and info lines are often not persisted."""
     try:
-        text = runtime.read_unified_log(run.pid, run.start, run.end)
+        text = runtime.read_unified_log(run.pid, run.start, run.end, helpers=CORE_ML_HELPERS)
     except UnifiedLogUnavailable as e:
         failed = {"passed": False, "detail": f"'log show' failed after the child exited: {e}"}
         return {a.UNIFIED_LOG_READABLE: failed, a.CORE_ML_LOGS_FOR_CLIENT: {**failed, "detail": "not run: no log"}}
     lines = text.splitlines()
     marker = [line for line in lines if f"{LOG_MARKER} {run.pid}" in line]
-    redacted = [line for line in lines if "<private>" in line]
-    core_ml = [line for line in lines if LOG_MARKER not in line and any(w in line.lower() for w in CORE_ML_LOG_WORDS)]
+    core_ml, redacted = core_ml_log_lines(text)
     readable = {"passed": bool(marker),
                 "detail": f"{len(marker)} marker line(s) of the exited child read back for pid {run.pid} "
-                          f"({len(lines)} lines, {len(redacted)} redacted)"}  # fmt: skip
-    client = {"passed": bool(core_ml) and not any("<private>" in line for line in core_ml),
-              "detail": f"{len(core_ml)} Core ML line(s) for the client's pid during its cpu_and_ne loads and "
-                        f"predicts ({sum('<private>' in line for line in core_ml)} redacted)"}  # fmt: skip
+                          f"({len(lines)} lines, {sum('<private>' in line for line in lines)} redacted)"}  # fmt: skip
+    clear = len(core_ml) - len(redacted)
+    client = {"passed": clear > 0,
+              "detail": f"{len(core_ml)} Core ML line(s) for the child's pid and {', '.join(CORE_ML_HELPERS)} during its "
+                        f"cpu_and_ne loads and predicts, {len(redacted)} redacted"
+                        + ("" if clear else " (none readable: the gate records a caveat instead of reading them)")}  # fmt: skip
     return {a.UNIFIED_LOG_READABLE: readable, a.CORE_ML_LOGS_FOR_CLIENT: client}
 
 
@@ -570,6 +581,7 @@ def write_verdicts(runtime: CoreMLRuntime, table: dict, date: str) -> None:
     with os.fdopen(fd, "w") as f:
         json.dump({"assumptions": table, "versions": runtime.versions(), "date": date}, f, indent=1)
     os.replace(tmp, path)
+    runtime.forget_verdicts()
 
 
 def format_probe(record: dict) -> str:

@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,9 +39,11 @@ from typing import Any
 from anelab.core.errors import AnelabInputError
 from anelab.core.progress import tqdm
 from anelab.core.records import make_record, write_record
-from anelab.runtimes.assumptions import CORE_ML_LOAD_DURATION, CORE_ML_PREDICT_DURATION
+from anelab.runtimes.assumptions import CORE_ML_LOAD_DURATION, CORE_ML_PREDICT_DURATION, FRESH_COPY_COMPILES_COLD
+from anelab.runtimes.child import ANSWER_PREFIX, read_answer, run_child, write_answer  # noqa: F401 - ANSWER_PREFIX, read_answer: also imported from here
 from anelab.runtimes.interface import (
     CHILD_TIMED_OUT,
+    FIRST_USE_OFF_ANE,
     NEURAL_ENGINE_UNITS,
     PREFLIGHT_LOAD_STEPS,
     CoreMLRuntime,
@@ -157,6 +158,8 @@ def measure(
 
 
 def _finish(kind: str, parameters: dict, results: dict, unknown: list[str], out_dir) -> dict:
+    if FIRST_USE_OFF_ANE in parameters.get("before_clock", []):  # the ANE's first use fell in a timed call
+        unknown = [*unknown, FIRST_USE_OFF_ANE]
     record = make_record(kind, parameters, results, origin="measured", unknown=unknown)
     if out_dir is not None:
         path = write_record(out_dir, record)
@@ -205,6 +208,8 @@ def time_load(
     check_compute_units(compute_units)
     runtime.require_available()
     runtime.require_assumptions(CORE_ML_LOAD_DURATION, compute_units=compute_units)
+    if cold:  # a fresh copy at a new path loads cold only where no content-keyed cache serves it (ANE-only row)
+        runtime.require_assumptions(FRESH_COPY_COMPILES_COLD, compute_units=compute_units)
     pkg = require_package(pkg)
     in_children = cold and fresh_process
     before_clock = runtime.prepare_process("cpu_only" if in_children else compute_units)
@@ -300,56 +305,19 @@ def cold_load_child() -> None:
     handle = runtime.load_path(request["path"], request["function"], request["compute_units"])
     seconds = clock() - start
     answer = {"seconds": seconds, "core_ml_load_s": runtime.load_duration_s(handle), "before_clock": before_clock}
-    _answer(answer)
-
-
-ANSWER_PREFIX = "anelab-child-answer: "  # the line of a child's stdout that is its answer (Core ML may print more)
-
-
-def _answer(answer: dict) -> None:
-    """A child's JSON answer on its own line of stdout, after ``ANSWER_PREFIX``."""
-    sys.stdout.write("\n" + ANSWER_PREFIX + json.dumps(answer) + "\n")
-    sys.stdout.flush()
-
-
-def read_answer(stdout: str) -> tuple[dict | None, str]:
-    """(the child's answer, "") or (None, one line saying why there is none) from its whole stdout: the last
-    ``ANSWER_PREFIX`` line, whatever Core ML printed before or after it (e.g. at exit)."""
-    lines = [line for line in stdout.splitlines() if line.startswith(ANSWER_PREFIX)]
-    if not lines:
-        last = (stdout.strip().splitlines() or ["nothing"])[-1][:120]
-        return None, f"no answer line on its stdout (its last line: {last!r})"
-    try:
-        answer = json.loads(lines[-1][len(ANSWER_PREFIX) :])
-    except ValueError as e:
-        return None, f"its answer line is not JSON ({e})"
-    if not isinstance(answer, dict):
-        return None, f"its answer is a {type(answer).__name__}, not an object"
-    return answer, ""
-
-
-def _child_env() -> dict:
-    from anelab.core.paths import REPO_ROOT
-
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    write_answer(answer)
 
 
 def _run_child(entry: str, request: dict, timeout: float) -> tuple[int, dict | None, str]:
-    """Run ``entry`` (``"module:function"``) in a new Python process; (exit status, answer or None, why: the last
-    stderr line, or what was wrong with its answer)."""
-    module, _, function = entry.partition(":")
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", f"from {module} import {function}; {function}()"],
-            input=json.dumps(request), capture_output=True, text=True, env=_child_env(), timeout=timeout,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired:
+    """Run ``entry`` in a new Python process (``runtimes.child``); (exit status, answer or None, why: the last
+    stderr line, or what was wrong with its answer). A Core ML child's answer counts only when it exited 0."""
+    run = run_child(entry, request, timeout)
+    if run.returncode == CHILD_TIMED_OUT:
         return CHILD_TIMED_OUT, None, f"no answer within {timeout:.0f} s"
-    tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
-    if done.returncode != 0:
-        return done.returncode, None, tail
-    answer, why = read_answer(done.stdout)
-    return done.returncode, answer, why or tail
+    if run.returncode != 0:
+        return run.returncode, None, run.stderr_tail(200)
+    answer, why = read_answer(run.stdout)
+    return run.returncode, answer, why or run.stderr_tail(200)
 
 
 def measure_in_fresh_processes(runtime, fresh_copy, function, compute_units, *, warmup, repeats, own) -> TimingStats:
@@ -472,7 +440,7 @@ def predict_timing_child() -> None:
         runtime, Path(request["package"]), request["function"], inputs, request["compute_units"],
         stateful=request["with_state"], warmup=request["warmup"], repeats=request["repeats"], clock=clock,
     )  # fmt: skip
-    _answer(result)
+    write_answer(result)
 
 
 def _predict_in_child(runtime, pkg, function, inputs, unit, *, stateful, warmup, repeats) -> dict:

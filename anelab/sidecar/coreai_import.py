@@ -12,6 +12,8 @@ from types import SimpleNamespace
 from anelab.core.errors import AnelabInputError
 
 COREAI_DISTRIBUTION = "coreai-core"
+# coreai-core 1.0.0b3 has wheels for Linux and macosx_26_0_arm64 only: on macOS 15 there is nothing to install
+COREAI_INSTALL = "pip install -e '.[coreai]' on macOS 26+ (Apple silicon; coreai-core has no macOS 15 wheel)"
 
 
 def coreai_modules() -> SimpleNamespace:
@@ -26,7 +28,7 @@ def coreai_modules() -> SimpleNamespace:
         from coreai.authoring.graph_builder import GraphOp
     except ImportError as e:
         raise AnelabInputError(
-            f"the Core AI backend needs {COREAI_DISTRIBUTION} (module coreai): pip install {COREAI_DISTRIBUTION}==1.0.0b3 "
+            f"the Core AI backend needs {COREAI_DISTRIBUTION} (module coreai), which is not installed here: {COREAI_INSTALL} "
             f"({type(e).__name__}: {e})"
         ) from None
     return SimpleNamespace(authoring=authoring, constant=constant, dialect=dialect, GraphOp=GraphOp, runtime=runtime)
