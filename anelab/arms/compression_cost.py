@@ -1,0 +1,128 @@
+"""What a weight compression costs the whole model: each mode's sidecar arm against the uncompressed reference on
+real text — logits, greedy agreement with near-ties named, and perplexity.
+
+``anelab verify`` judges a compressed package only against its own stored weights (does the graph compute what it
+stores?). What the compression itself loses is a different question, answered here on the whole model and
+never bounded by numbers measured on random weights: the reference arm (fp32 ``core.reference`` attention with
+the checkpoint's weights) and, per weight mode, the sidecar arm serving every attention layer from that mode's
+packages prefill the same tokens of a real text (``real_text.docs_prompt``) and decode greedily. Per mode:
+
+- ``logits_diff``: relative difference of the logits at the last prompt position (``compare.compare_runs``);
+- ``greedy_agreement`` raw and excluding near-ties (``compare.NEAR_TIE_RULE``);
+- ``perplexity`` of the prompt's own next tokens, exp(mean of -log p(t[i+1] | t[..i])) over positions
+  0 .. P-2 from the arm's final hidden states, beside the reference's: ``perplexity_change`` = ppl / ppl_ref - 1.
+
+An fp16 mode, when given, is the floor: the sidecar's own fp16 storage, no compression.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from anelab.arms.compare import PairComparison, compare_runs
+from anelab.arms.run import Arm, ArmRun, run_arms
+from anelab.arms.sidecars import SidecarSet
+from anelab.checkpoints.model import ModelCheckpoint
+from anelab.core.decoder import lm_logits
+from anelab.core.errors import AnelabInputError
+
+NLL_BLOCK_ROWS = 64  # prompt positions whose logits [rows, V] are held at once (Gemma 3's V = 262,144: 67 MB)
+
+
+@dataclass
+class ModeCost:
+    """One weight mode's sidecar arm against the reference arm on one real text (see the module docstring)."""
+
+    mode: str
+    prompt_tokens: int
+    decode: int
+    logits_diff: float
+    max_step_logits_diff: float
+    greedy_agreement: float
+    agreement_excluding_near_ties: float
+    near_ties: int
+    greedy_summary: str
+    perplexity: float
+    reference_perplexity: float
+    max_layer_diff: float
+
+    @property
+    def perplexity_change(self) -> float:
+        """ppl / ppl_reference - 1 (0.01: the mode's text is 1 % more surprising to the model)."""
+        return self.perplexity / self.reference_perplexity - 1.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "perplexity_change": self.perplexity_change}
+
+
+def prompt_nll(model: ModelCheckpoint, prompt: np.ndarray, final_hidden: np.ndarray) -> np.ndarray:
+    """-log p(prompt[i + 1] | prompt[.. i]) float64 [P - 1] from the hidden states after the last layer
+    ``final_hidden`` float32 [P, D] (final norm and LM head of ``model``; ``NLL_BLOCK_ROWS`` rows of logits at once)."""
+    prompt = np.asarray(prompt)
+    if final_hidden.ndim != 2 or final_hidden.shape[0] != prompt.size or prompt.size < 2:
+        raise AnelabInputError(
+            f"final hidden states {list(final_hidden.shape)} do not cover a prompt of {prompt.size} tokens (need >= 2)"
+        )
+    head, out = model.head(), []
+    for i in range(0, prompt.size - 1, NLL_BLOCK_ROWS):
+        rows = final_hidden[i : min(i + NLL_BLOCK_ROWS, prompt.size - 1)]
+        logits = lm_logits(rows, head, model.eps).astype(np.float64)
+        top = logits.max(axis=1, keepdims=True)
+        log_z = top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))
+        targets = prompt[i + 1 : i + 1 + rows.shape[0]]
+        out.append(log_z - logits[np.arange(rows.shape[0]), targets])
+    return np.concatenate(out)
+
+
+def perplexity(nll: np.ndarray) -> float:
+    """exp(mean negative log-likelihood) of ``nll`` [N]."""
+    return float(np.exp(np.mean(nll)))
+
+
+def mode_cost(model: ModelCheckpoint, prompt: np.ndarray, reference: ArmRun, run: ArmRun, mode: str) -> ModeCost:
+    """``run`` (the sidecar arm on ``mode``'s packages) against ``reference`` (the reference arm of the same
+    ``prompt`` int [P], both with their hidden states kept) -> ``ModeCost``."""
+    if reference.hidden is None or run.hidden is None:
+        raise AnelabInputError("the compression cost needs both runs' hidden states (run_arms keep_hidden=True)")
+    pair: PairComparison = compare_runs(reference, run)
+    return ModeCost(
+        mode, int(np.size(prompt)), int(run.tokens.size), pair.prompt_logits_diff, max(pair.step_logits_diffs),
+        pair.greedy_agreement, pair.agreement_excluding_near_ties, pair.near_ties, pair.greedy_summary(),
+        perplexity(prompt_nll(model, prompt, run.hidden[-1])), perplexity(prompt_nll(model, prompt, reference.hidden[-1])),
+        max(pair.layer_diffs),
+    )  # fmt: skip
+
+
+def compression_costs(
+    model: ModelCheckpoint, prompt: np.ndarray, sidecars: dict[str, SidecarSet], *, decode: int
+) -> dict[str, ModeCost]:
+    """Per weight mode (``sidecars``: mode -> the sidecar set of every attention layer in that mode, one chunk width),
+    its ``ModeCost`` on ``prompt`` (int [P], real text) against one reference arm run at the same chunk."""
+    if not sidecars:
+        raise AnelabInputError("no weight mode to cost: pass at least one mode's sidecars")
+    chunks = {s.chunk for s in sidecars.values()}
+    if len(chunks) > 1:
+        raise AnelabInputError(f"the modes' sidecars have different chunk widths {sorted(chunks)}; export one --chunk")
+    [chunk] = chunks
+    reference = run_arms(model, prompt, [Arm("reference")], decode=decode, chunk=chunk)["reference"]
+    costs = {}
+    for mode, sidecar_set in sidecars.items():
+        arm = Arm(f"sidecar {mode}", "sidecar")
+        run = run_arms(model, prompt, [arm], decode=decode, sidecars=sidecar_set)[arm.name]
+        costs[mode] = mode_cost(model, prompt, reference, run, mode)
+    return costs
+
+
+def cost_table(costs: dict[str, ModeCost]) -> str:
+    """One line per mode: logits difference, greedy agreement (raw / excluding near-ties) and perplexity."""
+    lines = [f"{'mode':<11} {'logits diff':>11} {'max step':>9} {'greedy':>7} {'excl. ties':>10} {'ppl':>8} "
+             f"{'ppl ref.':>8} {'ppl change':>10}"]  # fmt: skip
+    for c in costs.values():
+        lines.append(
+            f"{c.mode:<11} {c.logits_diff:>11.3%} {c.max_step_logits_diff:>9.3%} {c.greedy_agreement:>7.0%} "
+            f"{c.agreement_excluding_near_ties:>10.0%} {c.perplexity:>8.3f} {c.reference_perplexity:>8.3f} "
+            f"{c.perplexity_change:>+10.3%}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,94 @@
+"""The whole-model cost of a weight compression (``anelab.arms.compression_cost``): per-position negative
+log-likelihood against the arms' own last-position logits, and each mode's cost against the uncompressed reference,
+with controls. Fast: a tiny two-layer model written here, a short prompt."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from anelab.arms import compression_cost, real_text
+from anelab.arms.run import Arm, run_arms
+from anelab.arms.sidecars import open_sidecars
+from anelab.checkpoints.model import load_model, write_model_checkpoint
+from anelab.core.decoder import random_head_weights, random_layer_weights
+from anelab.core.errors import AnelabInputError
+from anelab.core.geometry import AttentionGeometry
+from anelab.core.weights import random_attention_weights
+from anelab.sidecar.export import export_sidecars
+
+CHUNK, PROMPT, DECODE, VOCAB = 8, 24, 3, 64
+GEOMETRY = AttentionGeometry(variant="qwen3", hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                             num_layers=2, full_attention_layers=(0, 1))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compression_cost")
+    g = GEOMETRY
+    attention = {i: random_attention_weights(g, i, 0) for i in g.full_attention_layers}
+    layers = {i: random_layer_weights(i, g.hidden_size, 48, 0) for i in range(g.num_layers)}
+    checkpoint = write_model_checkpoint(root / "model", g, attention, layers,
+                                        random_head_weights(VOCAB, 32, 0, tied=False), model_type="qwen3")  # fmt: skip
+    model = load_model(checkpoint)
+    prompt = np.random.default_rng(3).integers(0, VOCAB, PROMPT)
+    sidecars = {}
+    for mode in ("fp16", "int4-block"):
+        out = root / mode
+        export_sidecars(checkpoint, out, CHUNK, list(range(0, PROMPT, CHUNK)), weights_mode=mode)
+        sidecars[mode] = open_sidecars(out, model, PROMPT)
+    return model, prompt, sidecars
+
+
+def test_prompt_nll_matches_the_last_position_logits_of_shorter_prompts(setup):
+    """nll[k - 1] of the whole prompt equals -log softmax(logits at the last position of prompt[:k])[prompt[k]],
+    the logits run_arms computes itself for the shorter prompt (causal: later tokens do not move position k - 1)."""
+    model, prompt, _ = setup
+    full = run_arms(model, prompt, [Arm("reference")], decode=1, chunk=CHUNK)["reference"]
+    nll = compression_cost.prompt_nll(model, prompt, full.hidden[-1])
+    assert nll.shape == (PROMPT - 1,) and np.all(nll > 0)
+    for k in (5, 13, PROMPT - 1):
+        short = run_arms(model, prompt[:k], [Arm("reference")], decode=1, chunk=CHUNK)["reference"]
+        logits = short.logits[0].astype(np.float64)
+        expected = np.log(np.exp(logits - logits.max()).sum()) + logits.max() - logits[prompt[k]]
+        assert abs(nll[k - 1] - expected) < 1e-4 * max(1.0, expected), (k, nll[k - 1], expected)
+        # negative control: the next position's target would give another value
+        assert (
+            abs(nll[k - 1] - (np.log(np.exp(logits - logits.max()).sum()) + logits.max() - logits[prompt[k] ^ 1]))
+            > 1e-3
+        )
+    assert compression_cost.perplexity(np.log([2.0, 8.0])) == pytest.approx(4.0)
+    with pytest.raises(AnelabInputError, match="do not cover"):
+        compression_cost.prompt_nll(model, prompt[:-1], full.hidden[-1])
+
+
+def test_each_modes_cost_against_the_reference(setup):
+    """The fp16 sidecars are at fp16 noise; int4-block moves logits and perplexity far more (the control: a
+    cost measure that could not tell the modes apart would fail here)."""
+    model, prompt, sidecars = setup
+    costs = compression_cost.compression_costs(model, prompt, sidecars, decode=DECODE)
+    fp16, int4 = costs["fp16"], costs["int4-block"]
+    assert fp16.logits_diff < 1e-2 and abs(fp16.perplexity_change) < 1e-3, fp16
+    assert int4.logits_diff > 5 * fp16.logits_diff and abs(int4.perplexity_change) > 5 * abs(fp16.perplexity_change)
+    assert fp16.reference_perplexity == int4.reference_perplexity  # one reference run for every mode
+    assert 1 < fp16.reference_perplexity < 10 * VOCAB
+    assert 0 <= int4.greedy_agreement <= 1 and fp16.decode == DECODE and fp16.prompt_tokens == PROMPT
+    row = int4.to_dict()
+    assert row["perplexity_change"] == pytest.approx(int4.perplexity / int4.reference_perplexity - 1)
+    table = compression_cost.cost_table(costs)
+    assert table.splitlines()[2].startswith("int4-block")
+    with pytest.raises(AnelabInputError, match="no weight mode"):
+        compression_cost.compression_costs(model, prompt, {}, decode=DECODE)
+
+
+def test_real_text_prompt_feeds_the_cost(setup):
+    """The docs prompt (what the notebooks cost the modes on) runs through the same path."""
+    model, _, sidecars = setup
+
+    class Words:
+        def encode(self, text):
+            return np.array([sum(map(ord, w)) % VOCAB for w in text.split()], dtype=np.int64)
+
+    prompt = real_text.docs_prompt(Words(), PROMPT)
+    costs = compression_cost.compression_costs(model, prompt, {"fp16": sidecars["fp16"]}, decode=1)
+    assert costs["fp16"].prompt_tokens == PROMPT and np.isfinite(costs["fp16"].perplexity)
