@@ -92,3 +92,24 @@ def test_real_text_prompt_feeds_the_cost(setup):
     prompt = real_text.docs_prompt(Words(), PROMPT)
     costs = compression_cost.compression_costs(model, prompt, {"fp16": sidecars["fp16"]}, decode=1)
     assert costs["fp16"].prompt_tokens == PROMPT and np.isfinite(costs["fp16"].perplexity)
+
+
+def test_stored_weights_arm_is_the_sidecar_arm_within_fp16_noise(setup):
+    """The reference decoder with the int4-block packages' stored projections lands where the int4-block sidecar
+    arm lands (the two differ by fp16 activations only), far from the uncompressed reference; with the fp16
+    packages' projections it is the reference within fp16 weight rounding."""
+    model, prompt, sidecars = setup
+    stored = {mode: compression_cost.stored_attention(s.packages, model) for mode, s in sidecars.items()}
+    for layer, w in stored["int4-block"].items():  # really the compressed weights, not the checkpoint's
+        assert not np.allclose(w.q_proj, model.attention(layer).q_proj, rtol=1e-3, atol=1e-4)
+    by_weights = compression_cost.stored_weights_costs(model, prompt, stored, decode=DECODE, chunk=CHUNK)
+    by_sidecar = compression_cost.compression_costs(model, prompt, sidecars, decode=DECODE)
+    assert by_weights["fp16"].logits_diff < 2e-3
+    int4_w, int4_s = by_weights["int4-block"], by_sidecar["int4-block"]
+    assert int4_w.logits_diff > 5 * by_weights["fp16"].logits_diff
+    assert abs(int4_w.logits_diff - int4_s.logits_diff) < 0.25 * int4_s.logits_diff, (int4_w, int4_s)
+    assert abs(int4_w.perplexity_change - int4_s.perplexity_change) < 0.25 * abs(int4_s.perplexity_change)
+    # negative control: a mode missing a layer's weights is refused, never served by the checkpoint's own
+    partial = {"int4-block": {0: stored["int4-block"][0]}}
+    with pytest.raises(AnelabInputError, match="no stored weights for layer 1"):
+        compression_cost.stored_weights_costs(model, prompt, partial, decode=DECODE, chunk=CHUNK)

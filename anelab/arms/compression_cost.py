@@ -13,6 +13,12 @@ packages prefill the same tokens of a real text (``real_text.docs_prompt``) and 
   0 .. P-2 from the arm's final hidden states, beside the reference's: ``perplexity_change`` = ppl / ppl_ref - 1.
 
 An fp16 mode, when given, is the floor: the sidecar's own fp16 storage, no compression.
+
+Two arms can carry a mode. The **sidecar arm** serves every attention layer from the mode's packages (fp16
+activations and all: what a runtime would compute). The **stored-weights arm** (``StoredWeightsModel``) is the
+reference decoder with each layer's projections replaced by the ones the mode's packages store
+(``quantize.dequantized_weights``): the compression's cost alone, from one function per package. ``verify``
+holds each package to the reference with those same stored weights, so the two arms differ by fp16 noise only.
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ from anelab.arms.sidecars import SidecarSet
 from anelab.checkpoints.model import ModelCheckpoint
 from anelab.core.decoder import lm_logits
 from anelab.core.errors import AnelabInputError
+from anelab.core.weights import AttentionWeights
+from anelab.sidecar import quantize
+from anelab.sidecar.evaluate import SavedPackage
+from anelab.sidecar.format import read_sidecar_metadata
 
 NLL_BLOCK_ROWS = 64  # prompt positions whose logits [rows, V] are held at once (Gemma 3's V = 262,144: 67 MB)
 
@@ -93,6 +103,55 @@ def mode_cost(model: ModelCheckpoint, prompt: np.ndarray, reference: ArmRun, run
         perplexity(prompt_nll(model, prompt, run.hidden[-1])), perplexity(prompt_nll(model, prompt, reference.hidden[-1])),
         max(pair.layer_diffs),
     )  # fmt: skip
+
+
+class StoredWeightsModel:
+    """A ``ModelCheckpoint`` whose attention layers in ``attention`` (layer -> ``AttentionWeights``) hold other
+    projections — the ones a mode's packages store; everything else is the wrapped ``model``'s."""
+
+    def __init__(self, model: ModelCheckpoint, attention: dict[int, AttentionWeights]):
+        self.model = model
+        self._attention = dict(attention)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def attention(self, layer: int) -> AttentionWeights:
+        return self._attention[layer] if layer in self._attention else self.model.attention(layer)
+
+
+def stored_attention(packages: dict[int, str], model: ModelCheckpoint) -> dict[int, AttentionWeights]:
+    """layer -> the projections ``packages[layer]`` stores (its first function's, dequantized; refused when the
+    package records a compression its graph does not hold), the rest of the layer's weights the checkpoint's."""
+    out = {}
+    for layer, package in packages.items():
+        meta = read_sidecar_metadata(package)
+        saved = SavedPackage(package)
+        out[int(layer)] = quantize.dequantized_weights(
+            saved, meta.functions[0], model.attention(int(layer)), meta.weights
+        )
+        saved.close()
+    return out
+
+
+def stored_weights_costs(
+    model: ModelCheckpoint, prompt: np.ndarray, stored: dict[str, dict[int, AttentionWeights]], *, decode: int,
+    chunk: int,
+) -> dict[str, ModeCost]:  # fmt: skip
+    """Per mode (``stored``: mode -> layer -> the projections its packages store), the stored-weights arm against
+    the reference arm on ``prompt`` (int [P]), both prefilled in chunks of ``chunk``."""
+    if not stored:
+        raise AnelabInputError("no weight mode to cost: pass at least one mode's stored weights")
+    reference = run_arms(model, prompt, [Arm("reference")], decode=decode, chunk=chunk)["reference"]
+    costs = {}
+    for mode, attention in stored.items():
+        missing = sorted(set(model.geometry.full_attention_layers) - set(attention))
+        if missing:
+            raise AnelabInputError(f"{mode}: no stored weights for layer {missing[0]}; export every attention layer")
+        arm = Arm(f"stored {mode}")
+        run = run_arms(StoredWeightsModel(model, attention), prompt, [arm], decode=decode, chunk=chunk)[arm.name]
+        costs[mode] = mode_cost(model, prompt, reference, run, mode)
+    return costs
 
 
 def compression_costs(
