@@ -23,17 +23,24 @@ holds each package to the reference with those same stored weights, so the two a
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
+from anelab import __version__
 from anelab.arms.compare import PairComparison, compare_runs
+from anelab.arms.resident import weights_for_run
 from anelab.arms.run import Arm, ArmRun, run_arms
 from anelab.arms.sidecars import SidecarSet
-from anelab.checkpoints.model import ModelCheckpoint
+from anelab.checkpoints.model import ModelCheckpoint, load_model
 from anelab.core.decoder import lm_logits
 from anelab.core.errors import AnelabInputError
+from anelab.core.records import atomic_write_text
 from anelab.core.weights import AttentionWeights
+from anelab.sidecar import evidence_cache as cache
 from anelab.sidecar import quantize
 from anelab.sidecar.evaluate import SavedPackage
 from anelab.sidecar.format import read_sidecar_metadata
@@ -142,6 +149,7 @@ def stored_weights_costs(
     the reference arm on ``prompt`` (int [P]), both prefilled in chunks of ``chunk``."""
     if not stored:
         raise AnelabInputError("no weight mode to cost: pass at least one mode's stored weights")
+    model, _ = weights_for_run(model)  # read (and, when they fit, kept) once for every mode's run
     reference = run_arms(model, prompt, [Arm("reference")], decode=decode, chunk=chunk)["reference"]
     costs = {}
     for mode, attention in stored.items():
@@ -185,3 +193,102 @@ def cost_table(costs: dict[str, ModeCost]) -> str:
             f"{c.perplexity_change:>+10.3%}"
         )
     return "\n".join(lines)
+
+
+# ---- the evidence a study shows per weight mode, shared through the cache ---------------------------------------
+@dataclass
+class ModeEvidence:
+    """One weight mode of one checkpoint: its packages (every attention layer, from the shared cache), the verify
+    reports of ``verified`` layers on random rows (``reports``) and on real attention inputs (``real_reports``), and
+    its whole-model ``cost`` (the stored-weights arm; ``sidecar_cost``: the sidecar arm, when it was run)."""
+
+    mode: str
+    packages: dict[int, str]
+    reports: dict[int, object]  # layer -> sidecar.verify_cases.VerifyReport
+    real_reports: dict[int, object]
+    cost: ModeCost | None = None
+    sidecar_cost: ModeCost | None = None
+
+    def verify_summary(self) -> dict:
+        """passed (every report), the worst graph error (vs the package's own weights, judged) and the worst and
+        median compression cost (vs the uncompressed weights, reported) over every verified layer and input."""
+        reports = [*self.reports.values(), *self.real_reports.values()]
+        graph = [c.worst for r in reports for c in r.comparisons if not c.control and not c.cost]
+        cost = [max((c.worst for c in r.comparisons if c.cost), default=0.0) for r in reports]
+        return {
+            "mode": self.mode,
+            "layers_verified": sorted(self.reports),
+            "passed": all(r.passed for r in reports),
+            "graph_error_max": max(graph),
+            "compression_error_max": max(cost) if self.mode != "fp16" else None,
+            "compression_error_median": float(np.median(cost)) if self.mode != "fp16" else None,
+        }
+
+    def to_dict(self) -> dict:
+        return {
+            **self.verify_summary(),
+            "whole_model": None if self.cost is None else self.cost.to_dict(),
+            "sidecar_arm": None if self.sidecar_cost is None else self.sidecar_cost.to_dict(),
+        }
+
+
+def weight_mode_evidence(
+    checkpoint,
+    cache_root,
+    modes: list[str],
+    prompt: np.ndarray,
+    *,
+    chunk: int,
+    histories: list[int],
+    verified: list[int],
+    decode: int,
+    activations: dict[int, np.ndarray] | None = None,
+    use=None,
+) -> dict[str, ModeEvidence]:
+    """Per mode: every attention layer of ``checkpoint`` (a path, or an opened whole model) exported once (``evidence_cache.cached_export``:
+    ``chunk``, ``histories``), the ``verified`` layers verified once on random rows and, with ``activations``
+    (layer -> post-norm rows), on real ones (``cached_verify``), and the stored-weights arm against the reference
+    on ``prompt`` (int [P], real text; prefill in chunks of ``chunk``), cached by the packages' content."""
+    model = load_model(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else checkpoint
+    evidence = {}
+    for mode in modes:
+        results = cache.cached_export(model.checkpoint, cache_root, chunk, histories, weights_mode=mode, use=use)
+        packages = {int(r.metadata.layer): str(r.package) for r in results}
+        reports = {
+            layer: cache.cached_verify(packages[layer], model.checkpoint, cache_root, use=use) for layer in verified
+        }
+        real = {}
+        for layer in verified if activations is not None else []:
+            real[layer] = cache.cached_verify(packages[layer], model.checkpoint, cache_root, use=use,
+                                              activations=activations[layer])  # fmt: skip
+        evidence[mode] = ModeEvidence(mode, packages, reports, real)
+    for mode, cost in cached_costs(model, prompt, evidence, cache_root, decode=decode, chunk=chunk, use=use).items():
+        evidence[mode].cost = cost
+    return evidence
+
+
+def cached_costs(model, prompt, evidence: dict[str, ModeEvidence], cache_root, *, decode: int, chunk: int,
+                 use=None) -> dict[str, ModeCost]:  # fmt: skip
+    """``stored_weights_costs`` of every mode in ``evidence``, unless the same packages (content), prompt, decode
+    and chunk were costed before (``cache_root/costs``)."""
+    parts = {
+        "anelab": __version__,
+        "packages": {m: {str(k): cache.package_hash(p) for k, p in e.packages.items()} for m, e in evidence.items()},
+        "prompt": cache.activations_digest(np.asarray(prompt, np.int64)),
+        "decode": int(decode),
+        "chunk": int(chunk),
+    }
+    path = Path(cache_root) / "costs" / f"{cache.content_key(parts)}.json"
+    with cache.entry_lock(path.with_suffix(".lock")):
+        if path.is_file():
+            stored = json.loads(path.read_text())
+            if use is not None:
+                use.count("whole-model cost", True)
+            fields = set(ModeCost.__dataclass_fields__)
+            return {m: ModeCost(**{k: v for k, v in c.items() if k in fields}) for m, c in stored.items()}
+        weights = {mode: stored_attention(e.packages, model) for mode, e in evidence.items()}
+        costs = stored_weights_costs(model, prompt, weights, decode=decode, chunk=chunk)
+        atomic_write_text(path, json.dumps({m: c.to_dict() for m, c in costs.items()}, indent=1))
+    if use is not None:
+        use.count("whole-model cost", False)
+    return costs

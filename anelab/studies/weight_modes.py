@@ -1,0 +1,133 @@
+"""Notebooks 05 and 07's shared back-end for a real model's weight modes: one request, so both read one export, one
+verification and one whole-model cost per model and mode from the cache under the build directory.
+
+``real_mode_evidence`` asks ``arms.compression_cost.weight_mode_evidence`` with the same parameters from either
+notebook (``EvidenceRequest``): whichever runs first computes, the other reuses (by content, through
+``sidecar.evidence_cache``). The default run exports every attention layer in every mode (the whole-model cost needs
+every layer's stored weights) and verifies ``sampled_layers`` (first, middle, last); ``full=True`` verifies every
+layer. A second real model (e.g. a windowed one) is another ``checkpoint`` with the same request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from anelab.arms import real_text
+from anelab.arms.compression_cost import ModeCost, ModeEvidence, compression_costs, weight_mode_evidence
+from anelab.arms.resident import weights_for_run
+from anelab.arms.sidecars import open_sidecars
+from anelab.checkpoints.model import load_model
+from anelab.core.geometry import chunk_starts
+from anelab.sidecar.evidence_cache import CACHE_DIR, CacheUse, cached_export
+from anelab.sidecar.quantize import WEIGHT_MODES
+
+
+@dataclass(frozen=True)
+class EvidenceRequest:
+    """What both notebooks ask of a real model: a docs prompt of ``prompt_tokens`` tokens, packages of ``chunk``
+    rows with functions h0 and h<chunk>, ``decode`` greedy tokens per arm, the layers verified (``full``: all)."""
+
+    prompt_tokens: int = 256
+    chunk: int = 32
+    decode: int = 16
+    full: bool = False
+    modes: tuple[str, ...] = WEIGHT_MODES
+
+    @classmethod
+    def for_run(cls, quick: bool, full: bool = False) -> EvidenceRequest:
+        """The notebooks' request: tiny sizes for the tests (``quick``: 32 tokens, chunk 16, fp16 and int8)."""
+        if quick:
+            return cls(prompt_tokens=32, chunk=16, decode=3, full=False, modes=("fp16", "int8"))
+        return cls(full=bool(full))
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "modes": list(self.modes)}
+
+
+def sampled_layers(num_layers: int) -> list[int]:
+    """The first, middle and last decoder layer (fewer when the model has fewer)."""
+    return sorted({0, num_layers // 2, num_layers - 1})
+
+
+@dataclass
+class RealEvidence:
+    """A real model's weight modes: ``evidence`` (mode -> ``ModeEvidence``), the prompt, the verified layers and what
+    the cache reused (``use``)."""
+
+    checkpoint: str
+    request: EvidenceRequest
+    prompt: np.ndarray
+    layers: list[int]
+    evidence: dict[str, ModeEvidence]
+    use: CacheUse
+    activations: dict[int, np.ndarray]  # layer -> the verified layers' real attention inputs float32 [P, D]
+
+    def to_dict(self) -> dict:
+        return {
+            "checkpoint": self.checkpoint,
+            "request": self.request.to_dict(),
+            "verified_layers": self.layers,
+            "modes": {m: e.to_dict() for m, e in self.evidence.items()},
+        }
+
+
+def real_mode_evidence(checkpoint, build_dir, request: EvidenceRequest, label: str | None = None) -> RealEvidence:
+    """Every mode of ``request`` on ``checkpoint`` (a path with a tokenizer), from the cache in ``build_dir/cache``."""
+    model, _ = weights_for_run(load_model(checkpoint))  # one read of the weights for every run below
+    tokenizer = model.checkpoint.tokenizer()
+    prompt = real_text.docs_prompt(tokenizer, request.prompt_tokens)
+    layers = list(range(model.num_layers)) if request.full else sampled_layers(model.num_layers)
+    activations = real_text.attention_inputs(model, prompt, layers, chunk=request.chunk)
+    use = CacheUse()
+    evidence = weight_mode_evidence(
+        model, Path(build_dir) / CACHE_DIR, list(request.modes), prompt, chunk=request.chunk,
+        histories=[0, request.chunk], verified=layers, decode=request.decode, activations=activations, use=use,
+    )  # fmt: skip
+    return RealEvidence(label or Path(checkpoint).name, request, prompt, layers, evidence, use, activations)
+
+
+def sidecar_arm_costs(checkpoint, build_dir, real: RealEvidence) -> dict[str, ModeCost]:
+    """The full run's second arm: per mode, every attention layer served from packages with a function per chunk
+    start of ``real``'s prompt (one more cached export per mode), against the reference on the same prompt; each
+    mode's ``ModeEvidence.sidecar_cost`` is set."""
+    model = load_model(checkpoint)
+    starts = chunk_starts(real.prompt.size, real.request.chunk)
+    sets = {}
+    for mode in real.request.modes:
+        results = cached_export(model.checkpoint, Path(build_dir) / CACHE_DIR, real.request.chunk, starts,
+                                weights_mode=mode, use=real.use)  # fmt: skip
+        sets[mode] = open_sidecars(results[0].package.parent, model, real.prompt.size)
+    costs = compression_costs(model, real.prompt, sets, decode=real.request.decode)
+    for mode, cost in costs.items():
+        real.evidence[mode].sidecar_cost = cost
+    return costs
+
+
+def cost_rows(real: RealEvidence) -> list[dict]:
+    """One row per mode: verify (passed, worst graph error, worst compression error) and the whole-model cost."""
+    rows = []
+    for mode, e in real.evidence.items():
+        s, c = e.verify_summary(), e.cost
+        rows.append({**s, "logits_diff": c.logits_diff, "greedy_agreement": c.greedy_agreement,
+                     "agreement_excluding_near_ties": c.agreement_excluding_near_ties, "near_ties": c.near_ties,
+                     "perplexity": c.perplexity, "reference_perplexity": c.reference_perplexity,
+                     "perplexity_change": c.perplexity_change})  # fmt: skip
+    return rows
+
+
+def cost_table(real: RealEvidence) -> str:
+    """The rows of ``cost_rows`` as text."""
+    head = (f"{'mode':<11} {'verify':>6} {'graph err':>9} {'weights err':>11} {'logits diff':>11} {'greedy':>7} "
+            f"{'excl. ties':>10} {'ppl':>8} {'ppl change':>10}")  # fmt: skip
+    lines = [head]
+    for r in cost_rows(real):
+        comp = "-" if r["compression_error_max"] is None else f"{r['compression_error_max']:.2e}"
+        lines.append(
+            f"{r['mode']:<11} {'ok' if r['passed'] else 'FAIL':>6} {r['graph_error_max']:>9.2e} {comp:>11} "
+            f"{r['logits_diff']:>11.3%} {r['greedy_agreement']:>7.0%} {r['agreement_excluding_near_ties']:>10.0%} "
+            f"{r['perplexity']:>8.3f} {r['perplexity_change']:>+10.3%}"
+        )
+    return "\n".join(lines)
