@@ -28,7 +28,7 @@ from anelab.sidecar.quantize import WEIGHT_MODES
 @dataclass(frozen=True)
 class EvidenceRequest:
     """What both notebooks ask of a real model: a docs prompt of ``prompt_tokens`` tokens, packages of ``chunk``
-    rows with functions h0 and h<chunk>, ``decode`` greedy tokens per arm, the layers verified (``full``: all)."""
+    rows (functions ``histories``), ``decode`` greedy tokens per arm, the layers verified (``full``: all)."""
 
     prompt_tokens: int = 256
     chunk: int = 32
@@ -38,13 +38,19 @@ class EvidenceRequest:
 
     @classmethod
     def for_run(cls, quick: bool, full: bool = False) -> EvidenceRequest:
-        """The notebooks' request: tiny sizes for the tests (``quick``: 32 tokens, chunk 16, fp16 and int8)."""
+        """The notebooks' request: tiny sizes for the tests (``quick``: 32 tokens, chunk 16, int8 alone)."""
         if quick:
-            return cls(prompt_tokens=32, chunk=16, decode=3, full=False, modes=("fp16", "int8"))
+            return cls(prompt_tokens=32, chunk=16, decode=3, full=False, modes=("int8",))
         return cls(full=bool(full))
 
+    @property
+    def histories(self) -> list[int]:
+        """The packages' functions: h0 and h<chunk> in a full run (the history path verified too), h0 otherwise
+        (each function's package is compressed on its own: a second function doubles the export)."""
+        return [0, self.chunk] if self.full else [0]
+
     def to_dict(self) -> dict:
-        return {**asdict(self), "modes": list(self.modes)}
+        return {**asdict(self), "modes": list(self.modes), "histories": self.histories}
 
 
 def sampled_layers(num_layers: int) -> list[int]:
@@ -84,7 +90,7 @@ def real_mode_evidence(checkpoint, build_dir, request: EvidenceRequest, label: s
     use = CacheUse()
     evidence = weight_mode_evidence(
         model, Path(build_dir) / CACHE_DIR, list(request.modes), prompt, chunk=request.chunk,
-        histories=[0, request.chunk], verified=layers, decode=request.decode, activations=activations, use=use,
+        histories=request.histories, verified=layers, decode=request.decode, activations=activations, use=use,
     )  # fmt: skip
     return RealEvidence(label or Path(checkpoint).name, request, prompt, layers, evidence, use, activations)
 
