@@ -1089,6 +1089,8 @@ def _add_decide(sub):
     p.add_argument("--measure", action="store_true", help="on a Mac: time the packages and plan again with the times")
     p.add_argument("--repeats", type=int, default=3, help="--measure: timed repeats per measurement (default 3)")
     p.add_argument("--json", action="store_true", help="print decision.json's verdict as JSON")
+    p.add_argument("--weights", default="fp16", help="the packages' weight mode: fp16 | int8 | palettize4 | int4-block "
+                   "(verified against their own weights; the compression's cost on real text reported beside)")  # fmt: skip
     _add_chip(p)
     _add_gpu_runtime(p, default="mlx-lm")
 
@@ -1124,6 +1126,7 @@ def _run_decide(args):
         chip=args.chip,
         measure=args.measure,
         repeats=args.repeats,
+        weights=args.weights,
     )
     decision = decide(config).to_dict()
     if args.json:

@@ -474,3 +474,40 @@ def test_decide_on_a_chip_prices_mlx_lm_there_and_prints_the_bound(decided, mode
     assert main([*argv, "--chip", "m4-max", "--gpu-runtime", "tinytitan"]) == 0
     assert "GPU arm: TinyTitan's GPU path on an Apple M3" in capsys.readouterr().out
     assert main([*argv, "--gpu-runtime", "cuda"]) == 2 and "unknown --gpu-runtime" in capsys.readouterr().err
+
+
+def test_decide_with_compressed_weights_verifies_them_and_reports_the_cost(
+    decided, model, tmp_path, monkeypatch, capsys
+):
+    """--weights int8: every package verified against its own stored weights (passed), the arms serve the
+    compressed packages (their logits move more than fp16's: the control), and the compression's cost on real text
+    is reported beside (logits, greedy agreement, perplexity), not judged; fp16 reports none."""
+    from anelab.checkpoints.checkpoint import Checkpoint
+
+    class Words:  # the test model has no tokenizer: one id per word of the README
+        def encode(self, text):
+            return np.array([sum(map(ord, w)) % 96 for w in text.split()], dtype=np.int64)
+
+        def decode(self, ids):
+            return " ".join(f"w{int(i)}" for i in ids)
+
+    monkeypatch.setattr(Checkpoint, "tokenizer", lambda self: Words())
+    fp16, _ = decided
+    assert fp16.evidence["compression"] is None
+    config = DecideConfig(model, PROMPT, tmp_path / "int8", design="dense", chunk=CHUNK, gpu_runtime="tinytitan",
+                          weights="int8")  # fmt: skip
+    decision = decide(config)
+    assert all(r["passed"] for r in decision.evidence["verify"].values())
+    assert decision.evidence["arms"]["logits_relative_difference"] > fp16.evidence["arms"]["logits_relative_difference"]
+    c = decision.evidence["compression"]
+    assert c["mode"] == "int8" and c["text"].startswith("the first 256 tokens of README.md")
+    assert 0 < c["logits_diff"] and np.isfinite(c["perplexity"]) and c["reference_perplexity"] > 1
+    assert c["perplexity_change"] == pytest.approx(c["perplexity"] / c["reference_perplexity"] - 1)
+    report = (tmp_path / "int8" / "report.md").read_text()
+    assert "Compression int8 (each package verified against its own stored weights" in report
+    assert "Compression int8" in (tmp_path / "int8" / "report.html").read_text()
+    capsys.readouterr()  # the run's progress bars
+    code = main(["decide", str(model), "--prompt-tokens", "64", "--weights", "int3", "--out", str(tmp_path / "bad")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "unknown --weights 'int3'" in err[0], err
+    assert not (tmp_path / "bad").exists()

@@ -37,6 +37,7 @@ from anelab.planner.plan import PrefillPlan
 from anelab.planner.verdict import ArmCosts, Verdict, plan_arm_costs, verdict_for
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD
 from anelab.sidecar.designs import DESIGNS, PRICED, SidecarRequest, get_design
+from anelab.sidecar.quantize import validate_weights_mode
 
 ARMS_DECODE = 8  # greedy tokens decoded after the prefill in the arms
 SWEEP_POINTS = 16  # prompt lengths on the figure
@@ -61,6 +62,7 @@ class DecideConfig:
     repeats: int = 3
     decode: int = ARMS_DECODE
     clock: object | None = None  # injectable clock for the timing (tests: the fake's)
+    weights: str = "fp16"  # the packages' weight mode (sidecar.quantize); a compression's cost is reported beside
 
     @property
     def user_gpu(self) -> dict:
@@ -199,6 +201,7 @@ def open_request(config: DecideConfig) -> Opened:
         raise AnelabInputError(f"checkpoint {config.checkpoint} does not exist; pass a model directory (config.json)")
     checkpoint = load_checkpoint(config.checkpoint)
     g = checkpoint.geometry
+    validate_weights_mode(config.weights, g)  # an unknown or unfit --weights refused before any work
     if g.sliding_layers:
         raise AnelabInputError(
             f"{config.checkpoint} has sliding-window layers {list(g.sliding_layers)}; decide covers full-attention "
@@ -442,7 +445,8 @@ def whole_model_evidence(
         served_by = next(name for name in PRICED if DESIGNS[name].served_by_arms and not DESIGNS[name].stateful)
         per_history = replace(candidate, design=served_by, capacity=None, key_tile=None, query_tile=None)
         bar.total += len(opened.layers)
-        directory, verified, _ = export_and_verify(config, opened, per_history.sidecar_request(), bar)
+        request = replace(per_history.sidecar_request(), weights=config.weights)
+        directory, verified, _ = export_and_verify(config, opened, request, bar)
     evidence = EvidenceFile(config.out / "evidence.json", opened.identity)
     key = arms_key(config, opened, served_by, candidate.chunk, verified)
     known = evidence.arms(key)
@@ -499,6 +503,36 @@ def run_whole_model_arms(config: DecideConfig, opened: Opened, directory: Path, 
         "noise": pair.noise,
         "weights": None if report.weights is None else report.weights.describe(),
     }
+
+
+COST_TOKENS = 256  # --weights: the real text the compression is costed on (README tokens, fewer if it is shorter)
+
+
+def compression_evidence(config: DecideConfig, opened: Opened, directory: Path) -> dict | None:
+    """``--weights`` other than fp16: what the compression costs the whole model on real text (the first
+    ``COST_TOKENS`` README tokens under the checkpoint's tokenizer), the reference decoder with the projections the
+    packages in ``directory`` store against the reference (``arms.compression_cost``): logits, greedy agreement,
+    perplexity change. Reported, never judged; verify judged each package against its own weights. None for fp16; a
+    note instead of numbers when the checkpoint has no tokenizer or the arms run on mlx-lm."""
+    if config.weights == "fp16":
+        return None
+    from anelab.arms import real_text
+    from anelab.arms.compression_cost import stored_attention, stored_weights_costs
+    from anelab.arms.run import REFERENCE_CHUNK
+
+    if opened.engine != "numpy":
+        return {"mode": config.weights, "note": "not costed on real text: the arms run on mlx-lm (--engine numpy does)"}
+    try:
+        tokenizer = opened.model.checkpoint.tokenizer()
+    except AnelabInputError:
+        return {"mode": config.weights, "note": "not costed on real text: the checkpoint carries no tokenizer"}
+    tokens = min(COST_TOKENS, int(tokenizer.encode(real_text.docs_text()).size))
+    prompt = real_text.docs_prompt(tokenizer, tokens)
+    packages = {layer: str(directory / f"layer_{layer}.mlpackage") for layer in opened.layers}
+    stored = {config.weights: stored_attention(packages, opened.model)}
+    cost = stored_weights_costs(opened.model, prompt, stored, decode=config.decode, chunk=REFERENCE_CHUNK)
+    return {**cost[config.weights].to_dict(), "text": f"the first {tokens} tokens of {real_text.DOCS_SOURCE}",
+            "arm": "the reference decoder with the packages' stored projections, against the checkpoint's"}  # fmt: skip
 
 
 # ---- measured on this Mac -------------------------------------------------------------------------------------
@@ -670,10 +704,11 @@ def decide(config: DecideConfig) -> Decision:
         verdicts = {name: verdict_for(c, commands) for name, c in plan.arm_costs.items()}
         candidate = choose_design(config, plan)
         bar.update(1)
-        request = candidate.sidecar_request()
+        request = replace(candidate.sidecar_request(), weights=config.weights)
         directory, verified, refusal = export_and_verify(config, opened, request, bar, beside=True)
         with verified_beside(config, opened, request, verified, bar):
             arms = whole_model_evidence(config, opened, candidate, directory, verified, bar)
+        compression = compression_evidence(config, opened, directory)
         measured, final = None, verdicts[candidate.design]
         if opened.runtime is not None:
             bar.set_postfix_str("measure on this Mac")
@@ -701,6 +736,7 @@ def decide(config: DecideConfig) -> Decision:
         evidence={
             "verify": {str(k): v for k, v in verified.items()},
             "arms": arms,
+            "compression": compression,
             "measured": measured.to_dict() if measured else None,
         },
         sweep=rows,
@@ -721,7 +757,7 @@ def _yours(config: DecideConfig, verdict: Verdict) -> list[str]:
 
 def _config_dict(config: DecideConfig) -> dict:
     keys = ("checkpoint", "prompt_tokens", "out", "design", "chunk", "family", "gpu_prefill_seconds")
-    keys += ("gpu_tokens_per_second", "measure", "repeats", "decode")
+    keys += ("gpu_tokens_per_second", "measure", "repeats", "decode", "weights")
     return {k: str(getattr(config, k)) if isinstance(getattr(config, k), Path) else getattr(config, k) for k in keys}
 
 
