@@ -113,3 +113,31 @@ def test_stored_weights_arm_is_the_sidecar_arm_within_fp16_noise(setup):
     partial = {"int4-block": {0: stored["int4-block"][0]}}
     with pytest.raises(AnelabInputError, match="no stored weights for layer 1"):
         compression_cost.stored_weights_costs(model, prompt, partial, decode=DECODE, chunk=CHUNK)
+
+
+def test_weight_mode_evidence_is_made_once_and_read_by_a_second_study(setup, tmp_path):
+    """Two studies asking the same request: the first exports, verifies and costs; the second reuses all of it from
+    the cache (what notebooks 05 and 07 share). Control: another decode length is another cost."""
+    from anelab.sidecar.evidence_cache import CacheUse
+
+    model, prompt, _ = setup
+    acts = real_text.attention_inputs(model, prompt, [1], chunk=CHUNK)
+    runs = []
+    for decode in (DECODE, DECODE, DECODE + 1):
+        use = CacheUse()
+        ev = compression_cost.weight_mode_evidence(model, tmp_path, ["fp16", "int8"], prompt, chunk=CHUNK,
+                                                   histories=[0], verified=[1], decode=decode, activations=acts,
+                                                   use=use)  # fmt: skip
+        runs.append((ev, use))
+    (first, use1), (second, use2), (third, use3) = runs
+    assert use1.computed == {"export": 2, "verify": 4, "whole-model cost": 1} and not use1.reused
+    assert use2.reused == {"export": 2, "verify": 4, "whole-model cost": 1} and not use2.computed
+    assert use3.computed == {"whole-model cost": 1}  # the packages and verifications are the same
+    for mode in ("fp16", "int8"):
+        assert second[mode].to_dict() == first[mode].to_dict()
+        s = first[mode].verify_summary()
+        assert s["passed"] and s["layers_verified"] == [1] and s["graph_error_max"] < 1e-2
+    assert first["fp16"].verify_summary()["compression_error_max"] is None
+    assert first["int8"].verify_summary()["compression_error_max"] > first["fp16"].verify_summary()["graph_error_max"]
+    assert first["int8"].cost.logits_diff > first["fp16"].cost.logits_diff
+    assert third["int8"].cost.decode == DECODE + 1
