@@ -10,6 +10,7 @@ layer. A second real model (e.g. a windowed one) is another ``checkpoint`` with 
 
 from __future__ import annotations
 
+import io
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -21,7 +22,15 @@ from anelab.arms.resident import weights_for_run
 from anelab.arms.sidecars import open_sidecars
 from anelab.checkpoints.model import load_model
 from anelab.core.geometry import chunk_starts
-from anelab.sidecar.evidence_cache import CACHE_DIR, CacheUse, cached_export
+from anelab.core.records import atomic_write_bytes
+from anelab.sidecar.evidence_cache import (
+    CACHE_DIR,
+    CacheUse,
+    activations_digest,
+    cached_export,
+    content_key,
+    entry_lock,
+)
 from anelab.sidecar.quantize import WEIGHT_MODES
 
 
@@ -89,13 +98,35 @@ def real_mode_evidence(checkpoint, build_dir, request: EvidenceRequest, label: s
     prompt = real_text.docs_prompt(tokenizer, request.prompt_tokens)
     layers = list(range(model.num_layers)) if request.full else sampled_layers(model.num_layers)
     layers = layers[-1:] if request.verify_last_only else layers
-    activations = real_text.attention_inputs(model, prompt, layers, chunk=request.chunk)
     use = CacheUse()
+    activations = cached_attention_inputs(model, prompt, layers, request.chunk, Path(build_dir) / CACHE_DIR, use)
     evidence = weight_mode_evidence(
         model, Path(build_dir) / CACHE_DIR, list(request.modes), prompt, chunk=request.chunk,
         histories=request.histories, verified=layers, decode=request.decode, activations=activations, use=use,
     )  # fmt: skip
     return RealEvidence(label or Path(checkpoint).name, request, prompt, layers, evidence, use, activations)
+
+
+def cached_attention_inputs(model, prompt: np.ndarray, layers: list[int], chunk: int, cache_root, use=None) -> dict:
+    """``real_text.attention_inputs`` (layer -> post-norm rows float32 [P, D]) unless the same model (the digests of
+    all its stored tensors), prompt, layers and chunk were run before (``cache_root/activations/<key>.npz``)."""
+    tensors = model.checkpoint.tensors
+    parts = {"model": {name: tensors.digest(name) for name in sorted(tensors.names())},
+             "prompt": activations_digest(np.asarray(prompt, np.int64)), "layers": list(layers), "chunk": int(chunk)}  # fmt: skip
+    path = Path(cache_root) / "activations" / f"{content_key(parts)}.npz"
+    with entry_lock(path.with_suffix(".lock")):
+        if path.is_file():
+            with np.load(path) as stored:
+                if use is not None:
+                    use.count("activations", True)
+                return {int(name.removeprefix("layer_")): stored[name] for name in stored.files}
+        inputs = real_text.attention_inputs(model, prompt, layers, chunk=chunk)
+        buffer = io.BytesIO()
+        np.savez(buffer, **{f"layer_{layer}": rows for layer, rows in inputs.items()})
+        atomic_write_bytes(path, buffer.getvalue())
+    if use is not None:
+        use.count("activations", False)
+    return inputs
 
 
 def sidecar_arm_costs(checkpoint, build_dir, real: RealEvidence) -> dict[str, ModeCost]:
