@@ -66,7 +66,7 @@ def test_the_second_notebook_is_served_from_the_cache(checkpoint, tmp_path, monk
 def test_the_requests_and_the_sampled_layers():
     assert weight_modes.sampled_layers(30) == [0, 15, 29] and weight_modes.sampled_layers(2) == [0, 1]
     quick = weight_modes.EvidenceRequest.for_run(True)
-    assert quick.modes == ("int8",) and quick.verify_last_only and quick.histories == [0]
+    assert quick.modes == ("int8",) and quick.last_layer_only and quick.histories == [0]
     full = weight_modes.EvidenceRequest.for_run(False, full=True)
     assert full.modes == ("fp16", "int8", "palettize4", "int4-block") and full.histories == [0, 32]
     assert weight_modes.EvidenceRequest.for_run(False).to_dict()["histories"] == [0]

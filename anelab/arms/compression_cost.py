@@ -64,6 +64,7 @@ class ModeCost:
     perplexity: float
     reference_perplexity: float
     max_layer_diff: float
+    layers: list[int] | None = None  # the layers that carry the mode (None: every attention layer)
 
     @property
     def perplexity_change(self) -> float:
@@ -143,22 +144,25 @@ def stored_attention(packages: dict[int, str], model: ModelCheckpoint) -> dict[i
 
 def stored_weights_costs(
     model: ModelCheckpoint, prompt: np.ndarray, stored: dict[str, dict[int, AttentionWeights]], *, decode: int,
-    chunk: int,
+    chunk: int, partial: bool = False,
 ) -> dict[str, ModeCost]:  # fmt: skip
     """Per mode (``stored``: mode -> layer -> the projections its packages store), the stored-weights arm against
-    the reference arm on ``prompt`` (int [P]), both prefilled in chunks of ``chunk``."""
+    the reference arm on ``prompt`` (int [P]), both prefilled in chunks of ``chunk``. A mode missing a layer is
+    refused unless ``partial`` (then only its layers carry the mode, and its ``ModeCost.layers`` names them)."""
     if not stored:
         raise AnelabInputError("no weight mode to cost: pass at least one mode's stored weights")
     model, _ = weights_for_run(model)  # read (and, when they fit, kept) once for every mode's run
     reference = run_arms(model, prompt, [Arm("reference")], decode=decode, chunk=chunk)["reference"]
     costs = {}
     for mode, attention in stored.items():
-        missing = sorted(set(model.geometry.full_attention_layers) - set(attention))
-        if missing:
+        g = model.geometry
+        missing = sorted({*g.full_attention_layers, *g.sliding_layers} - set(attention))
+        if missing and not partial:
             raise AnelabInputError(f"{mode}: no stored weights for layer {missing[0]}; export every attention layer")
         arm = Arm(f"stored {mode}")
         run = run_arms(StoredWeightsModel(model, attention), prompt, [arm], decode=decode, chunk=chunk)[arm.name]
         costs[mode] = mode_cost(model, prompt, reference, run, mode)
+        costs[mode].layers = sorted(attention) if missing else None
     return costs
 
 
@@ -244,15 +248,19 @@ def weight_mode_evidence(
     decode: int,
     activations: dict[int, np.ndarray] | None = None,
     use=None,
+    layers: list[int] | None = None,
 ) -> dict[str, ModeEvidence]:
     """Per mode: every attention layer of ``checkpoint`` (a path, or an opened whole model) exported once (``evidence_cache.cached_export``:
     ``chunk``, ``histories``), the ``verified`` layers verified once on random rows and, with ``activations``
     (layer -> post-norm rows), on real ones (``cached_verify``), and the stored-weights arm against the reference
-    on ``prompt`` (int [P], real text; prefill in chunks of ``chunk``), cached by the packages' content."""
+    on ``prompt`` (int [P], real text; prefill in chunks of ``chunk``), cached by the packages' content. ``layers``:
+    only these carry the mode (the tests' quick runs; the cost then says so), default every attention layer."""
     model = load_model(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else checkpoint
     evidence = {}
     for mode in modes:
-        results = cache.cached_export(model.checkpoint, cache_root, chunk, histories, weights_mode=mode, use=use)
+        results = cache.cached_export(
+            model.checkpoint, cache_root, chunk, histories, layers, weights_mode=mode, use=use
+        )
         packages = {int(r.metadata.layer): str(r.package) for r in results}
         reports = {
             layer: cache.cached_verify(packages[layer], model.checkpoint, cache_root, use=use) for layer in verified
@@ -262,13 +270,16 @@ def weight_mode_evidence(
             real[layer] = cache.cached_verify(packages[layer], model.checkpoint, cache_root, use=use,
                                               activations=activations[layer])  # fmt: skip
         evidence[mode] = ModeEvidence(mode, packages, reports, real)
-    for mode, cost in cached_costs(model, prompt, evidence, cache_root, decode=decode, chunk=chunk, use=use).items():
+    costs = cached_costs(
+        model, prompt, evidence, cache_root, decode=decode, chunk=chunk, use=use, partial=layers is not None
+    )
+    for mode, cost in costs.items():
         evidence[mode].cost = cost
     return evidence
 
 
 def cached_costs(model, prompt, evidence: dict[str, ModeEvidence], cache_root, *, decode: int, chunk: int,
-                 use=None) -> dict[str, ModeCost]:  # fmt: skip
+                 use=None, partial: bool = False) -> dict[str, ModeCost]:  # fmt: skip
     """``stored_weights_costs`` of every mode in ``evidence``, unless the same packages (content), prompt, decode
     and chunk were costed before (``cache_root/costs``)."""
     parts = {
@@ -287,7 +298,7 @@ def cached_costs(model, prompt, evidence: dict[str, ModeEvidence], cache_root, *
             fields = set(ModeCost.__dataclass_fields__)
             return {m: ModeCost(**{k: v for k, v in c.items() if k in fields}) for m, c in stored.items()}
         weights = {mode: stored_attention(e.packages, model) for mode, e in evidence.items()}
-        costs = stored_weights_costs(model, prompt, weights, decode=decode, chunk=chunk)
+        costs = stored_weights_costs(model, prompt, weights, decode=decode, chunk=chunk, partial=partial)
         atomic_write_text(path, json.dumps({m: c.to_dict() for m, c in costs.items()}, indent=1))
     if use is not None:
         use.count("whole-model cost", False)

@@ -125,9 +125,10 @@ def cached_export(
 ) -> list[ExportResult]:
     """``export_sidecars(checkpoint, <entry>, chunk, histories, layers, **request)`` unless an entry with the same
     content key is complete in ``cache_root/exports`` (``request``: graph, weights_mode and the design's options).
-    ``checkpoint``: a path or an opened ``Checkpoint``; ``layers``: default every full-attention layer."""
+    ``checkpoint``: a path or an opened ``Checkpoint``; ``layers``: default every attention layer (full and sliding)."""
     checkpoint = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint)
-    layers = [int(x) for x in (layers if layers is not None else checkpoint.geometry.full_attention_layers)]
+    g = checkpoint.geometry
+    layers = [int(x) for x in (layers if layers is not None else sorted({*g.full_attention_layers, *g.sliding_layers}))]
     spelt = {"chunk": int(chunk), "histories": None if histories is None else [int(h) for h in histories], **request}
     key = content_key(export_key(checkpoint, layers, spelt))
     entry = Path(cache_root) / "exports" / key

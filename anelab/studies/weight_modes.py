@@ -44,14 +44,14 @@ class EvidenceRequest:
     decode: int = 16
     full: bool = False
     modes: tuple[str, ...] = WEIGHT_MODES
-    verify_last_only: bool = False  # the quick run verifies the last layer alone
+    last_layer_only: bool = False  # the quick run: the last layer alone exported in the mode, verified and costed
 
     @classmethod
     def for_run(cls, quick: bool, full: bool = False) -> EvidenceRequest:
-        """The notebooks' request: tiny sizes for the tests (``quick``: 32 tokens, chunk 16, int8 alone, the last
-        layer verified)."""
+        """The notebooks' request: tiny sizes for the tests (``quick``: 32 tokens, chunk 16, int8 alone on the last
+        layer: the whole-model cost is then that one layer's, and says so)."""
         if quick:
-            return cls(prompt_tokens=32, chunk=16, decode=3, full=False, modes=("int8",), verify_last_only=True)
+            return cls(prompt_tokens=32, chunk=16, decode=3, full=False, modes=("int8",), last_layer_only=True)
         return cls(full=bool(full))
 
     @property
@@ -97,12 +97,13 @@ def real_mode_evidence(checkpoint, build_dir, request: EvidenceRequest, label: s
     tokenizer = model.checkpoint.tokenizer()
     prompt = real_text.docs_prompt(tokenizer, request.prompt_tokens)
     layers = list(range(model.num_layers)) if request.full else sampled_layers(model.num_layers)
-    layers = layers[-1:] if request.verify_last_only else layers
+    layers = layers[-1:] if request.last_layer_only else layers
     use = CacheUse()
     activations = cached_attention_inputs(model, prompt, layers, request.chunk, Path(build_dir) / CACHE_DIR, use)
     evidence = weight_mode_evidence(
         model, Path(build_dir) / CACHE_DIR, list(request.modes), prompt, chunk=request.chunk,
         histories=request.histories, verified=layers, decode=request.decode, activations=activations, use=use,
+        layers=layers if request.last_layer_only else None,
     )  # fmt: skip
     return RealEvidence(label or Path(checkpoint).name, request, prompt, layers, evidence, use, activations)
 
@@ -163,6 +164,7 @@ def cost_table(real: RealEvidence) -> str:
     head = (f"{'mode':<11} {'verify':>6} {'graph err':>9} {'weights err':>11} {'logits diff':>11} {'greedy':>7} "
             f"{'excl. ties':>10} {'ppl':>8} {'ppl change':>10}")  # fmt: skip
     lines = [head]
+    partial = {m: e.cost.layers for m, e in real.evidence.items() if e.cost.layers is not None}
     for r in cost_rows(real):
         comp = "-" if r["compression_error_max"] is None else f"{r['compression_error_max']:.2e}"
         lines.append(
@@ -170,4 +172,6 @@ def cost_table(real: RealEvidence) -> str:
             f"{r['logits_diff']:>11.3%} {r['greedy_agreement']:>7.0%} {r['agreement_excluding_near_ties']:>10.0%} "
             f"{r['perplexity']:>8.3f} {r['perplexity_change']:>+10.3%}"
         )
+    lines += [f"({mode}: only layers {layers} carry the mode; the others keep the checkpoint's weights)"
+              for mode, layers in partial.items()]  # fmt: skip
     return "\n".join(lines)
