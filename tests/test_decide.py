@@ -497,7 +497,12 @@ def test_decide_with_compressed_weights_verifies_them_and_reports_the_cost(
     config = DecideConfig(model, PROMPT, tmp_path / "int8", design="dense", chunk=CHUNK, gpu_runtime="tinytitan",
                           weights="int8")  # fmt: skip
     decision = decide(config)
-    assert all(r["passed"] for r in decision.evidence["verify"].values())
+    verify = decision.evidence["verify"].values()
+    assert all(
+        r["passed"] and r["max_relative_error"] < r["threshold"] and r["compression_error"] > r["max_relative_error"]
+        for r in verify
+    )
+    assert all(r["compression_error"] is None for r in fp16.evidence["verify"].values())
     assert decision.evidence["arms"]["logits_relative_difference"] > fp16.evidence["arms"]["logits_relative_difference"]
     c = decision.evidence["compression"]
     assert c["mode"] == "int8" and c["text"].startswith("the first 256 tokens of README.md")
