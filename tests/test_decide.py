@@ -570,3 +570,45 @@ def test_decide_reports_the_chip_row_joules_and_the_cold_start(decided, model):
     assert "## Your chip among the others" in md and "| **M3 (yours)** |" in md
     assert "cold start" in md and ("repaid after" in md or "never repaid" in md)
     assert "energy: GPU arm" in md and 'class="marked"' in (out / "report.html").read_text()
+
+
+def test_decide_with_compressed_weights_verifies_them_and_reports_the_cost(
+    decided, model, tmp_path, monkeypatch, capsys
+):
+    """--weights int8: every package verified against its own stored weights (passed), the arms serve the
+    compressed packages (their logits move more than fp16's: the control), and the compression's cost on real text
+    is reported beside (logits, greedy agreement, perplexity), not judged; fp16 reports none."""
+    from anelab.checkpoints.checkpoint import Checkpoint
+
+    class Words:  # the test model has no tokenizer: one id per word of the README
+        def encode(self, text):
+            return np.array([sum(map(ord, w)) % 96 for w in text.split()], dtype=np.int64)
+
+        def decode(self, ids):
+            return " ".join(f"w{int(i)}" for i in ids)
+
+    monkeypatch.setattr(Checkpoint, "tokenizer", lambda self: Words())
+    fp16, _ = decided
+    assert fp16.evidence["compression"] is None
+    config = DecideConfig(model, PROMPT, tmp_path / "int8", design="dense", chunk=CHUNK, gpu_runtime="tinytitan",
+                          weights="int8")  # fmt: skip
+    decision = decide(config)
+    verify = decision.evidence["verify"].values()
+    assert all(
+        r["passed"] and r["max_relative_error"] < r["threshold"] and r["compression_error"] > r["max_relative_error"]
+        for r in verify
+    )
+    assert all(r["compression_error"] is None for r in fp16.evidence["verify"].values())
+    assert decision.evidence["arms"]["logits_relative_difference"] > fp16.evidence["arms"]["logits_relative_difference"]
+    c = decision.evidence["compression"]
+    assert c["mode"] == "int8" and c["text"].startswith("the first 256 tokens of README.md")
+    assert 0 < c["logits_diff"] and np.isfinite(c["perplexity"]) and c["reference_perplexity"] > 1
+    assert c["perplexity_change"] == pytest.approx(c["perplexity"] / c["reference_perplexity"] - 1)
+    report = (tmp_path / "int8" / "report.md").read_text()
+    assert "Compression int8 (each package verified against its own stored weights" in report
+    assert "Compression int8" in (tmp_path / "int8" / "report.html").read_text()
+    capsys.readouterr()  # the run's progress bars
+    code = main(["decide", str(model), "--prompt-tokens", "64", "--weights", "int3", "--out", str(tmp_path / "bad")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "unknown --weights 'int3'" in err[0], err
+    assert not (tmp_path / "bad").exists()

@@ -1,6 +1,9 @@
-"""Compressed-weight sidecars (int8, palettize4, int4-block): export, evaluation from disk, error bounds."""
+"""Compressed-weight sidecars (int8, palettize4, int4-block): export, evaluation from disk, verify judging the
+graph against the package's own weights and reporting (not judging) the compression's cost."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -13,7 +16,7 @@ from anelab.sidecar import kernels, quantize
 from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD
 from anelab.sidecar.evaluate import SavedPackage
 from anelab.sidecar.export import export_sidecars
-from anelab.sidecar.format import read_sidecar_metadata, weight_bytes
+from anelab.sidecar.format import META, read_raw_metadata, read_sidecar_metadata, weight_bytes, write_package_metadata
 from anelab.sidecar.verify import verify_package
 
 CHUNK = 8
@@ -83,22 +86,38 @@ def test_lut_to_dense_kernel_hand_example():
 
 
 @pytest.mark.parametrize("mode", MODES[1:])
-def test_compressed_package_verifies_and_its_error_is_bounded(packages, reports, mode):
+def test_compressed_package_verifies_against_its_own_weights_and_reports_its_cost(packages, reports, mode):
     ckpt, results = packages
     meta = read_sidecar_metadata(results[mode].package)
     assert meta.weights == mode and meta.functions == ["h0", "h8"]
     report = reports[mode]
     assert report.passed, report.table()
-    cost = [c for c in report.comparisons if c.bound is not None]
-    assert [c.function for c in cost] == ["h0", "h8"]
+    cost = [c for c in report.comparisons if c.cost]
+    assert [c.function for c in cost] == ["h0", "h8"] and all(not c.control for c in cost)
     fp16_worst = max(c.worst for c in reports["fp16"].comparisons if not c.control)
-    for c in cost:
-        # compression costs more than fp16 storage, and stays under the documented bound
-        assert 2 * fp16_worst < c.errors["attn_out"] <= quantize.ERROR_BOUNDS[mode]
+    for c in cost:  # compression costs more than fp16 storage: the cost row sees the compressed weights
+        assert 2 * fp16_worst < c.errors["attn_out"], (mode, c.errors)
+    assert "reported (not judged)" in report.table()
     # the graph itself (reference with the package's dequantized weights) is held to fp16 tolerance
-    graph = [c for c in report.comparisons if not c.control and c.bound is None]
+    graph = [c for c in report.comparisons if not c.control and not c.cost]
     assert [c.function for c in graph] == ["h0", "h0", "h8", "h8"]  # full and partial chunk each: none missing
     assert all(c.worst <= RELATIVE_ERROR_THRESHOLD for c in graph)
+
+
+def test_a_cost_row_never_fails_verify_however_large():
+    """A compression's cost is reported, not judged: even 90 % does not fail a report (its graph rows do)."""
+    from anelab.sidecar.compare import Comparison
+    from anelab.sidecar.verify_cases import VerifyReport, compression_row
+
+    row = compression_row("h0", "int4-block", 8, {"attn_out": 0.9})
+    assert row.cost and row.passed
+    graph = Comparison("h0", "full chunk", 8, {"attn_out": 2e-3})
+    control = Comparison("h0", "control: rope offset +1", 8, {"attn_out": 0.5}, control=True)
+    report = VerifyReport("p", "c", 0, RELATIVE_ERROR_THRESHOLD, "numpy", [graph, control, row],
+                          declared_controls=[("h0", "control: rope offset +1")])  # fmt: skip
+    assert report.passed
+    report.comparisons[0] = Comparison("h0", "full chunk", 8, {"attn_out": 2e-2})  # negative control: the graph
+    assert not report.passed
 
 
 def test_dequantized_weights_follow_each_modes_definition(packages):
@@ -168,9 +187,9 @@ def test_weights_are_stored_once_and_smaller(packages):
         ("int8", "constexpr_blockwise_shift_scale", lambda op: {"scale": np.asarray(op.inputs["scale"].val) * 1.1}),
     ],
 )
-def test_wrong_table_or_scale_is_caught(packages, monkeypatch, mode, kernel, wrong):
-    """Negative control: decompressing with a reversed LUT or scales 10 % off fails the bound
-    against the fp16 weights, even though the graph still matches its own (wrong) weights."""
+def test_wrong_table_or_scale_shows_in_the_cost(packages, reports, monkeypatch, mode, kernel, wrong):
+    """Decompressing with a reversed LUT or scales 10 % off: the graph still computes what it (now) stores, so the
+    graph check passes, but the cost against the uncompressed weights grows far beyond the true one."""
     ckpt, results = packages
     real = kernels.KERNELS[kernel]
 
@@ -191,11 +210,60 @@ def test_wrong_table_or_scale_is_caught(packages, monkeypatch, mode, kernel, wro
 
     monkeypatch.setitem(kernels.KERNELS, kernel, corrupted)
     report = verify_package(results[mode].package, ckpt)
-    assert not report.passed and not report.vacuous
-    cost = [c for c in report.comparisons if c.bound is not None]
+    assert report.passed, report.table()
+    true_cost = max(c.worst for c in reports[mode].comparisons if c.cost)
     # (a reversed LUT negates every projection: q.k and o(v) keep their sign, so attn_out alone can
-    # hide it at h0 — k_chunk and v_chunk do not; the bound applies to the worst of the three)
-    assert cost and all(c.worst > quantize.ERROR_BOUNDS[mode] for c in cost)
+    # hide it at h0 — k_chunk and v_chunk do not; the cost is the worst of the three)
+    assert all(c.worst > 3 * true_cost for c in report.comparisons if c.cost), report.table()
+
+
+@pytest.mark.parametrize("mode", MODES[1:])
+def test_reference_from_other_weights_than_the_stored_fails(packages, monkeypatch, mode):
+    """Negative control: the reference built from weights other than the package stores (its own dequantized
+    projections with o_proj 5 % off) fails the graph check, so verify fails — for every mode."""
+    ckpt, results = packages
+    real = quantize.dequantized_weights
+
+    def other(saved, function, weights, mode_=None):
+        deq = real(saved, function, weights, mode_)
+        return dataclasses.replace(deq, o_proj=deq.o_proj * np.float32(1.05))
+
+    monkeypatch.setattr(quantize, "dequantized_weights", other)
+    report = verify_package(results[mode].package, ckpt)
+    assert not report.passed and not report.vacuous, report.table()
+    failed = [c for c in report.comparisons if not c.control and not c.cost and not c.passed]
+    assert failed and all(c.worst > RELATIVE_ERROR_THRESHOLD for c in failed)
+
+
+@pytest.mark.parametrize("mode", ["palettize4", "int4-block"])
+def test_the_uncompressed_reference_is_not_used_silently(packages, monkeypatch, mode):
+    """Negative control: were the graph judged against the checkpoint's uncompressed weights (what verify did
+    before), the compressed packages would fail it; verify judges them against their own weights instead. (int8 on
+    these tiny random layers costs ~1e-2, too close to the threshold to make a control: default-real's int8 cost
+    is measured in notebook 07.)"""
+    ckpt, results = packages
+    monkeypatch.setattr(quantize, "dequantized_weights", lambda saved, function, weights, mode_=None: weights)
+    report = verify_package(results[mode].package, ckpt)
+    assert not report.passed, report.table()
+
+
+def test_a_package_claiming_a_compression_it_does_not_store_is_refused(packages, tmp_path):
+    """An fp16 package whose metadata says int8: its projections are stored plain, so the reference from "its own
+    dequantized weights" would be the checkpoint's — refused in one line, never verified as int8."""
+    ckpt, results = packages
+    meta = read_raw_metadata(results["fp16"].package)
+    meta[META["weights"]] = "int8"
+    lying = tmp_path / f"layer_{LAYER}.mlpackage"
+    write_package_metadata(results["fp16"].package, lying, meta)
+    assert read_sidecar_metadata(lying).weights == "int8"
+    with pytest.raises(AnelabInputError, match="records --weights int8 but stores q_proj as plain") as err:
+        verify_package(lying, ckpt)
+    assert "\n" not in str(err.value)
+    saved = SavedPackage(results["int8"].package)  # the true int8 package passes the same requirement
+    w = load_checkpoint(ckpt).layer(LAYER)
+    assert quantize.dequantized_weights(saved, "h0", w, "int8").q_proj.shape == w.q_proj.shape
+    with pytest.raises(AnelabInputError, match="constexpr_lut_to_dense expected"):
+        quantize.dequantized_weights(saved, "h0", w, "palettize4")
 
 
 def test_bad_weight_modes_are_refused(tiny_checkpoint, tmp_path, capsys):

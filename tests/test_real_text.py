@@ -142,7 +142,8 @@ def test_verify_margins_on_real_activations_pass_and_a_perturbed_sidecar_fails(s
     assert all((r.compression is None) == (r.mode == "fp16") for r in rows)
     summary = whole_model_arms.margin_summary(rows)
     assert summary[("tiny", "fp16", "prompt activations")]["layers"] == 2
-    assert summary[("tiny", "int8", "random rows")]["compression_bound"] == 0.03
+    int8 = summary[("tiny", "int8", "random rows")]
+    assert 0 < int8["compression_median"] <= int8["compression_max"] and "compression_bound" not in int8
     # negative control: a sidecar whose attention output is off by 3 % must land above the threshold
     package = root / "margins" / "fp16" / "layer_0.mlpackage"
     evaluate = SavedPackage.evaluate

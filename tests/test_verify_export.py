@@ -74,3 +74,26 @@ def test_a_directory_without_packages_is_refused_in_one_line(tmp_path, capsys):
     assert main(["verify", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "holds no layer_<L>.mlpackage" in err
+
+
+def test_an_export_directorys_table_reports_the_compression_cost_without_judging_it():
+    """A compressed layer's cost against the uncompressed weights is its own column, never its worst error nor a
+    failure; the judged worst error is the graph's. Control: a graph row above the threshold fails the layer."""
+    from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, Comparison
+    from anelab.sidecar.verify_cases import VerifyReport, compression_row
+    from anelab.sidecar.verify_export import ExportVerifyReport, LayerVerdict
+
+    def verdict(graph_error: float) -> LayerVerdict:
+        rows = [Comparison("h0", "full chunk", 8, {"attn_out": graph_error}),
+                Comparison("h0", "control: rope offset +1", 8, {"attn_out": 0.5}, control=True),
+                compression_row("h0", "int8", 8, {"attn_out": 0.06})]  # fmt: skip
+        report = VerifyReport("p", "c", 0, RELATIVE_ERROR_THRESHOLD, "numpy", rows,
+                              declared_controls=[("h0", "control: rope offset +1")])  # fmt: skip
+        return LayerVerdict(0, "layer_0.mlpackage", "dense int8", report)
+
+    ok = verdict(2e-3)
+    assert ok.worst.worst == 2e-3 and ok.compression_cost == 0.06 and ok.report.passed
+    table = ExportVerifyReport("d", [ok]).table()
+    assert "compression cost (vs uncompressed weights; not judged)" in table and "6.00e-02" in table
+    assert table.splitlines()[-1] == "PASSED: every package"
+    assert not ExportVerifyReport("d", [verdict(2e-2)]).passed

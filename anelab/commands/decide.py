@@ -28,6 +28,8 @@ def setup_arg_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measure", action="store_true", help="on a Mac: time the packages and plan again with the times")
     p.add_argument("--repeats", type=int, default=3, help="--measure: timed repeats per measurement (default 3)")
     p.add_argument("--json", action="store_true", help="print decision.json's verdict as JSON")
+    p.add_argument("--weights", default="fp16", help="the packages' weight mode: fp16 | int8 | palettize4 | int4-block "
+                   "(verified against their own weights; the compression's cost on real text reported beside)")  # fmt: skip
     add_chip(p)
     add_gpu_runtime(p)
 
@@ -60,6 +62,7 @@ def main(args) -> int:
         objective=args.objective,
         measure=args.measure,
         repeats=args.repeats,
+        weights=args.weights,
     )
     decision = decide(config).to_dict()
     if args.json:

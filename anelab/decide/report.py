@@ -213,6 +213,7 @@ def markdown(decision: dict, figure: str) -> str:
     ]
     out += _greedy_lines(a)
     out += chip_map_markdown(decision)
+    out += compression_lines(decision)
     if v["settle"]:
         out += ["", "## What would change the answer", ""]
         out += [f"- {what}: `{command}`" for what, command in v["settle"]]
@@ -235,6 +236,20 @@ def _greedy_lines(arms: dict) -> list[str]:
     return out
 
 
+def compression_lines(decision: dict) -> list[str]:
+    """``--weights``: what the compression costs the whole model on real text (reported, not judged)."""
+    c = decision["evidence"].get("compression")
+    if not c:
+        return []
+    if "note" in c:
+        return ["", f"Compression {c['mode']}: {c['note']}."]
+    return ["", f"Compression {c['mode']} (each package verified against its own stored weights; its cost reported, "
+                f"not judged), on {c['text']}, {c['decode']} decoded: logits {c['logits_diff']:.3%} from the "
+                f"uncompressed reference, greedy agreement {c['greedy_agreement']:.0%} "
+                f"({c['agreement_excluding_near_ties']:.0%} excluding {c['near_ties']} near-tie(s)), perplexity "
+                f"{c['perplexity']:.3f} against {c['reference_perplexity']:.3f} ({c['perplexity_change']:+.2%})."]  # fmt: skip
+
+
 def html(decision: dict, figure_png_bytes: bytes) -> str:
     import jinja2
 
@@ -248,7 +263,9 @@ def html(decision: dict, figure_png_bytes: bytes) -> str:
         verdict_lines=verdict_lines(decision),
         costs=cost_rows(decision),
         seconds=seconds,
-        greedy_lines=[line for line in _greedy_lines(decision["evidence"]["arms"]) if line],
+        greedy_lines=[
+            line for line in _greedy_lines(decision["evidence"]["arms"]) + compression_lines(decision) if line
+        ],
         chip_rows=chip_map_rows(decision),
         figure_uri="data:image/png;base64," + base64.b64encode(figure_png_bytes).decode("ascii"),
     )

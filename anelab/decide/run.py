@@ -38,6 +38,7 @@ from anelab.planner.settle import MAC_MEASUREMENT_DECIDE, settle_commands
 from anelab.planner.verdict import ArmCosts, Verdict, plan_arm_costs, verdict_for
 from anelab.runtimes.mlx.from_gguf import mlx_readable_path
 from anelab.sidecar.designs import DESIGNS, PRICED, SidecarRequest, get_design
+from anelab.sidecar.quantize import validate_weights_mode
 
 ARMS_DECODE = 8  # greedy tokens decoded after the prefill in the arms
 SWEEP_POINTS = 16  # prompt lengths on the figure
@@ -65,6 +66,7 @@ class DecideConfig:
     repeats: int = 3
     decode: int = ARMS_DECODE
     clock: object | None = None  # injectable clock for the timing (tests: the fake's)
+    weights: str = "fp16"  # the packages' weight mode (sidecar.quantize); a compression's cost is reported beside
 
     @property
     def user_gpu(self) -> dict:
@@ -198,6 +200,7 @@ def open_request(config: DecideConfig) -> Opened:
     if not Path(config.checkpoint).exists():
         raise AnelabInputError(f"checkpoint {config.checkpoint} does not exist; pass a model directory (config.json)")
     checkpoint = load_checkpoint(config.checkpoint)
+    validate_weights_mode(config.weights, checkpoint.geometry)  # an unknown or unfit --weights refused before any work
     from anelab.arms.compare import open_engine_model
 
     engine, model = open_engine_model(checkpoint)  # the whole-model arms need the whole model: refused here
@@ -391,7 +394,8 @@ def whole_model_evidence(
         served_by = next(name for name in PRICED if DESIGNS[name].served_by_arms and not DESIGNS[name].stateful)
         per_history = replace(candidate, design=served_by, capacity=None, key_tile=None, query_tile=None)
         bar.total += len(opened.layers)
-        directory, verified, _ = export_and_verify(config, opened, per_history.sidecar_request(), bar)
+        request = replace(per_history.sidecar_request(), weights=config.weights)
+        directory, verified, _ = export_and_verify(config, opened, request, bar)
     evidence = EvidenceFile(config.out / "evidence.json", opened.identity)
     key = arms_key(config, opened, served_by, candidate.chunk, verified)
     known = evidence.arms(key)
@@ -448,6 +452,36 @@ def run_whole_model_arms(config: DecideConfig, opened: Opened, directory: Path, 
         "noise": pair.noise,
         "weights": None if report.weights is None else report.weights.describe(),
     }
+
+
+COST_TOKENS = 256  # --weights: the real text the compression is costed on (README tokens, fewer if it is shorter)
+
+
+def compression_evidence(config: DecideConfig, opened: Opened, directory: Path) -> dict | None:
+    """``--weights`` other than fp16: what the compression costs the whole model on real text (the first
+    ``COST_TOKENS`` README tokens under the checkpoint's tokenizer), the reference decoder with the projections the
+    packages in ``directory`` store against the reference (``arms.compression_cost``): logits, greedy agreement,
+    perplexity change. Reported, never judged; verify judged each package against its own weights. None for fp16; a
+    note instead of numbers when the checkpoint has no tokenizer or the arms run on mlx-lm."""
+    if config.weights == "fp16":
+        return None
+    from anelab.arms import real_text
+    from anelab.arms.compression_cost import stored_attention, stored_weights_costs
+    from anelab.arms.run import REFERENCE_CHUNK
+
+    if opened.engine != "numpy":
+        return {"mode": config.weights, "note": "not costed on real text: the arms run on mlx-lm (--engine numpy does)"}
+    try:
+        tokenizer = opened.model.checkpoint.tokenizer()
+    except AnelabInputError:
+        return {"mode": config.weights, "note": "not costed on real text: the checkpoint carries no tokenizer"}
+    tokens = min(COST_TOKENS, int(tokenizer.encode(real_text.docs_text()).size))
+    prompt = real_text.docs_prompt(tokenizer, tokens)
+    packages = {layer: str(directory / f"layer_{layer}.mlpackage") for layer in opened.layers}
+    stored = {config.weights: stored_attention(packages, opened.model)}
+    cost = stored_weights_costs(opened.model, prompt, stored, decode=config.decode, chunk=REFERENCE_CHUNK)
+    return {**cost[config.weights].to_dict(), "text": f"the first {tokens} tokens of {real_text.DOCS_SOURCE}",
+            "arm": "the reference decoder with the packages' stored projections, against the checkpoint's"}  # fmt: skip
 
 
 # ---- measured on this Mac -------------------------------------------------------------------------------------
@@ -624,11 +658,12 @@ def _decided(config: DecideConfig, opened: Opened) -> Decision:
         verdicts = {name: verdict_for(c, commands) for name, c in plan.arm_costs.items()}
         candidate = choose_design(config, plan)
         bar.update(1)
-        request = candidate.sidecar_request()
+        request = replace(candidate.sidecar_request(), weights=config.weights)
         directory, verified, refusal = export_and_verify(config, opened, request, bar, beside=True)
         with verified_beside(config, opened, request, verified, bar):
             arms = whole_model_evidence(config, opened, candidate, directory, verified, bar)
         reverify_when_the_arms_disagree(opened, verified, arms)
+        compression = compression_evidence(config, opened, directory)
         measured, final = None, verdicts[candidate.design]
         if opened.runtime is not None:
             bar.set_postfix_str("measure on this Mac")
@@ -656,6 +691,7 @@ def _decided(config: DecideConfig, opened: Opened) -> Decision:
         evidence={
             "verify": {str(k): v for k, v in verified.items()},
             "arms": arms,
+            "compression": compression,
             "measured": measured.to_dict() if measured else None,
         },
         sweep=rows,
@@ -692,7 +728,7 @@ def _yours(config: DecideConfig, verdict: Verdict) -> list[str]:
 
 def _config_dict(config: DecideConfig) -> dict:
     keys = ("checkpoint", "prompt_tokens", "out", "design", "chunk", "family", "gpu_prefill_seconds")
-    keys += ("gpu_tokens_per_second", "measure", "repeats", "decode", "gpu_runtime", "chip", "objective")
+    keys += ("gpu_tokens_per_second", "measure", "repeats", "decode", "gpu_runtime", "chip", "objective", "weights")
     return {k: str(getattr(config, k)) if isinstance(getattr(config, k), Path) else getattr(config, k) for k in keys}
 
 

@@ -152,7 +152,7 @@ def verify_block_package(
     weights = reader.weights(checkpoint, meta.layer)
     graph_weights = weights
     if meta.weights != "fp16":  # the graph is held to the fp16 threshold with the weights it stores
-        stored = quantize.dequantized_linears(saved, function, reader.projections)
+        stored = quantize.dequantized_linears(saved, function, reader.projections, meta.weights)
         graph_weights = dataclasses.replace(weights, **stored)
     x = block_rows(meta, checkpoint.geometry.hidden_size, seed)
     run = lambda rows: saved.evaluate(function, {"hidden": rows}, fp16=fp16)  # noqa: E731

@@ -24,11 +24,13 @@ verification reports itself vacuous and fails:
 - ``mask reaches graph``: the *package* is fed a mask that drops a random half of each row's
   visible keys, so a graph that ignored its mask input could not pass.
 
-Compressed weights (``--weights int8|palettize4|int4-block``): the reference above uses the
-package's own dequantized projections (``anelab.sidecar.quantize.dequantized_weights``), so the graph is
-still held to the fp16 threshold; one more comparison per function measures the package against
-the reference with the checkpoint's (fp16-exact) weights, bounded by ``quantize.ERROR_BOUNDS[mode]``
-— a wrong scale or lookup table lands above it.
+Compressed weights (``--weights int8|palettize4|int4-block``) are judged twice, separately. The graph: the
+reference above uses the package's own dequantized projections (``anelab.sidecar.quantize.dequantized_weights``,
+each read from the mode's own decompression op — a package recording a compression but storing a projection
+plain is refused), so the package is held to the fp16 threshold for computing what it stores; only this
+decides ``passed``. The compression: one more comparison per function (``Comparison.cost``) measures the package
+against the reference with the checkpoint's uncompressed weights and is reported, never judged — what real
+weights lose is measured on the whole model (``anelab.arms.compression_cost``), not bounded by random weights.
 """
 
 from __future__ import annotations
@@ -147,7 +149,7 @@ class VerifyReport:
             verdict = (
                 (f"ok: control fails{margin}" if c.passed else "VACUOUS")
                 if c.control
-                else ("ok" if c.passed else "FAIL")
+                else ("reported (not judged)" if c.cost else ("ok" if c.passed else "FAIL"))
             )
             errs = " ".join(f"{c.errors[o]:>10.2e}" if o in c.errors else f"{'-':>10}" for o in self.outputs)
             lines.append(f"{c.function:<10} {c.case:<28} {c.rows:>5} {errs}  {verdict}")
@@ -359,7 +361,9 @@ def function_cases(
     for name in names:
         with _timed(run.seconds, "inputs"):
             weights = (
-                quantize.dequantized_weights(saved, name, checkpoint_weights) if compressed else checkpoint_weights
+                quantize.dequantized_weights(saved, name, checkpoint_weights, meta.weights)
+                if compressed
+                else checkpoint_weights
             )
             rng = np.random.default_rng([seed, history_of(name)])
             if activations is not None:
@@ -417,7 +421,7 @@ def function_comparisons(
     compression: tuple[AttentionWeights, str] | None = None,
 ) -> list[Comparison]:
     """One function at a full and a partial chunk, and its negative controls (and, with ``compression`` =
-    (checkpoint weights, mode), what the compression costs). The reference runs once at the full chunk;
+    (checkpoint weights, mode), what the compression costs: reported, not judged). The reference runs once at the full chunk;
     with fp32 its own error against an fp64 run of a slice of its rows is appended to ``run.reference_checks``."""
     name, C, H = inputs.function, inputs.hidden.shape[0], inputs.history
     mask, ref_mask = run.masks(C, H)
@@ -521,14 +525,13 @@ def compression_comparison(
     *,
     out: dict[str, np.ndarray] | None = None,
 ) -> Comparison:
-    """What the compression costs: the package against the reference with the checkpoint's weights
-    (``out``: the package's NumPy outputs under the causal mask, when already computed)."""
+    """What the compression costs: the package against the reference with the checkpoint's uncompressed weights
+    (``out``: the package's NumPy outputs under the causal mask, when already computed); reported, not judged."""
     C, H = inputs.hidden.shape[0], inputs.history
     if out is None:
         out = run.package(inputs, causal(C, H, window=run.window), numpy=True)
     ref = run.reference(inputs, checkpoint_weights, causal(C, H, window=run.true_window))
-    bound = quantize.ERROR_BOUNDS[mode]
-    return Comparison(inputs.function, f"{mode} vs fp16 w. (<={bound:g})", C, output_errors(out, ref, C), bound=bound)
+    return compression_row(inputs.function, mode, C, output_errors(out, ref, C))
 
 
 def cross_checks(
@@ -680,7 +683,7 @@ def open_stateful_package(package: str | os.PathLike, checkpoint_dir: str | os.P
     checkpoint_weights = checkpoint.layer(meta.layer)
     weights = checkpoint_weights
     if meta.weights != "fp16":
-        weights = quantize.dequantized_weights(saved, meta.functions[0], checkpoint_weights)
+        weights = quantize.dequantized_weights(saved, meta.functions[0], checkpoint_weights, meta.weights)
     return meta, checkpoint, saved, weights, checkpoint_weights
 
 
@@ -773,10 +776,9 @@ def stateful_runner(saved: SavedPackage, hidden: np.ndarray, meta: SidecarMetada
 
 
 def compression_row(label: str, mode: str, rows: int, errors: dict[str, float]) -> Comparison:
-    """What a compression costs: the package against the reference with the checkpoint's fp16 weights,
-    bounded by ``quantize.ERROR_BOUNDS[mode]``."""
-    bound = quantize.ERROR_BOUNDS[mode]
-    return Comparison(label, f"{mode} vs fp16 w. (<={bound:g})", rows, errors, bound=bound)
+    """What a compression costs: the package against the reference with the checkpoint's uncompressed weights
+    (``Comparison.cost``: reported, never judged)."""
+    return Comparison(label, f"cost: {mode} vs uncompressed", rows, errors, cost=True)
 
 
 def stateful_controls(

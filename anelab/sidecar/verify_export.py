@@ -37,7 +37,8 @@ def _bound(c: Comparison, threshold: float) -> float:
 @dataclass
 class LayerVerdict:
     """One package's summary: design (graph and weight mode), worst checked error against its bound, and
-    the weakest control margin (control error / its bound; None when the package has no control)."""
+    the weakest control margin (control error / its bound; None when the package has no control), and a compressed
+    package's cost (its worst error against the uncompressed weights: reported, not judged)."""
 
     layer: int
     package: str
@@ -46,13 +47,18 @@ class LayerVerdict:
 
     @property
     def worst(self) -> Comparison | None:
-        checked = [c for c in self.report.comparisons if not c.control]
+        checked = [c for c in self.report.comparisons if not c.control and not c.cost]
         return max(checked, key=lambda c: c.worst / _bound(c, self.report.threshold), default=None)
 
     @property
     def weakest_control_margin(self) -> float | None:
         controls = [c.worst / _bound(c, self.report.threshold) for c in self.report.comparisons if c.control]
         return min(controls, default=None)
+
+    @property
+    def compression_cost(self) -> float | None:
+        """The worst error against the checkpoint's uncompressed weights (None for an fp16 package)."""
+        return max((c.worst for c in self.report.comparisons if c.cost), default=None)
 
     @property
     def result(self) -> str:
@@ -67,6 +73,7 @@ class LayerVerdict:
             "worst_error": None if worst is None else worst.worst,
             "worst_bound": None if worst is None else _bound(worst, self.report.threshold),
             "weakest_control_margin": self.weakest_control_margin,
+            "compression_cost": self.compression_cost,
             "passed": self.report.passed,
             "report": self.report.to_dict(),
         }
@@ -86,16 +93,19 @@ class ExportVerifyReport:
         return bool(self.layers) and all(v.report.passed for v in self.layers) and not self.set_problems
 
     def table(self) -> str:
+        compressed = any(v.compression_cost is not None for v in self.layers)
         lines = [
             f"verify {self.directory}: {len(self.layers)} packages"
             + "".join(sorted({f"; inputs: {v.report.inputs}" for v in self.layers})),
-            f"{'layer':>5}  {'design':<22} {'worst error':>12} {'(bound)':>9}  {'weakest control':>15}  result",
+            f"{'layer':>5}  {'design':<22} {'worst error':>12} {'(bound)':>9}  {'weakest control':>15}  result"
+            + ("  compression cost (vs uncompressed weights; not judged)" if compressed else ""),
         ]
         for v in self.layers:
             worst, margin = v.worst, v.weakest_control_margin
             error = f"{worst.worst:>12.2e} {_bound(worst, v.report.threshold):>9.0e}" if worst else f"{'-':>12} {'':>9}"
             control = f"{margin:>14.0f}x" if margin is not None else f"{'none':>15}"
-            lines.append(f"{v.layer:>5}  {v.design:<22} {error}  {control}  {v.result}")
+            cost = "" if v.compression_cost is None else f"  {v.compression_cost:.2e}"
+            lines.append(f"{v.layer:>5}  {v.design:<22} {error}  {control}  {v.result:<6}{cost}".rstrip())
         lines += [f"not one export: {problem}" for problem in self.set_problems]
         failed = [str(v.layer) for v in self.layers if not v.report.passed]
         failures = ([f"layer {', '.join(failed)}"] if failed else []) + (["the set"] if self.set_problems else [])

@@ -327,10 +327,11 @@ def package_facts(package: str | os.PathLike) -> dict:
 def summarize_verification(report) -> dict:
     """One row from an ``anelab.sidecar.verify.VerifyReport``: passed, vacuous, ``graph_error`` (worst
     non-control comparison against the reference with the package's own weights),
-    ``weights_error`` (worst comparison against the checkpoint's fp16 weights; None for fp16
-    packages) and ``weakest_control`` (the smallest error a negative control reached)."""
-    graph = [c.worst for c in report.comparisons if not c.control and c.bound is None]
-    weights = [c.worst for c in report.comparisons if c.bound is not None]
+    ``weights_error`` (the compression's cost: worst comparison against the checkpoint's uncompressed weights,
+    reported, not judged; None for fp16 packages) and ``weakest_control`` (the smallest error a negative control
+    reached)."""
+    graph = [c.worst for c in report.comparisons if not c.control and not c.cost]
+    weights = [c.worst for c in report.comparisons if c.cost]
     controls = [c.worst for c in report.comparisons if c.control]
     return {
         "passed": report.passed,

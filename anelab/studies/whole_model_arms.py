@@ -104,8 +104,8 @@ def real_sidecar_comparison(
 class MarginRow:
     """One package's verification, summarised: ``error`` the worst relative error of the comparisons held to the
     fp16 threshold (package vs the reference with the weights the graph holds; full and partial chunk, every
-    function), ``compression`` the worst against the checkpoint's own weights with its ``compression_bound``
-    (None for fp16), ``control_margin`` the weakest negative control over its bound (> 1: every control failed)."""
+    function), ``compression`` the worst against the checkpoint's uncompressed weights (reported, not judged;
+    None for fp16), ``control_margin`` the weakest negative control over its bound (> 1: every control failed)."""
 
     checkpoint: str
     mode: str
@@ -114,7 +114,6 @@ class MarginRow:
     error: float
     threshold: float
     compression: float | None
-    compression_bound: float | None
     control_margin: float
     passed: bool
 
@@ -126,15 +125,14 @@ class MarginRow:
 
 def margin_row(report, checkpoint: str, mode: str, inputs: str) -> MarginRow:
     """A ``MarginRow`` from one ``sidecar.verify_cases.VerifyReport``."""
-    checked = [c for c in report.comparisons if not c.control and c.bound is None]
-    compressed = [c for c in report.comparisons if not c.control and c.bound is not None]
+    checked = [c for c in report.comparisons if not c.control and not c.cost and c.bound is None]
+    compressed = [c for c in report.comparisons if c.cost]
     controls = [c.worst / (report.threshold if c.bound is None else c.bound) for c in report.comparisons if c.control]
     if not checked or not controls:
         raise AnelabInputError(f"{report.package}: the report holds no checked comparison or no control")
     return MarginRow(
         checkpoint, mode, inputs, report.layer, max(c.worst for c in checked), report.threshold,
-        max((c.worst for c in compressed), default=None), compressed[0].bound if compressed else None,
-        min(controls), report.passed,
+        max((c.worst for c in compressed), default=None), min(controls), report.passed,
     )  # fmt: skip
 
 
@@ -186,7 +184,7 @@ def margin_summary(rows: list[MarginRow]) -> dict[tuple[str, str, str], dict]:
                  "passed": all(r.passed for r in group)}  # fmt: skip
         comp = [r.compression for r in group if r.compression is not None]
         if comp:
-            entry.update(compression_max=float(max(comp)), compression_bound=group[0].compression_bound)
+            entry.update(compression_max=float(max(comp)), compression_median=float(np.median(comp)))
         out[key] = entry
     return out
 
