@@ -51,19 +51,19 @@ test: $(STAMP) test-tools
 	  echo "OpenBLAS picks $$core here: the blas_exact tests again with OPENBLAS_CORETYPE=$$other"; \
 	  OPENBLAS_CORETYPE=$$other $(PY) -m pytest -q -m blas_exact; fi
 
-## What the browser test (tests/test_browser.py) needs, each only when missing: Chromium (Debian's package,
+## What the browser test (tests/publish/test_browser.py) needs, each only when missing: Chromium (Debian's package,
 ## installed with apt-get when run as root; elsewhere install it or set ANELAB_CHROMIUM) and the pinned
 ## widget manager (npm pack into build/vendor/, as make docs vendors it).
 test-tools: $(STAMP) models
 	@$(PY) -c 'from anelab.publish.browser import find_chromium; find_chromium()' 2>/dev/null || \
 	{ if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "installing chromium (apt-get) for tests/test_browser.py"; \
+	    echo "installing chromium (apt-get) for tests/publish/test_browser.py"; \
 	    export DEBIAN_FRONTEND=noninteractive; \
 	    apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1 || \
 	    { apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends chromium >/dev/null; }; \
-	  else echo "note: no Chromium here; tests/test_browser.py will fail until it is installed (or ANELAB_CHROMIUM set)"; fi; }
+	  else echo "note: no Chromium here; tests/publish/test_browser.py will fail until it is installed (or ANELAB_CHROMIUM set)"; fi; }
 	@$(PY) -c 'from anelab.publish.widget_manager import fetch_tarball; fetch_tarball()' 2>/dev/null || \
-	echo "note: the widget manager could not be fetched (npm pack); tests/test_browser.py will say why"
+	echo "note: the widget manager could not be fetched (npm pack); tests/publish/test_browser.py will say why"
 
 ## Figure gallery for the docs: build/docs/index.html (runs the studies first if build/html is missing).
 docs: $(STAMP)

@@ -3,7 +3,7 @@
 ``COMMANDS`` is the table of subcommands: name, the module of ``anelab.commands`` that owns it (its
 ``setup_arg_parser(parser)`` adds the flags, its ``main(args)`` runs it) and the one-line help ``anelab --help``
 lists. Only the invoked command's module is imported, so a command pays only for what it uses (``anelab
-evaluate``: NumPy and the saved-program evaluator; tests/test_cli_imports.py holds the line).
+evaluate``: NumPy and the saved-program evaluator; tests/commands/test_cli_imports.py holds the line).
 """
 
 from __future__ import annotations
@@ -18,32 +18,32 @@ from anelab.core.errors import AnelabInputError
 EXIT_BAD_INPUT = 2
 EXIT_TERMINATED = 128 + 15
 
-# name, module in anelab.commands, one-line help (anelab --help lists them in this order)
+# name, module in anelab.commands (<command>_command.py), one-line help (anelab --help lists them in this order)
 COMMANDS = (
-    ("export", "export", "export attention layers (full or sliding window) as multifunction Core ML sidecars"),
-    ("inspect", "inspect", "functions, shapes, op counts, weight bytes and metadata of a saved package"),
-    ("evaluate", "evaluate", "run one function of a saved package with NumPy (any OS)"),
-    ("verify", "verify",
+    ("export", "export_command", "export attention layers (full or sliding window) as multifunction Core ML sidecars"),
+    ("inspect", "inspect_command", "functions, shapes, op counts, weight bytes and metadata of a saved package"),
+    ("evaluate", "evaluate_command", "run one function of a saved package with NumPy (any OS)"),
+    ("verify", "verify_command",
      "check a saved package (or every package of an export directory) against the NumPy reference"),
-    ("reproduce", "reproduce",
+    ("reproduce", "reproduce_command",
      "the main job: export + verify the default sidecar, run the study notebooks, write figures"),
-    ("doctor", "doctor", "is the Core ML runtime available here, versions, which studies run fresh vs replay"),
-    ("plan", "plan", "chunks, variants, setup and the ANE-vs-GPU decision for one prompt"),
-    ("size", "size", "bytes of a gather graph's gathered keys against the dense score matrix"),
-    ("probe", "probe", "build, save and evaluate the dense-masked and gather attention probes at one chunk"),
-    ("compare-arms", "compare_arms",
+    ("doctor", "doctor_command", "is the Core ML runtime available here, versions, which studies run fresh vs replay"),
+    ("plan", "plan_command", "chunks, variants, setup and the ANE-vs-GPU decision for one prompt"),
+    ("size", "size_command", "bytes of a gather graph's gathered keys against the dense score matrix"),
+    ("probe", "probe_command", "build, save and evaluate the dense-masked and gather attention probes at one chunk"),
+    ("compare-arms", "compare_arms_command",
      "whole model: per-layer hidden, logits and greedy text with the attention on the sidecars vs the reference"),
-    ("ab", "ab",
+    ("ab", "ab_command",
      "whole-model prefill A/B: mlx-lm's own prefill (the GPU arm) against the hybrid with every full-attention "
      "layer on its sidecar (the ANE arm, cpu_and_ne); measured on a Mac, labelled correctness run elsewhere"),
-    ("decide", "decide",
+    ("decide", "decide_command",
      "plan every design for a checkpoint, export + verify the candidate, run the whole-model arms, "
      "(on a Mac) measure, and write report.html / report.md / decision.json"),
-    ("run", "run", "one papermill run of a study into runs/<study>/<run id>/"),
-    ("batch", "batch", "run a TOML grid of study parameters in a local process pool"),
-    ("records", "records", "list the records, or compare fresh values with the seeds' recorded ones"),
-    ("docs", "docs", "build the figure gallery (build/docs/index.html) from figures/MANIFEST.json"),
-    ("measure", "measure",
+    ("run", "run_command", "one papermill run of a study into runs/<study>/<run id>/"),
+    ("batch", "batch_command", "run a TOML grid of study parameters in a local process pool"),
+    ("records", "records_command", "list the records, or compare fresh values with the seeds' recorded ones"),
+    ("docs", "docs_command", "build the figure gallery (build/docs/index.html) from figures/MANIFEST.json"),
+    ("measure", "measure_command",
      "on a Mac: doctor, export with the ANE gate, verify on the device, load timings, block A/B, probe timing"),
 )  # fmt: skip
 
@@ -79,15 +79,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def _is_gate_refusal(error: Exception) -> bool:
-    """Whether ``error`` is the ANE gate's refusal (``anelab.runtimes.gate.AneGateError``). Only a command
+    """Whether ``error`` is the ANE gate's refusal (``anelab.runtimes.coreml.gate.AneGateError``). Only a command
     that imported the gate can raise it, so the gate is looked up, not imported (its import pulls in
     NumPy and the runtime layer, which most commands never need)."""
-    gate = sys.modules.get("anelab.runtimes.gate")
+    gate = sys.modules.get("anelab.runtimes.coreml.gate")
     return gate is not None and isinstance(error, gate.AneGateError)
 
 
 def main(argv: list[str] | None = None) -> int:
-    # imported here, not at the top: `import anelab.cli` loads nothing of anelab beyond core.errors
+    # inside: `import anelab.cli` loads nothing of anelab beyond core.errors
     from anelab.core.termination import Terminated, terminate_by_exception
 
     try:

@@ -86,7 +86,7 @@ def gemm_floor(shapes: Counter) -> tuple[float, float]:
 
 
 def _prompt(args, checkpoint):
-    from anelab.arms.compare import read_tokens
+    from anelab.arms.arm_comparison import read_tokens
 
     if args.tokens:
         return read_tokens(args.tokens)
@@ -99,7 +99,7 @@ def _prompt(args, checkpoint):
 
 
 def _timed_run(label: str, checkpoint, sidecars, prompt, args, budget):
-    from anelab.arms.compare import compare_arms
+    from anelab.arms.arm_comparison import compare_arms
 
     load = os.getloadavg()[0]
     wall, cpu = time.perf_counter(), time.process_time()
@@ -123,9 +123,9 @@ def main() -> None:
     if args.quick:
         args.checkpoint, args.prompt_tokens, args.decode = "default-dense", 64, 4
 
-    from anelab.arms.compare import named_with_sidecars
+    from anelab.arms.arm_comparison import named_with_sidecars
     from anelab.checkpoints.default import named_checkpoints
-    from anelab.checkpoints.model import load_model
+    from anelab.checkpoints.whole_model import load_model
 
     named = named_checkpoints().get(args.checkpoint)
     chunk = args.chunk or (named.chunk if named else 256)

@@ -35,9 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     from anelab.checkpoints.default import default_checkpoint_dir
     from anelab.core.masks import causal
     from anelab.sidecar.backends import BACKENDS
-    from anelab.sidecar.coreai_asset import CoreAIAsset
-    from anelab.sidecar.evaluate import SavedPackage, evaluate
+    from anelab.sidecar.coreai.asset import CoreAIAsset
     from anelab.sidecar.export import export_sidecars
+    from anelab.sidecar.mil.evaluate import SavedPackage, evaluate
 
     chunk, repeats = (16, 1) if args.quick else (64, 5)
     histories = [0, chunk, 2 * chunk]

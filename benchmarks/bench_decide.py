@@ -27,7 +27,7 @@ import shutil
 import time
 from pathlib import Path
 
-PHASES = {  # anelab.decide.run function -> the phase it times
+PHASES = {  # anelab.decide.decision function -> the phase it times
     "open_request": "open the checkpoint",
     "export_and_verify": "export + verify",
     "verified_beside": "arms (+ layers verified beside)",
@@ -37,8 +37,8 @@ PHASES = {  # anelab.decide.run function -> the phase it times
 
 def _timed_phases(times: dict[str, float]):
     """Wrap decide's phase functions so that each adds its wall time to ``times`` (a benchmark's instrument)."""
-    import anelab.decide.report as report
-    import anelab.decide.run as run
+    import anelab.decide.decision as run
+    import anelab.decide.decision_report as report
 
     def wrap(module, name):
         inner = getattr(module, name)
@@ -85,8 +85,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from anelab.checkpoints.default import make_llama32_1b_shaped, resolve_checkpoint
-    from anelab.decide.report import verdict_lines
-    from anelab.decide.run import DecideConfig, decide
+    from anelab.decide.decision import DecideConfig, decide
+    from anelab.decide.decision_report import verdict_lines
 
     out = Path(args.out)
     start = time.perf_counter()

@@ -3,7 +3,7 @@
 The checkpoint has the shape of Llama-3.2-1B (hidden 2048, 16 layers, 32/8 heads of 64, intermediate
 8192, vocabulary 128,256, tied embeddings) or, with ``--shape 8b``, of Llama-3.1-8B (hidden 4096, 32
 layers, 32/8 heads of 128, intermediate 14,336, untied); random bf16 weights written in shards by
-anelab's own writer (``anelab.checkpoints.model.write_random_model``, one tensor at a time). Each step is the
+anelab's own writer (``anelab.checkpoints.whole_model.write_random_model``, one tensor at a time). Each step is the
 command a user types, run in a fresh process; its wall time and peak resident memory (the child's
 ru_maxrss from wait4) and CPU seconds are printed beside the load average: a shared machine inflates wall
 times much more than CPU seconds (a single-threaded step's CPU seconds approximate a quiet machine's wall
@@ -37,7 +37,7 @@ STEPS = ("plan", "export", "verify", "compare-arms")
 
 
 def write_model(path: Path, shape: str) -> float:
-    from anelab.checkpoints.model import write_random_model
+    from anelab.checkpoints.whole_model import write_random_model
     from anelab.core.geometry import AttentionGeometry
 
     s = SHAPES[shape]

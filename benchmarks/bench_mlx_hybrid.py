@@ -109,7 +109,7 @@ def bpe_tokenizer(meta: dict):
 
 
 def run_model(name: str, checkpoint: Path, work: Path, chunk: int, prompt_tokens: int, tokens=None, tokenizer=None):
-    from anelab.arms.compare import compare_arms
+    from anelab.arms.arm_comparison import compare_arms
     from anelab.arms.prefill_ab import ab_request, run_ab
     from anelab.sidecar.export import export_sidecars
 

@@ -48,7 +48,7 @@ def _child(mode: str, ckpt: str, pkg: str, history: int, chunk: int) -> None:
     from anelab.checkpoints.checkpoint import load_checkpoint
     from anelab.core import reference
     from anelab.core.masks import causal
-    from anelab.sidecar.evaluate import SavedPackage, evaluate
+    from anelab.sidecar.mil.evaluate import SavedPackage, evaluate
 
     ck = load_checkpoint(ckpt)
     g, w = ck.geometry, ck.layer(ck.geometry.full_attention_layers[0])

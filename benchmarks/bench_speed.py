@@ -34,7 +34,7 @@ REALISTIC = dict(hidden_size=2048, num_heads=16, num_kv_heads=4, head_dim=128, c
 QUICK = dict(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, chunk=256, histories=[0, 256, 512])
 VERIFY_GOAL, EVALUATE_GOAL, CLI_GOAL_SECONDS, REPRODUCE_GOAL_SECONDS = 1.5, 1.15, 1.0, 180.0
 REPO = Path(__file__).resolve().parents[1]
-IMPORTS_NEEDED = "anelab.sidecar.evaluate, coremltools.converters.mil.frontend.milproto.load"
+IMPORTS_NEEDED = "anelab.sidecar.mil.evaluate, coremltools.converters.mil.frontend.milproto.load"
 
 
 def _load() -> str:
@@ -70,7 +70,7 @@ def build(work: Path, p: dict) -> tuple[Path, Path]:
 
 
 def verify_row(package: Path, ckpt: Path) -> None:
-    from anelab.sidecar.verify import verify_package
+    from anelab.sidecar.checks.verify import verify_package
 
     report = verify_package(package, ckpt)
     s = report.seconds
@@ -109,7 +109,7 @@ def _block_inputs(g, C: int, H: int) -> dict[str, np.ndarray]:
 def evaluate_row(package: Path, ckpt: Path, C: int, H: int, repeats: int) -> dict[str, np.ndarray]:
     from anelab.checkpoints.checkpoint import load_checkpoint
     from anelab.core import reference
-    from anelab.sidecar.evaluate import SavedPackage, evaluate
+    from anelab.sidecar.mil.evaluate import SavedPackage, evaluate
 
     checkpoint = load_checkpoint(ckpt)
     g, w = checkpoint.geometry, checkpoint.layer(0)
@@ -134,7 +134,7 @@ def evaluate_row(package: Path, ckpt: Path, C: int, H: int, repeats: int) -> dic
 
 
 def cli_row(package: Path, inputs: dict[str, np.ndarray], H: int, work: Path, repeats: int) -> None:
-    from anelab.sidecar.evaluate import SavedPackage, evaluate
+    from anelab.sidecar.mil.evaluate import SavedPackage, evaluate
 
     npz = work / "inputs.npz"
     np.savez(npz, **inputs)
@@ -172,7 +172,7 @@ import time; t = [time.perf_counter()]
 import io, json, sys
 import numpy as np
 from anelab.core.records import atomic_write_bytes
-from anelab.sidecar.evaluate import SavedPackage, evaluate
+from anelab.sidecar.mil.evaluate import SavedPackage, evaluate
 import coremltools.converters.mil.frontend.milproto.load
 t.append(time.perf_counter()); package, function, inputs, out = sys.argv[1:]
 pkg = SavedPackage(package); t.append(time.perf_counter())

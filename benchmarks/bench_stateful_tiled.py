@@ -91,7 +91,7 @@ def _prefill(saved, design: str, hidden: np.ndarray, chunk: int, capacity: int, 
 def _peak_working_bytes(saved, design: str, hidden: np.ndarray, chunk: int, capacity: int, fuse: bool) -> int:
     """The largest working memory of one call over the prefill: tracemalloc's peak during the call less
     what was allocated when it began (the state, the call's inputs, the driver's prompt and outputs)."""
-    from anelab.sidecar.evaluate import evaluate_with_state
+    from anelab.sidecar.mil.evaluate import evaluate_with_state
 
     largest = 0
 
@@ -113,8 +113,8 @@ def _peak_working_bytes(saved, design: str, hidden: np.ndarray, chunk: int, capa
 
 def main(argv=None) -> int:
     from anelab.core.weights import random_attention_weights
-    from anelab.sidecar.compare import relative_error
-    from anelab.sidecar.evaluate import SavedPackage
+    from anelab.sidecar.checks.comparison import relative_error
+    from anelab.sidecar.mil.evaluate import SavedPackage
     from anelab.studies.one_function import intermediate_profile
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -42,12 +42,12 @@ def _geometry(p: dict):
 
 def largest_intermediates(p: dict, key_tile: int, work: Path) -> list[dict]:
     from anelab.core.weights import random_attention_weights
-    from anelab.sidecar.evaluate import SavedPackage
     from anelab.sidecar.export import convert_program
     from anelab.sidecar.graphs.common import SidecarShape
     from anelab.sidecar.graphs.dense import build_dense_program
     from anelab.sidecar.graphs.stateful import build_stateful_program
     from anelab.sidecar.graphs.tiled import build_tiled_program
+    from anelab.sidecar.mil.evaluate import SavedPackage
 
     g = _geometry(p)
     w = random_attention_weights(g, 0, seed=0)
@@ -70,7 +70,7 @@ def largest_intermediates(p: dict, key_tile: int, work: Path) -> list[dict]:
 def weight_modes(p: dict, work: Path) -> list[dict]:
     from anelab.checkpoints.checkpoint import write_checkpoint
     from anelab.core.weights import random_attention_weights
-    from anelab.sidecar import verify
+    from anelab.sidecar.checks import verify
     from anelab.sidecar.export import export_sidecars
     from anelab.sidecar.quantize import WEIGHT_MODES
 

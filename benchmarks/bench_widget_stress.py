@@ -10,7 +10,7 @@ papermill#723). Prints per notebook: runs, ok, failed, hangs, median and slowest
 widget manager (``anelab.publish.widget_manager``; needs npm once and ``chromium``, run by
 ``anelab.publish.browser``): the DOM after the scripts ran must hold the rendered slider, and a PNG
 of the explore cell is written to DIR. The same check, with controls, is a test:
-``tests/test_browser.py``.
+``tests/publish/test_browser.py``.
 
     python benchmarks/bench_widget_stress.py --repeats 20 [--jobs 2] [--screenshot build/widget-shots]
 """

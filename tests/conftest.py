@@ -9,11 +9,20 @@ variant with q/k/v biases).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from anelab.checkpoints.checkpoint import write_checkpoint
 from anelab.core.geometry import AttentionGeometry
 from anelab.core.weights import random_attention_weights
+
+# tests/ mirrors the package's folders; a test module may import helpers from one in another folder (test_decide
+# from test_decoder_families), as it did when the folder was flat: every folder of tests/ is importable by name
+for _folder in sorted(p for p in Path(__file__).resolve().parent.rglob("*") if p.is_dir() and p.name[0] not in "._"):
+    if _folder.name != "__pycache__" and str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 TINY_SEED = 7
 TINY_GEOMETRIES = {
@@ -101,8 +110,8 @@ def seed_passed_verdicts(runtime):
     """Write a probe file on which every assumption passed under every setting of its row, stamped with the
     runtime's versions: the tests' stand-in for a Mac whose probe found everything true (a stand-in runtime
     cannot run the probe's children)."""
-    from anelab.runtimes.assumptions import ASSUMPTIONS
-    from anelab.runtimes.probe import write_verdicts
+    from anelab.runtimes.coreml.assumptions import ASSUMPTIONS
+    from anelab.runtimes.coreml.probe import write_verdicts
 
     table = {
         a.name: {"passed": True, "detail": "seeded by a test", "units": {u: {"passed": True, "detail": "seeded"}

@@ -98,7 +98,7 @@ def test_a_backward_import_is_caught(tmp_path):
     graph = copy / "sidecar" / "graphs" / "dense.py"
     graph.write_text(graph.read_text() + "\n\ndef _late():\n    from anelab.planner import plan  # noqa\n")
     private = copy / "studies" / "tiled_stateful.py"
-    private.write_text(private.read_text() + "\nfrom anelab.sidecar.evaluate import _signature  # noqa\n")
+    private.write_text(private.read_text() + "\nfrom anelab.sidecar.mil.evaluate import _signature  # noqa\n")
     study = copy / "studies" / "mask_fold.py"
     study.write_text(study.read_text() + "\n\ndef _late():\n    from anelab.publish import figures  # noqa\n")
     request = copy / "planner" / "plan_request.py"
@@ -176,13 +176,13 @@ def test_an_import_circle_inside_a_layer_is_caught(tmp_path):
     notebooks.write_text(
         notebooks.read_text() + "\n\ndef _late():\n    from anelab.publish.batch import read_grid  # noqa\n"
     )
-    verify = copy / "sidecar" / "verify_cases.py"
+    verify = copy / "sidecar" / "checks" / "verify_cases.py"
     verify.write_text(
         verify.read_text() + "\n\ndef _late():\n    from anelab.sidecar.designs import get_design  # noqa\n"
     )
     circles = import_circles(copy)
     assert ["anelab.publish.batch", "anelab.publish.notebooks"] in circles, circles
-    assert any({"anelab.sidecar.designs", "anelab.sidecar.verify_cases"} <= set(c) for c in circles), circles
+    assert any({"anelab.sidecar.designs", "anelab.sidecar.checks.verify_cases"} <= set(c) for c in circles), circles
 
 
 MAX_FUNCTION_LINES = 80

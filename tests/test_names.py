@@ -83,13 +83,13 @@ def test_a_stale_name_is_caught(tmp_path):
     note = tmp_path / "note.md"
     note.write_text(
         "evaluated with anelab.mil_eval; see `anelab/checkpoint.py`\n"
-        "calls anelab.sidecar.verify.no_such_function and anelab.plan.fit_costs\n"
-        "fine: anelab.sidecar.verify.verify_package, anelab.keyTile, anelab.__version__, `anelab/checkpoints/checkpoint.py`\n"
+        "calls anelab.sidecar.checks.verify.no_such_function and anelab.plan.fit_costs\n"
+        "fine: anelab.sidecar.checks.verify.verify_package, anelab.keyTile, anelab.__version__, `anelab/checkpoints/checkpoint.py`\n"
     )
     found = stale_names([note], repo=REPO)
     assert [f.split(": ")[1] for f in found] == [
         "anelab.mil_eval",
         "anelab/checkpoint.py",
-        "anelab.sidecar.verify.no_such_function",
+        "anelab.sidecar.checks.verify.no_such_function",
         "anelab.plan.fit_costs",
     ], found

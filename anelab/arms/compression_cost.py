@@ -31,19 +31,19 @@ from pathlib import Path
 import numpy as np
 
 from anelab import __version__
-from anelab.arms.compare import PairComparison, compare_runs
+from anelab.arms.arm_comparison import PairComparison, compare_runs
+from anelab.arms.arm_runs import Arm, ArmRun, run_arms
 from anelab.arms.resident import weights_for_run
-from anelab.arms.run import Arm, ArmRun, run_arms
 from anelab.arms.sidecars import SidecarSet
-from anelab.checkpoints.model import ModelCheckpoint, load_model
+from anelab.checkpoints.whole_model import ModelCheckpoint, load_model
 from anelab.core.decoder import lm_logits
 from anelab.core.errors import AnelabInputError
 from anelab.core.records import atomic_write_text
 from anelab.core.weights import AttentionWeights
-from anelab.sidecar import evidence_cache as cache
 from anelab.sidecar import quantize
-from anelab.sidecar.evaluate import SavedPackage
+from anelab.sidecar.checks import evidence_cache as cache
 from anelab.sidecar.format import read_sidecar_metadata
+from anelab.sidecar.mil.evaluate import SavedPackage
 
 NLL_BLOCK_ROWS = 64  # prompt positions whose logits [rows, V] are held at once (Gemma 3's V = 262,144: 67 MB)
 
@@ -208,7 +208,7 @@ class ModeEvidence:
 
     mode: str
     packages: dict[int, str]
-    reports: dict[int, object]  # layer -> sidecar.verify_cases.VerifyReport
+    reports: dict[int, object]  # layer -> sidecar.checks.verify_cases.VerifyReport
     real_reports: dict[int, object]
     cost: ModeCost | None = None
     sidecar_cost: ModeCost | None = None

@@ -19,12 +19,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from anelab.arms.arm_runs import Arm, ArmRun
 from anelab.arms.resident import RESIDENT, WeightsPlan
-from anelab.arms.run import Arm, ArmRun
 from anelab.arms.sidecars import SidecarSet
 from anelab.checkpoints.checkpoint import Checkpoint, load_checkpoint
 from anelab.core.errors import AnelabInputError
-from anelab.sidecar.compare import relative_error
+from anelab.core.limits import human_bytes
+from anelab.runtimes.mlx.hybrid import Hybrid, decode_greedy, prefill
+from anelab.runtimes.mlx.mlx_model import open_mlx_model, tapped_layers, to_numpy
+from anelab.sidecar.checks.comparison import relative_error
 
 MLX_CONTROLS = ("mask_dropped", "start_shifted")
 MLX_REFERENCE_CHUNK = 16  # prefill chunk of an MLX run without sidecars
@@ -36,7 +39,7 @@ class MlxArmsModel:
     sidecars are checked against) and mlx-lm's model of the whole (``mlx``)."""
 
     checkpoint: Checkpoint
-    mlx: object  # anelab.runtimes.mlx.model.MlxModel
+    mlx: object  # anelab.runtimes.mlx.mlx_model.MlxModel
 
     @property
     def geometry(self):
@@ -57,7 +60,6 @@ class MlxArmsModel:
 
 def open_mlx_arms_model(checkpoint: str | os.PathLike | Checkpoint, dtype: str | None = "float32") -> MlxArmsModel:
     """The checkpoint for the MLX engine (float32 by default: the arms compare within fp16 noise)."""
-    from anelab.runtimes.mlx.model import open_mlx_model
 
     opened = load_checkpoint(checkpoint)
     mlx = open_mlx_model(opened.path, dtype=dtype)
@@ -93,8 +95,6 @@ def _check_mlx_arm(arm: Arm, sidecars: SidecarSet | None) -> dict[int, str]:
 
 def _run_one(model: MlxArmsModel, prompt: np.ndarray, arm: Arm, decode: int, chunk: int, sidecars) -> tuple:
     """One arm's chunked prefill (every layer's output rows kept: [L, P, D] float32) and greedy decode."""
-    from anelab.runtimes.mlx.hybrid import Hybrid, decode_greedy, prefill
-    from anelab.runtimes.mlx.model import tapped_layers, to_numpy
 
     controls = _check_mlx_arm(arm, sidecars)
     hidden = np.zeros((model.num_layers, prompt.size, model.geometry.hidden_size), np.float32)
@@ -167,7 +167,6 @@ def run_mlx_arms(
 def mlx_weights(model: MlxArmsModel) -> WeightsPlan:
     """How mlx-lm holds the weights: all resident from the open (``open_mlx_model`` evaluates every array), in
     its dtype; no resident budget applies (``--resident-budget`` is the NumPy engine's)."""
-    from anelab.core.limits import human_bytes
 
     size = model.mlx.parameter_bytes
     reason = (

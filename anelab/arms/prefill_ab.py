@@ -34,16 +34,24 @@ from pathlib import Path
 
 import numpy as np
 
-from anelab.arms.compare import random_prompt
+from anelab.arms.arm_comparison import random_prompt
 from anelab.arms.sidecars import CoreMLRunner, SidecarSet, numpy_runner, open_sidecars
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.core.errors import AnelabInputError
+from anelab.core.geometry import chunk_starts
 from anelab.core.limits import require_prompt_lengths
 from anelab.core.output_paths import require_output_dir
+from anelab.core.progress import tqdm
 from anelab.core.records import machine_kind, make_record, provenance, write_record
 from anelab.planner.envelope import MEASURED, Cost
 from anelab.planner.verdict import ArmCosts, Verdict, verdict_for
-from anelab.runtimes.interface import NEURAL_ENGINE_UNITS, check_compute_units
-from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
+from anelab.runtimes.coreml.ane_placement import require_ane_placement
+from anelab.runtimes.coreml.coreml_runtime import default_runtime
+from anelab.runtimes.coreml.timing import COLD_LOAD_CAVEAT
+from anelab.runtimes.interface import NEURAL_ENGINE_UNITS, RuntimeLoadError, RuntimePredictError, check_compute_units
+from anelab.runtimes.mlx.hybrid import Hybrid, HybridTiming, prefill
+from anelab.runtimes.mlx.mlx_model import mlx_versions, open_mlx_model, require_mlx_readable, to_numpy
+from anelab.sidecar.checks.comparison import RELATIVE_ERROR_THRESHOLD, relative_error
 
 REFERENCE_NOISE_FACTOR = 2.0  # the hybrid's own bf16 layers stray from fp32 about as far as the reference does
 AB_WARMUP, AB_REPEATS = 1, 2  # the seed's protocol: one warm-up, two measured runs per arm
@@ -180,8 +188,6 @@ def _time_gpu_arm(mlx_model, prompt: np.ndarray, request: AbRequest) -> dict:
 
 def _reference_logits(mlx_model, prompt: np.ndarray, chunk: int) -> np.ndarray:
     """mlx-lm's own forward in chunks of ``chunk``: the logits at the last prompt position [V] (untimed)."""
-    from anelab.runtimes.mlx.hybrid import prefill
-    from anelab.runtimes.mlx.model import to_numpy
 
     return to_numpy(prefill(mlx_model, prompt, chunk, mlx_model.make_cache()))
 
@@ -215,7 +221,6 @@ def judge_correctness(got: np.ndarray, want: np.ndarray, want_fp32: np.ndarray |
 
 def _fp32_reference_logits(opened, prompt: np.ndarray) -> np.ndarray | None:
     """mlx-lm's forward in fp32 (untimed, its own copy of the weights, released after) when the run is not fp32."""
-    from anelab.runtimes.mlx.model import open_mlx_model
 
     if opened.mlx_model.dtype == "float32":
         return None
@@ -228,8 +233,6 @@ def _fp32_reference_logits(opened, prompt: np.ndarray) -> np.ndarray | None:
 
 def _time_ane_arm(mlx_model, sidecars: SidecarSet, hybrid, prompt: np.ndarray, request: AbRequest, runner):
     """Loads first (on a Mac), then warm-up and measured hybrid prefills -> (results, last logits [V])."""
-    from anelab.runtimes.mlx.hybrid import HybridTiming, prefill
-    from anelab.runtimes.mlx.model import to_numpy
 
     on_mac = isinstance(runner, CoreMLRunner)
     if on_mac:
@@ -258,7 +261,6 @@ def _time_ane_arm(mlx_model, sidecars: SidecarSet, hybrid, prompt: np.ndarray, r
 def _or_refuse(call):
     """``call()``, a failed Core ML load or predict refused in one line: the ANE arm does not run on this Mac,
     and nothing of the failed run (its loads included) is kept as measured."""
-    from anelab.runtimes.interface import RuntimeLoadError, RuntimePredictError
 
     try:
         return call()
@@ -270,7 +272,6 @@ def _or_refuse(call):
 
 
 def _starts(prompt: np.ndarray, sidecars: SidecarSet) -> list[int]:
-    from anelab.core.geometry import chunk_starts
 
     return chunk_starts(prompt.size, sidecars.chunk)
 
@@ -345,7 +346,6 @@ def _check_prompts(prompt_tokens) -> list[int]:
 
 def _placements(runtime, sidecars: SidecarSet, compute_units: str, clock) -> list[dict]:
     """Every layer's package placed on the Neural Engine by this Mac's compute plan (else refused, one line)."""
-    from anelab.runtimes.ane_placement import require_ane_placement
 
     if compute_units not in NEURAL_ENGINE_UNITS:
         raise AnelabInputError(
@@ -377,10 +377,6 @@ class _Opened:
 
 
 def _open(request: AbRequest) -> _Opened:
-    from anelab.checkpoints.checkpoint import load_checkpoint
-    from anelab.runtimes.coreml import default_runtime
-    from anelab.runtimes.mlx.hybrid import Hybrid
-    from anelab.runtimes.mlx.model import mlx_versions, open_mlx_model, require_mlx_readable
 
     _check_prompts(request.prompt_tokens)  # bounded before the checkpoint is opened
     if request.out_dir is not None:  # where the records go: refused before the measurement, not after it
@@ -435,7 +431,6 @@ def _parameters(request: AbRequest, opened: _Opened, n: int) -> dict:
 
 def _one_prompt(request: AbRequest, opened: _Opened, n: int) -> PromptAb:
     """Both arms at one prompt length, the correctness check, the record and (on a Mac) the verdict."""
-    from anelab.runtimes.timing import COLD_LOAD_CAVEAT
 
     mlx_model, sidecars = opened.mlx_model, opened.sidecars
     prompt = random_prompt(mlx_model.vocab_size, n, request.seed)
@@ -462,7 +457,6 @@ def _one_prompt(request: AbRequest, opened: _Opened, n: int) -> PromptAb:
 
 def run_ab(request: AbRequest) -> AbReport:
     """The A/B at every prompt length of ``request`` (module docstring)."""
-    from anelab.core.progress import tqdm
 
     opened = _open(request)
     machine = machine_kind()

@@ -1,6 +1,6 @@
 """Real text for the studies: a prompt from the project's own docs tokenized by the model's tokenizer, two arms'
 greedy continuations decoded as words side by side, and the real attention inputs of a prompt (what
-``sidecar.verify_cases`` can take in place of random rows).
+``sidecar.checks.verify_cases`` can take in place of random rows).
 
 Notebooks 02 and 07 run ``default-real`` (SmolLM2-135M-Instruct, ``anelab.checkpoints.real_model``) through these.
 """
@@ -12,16 +12,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from anelab.arms.compare import PairComparison, compare_runs
-from anelab.arms.run import Arm, ArmRun, run_arms
-from anelab.checkpoints.model import ModelCheckpoint
+from anelab.arms.arm_comparison import PairComparison, compare_runs
+from anelab.arms.arm_runs import Arm, ArmRun, run_arms
+from anelab.checkpoints.whole_model import ModelCheckpoint, load_model
 from anelab.core.decoder import attention_input, embed
 from anelab.core.errors import AnelabInputError
 from anelab.core.paths import REPO_ROOT
 
 # The default prompt's text: the project's README as it stood at commit a615004, frozen (prose; code blocks dropped).
 # The README itself became a short front page; the committed real-text figures and the numbers quoted in notebooks
-# 02 and 07 were drawn from this text, so it stays byte for byte (its SHA-256 is pinned in tests/test_real_text.py).
+# 02 and 07 were drawn from this text, so it stays byte for byte (its SHA-256 is pinned in tests/sidecar/checks/test_real_text.py).
 DOCS_SOURCE = "docs/prompt/readme-a615004.md"
 _FENCE = re.compile(r"^```.*?^```[^\n]*\n?", re.MULTILINE | re.DOTALL)
 
@@ -47,7 +47,7 @@ def docs_prompt(tokenizer, tokens: int, source: str = DOCS_SOURCE) -> np.ndarray
 
 @dataclass
 class TextPair:
-    """Two arms of one prompt read as text: ``comparison`` (arms.compare.PairComparison, b against a), each arm's
+    """Two arms of one prompt read as text: ``comparison`` (arms.arm_comparison.PairComparison, b against a), each arm's
     greedy continuation decoded (``text_a``, ``text_b``) and its tokens, and the reference's top-2 logit margin
     per decoded step of arm a (``margins``, [N]: how close each greedy choice was to a tie)."""
 
@@ -107,7 +107,6 @@ def docs_activations(checkpoint, tokens: int, *, chunk: int = 64) -> tuple[dict[
     tokenizer, for every decoder layer (``attention_inputs``: layer -> float32 [tokens, D]), and a phrase saying
     where they came from. ``checkpoint``: a path or an opened whole model; one with no tokenizer (the random
     test checkpoints) is refused in one line."""
-    from anelab.checkpoints.model import load_model
 
     model = checkpoint if isinstance(checkpoint, ModelCheckpoint) else load_model(checkpoint)
     try:

@@ -1,7 +1,7 @@
 """The arms' decoder weights: kept resident (float32) when they fit a memory budget, else streamed from the files.
 
 A run of the arms reads every decoder layer's weights once in the prefill and again at every decoded step
-(``arms.run``). Streamed (``ModelCheckpoint`` as it is) each read converts the layer from its file again —
+(``arms.arm_runs``). Streamed (``ModelCheckpoint`` as it is) each read converts the layer from its file again —
 right for an 8B model on 24 GB, wasteful for a 135M one, whose Q4_1 layers and LM head are dequantized 24
 times over for 24 decoded tokens. Resident (:class:`ResidentModel`) each layer's float32 weights are kept
 from their first read, and the embedding / LM head is converted once and then served from memory in the
@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from anelab.checkpoints.model import ModelCheckpoint
+from anelab.checkpoints.whole_model import ModelCheckpoint
 from anelab.core.decoder import DecoderLayerWeights, HeadWeights
 from anelab.core.errors import AnelabInputError
 from anelab.core.limits import human_bytes, memory_limit

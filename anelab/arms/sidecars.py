@@ -13,12 +13,14 @@ from pathlib import Path
 
 import numpy as np
 
-from anelab.checkpoints.model import ModelCheckpoint
+from anelab.checkpoints.whole_model import ModelCheckpoint
 from anelab.core import reference
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import chunk_starts
 from anelab.core.masks import MASKED, causal
-from anelab.sidecar.compare import (
+from anelab.runtimes.interface import NEURAL_ENGINE_UNITS, PREFLIGHT_LOAD_STEPS
+from anelab.runtimes.open import open_sidecar
+from anelab.sidecar.checks.comparison import (
     RELATIVE_ERROR_THRESHOLD,
     relative_error,
     require_same_geometry,
@@ -26,6 +28,7 @@ from anelab.sidecar.compare import (
 )
 from anelab.sidecar.designs import MLP, Design, design_of, get_design
 from anelab.sidecar.format import STATE_NAMES, SidecarMetadata, function_name, read_sidecar_metadata
+from anelab.sidecar.mil.evaluate import SavedPackage, evaluate, evaluate_with_state, new_state
 
 # (layer, chunk start, valid rows, inputs) -> outputs {attn_out [C, D], k_chunk [Hkv, C, d], v_chunk [Hkv, C, d]}
 # inputs of a per-history design: hidden [C, D], mask [C, s + C], k_history / v_history [s, Hkv, d] (s > 0);
@@ -125,7 +128,6 @@ class BlockSidecars:
 
     def serve_all(self, layer: int, rows: np.ndarray) -> dict[str, np.ndarray]:
         """rows [r, D] -> every output of the block, float32 [r, n_output] for the r real rows (``serve``)."""
-        from anelab.sidecar.evaluate import SavedPackage  # heavy: coremltools
 
         r, width = rows.shape[0], self.chunk
         if not 0 < r <= width:
@@ -296,7 +298,6 @@ def _check_rope_table(path: Path, coverage: int, layer: int, model: ModelCheckpo
 def _check_same_weights(sidecars: SidecarSet, layer: int, model: ModelCheckpoint, rope_coverage: int) -> None:
     """Refuse a package whose h0 does not compute this checkpoint's attention (seeded rows, NumPy evaluation):
     the same geometry and directory name can still hold another model's weights."""
-    from anelab.sidecar.evaluate import evaluate
 
     g, c = model.geometry, sidecars.chunk
     rows = np.random.default_rng([layer, c]).standard_normal((c, g.hidden_size)).astype(np.float16)
@@ -319,7 +320,6 @@ def numpy_runner(sidecars: SidecarSet, keep_open: int = 1) -> SidecarRunner:
     ``keep_open``: packages held open at once (1 suits a layer-major prefill, which opens each once; a
     chunk-major one, mlx-lm's order, keeps every layer's open). A stateful layer's state is kept between its
     calls (a fresh one at start 0) and the chunk's K/V read back from it."""
-    from anelab.sidecar.evaluate import SavedPackage, evaluate, evaluate_with_state, new_state
 
     opened: dict[int, SavedPackage] = {}
     states: dict[int, dict] = {}
@@ -337,7 +337,9 @@ def numpy_runner(sidecars: SidecarSet, keep_open: int = 1) -> SidecarRunner:
         out = evaluate_with_state(opened[layer], function, inputs, states[layer])
         return {**out, **state_rows(states[layer].__getitem__, int(inputs["start"][0]), sidecars.chunk)}
 
-    run.forkable = True  # keeps nothing its caller reads: serves the same in a forked process (arms.run.arm_groups)
+    run.forkable = (
+        True  # keeps nothing its caller reads: serves the same in a forked process (arms.arm_runs.arm_groups)
+    )
     return run
 
 
@@ -373,7 +375,6 @@ class CoreMLRunner:
     its calls and read back; every call timed on ``clock`` (``timing``)."""
 
     def __init__(self, sidecars: SidecarSet, *, compute_units: str = "cpu_and_ne", runtime=None, clock=None):
-        from anelab.runtimes.open import open_sidecar
 
         self.sidecars, self.clock, self.timing = sidecars, clock or time.perf_counter, CoreMLTiming()
         self.opened = {
@@ -394,7 +395,6 @@ class CoreMLRunner:
     def prepare(self, prompt_tokens: int) -> None:
         """What ``load_all`` needs done before its clocks, paid here: the process's Core ML first use, and each
         function's Neural Engine compile survived once in a child (``CoreMLRuntime.preflight``, a subprocess)."""
-        from anelab.runtimes.interface import NEURAL_ENGINE_UNITS, PREFLIGHT_LOAD_STEPS
 
         for runtime, units in {(s.runtime, s.compute_units) for s in self.opened.values()}:
             runtime.prepare_process(units)

@@ -1,9 +1,10 @@
 """A checkpoint's non-attention blocks as their sidecars read them: each layer's MLP and each linear-attention
 layer's Gated DeltaNet input projections — which layers have one, their float32 weights, their tensors' digests.
 
-The blocks: the MLP (``{prefix}layers.{L}.mlp.*``: gate / up / down, through
-``checkpoints.model``'s family table, a hybrid's dense MLPs included) and the Gated DeltaNet projections (``{prefix}layers.{L}.linear_attn
-.in_proj*``: Qwen 3.5's ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``, or Qwen3-Next's fused
+The blocks: the MLP (``{prefix}layers.{L}.mlp.*``: gate / up / down, through ``checkpoints.whole_model``'s
+family table, a hybrid's dense MLPs included) and the Gated DeltaNet projections
+(``{prefix}layers.{L}.linear_attn.in_proj*``: Qwen 3.5's ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` /
+``in_proj_a``, or Qwen3-Next's fused
 ``in_proj_qkvz`` / ``in_proj_ba`` reordered per key head as mlx-lm's ``fix_query_key_value_ordering`` splits them,
 models/qwen3_next.py). The attention block stays ``Checkpoint.layer`` / ``Checkpoint.attention_digests``.
 """
@@ -14,7 +15,7 @@ import numpy as np
 
 from anelab.checkpoints.checkpoint import Checkpoint, load_checkpoint
 from anelab.checkpoints.config import config_int
-from anelab.checkpoints.model import load_mlp_model
+from anelab.checkpoints.whole_model import load_mlp_model
 from anelab.core.decoder import MlpWeights
 from anelab.core.errors import AnelabInputError
 from anelab.core.gated_deltanet import GdnGeometry, GdnProjectionWeights

@@ -416,7 +416,7 @@ def write_checkpoint(
     built under a temporary name and renamed into place; an existing directory is refused.
 
     ``extra_tensors`` (full tensor name -> array) are written beside the attention tensors (the
-    whole-model writer ``anelab.checkpoints.model.write_model_checkpoint`` passes embeddings, norms, MLPs and
+    whole-model writer ``anelab.checkpoints.whole_model.write_model_checkpoint`` passes embeddings, norms, MLPs and
     the LM head this way); ``extra_config`` keys are added to config.json's text part.
     """
     directory = Path(directory)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import AttentionGeometry
 from anelab.core.limits import MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_WIDTH, require_at_most
-from anelab.core.rope import RopeScaling
+from anelab.core.rope import ROPE_TYPES, RopeScaling
 
 CONFIG_FILE = "config.json"
 
@@ -194,7 +194,6 @@ _WINDOW_RULES = {
 
 def supported_families() -> list[dict]:
     """One row per model_type: variant, options, RoPE types, window rule (for ``--list-families``)."""
-    from anelab.core.rope import ROPE_TYPES
 
     rows = []
     for model_type, f in MODEL_FAMILIES.items():

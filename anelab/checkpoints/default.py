@@ -9,9 +9,15 @@ from pathlib import Path
 
 from anelab.checkpoints.checkpoint import write_checkpoint
 from anelab.checkpoints.config import CONFIG_FILE
+from anelab.checkpoints.pinned_wheels import model_cache
+from anelab.checkpoints.real_model import REAL_CHECKPOINT, real_checkpoint_path
+from anelab.checkpoints.real_windowed import LICENSE, WINDOWED_CHECKPOINT, windowed_checkpoint_path
+from anelab.checkpoints.whole_model import write_model_checkpoint
+from anelab.core.decoder import random_head_weights, random_layer_weights
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import AttentionGeometry
 from anelab.core.paths import CHECKPOINTS_DIR
+from anelab.core.rope import RopeScaling
 from anelab.core.weights import random_attention_weights
 
 DEFAULT_CHECKPOINT = "anelab-tiny-hybrid"
@@ -68,8 +74,6 @@ def dense_geometry() -> AttentionGeometry:
 
 def make_dense_checkpoint(directory: str | os.PathLike, seed: int = 0) -> Path:
     """Write the dense sibling (model_type qwen3, BF16, untied LM head); same bytes for a seed."""
-    from anelab.checkpoints.model import write_model_checkpoint
-    from anelab.core.decoder import random_head_weights, random_layer_weights
 
     g = dense_geometry()
     attention = {layer: random_attention_weights(g, layer, seed) for layer in g.full_attention_layers}
@@ -103,7 +107,6 @@ LLAMA32_1B_ROPE = dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, o
 def llama32_1b_geometry(scale: int = 1, num_layers: int | None = None) -> AttentionGeometry:
     """Llama-3.2-1B's attention (meta-llama/Llama-3.2-1B config.json: hidden 2048, 32 heads x 64, 8 KV
     heads, 16 layers, rope_theta 500000, llama3 RoPE factor 32) with heads and hidden divided by ``scale``."""
-    from anelab.core.rope import RopeScaling
 
     s = LLAMA32_1B
     if s["num_heads"] % scale or s["num_kv_heads"] % scale:
@@ -135,8 +138,6 @@ def make_llama32_1b_shaped(
 ) -> Path:
     """A whole Llama-3.2-1B-shaped model with random weights (BF16, sharded, tied embeddings as the 1B's),
     written by the project's writer: ``scale`` divides hidden and heads, ``intermediate`` defaults to 4 x hidden."""
-    from anelab.checkpoints.model import write_model_checkpoint
-    from anelab.core.decoder import random_head_weights, random_layer_weights
 
     g = llama32_1b_geometry(scale, num_layers)
     width = intermediate or LLAMA32_1B["intermediate"] // scale
@@ -166,9 +167,6 @@ class NamedCheckpoint:
 def named_checkpoints() -> dict[str, NamedCheckpoint]:
     """The names every command taking a checkpoint accepts: ``default-dense``, ``default-real``,
     ``default-real-windowed``."""
-    from anelab.checkpoints.pinned_wheels import model_cache
-    from anelab.checkpoints.real_model import REAL_CHECKPOINT, real_checkpoint_path
-    from anelab.checkpoints.real_windowed import LICENSE, WINDOWED_CHECKPOINT, windowed_checkpoint_path
 
     return {
         DENSE_DEFAULT: NamedCheckpoint(

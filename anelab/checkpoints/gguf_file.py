@@ -38,6 +38,7 @@ from anelab.checkpoints.gguf_architectures import (
     transformers_names,
 )
 from anelab.checkpoints.source import CheckpointSource, RowTensor, content_digest
+from anelab.checkpoints.tokenizer import tokenizer_from_gguf
 from anelab.core.errors import AnelabInputError
 
 __all__ = ["GGUF_ARCHITECTURES", "REFUSED", "GgufArchitecture", "is_gguf_file", "open_gguf", "read_gguf"]
@@ -351,7 +352,6 @@ def open_gguf(path: Path) -> CheckpointSource:
     quantized = any(t.tensor_type.name not in UNQUANTIZED for t in reader.tensors)
 
     def tokenizer():
-        from anelab.checkpoints.tokenizer import tokenizer_from_gguf
 
         return tokenizer_from_gguf(reader, path)
 

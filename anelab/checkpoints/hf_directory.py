@@ -15,6 +15,7 @@ import numpy as np
 from anelab.checkpoints.config import CONFIG_FILE, text_config
 from anelab.checkpoints.safetensors_io import INDEX_FILE, MappedTensor, SafetensorsFile, TensorEntry
 from anelab.checkpoints.source import CheckpointSource, content_digest
+from anelab.checkpoints.tokenizer import tokenizer_from_directory
 from anelab.core.errors import AnelabInputError
 from anelab.core.files import confined, read_json
 
@@ -168,7 +169,6 @@ def directory_tokenizer(directory: Path):
         return None
 
     def build():
-        from anelab.checkpoints.tokenizer import tokenizer_from_directory
 
         return tokenizer_from_directory(directory)
 

@@ -7,7 +7,7 @@ model's dtype, so that ``w = scales * q + biases`` per group. config.json record
 ``quantization: {group_size, bits, mode}`` and per-module overrides keyed by the module's path (a dict, or
 ``false``: not quantized). This module serves ``X.weight`` as the dequantized float32 [N, K], computed in the
 scales' dtype and rounded after the product and after the sum, exactly as ``mx.dequantize`` does on the CPU
-(tests/test_mlx_quantized.py compares them bit for bit); every other tensor is read as safetensors.
+(tests/checkpoints/test_mlx_quantized.py compares them bit for bit); every other tensor is read as safetensors.
 
 Refused in one line (``REFUSED``): modes other than ``affine`` (mxfp4, nvfp4, mxfp8), global scales, model
 types whose mlx-lm layout is not checked against transformers' here, and stored shapes that do not match the

@@ -12,7 +12,7 @@ where a norm slot left None is skipped. The families differ only in which slots 
 the norm kind (RMSNorm ``x / sqrt(mean(x^2) + eps) * w`` or LayerNorm with bias), the MLP kind and
 activation, and four scalars: ``residual_multiplier`` (Granite), the embedding multiplier
 (Gemma: sqrt(hidden); Granite), the logit divisor (Granite's ``logits_scaling``) and the final
-logit soft-cap ``cap * tanh(logits / cap)`` (Gemma 2). ``anelab.checkpoints.model.DECODER_FAMILIES`` declares
+logit soft-cap ``cap * tanh(logits / cap)`` (Gemma 2). ``anelab.checkpoints.whole_model.DECODER_FAMILIES`` declares
 them per ``model_type`` (transformers file:line in docs/conventions.md §9); this module never
 looks at a family name. Zero-centred norm weights (Gemma's ``x * (1 + w)``) arrive as the
 effective multiplier ``1 + w``: the loader folds them, as it does for q/k norms.

@@ -32,6 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import anelab
 from anelab.core.errors import AnelabInputError
 from anelab.core.files import read_json
 from anelab.core.macos import macos_version_text
@@ -112,8 +113,6 @@ def git_revision() -> str:
 def provenance() -> dict:
     """Provenance of a fresh measurement taken now, on this machine."""
     import numpy
-
-    import anelab
 
     try:
         import coremltools

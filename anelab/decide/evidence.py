@@ -22,6 +22,7 @@ from anelab import __version__
 from anelab.core.errors import AnelabInputError
 from anelab.core.paths import EVIDENCE_KEY_FILE
 from anelab.core.records import atomic_write_text
+from anelab.sidecar.checks.verify import verify_package
 
 EVIDENCE_KEY_BYTES = 32  # HMAC-SHA256's block-strength key
 
@@ -136,7 +137,6 @@ def reverify_when_the_arms_disagree(opened, verified: dict, arms: dict) -> None:
     ``Opened`` (its checkpoint)."""
     if arms.get("first_divergent_layer") is None:
         return
-    from anelab.sidecar.verify import verify_package  # heavy (coremltools' program reader): only when needed
 
     for layer, summary in verified.items():
         if summary.get("reused"):

@@ -18,7 +18,7 @@ from anelab.planner.catalogue import (
 )
 from anelab.planner.fit import CostFit, LoadModel, fit_costs, linear_load_fit, load_fit_report
 from anelab.planner.plan import PrefillPlan, plan, predicted_vs_recorded
-from anelab.planner.report import (
+from anelab.planner.plan_text import (
     format_checkpoint_plan,
     format_designs,
     format_family_table,

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 from anelab.core.errors import AnelabInputError
 from anelab.planner.chips import CHIPS
+from anelab.planner.plan import plan
 from anelab.planner.verdict import plan_arm_costs, verdict_for
 
 DEFAULT_LENGTHS = (1024, 2048, 4333, 8192, 16384)
@@ -41,7 +42,6 @@ def verdict_map(plan_at: Callable, prompt_lengths: Sequence[int] = DEFAULT_LENGT
 def family_verdict_map(family: str, prompt_lengths: Sequence[int] = DEFAULT_LENGTHS, *, gpu_runtime: str | None = None,
                        objective: str = "time", chips=None, mark: str | None = None, data_dir=None) -> dict:  # fmt: skip
     """The verdict map of a recorded family (prompts past its coverage planned on the GPU)."""
-    from anelab.planner.plan import plan
 
     def plan_at(chip, n):
         return plan(n, family=family, chip=chip, gpu_runtime=gpu_runtime, objective=objective,

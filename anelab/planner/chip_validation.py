@@ -21,10 +21,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from anelab.planner.ane_chips import calibration
+from anelab.planner.catalogue import REFERENCE_CHUNK, get_family
 from anelab.planner.chip_figures import CARRY_BAND, GPU_CORES, GPU_MATMUL_TFLOPS, MOBIUS, PLACEMENT, Figure
 from anelab.planner.chips import SEED_CHIP, get_chip
+from anelab.planner.fit import fit_costs
 from anelab.planner.gpu_model import active_parameters
 from anelab.planner.mlx_lm_rates import QWEN3_06B
+from anelab.planner.plan import plan, predicted_vs_recorded
+from anelab.planner.verdict import plan_arm_costs, verdict_for
 
 # SigLIP-base-224 vision tower (ViT-B/16): 12 layers, hidden 768, MLP 3072, 196 patches; batch 16
 _SIGLIP = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072}
@@ -113,8 +118,6 @@ def predict(pair: PublicPair) -> dict:
 
 def _seed_rows(data_dir=None) -> list[dict]:
     """The seed's M3 rows: the plan's ratio against the recorded one, inside the verdict's ratio interval or not."""
-    from anelab.planner.plan import plan, predicted_vs_recorded
-    from anelab.planner.verdict import plan_arm_costs, verdict_for
 
     rows = []
     for r in predicted_vs_recorded(data_dir):
@@ -134,9 +137,6 @@ def _seed_rows(data_dir=None) -> list[dict]:
 def seed_calibration(data_dir=None) -> dict:
     """What limits the sidecar graph on the seed's M3 (``ane_chips.calibration``) at the one recorded ANE prediction:
     Qwen 3.8's h0 layer-chunk (its heads x 4,096 x 4,096 at head_dim 256), from the fitted rate per score entry."""
-    from anelab.planner.ane_chips import calibration
-    from anelab.planner.catalogue import REFERENCE_CHUNK, get_family
-    from anelab.planner.fit import fit_costs
 
     g = get_family("qwen3.8-125b-a6b-4bit").geometry
     recorded = fit_costs(data_dir).ane_seconds_per_entry * g.num_heads * REFERENCE_CHUNK * REFERENCE_CHUNK

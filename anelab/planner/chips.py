@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from anelab.core.errors import AnelabInputError
 from anelab.core.records import machine_description
+from anelab.planner.catalogue import PlanGeometry, ane_score_entries, gpu_score_entries
 from anelab.planner.chip_figures import (
     ANE_WATTS,
     EXTRAPOLATED_FIGURE,
@@ -182,7 +183,6 @@ def arm_bounds(chip: Chip, *, prompt_tokens: int, active_weights: float, weight_
 
 def plan_bounds(plan: dict, chip_name: str) -> dict:
     """``arm_bounds`` of a plan (``PrefillPlan.to_dict()``) on a chip, beside the plan's own two arms."""
-    from anelab.planner.catalogue import PlanGeometry, ane_score_entries, gpu_score_entries
 
     chip = get_chip(chip_name)
     g = plan["geometry"]

@@ -25,6 +25,7 @@ from anelab.core.paths import MEASURED_DIR
 from anelab.core.records import read_records
 from anelab.planner.catalogue import EXTRAPOLATED
 from anelab.planner.fit import LoadModel
+from anelab.sidecar.backends import COREAI, get_backend
 
 MODES = ("cold", "fresh_process", "compiled_cold")
 PRICED_MODE = "fresh_process"  # the cached entry: what a prompt pays once the asset was specialized once
@@ -121,7 +122,6 @@ def priced_fit(fit, backend: str | None, data_dir=None):
     """``fit`` as it is for Core ML's loads (``backend`` None or coreml); for Core AI a ``PricedFit`` reading
     the records ``anelab measure`` wrote (``data_dir``/measured, default ``MEASURED_DIR``). Refuses an unknown
     back-end, or a Core AI one without a record, in one line."""
-    from anelab.sidecar.backends import COREAI, get_backend
 
     if get_backend(backend).name != COREAI:
         return fit

@@ -13,6 +13,7 @@ own; ``energy_decision`` is ``ane`` / ``gpu`` only when the joules' intervals do
 
 from __future__ import annotations
 
+from anelab.core.errors import AnelabInputError
 from anelab.planner.chip_figures import ANE_WATTS, CPU_WATTS_DRIVING, GPU_WATTS, Figure, power
 from anelab.planner.chips import get_chip
 
@@ -21,7 +22,6 @@ DEFAULT_OBJECTIVE = "time"
 
 
 def require_objective(name: str) -> str:
-    from anelab.core.errors import AnelabInputError
 
     if name not in OBJECTIVES:
         raise AnelabInputError(f"unknown --objective {name!r}; choose {' or '.join(OBJECTIVES)}")

@@ -27,9 +27,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.core.errors import AnelabInputError
 from anelab.planner.catalogue import FAMILIES, PlanGeometry, get_family
+from anelab.planner.design_plans import DESIGNS, DesignCosts, chip_scale, design_plan
 from anelab.planner.fit import fit_costs
+from anelab.planner.gpu_model import active_parameters, bytes_per_weight, own_non_attention, runtime_bandwidth
 from anelab.planner.gpu_runtimes import default_gpu_runtime, require_gpu_runtime
 from anelab.planner.plan import PrefillPlan, plan
 from anelab.sidecar.designs import SidecarRequest
@@ -104,7 +107,6 @@ def plan_from_checkpoint(
     ``gpu_runtime`` (default: the table's checkpoint default, mlx-lm, the runtime Mac users run a model with; ``tinytitan``: the seed's
     path) and ``chip`` (default the seed's M3): whose GPU prefill the GPU arm is (``planner.plan``).
     """
-    from anelab.checkpoints.checkpoint import load_checkpoint
 
     checkpoint = load_checkpoint(checkpoint)
     g = checkpoint.geometry
@@ -127,7 +129,6 @@ def plan_from_checkpoint(
         reason = "flags (no family)"
     else:
         family, reason = closest_family(g.num_heads, g.head_dim, len(g.full_attention_layers))
-    from anelab.planner.gpu_model import active_parameters, bytes_per_weight, own_non_attention, runtime_bandwidth
 
     own, active = None, active_parameters(checkpoint.text)
     weights = (active, active * bytes_per_weight(checkpoint.tensor_dtype())[0])
@@ -218,7 +219,6 @@ def checkpoint_designs(
     compared with; every design is priced by the one load model at its score arena; windowed layers
     are priced as built (``design_plan``'s ``window``: the stateful-tiled ring of about W + C slots,
     the other designs scoring the whole history). ``cost_flags`` go to :func:`plan_from_checkpoint`."""
-    from anelab.planner.design_plans import DESIGNS, DesignCosts, chip_scale, design_plan
 
     checkpoint_plan = plan_from_checkpoint(checkpoint, prompt_tokens, family=family, chunk=chunk, **cost_flags)
     fit = fit_costs()

@@ -6,11 +6,12 @@ visits, and that load as a fraction of the loads the plan priced (the family's C
 
 from __future__ import annotations
 
+from anelab.planner.verdict import plan_arm_costs, verdict_for
+
 
 def flip_load(plan, data_dir=None) -> dict:
     """What a Core AI record must beat for ``plan`` (a ``PrefillPlan``): one layer's loads and one
     variant's at which the verdict turns to the ANE, and that as a fraction of the plan's own loads."""
-    from anelab.planner.verdict import plan_arm_costs, verdict_for
 
     arms = plan_arm_costs(plan, data_dir=data_dir)
     verdict = verdict_for(arms)

@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass
 
 from anelab.core.errors import AnelabInputError
+from anelab.planner.chips import get_chip
+from anelab.planner.gpu_model import active_parameters
 
 PREFILL_STEP = 2048  # mlx_lm.generate's prefill_step_size default
 RUNTIME = "mlx-lm"
@@ -89,7 +91,6 @@ def prefill_flops(active_weights: float, head_dim: int, heads: int, attention_la
 
 def record_efficiency(r: PublicPrefill) -> float:
     """FLOPs per second of a record over its chip's GPU figure."""
-    from anelab.planner.gpu_model import active_parameters
 
     c = r.config
     linear, attention = prefill_flops(active_parameters(c), c["head_dim"], c["num_attention_heads"],
@@ -100,7 +101,6 @@ def record_efficiency(r: PublicPrefill) -> float:
 
 def peak_flops(chip: str) -> float:
     """The chip's GPU FP16 figure in FLOP/s (``planner.chips``), refused where the table has none."""
-    from anelab.planner.chips import get_chip
 
     c = get_chip(chip)
     if c.gpu_fp16_tflops.value is None:

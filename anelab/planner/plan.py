@@ -93,6 +93,7 @@ from anelab.planner.coreai_loads import priced_fit
 from anelab.planner.energy import DEFAULT_OBJECTIVE, energy_decision, plan_energy, require_objective
 from anelab.planner.envelope import YOURS, ane_kind, gpu_kind, kind_of, worst_kind
 from anelab.planner.fit import cached_fit, fit_costs, predicted_ane_seconds, timed_ab_rows
+from anelab.planner.gpu_model import BYTES_PER_WEIGHT, FAMILY_WEIGHTS
 from anelab.planner.gpu_runtimes import TINYTITAN, GpuRuntime, plan_runtime
 from anelab.planner.loads import (
     DEFAULT_PROTOCOL,
@@ -350,8 +351,6 @@ def _schedule(prompt_tokens, chunk, histories, max_history, fam, allow_past_cove
 def _weights(fam: Family | None, weights) -> dict | None:
     """(active weights, bytes) of the model: given (a checkpoint's), else the family's assumed ones."""
     if weights is None and fam is not None:
-        from anelab.planner.gpu_model import BYTES_PER_WEIGHT, FAMILY_WEIGHTS
-
         params, storage = FAMILY_WEIGHTS[fam.name]
         weights = (params, params * BYTES_PER_WEIGHT[storage])
     return None if weights is None else {"active": float(weights[0]), "bytes": float(weights[1])}

@@ -26,7 +26,7 @@ from anelab.planner.load_flip import flip_sentence
 from anelab.planner.loads import DEFAULT_PROTOCOL, DEFAULT_RELOAD_POLICY
 from anelab.planner.mlx_lm_rates import fit_mlx_lm, format_mlx_lm_fit
 from anelab.planner.plan import PrefillPlan, plan, predicted_vs_recorded
-from anelab.planner.report import (
+from anelab.planner.plan_text import (
     format_checkpoint_plan,
     format_designs,
     format_family_table,

@@ -14,6 +14,8 @@ import json
 import os
 from pathlib import Path
 
+from anelab.core.records import atomic_write_text
+from anelab.publish import figures
 from anelab.publish.studies import headlines_for, run_headlines, summary_plot
 
 BASE_COLUMNS = ("study", "run_id", "status", "seconds", "parameters")
@@ -95,8 +97,6 @@ def summary_figure(rows: list[dict], study: str, out_dir: str | os.PathLike, gri
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from anelab.publish import figures
-
     x_name, y_name, points = found
     headline = next(h for h in headlines_for(study) if h.name == y_name)
     xs = sorted(points)
@@ -130,7 +130,6 @@ def summary_figure(rows: list[dict], study: str, out_dir: str | os.PathLike, gri
 
 def write_summary(results: dict[Path, dict], out_dir: str | os.PathLike, grid_name: str) -> dict[str, Path]:
     """Write summary.md, summary.csv and the per-study figures; returns {what: path}."""
-    from anelab.core.records import atomic_write_text
 
     out_dir = Path(out_dir)
     rows = summary_rows(results)

@@ -1,7 +1,7 @@
 """Headless Chromium: the docs pages as a reader's browser shows them — no kernel, no network.
 
 The gallery (``anelab docs``) and the executed notebooks' HTML are checked by rendering them here
-(``tests/test_browser.py``, ``benchmarks/bench_widget_stress.py --screenshot``): ``dump_dom`` returns
+(``tests/publish/test_browser.py``, ``benchmarks/bench_widget_stress.py --screenshot``): ``dump_dom`` returns
 the DOM after the page's scripts ran (the widget manager, image loads), ``screenshot`` writes a
 PNG of the window. Chromium is found on the PATH (``chromium``, ``chromium-browser``, Google
 Chrome) or named by ``ANELAB_CHROMIUM``; ``make test`` installs Debian's ``chromium`` when it runs

@@ -18,6 +18,7 @@ from anelab.core.errors import AnelabInputError
 from anelab.core.output_paths import require_output_dir
 from anelab.core.paths import FIGURES_DIR
 from anelab.core.records import atomic_write_text
+from anelab.publish import widget_manager
 from anelab.publish.figures import read_manifest
 from anelab.publish.studies import STUDIES, get_study
 
@@ -130,7 +131,6 @@ def build_docs(
 
 def vendor_widget_manager(out_dir: str | os.PathLike = "build/docs") -> str:
     """Vendor the pinned widget manager into the docs folder; one line saying what happened."""
-    from anelab.publish import widget_manager
 
     bundle, why_not = widget_manager.vendor(out_dir)
     if bundle is None:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import platform
 import sys
 
+import anelab
 from anelab.core.records import machine_description
 from anelab.publish.studies import STUDIES
-from anelab.runtimes.coreml import default_runtime
+from anelab.runtimes.coreml.coreml_runtime import default_runtime
 from anelab.runtimes.interface import CoreMLRuntime
-from anelab.sidecar.coreai_import import coreai_version
+from anelab.sidecar.backends import BACKENDS, COREAI, COREML
+from anelab.sidecar.coreai.coreai_import import coreai_version
 
 
 def study_mode(anywhere: str | None, needs_runtime: str | None, available: bool) -> str:
@@ -47,8 +49,6 @@ def backends_here(runtimes: dict | None = None) -> dict:
     ``runtimes``: back-end name -> runtime (default: each back-end's own, from ``Backend.runtime``)."""
     import importlib
 
-    from anelab.sidecar.backends import BACKENDS
-
     out = {}
     for name, backend in BACKENDS.items():
         if runtimes and name in runtimes:
@@ -64,8 +64,6 @@ def backends_here(runtimes: dict | None = None) -> dict:
 def diagnose(runtime: CoreMLRuntime | None = None, coreai_runtime=None) -> dict:
     """This machine's capabilities as a dict (what ``anelab doctor --json`` prints). ``coreai_runtime``: the
     Core AI runtime (default: this machine's)."""
-    import anelab
-    from anelab.sidecar.backends import COREAI, COREML
 
     runtime = runtime if runtime is not None else default_runtime()
     available = runtime.available()

@@ -25,7 +25,12 @@ import html
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from anelab import planner
+from anelab.core.errors import AnelabInputError
 from anelab.core.progress import headless
+from anelab.planner.design_plans import compare_designs
+from anelab.sidecar.designs import STATEFUL_TILED
+from anelab.studies import mask_fold
 
 LABEL_STYLE = {"description_width": "initial"}  # the whole description, never cut to "prompt_to…"
 
@@ -109,7 +114,6 @@ def choice(description: str, options: list, value, *, slider: bool = False):
 def plan_explorer(family: str) -> Explorer:
     """Notebook 01: the planner's decision for a family, prompt length and chunk (the seed's
     4,333-token prompt and 4,096-token chunk to start)."""
-    from anelab import planner
 
     def describe(family: str, prompt_tokens: int, chunk: int) -> str:
         result = planner.plan(prompt_tokens, family=family, chunk=chunk, allow_past_coverage=True)
@@ -141,7 +145,6 @@ def format_budget_point(point) -> str:
 
 def budget_explorer(case, compress_ratio: int, kept_blocks: int) -> Explorer:
     """Notebook 02: how far one indexer budget moves the saved package's output."""
-    from anelab.studies import mask_fold
 
     widest = mask_fold.widest_kept_blocks(case, compress_ratio)
 
@@ -153,9 +156,6 @@ def budget_explorer(case, compress_ratio: int, kept_blocks: int) -> Explorer:
 
 def design_explorer(prompt_tokens: int, family: str, key_tile: int = 1024, query_tile: int = 256) -> Explorer:
     """Notebook 06: the stateful, tiled design's arena, ops and predicted ratio per chunk and tiles."""
-    from anelab.core.errors import AnelabInputError
-    from anelab.planner.design_plans import compare_designs
-    from anelab.sidecar.designs import STATEFUL_TILED
 
     def describe(chunk: int, key_tile: int, query_tile: int) -> str:
         try:

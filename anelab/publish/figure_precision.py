@@ -10,7 +10,7 @@ recomputes the autoscaled limits from the rounded data (explicit limits are roun
 
 Rounding makes a kernel's difference vanish unless a value lies within that difference of a grid boundary: with
 float32 noise of ~1e-5 of a value and a grid of 1/``AXIS_STEPS`` of the span, about one value in a thousand;
-``tests/test_figure_precision.py`` redraws a BLAS-computed figure under two OpenBLAS core types and compares
+``tests/publish/test_figure_precision.py`` redraws a BLAS-computed figure under two OpenBLAS core types and compares
 bytes. Scales other than linear and log (symlog, logit) and the words of a text are left as drawn.
 """
 

@@ -48,6 +48,8 @@ from anelab import __version__
 from anelab.core.errors import AnelabInputError
 from anelab.core.records import atomic_write_bytes, atomic_write_text, machine_description, machine_kind
 from anelab.publish.figure_precision import round_to_drawn_precision
+from anelab.publish.provenance import compact_provenance
+from anelab.sidecar.mil.kernels import worker_count
 
 DPI = 120
 
@@ -380,7 +382,6 @@ def measured_here_text(engine: str = "NumPy") -> str:
 def numpy_cpu_note() -> str:
     """What a NumPy timing ran on: this machine's CPU and the threads this process may use (a notebook
     run beside another gets fewer) — not the ANE."""
-    from anelab.sidecar.kernels import worker_count
 
     threads = worker_count(os.cpu_count() or 1)
     return f"NumPy on this machine's CPU, {threads} thread{'s' if threads != 1 else ''} — not the ANE"
@@ -500,7 +501,6 @@ def label_measured(ax, engine: str = "NumPy") -> str:
 def label_figure(fig, records: list[dict] | None = None) -> str:
     """Provenance of a whole figure in its footer: ``compact_provenance(records)`` (one line per kind of
     machine, then the sources), or ``measured_here_text()`` without records. Returns the text."""
-    from anelab.publish.provenance import compact_provenance
 
     text = compact_provenance(records) if records else measured_here_text()
     recorded = bool(records) and all(r.get("origin") == "recorded" for r in records)

@@ -10,6 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from anelab.runtimes.coreml.block_ab import ab_table
+from anelab.sidecar.graphs.probe_graphs import FULL_SCORES, GATHER, probe_graph_name
+
 
 @dataclass(frozen=True)
 class Headline:
@@ -33,7 +36,6 @@ def widest(records: list[dict]) -> dict | None:
 def probe_ratio(field: str) -> Callable[[list[dict]], float | None]:
     """gather / full-scores of ``field`` at the first probe chunk of the last ``gather_probe_numpy`` record
     (a record from before the rename calls the full-scores probe "dense": ``sidecar.graphs.probe_graphs.probe_graph_name``)."""
-    from anelab.sidecar.graphs.probe_graphs import FULL_SCORES, GATHER, probe_graph_name
 
     def value(records: list[dict]) -> float | None:
         if not records:
@@ -82,9 +84,8 @@ def worst_graph_error(records: list[dict]) -> float | None:
 
 
 def ane_over_gpu_at_largest_history(records: list[dict]) -> float | None:
-    """Notebook 01's A/B ratio (``anelab.runtimes.ab.ab_table``: Core ML's own predict durations, as ``anelab
+    """Notebook 01's A/B ratio (``anelab.runtimes.coreml.block_ab.ab_table``: Core ML's own predict durations, as ``anelab
     decide`` reads them) at the largest history both arms ran."""
-    from anelab.runtimes.ab import ab_table
 
     rows = [r for r in ab_table(records) if r["ane_over_gpu"] is not None] if records else []
     return rows[-1]["ane_over_gpu"] if rows else None

@@ -21,12 +21,26 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from anelab.checkpoints.checkpoint import load_checkpoint
+from anelab.checkpoints.default import default_checkpoint_dir
 from anelab.core.errors import AnelabInputError
 from anelab.core.paths import BUILD_DIR, MEASURED_DIR
 from anelab.core.progress import tqdm
-from anelab.core.records import machine_description, read_records, write_record
+from anelab.core.records import machine_description, make_record, read_records, write_record
 from anelab.publish.measure_coreai import STEP as COREAI_STEP
-from anelab.runtimes.interface import CoreAIRuntime, CoreMLRuntime, package_content_hash
+from anelab.publish.measure_coreai import coreai_records
+from anelab.runtimes.coreai.coreai_runtime import default_coreai_runtime
+from anelab.runtimes.coreml.block_ab import time_attention_ab
+from anelab.runtimes.coreml.coreml_runtime import default_runtime
+from anelab.runtimes.coreml.device_verify import verify_on_device
+from anelab.runtimes.coreml.gate import AneGate
+from anelab.runtimes.coreml.gather_probe import measure_probes_on_runtime, probe, probe_inputs
+from anelab.runtimes.coreml.probe import probe_core_ml
+from anelab.runtimes.coreml.timing import time_compositions, time_load
+from anelab.runtimes.interface import CoreAIRuntime, CoreMLRuntime, package_content_hash, package_functions
+from anelab.sidecar.export import export_sidecars
+from anelab.sidecar.format import read_sidecar_metadata
+from anelab.studies.setup_cost import measure_load_memory, memory_vs_functions
 
 STEPS: tuple[tuple[str, str], ...] = (
     ("doctor", "check the Core ML runtime (macOS 15+, coremltools' native module) and a Neural Engine (arm64)"),
@@ -130,7 +144,6 @@ def _doctor(run: MeasureRun) -> None:
 
 def _probe(run: MeasureRun, echo) -> None:
     """First contact: every Core ML assumption checked on a tiny package and recorded (never skipped)."""
-    from anelab.runtimes.probe import probe_core_ml
 
     record = probe_core_ml(run.runtime)
     verdicts = json.dumps(record["results"]["assumptions"], sort_keys=True).encode()
@@ -142,9 +155,6 @@ def _probe(run: MeasureRun, echo) -> None:
 
 def _export(run: MeasureRun, checkpoint: Path, layer: int, histories: list[int], out: Path):
     """The layer's sidecar, exported with the gate (reused when already verified here, unless again)."""
-    from anelab.runtimes.gate import AneGate
-    from anelab.sidecar.export import export_sidecars
-    from anelab.sidecar.format import read_sidecar_metadata
 
     pkg = out / f"layer_{layer}.mlpackage"
     if pkg.is_dir() and not run.config.again and read_sidecar_metadata(pkg).ane_verified:
@@ -155,8 +165,6 @@ def _export(run: MeasureRun, checkpoint: Path, layer: int, histories: list[int],
 
 
 def _gate_record(pkg: Path) -> dict:
-    from anelab.core.records import make_record
-    from anelab.sidecar.format import read_sidecar_metadata
 
     meta = read_sidecar_metadata(pkg)
     return make_record(
@@ -168,8 +176,6 @@ def _gate_record(pkg: Path) -> dict:
 
 
 def _verify(run: MeasureRun, pkg: Path, checkpoint: Path) -> list[dict]:
-    from anelab.core.records import make_record
-    from anelab.runtimes.device_verify import verify_on_device
 
     records = []
     for units in run.config.verify_units:
@@ -179,9 +185,6 @@ def _verify(run: MeasureRun, pkg: Path, checkpoint: Path) -> list[dict]:
 
 
 def _load_timings(run: MeasureRun, pkg: Path, compositions: dict[str, Path]) -> list[dict]:
-    from anelab.runtimes.interface import package_functions
-    from anelab.runtimes.timing import time_compositions, time_load
-    from anelab.studies.setup_cost import measure_load_memory, memory_vs_functions
 
     cfg, rt = run.config, run.runtime
     records = []
@@ -203,9 +206,6 @@ def _load_timings(run: MeasureRun, pkg: Path, compositions: dict[str, Path]) -> 
 
 
 def _block_ab(run: MeasureRun, pkg: Path, checkpoint: Path) -> list[dict]:
-    from anelab.checkpoints.checkpoint import load_checkpoint
-    from anelab.runtimes.ab import time_attention_ab
-    from anelab.sidecar.format import read_sidecar_metadata
 
     meta = read_sidecar_metadata(pkg)
     geometry = load_checkpoint(checkpoint).geometry
@@ -216,8 +216,6 @@ def _block_ab(run: MeasureRun, pkg: Path, checkpoint: Path) -> list[dict]:
 
 
 def _gather_probe(run: MeasureRun) -> tuple[str, list[dict]]:
-    from anelab.core.records import make_record
-    from anelab.runtimes.gather_probe import measure_probes_on_runtime, probe, probe_inputs
 
     out = Path(run.config.build) / "probes"
     results = probe(run.config.probe_chunk, repeats=1, out_dir=out)
@@ -254,9 +252,6 @@ def measure(
     process per package on a Mac); coreai_runtime: this machine's Core AI runtime by default (the coreai
     step runs where it is available: macOS 27).
     """
-    from anelab.checkpoints.checkpoint import load_checkpoint
-    from anelab.checkpoints.default import default_checkpoint_dir
-    from anelab.runtimes.coreml import default_runtime
 
     run = MeasureRun(config, runtime if runtime is not None else default_runtime(), clock, memory)
     _doctor(run)
@@ -305,8 +300,6 @@ def _coreai(run: MeasureRun, runtime: CoreAIRuntime | None, checkpoint, layer, h
     """The Core AI step (``publish.measure_coreai``) where Core AI runs; elsewhere one line saying why not.
     ``own``: the Core ML runtime is this machine's, so the Core AI one defaults to this machine's too (beside a
     caller's Core ML runtime, e.g. a fake, only a Core AI runtime the caller gives is used)."""
-    from anelab.publish.measure_coreai import coreai_records
-    from anelab.runtimes.coreai import default_coreai_runtime
 
     if runtime is None and not own:
         run.unavailable["coreai"] = "no Core AI runtime was given beside the caller's Core ML runtime"

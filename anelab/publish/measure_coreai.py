@@ -1,7 +1,7 @@
 """``anelab measure``'s Core AI step: the layer Core ML's loads were timed on, as ``.aimodel`` assets, timed.
 
 Beside Core ML's loads of the same layer (same checkpoint, layer, chunk and histories; the records carry
-the Core ML package's hash, ``coreml_package_sha256``), on macOS 27 (``runtimes.coreai_timing``):
+the Core ML package's hash, ``coreml_package_sha256``), on macOS 27 (``runtimes.coreai.coreai_timing``):
 specialization cold (cache cleared) and warm (cache hit), the cached entry from a fresh process, cold
 specialization against the number of entrypoints (``ENTRYPOINT_COUNTS``: assets of histories 0, C, ...),
 the ahead-of-time compiled asset's cold and warm loads, and one predict per entrypoint on the Neural
@@ -12,8 +12,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from anelab.runtimes import coreai_timing
+from anelab.runtimes.coreai import coreai_timing
 from anelab.runtimes.interface import CoreAIRuntime
+from anelab.sidecar.backends import COREML
+from anelab.sidecar.coreai.asset import write_asset
+from anelab.sidecar.export import export_sidecars
 
 STEP = ("coreai", "Core AI (macOS 27): the layer as .aimodel — specialization cold / warm / fresh process / per "
         "entrypoint count (1, 3, 9, 30), the AOT-compiled asset's load, predict per entrypoint on the Neural Engine")  # fmt: skip
@@ -22,9 +25,6 @@ STEP = ("coreai", "Core AI (macOS 27): the layer as .aimodel — specialization 
 def export_assets(checkpoint: Path, layer: int, chunk: int, histories: list[int], build: Path) -> tuple[Path, dict]:
     """(the layer's asset with ``histories``, {entrypoints: asset with histories 0, C, ... of that count}): one
     Core ML package of every history needed, each asset lowered from the functions it holds."""
-    from anelab.sidecar.backends import COREML
-    from anelab.sidecar.coreai_asset import write_asset
-    from anelab.sidecar.export import export_sidecars
 
     needed = sorted({*histories, *(i * chunk for i in range(max(coreai_timing.ENTRYPOINT_COUNTS)))})
     root = Path(build) / "coreai"

@@ -54,6 +54,9 @@ from anelab.core.parallel import threads_per_run
 from anelab.core.paths import FIGURES_DIR, MEASURED_DIR, NOTEBOOK_DIR, REPO_ROOT, RUNS_DIR
 from anelab.core.progress import HEADLESS_VARIABLE, tqdm
 from anelab.core.records import atomic_write_text, machine_description, read_json_file
+from anelab.publish.docs_site import TEMPLATE_DIR
+from anelab.publish.studies import study_notebooks
+from anelab.publish.widget_manager import RENDERER_URL
 
 ANELAB_KERNEL = "anelab"  # the Makefile installs it into the venv (ipykernel --sys-prefix)
 
@@ -249,10 +252,6 @@ def export_html(executed: Path, dest: Path) -> Path:
     import nbformat
     from nbconvert import HTMLExporter
 
-    from anelab.core.records import atomic_write_text
-    from anelab.publish.docs_site import TEMPLATE_DIR
-    from anelab.publish.widget_manager import RENDERER_URL
-
     nb = nbformat.read(str(executed), as_version=4)
     exporter = HTMLExporter(
         widget_renderer_url=RENDERER_URL, template_file=NOTEBOOK_TEMPLATE, extra_template_paths=[str(TEMPLATE_DIR)]
@@ -399,8 +398,6 @@ def run_all_notebooks(
     get fresh names, so concurrent notebooks never overwrite each other's output.
     """
     if notebooks is None:
-        from anelab.publish.studies import study_notebooks
-
         notebooks = study_notebooks()
     notebooks = [Path(p) for p in notebooks]
     if not notebooks:

@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from anelab.core.errors import AnelabInputError
+from anelab.core.gather_size import GatherSizing
 from anelab.core.paths import DATA_DIR, MEASURED_DIR, REPO_ROOT, RUNS_DIR
 from anelab.core.records import read_records
+from anelab.planner import load_fit_report
 
 
 def default_sources() -> list[Path]:
@@ -123,14 +125,12 @@ def _fold_workload(record: dict) -> str:
 
 
 def _seed_gather_sizing():
-    from anelab.core.gather_size import GatherSizing
 
     return GatherSizing(24, 256, 4096, 8192, 2051)  # the seed's sizing: 24 heads x 256, budget 2,051
 
 
 def _planner_load(history: int) -> Callable[[], float]:
     def value() -> float:
-        from anelab.planner import load_fit_report
 
         return next(r["power_fit_seconds"] for r in load_fit_report(DATA_DIR) if r["history"] == history)
 

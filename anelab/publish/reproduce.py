@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from anelab.checkpoints.default import default_checkpoint_dir
+from anelab.core.parallel import available_cores
 from anelab.core.records import atomic_write_text
+from anelab.publish.fresh import figures_with_fresh_data
+from anelab.publish.notebooks import run_parameters
+from anelab.runtimes.coreml.coreml_runtime import default_runtime
+from anelab.sidecar.checks.verify import verify_package
+from anelab.sidecar.export import export_sidecars
 
 DEFAULT_CHUNK = 64
 
@@ -17,9 +24,6 @@ QUICK_CHUNK = 16
 def export_and_verify_default(build: Path, quick: bool) -> tuple[bool, str]:
     """Export every full-attention layer of the embedded default checkpoint and verify each
     package from disk. Returns (passed, report text)."""
-    from anelab.checkpoints.default import default_checkpoint_dir
-    from anelab.sidecar.export import export_sidecars
-    from anelab.sidecar.verify import verify_package
 
     checkpoint = default_checkpoint_dir(build / "checkpoints")
     chunk = QUICK_CHUNK if quick else DEFAULT_CHUNK
@@ -55,15 +59,12 @@ MAX_JOBS = 2  # notebooks run at once by reproduce off a Mac (fewer on a one-cor
 
 def reproduce_jobs(device_available: bool | None = None) -> int:
     """Notebooks ``reproduce`` runs at once. With the Core ML runtime (``device_available``; default:
-    asked of ``anelab.runtimes.coreml.default_runtime``) the notebooks time loads and predictions on the
+    asked of ``anelab.runtimes.coreml.coreml_runtime.default_runtime``) the notebooks time loads and predictions on the
     device, so they run one at a time and no study disturbs another's timings. Without it, nothing is
     timed on a device: ``MAX_JOBS`` at once, or every core when there are fewer (each study is one
     kernel running its cells in order, so two keep two cores busy)."""
-    from anelab.core.parallel import available_cores
 
     if device_available is None:
-        from anelab.runtimes.coreml import default_runtime
-
         device_available = default_runtime().available()
     return 1 if device_available else min(MAX_JOBS, available_cores())
 
@@ -77,7 +78,7 @@ def reproduce(quick: bool = False, build: str | Path = "build", jobs: int | None
     print(text)
     print(f"report written to {build / 'report.md'}")
     try:
-        from anelab.publish.notebooks import run_all_notebooks
+        from anelab.publish.notebooks import run_all_notebooks  # inside: optional (papermill, nbconvert)
     except ImportError:
         return 0 if passed else 1
     ok = run_all_notebooks(quick=quick, build=build, jobs=reproduce_jobs() if jobs is None else jobs)
@@ -87,8 +88,6 @@ def reproduce(quick: bool = False, build: str | Path = "build", jobs: int | None
 
 def fresh_figures_line(quick: bool, build: Path) -> str:
     """Which figures drew fresh Mac data (records from ``anelab measure``), as one line."""
-    from anelab.publish.fresh import figures_with_fresh_data
-    from anelab.publish.notebooks import run_parameters
 
     names = figures_with_fresh_data(run_parameters(quick, build)["figures_dir"])
     if not names:

@@ -1,8 +1,8 @@
 """The one table of the studies: each notebook with its back-end, what runs here and what needs a Mac, its
 headline numbers, the figure a batch draws across a grid, and its figures.
 
-``doctor``, the batch summary, ``reproduce`` and the docs gallery read it; ``tests/test_front_door.py`` fails
-on a notebook without a row, ``tests/test_figures.py`` on a captioned figure no study claims.
+``doctor``, the batch summary, ``reproduce`` and the docs gallery read it; ``tests/commands/test_front_door.py`` fails
+on a notebook without a row, ``tests/publish/test_figures.py`` on a captioned figure no study claims.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ STUDIES: tuple[Study, ...] = (
         "04_setup_cost",
         "when does per-variant setup eat the win?",
         "fit of recorded load times against score-arena bytes, break-even prompt lengths",
-        "cold/warm loads and package compositions through anelab.runtimes.timing; Core AI's specialization "
+        "cold/warm loads and package compositions through anelab.runtimes.coreml.timing; Core AI's specialization "
         "(cold, cached, per entrypoint count, AOT) beside them on macOS 27",
         ("setup_load_vs_arena", "setup_package_composition", "setup_variants_visited", "setup_vs_saved",
          "setup_break_even", "setup_package_size", "setup_fresh_loads_memory", "setup_coreml_vs_coreai"),

@@ -24,15 +24,24 @@ import numpy as np
 
 from anelab.core.errors import AnelabInputError
 from anelab.core.paths import BUILD_DIR
-from anelab.runtimes.assumptions import (
+from anelab.core.records import machine_description
+from anelab.runtimes.coreml.assumptions import (
     COMPILE_TO_MLMODELC,
     COMPUTE_PLAN_OF_COMPILED,
     LOAD_FUNCTION_BY_NAME,
     assumption,
     settings_needed,
 )
-from anelab.runtimes.first_use import first_use_package  # noqa: F401 - re-exported
-from anelab.runtimes.native_output import NativeOutput, capture_native_output  # noqa: F401 - re-exported
+from anelab.runtimes.coreml.first_use import first_use_package  # noqa: F401 - re-exported
+from anelab.runtimes.coreml.native_output import NativeOutput, capture_native_output  # noqa: F401 - re-exported
+from anelab.sidecar.coremltools_import import coremltools_modules
+from anelab.sidecar.format import (
+    STATE_FUNCTIONS_META,
+    load_package_spec,
+    read_raw_metadata,
+    read_sidecar_metadata,
+    require_package,
+)
 
 COMPUTE_UNITS = frozenset({"cpu_only", "cpu_and_gpu", "cpu_and_ne", "all"})
 
@@ -98,7 +107,6 @@ GATE_VERDICT_KEY = "aneCompileVerified"  # the sidecar metadata key the ANE gate
 def gate_verdict(pkg: str | os.PathLike) -> str:
     """The package's ANE gate verdict as recorded in its metadata: "true", "false" or "absent" (none, or no
     readable spec)."""
-    from anelab.sidecar.format import read_raw_metadata
 
     try:
         return read_raw_metadata(pkg).get(GATE_VERDICT_KEY, "absent") or "absent"
@@ -161,7 +169,6 @@ def package_stat_key(pkg: str | os.PathLike) -> tuple:
 def package_functions(pkg: str | os.PathLike) -> list[str]:
     """The functions a sidecar package serves, from its metadata: ``c<C>`` (and ``c1``) for a stateful
     sidecar, ``h<H>`` per history otherwise."""
-    from anelab.sidecar.format import STATE_FUNCTIONS_META, read_raw_metadata, read_sidecar_metadata
 
     raw = read_raw_metadata(pkg)
     if raw.get(STATE_FUNCTIONS_META):
@@ -180,8 +187,6 @@ class FunctionSignature:
 
 def function_signatures(pkg: str | os.PathLike) -> tuple[str, dict[str, FunctionSignature]]:
     """(default function, {function: FunctionSignature}) read from a package's spec (no load)."""
-    from anelab.sidecar.coremltools_import import coremltools_modules
-    from anelab.sidecar.format import load_package_spec
 
     coremltools_modules()
     from coremltools.proto import FeatureTypes_pb2
@@ -276,7 +281,6 @@ class CoreMLRuntime(abc.ABC):
 
     def compile(self, pkg: str | os.PathLike) -> Path:
         """The compiled copy of ``pkg``: compiled once, then reused for every load and compute plan."""
-        from anelab.sidecar.format import require_package
 
         self.require_available()
         self.require_assumptions(COMPILE_TO_MLMODELC)
@@ -445,8 +449,6 @@ class CoreMLRuntime(abc.ABC):
         """``versions()`` read afresh (``machine_description``: two ``sysctl`` and one ``sw_vers`` on a Mac)."""
         from importlib.metadata import version
 
-        from anelab.core.records import machine_description
-
         described = machine_description()
         return {"chip": described["chip"], "macos": described["os_version"], "coremltools": version("coremltools")}
 
@@ -477,7 +479,7 @@ class CoreMLRuntime(abc.ABC):
 
     def assumption_verdict(self, name: str, compute_units: str | None = None) -> tuple[str, str]:
         """("passed" | "failed" | "unprobed", what the probe saw or why it is unknown) for ``name`` under
-        ``compute_units`` (see ``anelab.runtimes.assumptions.settings_needed``)."""
+        ``compute_units`` (see ``anelab.runtimes.coreml.assumptions.settings_needed``)."""
         table, why = self.probe_verdicts()
         if table is None:
             return "unprobed", why
@@ -611,7 +613,7 @@ class CoreAIRuntime(abc.ABC):
     derived artifacts; the system cache's ``deleteEntries(for:)`` is Swift-only) and says what it cleared;
     ``load_function`` / ``predict`` are ``AIModel.load_function(name)`` and ``await function(inputs, state=)``;
     ``compile_ahead`` is ``xcrun coreai-build compile`` (``.aimodel`` -> ``.aimodelc`` per device architecture).
-    Implemented by ``runtimes.coreai.CoreAIMacRuntime`` and, for the tests, ``runtimes.coreai_fake``.
+    Implemented by ``runtimes.coreai.coreai_runtime.CoreAIMacRuntime`` and, for the tests, ``runtimes.coreai.coreai_fake``.
     """
 
     name = "abstract-coreai"

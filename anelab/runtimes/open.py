@@ -36,14 +36,14 @@ import numpy as np
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import chunk_starts
 from anelab.core.masks import MASKED, causal, dense_exact_window
-from anelab.runtimes.assumptions import (
+from anelab.runtimes.coreml.assumptions import (
     FRESH_STATE_ZEROED,
     INT32_INPUTS_ACCEPTED,
     STATE_SHARED_BY_FUNCTIONS,
     STATEFUL_PREDICTS_STABLE,
 )
-from anelab.runtimes.coreml import default_runtime
-from anelab.runtimes.interface import NEURAL_ENGINE_UNITS, CoreMLRuntime, check_compute_units
+from anelab.runtimes.coreml.coreml_runtime import default_runtime
+from anelab.runtimes.interface import NEURAL_ENGINE_UNITS, CoreMLRuntime, check_compute_units, prepare_inputs
 from anelab.sidecar.designs import DENSE, Design, design_of
 from anelab.sidecar.format import SidecarMetadata, read_sidecar_metadata
 from anelab.sidecar.prompt import stateful_mask
@@ -211,7 +211,6 @@ class Sidecar:
         windowed layer's mask is refused when it shows a key outside the window, and a mask given to a
         package without a mask input is refused (its causality is in-graph).
         """
-        from anelab.runtimes.interface import prepare_inputs
 
         inputs = self._complete_inputs(int(start), dict(inputs), valid_rows)
         handle = self.handle_for(start, valid_rows)
@@ -220,7 +219,6 @@ class Sidecar:
         return self._predict_on_state(self.function_for(start, valid_rows), handle, inputs)
 
     def _predict_on_state(self, name: str, handle, inputs: dict) -> dict:
-        from anelab.runtimes.interface import prepare_inputs
 
         if self._state is None:
             self._state, self._state_made_by = self.runtime.make_state(handle), name

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from anelab.core.errors import AnelabInputError
-from anelab.sidecar import coreai_asset, coreai_inspection, inspection
-from anelab.sidecar.evaluate import SavedPackage
+from anelab.sidecar import inspection
+from anelab.sidecar.coreai import asset as coreai_asset
+from anelab.sidecar.coreai import asset_inspection as coreai_inspection
 from anelab.sidecar.format import SidecarMetadata, read_sidecar_metadata, weight_bytes
+from anelab.sidecar.mil.evaluate import SavedPackage
 
 COREML, COREAI = "coreml", "coreai"  # the back-ends' names: written here and nowhere else
 
@@ -65,7 +67,7 @@ BACKENDS: dict[str, Backend] = {
             derive=None,
             check_options=lambda weights, chunk, capacity: None,  # the designs' own validation is Core ML's
             gated=True,
-            runtime="anelab.runtimes.coreml:default_runtime",
+            runtime="anelab.runtimes.coreml.coreml_runtime:default_runtime",
         ),
         Backend(
             COREAI,
@@ -80,7 +82,7 @@ BACKENDS: dict[str, Backend] = {
             derive=coreai_asset.write_asset,
             check_options=coreai_asset.check_options,
             gated=False,
-            runtime="anelab.runtimes.coreai:default_coreai_runtime",
+            runtime="anelab.runtimes.coreai.coreai_runtime:default_coreai_runtime",
         ),
     )
 }

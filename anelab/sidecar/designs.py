@@ -7,7 +7,7 @@ a function name, the builder of each function's MIL program, the prompt driver, 
 the negative controls it declares, what opening it needs (a state, a mask input), whether the
 whole-model arms serve it, and what the planner prices. export, verify, the prompt driver,
 ``open_sidecar``, the arms, the planner and the CLI ask the design; nothing outside this module
-names a design (``tests/test_designs.py`` walks the tree for the names).
+names a design (``tests/sidecar/test_designs.py`` walks the tree for the names).
 
 - ``dense``: one function ``h<s>`` per chunk start s (the research seed's design), K/V history an
   input, all ``s + C`` keys scored at once;
@@ -20,7 +20,7 @@ names a design (``tests/test_designs.py`` walks the tree for the names).
   W + C slots instead (its ``layer_layout``: ``stateful_tiled.window_ring``), its window in-graph.
 
 Beside attention, the blocks without history (``Design.block``: a ``BlockReader`` says which layers have the block,
-how its weights and digests are read; verified by ``sidecar.verify_blocks``; not priced by the planner yet):
+how its weights and digests are read; verified by ``sidecar.checks.verify_blocks``; not priced by the planner yet):
 
 - ``mlp``: one function ``c<C>`` per layer, ``mlp_out = down(act(gate(x)) * up(x))`` (``graphs.mlp``);
 - ``gdn-proj``: one function ``c<C>`` per linear-attention layer of a hybrid, its Gated DeltaNet input
@@ -40,8 +40,9 @@ from anelab.core.geometry import AttentionGeometry, chunk_starts, coverage, scor
 from anelab.core.limits import MAX_FUNCTIONS, MAX_POSITIONS, require_at_most, require_memory
 from anelab.core.masks import MASKED, dense_exact_window
 from anelab.core.weights import AttentionWeights
-from anelab.sidecar import drivers, verify_blocks, verify_cases
+from anelab.sidecar import drivers
 from anelab.sidecar.block_designs import BlockReader, build_gdn_projections, build_mlp, no_prompt_driver
+from anelab.sidecar.checks import verify_blocks, verify_cases
 from anelab.sidecar.format import (
     MAX_STATE_CAPACITY,
     STATE_CAPACITY_META,
@@ -65,12 +66,12 @@ from anelab.sidecar.graphs.stateful_tiled import (
 from anelab.sidecar.graphs.tiled import build_tiled_program, validate_key_tile
 from anelab.sidecar.quantize import validate_weights_mode
 
-# the designs' names: written here and nowhere else (tests/test_designs.py)
+# the designs' names: written here and nowhere else (tests/sidecar/test_designs.py)
 DENSE, TILED, STATEFUL, STATEFUL_TILED = "dense", "tiled", "stateful", "stateful-tiled"
 MLP, GDN_PROJ = "mlp", "gdn-proj"  # the non-attention blocks' designs (one chunk-shaped function c<C> per layer)
 
 # Non-const MIL ops of one function as built (before coremltools' passes), counted on built programs
-# (tests/test_stateful_tiled.py checks the formulas): a stateful-tiled function has a fixed part
+# (tests/sidecar/test_stateful_tiled.py checks the formulas): a stateful-tiled function has a fixed part
 # (projections, RoPE, cache update, output) and ~25 ops per (query tile, key tile) pair.
 OPS_STATEFUL_TILED_BASE = 100
 OPS_PER_TILE_PAIR = 25

@@ -9,8 +9,8 @@ from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import AttentionGeometry, chunk_starts
 from anelab.core.masks import MASKED, causal
 from anelab.core.weights import AttentionWeights
-from anelab.sidecar.evaluate import SavedPackage
 from anelab.sidecar.format import function_name, stateful_function_name
+from anelab.sidecar.mil.evaluate import SavedPackage
 
 DECODE_STEPS = 2  # decode rows run after the prefill when the package has a c1 function
 

@@ -64,7 +64,7 @@ def ungated_reason() -> str:
 
 
 class VariantGate(Protocol):
-    """What the exporter asks of an ANE gate (implemented by ``anelab.runtimes.gate.AneGate``)."""
+    """What the exporter asks of an ANE gate (implemented by ``anelab.runtimes.coreml.gate.AneGate``)."""
 
     verified_reason: str
 
@@ -246,7 +246,7 @@ def export_layer(
     records the contract ``selectionFolded: true``: the runtime folds the selection into the mask.
     ``weights_mode`` (``anelab.sidecar.quantize``): each function's package is compressed before the merge.
 
-    ``gate``: the ANE gate (``anelab.runtimes.gate.AneGate`` on a Mac); ``None`` records
+    ``gate``: the ANE gate (``anelab.runtimes.coreml.gate.AneGate`` on a Mac); ``None`` records
     ``aneCompileVerified: false`` with the reason.
     """
     design, opts = sidecar_options(graph, checkpoint.geometry, chunk, histories, **options)

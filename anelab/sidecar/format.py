@@ -92,7 +92,7 @@ RING_SLOTS_META = "anelab.ringSlots"
 BLOCK_META = "anelab.block"
 
 
-# Core AI assets only (sidecar.coreai_asset): a JSON record of the Neural Engine rules the lowering
+# Core AI assets only (sidecar.coreai.asset): a JSON record of the Neural Engine rules the lowering
 # followed or not, the mask's drop value and the weights-once bytes
 COREAI_META = "anelab.coreai"
 

@@ -7,8 +7,8 @@ import os
 import numpy as np
 
 from anelab.core.errors import AnelabInputError
-from anelab.sidecar.evaluate import SavedPackage, state_signatures, var_bytes
 from anelab.sidecar.format import SidecarMetadata, read_raw_metadata, weight_bytes
+from anelab.sidecar.mil.evaluate import SavedPackage, state_signatures, var_bytes
 
 DTYPE_BYTES = {"float16": 2, "float32": 4}
 

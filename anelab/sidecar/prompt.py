@@ -15,8 +15,8 @@ from anelab.sidecar.drivers import (
     run_stateful_tiled,
     stateful_mask,
 )
-from anelab.sidecar.evaluate import SavedPackage
 from anelab.sidecar.format import read_sidecar_metadata
+from anelab.sidecar.mil.evaluate import SavedPackage
 
 __all__ = [
     "DECODE_STEPS",

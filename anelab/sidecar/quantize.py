@@ -14,7 +14,7 @@ Modes (all valid for the exporter's target, macOS 15 / iOS 18):
 - ``int4-block``: linear symmetric int4, one scale per ``INT4_BLOCK_SIZE`` input columns of each
   output row -> ``constexpr_blockwise_shift_scale``. Block-wise int4 needs iOS 18.
 
-``anelab.sidecar.verify`` holds a compressed package to the fp16 threshold against the reference built from
+``anelab.sidecar.checks.verify`` holds a compressed package to the fp16 threshold against the reference built from
 its own stored weights (``dequantized_weights``), and reports — never bounds — its error against the
 uncompressed weights; what a mode costs a real model is measured on the whole model
 (``anelab.arms.compression_cost``: logits, greedy agreement, perplexity on real text), never inferred from
@@ -33,6 +33,8 @@ from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import AttentionGeometry
 from anelab.core.weights import AttentionWeights
 from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools, save_model
+from anelab.sidecar.mil.evaluate import Interpreter
+from anelab.sidecar.mil.kernels import KERNELS
 
 WEIGHT_MODES = ("fp16", "int8", "palettize4", "int4-block")
 
@@ -191,16 +193,14 @@ def dequantized_linears(
     saved, function: str, projections: dict[str, str], mode: str | None = None
 ) -> dict[str, np.ndarray]:
     """The weight matrices the saved package holds for ``function``'s linear ops, decompressed from their constexpr
-    ops by ``anelab.sidecar.kernels`` -> {field: float32 [out, in]}.
+    ops by ``anelab.sidecar.mil.kernels`` -> {field: float32 [out, in]}.
 
-    ``saved``: an ``anelab.sidecar.evaluate.SavedPackage``; ``projections``: linear op output name -> field name.
+    ``saved``: an ``anelab.sidecar.mil.evaluate.SavedPackage``; ``projections``: linear op output name -> field name.
     A projection stored uncompressed is read as is, unless ``mode`` (the package's recorded weight mode) is a
     compression: then every projection must come from that mode's ``DECOMPRESSION_OPS`` op, or the package is
     refused — its metadata would claim a compression the graph does not hold. Refuses a package whose linear ops
     do not carry every one of the projections.
     """
-    from anelab.sidecar.evaluate import Interpreter
-    from anelab.sidecar.kernels import KERNELS
 
     fn = saved.mil_function(function)
     it = Interpreter(saved, fn, fp16=True)

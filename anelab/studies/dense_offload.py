@@ -1,4 +1,4 @@
-"""Study 1's back-end: recorded A/B rows, offload shares, ratio sweeps (the fresh block A/B is ``runtimes.ab``)."""
+"""Study 1's back-end: recorded A/B rows, offload shares, ratio sweeps (the fresh block A/B is ``runtimes.coreml.block_ab``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ from pathlib import Path
 from anelab.core.errors import AnelabInputError
 from anelab.core.paths import DATA_DIR
 from anelab.core.records import read_records
+from anelab.planner.backtest import PROVENANCE, backtest
 from anelab.planner.catalogue import REFERENCE_CHUNK, REFERENCE_TOKENS, get_family
+from anelab.planner.chip_map import family_verdict_map
+from anelab.planner.chips import SEED_CHIP, get_chip, plan_bounds
+from anelab.planner.gpu_runtimes import modelled_runtimes
+from anelab.planner.mlx_lm_rates import fit_mlx_lm
 from anelab.planner.plan import plan
 
 
@@ -131,8 +136,6 @@ def backtest_and_bound(
     sample and with its family held out (``planner.backtest``), and ``family``'s two planned arms at each
     prompt length beside the fastest ``chip`` could run them (``planner.chips``). Numbers are the seed's
     records and fits on them (``provenance``), never fresh measurements."""
-    from anelab.planner.backtest import PROVENANCE, backtest
-    from anelab.planner.chips import get_chip, plan_bounds
 
     rows = backtest(data_dir)
     bounds = []
@@ -152,9 +155,6 @@ def gpu_runtime_arms(prompt_tokens: Sequence[int], *, family: str = "qwen3.5-2b-
     """What notebook 01's runtime figure draws: ``family``'s GPU arm on TinyTitan's recorded path and on mlx-lm
     (``planner.mlx_lm_rates``, on ``chip``), each beside the ANE arm planned against it (the ANE's costs are the
     recorded ones either way), and the public mlx-lm records' fraction of peak. Seconds per prompt length."""
-    from anelab.planner.chips import get_chip
-    from anelab.planner.gpu_runtimes import modelled_runtimes
-    from anelab.planner.mlx_lm_rates import fit_mlx_lm
 
     rows = []
     for n in prompt_tokens:
@@ -173,9 +173,6 @@ def chip_verdict_maps(prompt_tokens: Sequence[int], *, family: str = "qwen3.5-2b
     """What notebook 01's chip figure draws: ``family``'s verdict map (chip x prompt length -> ratio and verdict,
     ``planner.chip_map``) against each GPU runtime the planner prices, the seed's M3 row marked, and counts of
     what it shows (chips priced, chips whose row names a missing figure, prompts the ANE wins)."""
-    from anelab.planner.chip_map import family_verdict_map
-    from anelab.planner.chips import SEED_CHIP
-    from anelab.planner.gpu_runtimes import modelled_runtimes
 
     maps = {r: family_verdict_map(family, prompt_tokens, gpu_runtime=r, mark=SEED_CHIP, data_dir=data_dir)
             for r in modelled_runtimes()}  # fmt: skip

@@ -1,6 +1,6 @@
 """Study 3's back-end: would gathering the selected keys beat the dense graph? It composes the sizing
 (``core.gather_size``), the probe graphs (``sidecar.graphs.probe_graphs``) and their runs
-(``runtimes.gather_probe``) under one name for notebook 03; the product commands import those homes directly."""
+(``runtimes.coreml.gather_probe``) under one name for notebook 03; the product commands import those homes directly."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from anelab.core.gather_size import (  # noqa: F401 (notebook 03's names)
     size,
     sizing_table,
 )
-from anelab.runtimes.gather_probe import (  # noqa: F401 (notebook 03's names)
+from anelab.runtimes.coreml.gather_probe import (  # noqa: F401 (notebook 03's names)
     ProbeResult,
     measure_probes_on_runtime,
     probe,

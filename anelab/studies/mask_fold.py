@@ -8,13 +8,16 @@ from pathlib import Path
 
 import numpy as np
 
+from anelab.arms.arm_runs import Arm, Indexer
+from anelab.arms.real_text import run_pair
 from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.core.errors import AnelabInputError
 from anelab.core.masks import causal, dense_exact_window
+from anelab.core.progress import tqdm
+from anelab.core.records import make_record
 from anelab.core.selection import Selection
-from anelab.sidecar.compare import RELATIVE_ERROR_THRESHOLD, relative_error
-from anelab.sidecar.export import export_layer
-from anelab.sidecar.foldcheck import (
+from anelab.sidecar.checks.comparison import RELATIVE_ERROR_THRESHOLD, relative_error
+from anelab.sidecar.checks.foldcheck import (
     MIN_MOVE_OVER_THRESHOLD,
     FoldCase,
     FoldCheck,
@@ -25,6 +28,7 @@ from anelab.sidecar.foldcheck import (
     run_reference,
     selection_for,
 )
+from anelab.sidecar.export import export_layer
 
 DEFAULT_VOCAB = 4096
 
@@ -116,7 +120,6 @@ def budget_sweep(
     """``budget_point`` for each kept_blocks value, all against the widest budget's output.
 
     Progress: a bar on a terminal or in JupyterLab, none in a headless run (``anelab.core.progress``)."""
-    from anelab.core.progress import tqdm
 
     baseline = _baseline(case, compress_ratio)
     projection = vocab_projection(case.geometry.hidden_size, seed=case.seed)
@@ -287,7 +290,6 @@ def study_width(
 def study_record(studies: list[WidthStudy], parameters: dict, real: dict | None = None) -> dict:
     """A measured record (kind ``mask_fold``) of the study's numbers at every width (and ``real``: the
     default-real section's comparisons, budget name -> ``TextPair.to_dict()`` with its separation)."""
-    from anelab.core.records import make_record
 
     if not studies:
         raise AnelabInputError("no widths studied; nothing to record")
@@ -297,7 +299,7 @@ def study_record(studies: list[WidthStudy], parameters: dict, real: dict | None 
             **parameters,
             "threshold": RELATIVE_ERROR_THRESHOLD,
             "min_move_over_threshold": MIN_MOVE_OVER_THRESHOLD,
-            "evaluator": "anelab.sidecar.evaluate (saved package, NumPy, fp16 storage emulated)",
+            "evaluator": "anelab.sidecar.mil.evaluate (saved package, NumPy, fp16 storage emulated)",
             "reference": "anelab.core.reference fp64",
         },
         {"widths": {str(s.chunk): s.to_dict() for s in studies}, **({"real_text": real} if real else {})},
@@ -308,12 +310,10 @@ def study_record(studies: list[WidthStudy], parameters: dict, real: dict | None 
 # ---- real text (default-real): folded vs causal-only selection on the whole model's real attention ------------
 def real_fold_comparison(model, prompt: np.ndarray, tokenizer, kept_blocks: int, compress_ratio: int, *,
                          decode: int, chunk: int):  # fmt: skip
-    """The model read as sparse-indexed (``arms.run.Indexer``: ``kept_blocks`` blocks of ``compress_ratio`` keys,
+    """The model read as sparse-indexed (``arms.arm_runs.Indexer``: ``kept_blocks`` blocks of ``compress_ratio`` keys,
     scored on each layer's own q/k) on ``prompt`` (int [P], real text): the folded arm (selection in the mask)
     against the causal-only arm (a sidecar without the fold), both on the reference attention, decoded greedily
     -> ``real_text.TextPair`` (causal-only against folded)."""
-    from anelab.arms.real_text import run_pair
-    from anelab.arms.run import Arm, Indexer
 
     indexer = Indexer(int(kept_blocks), int(compress_ratio))
     arms = (Arm("folded", "reference", indexer, fold=True), Arm("causal-only", "reference", indexer, fold=False))

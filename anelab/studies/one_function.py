@@ -13,13 +13,18 @@ from pathlib import Path
 
 import numpy as np
 
+from anelab.checkpoints.checkpoint import load_checkpoint, write_checkpoint
 from anelab.core.geometry import AttentionGeometry, chunk_starts
 from anelab.core.progress import tqdm
+from anelab.core.weights import random_attention_weights
 from anelab.planner.design_plans import DESIGNS, compare_designs
-from anelab.sidecar.compare import relative_error
+from anelab.planner.from_checkpoint import checkpoint_designs
+from anelab.sidecar.checks.comparison import relative_error
+from anelab.sidecar.checks.verify import verify_package
 from anelab.sidecar.designs import STATEFUL_TILED, get_design
-from anelab.sidecar.evaluate import SavedPackage
-from anelab.sidecar.inspection import largest_working_output
+from anelab.sidecar.export import export_sidecars
+from anelab.sidecar.inspection import inspect_package, largest_working_output
+from anelab.sidecar.mil.evaluate import SavedPackage
 from anelab.sidecar.prompt import prefill_prompt, prompt_reference
 
 DESIGN_COLOURS = ("tab:red", "tab:orange", "tab:blue")  # one per design of DESIGNS, in order
@@ -62,7 +67,6 @@ def export_three(
 ) -> dict:
     """Export ``layer`` as each design of ``DESIGNS`` covering a ``prompt_tokens`` prompt in chunks of
     ``chunk`` (stateful capacity = calls x chunk). Returns {design: ExportResult}."""
-    from anelab.sidecar.export import export_sidecars
 
     histories = chunk_starts(prompt_tokens, chunk)
     given = {"capacity": len(histories) * chunk, "decode": decode, "key_tile": key_tile, "query_tile": query_tile}
@@ -96,8 +100,6 @@ def tile_error_table(
 ) -> list[dict]:
     """fp16 error of the online softmax against the number of key tiles: one stateful-tiled export per
     key tile, a prompt filling the capacity, attn_out against the fp64 reference."""
-    from anelab.checkpoints.checkpoint import load_checkpoint
-    from anelab.sidecar.export import export_sidecars
 
     ck = load_checkpoint(checkpoint_dir)
     g, w = ck.geometry, ck.layer(layer)
@@ -202,8 +204,6 @@ def gemma3_style_geometry(
 def write_gemma3_style_checkpoint(directory, geometry: AttentionGeometry, seed: int = 0) -> Path:
     """config.json + safetensors of ``geometry`` (random weights) in the gemma3_text layout, by the
     project's checkpoint writer."""
-    from anelab.checkpoints.checkpoint import write_checkpoint
-    from anelab.core.weights import random_attention_weights
 
     weights = {i: random_attention_weights(geometry, i, seed) for i in geometry.full_attention_layers}
     return write_checkpoint(directory, geometry, weights, model_type="gemma3_text")
@@ -216,9 +216,6 @@ def windowed_model_rows(
     function at capacity 4W and verified from disk (a prompt of about 4W, the last chunk partial), plus
     each layer's largest intermediate at capacity 16W. One row per layer: functions, ring slots, worst
     error, controls, largest intermediate (bytes) at 4W and 16W."""
-    from anelab.sidecar.export import export_sidecars
-    from anelab.sidecar.inspection import inspect_package
-    from anelab.sidecar.verify import verify_package
 
     def largest(result) -> int:
         return max(f["largest_intermediate_bytes"] for f in inspect_package(result.package)["functions"].values())
@@ -251,7 +248,6 @@ def windowed_plan_rows(checkpoint_dir, prompt_tokens: int, chunk: int, family: s
     """Per design, a windowed model's functions, loads and planned setup (seconds) over all its
     attention layers, each kind of layer priced as built (``planner.from_checkpoint.checkpoint_designs``;
     costs from ``family`` or the closest recorded dense family)."""
-    from anelab.planner.from_checkpoint import checkpoint_designs
 
     checkpoint_plan, by_kind = checkpoint_designs(checkpoint_dir, prompt_tokens, chunk=chunk, family=family)
     layers = {"full": len(checkpoint_plan.full_layers), "windowed": len(checkpoint_plan.windowed_layers)}

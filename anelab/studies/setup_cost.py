@@ -13,13 +13,20 @@ from pathlib import Path
 
 import numpy as np
 
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.core.errors import AnelabInputError
 from anelab.core.progress import tqdm
-from anelab.core.records import make_record, write_record
-from anelab.planner.catalogue import REFERENCE_CHUNK, get_family
+from anelab.core.records import make_record, read_records, write_record
+from anelab.planner.catalogue import REFERENCE_CHUNK, REFERENCE_TOKENS, get_family
+from anelab.planner.coreai_loads import coreai_ratios
+from anelab.planner.load_flip import flip_load
 from anelab.planner.plan import PrefillPlan, plan
-from anelab.runtimes.assumptions import LOAD_FUNCTION_BY_NAME
-from anelab.runtimes.interface import CoreMLRuntime, check_compute_units
+from anelab.runtimes.coreml.assumptions import LOAD_FUNCTION_BY_NAME
+from anelab.runtimes.coreml.coreml_runtime import default_runtime
+from anelab.runtimes.interface import CoreMLRuntime, check_compute_units, package_functions
+from anelab.sidecar.coremltools_import import coremltools_modules
+from anelab.sidecar.export import export_layer
+from anelab.sidecar.format import WEIGHTS_RELATIVE, require_package
 
 MEMORY_CHILD_TIMEOUT = 900  # seconds one isolated memory measurement may take
 
@@ -73,7 +80,7 @@ def break_even(
     setup and ANE attention are fixed while the GPU attention of the last chunk grows with its rows;
     non-attention time is in both arms. So the ANE arm wins (attention saved > setup) on an upper
     part of each such run — one threshold per chunk count — and the search bisects for it (about
-    log2(chunk) planner calls per chunk instead of one per token). ``tests/test_studies.py`` checks
+    log2(chunk) planner calls per chunk instead of one per token). ``tests/studies/test_studies.py`` checks
     the result against planning every prompt length.
     """
     fam = get_family(family) if family is not None else None
@@ -132,8 +139,6 @@ def package_size(pkg: str | os.PathLike) -> dict:
     """Bytes of one .mlpackage: ``weight_bytes`` (weight.bin), ``spec_bytes`` (model.mlmodel), ``total_bytes``
     (all files) — the spec counted without its user-defined metadata, which records the checkpoint's
     absolute path (a checkout elsewhere would change the sizes, not the programs)."""
-    from anelab.sidecar.coremltools_import import coremltools_modules
-    from anelab.sidecar.format import WEIGHTS_RELATIVE, require_package
 
     pkg = require_package(pkg)
     total = sum(f.stat().st_size for f in pkg.rglob("*") if f.is_file())
@@ -166,8 +171,6 @@ def export_function_sweep(
     Returns {n: path of ``out_root/n<n>/layer_<L>.mlpackage``}. ``gate``: the ANE gate handed to
     :func:`anelab.sidecar.export.export_layer` (None: not gated, as off-Mac).
     """
-    from anelab.checkpoints.checkpoint import load_checkpoint
-    from anelab.sidecar.export import export_layer
 
     counts = sorted({int(n) for n in counts})
     if not counts or counts[0] < 1:
@@ -274,7 +277,6 @@ def measure_load_memory(
 
 def run_memory_child() -> None:
     """Entry point of the isolated measurement: JSON request on stdin, JSON answer on stdout."""
-    from anelab.runtimes.coreml import default_runtime
 
     request = json.loads(sys.stdin.read())
     try:
@@ -331,7 +333,6 @@ def memory_vs_functions(
     :func:`load_memory_isolated`; tests pass a fake): load the first function, then every other one.
     results.rows: [{functions, first_function_delta_bytes, all_functions_delta_bytes, loads}].
     """
-    from anelab.runtimes.interface import package_functions
 
     if not packages:
         raise AnelabInputError("memory_vs_functions needs at least one package")
@@ -378,10 +379,6 @@ def coreai_setup_comparison(records_dir, data_dir=None, family: str = "qwen3.8-1
     measure`` recorded Core AI beside Core ML on a Mac (``records_dir``) — each Core AI mode's per-variant
     price (its Core AI / Core ML ratio times the family's loads) and the cold specialization against the
     number of entrypoints. ``coreai`` / ``per_count`` are empty until such records exist."""
-    from anelab.core.records import read_records
-    from anelab.planner.catalogue import REFERENCE_TOKENS
-    from anelab.planner.coreai_loads import coreai_ratios
-    from anelab.planner.load_flip import flip_load
 
     base = plan(REFERENCE_TOKENS, family=family, data_dir=data_dir)
     loads = {int(h): v["seconds"] for h, v in base.load_seconds.items()}

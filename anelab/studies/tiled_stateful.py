@@ -17,7 +17,7 @@ a power law in score-arena bytes elsewhere). Nothing in it is timed.
 
 The rest of the module measures saved packages on this machine: ``export_designs`` exports the
 three designs for one prompt, ``package_facts`` reads sizes and the largest intermediate back from
-disk, ``prefill_prompt`` runs a whole prompt through a saved package with NumPy (``anelab.sidecar.evaluate``
+disk, ``prefill_prompt`` runs a whole prompt through a saved package with NumPy (``anelab.sidecar.mil.evaluate``
 — the CPU of this machine, not the Neural Engine), and ``numpy_prefill_record`` times that run and
 writes a record (origin ``measured``).
 """
@@ -35,12 +35,19 @@ from pathlib import Path
 import numpy as np
 
 from anelab import planner
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import FP16_BYTES, AttentionGeometry, chunk_starts, score_arena_bytes, score_bytes
 from anelab.core.progress import tqdm
-from anelab.core.records import make_record
-from anelab.sidecar.designs import DENSE, STATEFUL, TILED, design_of
+from anelab.core.records import make_record, write_record
+from anelab.runtimes.coreml.timing import measure
+from anelab.sidecar.checks.comparison import relative_error
+from anelab.sidecar.designs import DENSE, STATEFUL, TILED, design_of, get_design
+from anelab.sidecar.export import export_sidecars
+from anelab.sidecar.format import read_sidecar_metadata, weight_bytes
+from anelab.sidecar.mil.evaluate import SavedPackage, var_bytes
 from anelab.sidecar.prompt import prefill_prompt, prompt_reference
+from anelab.studies.setup_cost import package_size
 
 DEFAULT_CHUNKS = (64, 128, 256, 512, 1024, 4096)
 
@@ -70,7 +77,7 @@ SETUP_SOURCE = (
 
 
 NUMPY_EVALUATOR = (
-    "anelab.sidecar.evaluate: NumPy evaluation of the saved MIL program on this machine's CPU (not the ANE)"
+    "anelab.sidecar.mil.evaluate: NumPy evaluation of the saved MIL program on this machine's CPU (not the ANE)"
 )
 
 
@@ -266,8 +273,6 @@ def export_designs(
     what does not depend on the history, such as a weight compression. Packages go to
     ``out_root/<design>-<weights_mode>[-ends]/layer_<L>.mlpackage``. Returns {design: ExportResult}.
     """
-    from anelab.sidecar.designs import get_design
-    from anelab.sidecar.export import export_sidecars
 
     unknown = [d for d in designs if d not in DESIGNS]
     if unknown:
@@ -301,8 +306,6 @@ def package_facts(package: str | os.PathLike) -> dict:
     largest_intermediate_bytes: {function: bytes of its largest op output}, largest_op: {function:
     op type of that output}}.
     """
-    from anelab.sidecar.evaluate import SavedPackage, var_bytes
-    from anelab.studies.setup_cost import package_size
 
     saved = SavedPackage(package)
     largest_op = {}
@@ -325,7 +328,7 @@ def package_facts(package: str | os.PathLike) -> dict:
 
 
 def summarize_verification(report) -> dict:
-    """One row from an ``anelab.sidecar.verify.VerifyReport``: passed, vacuous, ``graph_error`` (worst
+    """One row from an ``anelab.sidecar.checks.verify.VerifyReport``: passed, vacuous, ``graph_error`` (worst
     non-control comparison against the reference with the package's own weights),
     ``weights_error`` (the compression's cost: worst comparison against the checkpoint's uncompressed weights,
     reported, not judged; None for fp16 packages) and ``weakest_control`` (the smallest error a negative control
@@ -351,7 +354,7 @@ class PrefillTiming:
     chunk: int
     prompt_tokens: int
     calls: int
-    stats: object  # anelab.runtimes.timing.TimingStats
+    stats: object  # anelab.runtimes.coreml.timing.TimingStats
     attn_out_error: float
 
 
@@ -366,10 +369,6 @@ def time_numpy_prefill(
 ) -> PrefillTiming:
     """Time ``prefill_prompt`` over the whole prompt (NumPy on this machine) and measure its relative
     error against ``expected`` [P, D] (``prompt_reference``)."""
-    from anelab.runtimes.timing import measure
-    from anelab.sidecar.compare import relative_error
-    from anelab.sidecar.evaluate import SavedPackage
-    from anelab.sidecar.format import read_sidecar_metadata
 
     meta = read_sidecar_metadata(package)
     saved = SavedPackage(package)
@@ -397,7 +396,6 @@ def numpy_prefill_record(
 ) -> dict:
     """A ``numpy_prefill_timing`` record (origin measured) of ``time_numpy_prefill`` results; written
     to ``out_dir`` when given (``_file`` then names it)."""
-    from anelab.core.records import write_record
 
     if not timings:
         raise AnelabInputError("numpy_prefill_record needs at least one timing")
@@ -513,7 +511,6 @@ def numpy_prefill_sweep(
     ``export_workers`` processes), then — every export finished, one at a time — run the whole prompt
     through it with NumPy (timed) and compare with the reference. The same random fp16 prompt
     (``seed``) is used throughout."""
-    from anelab.checkpoints.checkpoint import load_checkpoint
 
     chunks = _check_sweep_args(prompt_tokens, chunks, key_tile)
     checkpoint = load_checkpoint(checkpoint_dir)
@@ -559,7 +556,6 @@ def design_comparison_record(
     caller already read them with ``package_facts``), every (design, weights) verification summary
     (weight bytes read from weight.bin; ``functions``: the functions the package carries, all of them
     verified), and the computed row at the exported chunk."""
-    from anelab.sidecar.format import weight_bytes
 
     facts = {d: package_facts(r.package) for d, r in exports["fp16"].items()} if facts is None else facts
     verification = [
@@ -581,7 +577,7 @@ def design_comparison_record(
             "prompt_tokens": prompt_tokens,
             "key_tile": min(key_tile, chunk),
             "decode": decode,
-            "evaluator": "anelab.sidecar.verify (NumPy evaluation of the saved packages)",
+            "evaluator": "anelab.sidecar.checks.verify (NumPy evaluation of the saved packages)",
         },
         {
             "packages": facts,

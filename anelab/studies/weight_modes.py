@@ -3,7 +3,7 @@ verification and one whole-model cost per model and mode from the cache under th
 
 ``real_mode_evidence`` asks ``arms.compression_cost.weight_mode_evidence`` with the same parameters from either
 notebook (``EvidenceRequest``): whichever runs first computes, the other reuses (by content, through
-``sidecar.evidence_cache``). The default run exports every attention layer in every mode (the whole-model cost needs
+``sidecar.checks.evidence_cache``). The default run exports every attention layer in every mode (the whole-model cost needs
 every layer's stored weights) and verifies ``sampled_layers`` (first, middle, last); ``full=True`` verifies every
 layer. A second real model (e.g. a windowed one) is another ``checkpoint`` with the same request.
 """
@@ -20,10 +20,10 @@ from anelab.arms import real_text
 from anelab.arms.compression_cost import ModeCost, ModeEvidence, compression_costs, weight_mode_evidence
 from anelab.arms.resident import weights_for_run
 from anelab.arms.sidecars import open_sidecars
-from anelab.checkpoints.model import load_model
+from anelab.checkpoints.whole_model import load_model
 from anelab.core.geometry import chunk_starts
 from anelab.core.records import atomic_write_bytes
-from anelab.sidecar.evidence_cache import (
+from anelab.sidecar.checks.evidence_cache import (
     CACHE_DIR,
     CacheUse,
     activations_digest,

@@ -8,11 +8,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from anelab.arms.compare import NOISE, PairComparison, compare_runs
-from anelab.arms.run import Arm, Indexer, run_arms
+from anelab.arms.arm_comparison import NOISE, PairComparison, compare_runs
+from anelab.arms.arm_runs import Arm, Indexer, run_arms
+from anelab.arms.real_text import run_pair
 from anelab.arms.sidecars import SidecarSet
-from anelab.checkpoints.model import ModelCheckpoint
+from anelab.checkpoints.whole_model import ModelCheckpoint, write_random_model
 from anelab.core.errors import AnelabInputError
+from anelab.core.masks import dense_exact_window
+from anelab.core.progress import tqdm
+from anelab.core.records import make_record
+from anelab.sidecar.checks.foldcheck import make_case, selection_for
+from anelab.sidecar.checks.verify_cases import verify_per_history_package
+from anelab.sidecar.export import export_sidecars
+from anelab.studies.mask_fold import greedy_comparison
 
 
 @dataclass
@@ -38,8 +46,6 @@ def window_sweep(
     chunk: int | None = None,
 ) -> list[WindowPoint]:
     """For each kept-blocks value: the folded arm against the causal-only arm (on the sidecars when given)."""
-    from anelab.core.masks import dense_exact_window
-    from anelab.core.progress import tqdm
 
     served = "sidecar" if sidecars is not None else "reference"
     points = []
@@ -57,8 +63,6 @@ def greedy_proxy(
 ):
     """Notebook 02's stand-in for the text check on one layer (``anelab.studies.mask_fold.greedy_comparison``):
     the package's longest function under the folded vs the causal-only mask, argmax over a random projection."""
-    from anelab.sidecar.foldcheck import make_case, selection_for
-    from anelab.studies.mask_fold import greedy_comparison
 
     case = make_case(package, checkpoint, seed=seed)
     return greedy_comparison(case, selection_for(case, kept_blocks, compress_ratio))
@@ -73,7 +77,6 @@ def arms_record(
 ) -> dict:
     """A measured record (kind ``whole_model_arms``) of the per-layer differences, the sweep and the proxy (and
     ``real``: the default-real sections' results — the sidecar arm on real text, the verify margins)."""
-    from anelab.core.records import make_record
 
     return make_record(
         "whole_model_arms",
@@ -94,7 +97,6 @@ def real_sidecar_comparison(
 ):
     """The reference arm and the sidecar arm (every attention layer from its saved package) on ``prompt`` (int
     [P], real text), both decoded greedily -> ``real_text.TextPair`` (sidecar against reference)."""
-    from anelab.arms.real_text import run_pair
 
     arms = (Arm("reference"), Arm("sidecar", "sidecar"))
     return run_pair(model, prompt, arms, tokenizer, decode=decode, sidecars=sidecars)
@@ -124,7 +126,7 @@ class MarginRow:
 
 
 def margin_row(report, checkpoint: str, mode: str, inputs: str) -> MarginRow:
-    """A ``MarginRow`` from one ``sidecar.verify_cases.VerifyReport``."""
+    """A ``MarginRow`` from one ``sidecar.checks.verify_cases.VerifyReport``."""
     checked = [c for c in report.comparisons if not c.control and not c.cost and c.bound is None]
     compressed = [c for c in report.comparisons if c.cost]
     controls = [c.worst / (report.threshold if c.bound is None else c.bound) for c in report.comparisons if c.control]
@@ -150,10 +152,6 @@ def verify_margins(
     (``verify_cases.verify_per_history_package``) on random rows and, when ``activations`` (layer -> post-norm
     rows [P >= 2 chunk, D], ``real_text.attention_inputs``) is given, on those real rows too."""
     from pathlib import Path
-
-    from anelab.core.progress import tqdm
-    from anelab.sidecar.export import export_sidecars
-    from anelab.sidecar.verify_cases import verify_per_history_package
 
     label = label or Path(checkpoint).name
     rows = []
@@ -194,8 +192,6 @@ def random_twin(model: ModelCheckpoint, directory, layers: int, *, vocab: int = 
     the same MLP width): what the verify margin is beside, weights aside."""
     import dataclasses
     from pathlib import Path
-
-    from anelab.checkpoints.model import write_random_model
 
     g = dataclasses.replace(model.geometry, num_layers=int(layers), full_attention_layers=tuple(range(int(layers))))
     directory = Path(directory)

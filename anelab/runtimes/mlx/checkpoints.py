@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from anelab.core.errors import AnelabInputError
-from anelab.runtimes.mlx.model import mlx_core
+from anelab.runtimes.mlx.mlx_model import mlx_core
 
 NORM_NOISE = 0.1  # random norm weights: 1 + N(0, 0.1) as mlx-lm applies them (zero-centred ones: N(0, 0.1))
 

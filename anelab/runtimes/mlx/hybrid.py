@@ -34,7 +34,7 @@ from anelab.core.errors import AnelabInputError
 from anelab.core.gated_deltanet import GDN_OUTPUTS
 from anelab.core.geometry import AttentionGeometry, chunk_starts
 from anelab.core.masks import causal
-from anelab.runtimes.mlx.model import MlxModel, last_row_head, mlx_core, replaced, to_numpy, wrapper_class
+from anelab.runtimes.mlx.mlx_model import MlxModel, last_row_head, mlx_core, replaced, to_numpy, wrapper_class
 
 CONTROLS = ("mask_dropped", "start_shifted")  # the hybrid's negative controls, per served layer
 

@@ -227,7 +227,7 @@ def cache_for_attention(mb, state, updated):
 
     Not a second ``read_state``: coremltools' ``common::remove_redundant_ops`` merges a second
     ``read_state`` of the same state with the first, so it would silently read the cache as it was
-    *before* the update (tests/test_stateful.py and tests/test_stateful_tiled.py swap this function to
+    *before* the update (tests/sidecar/test_stateful.py and tests/sidecar/test_stateful_tiled.py swap this function to
     show verification catches it).
     """
     return updated

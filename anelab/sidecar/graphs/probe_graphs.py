@@ -9,7 +9,9 @@ import numpy as np
 
 from anelab.core.errors import AnelabInputError
 from anelab.core.gather_size import GatherSizing, positive_int
-from anelab.core.masks import MASKED
+from anelab.core.masks import MASKED, dense_exact_window
+from anelab.core.selection import select
+from anelab.sidecar.coremltools_import import coremltools_modules
 
 # ---- the probe graphs -----------------------------------------------------------------------------------
 
@@ -70,7 +72,6 @@ class ProbeShape:
 
 def build_full_scores_probe_program(shape: ProbeShape):
     """MIL program ``main(q, k, v, mask) -> out``: the masked attention core over every key (see above)."""
-    from anelab.sidecar.coremltools_import import coremltools_modules
 
     ct, mb, types = coremltools_modules()
     H, C, T, d = shape.heads, shape.chunk, shape.total, shape.head_dim
@@ -93,7 +94,6 @@ def build_full_scores_probe_program(shape: ProbeShape):
 
 def build_gather_probe_program(shape: ProbeShape):
     """MIL program ``main(q, k, v, keep_indices, keep_counts) -> out``: score only the gathered keys."""
-    from anelab.sidecar.coremltools_import import coremltools_modules
 
     ct, mb, types = coremltools_modules()
     H, C, T, d, B = shape.heads, shape.chunk, shape.total, shape.head_dim, shape.budget
@@ -214,8 +214,6 @@ class ProbeInputs:
 
 def probe_inputs(shape: ProbeShape, kept_blocks: int, compress_ratio: int, seed: int = 0) -> ProbeInputs:
     """Seeded inputs for a probe; the selection scores the chunk's q against k (``selection.select``)."""
-    from anelab.core.masks import dense_exact_window
-    from anelab.core.selection import select
 
     if dense_exact_window(kept_blocks, compress_ratio) != shape.budget:
         raise AnelabInputError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import AttentionGeometry
 from anelab.core.weights import AttentionWeights
 from anelab.sidecar.coremltools_import import coremltools_modules
@@ -20,7 +21,6 @@ from anelab.sidecar.graphs.common import (
 
 def validate_key_tile(key_tile: int, chunk: int) -> int:
     """A key tile must be a positive divisor of the chunk (so no tile straddles history and chunk)."""
-    from anelab.core.errors import AnelabInputError
 
     if isinstance(key_tile, bool) or not isinstance(key_tile, (int, np.integer)) or key_tile <= 0:
         raise AnelabInputError(f"--tile must be a positive integer, got {key_tile!r}")
