@@ -42,7 +42,7 @@ from anelab.core.masks import MASKED, dense_exact_window
 from anelab.core.weights import AttentionWeights
 from anelab.sidecar import drivers
 from anelab.sidecar.block_designs import BlockReader, build_gdn_projections, build_mlp, no_prompt_driver
-from anelab.sidecar.checks import verify_blocks, verify_cases
+from anelab.sidecar.checks import stateful_cases, verify_blocks, verify_cases
 from anelab.sidecar.format import (
     MAX_STATE_CAPACITY,
     STATE_CAPACITY_META,
@@ -470,14 +470,16 @@ def _stateful_tiled_call(heads, chunk, capacity, key_tile, query_tile):
 def _verify_stateful(package, checkpoint_dir, *, seed, fp16, functions, precision, evaluator, progress=True):
     """A stateful package verifies over one whole prompt through its state (fp64 reference): no subset."""
     _refuse_function_subset(functions)
-    return verify_cases.verify_stateful_package(
+    return stateful_cases.verify_stateful_package(
         package, checkpoint_dir, seed=seed, fp16=fp16, evaluator=evaluator, progress=progress
     )
 
 
 def _verify_stateful_tiled(package, checkpoint_dir, *, seed, fp16, functions, precision, evaluator, progress=True):
     _refuse_function_subset(functions)
-    return verify_cases.verify_stateful_tiled_package(package, checkpoint_dir, seed=seed, fp16=fp16, progress=progress)
+    return stateful_cases.verify_stateful_tiled_package(
+        package, checkpoint_dir, seed=seed, fp16=fp16, progress=progress
+    )
 
 
 def _refuse_function_subset(functions) -> None:
@@ -551,7 +553,7 @@ DESIGNS: dict[str, Design] = {
             builder=_build_stateful,
             drive_prompt=drivers.prefill_stateful,
             verify=_verify_stateful,
-            controls=verify_cases.stateful_controls_declared,
+            controls=stateful_cases.stateful_controls_declared,
             capacity_limit=MAX_STATE_CAPACITY,
             pricing=PlannerPricing(True, _stateful_call, lambda c, cap, kt, qt: OPS_STATEFUL),
             **_STATEFUL,
@@ -563,7 +565,7 @@ DESIGNS: dict[str, Design] = {
             builder=_build_stateful_tiled,
             drive_prompt=drivers.prefill_stateful_tiled,
             verify=_verify_stateful_tiled,
-            controls=verify_cases.stateful_tiled_controls_declared,
+            controls=stateful_cases.stateful_tiled_controls_declared,
             capacity_limit=MAX_TILED_STATE_CAPACITY,
             verifies_on_device=False,
             mask_input=lambda meta: meta.mask_mode == "additive",

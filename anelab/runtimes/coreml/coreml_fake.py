@@ -80,28 +80,6 @@ from pathlib import Path
 import numpy as np
 
 from anelab.runtimes.coreml import assumptions as a
-from anelab.runtimes.coreml.assumptions import (
-    ANY_UNITS,
-    ASSUMPTIONS,
-    COMPILE_TO_MLMODELC,
-    COMPUTE_PLAN_OF_COMPILED,
-    CORE_ML_LOAD_DURATION,
-    CORE_ML_LOGS_FOR_CLIENT,
-    CORE_ML_PREDICT_DURATION,
-    FP16_OUTPUTS_AS_FP32,
-    FP32_FEEDS_FP16_INPUTS,
-    FRESH_COPY_COMPILES_COLD,
-    FRESH_STATE_ZEROED,
-    INT32_INPUTS_ACCEPTED,
-    LOAD_FUNCTION_BY_NAME,
-    MERGED_LIKE_VARIANT,
-    NATIVE_OUTPUT_ON_FDS,
-    STATE_BY_NAME,
-    STATE_SHARED_BY_FUNCTIONS,
-    STATEFUL_PREDICTS_STABLE,
-    UNGATED_LOAD_AND_PLAN_SURVIVE,
-    UNIFIED_LOG_READABLE,
-)
 from anelab.runtimes.coreml.coreml_fake_log import UNREADABLE_LINES, FakeUnifiedLog
 from anelab.runtimes.coreml.coreml_fake_script import (
     FIRST_USE_ON_CPU,  # noqa: F401 - FakeClock, FakeCrash, FakeState are imported from here too
@@ -276,9 +254,9 @@ class FakeRuntime(CoreMLRuntime):
         except what ``lacks`` breaks (a row that needs a failed one fails with it, as the probe records)."""
 
         table = {}
-        for assumption in ASSUMPTIONS:
-            units = {u: {"passed": not self.lacks_under(assumption.name, None if u == ANY_UNITS else u) and not (
-                             assumption.name == CORE_ML_LOGS_FOR_CLIENT and self.unified_log.core_ml_lines in UNREADABLE_LINES),
+        for assumption in a.ASSUMPTIONS:
+            units = {u: {"passed": not self.lacks_under(assumption.name, None if u == a.ANY_UNITS else u) and not (
+                             assumption.name == a.CORE_ML_LOGS_FOR_CLIENT and self.unified_log.core_ml_lines in UNREADABLE_LINES),
                          "detail": "seeded by the fake (what the probe finds on it)"} for u in assumption.compute_units}  # fmt: skip
             table[assumption.name] = {
                 "passed": all(v["passed"] for v in units.values()),
@@ -313,7 +291,7 @@ class FakeRuntime(CoreMLRuntime):
 
     def capture_native_output(self):
 
-        if self.lacks_under(NATIVE_OUTPUT_ON_FDS):  # a Mac where swapping fds misses native writes
+        if self.lacks_under(a.NATIVE_OUTPUT_ON_FDS):  # a Mac where swapping fds misses native writes
             import contextlib
 
             return contextlib.nullcontext(NativeOutput())
@@ -396,7 +374,7 @@ class FakeRuntime(CoreMLRuntime):
 
     def read_unified_log(self, pid, start, end, helpers=()):
 
-        if UNIFIED_LOG_READABLE in self.lacks:
+        if a.UNIFIED_LOG_READABLE in self.lacks:
             raise UnifiedLogUnavailable("'log show' did not finish within 120 s")
         return self.unified_log.read(pid, start, end, tuple(helpers))
 
@@ -436,7 +414,7 @@ class FakeRuntime(CoreMLRuntime):
             )
         if not Path(pkg).is_dir():
             raise RuntimeLoadError(f"{pkg}: does not compile: no such package")
-        if self.lacks_under(COMPILE_TO_MLMODELC):
+        if self.lacks_under(a.COMPILE_TO_MLMODELC):
             raise RuntimeLoadError(f"{pkg}: does not compile: compileModelAtURL failed (this fake Mac lacks it)")
         self._first_use()  # compile_model checks _macos_version() (utils.py:1103)
         self._calls_of(pkg).append(("compile", str(pkg)))
@@ -475,7 +453,7 @@ class FakeRuntime(CoreMLRuntime):
         name = self.function_of(compiled, function)
         declared = self._functions_in(package) if function is not None else []
         if declared and name not in declared:
-            if self.lacks_under(LOAD_FUNCTION_BY_NAME):
+            if self.lacks_under(a.LOAD_FUNCTION_BY_NAME):
                 return declared[0]
             raise RuntimeLoadError(
                 f"{package}: function {name} does not load: the model has no function named {name!r} "
@@ -499,10 +477,10 @@ class FakeRuntime(CoreMLRuntime):
         for fd, text in ((2, f.exit_stderr), (1, f.exit_stdout)):
             if text:
                 atexit.register(self._emit, fd, text)
-        if compute_units in NEURAL_ENGINE_UNITS and self.lacks_under(UNGATED_LOAD_AND_PLAN_SURVIVE, compute_units):
+        if compute_units in NEURAL_ENGINE_UNITS and self.lacks_under(a.UNGATED_LOAD_AND_PLAN_SURVIVE, compute_units):
             self._crash("SIGKILL", f"load of {name} ({compute_units})")
         # the compile cache is keyed by path — on a Mac lacking fresh_copy_compiles_cold, by content
-        where = package if self.lacks_under(FRESH_COPY_COMPILES_COLD, compute_units) else str(compiled)
+        where = package if self.lacks_under(a.FRESH_COPY_COMPILES_COLD, compute_units) else str(compiled)
         key = (where, name, compute_units)
         load_s = f.warm_load_s if key in self._specialised else f.cold_load_s
         if not self._core_ml_used:  # the process's first modelWithContentsOfURL (CoreMLPython.mm:500-503)
@@ -524,24 +502,24 @@ class FakeRuntime(CoreMLRuntime):
     def _core_ml_log(self, text: str) -> None:
         """Core ML's own unified-log lines for this process (none on a Mac lacking them for the client's PID)."""
 
-        if not self.lacks_under(CORE_ML_LOGS_FOR_CLIENT):
+        if not self.lacks_under(a.CORE_ML_LOGS_FOR_CLIENT):
             self.unified_log.write_core_ml(text)
 
     def load_duration_s(self, handle):
 
-        return None if self.lacks_under(CORE_ML_LOAD_DURATION, handle.compute_units) else handle.load_s
+        return None if self.lacks_under(a.CORE_ML_LOAD_DURATION, handle.compute_units) else handle.load_s
 
     def predict_duration_s(self, handle):
 
-        return None if self.lacks_under(CORE_ML_PREDICT_DURATION, handle.compute_units) else handle.last_predict_s
+        return None if self.lacks_under(a.CORE_ML_PREDICT_DURATION, handle.compute_units) else handle.last_predict_s
 
     # predict --------------------------------------------------------------------------------------
     def make_state(self, handle):
 
-        self.require_assumptions(STATE_BY_NAME, FRESH_STATE_ZEROED, compute_units=handle.compute_units)
+        self.require_assumptions(a.STATE_BY_NAME, a.FRESH_STATE_ZEROED, compute_units=handle.compute_units)
         sig = self._signature(handle.function, handle.package)
         states = (sig[1] if sig else None) or self.script(handle.function).states or {}
-        fill = np.ones if self.lacks_under(FRESH_STATE_ZEROED, handle.compute_units) else np.zeros
+        fill = np.ones if self.lacks_under(a.FRESH_STATE_ZEROED, handle.compute_units) else np.zeros
         state = FakeState({k: fill(s, np.float16) for k, s in states.items()})
         state.made_by = handle.function
         return state
@@ -556,7 +534,7 @@ class FakeRuntime(CoreMLRuntime):
     def _crash_if_unstable(self, handle, state) -> None:
         """#2716: a Mac lacking stateful_predicts_stable dies at the UNSTABLE_AFTER-th stateful predict."""
 
-        if state is None or not self.lacks_under(STATEFUL_PREDICTS_STABLE, handle.compute_units):
+        if state is None or not self.lacks_under(a.STATEFUL_PREDICTS_STABLE, handle.compute_units):
             return
         count = self._stateful_predicts.get(handle.compute_units, 0) + 1
         self._stateful_predicts[handle.compute_units] = count
@@ -566,7 +544,7 @@ class FakeRuntime(CoreMLRuntime):
     def predict(self, handle, inputs, state=None):
         self.require_available()
         name, units = handle.function, handle.compute_units
-        self.require_assumptions(FP32_FEEDS_FP16_INPUTS, FP16_OUTPUTS_AS_FP32, compute_units=units)
+        self.require_assumptions(a.FP32_FEEDS_FP16_INPUTS, a.FP16_OUTPUTS_AS_FP32, compute_units=units)
         self._calls_of(handle.package).append(("predict", handle.package, name, units))
         f = self.script(name)
         if not isinstance(inputs, dict):  # model.py:878-884
@@ -594,7 +572,7 @@ class FakeRuntime(CoreMLRuntime):
         if f.outputs:
             return dict(f.outputs)
         if self.numerics:
-            if self.lacks_under(INT32_INPUTS_ACCEPTED, units):  # the value does not reach the graph: read as 0
+            if self.lacks_under(a.INT32_INPUTS_ACCEPTED, units):  # the value does not reach the graph: read as 0
                 inputs = {
                     k: np.zeros_like(v) if getattr(v, "dtype", None) == np.int32 else v for k, v in inputs.items()
                 }
@@ -611,7 +589,7 @@ class FakeRuntime(CoreMLRuntime):
         scale = self.noise.get(units, 0.0)
         if units in NEURAL_ENGINE_UNITS and self.fp16_accumulation:  # the ANE's fp16 accumulation over the row width
             scale = max(scale, fp16_accumulation_error(max(np.shape(v)[-1] for v in outputs.values())))
-        dtype = np.float16 if self.lacks_under(FP16_OUTPUTS_AS_FP32, units) else np.float32
+        dtype = np.float16 if self.lacks_under(a.FP16_OUTPUTS_AS_FP32, units) else np.float32
         return {k: (v * (1 + scale * rng.standard_normal(v.shape))).astype(dtype) for k, v in outputs.items()}
 
     def _refuse_unconvertible(self, inputs: dict, units: str) -> None:
@@ -636,7 +614,10 @@ class FakeRuntime(CoreMLRuntime):
         """A Mac that lacks ``one_state_shared_by_two_functions`` refuses a state another function's handle made."""
 
         made_by = getattr(state, "made_by", None)
-        if self.lacks_under(STATE_SHARED_BY_FUNCTIONS, handle.compute_units) and made_by not in (None, handle.function):
+        if self.lacks_under(a.STATE_SHARED_BY_FUNCTIONS, handle.compute_units) and made_by not in (
+            None,
+            handle.function,
+        ):
             raise RuntimePredictError(
                 f'predict failed: {{ NSLocalizedDescription = "The state was created by function {made_by}, '
                 f'not {handle.function}."; }}'
@@ -668,9 +649,9 @@ class FakeRuntime(CoreMLRuntime):
         if compiled.suffix != ".mlmodelc":  # coremltools 9.0 #2757: libc++abi terminate, SIGABRT
             self._crash("SIGABRT", f"MLComputePlan.load_from_path({compiled.name})")
 
-        if self.lacks_under(COMPUTE_PLAN_OF_COMPILED, compute_units):
+        if self.lacks_under(a.COMPUTE_PLAN_OF_COMPILED, compute_units):
             raise RuntimeError("MLComputePlan: the plan could not be loaded (this fake Mac lacks it)")
-        if compute_units in NEURAL_ENGINE_UNITS and self.lacks_under(UNGATED_LOAD_AND_PLAN_SURVIVE, compute_units):
+        if compute_units in NEURAL_ENGINE_UNITS and self.lacks_under(a.UNGATED_LOAD_AND_PLAN_SURVIVE, compute_units):
             self._crash("SIGKILL", f"MLComputePlan.load_from_path({compiled.name}, {compute_units})")
         source = self._source(compiled)
         declared = self._functions_in(source)
@@ -697,7 +678,7 @@ class FakeRuntime(CoreMLRuntime):
             if key not in counts:
                 raise ValueError(f"FakeFunction.assignment key {key!r}; use neural_engine, gpu, cpu, unreported")
             counts[key] = int(value)
-        if merged and self.lacks_under(MERGED_LIKE_VARIANT, compute_units):  # merged: nothing on the ANE
+        if merged and self.lacks_under(a.MERGED_LIKE_VARIANT, compute_units):  # merged: nothing on the ANE
             counts["cpu"] += counts["neural_engine"]
             counts["neural_engine"] = 0
         if "compute_ops" not in (f.assignment or {}):  # default: the block's compute ops go where most of it goes

@@ -13,6 +13,7 @@ import os
 from anelab.core.errors import AnelabInputError
 from anelab.sidecar.backends import read_metadata
 from anelab.sidecar.checks.comparison import REFERENCE_PRECISION, Evaluator
+from anelab.sidecar.checks.stateful_cases import verify_stateful_package, verify_stateful_tiled_package
 from anelab.sidecar.checks.verify_cases import (
     CONTROL_ROWS,
     VerifyReport,
@@ -22,8 +23,6 @@ from anelab.sidecar.checks.verify_cases import (
     partial_rows,
     verify_history,
     verify_per_history_package,
-    verify_stateful_package,
-    verify_stateful_tiled_package,
 )
 from anelab.sidecar.designs import design_of
 
