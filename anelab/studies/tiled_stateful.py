@@ -498,37 +498,25 @@ def numpy_prefill_sweep(
     checkpoint_dir: str | os.PathLike,
     out_root: str | os.PathLike,
     *,
-    layer: int,
-    prompt_tokens: int,
-    chunks: Sequence[int],
-    designs: Sequence[str] = DESIGNS,
-    key_tile: int = DEFAULT_KEY_TILE,
     repeats: int = 3,
     seed: int = 0,
     export_workers: int = 1,
+    **grid,
 ) -> list[PrefillTiming]:
-    """For each chunk width and design: export the design for the prompt (``export_design_grid``, in
-    ``export_workers`` processes), then — every export finished, one at a time — run the whole prompt
-    through it with NumPy (timed) and compare with the reference. The same random fp16 prompt
-    (``seed``) is used throughout."""
-
-    chunks = _check_sweep_args(prompt_tokens, chunks, key_tile)
+    """For each chunk width and design: export the design for the prompt (``export_design_grid`` of ``grid``: its
+    ``layer``, ``prompt_tokens``, ``chunks``, ``designs``, ``key_tile``, in ``export_workers`` processes), then —
+    every export finished, one at a time — run the whole prompt through it with NumPy (timed) and compare with the
+    reference. The same random fp16 prompt (``seed``) is used throughout."""
+    layer, prompt_tokens = grid["layer"], grid["prompt_tokens"]
+    designs, key_tile = grid.get("designs", DESIGNS), grid.get("key_tile", DEFAULT_KEY_TILE)
+    chunks = _check_sweep_args(prompt_tokens, grid["chunks"], key_tile)
     checkpoint = load_checkpoint(checkpoint_dir)
     g = checkpoint.geometry
     hidden = (
         np.random.default_rng([seed, prompt_tokens]).standard_normal((prompt_tokens, g.hidden_size)).astype(np.float16)
     )
     expected = prompt_reference(hidden, checkpoint.layer(layer), g).attn_out
-    exports = export_design_grid(
-        checkpoint_dir,
-        out_root,
-        layer=layer,
-        prompt_tokens=prompt_tokens,
-        chunks=chunks,
-        designs=designs,
-        key_tile=key_tile,
-        workers=export_workers,
-    )
+    exports = export_design_grid(checkpoint_dir, out_root, workers=export_workers, **{**grid, "chunks": chunks})
     timings = []
     with tqdm(total=len(chunks) * len(designs), desc="numpy prefill", unit="pkg") as bar:
         for C in chunks:
