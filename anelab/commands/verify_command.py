@@ -12,7 +12,7 @@ from anelab.commands.arguments import CHECKPOINT_HELP, int_list, print_json
 from anelab.core.errors import AnelabInputError
 from anelab.runtimes.coreml.device_verify import verify_on_device
 from anelab.sidecar.backends import is_sidecar, read_metadata
-from anelab.sidecar.checks.verify import verify_package
+from anelab.sidecar.checks import verify  # verify.verify_package: read at call time (tests spy on it)
 from anelab.sidecar.checks.verify_export import export_packages, verify_export
 
 
@@ -42,7 +42,8 @@ def setup_arg_parser(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="feed the cases each layer's real attention inputs, the first N tokens of README.md through the whole "
+        help="feed the cases each layer's real attention inputs, the first N tokens of the README's frozen text "
+        "(docs/prompt/readme-a615004.md) through the whole "
         "model (a checkpoint with a tokenizer, e.g. default-real; dense and tiled packages; N >= the longest "
         "history + the chunk), instead of random rows",
     )
@@ -73,7 +74,7 @@ def real_text_verify(path: Path, args):
     inputs, said = docs_activations(source, args.real_text)
 
     def verify_one(package, checkpoint):
-        report = verify_package(
+        report = verify.verify_package(
             package, checkpoint, fp16=not args.fp32, activations=inputs[read_metadata(package).layer]
         )
         report.inputs = said
@@ -92,7 +93,7 @@ def main(args) -> int:
     else:
 
         def verify_one(package, checkpoint):
-            return verify_package(package, checkpoint, fp16=not args.fp32)
+            return verify.verify_package(package, checkpoint, fp16=not args.fp32)
 
     path = Path(args.package)
     if is_export_directory(path):

@@ -71,21 +71,23 @@ def _run(cmd: list[str]) -> str | None:
 
 
 def machine_description() -> dict:
-    """Machine model, chip and OS of this machine (macOS via sysctl and sw_vers; elsewhere from platform), read
-    once per process: two ``sysctl`` spawns per call would otherwise land inside whatever clock calls it."""
-    return dict(_machine_description())
+    """Machine model, chip and OS of this machine (macOS via sysctl and sw_vers, read once per process: two
+    ``sysctl`` spawns per call would otherwise land inside whatever clock calls it; elsewhere from platform)."""
+    if sys.platform == "darwin":
+        return dict(_mac_description())
+    chip = platform.processor() or platform.machine() or "unknown"
+    return {
+        "machine_model": f"{platform.system()} {platform.machine()}",
+        "chip": chip,
+        "os_version": f"{platform.system()} {platform.release()}",
+    }
 
 
 @functools.lru_cache(maxsize=1)
-def _machine_description() -> dict:
-    if sys.platform == "darwin":
-        model = _run(["sysctl", "-n", "hw.model"]) or "unknown"
-        chip = _run(["sysctl", "-n", "machdep.cpu.brand_string"]) or "unknown"
-        os_version = "macOS " + macos_version_text()  # sw_vers, not platform.mac_ver() (16.0 in compat mode)
-    else:
-        model = f"{platform.system()} {platform.machine()}"
-        chip = platform.processor() or platform.machine() or "unknown"
-        os_version = f"{platform.system()} {platform.release()}"
+def _mac_description() -> dict:
+    model = _run(["sysctl", "-n", "hw.model"]) or "unknown"
+    chip = _run(["sysctl", "-n", "machdep.cpu.brand_string"]) or "unknown"
+    os_version = "macOS " + macos_version_text()  # sw_vers, not platform.mac_ver() (16.0 in compat mode)
     return {"machine_model": model, "chip": chip, "os_version": os_version}
 
 

@@ -25,11 +25,15 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from anelab import __version__
-from anelab.arms import real_text
-from anelab.arms.arm_comparison import compare_arms, open_engine_model
+from anelab.arms import (  # their functions read at call time (tests stand in for them)
+    arm_comparison,
+    prefill_ab,
+    real_text,
+)
+from anelab.arms.arm_comparison import open_engine_model
 from anelab.arms.arm_runs import REFERENCE_CHUNK
 from anelab.arms.compression_cost import stored_attention, stored_weights_costs
-from anelab.arms.prefill_ab import ab_request, measured_arm_costs, run_ab
+from anelab.arms.prefill_ab import measured_arm_costs
 from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import chunk_starts
@@ -358,7 +362,9 @@ def arms_key(config: DecideConfig, opened: Opened, served_by: str, chunk: int, v
 def run_whole_model_arms(config: DecideConfig, opened: Opened, directory: Path, served_by: str, candidate) -> dict:
     """compare-arms of the reference and the sidecar arm on the served packages: the summary decide records."""
 
-    report = compare_arms(opened.model, directory, config.prompt_tokens, decode=config.decode, engine=opened.engine)
+    report = arm_comparison.compare_arms(
+        opened.model, directory, config.prompt_tokens, decode=config.decode, engine=opened.engine
+    )
     pair = report.pairs[0]
     return {
         "engine": report.engine,
@@ -480,11 +486,11 @@ def whole_model_ab(config: DecideConfig, opened: Opened, directory: Path) -> dic
     """The whole-model A/B on this Mac (``arms.prefill_ab``: mlx-lm's prefill vs the hybrid) at the prompt, or why
     it did not run (a package the ANE gate never passed, MLX missing): {"record": ...} or {"not_run": why}."""
 
-    request = ab_request(opened.checkpoint.path, directory, [config.prompt_tokens], runtime=opened.runtime,
+    request = prefill_ab.ab_request(opened.checkpoint.path, directory, [config.prompt_tokens], runtime=opened.runtime,
                          clock=config.clock or time.perf_counter, out_dir=config.out / "measured",
                          mlx_checkpoint=mlx_readable_path(opened.checkpoint))  # a GGUF file: its fp16 copy  # fmt: skip
     try:
-        [result] = run_ab(request).prompts
+        [result] = prefill_ab.run_ab(request).prompts
     except AnelabInputError as e:
         return {"not_run": str(e)}
     correctness = result.record["results"]["correctness"]

@@ -133,12 +133,12 @@ def reason_for(
             f"({keys['ane']:,} vs {keys['gpu']:,})"
         )
     if decision == "ane":
-        text = f"attention time saved {saved:.0f} s exceeds setup {setup:.0f} s ({n_variants} variant loads)"
+        text = f"attention time saved {saved:.3g} s exceeds setup {setup:.3g} s ({n_variants} variant loads)"
         return text + (f"; {sparse_note}" if sparse_note else "")
     if saved <= 0:
-        head = f"ANE attention {ane_attn:.0f} s is no faster than the GPU's {gpu_attn:.0f} s"
+        head = f"ANE attention {ane_attn:.3g} s is no faster than the GPU's {gpu_attn:.3g} s"
         return f"{sparse_note}: {head}" if sparse_note else head
-    text = f"setup {setup:.0f} s ({n_variants} variant loads) exceeds attention time saved {saved:.0f} s"
+    text = f"setup {setup:.3g} s ({n_variants} variant loads) exceeds attention time saved {saved:.3g} s"
     if setup > gpu_total:
-        text += f" and the whole GPU prefill {gpu_total:.0f} s"
+        text += f" and the whole GPU prefill {gpu_total:.3g} s"
     return text + (f"; {sparse_note}" if sparse_note else "")

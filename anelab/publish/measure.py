@@ -27,8 +27,8 @@ from anelab.core.errors import AnelabInputError
 from anelab.core.paths import BUILD_DIR, MEASURED_DIR
 from anelab.core.progress import tqdm
 from anelab.core.records import machine_description, make_record, read_records, write_record
+from anelab.publish import measure_coreai  # measure_coreai.coreai_records: read at call time (tests stand in)
 from anelab.publish.measure_coreai import STEP as COREAI_STEP
-from anelab.publish.measure_coreai import coreai_records
 from anelab.runtimes.coreai.coreai_runtime import default_coreai_runtime
 from anelab.runtimes.coreml.block_ab import time_attention_ab
 from anelab.runtimes.coreml.coreml_runtime import default_runtime
@@ -313,7 +313,7 @@ def _coreai(run: MeasureRun, runtime: CoreAIRuntime | None, checkpoint, layer, h
         return
     cfg = run.config
     try:  # a Core AI failure (a child that died before answering, a refused load) does not stop the Core ML steps
-        _step(run, "coreai", key, lambda: coreai_records(runtime, checkpoint, layer, cfg.chunk, histories,
+        _step(run, "coreai", key, lambda: measure_coreai.coreai_records(runtime, checkpoint, layer, cfg.chunk, histories,
                                                          Path(cfg.build), repeats=cfg.repeats, clock=run.clock,
                                                          coreml_key=key), echo)  # fmt: skip
     except (RuntimeError, AnelabInputError) as e:

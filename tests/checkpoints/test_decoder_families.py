@@ -581,7 +581,11 @@ def test_every_whole_model_family_is_checked_here_or_in_test_decoder():
     """A row added to DECODER_FAMILIES without a case against the independent forward fails here."""
     from anelab.checkpoints.whole_model import DECODER_FAMILIES
 
-    checked = {case.name for case in CASES} | {"llama", "qwen2", "qwen3_moe"}  # the last three: tests/core/test_decoder.py
+    checked = {case.name for case in CASES} | {
+        "llama",
+        "qwen2",
+        "qwen3_moe",
+    }  # the last three: tests/core/test_decoder.py
     assert set(DECODER_FAMILIES) <= checked, sorted(set(DECODER_FAMILIES) - checked)
 
 

@@ -601,7 +601,7 @@ def test_decide_with_compressed_weights_verifies_them_and_reports_the_cost(
     assert all(r["compression_error"] is None for r in fp16.evidence["verify"].values())
     assert decision.evidence["arms"]["logits_relative_difference"] > fp16.evidence["arms"]["logits_relative_difference"]
     c = decision.evidence["compression"]
-    assert c["mode"] == "int8" and c["text"].startswith("the first 256 tokens of README.md")
+    assert c["mode"] == "int8" and c["text"].startswith("the first 256 tokens of docs/prompt/readme-a615004.md")
     assert 0 < c["logits_diff"] and np.isfinite(c["perplexity"]) and c["reference_perplexity"] > 1
     assert c["perplexity_change"] == pytest.approx(c["perplexity"] / c["reference_perplexity"] - 1)
     report = (tmp_path / "int8" / "report.md").read_text()

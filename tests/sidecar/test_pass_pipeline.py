@@ -9,9 +9,10 @@ import pytest
 
 from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.checkpoints.default import default_checkpoint_dir
+from anelab.runtimes.mlx.checkpoints import write_mlx_lm_checkpoint
 from anelab.sidecar import coremltools_import
 from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools, save_model
-from anelab.sidecar.designs import DENSE, DESIGNS, STATEFUL, STATEFUL_TILED, TILED
+from anelab.sidecar.designs import DENSE, DESIGNS, GDN_PROJ, MLP, STATEFUL, STATEFUL_TILED, TILED
 from anelab.sidecar.export import convert_program, function_builds
 from anelab.sidecar.format import WEIGHTS_RELATIVE
 
@@ -20,6 +21,8 @@ OPTIONS = {  # each design at a shape that exercises its passes (stateful-tiled:
     TILED: ({"key_tile": 32}, [0, 64]),
     STATEFUL: ({"capacity": 128, "decode": True}, None),
     STATEFUL_TILED: ({"capacity": 256, "decode": True, "key_tile": 32, "query_tile": 16}, None),
+    MLP: ({}, None),  # the block designs: a hybrid's MLPs and its Gated DeltaNet projections (``hybrid``)
+    GDN_PROJ: ({}, None),
 }
 
 
@@ -39,10 +42,23 @@ def _coremltools_own(prog, dest):
     return dest
 
 
-def _builds(graph: str, layer_index: int = 0):
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """A Qwen 3.5 hybrid written by mlx-lm: the block designs' layers (MLPs, Gated DeltaNet projections)."""
+    from test_block_sidecars import CONFIGS
+
+    return write_mlx_lm_checkpoint(tmp_path_factory.mktemp("hybrid") / "qwen3_5", CONFIGS["qwen3_5"], seed=3)
+
+
+def _builds(graph: str, layer_index: int = 0, hybrid=None):
+    options, histories = OPTIONS[graph]
+    block = DESIGNS[graph].block
+    if block is not None:
+        checkpoint = load_checkpoint(hybrid)
+        layer = block.layers(checkpoint)[layer_index]
+        return function_builds(checkpoint.geometry, block.weights(checkpoint, layer), graph, 64, histories, **options)
     checkpoint = load_checkpoint(default_checkpoint_dir())
     layer = checkpoint.geometry.full_attention_layers[layer_index]
-    options, histories = OPTIONS[graph]
     return function_builds(checkpoint.geometry, checkpoint.layer(layer), graph, 64, histories, **options)
 
 
@@ -51,9 +67,9 @@ def test_every_design_of_the_table_has_a_shape_here():
 
 
 @pytest.mark.parametrize("graph", sorted(OPTIONS))
-def test_the_pipeline_writes_what_coremltools_own_writes(tmp_path, graph):
+def test_the_pipeline_writes_what_coremltools_own_writes(tmp_path, graph, hybrid):
     """Each function of the design, converted both ways: the same spec and the same weights, byte for byte."""
-    for name, build in _builds(graph).items():
+    for name, build in _builds(graph, hybrid=hybrid).items():
         ours = convert_program(build(), tmp_path / f"ours_{name}.mlpackage")
         theirs = _coremltools_own(build(), tmp_path / f"theirs_{name}.mlpackage")
         assert _package_bytes(ours) == _package_bytes(theirs), name

@@ -1,4 +1,4 @@
-"""Notebooks 05 and 07's shared back-end for a real model's weight modes: one request, so both read one export, one
+"""The weight modes of a real model for notebooks 05 and 07: one request, so both read one export, one
 verification and one whole-model cost per model and mode from the cache under the build directory.
 
 ``real_mode_evidence`` asks ``arms.compression_cost.weight_mode_evidence`` with the same parameters from either

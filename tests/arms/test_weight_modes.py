@@ -1,4 +1,4 @@
-"""Notebooks 05 and 07's shared request for a real model's weight modes (``anelab.studies.weight_modes``): one
+"""Notebooks 05 and 07's shared request for a real model's weight modes (``anelab.arms.weight_modes``): one
 computation, the second notebook served from the cache, activations included. Fast: a tiny two-layer model."""
 
 from __future__ import annotations
@@ -6,14 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from anelab.arms import real_text
+from anelab.arms import real_text, weight_modes
 from anelab.checkpoints.checkpoint import Checkpoint
 from anelab.checkpoints.whole_model import load_model, write_model_checkpoint
 from anelab.core.decoder import random_head_weights, random_layer_weights
 from anelab.core.geometry import AttentionGeometry
 from anelab.core.weights import random_attention_weights
 from anelab.sidecar.checks.evidence_cache import CACHE_DIR
-from anelab.studies import weight_modes
 
 VOCAB = 64
 GEOMETRY = AttentionGeometry(variant="qwen3", hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
