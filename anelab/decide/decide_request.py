@@ -6,6 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from anelab.arms.mlx_engine import MlxArmsModel
+from anelab.checkpoints.checkpoint import Checkpoint
+from anelab.checkpoints.whole_model import ModelCheckpoint
+from anelab.runtimes.interface import CoreMLRuntime
+
 ARMS_DECODE = 8  # greedy tokens decoded after the prefill in the arms
 SWEEP_POINTS = 16  # prompt lengths on the figure
 
@@ -28,7 +33,7 @@ class DecideConfig:
     chip: str | None = None  # the Mac's chip (both arms are priced on it; None: this Mac's, else the seed's M3)
     objective: str = "time"  # what the verdict optimises: time or energy (planner.energy)
     measure: bool = False
-    runtime: object | None = None  # a CoreMLRuntime; default this machine's (needed only with measure)
+    runtime: CoreMLRuntime | None = None  # default this machine's (needed only with measure)
     repeats: int = 3
     decode: int = ARMS_DECODE
     clock: object | None = None  # injectable clock for the timing (tests: the fake's)
@@ -45,9 +50,9 @@ class Opened:
     """What decide opens once: the checkpoint (layers), the whole model (the arms: anelab's forward, or mlx-lm's
     model of a family it does not model) and the runtime (``--measure``)."""
 
-    checkpoint: object  # anelab.checkpoints.checkpoint.Checkpoint
-    model: object  # anelab.checkpoints.whole_model.ModelCheckpoint, or arms.mlx_engine.MlxArmsModel (engine mlx)
-    runtime: object | None
+    checkpoint: Checkpoint
+    model: ModelCheckpoint | MlxArmsModel  # anelab's whole-model forward, or mlx-lm's model (engine mlx)
+    runtime: CoreMLRuntime | None
     engine: str = "numpy"
     identity: dict = field(default_factory=dict)  # checkpoint_identity: what the evidence is keyed on
 
