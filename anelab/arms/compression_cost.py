@@ -42,7 +42,7 @@ from anelab.core.records import atomic_write_text
 from anelab.core.weights import AttentionWeights
 from anelab.sidecar import quantize
 from anelab.sidecar.checks import evidence_cache as cache
-from anelab.sidecar.format import read_sidecar_metadata
+from anelab.sidecar.format import package_content_hash, read_sidecar_metadata
 from anelab.sidecar.mil.evaluate import SavedPackage
 
 NLL_BLOCK_ROWS = 64  # prompt positions whose logits [rows, V] are held at once (Gemma 3's V = 262,144: 67 MB)
@@ -284,7 +284,7 @@ def cached_costs(model, prompt, evidence: dict[str, ModeEvidence], cache_root, *
     and chunk were costed before (``cache_root/costs``)."""
     parts = {
         "anelab": __version__,
-        "packages": {m: {str(k): cache.package_hash(p) for k, p in e.packages.items()} for m, e in evidence.items()},
+        "packages": {m: {str(k): package_content_hash(p) for k, p in e.packages.items()} for m, e in evidence.items()},
         "prompt": cache.activations_digest(np.asarray(prompt, np.int64)),
         "decode": int(decode),
         "chunk": int(chunk),

@@ -35,18 +35,20 @@ from anelab.arms.arm_runs import REFERENCE_CHUNK
 from anelab.arms.compression_cost import stored_attention, stored_weights_costs
 from anelab.arms.prefill_ab import measured_arm_costs
 from anelab.checkpoints.checkpoint import load_checkpoint
+from anelab.core import parallel  # parallel.default_jobs read at call time (tests run decide inline)
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import chunk_starts
 from anelab.core.output_paths import no_empty_dirs_left, require_output_dir
-from anelab.core.parallel import background_map, default_jobs, process_map
+from anelab.core.parallel import background_map, process_map
 from anelab.core.records import machine_kind
 from anelab.decide.decide_request import SWEEP_POINTS, DecideConfig, Decision, Opened
 from anelab.decide.decision_report import write_report
 from anelab.decide.evidence import EvidenceFile, reverify_when_the_arms_disagree, verify_summary
+from anelab.planner import from_checkpoint  # from_checkpoint.plan_from_checkpoint read at call time (tests spy)
 from anelab.planner.chip_map import verdict_map
 from anelab.planner.design_plans import DesignPlan
 from anelab.planner.envelope import MEASURED, YOURS, Cost
-from anelab.planner.from_checkpoint import CheckpointPlan, checkpoint_designs, plan_from_checkpoint
+from anelab.planner.from_checkpoint import CheckpointPlan, checkpoint_designs
 from anelab.planner.plan import PrefillPlan
 from anelab.planner.settle import MAC_MEASUREMENT_DECIDE, settle_commands
 from anelab.planner.verdict import ArmCosts, Verdict, plan_arm_costs, verdict_for
@@ -229,7 +231,7 @@ def export_and_verify(
 
     if todo:
         bar.set_postfix_str(f"export and verify {len(todo)} layers")
-        jobs = 1 if gate is not None else default_jobs(len(todo))
+        jobs = 1 if gate is not None else parallel.default_jobs(len(todo))
         source = opened.checkpoint if jobs == 1 else str(opened.checkpoint.path)  # workers open their own
         coremltools_modules()  # imported before the workers fork, so they inherit it (~1.5 s each otherwise)
         directory.mkdir(parents=True, exist_ok=True)  # here: no worker's export made it (nor removes it if empty)
@@ -269,7 +271,7 @@ def verified_beside(config: DecideConfig, opened: Opened, request: SidecarReques
         yield
         return
     work = [(str(opened.checkpoint.path), verified[layer]["package"]) for layer in pending]
-    with background_map(_verify_layer, work, jobs=default_jobs(len(work))) as collect:
+    with background_map(_verify_layer, work, jobs=parallel.default_jobs(len(work))) as collect:
         yield
         bar.set_postfix_str(f"verify {len(pending)} layers")
         reports = collect()
@@ -635,7 +637,7 @@ def checkpoint_chip_map(config: DecideConfig, opened: Opened, chip: str) -> dict
     lengths around theirs), their chip's row marked; the user's own GPU number is theirs, so it is left out."""
 
     def plan_at(chip_name: str, n: int):
-        return plan_from_checkpoint(opened.checkpoint, n, family=config.family, chunk=config.chunk,
+        return from_checkpoint.plan_from_checkpoint(opened.checkpoint, n, family=config.family, chunk=config.chunk,
                                     gpu_runtime=config.gpu_runtime, chip=chip_name,
                                     objective=config.objective).parts["full"]  # fmt: skip
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import hashlib
 import os
 import shutil
 import signal
@@ -38,6 +37,7 @@ from anelab.sidecar.coremltools_import import coremltools_modules
 from anelab.sidecar.format import (
     STATE_FUNCTIONS_META,
     load_package_spec,
+    package_content_hash,  # noqa: F401 (runtimes' callers read it here too)
     read_raw_metadata,
     read_sidecar_metadata,
     require_package,
@@ -143,18 +143,6 @@ def empty_assignment() -> dict[str, int]:
 
 
 # ---- what a package holds --------------------------------------------------------------------------
-def package_content_hash(pkg: str | os.PathLike) -> str:
-    """SHA-256 over the package's files (relative path and bytes, in sorted order): the compile cache key."""
-    root = Path(pkg)
-    digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
-
-
 def package_stat_key(pkg: str | os.PathLike) -> tuple:
     """What identifies a package's bytes without reading them: its resolved path and every file's relative path,
     size, inode and modification time (a rewrite in place or a new package at the same path changes it)."""

@@ -5,6 +5,7 @@ Core ML user-defined metadata is str -> str; structured values are JSON.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -361,3 +362,16 @@ def write_package_metadata(pkg: Path, dest: Path, meta: dict[str, str]) -> None:
 def weight_bytes(pkg: str | os.PathLike) -> int:
     path = Path(pkg) / WEIGHTS_RELATIVE
     return path.stat().st_size if path.exists() else 0
+
+
+def package_content_hash(pkg: str | os.PathLike) -> str:
+    """SHA-256 over a package's files (relative path and bytes, in sorted order): what a compile cache, a shared
+    evidence entry and a sealed verification are keyed on."""
+    root = Path(pkg)
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()

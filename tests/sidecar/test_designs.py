@@ -226,7 +226,7 @@ CONTROL_RUNNERS = {"dense": "negative_controls", "tiled": "negative_controls", "
 @pytest.mark.parametrize("name", ATTENTION_DESIGNS)
 def test_verify_passes_only_when_every_declared_control_ran(name, exported, model_dir, monkeypatch):
     from anelab.core.geometry import AttentionGeometry as Geometry
-    from anelab.sidecar.checks import verify_cases
+    from anelab.sidecar.checks import stateful_cases, verify_cases
     from anelab.sidecar.checks.verify import verify_package
     from anelab.sidecar.format import read_sidecar_metadata
 
@@ -238,7 +238,8 @@ def test_verify_passes_only_when_every_declared_control_ran(name, exported, mode
     assert {"control: state carried" if get_design(name).stateful else "control: mask reaches graph"} <= {
         case for _, case in declared
     }
-    monkeypatch.setattr(verify_cases, CONTROL_RUNNERS[name], lambda *a, **k: [])
+    runners = stateful_cases if get_design(name).stateful else verify_cases  # the module that runs the controls
+    monkeypatch.setattr(runners, CONTROL_RUNNERS[name], lambda *a, **k: [])
     mutated = verify_package(package, model_dir)
     assert not mutated.vacuous and all(c.passed for c in mutated.comparisons)  # nothing else is wrong ...
     assert not mutated.passed and mutated.missing_controls == [f"{f}: {c}" for f, c in declared]  # ... but this

@@ -34,7 +34,7 @@ from anelab.sidecar.checks.comparison import Comparison
 from anelab.sidecar.checks.verify import verify_package
 from anelab.sidecar.checks.verify_cases import VerifyReport
 from anelab.sidecar.export import ExportResult, export_sidecars
-from anelab.sidecar.format import read_sidecar_metadata, weight_bytes
+from anelab.sidecar.format import package_content_hash, read_sidecar_metadata, weight_bytes
 
 CACHE_DIR = "cache"  # under the build directory
 ENTRY_FILE = "entry.json"
@@ -60,18 +60,6 @@ def content_key(parts: dict) -> str:
     """SHA-256 (24 hex digits) of ``parts`` as sorted JSON (any value JSON cannot spell is written with str)."""
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
-
-
-def package_hash(pkg: str | os.PathLike) -> str:
-    """SHA-256 over a package's files (relative path and bytes, in sorted order)."""
-    root = Path(pkg)
-    digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
 
 
 @contextlib.contextmanager
@@ -108,7 +96,7 @@ def _complete(entry: Path, layers: list[int]) -> list[ExportResult] | None:
     except (OSError, ValueError, KeyError):
         return None
     packages = [entry / f"layer_{layer}.mlpackage" for layer in layers]
-    if any(not p.is_dir() or recorded.get(p.name) != package_hash(p) for p in packages):
+    if any(not p.is_dir() or recorded.get(p.name) != package_content_hash(p) for p in packages):
         return None
     return [_result(p) for p in packages]
 
@@ -140,7 +128,7 @@ def cached_export(
             return done
         results = export_sidecars(checkpoint, entry, int(chunk), histories, layers, **request)
         record = {"request": spelt, "source": str(checkpoint.path),
-                  "packages": {r.package.name: package_hash(r.package) for r in results}}  # fmt: skip
+                  "packages": {r.package.name: package_content_hash(r.package) for r in results}}  # fmt: skip
         atomic_write_text(entry / ENTRY_FILE, json.dumps(record, indent=1, sort_keys=True))
     return results
 
@@ -182,7 +170,7 @@ def cached_verify(
     options.setdefault("progress", False)
     parts = {
         "anelab": __version__,
-        "package": package_hash(package),
+        "package": package_content_hash(package),
         "checkpoint": checkpoint.attention_digests(meta.layer),
         "options": {k: v for k, v in options.items() if k != "progress"},
         "activations": activations_digest(activations),
