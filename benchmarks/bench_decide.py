@@ -107,7 +107,7 @@ def main() -> None:
         times.clear()
         cpu = _cpu()
         start = time.perf_counter()
-        decision = decide(config).to_dict()
+        decision = decide(config)
         total = time.perf_counter() - start
         own, children = (after - before for after, before in zip(_cpu(), cpu, strict=True))
         phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in times.items())

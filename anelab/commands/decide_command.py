@@ -64,12 +64,12 @@ def main(args) -> int:
         repeats=args.repeats,
         weights=args.weights,
     )
-    decision = decide(config).to_dict()
+    decision = decide(config)
     if args.json:
-        print_json(decision["verdict"])
+        print_json(decision.verdict.to_dict())
         return 0
     print("\n".join(verdict_lines(decision)))
     if args.chip is not None:
-        print(bound_sentence(plan_bounds(decision["plan"], args.chip)))
+        print(bound_sentence(plan_bounds(decision.plan.to_dict(), args.chip)))
     print(f"report: {out / 'report.html'} (also report.md, decision.json)")
     return 0

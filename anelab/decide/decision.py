@@ -41,7 +41,19 @@ from anelab.core.geometry import chunk_starts
 from anelab.core.output_paths import no_empty_dirs_left, require_output_dir
 from anelab.core.parallel import background_map, process_map
 from anelab.core.records import machine_kind
-from anelab.decide.decide_request import SWEEP_POINTS, DecideConfig, Decision, Opened
+from anelab.decide.decide_request import (
+    SWEEP_POINTS,
+    ArmsSummary,
+    CheckpointSummary,
+    CompressionEvidence,
+    DecideConfig,
+    Decision,
+    DecisionEvidence,
+    LayerVerification,
+    MeasuredPackage,
+    Opened,
+    SweepPoint,
+)
 from anelab.decide.decision_report import write_report
 from anelab.decide.evidence import EvidenceFile, reverify_when_the_arms_disagree, verify_summary
 from anelab.planner import from_checkpoint  # from_checkpoint.plan_from_checkpoint read at call time (tests spy)
@@ -79,10 +91,6 @@ class PromptPlan:
 
     def design(self, name: str) -> DesignPlan:
         return next(d for d in self.designs if d.design == name)
-
-    def to_dict(self) -> dict:
-        """The full-attention plan as ``decision.json`` records it (with the family its costs came from)."""
-        return {**self.full.to_dict(), "cost_family": self.checkpoint_plan.cost_family}
 
 
 class Plans:
@@ -322,11 +330,11 @@ def _set_aside(pkg: Path) -> None:
 
 def whole_model_evidence(
     config: DecideConfig, opened: Opened, candidate: DesignPlan, directory: Path, verified: dict, bar
-) -> dict:
+) -> ArmsSummary:
     """The whole-model arms at the candidate's chunk on the candidate's own packages (every design the registry
     builds is served; per-history packages of the same chunk only for one the arms would not serve), on anelab's
-    forward or mlx-lm's (``Opened.engine``). Returns the arms' summary (JSON), the one ``evidence.json`` holds
-    when nothing it depends on changed (``arms_key``; ``reused`` says so)."""
+    forward or mlx-lm's (``Opened.engine``). Returns the arms' summary, the one ``evidence.json`` holds when nothing
+    it depends on changed (``arms_key``; ``reused`` says so; a kept record of other fields is run again)."""
     served_by = candidate.design
     if not get_design(served_by).served_by_arms:
         served_by = next(name for name in PRICED if DESIGNS[name].served_by_arms and not DESIGNS[name].stateful)
@@ -336,14 +344,22 @@ def whole_model_evidence(
         directory, verified, _ = export_and_verify(config, opened, request, bar)
     evidence = EvidenceFile(config.out / "evidence.json", opened.identity)
     key = arms_key(config, opened, served_by, candidate.chunk, verified)
-    known = evidence.arms(key)
-    reused = known is not None
-    if not reused:
+    known = _arms_summary(evidence.arms(key), reused=True)
+    if known is None:
         bar.set_postfix_str("whole-model arms")
-        known = run_whole_model_arms(config, opened, directory, served_by, candidate)
-        evidence.record_arms(key, known)
+        record = run_whole_model_arms(config, opened, directory, served_by, candidate)
+        evidence.record_arms(key, record)
+        known = ArmsSummary.from_json(record)
     bar.update(1)
-    return {**known, "reused": reused}
+    return known
+
+
+def _arms_summary(record: dict | None, *, reused: bool) -> ArmsSummary | None:
+    """A kept arms record as a summary, or None (none kept, or one whose fields are not this version's)."""
+    try:
+        return None if record is None else ArmsSummary.from_json({**record, "reused": reused})
+    except (TypeError, KeyError):
+        return None
 
 
 def arms_key(config: DecideConfig, opened: Opened, served_by: str, chunk: int, verified: dict) -> dict:
@@ -362,7 +378,8 @@ def arms_key(config: DecideConfig, opened: Opened, served_by: str, chunk: int, v
 
 
 def run_whole_model_arms(config: DecideConfig, opened: Opened, directory: Path, served_by: str, candidate) -> dict:
-    """compare-arms of the reference and the sidecar arm on the served packages: the summary decide records."""
+    """compare-arms of the reference and the sidecar arm on the served packages: the record ``evidence.json`` keeps
+    (``ArmsSummary``'s fields but ``reused``)."""
 
     report = arm_comparison.compare_arms(
         opened.model, directory, config.prompt_tokens, decode=config.decode, engine=opened.engine
@@ -396,7 +413,7 @@ def run_whole_model_arms(config: DecideConfig, opened: Opened, directory: Path, 
 COST_TOKENS = 256  # --weights: the real text the compression is costed on (README tokens, fewer if it is shorter)
 
 
-def compression_evidence(config: DecideConfig, opened: Opened, directory: Path) -> dict | None:
+def compression_evidence(config: DecideConfig, opened: Opened, directory: Path) -> CompressionEvidence | None:
     """``--weights`` other than fp16: what the compression costs the whole model on real text (the first
     ``COST_TOKENS`` README tokens under the checkpoint's tokenizer), the reference decoder with the projections the
     packages in ``directory`` store against the reference (``arms.compression_cost``): logits, greedy agreement,
@@ -406,47 +423,23 @@ def compression_evidence(config: DecideConfig, opened: Opened, directory: Path) 
         return None
 
     if opened.engine != "numpy":
-        return {"mode": config.weights, "note": "not costed on real text: the arms run on mlx-lm (--engine numpy does)"}
+        return CompressionEvidence(
+            config.weights, note="not costed on real text: the arms run on mlx-lm (--engine numpy does)"
+        )
     try:
         tokenizer = opened.model.checkpoint.tokenizer()
     except AnelabInputError:
-        return {"mode": config.weights, "note": "not costed on real text: the checkpoint carries no tokenizer"}
+        return CompressionEvidence(config.weights, note="not costed on real text: the checkpoint carries no tokenizer")
     tokens = min(COST_TOKENS, int(tokenizer.encode(real_text.docs_text()).size))
     prompt = real_text.docs_prompt(tokenizer, tokens)
     packages = {layer: str(directory / f"layer_{layer}.mlpackage") for layer in opened.layers}
     stored = {config.weights: stored_attention(packages, opened.model)}
     cost = stored_weights_costs(opened.model, prompt, stored, decode=config.decode, chunk=REFERENCE_CHUNK)
-    return {**cost[config.weights].to_dict(), "text": f"the first {tokens} tokens of {real_text.DOCS_SOURCE}",
-            "arm": "the reference decoder with the packages' stored projections, against the checkpoint's"}  # fmt: skip
+    return CompressionEvidence(config.weights, cost[config.weights], text=f"the first {tokens} tokens of {real_text.DOCS_SOURCE}",
+                               arm="the reference decoder with the packages' stored projections, against the checkpoint's")  # fmt: skip
 
 
 # ---- measured on this Mac -------------------------------------------------------------------------------------
-@dataclass
-class MeasuredPackage:
-    """One layer's package timed on this Mac: cold and warm loads per function, predictions per compute units
-    (per-history functions). Each timing is ``_stats``'s dict, or None for a setting that did not load."""
-
-    package: Path
-    runtime: str
-    loads: dict[str, dict[str, dict | None]]  # function -> {"cold": stats, "warm": stats}
-    predicts: dict[str, dict[str, dict | None]]  # function -> compute units -> stats
-    ane_failure: str | None = None  # why the ANE arm does not run on this Mac (a load or cpu_and_ne predict failed)
-    placement: dict | None = (
-        None  # Core ML's compute plan of the package under cpu_and_ne (runtimes.coreml.ane_placement)
-    )
-    whole_model: dict | None = None  # the whole-model A/B's record (arms.prefill_ab), or why it did not run
-
-    def load(self, function: str) -> dict | None:
-        return self.loads.get(function, {}).get("cold")
-
-    def predict(self, function: str, units: str = "cpu_and_ne") -> dict | None:
-        return self.predicts.get(function, {}).get(units)
-
-    def to_dict(self) -> dict:
-        return {"package": str(self.package), "runtime": self.runtime, "loads": self.loads, "predicts": self.predicts,
-                "ane_failure": self.ane_failure, "placement": self.placement, "whole_model": self.whole_model}  # fmt: skip
-
-
 def measure_package(config: DecideConfig, opened: Opened, package: Path, candidate: DesignPlan) -> MeasuredPackage:
     """Cold and warm loads of every function of one layer's package (the layers share one geometry) and, for
     per-history functions, one prediction per compute units; each result a record in ``DIR/measured``. First
@@ -554,7 +547,9 @@ def with_user_gpu(costs: ArmCosts, factor: float, basis: str) -> ArmCosts:
 
 
 # ---- the run ---------------------------------------------------------------------------------------------------
-def sweep(config: DecideConfig, plans: Plans, candidate: DesignPlan, measured: MeasuredPackage | None) -> list[dict]:
+def sweep(
+    config: DecideConfig, plans: Plans, candidate: DesignPlan, measured: MeasuredPackage | None
+) -> list[SweepPoint]:
     """The candidate's two arms over prompt lengths (the figure): value, interval and kinds per prompt."""
     top = max(2 * config.prompt_tokens, 4 * candidate.chunk)
     points = range(SWEEP_POINTS)
@@ -566,7 +561,7 @@ def sweep(config: DecideConfig, plans: Plans, candidate: DesignPlan, measured: M
         if factor is not None:
             costs = with_user_gpu(costs, factor, "yours, carried along the model's curve")
         v = verdict_for(costs)
-        rows.append({"prompt_tokens": tokens, "gpu": v.gpu_prefill, "ane": v.ane_prefill, "decision": v.decision})
+        rows.append(SweepPoint(tokens, v.gpu_prefill, v.ane_prefill, v.decision))
     return rows
 
 
@@ -609,25 +604,11 @@ def _decided(config: DecideConfig, opened: Opened) -> Decision:
         bar.set_postfix_str("sweep prompt lengths and chips")
         rows, chips = sweep(config, plans, candidate, measured), checkpoint_chip_map(config, opened, plan.full.chip)
         bar.update(1)
-    decision = Decision(
-        config=_config_dict(config),
-        checkpoint=_checkpoint_dict(opened.checkpoint),
-        candidate=candidate.design,
-        verdicts={k: v.to_dict() for k, v in verdicts.items()},
-        verdict=final.to_dict(),
-        designs=[d.to_dict() for d in plan.designs],
-        plan=plan.to_dict(),
-        evidence={
-            "verify": {str(k): v for k, v in verified.items()},
-            "arms": arms,
-            "compression": compression,
-            "measured": measured.to_dict() if measured else None,
-        },
-        sweep=rows,
-        measured=measured is not None,
-        yours=_yours(config, final),
-        chip_map=chips,
-    )
+    evidence = DecisionEvidence({k: LayerVerification(**v) for k, v in verified.items()}, arms, compression, measured)
+    decision = Decision(config=config, checkpoint=CheckpointSummary.of(opened.checkpoint), candidate=candidate.design,
+                        verdicts=verdicts, verdict=final, designs=plan.designs, plan=plan.full,
+                        cost_family=plan.checkpoint_plan.cost_family, evidence=evidence, sweep=tuple(rows),
+                        yours=_yours(config, final), chip_map=chips)  # fmt: skip
     write_report(decision, config.out)
     return decision
 
@@ -645,33 +626,9 @@ def checkpoint_chip_map(config: DecideConfig, opened: Opened, chip: str) -> dict
     return verdict_map(plan_at, lengths, mark=chip)
 
 
-def _yours(config: DecideConfig, verdict: Verdict) -> list[str]:
+def _yours(config: DecideConfig, verdict: Verdict) -> tuple[str, ...]:
     out = [f"GPU prefill: yours (--{flag.replace('_', '-')} {value:g})" for flag, value in config.user_gpu.items()]
     for name, cost in verdict.costs.items():
         if cost["kind"] == MEASURED:
             out.append(f"{name.replace('_', ' ')}: measured on this Mac ({cost['basis']})")
-    return out
-
-
-def _config_dict(config: DecideConfig) -> dict:
-    keys = ("checkpoint", "prompt_tokens", "out", "design", "chunk", "family", "gpu_prefill_seconds")
-    keys += ("gpu_tokens_per_second", "measure", "repeats", "decode", "gpu_runtime", "chip", "objective", "weights")
-    return {k: str(getattr(config, k)) if isinstance(getattr(config, k), Path) else getattr(config, k) for k in keys}
-
-
-def _checkpoint_dict(checkpoint) -> dict:
-    g = checkpoint.geometry
-    return {
-        "path": str(checkpoint.path),
-        "model_type": checkpoint.model_type,
-        "layers": g.num_layers,
-        "full_attention_layers": list(g.full_attention_layers),
-        "sliding_layers": list(g.sliding_layers),
-        "sliding_window": g.sliding_window,
-        "hidden_size": g.hidden_size,
-        "heads": g.num_heads,
-        "kv_heads": g.num_kv_heads,
-        "head_dim": g.head_dim,
-        "rope": g.rope_scaling.rope_type if g.rope_scaling is not None else "default",
-        "dtype": checkpoint.tensor_dtype(),
-    }
+    return tuple(out)

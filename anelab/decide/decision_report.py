@@ -16,6 +16,7 @@ from pathlib import Path
 
 from anelab.arms.arm_comparison import NEAR_TIE_RULE
 from anelab.core.records import atomic_write_bytes, atomic_write_text
+from anelab.decide.decide_request import ArmsSummary, CheckpointSummary, Decision
 from anelab.planner.gpu_runtimes import gpu_runtime_phrase
 from anelab.planner.plan_text import energy_line
 from anelab.planner.verdict import thresholds_sentence
@@ -35,65 +36,65 @@ def seconds(x: float) -> str:
     return f"{x:.3f}" if x == 0 or abs(x) >= 0.01 else f"{x:.3g}"
 
 
-def sliding_lines(ck: dict) -> list[str]:
+def sliding_lines(ck: CheckpointSummary) -> list[str]:
     """What the verdict prices of a model with sliding-window layers: its full-attention layers only (the planner's
     ``full`` part); the sliding layers are exported, verified and served in the arms like the others."""
-    sliding = ck.get("sliding_layers") or []
+    sliding = ck.sliding_layers
     if not sliding:
         return []
-    full = [i for i in ck["full_attention_layers"] if i not in sliding]
+    full = [i for i in ck.full_attention_layers if i not in sliding]
     return [
         f"layers priced: the verdict prices the {len(full)} full-attention layers ({', '.join(map(str, full))}); "
-        f"the {len(sliding)} sliding-window layers (window {ck['sliding_window']:,}) are exported with the same "
+        f"the {len(sliding)} sliding-window layers (window {ck.sliding_window:,}) are exported with the same "
         "design, verified and served in the whole-model arms, but not priced here: 'anelab plan --checkpoint' plans "
         "them apart"
     ]
 
 
-def verdict_lines(decision: dict) -> list[str]:
+def verdict_lines(decision: Decision) -> list[str]:
     """The verdict section as plain lines (report.md and ``anelab decide``'s output)."""
-    v, ck = decision["verdict"], decision["checkpoint"]
-    gpu, ane = v["gpu_prefill"], v["ane_prefill"]
+    v, ck = decision.verdict, decision.checkpoint
+    gpu, ane = v.gpu_prefill, v.ane_prefill
     lines = [
-        f"verdict: {v['decision']} — {v['reason']}",
-        f"model: {ck['path']} ({ck['model_type']}, {len(ck['full_attention_layers'])} attention layers, "
-        f"{ck['heads']} heads x {ck['head_dim']}, {ck['kv_heads']} KV heads, RoPE {ck['rope']}, {ck['dtype']}); "
-        f"prompt {decision['config']['prompt_tokens']:,} tokens; design {decision['candidate']}, "
-        f"chunk {decision['plan']['chunk']:,}",
+        f"verdict: {v.decision} — {v.reason}",
+        f"model: {ck.path} ({ck.model_type}, {len(ck.full_attention_layers)} attention layers, "
+        f"{ck.heads} heads x {ck.head_dim}, {ck.kv_heads} KV heads, RoPE {ck.rope}, {ck.dtype}); "
+        f"prompt {decision.config.prompt_tokens:,} tokens; design {decision.candidate}, "
+        f"chunk {decision.plan.chunk:,}",
         f"GPU arm {seconds(gpu['value'])} s [{seconds(gpu['low'])} .. {seconds(gpu['high'])}] ({gpu['kind']}); "
         f"ANE arm {seconds(ane['value'])} s [{seconds(ane['low'])} .. {seconds(ane['high'])}] ({ane['kind']}); "
-        f"predicted ratio {v['predicted_ratio']:.2f}x (GPU / ANE)",
-        f"thresholds: {thresholds_sentence(v)}",
-        f"GPU arm: {gpu_runtime_phrase(decision['plan'])} (--gpu-runtime, --chip); ANE attention and loads: "
+        f"predicted ratio {v.predicted_ratio:.2f}x (GPU / ANE)",
+        f"thresholds: {thresholds_sentence(v.to_dict())}",
+        f"GPU arm: {gpu_runtime_phrase(decision.plan.to_dict())} (--gpu-runtime, --chip); ANE attention and loads: "
         "TinyTitan's sidecars recorded on an Apple M3 (seed 000) unless measured here",
     ]
     lines += _chip_lines(decision)
     lines += sliding_lines(ck)
-    for what, command in v["settle"]:
+    for what, command in v.settle:
         lines.append(f"to settle it: {what}: {command}")
-    for line in decision["yours"]:
+    for line in decision.yours:
         lines.append(f"your numbers: {line}")
-    if decision["measured"]:
+    if decision.measured:
         lines.append("measured records replaced the predicted costs marked 'measured on this Mac'")
     return lines
 
 
-def _chip_lines(decision: dict) -> list[str]:
-    """The chip, both arms' joules, the objective and the cold start (older decision.json files lack them)."""
-    v, p = decision["verdict"], decision["plan"]
+def _chip_lines(decision: Decision) -> list[str]:
+    """The chip, both arms' joules, the objective and the cold start."""
+    v, p = decision.verdict, decision.plan
     out = []
-    if p.get("chip"):
-        out.append(f"chip: {p['chip']} — {p['chip_choice']}")
-    if v.get("energy"):
-        out.append(energy_line(v["energy"]) + f"; objective {v['objective']} (on time: {v['time_decision']})")
-    if p.get("cold_start"):
-        out.append(p["cold_start"]["sentence"])
+    if p.chip:
+        out.append(f"chip: {p.chip} — {p.chip_choice}")
+    if v.energy:
+        out.append(energy_line(v.energy) + f"; objective {v.objective} (on time: {v.time_decision})")
+    if p.cold_start:
+        out.append(p.cold_start["sentence"])
     return out
 
 
-def chip_map_rows(decision: dict) -> list[dict]:
+def chip_map_rows(decision: Decision) -> list[dict]:
     """The verdict map's rows for the report: chip (the user's marked), then per prompt length ratio and verdict."""
-    m = decision.get("chip_map") or {}
+    m = decision.chip_map
     rows = []
     for r in m.get("rows", []):
         cells = [f"{c['ratio']:.2f}x {c['decision']}" for c in r["cells"]] or [r["refused"]]
@@ -101,8 +102,8 @@ def chip_map_rows(decision: dict) -> list[dict]:
     return rows
 
 
-def chip_map_markdown(decision: dict) -> list[str]:
-    m = decision.get("chip_map")
+def chip_map_markdown(decision: Decision) -> list[str]:
+    m = decision.chip_map
     if not m:
         return []
     lengths = m["prompt_lengths"]
@@ -116,34 +117,36 @@ def chip_map_markdown(decision: dict) -> list[str]:
     return out
 
 
-def cost_rows(decision: dict) -> list[dict]:
-    v = decision["verdict"]
+def cost_rows(decision: Decision) -> list[dict]:
+    """The deciding costs as the report's table rows: name, the cost's value, interval, kind and basis, deciding."""
+    v = decision.verdict
     return [
-        {"name": COST_NAMES[k], **c, "extrapolated": k in v["extrapolated"]}
-        for k, c in v["costs"].items()
-        if k != "load_per_layer" or decision["plan"]["loads_in_arm"]
+        {"name": COST_NAMES[k], **c, "extrapolated": k in v.extrapolated}
+        for k, c in v.costs.items()
+        if k != "load_per_layer" or decision.plan.loads_in_arm
     ]
 
 
-def figure_png(decision: dict) -> bytes:
+def figure_png(decision: Decision) -> bytes:
     """ANE vs GPU prefill over prompt length, intervals shaded, the user's prompt marked (PNG bytes)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = decision["sweep"]
-    x = [r["prompt_tokens"] for r in rows]
+    rows = decision.sweep
+    x = [r.prompt_tokens for r in rows]
     fig, ax = plt.subplots(figsize=(7.5, 4.7), dpi=110)
     for arm, color in (("gpu", "tab:blue"), ("ane", "tab:orange")):
-        kinds = sorted({r[arm]["kind"] for r in rows})
+        points = [getattr(r, arm) for r in rows]  # the arm's cost at each prompt length (value, low, high, kind)
+        kinds = sorted({p["kind"] for p in points})
         label = f"{'GPU' if arm == 'gpu' else 'ANE'} arm ({', '.join(kinds)})"
-        ax.plot(x, [r[arm]["value"] for r in rows], "-o", ms=3, color=color, label=label)
-        ax.fill_between(x, [r[arm]["low"] for r in rows], [r[arm]["high"] for r in rows], color=color, alpha=0.18)
-    n = decision["config"]["prompt_tokens"]
+        ax.plot(x, [p["value"] for p in points], "-o", ms=3, color=color, label=label)
+        ax.fill_between(x, [p["low"] for p in points], [p["high"] for p in points], color=color, alpha=0.18)
+    n = decision.config.prompt_tokens
     ax.axvline(n, color="k", ls="--", lw=1)
     ax.annotate(
-        f"your prompt: {n:,} tokens\nverdict: {decision['verdict']['decision']}",
+        f"your prompt: {n:,} tokens\nverdict: {decision.verdict.decision}",
         (n, 0.97),
         xycoords=("data", "axes fraction"),
         ha="left",
@@ -156,15 +159,16 @@ def figure_png(decision: dict) -> bytes:
     ax.set_yscale("log")
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("prefill time (s)")
-    ax.set_title(f"{Path(decision['checkpoint']['path']).name}: ANE ({decision['candidate']}) vs GPU prefill")
+    ax.set_title(f"{Path(decision.checkpoint.path).name}: ANE ({decision.candidate}) vs GPU prefill")
     ax.legend(loc="lower right", fontsize=9, title="shaded: interval; (provenance)", title_fontsize=9)
-    chip = decision["plan"].get("chip", "M3")
-    provenance = f"predicted by anelab's planner: GPU arm {gpu_runtime_phrase(decision['plan']).split(' (')[0]}; " + (
-        "ANE arm from the seed's M3 records (data/)" + (f", carried to the {chip}" if chip != "M3" else "")
+    chip = decision.plan.chip
+    provenance = (
+        f"predicted by anelab's planner: GPU arm {gpu_runtime_phrase(decision.plan.to_dict()).split(' (')[0]}; "
+        + ("ANE arm from the seed's M3 records (data/)" + (f", carried to the {chip}" if chip != "M3" else ""))
     )
-    if decision["measured"]:
+    if decision.measured:
         provenance += "; measured on this Mac where marked"
-    if decision["yours"]:
+    if decision.yours:
         provenance += "; your GPU number where marked 'yours'"
     fig.text(0.01, 0.01, provenance, fontsize=9, color="0.35")
     fig.tight_layout(rect=(0, 0.05, 1, 1))
@@ -174,8 +178,8 @@ def figure_png(decision: dict) -> bytes:
     return buf.getvalue()
 
 
-def markdown(decision: dict, figure: str) -> str:
-    v = decision["verdict"]
+def markdown(decision: Decision, figure: str) -> str:
+    v = decision.verdict
     out = ["# Should this model's prefill attention go to the ANE?", "", "## Verdict", ""]
     out += [f"- {line}" for line in verdict_lines(decision)]
     out += ["", f"![ANE vs GPU prefill over prompt length]({figure})", "", "## Deciding numbers", ""]
@@ -188,11 +192,11 @@ def markdown(decision: dict, figure: str) -> str:
         )
     out += ["", "## Designs", "", "| design | loads | load s each | ANE arm s | GPU arm s | ratio | verdict |"]
     out.append("|---|---:|---:|---:|---:|---:|---|")
-    for d in decision["designs"]:
-        verdict = decision["verdicts"][d["design"]]["decision"]
+    for d in decision.designs:
+        verdict = decision.verdicts[d.design].decision
         out.append(
-            f"| {d['design']} | {d['loads']} | {seconds(d['load_seconds_each'])} ({d['load_source']}) | "
-            f"{d['ane_prefill_seconds']:.2f} | {d['gpu_prefill_seconds']:.2f} | {d['predicted_ratio']:.2f}x | {verdict} |"
+            f"| {d.design} | {d.loads} | {seconds(d.load_seconds_each)} ({d.load_source}) | "
+            f"{d.ane_prefill_seconds:.2f} | {d.gpu_prefill_seconds:.2f} | {d.predicted_ratio:.2f}x | {verdict} |"
         )
     out += [
         "",
@@ -201,55 +205,54 @@ def markdown(decision: dict, figure: str) -> str:
         "| layer | verify | worst error | cases + controls | reused |",
         "|---:|---|---:|---|---|",
     ]
-    for layer, r in decision["evidence"]["verify"].items():
-        status = "passed" if r["passed"] else ("VACUOUS" if r["vacuous"] else "FAILED")
-        worst = "-" if r["max_relative_error"] is None else f"{r['max_relative_error']:.2e}"
-        out.append(f"| {layer} | {status} | {worst} | {r['cases']} + {r['controls']} | {r['reused']} |")
-    a = decision["evidence"]["arms"]
+    for layer, r in decision.evidence.verify.items():
+        status = "passed" if r.passed else ("VACUOUS" if r.vacuous else "FAILED")
+        worst = "-" if r.max_relative_error is None else f"{r.max_relative_error:.2e}"
+        out.append(f"| {layer} | {status} | {worst} | {r.cases} + {r.controls} | {r.reused} |")
+    a = decision.evidence.arms
     out += [
         "",
-        f"Whole-model arms (sidecar vs reference, {a['prompt_tokens']} tokens in chunks of {a['chunk']}, "
-        f"{a['decode']} decoded): logits {a['logits_relative_difference']:.3%}, greedy agreement "
-        f"{a['greedy_agreement']:.0%}, first layer beyond {a['noise']:.0e}: {a['first_divergent_layer']}. {a['note']}",
+        f"Whole-model arms (sidecar vs reference, {a.prompt_tokens} tokens in chunks of {a.chunk}, "
+        f"{a.decode} decoded): logits {a.logits_relative_difference:.3%}, greedy agreement "
+        f"{a.greedy_agreement:.0%}, first layer beyond {a.noise:.0e}: {a.first_divergent_layer}. {a.note}",
     ]
     out += _greedy_lines(a)
     out += chip_map_markdown(decision)
     out += compression_lines(decision)
-    if v["settle"]:
+    if v.settle:
         out += ["", "## What would change the answer", ""]
-        out += [f"- {what}: `{command}`" for what, command in v["settle"]]
+        out += [f"- {what}: `{command}`" for what, command in v.settle]
     return "\n".join(out) + "\n"
 
 
-def _greedy_lines(arms: dict) -> list[str]:
+def _greedy_lines(arms: ArmsSummary) -> list[str]:
     """The greedy text's agreement raw and excluding near-ties, each divergence labelled (arms.arm_comparison), and
-    whether these results were reused from the evidence (older evidence carries no labels: nothing printed)."""
-    out = []
-    if "greedy_summary" in arms:
-        out += ["", f"Greedy text: {arms['greedy_summary']}."]
-        if arms.get("divergences"):
-            out.append(f"({NEAR_TIE_RULE.format(noise=arms['noise'])}.)")
-    if arms.get("reused"):
+    whether these results were reused from the evidence."""
+    out = ["", f"Greedy text: {arms.greedy_summary}."]
+    if arms.divergences:
+        out.append(f"({NEAR_TIE_RULE.format(noise=arms.noise)}.)")
+    if arms.reused:
         out.append("(The arms' results are those of an earlier run with the same checkpoint, packages and prompt, "
                    "kept in evidence.json.)")  # fmt: skip
     return out
 
 
-def compression_lines(decision: dict) -> list[str]:
+def compression_lines(decision: Decision) -> list[str]:
     """``--weights``: what the compression costs the whole model on real text (reported, not judged)."""
-    c = decision["evidence"].get("compression")
-    if not c:
+    e = decision.evidence.compression
+    if e is None:
         return []
-    if "note" in c:
-        return ["", f"Compression {c['mode']}: {c['note']}."]
-    return ["", f"Compression {c['mode']} (each package verified against its own stored weights; its cost reported, "
-                f"not judged), on {c['text']}, {c['decode']} decoded: logits {c['logits_diff']:.3%} from the "
-                f"uncompressed reference, greedy agreement {c['greedy_agreement']:.0%} "
-                f"({c['agreement_excluding_near_ties']:.0%} excluding {c['near_ties']} near-tie(s)), perplexity "
-                f"{c['perplexity']:.3f} against {c['reference_perplexity']:.3f} ({c['perplexity_change']:+.2%})."]  # fmt: skip
+    if e.cost is None:
+        return ["", f"Compression {e.mode}: {e.note}."]
+    c = e.cost
+    return ["", f"Compression {e.mode} (each package verified against its own stored weights; its cost reported, "
+                f"not judged), on {e.text}, {c.decode} decoded: logits {c.logits_diff:.3%} from the "
+                f"uncompressed reference, greedy agreement {c.greedy_agreement:.0%} "
+                f"({c.agreement_excluding_near_ties:.0%} excluding {c.near_ties} near-tie(s)), perplexity "
+                f"{c.perplexity:.3f} against {c.reference_perplexity:.3f} ({c.perplexity_change:+.2%})."]  # fmt: skip
 
 
-def html(decision: dict, figure_png_bytes: bytes) -> str:
+def html(decision: Decision, figure_png_bytes: bytes) -> str:
     import jinja2
 
     env = jinja2.Environment(
@@ -262,23 +265,22 @@ def html(decision: dict, figure_png_bytes: bytes) -> str:
         verdict_lines=verdict_lines(decision),
         costs=cost_rows(decision),
         seconds=seconds,
-        greedy_lines=[
-            line for line in _greedy_lines(decision["evidence"]["arms"]) + compression_lines(decision) if line
-        ],
+        greedy_lines=[line for line in _greedy_lines(decision.evidence.arms) + compression_lines(decision) if line],
         chip_rows=chip_map_rows(decision),
         figure_uri="data:image/png;base64," + base64.b64encode(figure_png_bytes).decode("ascii"),
     )
 
 
-def write_report(decision, out: str | Path) -> dict:
-    """Write decision.json, report.md (figure beside it), report.html (figure embedded); returns the paths."""
+def write_report(decision: Decision, out: str | Path) -> dict:
+    """Write decision.json (``Decision.to_json``), report.md (figure beside it), report.html (figure embedded);
+    returns the paths."""
     out = Path(out)
-    d = json.loads(json.dumps(decision.to_dict(), default=str))
-    png = figure_png(d)
+    record = json.loads(json.dumps(decision.to_json(), default=str))  # paths as text, int keys as JSON's
+    png = figure_png(decision)
     paths = {
-        "json": atomic_write_text(out / "decision.json", json.dumps(d, indent=2, sort_keys=True)),
+        "json": atomic_write_text(out / "decision.json", json.dumps(record, indent=2, sort_keys=True)),
         "figure": atomic_write_bytes(out / FIGURE, png),
-        "md": atomic_write_text(out / "report.md", markdown(d, FIGURE)),
-        "html": atomic_write_text(out / "report.html", html(d, png)),
+        "md": atomic_write_text(out / "report.md", markdown(decision, FIGURE)),
+        "html": atomic_write_text(out / "report.html", html(decision, png)),
     }
     return {k: str(v) for k, v in paths.items()}

@@ -131,11 +131,11 @@ def verify_summary(report) -> dict:
     }
 
 
-def reverify_when_the_arms_disagree(opened, verified: dict, arms: dict) -> None:
+def reverify_when_the_arms_disagree(opened, verified: dict, arms) -> None:
     """Each reused package verified again here when the arms diverge from the reference (a layer above the noise),
     its summary replaced in ``verified``: a reused verification never stands against its own arms. ``opened``: decide's
-    ``Opened`` (its checkpoint)."""
-    if arms.get("first_divergent_layer") is None:
+    ``Opened`` (its checkpoint); ``arms``: its ``ArmsSummary``."""
+    if arms.first_divergent_layer is None:
         return
 
     for layer, summary in verified.items():

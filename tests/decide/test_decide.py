@@ -182,12 +182,12 @@ def test_decide_labels_extrapolated_costs_and_says_depends(decided):
 
 def test_decide_evidence_verify_and_arms(decided):
     decision, _ = decided
-    verify = decision.evidence["verify"]
-    assert sorted(verify) == ["0", "1"] and all(r["passed"] and not r["vacuous"] for r in verify.values())
-    arms = decision.evidence["arms"]
-    assert arms["served_by"] == "dense" and arms["chunk"] == CHUNK and arms["prompt_tokens"] == PROMPT
-    assert arms["greedy_agreement"] == 1.0 and arms["first_divergent_layer"] is None
-    assert len(arms["layer_differences"]) == 2
+    verify = decision.evidence.verify
+    assert sorted(verify) == [0, 1] and all(r.passed and not r.vacuous for r in verify.values())
+    arms = decision.evidence.arms
+    assert arms.served_by == "dense" and arms.chunk == CHUNK and arms.prompt_tokens == PROMPT
+    assert arms.greedy_agreement == 1.0 and arms.first_divergent_layer is None
+    assert len(arms.layer_differences) == 2
 
 
 def test_report_html_is_self_contained_with_its_figure(decided):
@@ -204,15 +204,15 @@ def test_report_html_is_self_contained_with_its_figure(decided):
 def test_decide_is_resumable_and_notices_a_changed_package(decided, model):
     _, out = decided
     again = decide(DecideConfig(model, PROMPT, out, design="dense", chunk=CHUNK))
-    assert all(r["reused"] for r in again.evidence["verify"].values())
+    assert all(r.reused for r in again.evidence.verify.values())
     # the default GPU arm is mlx-lm's (issue 30), and the report says so; on it a 64-token prompt stays on the GPU
-    assert again.to_dict()["plan"]["gpu_runtime"] == "mlx-lm" and again.to_dict()["verdict"]["decision"] == "gpu"
+    assert again.plan.gpu_runtime == "mlx-lm" and again.verdict.decision == "gpu"
     assert "GPU arm: mlx-lm on an Apple M3" in (out / "report.md").read_text()
     # negative control: a package whose bytes changed is exported and verified again (the old one set aside)
     pkg = out / "sidecars" / "dense" / "layer_1.mlpackage"
     (next(pkg.rglob("Manifest.json"))).write_text(next(pkg.rglob("Manifest.json")).read_text() + " ")
     third = decide(DecideConfig(model, PROMPT, out, design="dense", chunk=CHUNK))
-    assert third.evidence["verify"]["0"]["reused"] and not third.evidence["verify"]["1"]["reused"]
+    assert third.evidence.verify[0].reused and not third.evidence.verify[1].reused
     assert (pkg.parent / "layer_1.mlpackage.stale-1").exists()
 
 
@@ -240,11 +240,11 @@ def test_a_tampered_package_whose_hash_is_written_into_the_evidence_is_never_rep
 
     out, pkg, tampered = _tamper_layer_1(decided, tmp_path / "out")
     again = decide(DecideConfig(model, PROMPT, out, design="dense", chunk=CHUNK))
-    layer_1 = again.evidence["verify"]["1"]
-    assert not layer_1["reused"] and layer_1["sha256"] != tampered  # exported and verified again, not trusted
+    layer_1 = again.evidence.verify[1]
+    assert not layer_1.reused and layer_1.sha256 != tampered  # exported and verified again, not trusted
     set_aside = [package_content_hash(p) for p in pkg.parent.glob("layer_1.mlpackage.stale-*")]
     assert tampered in set_aside  # set aside, not deleted
-    assert again.evidence["verify"]["0"]["reused"]  # control: the untouched layer's sealed verification is reused
+    assert again.evidence.verify[0].reused  # control: the untouched layer's sealed verification is reused
 
 
 def test_a_reused_package_whose_arms_diverge_is_verified_again(decided, model, tmp_path):
@@ -261,10 +261,10 @@ def test_a_reused_package_whose_arms_diverge_is_verified_again(decided, model, t
     layers["1"] = evidence.sealed("dense", request, False, 1, {k: layers["1"][k] for k in ("sha256", "verify")})
     evidence.write()
     again = decide(DecideConfig(model, PROMPT, out, design="dense", chunk=CHUNK))
-    layer_1 = again.evidence["verify"]["1"]
-    assert layer_1["reused"] and layer_1["sha256"] == tampered and again.evidence["arms"]["first_divergent_layer"] == 1
-    assert layer_1["reverified"] and not layer_1["passed"]
-    assert "reverified" not in decided[0].evidence["verify"]["1"]
+    layer_1 = again.evidence.verify[1]
+    assert layer_1.reused and layer_1.sha256 == tampered and again.evidence.arms.first_divergent_layer == 1
+    assert layer_1.reverified and not layer_1.passed
+    assert decided[0].evidence.verify[1].reverified is None
 
 
 def _spied_verify(job):
@@ -306,17 +306,17 @@ def test_the_last_layers_are_verified_beside_the_arms_with_the_same_evidence(dec
     spied = (tmp_path / "beside" / "sidecars" / "dense" / "verified-beside.txt").read_text().split()
     assert spied == ["layer_1.mlpackage", str(min(19, BESIDE_NICENESS))]  # the last layer, at the lowest priority
     drop = {"package", "sha256"}  # where the packages are, and their export time
-    for layer in ("0", "1"):
-        mine, theirs = beside.evidence["verify"][layer], decision.evidence["verify"][layer]
+    for layer in (0, 1):
+        mine, theirs = beside.evidence.verify[layer].to_json(), decision.evidence.verify[layer].to_json()
         kept = {k: v for k, v in mine.items() if k not in drop}
         assert kept == _at_verify_precision({k: v for k, v in theirs.items() if k not in drop})
     kept = json.loads((tmp_path / "beside" / "evidence.json").read_text())["dense"]["layers"]
     assert sorted(kept) == ["0", "1"] and all(kept[k]["verify"]["passed"] for k in kept)
-    assert kept["1"]["sha256"] == beside.evidence["verify"]["1"]["sha256"]
+    assert kept["1"]["sha256"] == beside.evidence.verify[1].sha256
     same_arms = ("logits_relative_difference", "layer_differences", "greedy_agreement", "divergences")
-    assert all(beside.evidence["arms"][k] == decision.evidence["arms"][k] for k in same_arms)
+    assert all(getattr(beside.evidence.arms, k) == getattr(decision.evidence.arms, k) for k in same_arms)
     again = decide(DecideConfig(model, PROMPT, tmp_path / "beside", design="dense", chunk=CHUNK))
-    assert all(r["reused"] for r in again.evidence["verify"].values())  # recorded: a rerun repeats nothing
+    assert all(r.reused for r in again.evidence.verify.values())  # recorded: a rerun repeats nothing
     monkeypatch.setattr(run, "VERIFIED_BESIDE_THE_ARMS", 0.0)
     decide(DecideConfig(model, PROMPT, tmp_path / "before", design="dense", chunk=CHUNK))
     assert not (tmp_path / "before" / "sidecars" / "dense" / "verified-beside.txt").exists()
@@ -363,18 +363,18 @@ def test_a_fake_mac_run_replaces_predicted_costs_with_measured_ones(decided, mod
     config.clock = fake.clock
     decision = decide(config)
     v = decision.verdict
-    assert decision.measured and not any(r["reused"] for r in decision.evidence["verify"].values())
-    whole = decision.evidence["measured"]["whole_model"]
+    assert decision.measured and not any(r.reused for r in decision.evidence.verify.values())
+    whole = decision.evidence.measured.whole_model
     assert "off mlx-lm's forward in fp32" in whole["not_run"] and "record" not in whole
-    assert v["costs"]["load_per_layer"]["kind"] == "measured on this Mac"
-    assert v["costs"]["load_per_layer"]["value"] == pytest.approx(0.25 + 0.282)  # h0 + h32 cold loads
-    assert v["costs"]["ane_attention"]["value"] == pytest.approx(2 * (0.01 + 0.01))  # 2 layers x 2 calls
-    assert "load_per_layer" not in v["extrapolated"] and "ane_attention" not in v["extrapolated"]
+    assert v.costs["load_per_layer"]["kind"] == "measured on this Mac"
+    assert v.costs["load_per_layer"]["value"] == pytest.approx(0.25 + 0.282)  # h0 + h32 cold loads
+    assert v.costs["ane_attention"]["value"] == pytest.approx(2 * (0.01 + 0.01))  # 2 layers x 2 calls
+    assert "load_per_layer" not in v.extrapolated and "ane_attention" not in v.extrapolated
     md = (tmp_path / "run" / "report.md").read_text()
     assert "measured records replaced the predicted costs" in md and "measured on this Mac" in md
     assert list((tmp_path / "run" / "measured").glob("*.json"))  # every timing is a record
     # control: the plan without the measurement still prices the loads by the arena law
-    assert decision.verdicts["dense"]["costs"]["load_per_layer"]["kind"] == "fitted"
+    assert decision.verdicts["dense"].costs["load_per_layer"]["kind"] == "fitted"
 
 
 def test_a_fake_mac_whose_ane_predicts_fail_says_the_ane_arm_does_not_run(decided, model, tmp_path):
@@ -389,9 +389,9 @@ def test_a_fake_mac_whose_ane_predicts_fail_says_the_ane_arm_does_not_run(decide
     config.clock = fake.clock
     decision = decide(config)
     v = decision.verdict
-    assert v["decision"] == "gpu" and "the ANE arm does not run on this Mac" in v["reason"]
-    assert "ANE compiler service failed" in decision.evidence["measured"]["ane_failure"]
-    assert "measured on this Mac" not in {c["kind"] for c in v["costs"].values()}  # the loads are not kept
+    assert v.decision == "gpu" and "the ANE arm does not run on this Mac" in v.reason
+    assert "ANE compiler service failed" in decision.evidence.measured.ane_failure
+    assert "measured on this Mac" not in {c["kind"] for c in v.costs.values()}  # the loads are not kept
 
 
 def test_decide_measure_refuses_a_mac_without_a_neural_engine_and_says_gpu_without_ane_placement(
@@ -410,8 +410,8 @@ def test_decide_measure_refuses_a_mac_without_a_neural_engine_and_says_gpu_witho
     on_cpu = FakeRuntime(default=FakeFunction(assignment={"neural_engine": 0, "gpu": 3, "cpu": 90}))
     config = DecideConfig(model, PROMPT, tmp_path / "run", design="dense", chunk=CHUNK, measure=True, runtime=on_cpu)
     v = decide(config).verdict  # the gate refuses the graph: a verdict that says so, the numbers from ungated packages
-    assert v["decision"] == "gpu" and "0 of 93 operations on the Neural Engine" in v["reason"]
-    assert "measured on this Mac" not in {c["kind"] for c in v["costs"].values()}
+    assert v.decision == "gpu" and "0 of 93 operations on the Neural Engine" in v.reason
+    assert "measured on this Mac" not in {c["kind"] for c in v.costs.values()}
 
 
 # ---- bad input: one line, exit 2 -------------------------------------------------------------------------------
@@ -501,32 +501,32 @@ def test_a_rerun_reuses_the_arms_and_a_changed_prompt_or_checkpoint_runs_them(tm
         return decide(DecideConfig(checkpoint, prompt, tmp_path / "out", design="dense", chunk=CHUNK))
 
     first = run()
-    assert calls == [PROMPT] and not first.evidence["arms"]["reused"]
+    assert calls == [PROMPT] and not first.evidence.arms.reused
     again = run()  # the same inputs: nothing repeated, the same summary
-    assert calls == [PROMPT] and again.evidence["arms"]["reused"]
-    assert all(r["reused"] for r in again.evidence["verify"].values())
-    assert {k: v for k, v in again.evidence["arms"].items() if k != "reused"} == {
-        k: v for k, v in first.evidence["arms"].items() if k != "reused"
+    assert calls == [PROMPT] and again.evidence.arms.reused
+    assert all(r.reused for r in again.evidence.verify.values())
+    assert {k: v for k, v in again.evidence.arms.to_json().items() if k != "reused"} == {
+        k: v for k, v in first.evidence.arms.to_json().items() if k != "reused"
     }
     assert "earlier run" in (tmp_path / "out" / "report.md").read_text()
     # a changed prompt length runs the arms again
     longer = run(PROMPT + CHUNK)
-    assert calls == [PROMPT, PROMPT + CHUNK] and not longer.evidence["arms"]["reused"]
+    assert calls == [PROMPT, PROMPT + CHUNK] and not longer.evidence.arms.reused
     # another model copied over the checkpoint's files: exported, verified and run again
     other = make_llama32_1b_shaped(tmp_path / "other", **shape, seed=1)
     for path in other.iterdir():
         shutil.copyfile(path, checkpoint / path.name)
     changed = run(PROMPT + CHUNK)
-    assert calls == [PROMPT, PROMPT + CHUNK, PROMPT + CHUNK] and not changed.evidence["arms"]["reused"]
-    assert not any(r["reused"] for r in changed.evidence["verify"].values())
-    assert changed.evidence["arms"]["layer_differences"] != longer.evidence["arms"]["layer_differences"]
+    assert calls == [PROMPT, PROMPT + CHUNK, PROMPT + CHUNK] and not changed.evidence.arms.reused
+    assert not any(r.reused for r in changed.evidence.verify.values())
+    assert changed.evidence.arms.layer_differences != longer.evidence.arms.layer_differences
 
 
 def test_decide_reports_greedy_divergences_labelled(decided):
     decision, out = decided
-    arms = decision.evidence["arms"]
-    assert arms["greedy_agreement_excluding_near_ties"] == 1.0 and arms["divergences"] == []
-    assert "greedy agreement 100.0% raw, 100.0% excluding 0 near-tie(s)" in arms["greedy_summary"]
+    arms = decision.evidence.arms
+    assert arms.greedy_agreement_excluding_near_ties == 1.0 and arms.divergences == ()
+    assert "greedy agreement 100.0% raw, 100.0% excluding 0 near-tie(s)" in arms.greedy_summary
     assert "Greedy text: greedy agreement" in (out / "report.md").read_text()
     assert "excluding 0 near-tie(s)" in (out / "report.html").read_text()
 
@@ -589,21 +589,22 @@ def test_decide_with_compressed_weights_verifies_them_and_reports_the_cost(
 
     monkeypatch.setattr(Checkpoint, "tokenizer", lambda self: Words())
     fp16, _ = decided
-    assert fp16.evidence["compression"] is None
+    assert fp16.evidence.compression is None
     config = DecideConfig(model, PROMPT, tmp_path / "int8", design="dense", chunk=CHUNK, gpu_runtime="tinytitan",
                           weights="int8")  # fmt: skip
     decision = decide(config)
-    verify = decision.evidence["verify"].values()
+    verify = decision.evidence.verify.values()
     assert all(
-        r["passed"] and r["max_relative_error"] < r["threshold"] and r["compression_error"] > r["max_relative_error"]
+        r.passed and r.max_relative_error < r.threshold and r.compression_error > r.max_relative_error
         for r in verify
     )
-    assert all(r["compression_error"] is None for r in fp16.evidence["verify"].values())
-    assert decision.evidence["arms"]["logits_relative_difference"] > fp16.evidence["arms"]["logits_relative_difference"]
-    c = decision.evidence["compression"]
-    assert c["mode"] == "int8" and c["text"].startswith("the first 256 tokens of docs/prompt/readme-a615004.md")
-    assert 0 < c["logits_diff"] and np.isfinite(c["perplexity"]) and c["reference_perplexity"] > 1
-    assert c["perplexity_change"] == pytest.approx(c["perplexity"] / c["reference_perplexity"] - 1)
+    assert all(r.compression_error is None for r in fp16.evidence.verify.values())
+    assert decision.evidence.arms.logits_relative_difference > fp16.evidence.arms.logits_relative_difference
+    compression = decision.evidence.compression
+    c = compression.cost
+    assert c.mode == "int8" and compression.text.startswith("the first 256 tokens of docs/prompt/readme-a615004.md")
+    assert 0 < c.logits_diff and np.isfinite(c.perplexity) and c.reference_perplexity > 1
+    assert c.perplexity_change == pytest.approx(c.perplexity / c.reference_perplexity - 1)
     report = (tmp_path / "int8" / "report.md").read_text()
     assert "Compression int8 (each package verified against its own stored weights" in report
     assert "Compression int8" in (tmp_path / "int8" / "report.html").read_text()

@@ -5,8 +5,8 @@ Decision was typed) wrote for three small runs of the Llama-3.2-1B-shaped test m
 fp16 (``depends``), int8 weights with the user's GPU number (compression cost, ``yours``), and the first run
 measured on a fake Mac (``MeasuredPackage``). Each run is repeated here and compared key for key: every key,
 string, integer, boolean and null exactly, floats to within ``FLOAT_RELATIVE_TOLERANCE`` (the arms' and verify's
-numbers run through BLAS, whose kernels differ between machines), time stamps as ``<TIME>``, a package's content hash as a hash (its
-metadata holds its export time). Temporary paths are written as ``<TMP>``.
+numbers run through BLAS, whose kernels differ between machines), time stamps as ``<TIME>``, a record's git
+revision as any text, a package's content hash as a hash (its metadata holds its export time). Temporary paths are written as ``<TMP>``.
 
 Regenerate (only with the code the files must stand for): ``python -c "import sys; sys.path[:0]=['tests/decide'];
 import test_decision_json as t; t.write_golden()"``.
@@ -105,6 +105,8 @@ def same_record(actual, expected, where: str = "decision") -> list[str]:
         ]
     if where.endswith(".sha256"):  # a package's content hash: its metadata holds its export time
         return [] if all(isinstance(x, str) and SHA256.fullmatch(x) for x in (actual, expected)) else [where]
+    if where.endswith(".git_revision"):  # a record's provenance: the checkout that ran it
+        return [] if isinstance(actual, str) and isinstance(expected, str) else [where]
     if isinstance(expected, float) and type(actual) is float:
         same = (math.isnan(actual) and math.isnan(expected)) or actual == pytest.approx(
             expected, rel=FLOAT_RELATIVE_TOLERANCE

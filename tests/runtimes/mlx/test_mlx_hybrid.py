@@ -281,7 +281,7 @@ def test_decide_runs_a_qwen3_5_hybrid_end_to_end_on_its_own_candidate(made, tmp_
 
     checkpoint, _ = made["qwen3_5"]
     decision = decide(DecideConfig(checkpoint, 2 * CHUNK, tmp_path / "decide", chunk=CHUNK, decode=DECODE))
-    arms = decision.evidence["arms"]
-    assert arms["engine"] == "mlx" and arms["served_by"] == decision.candidate and arms["note"] == ""
-    assert 0 < arms["logits_relative_difference"] < NOISE and arms["identical_text"]
-    assert arms["layer_differences"][:3] == [0.0, 0.0, 0.0]  # the Gated DeltaNet layers stay mlx-lm's
+    arms = decision.evidence.arms
+    assert arms.engine == "mlx" and arms.served_by == decision.candidate and arms.note == ""
+    assert 0 < arms.logits_relative_difference < NOISE and arms.identical_text
+    assert arms.layer_differences[:3] == (0.0, 0.0, 0.0)  # the Gated DeltaNet layers stay mlx-lm's
