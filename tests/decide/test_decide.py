@@ -595,8 +595,7 @@ def test_decide_with_compressed_weights_verifies_them_and_reports_the_cost(
     decision = decide(config)
     verify = decision.evidence.verify.values()
     assert all(
-        r.passed and r.max_relative_error < r.threshold and r.compression_error > r.max_relative_error
-        for r in verify
+        r.passed and r.max_relative_error < r.threshold and r.compression_error > r.max_relative_error for r in verify
     )
     assert all(r.compression_error is None for r in fp16.evidence.verify.values())
     assert decision.evidence.arms.logits_relative_difference > fp16.evidence.arms.logits_relative_difference
