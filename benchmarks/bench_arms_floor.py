@@ -100,10 +100,11 @@ def _prompt(args, checkpoint):
 
 def _timed_run(label: str, checkpoint, sidecars, prompt, args, budget):
     from anelab.arms.arm_comparison import compare_arms
+    from anelab.checkpoints.whole_model import load_model
 
     load = os.getloadavg()[0]
     wall, cpu = time.perf_counter(), time.process_time()
-    report = compare_arms(checkpoint, sidecars, None if prompt is not None else args.prompt_tokens, tokens=prompt,
+    report = compare_arms(load_model(checkpoint), sidecars, None if prompt is not None else args.prompt_tokens, tokens=prompt,
                           decode=args.decode, resident_budget=budget)  # fmt: skip
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     print(f"{label}: {wall:.1f} s wall, {cpu:.1f} s CPU (load average {load:.1f} before); {report.weights.describe()}")

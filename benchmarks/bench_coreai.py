@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from anelab.checkpoints.checkpoint import load_checkpoint
+
 
 def _timed(fn):
     t = time.perf_counter()
@@ -43,8 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     histories = [0, chunk, 2 * chunk]
     root = Path(tempfile.mkdtemp(prefix="bench-coreai-"))
     ckpt = default_checkpoint_dir(root / "ckpt")
-    t_ml, [ml] = _timed(lambda: export_sidecars(ckpt, root / "coreml", chunk, histories, [3], jobs=1))
-    t_ai, [ai] = _timed(lambda: export_sidecars(ckpt, root / "coreai", chunk, histories, [3], backend="coreai", jobs=1))
+    t_ml, [ml] = _timed(lambda: export_sidecars(load_checkpoint(ckpt), root / "coreml", chunk, histories, [3], jobs=1))
+    t_ai, [ai] = _timed(
+        lambda: export_sidecars(load_checkpoint(ckpt), root / "coreai", chunk, histories, [3], backend="coreai", jobs=1)
+    )
     info = BACKENDS["coreai"].inspect(ai.package)
     w = info["weights"]
     print(f"export layer 3, chunk {chunk}, histories {histories}: Core ML {t_ml:.1f} s, with --backend coreai {t_ai:.1f} s "

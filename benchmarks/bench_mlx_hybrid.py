@@ -110,7 +110,9 @@ def bpe_tokenizer(meta: dict):
 
 def run_model(name: str, checkpoint: Path, work: Path, chunk: int, prompt_tokens: int, tokens=None, tokenizer=None):
     from anelab.arms.arm_comparison import compare_arms
+    from anelab.arms.mlx_engine import open_mlx_arms_model
     from anelab.arms.prefill_ab import ab_request, run_ab
+    from anelab.checkpoints.checkpoint import load_checkpoint
     from anelab.sidecar.export import export_sidecars
 
     sidecars = work / f"{name}-sidecars-{chunk}"
@@ -118,10 +120,12 @@ def run_model(name: str, checkpoint: Path, work: Path, chunk: int, prompt_tokens
     if not sidecars.exists():
         from anelab.core.geometry import chunk_starts
 
-        export_sidecars(checkpoint, sidecars, chunk, chunk_starts(prompt_tokens, chunk))
+        export_sidecars(load_checkpoint(checkpoint), sidecars, chunk, chunk_starts(prompt_tokens, chunk))
     export_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    report = compare_arms(checkpoint, sidecars, prompt_tokens, decode=16, tokens=tokens, engine="mlx")
+    report = compare_arms(
+        open_mlx_arms_model(load_checkpoint(checkpoint)), sidecars, prompt_tokens, decode=16, tokens=tokens
+    )
     compare_s = time.perf_counter() - t0
     pair = report.pairs[0]
     print(report.table())

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from anelab.checkpoints.checkpoint import load_checkpoint
+
 REALISTIC = dict(
     hidden_size=2048, num_heads=16, num_kv_heads=4, head_dim=128, chunk=4096, histories=[0, 4096, 8192], probe=4096
 )
@@ -113,7 +115,7 @@ def main() -> None:
     ckpt = write_checkpoint(work / "ckpt", g, {0: random_attention_weights(g, 0, seed=0)}, dtype="BF16")
     C, hist = p["chunk"], p["histories"]
     t = time.perf_counter()
-    [result] = export_sidecars(ckpt, work / "out", C, hist)
+    [result] = export_sidecars(load_checkpoint(ckpt), work / "out", C, hist)
     export_s = time.perf_counter() - t
     separate = sum(
         weight_bytes(

@@ -49,7 +49,7 @@ def _timed(fn):
 
 def build(work: Path, p: dict) -> tuple[Path, Path]:
     """A random qwen3 checkpoint and its 3-function package under ``work``."""
-    from anelab.checkpoints.checkpoint import write_checkpoint
+    from anelab.checkpoints.checkpoint import load_checkpoint, write_checkpoint
     from anelab.core.geometry import AttentionGeometry
     from anelab.core.weights import random_attention_weights
     from anelab.sidecar.export import export_sidecars
@@ -65,14 +65,15 @@ def build(work: Path, p: dict) -> tuple[Path, Path]:
         full_attention_layers=(0,),
     )
     ckpt = write_checkpoint(work / "ckpt", g, {0: random_attention_weights(g, 0, seed=0)}, dtype="BF16")
-    [result] = export_sidecars(ckpt, work / "out", p["chunk"], p["histories"])
+    [result] = export_sidecars(load_checkpoint(ckpt), work / "out", p["chunk"], p["histories"])
     return ckpt, result.package
 
 
 def verify_row(package: Path, ckpt: Path) -> None:
+    from anelab.checkpoints.checkpoint import load_checkpoint
     from anelab.sidecar.checks.verify import verify_package
 
-    report = verify_package(package, ckpt)
+    report = verify_package(package, load_checkpoint(ckpt))
     s = report.seconds
     ratio = s["total"] / s["package"]
     own = max(max(r["errors"].values()) for r in report.reference_checks)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from anelab.checkpoints.checkpoint import load_checkpoint
+
 REALISTIC = dict(
     hidden_size=2048, num_heads=16, num_kv_heads=4, head_dim=128, chunks=[64, 256, 1024], histories=[0, 1024, 4096]
 )
@@ -79,8 +81,8 @@ def weight_modes(p: dict, work: Path) -> list[dict]:
     chunk = p["chunks"][0]
     rows = []
     for mode in WEIGHT_MODES:
-        [r] = export_sidecars(ckpt, work / mode, chunk, [0, chunk], [0], weights_mode=mode)
-        report = verify.verify_package(r.package, ckpt)
+        [r] = export_sidecars(load_checkpoint(ckpt), work / mode, chunk, [0, chunk], [0], weights_mode=mode)
+        report = verify.verify_package(r.package, load_checkpoint(ckpt))
         cost = [c for c in report.comparisons if c.bound is not None] or [
             c for c in report.comparisons if not c.control
         ]

@@ -28,9 +28,9 @@ from anelab.arms.sidecars import (
     open_sidecars,
     runtime_runner,
 )
-from anelab.checkpoints.checkpoint import load_checkpoint
+from anelab.checkpoints.checkpoint import Checkpoint, load_checkpoint
 from anelab.checkpoints.default import resolve_checkpoint
-from anelab.checkpoints.whole_model import DECODER_FAMILIES, ModelCheckpoint, load_model, whole_model_support
+from anelab.checkpoints.whole_model import DECODER_FAMILIES, ModelCheckpoint, whole_model, whole_model_support
 from anelab.core.errors import AnelabInputError
 from anelab.core.files import decode_utf8, parse_json, read_bytes
 from anelab.core.geometry import chunk_starts
@@ -343,52 +343,49 @@ def require_run_fits(model, prompt_tokens: int, decode: int, arms: int) -> None:
                    "use a shorter --prompt-tokens")  # fmt: skip
 
 
-def choose_engine(checkpoint, engine: str = "auto") -> str:
+def require_engine(engine: str) -> None:
+    """Refuse (one line) an ``--engine`` other than auto, numpy or mlx."""
+    if engine not in ENGINES:
+        raise AnelabInputError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
+
+
+def choose_engine(checkpoint: Checkpoint, engine: str = "auto") -> str:
     """``numpy`` or ``mlx`` for a checkpoint: ``auto`` is anelab's NumPy forward where it models the family (the
     independent reference, and the faster engine off a Mac), else mlx-lm (hybrids such as Qwen 3.5, any family
     mlx-lm runs)."""
-    if engine not in ENGINES:
-        raise AnelabInputError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
+    require_engine(engine)
     if engine != "auto":
         return engine
-
-    if isinstance(checkpoint, (ModelCheckpoint, MlxArmsModel)):
-        return "numpy" if isinstance(checkpoint, ModelCheckpoint) else "mlx"
-
-    return "numpy" if load_checkpoint(checkpoint).model_type in DECODER_FAMILIES else "mlx"
+    return "numpy" if checkpoint.model_type in DECODER_FAMILIES else "mlx"
 
 
-def open_engine_model(checkpoint, engine: str = "auto"):
-    """(engine, the model it runs) for a checkpoint (``choose_engine``). A family anelab's forward does not model
-    that mlx-lm cannot load either is refused in one line naming both reasons."""
+def engine_of(model: ModelCheckpoint | MlxArmsModel) -> str:
+    """The engine an opened model runs on: anelab's forward (a ``ModelCheckpoint``) or mlx-lm's."""
+    return "numpy" if isinstance(model, ModelCheckpoint) else "mlx"
+
+
+def open_engine_model(checkpoint: Checkpoint, engine: str = "auto") -> tuple[str, ModelCheckpoint | MlxArmsModel]:
+    """(engine, the model it runs) for an opened checkpoint (``choose_engine``). A family anelab's forward does not
+    model that mlx-lm cannot load either is refused in one line naming both reasons."""
     chosen = choose_engine(checkpoint, engine)
     try:
         return chosen, _open_for(checkpoint, chosen)
     except AnelabInputError as e:
         if engine != "auto" or chosen != "mlx":
             raise
-        model_type = load_checkpoint(checkpoint).model_type
+        model_type = checkpoint.model_type
         raise AnelabInputError(
             f"model_type {model_type}: anelab's whole-model forward {whole_model_support(model_type)}; and {e}"
         ) from None
 
 
-def _open_for(checkpoint, engine: str):
+def _open_for(checkpoint: Checkpoint, engine: str) -> ModelCheckpoint | MlxArmsModel:
     """The model an engine runs: anelab's whole model (numpy) or mlx-lm's beside anelab's attention layers (mlx)."""
-
-    if isinstance(checkpoint, MlxArmsModel):
-        if engine != "mlx":
-            raise AnelabInputError(f"an MLX-opened model runs on the mlx engine, not {engine}")
-        return checkpoint
-    if engine == "numpy":
-        return load_model(checkpoint)
-
-    source = checkpoint.checkpoint if isinstance(checkpoint, ModelCheckpoint) else checkpoint
-    return open_mlx_arms_model(source)
+    return whole_model(checkpoint) if engine == "numpy" else open_mlx_arms_model(checkpoint)
 
 
 def compare_arms(
-    checkpoint: str | os.PathLike,
+    model: ModelCheckpoint | MlxArmsModel,
     sidecars: str | os.PathLike | None,
     prompt_tokens: int | None = None,
     *,
@@ -399,7 +396,6 @@ def compare_arms(
     chunk: int | None = None,
     compute_units: str | None = None,
     runtime=None,
-    engine: str = "auto",
     resident_budget: int | None = None,
     mlp_sidecars: str | os.PathLike | None = None,
     mlp_layers: list[int] | None = None,
@@ -414,10 +410,11 @@ def compare_arms(
     reference, so folded is not compared with reference). ``tokens`` (int [P]) overrides the seeded
     random prompt of ``prompt_tokens`` ids. ``compute_units``: serve the sidecars through Core ML
     (``runtime_runner``; ``runtime`` defaults to this machine's, refused off-Mac) instead of NumPy.
-    ``engine`` (``choose_engine``): ``numpy`` runs everything but the sidecars on anelab's forward (the
-    reference arm is it too), ``mlx`` on mlx-lm (the reference arm is mlx-lm's own forward, the sidecar arm
-    the hybrid). ``resident_budget`` (bytes, numpy engine): the decoder weights are kept resident when their
-    float32 size fits it, else streamed (``arms.resident``; default ``RESIDENT_BUDGET_BYTES``, 0 streams).
+    ``model`` (opened by ``open_engine_model``) says the engine: a ``ModelCheckpoint`` runs everything but the
+    sidecars on anelab's forward (numpy; the reference arm is it too), an ``MlxArmsModel`` on mlx-lm (the reference
+    arm is mlx-lm's own forward, the sidecar arm the hybrid). ``resident_budget`` (bytes, numpy engine): the
+    decoder weights are kept resident when their float32 size fits it, else streamed (``arms.resident``; default
+    ``RESIDENT_BUDGET_BYTES``, 0 streams).
 
     ``mlp_sidecars``: a directory of ``--graph mlp`` packages (NumPy evaluation; either engine): adds the arm
     ``mlp-sidecar`` (every MLP of ``mlp_layers``, default all, from its package; attention from the reference) and,
@@ -426,7 +423,7 @@ def compare_arms(
     projections of ``gdn_layers``, default every linear-attention layer, from their packages).
     """
 
-    engine, model = open_engine_model(checkpoint, engine)
+    engine = engine_of(model)
     blocks = mlp_sidecars is not None or gdn_sidecars is not None
     if blocks and compute_units is not None:
         raise AnelabInputError(
@@ -516,13 +513,11 @@ def named_with_sidecars(
                         "use a shorter --prompt-tokens or a larger --chunk")  # fmt: skip
     checkpoint = resolve_checkpoint(name)
     if sidecars is not None and not Path(sidecars).exists():
-        export_arm_sidecars(checkpoint, sidecars, chunk, prompt_tokens)
+        export_arm_sidecars(load_checkpoint(checkpoint), sidecars, chunk, prompt_tokens)
     return checkpoint, sidecars
 
 
-def export_arm_sidecars(
-    checkpoint: str | os.PathLike, out_dir: str | os.PathLike, chunk: int, prompt_tokens: int
-) -> Path:
+def export_arm_sidecars(checkpoint: Checkpoint, out_dir: str | os.PathLike, chunk: int, prompt_tokens: int) -> Path:
     """Export every full-attention layer with the functions h0, hC, ... a ``prompt_tokens`` prompt needs."""
 
     export_sidecars(checkpoint, out_dir, int(chunk), chunk_starts(int(prompt_tokens), int(chunk)))

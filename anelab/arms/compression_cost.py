@@ -24,7 +24,6 @@ holds each package to the reference with those same stored weights, so the two a
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from anelab.arms.arm_comparison import PairComparison, compare_runs
 from anelab.arms.arm_runs import Arm, ArmRun, run_arms
 from anelab.arms.resident import weights_for_run
 from anelab.arms.sidecars import SidecarSet
-from anelab.checkpoints.whole_model import ModelCheckpoint, load_model
+from anelab.checkpoints.whole_model import ModelCheckpoint
 from anelab.core.decoder import lm_logits
 from anelab.core.errors import AnelabInputError
 from anelab.core.records import atomic_write_text
@@ -237,7 +236,7 @@ class ModeEvidence:
 
 
 def weight_mode_evidence(
-    checkpoint,
+    model: ModelCheckpoint,
     cache_root,
     modes: list[str],
     prompt: np.ndarray,
@@ -250,12 +249,11 @@ def weight_mode_evidence(
     use=None,
     layers: list[int] | None = None,
 ) -> dict[str, ModeEvidence]:
-    """Per mode: every attention layer of ``checkpoint`` (a path, or an opened whole model) exported once (``evidence_cache.cached_export``:
+    """Per mode: every attention layer of the opened whole ``model`` exported once (``evidence_cache.cached_export``:
     ``chunk``, ``histories``), the ``verified`` layers verified once on random rows and, with ``activations``
     (layer -> post-norm rows), on real ones (``cached_verify``), and the stored-weights arm against the reference
     on ``prompt`` (int [P], real text; prefill in chunks of ``chunk``), cached by the packages' content. ``layers``:
     only these carry the mode (the tests' quick runs; the cost then says so), default every attention layer."""
-    model = load_model(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else checkpoint
     evidence = {}
     for mode in modes:
         results = cache.cached_export(

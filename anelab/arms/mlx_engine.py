@@ -14,7 +14,6 @@ arms run on the NumPy engine.
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +21,7 @@ import numpy as np
 from anelab.arms.arm_runs import Arm, ArmRun
 from anelab.arms.resident import RESIDENT, WeightsPlan
 from anelab.arms.sidecars import SidecarSet
-from anelab.checkpoints.checkpoint import Checkpoint, load_checkpoint
+from anelab.checkpoints.checkpoint import Checkpoint
 from anelab.core.errors import AnelabInputError
 from anelab.core.limits import human_bytes
 from anelab.runtimes.mlx.hybrid import Hybrid, decode_greedy, prefill
@@ -58,10 +57,9 @@ class MlxArmsModel:
         return self.mlx.num_layers
 
 
-def open_mlx_arms_model(checkpoint: str | os.PathLike | Checkpoint, dtype: str | None = "float32") -> MlxArmsModel:
-    """The checkpoint for the MLX engine (float32 by default: the arms compare within fp16 noise)."""
+def open_mlx_arms_model(opened: Checkpoint, dtype: str | None = "float32") -> MlxArmsModel:
+    """An opened checkpoint for the MLX engine (float32 by default: the arms compare within fp16 noise)."""
 
-    opened = load_checkpoint(checkpoint)
     mlx = open_mlx_model(opened.path, dtype=dtype)
     if mlx.num_layers != opened.geometry.num_layers:
         raise AnelabInputError(

@@ -14,7 +14,7 @@ import numpy as np
 
 from anelab.arms.arm_comparison import PairComparison, compare_runs
 from anelab.arms.arm_runs import Arm, ArmRun, run_arms
-from anelab.checkpoints.whole_model import ModelCheckpoint, load_model
+from anelab.checkpoints.whole_model import ModelCheckpoint
 from anelab.core.decoder import attention_input, embed
 from anelab.core.errors import AnelabInputError
 from anelab.core.paths import REPO_ROOT
@@ -102,13 +102,12 @@ def attention_inputs(model: ModelCheckpoint, prompt: np.ndarray, layers: list[in
     return out
 
 
-def docs_activations(checkpoint, tokens: int, *, chunk: int = 64) -> tuple[dict[int, np.ndarray], str]:
+def docs_activations(model: ModelCheckpoint, tokens: int, *, chunk: int = 64) -> tuple[dict[int, np.ndarray], str]:
     """The real attention inputs of the first ``tokens`` tokens of ``DOCS_SOURCE`` under the checkpoint's own
     tokenizer, for every decoder layer (``attention_inputs``: layer -> float32 [tokens, D]), and a phrase saying
-    where they came from. ``checkpoint``: a path or an opened whole model; one with no tokenizer (the random
-    test checkpoints) is refused in one line."""
+    where they came from. ``model``: the opened whole model; one with no tokenizer (the random test checkpoints)
+    is refused in one line."""
 
-    model = checkpoint if isinstance(checkpoint, ModelCheckpoint) else load_model(checkpoint)
     try:
         tokenizer = model.checkpoint.tokenizer()
     except AnelabInputError:

@@ -20,7 +20,7 @@ from anelab.arms import real_text
 from anelab.arms.compression_cost import ModeCost, ModeEvidence, compression_costs, weight_mode_evidence
 from anelab.arms.resident import weights_for_run
 from anelab.arms.sidecars import open_sidecars
-from anelab.checkpoints.whole_model import load_model
+from anelab.checkpoints.whole_model import ModelCheckpoint
 from anelab.core.geometry import chunk_starts
 from anelab.core.records import atomic_write_bytes
 from anelab.sidecar.checks.evidence_cache import (
@@ -91,9 +91,12 @@ class RealEvidence:
         }
 
 
-def real_mode_evidence(checkpoint, build_dir, request: EvidenceRequest, label: str | None = None) -> RealEvidence:
-    """Every mode of ``request`` on ``checkpoint`` (a path with a tokenizer), from the cache in ``build_dir/cache``."""
-    model, _ = weights_for_run(load_model(checkpoint))  # one read of the weights for every run below
+def real_mode_evidence(
+    model: ModelCheckpoint, build_dir, request: EvidenceRequest, label: str | None = None
+) -> RealEvidence:
+    """Every mode of ``request`` on the opened whole ``model`` (one with a tokenizer), from the cache in
+    ``build_dir/cache``."""
+    model, _ = weights_for_run(model)  # one read of the weights for every run below
     tokenizer = model.checkpoint.tokenizer()
     prompt = real_text.docs_prompt(tokenizer, request.prompt_tokens)
     layers = list(range(model.num_layers)) if request.full else sampled_layers(model.num_layers)
@@ -105,7 +108,7 @@ def real_mode_evidence(checkpoint, build_dir, request: EvidenceRequest, label: s
         histories=request.histories, verified=layers, decode=request.decode, activations=activations, use=use,
         layers=layers if request.last_layer_only else None,
     )  # fmt: skip
-    return RealEvidence(label or Path(checkpoint).name, request, prompt, layers, evidence, use, activations)
+    return RealEvidence(label or Path(model.path).name, request, prompt, layers, evidence, use, activations)
 
 
 def cached_attention_inputs(model, prompt: np.ndarray, layers: list[int], chunk: int, cache_root, use=None) -> dict:
@@ -130,11 +133,10 @@ def cached_attention_inputs(model, prompt: np.ndarray, layers: list[int], chunk:
     return inputs
 
 
-def sidecar_arm_costs(checkpoint, build_dir, real: RealEvidence) -> dict[str, ModeCost]:
+def sidecar_arm_costs(model: ModelCheckpoint, build_dir, real: RealEvidence) -> dict[str, ModeCost]:
     """The full run's second arm: per mode, every attention layer served from packages with a function per chunk
     start of ``real``'s prompt (one more cached export per mode), against the reference on the same prompt; each
     mode's ``ModeEvidence.sidecar_cost`` is set."""
-    model = load_model(checkpoint)
     starts = chunk_starts(real.prompt.size, real.request.chunk)
     sets = {}
     for mode in real.request.modes:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from anelab.checkpoints.checkpoint import Checkpoint, load_checkpoint
+from anelab.checkpoints.checkpoint import Checkpoint
 from anelab.checkpoints.config import config_int
-from anelab.checkpoints.whole_model import load_mlp_model
+from anelab.checkpoints.whole_model import mlp_model
 from anelab.core.decoder import MlpWeights
 from anelab.core.errors import AnelabInputError
 from anelab.core.gated_deltanet import GdnGeometry, GdnProjectionWeights
@@ -73,10 +73,10 @@ def _require_finite(name: str, value: np.ndarray) -> np.ndarray:
     return value
 
 
-def mlp_weights(checkpoint, layer: int) -> MlpWeights:
+def mlp_weights(checkpoint: Checkpoint, layer: int) -> MlpWeights:
     """One layer's gated MLP (gate [I, D], up [I, D], down [D, I], its activation and biases), float32 and finite;
     an ungated MLP (Starcoder2's c_fc / c_proj) or routed experts are refused in one line."""
-    model = load_mlp_model(checkpoint)
+    model = mlp_model(checkpoint)
     _require_layer(model.checkpoint, mlp_layers(model.checkpoint), int(layer), "layer")
     mlp = model.mlp(int(layer))
     if not isinstance(mlp, MlpWeights):
@@ -103,9 +103,8 @@ def gdn_geometry(checkpoint: Checkpoint) -> GdnGeometry:
     )
 
 
-def gdn_projection_weights(checkpoint, layer: int) -> GdnProjectionWeights:
+def gdn_projection_weights(checkpoint: Checkpoint, layer: int) -> GdnProjectionWeights:
     """One linear-attention layer's input projections in the layout of ``core.gated_deltanet`` (float32, finite)."""
-    checkpoint = load_checkpoint(checkpoint) if not isinstance(checkpoint, Checkpoint) else checkpoint
     layer = int(layer)
     _require_layer(checkpoint, linear_attention_layers(checkpoint), layer, "linear-attention (Gated DeltaNet) layer")
     g, d = gdn_geometry(checkpoint), checkpoint.geometry.hidden_size

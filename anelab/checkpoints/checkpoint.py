@@ -289,15 +289,13 @@ def _layers_prefix(names) -> str:
     )
 
 
-def load_checkpoint(path: str | os.PathLike | Checkpoint) -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """Open a checkpoint in any format of ``anelab.checkpoints.formats.FORMATS``: a Hugging Face directory
-    (config.json + *.safetensors), a GGUF file or an MLX-quantized directory; an opened ``Checkpoint`` is
-    returned as it is (a flow opens its checkpoint once and passes it on).
+    (config.json + *.safetensors), a GGUF file or an MLX-quantized directory. The edge opens it once (a command,
+    a study's back-end, a notebook) and passes the ``Checkpoint`` on: the functions that read it take it opened.
 
     Reads the config and the tensor headers (or the shard index) only; ``layer(i)`` reads that layer's tensors.
     """
-    if isinstance(path, Checkpoint):
-        return path
     source = open_source(path)
     model_type, family = detect_family(source.config)
     geometry = geometry_from_config(source.config)

@@ -458,15 +458,12 @@ HYBRID_MLP_FAMILIES: dict[str, DecoderFamily] = {
 }  # fmt: skip
 
 
-def load_mlp_model(path: str | os.PathLike | Checkpoint | ModelCheckpoint) -> ModelCheckpoint:
-    """A checkpoint opened for its MLPs only (``ModelCheckpoint.mlp``): ``load_model``, or for a hybrid in
+def mlp_model(checkpoint: Checkpoint) -> ModelCheckpoint:
+    """An opened checkpoint read for its MLPs only (``ModelCheckpoint.mlp``): ``whole_model``, or for a hybrid in
     ``HYBRID_MLP_FAMILIES`` (whose whole-model forward anelab does not run) its dense MLPs; routed experts refused."""
-    if isinstance(path, ModelCheckpoint):
-        return path
-    checkpoint = load_checkpoint(path)
     family = HYBRID_MLP_FAMILIES.get(checkpoint.model_type)
     if family is None:
-        return load_model(checkpoint)
+        return whole_model(checkpoint)
     text = text_config(checkpoint.config)
     if text.get("num_experts"):
         raise AnelabInputError(
@@ -483,17 +480,18 @@ def load_mlp_model(path: str | os.PathLike | Checkpoint | ModelCheckpoint) -> Mo
     )
 
 
-def load_model(path: str | os.PathLike | Checkpoint | ModelCheckpoint) -> ModelCheckpoint:
-    """Open a checkpoint for the whole-model forward (reads config.json and headers only; an opened
-    ``Checkpoint`` is not read again, an opened ``ModelCheckpoint`` is returned as it is).
+def load_model(path: str | os.PathLike) -> ModelCheckpoint:
+    """Open the checkpoint at ``path`` for the whole-model forward (``whole_model`` of ``load_checkpoint``)."""
+    return whole_model(load_checkpoint(path))
+
+
+def whole_model(checkpoint: Checkpoint) -> ModelCheckpoint:
+    """An opened checkpoint read for the whole-model forward (config.json and headers only; nothing read again).
 
     Refuses (one line) a model_type outside ``DECODER_FAMILIES`` (with the reason ``--list-families``
     prints), an unmodelled activation, an ignored final soft-cap, and missing
     vocab/intermediate sizes.
     """
-    if isinstance(path, ModelCheckpoint):
-        return path
-    checkpoint = load_checkpoint(path)
     text = text_config(checkpoint.config)
     # a multimodal wrapper (Gemma 3) is its own row: its lm_head, tying and logits belong to the outer class
     nested, outer = text is not checkpoint.config, checkpoint.config.get("model_type")

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-from anelab.arms.arm_comparison import compare_arms, named_with_sidecars, read_tokens
+from anelab.arms.arm_comparison import compare_arms, named_with_sidecars, open_engine_model, read_tokens, require_engine
 from anelab.arms.arm_runs import Indexer
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.checkpoints.default import named_checkpoints
 from anelab.commands.arguments import CHECKPOINT_HELP, int_list, print_json
 from anelab.core.errors import AnelabInputError
@@ -80,8 +81,10 @@ def main(args) -> int:
     if named is not None:
         tokens = args.prompt_tokens or read_tokens(args.tokens).size
         checkpoint, sidecars = named_with_sidecars(checkpoint, sidecars, tokens, args.chunk or named.chunk)
+    require_engine(args.engine)  # refused before the checkpoint is opened
+    _, model = open_engine_model(load_checkpoint(checkpoint), args.engine)
     report = compare_arms(
-        checkpoint,
+        model,
         sidecars,
         args.prompt_tokens,
         decode=args.decode,
@@ -90,7 +93,6 @@ def main(args) -> int:
         indexer=Indexer(args.kept_blocks, args.compress_ratio) if args.kept_blocks else None,
         chunk=args.chunk,
         compute_units=args.compute_units,
-        engine=args.engine,
         resident_budget=None if args.resident_budget is None else resident_bytes(args.resident_budget),
         mlp_sidecars=args.mlp_sidecars,
         mlp_layers=args.mlp_layers,

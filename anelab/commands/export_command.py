@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.checkpoints.config import REFUSED, supported_families
 from anelab.checkpoints.default import named_checkpoints, resolve_checkpoint
 from anelab.checkpoints.formats import supported_formats
@@ -12,6 +13,7 @@ from anelab.commands.arguments import CHECKPOINT_HELP, int_list, print_json
 from anelab.core.errors import AnelabInputError
 from anelab.runtimes.coreml.coreml_runtime import default_runtime
 from anelab.runtimes.coreml.gate import AneGate
+from anelab.sidecar.backends import get_backend
 from anelab.sidecar.designs import SidecarRequest
 from anelab.sidecar.export import export_request, selection_from_flags
 
@@ -148,9 +150,9 @@ def main(args) -> int:
     if missing:
         raise AnelabInputError(f"export: pass {', '.join(missing)} (or --list-families)")
     gate = AneGate.for_runtime(default_runtime())
-    results = export_request(
-        resolve_checkpoint(args.checkpoint), args.out, sidecar_request(args), args.layers, gate=gate, jobs=args.jobs
-    )
+    checkpoint, request = resolve_checkpoint(args.checkpoint), sidecar_request(args)
+    get_backend(request.backend)  # an unknown --backend refused before the checkpoint is opened
+    results = export_request(load_checkpoint(checkpoint), args.out, request, args.layers, gate=gate, jobs=args.jobs)
     summary = [
         {
             "package": str(r.package),

@@ -7,12 +7,15 @@ import argparse
 from pathlib import Path
 
 from anelab.arms.real_text import docs_activations
+from anelab.checkpoints.checkpoint import Checkpoint
 from anelab.checkpoints.default import resolve_checkpoint
+from anelab.checkpoints.whole_model import load_model
 from anelab.commands.arguments import CHECKPOINT_HELP, int_list, print_json
 from anelab.core.errors import AnelabInputError
 from anelab.runtimes.coreml.device_verify import verify_on_device
 from anelab.sidecar.backends import is_sidecar, read_metadata
 from anelab.sidecar.checks import verify  # verify.verify_package: read at call time (tests spy on it)
+from anelab.sidecar.checks.comparison import open_package_checkpoint
 from anelab.sidecar.checks.verify_export import export_packages, verify_export
 
 
@@ -50,9 +53,10 @@ def setup_arg_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def checkpoint_or_recorded(value: str | None) -> Path | None:
-    """The ``--checkpoint`` given, resolved (a name made or fetched first), or None: the one each package records."""
-    return None if value is None else resolve_checkpoint(value)
+def checkpoint_or_recorded(value: str | None) -> Checkpoint | None:
+    """The ``--checkpoint`` given, resolved (a name made or fetched first) and opened, or None: the one each package
+    records (opened by verify)."""
+    return None if value is None else open_package_checkpoint(resolve_checkpoint(value))
 
 
 def is_export_directory(path: Path) -> bool:
@@ -71,7 +75,7 @@ def real_text_verify(path: Path, args):
         raise AnelabInputError(f"--real-text must be at least 1 token, got {args.real_text}")
     first = export_packages(path)[0][1] if is_export_directory(path) else path
     source = resolve_checkpoint(args.checkpoint) if args.checkpoint is not None else read_metadata(first).source
-    inputs, said = docs_activations(source, args.real_text)
+    inputs, said = docs_activations(load_model(source), args.real_text)
 
     def verify_one(package, checkpoint):
         report = verify.verify_package(

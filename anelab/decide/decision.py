@@ -381,9 +381,7 @@ def run_whole_model_arms(config: DecideConfig, opened: Opened, directory: Path, 
     """compare-arms of the reference and the sidecar arm on the served packages: the record ``evidence.json`` keeps
     (``ArmsSummary``'s fields but ``reused``)."""
 
-    report = arm_comparison.compare_arms(
-        opened.model, directory, config.prompt_tokens, decode=config.decode, engine=opened.engine
-    )
+    report = arm_comparison.compare_arms(opened.model, directory, config.prompt_tokens, decode=config.decode)
     pair = report.pairs[0]
     return {
         "engine": report.engine,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from anelab.checkpoints.checkpoint import load_checkpoint
+from anelab.checkpoints.checkpoint import Checkpoint
 from anelab.core.errors import AnelabInputError
 from anelab.planner.catalogue import FAMILIES, PlanGeometry, get_family
 from anelab.planner.design_plans import DESIGNS, DesignCosts, chip_scale, design_plan
@@ -86,7 +86,7 @@ def closest_family(num_heads: int, head_dim: int, attention_layers: int) -> tupl
 
 
 def plan_from_checkpoint(
-    checkpoint,
+    checkpoint: Checkpoint,
     prompt_tokens: int,
     *,
     family: str | None = None,
@@ -97,8 +97,7 @@ def plan_from_checkpoint(
     chip: str | None = None,
     **cost_flags,
 ) -> CheckpointPlan:
-    """Plan ``prompt_tokens`` on the checkpoint's attention layers (see the module docstring); ``checkpoint``:
-    a directory or an opened ``Checkpoint``.
+    """Plan ``prompt_tokens`` on the opened checkpoint's attention layers (see the module docstring).
 
     ``cost_flags``: ``load_seconds``, ``gpu_attention_seconds``, ``ane_attention_seconds``,
     ``non_attention_seconds`` as :func:`plan` takes them; with all four no family is used.
@@ -108,7 +107,6 @@ def plan_from_checkpoint(
     path) and ``chip`` (default the seed's M3): whose GPU prefill the GPU arm is (``planner.plan``).
     """
 
-    checkpoint = load_checkpoint(checkpoint)
     g = checkpoint.geometry
     windowed = [i for i in g.full_attention_layers if i in g.sliding_layers]
     full = [i for i in g.full_attention_layers if i not in g.sliding_layers]
@@ -203,7 +201,7 @@ def _combine(checkpoint, g, full, windowed, family, reason, parts) -> Checkpoint
 
 
 def checkpoint_designs(
-    checkpoint,
+    checkpoint: Checkpoint,
     prompt_tokens: int,
     designs=None,
     *,

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.checkpoints.default import resolve_checkpoint
 from anelab.core.errors import AnelabInputError
 from anelab.planner.backtest import backtest, format_backtest
@@ -175,7 +176,7 @@ def checkpoint_plan(options: PlanOptions) -> PlanResult:
     if given:
         raise AnelabInputError(f"--checkpoint supplies the geometry; drop {', '.join(given)}")
     planned = plan_from_checkpoint(
-        resolve_checkpoint(options.checkpoint),
+        load_checkpoint(resolve_checkpoint(options.checkpoint)),
         options.prompt_tokens,
         gpu_runtime=options.gpu_runtime,
         **options.cost_keywords(),
@@ -245,7 +246,7 @@ def checkpoint_design_plans(options: PlanOptions) -> PlanResult:
     """Every design per kind of attention layer of a checkpoint, with the full-attention layers' verdicts."""
     designs = None if list(options.design) == ["all"] else options.design
     planned, plans = checkpoint_designs(
-        resolve_checkpoint(options.checkpoint), options.prompt_tokens, designs, family=options.family,
+        load_checkpoint(resolve_checkpoint(options.checkpoint)), options.prompt_tokens, designs, family=options.family,
         chunk=options.chunk, key_tile=options.tile, query_tile=options.query_tile,
         gpu_prefill_seconds=options.gpu_prefill_seconds, gpu_tokens_per_second=options.gpu_tokens_per_second,
         protocol=options.protocol, reload_policy=options.reload_policy,

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from anelab.checkpoints.checkpoint import load_checkpoint
+from anelab.checkpoints.checkpoint import Checkpoint, load_checkpoint
 from anelab.checkpoints.default import default_checkpoint_dir
 from anelab.core.errors import AnelabInputError
 from anelab.core.paths import BUILD_DIR, MEASURED_DIR
@@ -153,7 +153,7 @@ def _probe(run: MeasureRun, echo) -> None:
         echo(f"probe: {', '.join(failed)} failed on this Mac; the steps relying on them refuse naming them")
 
 
-def _export(run: MeasureRun, checkpoint: Path, layer: int, histories: list[int], out: Path):
+def _export(run: MeasureRun, checkpoint: Checkpoint, layer: int, histories: list[int], out: Path):
     """The layer's sidecar, exported with the gate (reused when already verified here, unless again)."""
 
     pkg = out / f"layer_{layer}.mlpackage"
@@ -175,7 +175,7 @@ def _gate_record(pkg: Path) -> dict:
     )
 
 
-def _verify(run: MeasureRun, pkg: Path, checkpoint: Path) -> list[dict]:
+def _verify(run: MeasureRun, pkg: Path, checkpoint: Checkpoint) -> list[dict]:
 
     records = []
     for units in run.config.verify_units:
@@ -205,12 +205,11 @@ def _load_timings(run: MeasureRun, pkg: Path, compositions: dict[str, Path]) -> 
     return records
 
 
-def _block_ab(run: MeasureRun, pkg: Path, checkpoint: Path) -> list[dict]:
+def _block_ab(run: MeasureRun, pkg: Path, checkpoint: Checkpoint) -> list[dict]:
 
     meta = read_sidecar_metadata(pkg)
-    geometry = load_checkpoint(checkpoint).geometry
     return time_attention_ab(
-        run.runtime, pkg, geometry, chunk=meta.chunk, histories=meta.histories,
+        run.runtime, pkg, checkpoint.geometry, chunk=meta.chunk, histories=meta.histories,
         compute_units=run.config.ab_units, repeats=run.config.repeats, clock=run.clock,
     )  # fmt: skip
 
@@ -259,8 +258,10 @@ def measure(
     steps.update()
     _probe(run, echo)
     steps.update()
-    checkpoint = Path(config.checkpoint) if config.checkpoint else default_checkpoint_dir(BUILD_DIR / "checkpoints")
-    layer = config.layer if config.layer is not None else load_checkpoint(checkpoint).geometry.full_attention_layers[0]
+    checkpoint = load_checkpoint(
+        Path(config.checkpoint) if config.checkpoint else default_checkpoint_dir(BUILD_DIR / "checkpoints")
+    )
+    layer = config.layer if config.layer is not None else checkpoint.geometry.full_attention_layers[0]
     build, histories = Path(config.build), config.resolved_histories()
     pkg = _export(run, checkpoint, layer, histories, build / "sidecars")
     key = package_content_hash(pkg)
@@ -296,7 +297,9 @@ def measure(
             "unavailable": run.unavailable}  # fmt: skip
 
 
-def _coreai(run: MeasureRun, runtime: CoreAIRuntime | None, checkpoint, layer, histories, key, echo, own: bool) -> None:
+def _coreai(
+    run: MeasureRun, runtime: CoreAIRuntime | None, checkpoint: Checkpoint, layer, histories, key, echo, own: bool
+) -> None:
     """The Core AI step (``publish.measure_coreai``) where Core AI runs; elsewhere one line saying why not.
     ``own``: the Core ML runtime is this machine's, so the Core AI one defaults to this machine's too (beside a
     caller's Core ML runtime, e.g. a fake, only a Core AI runtime the caller gives is used)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from anelab.checkpoints.checkpoint import Checkpoint
 from anelab.runtimes.coreai import coreai_timing
 from anelab.runtimes.interface import CoreAIRuntime
 from anelab.sidecar.backends import COREML
@@ -22,7 +23,9 @@ STEP = ("coreai", "Core AI (macOS 27): the layer as .aimodel — specialization 
         "entrypoint count (1, 3, 9, 30), the AOT-compiled asset's load, predict per entrypoint on the Neural Engine")  # fmt: skip
 
 
-def export_assets(checkpoint: Path, layer: int, chunk: int, histories: list[int], build: Path) -> tuple[Path, dict]:
+def export_assets(
+    checkpoint: Checkpoint, layer: int, chunk: int, histories: list[int], build: Path
+) -> tuple[Path, dict]:
     """(the layer's asset with ``histories``, {entrypoints: asset with histories 0, C, ... of that count}): one
     Core ML package of every history needed, each asset lowered from the functions it holds."""
 
@@ -38,12 +41,12 @@ def export_assets(checkpoint: Path, layer: int, chunk: int, histories: list[int]
 
 
 def coreai_records(
-    runtime: CoreAIRuntime, checkpoint: Path, layer: int, chunk: int, histories: list[int], build: Path, *,
+    runtime: CoreAIRuntime, checkpoint: Checkpoint, layer: int, chunk: int, histories: list[int], build: Path, *,
     repeats: int, clock, coreml_key: str,
 ) -> list[dict]:  # fmt: skip
     """Every Core AI timing of the step (module docstring), each tagged with the layer and the Core ML package."""
     asset, counts = export_assets(checkpoint, layer, chunk, histories, build)
-    extra = {"checkpoint": Path(checkpoint).name, "layer": layer, "chunk": chunk, "histories": list(histories),
+    extra = {"checkpoint": checkpoint.path.name, "layer": layer, "chunk": chunk, "histories": list(histories),
              "coreml_package_sha256": coreml_key}  # fmt: skip
     work = Path(build) / "coreai" / "work"
     t = coreai_timing

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.checkpoints.default import default_checkpoint_dir
 from anelab.core.parallel import available_cores
 from anelab.core.records import atomic_write_text
@@ -25,14 +26,14 @@ def export_and_verify_default(build: Path, quick: bool) -> tuple[bool, str]:
     """Export every full-attention layer of the embedded default checkpoint and verify each
     package from disk. Returns (passed, report text)."""
 
-    checkpoint = default_checkpoint_dir(build / "checkpoints")
+    checkpoint = load_checkpoint(default_checkpoint_dir(build / "checkpoints"))
     chunk = QUICK_CHUNK if quick else DEFAULT_CHUNK
     histories = [0, chunk] if quick else [0, chunk, 2 * chunk]
     results = export_sidecars(checkpoint, build / "sidecars", chunk, histories)
     lines = [
         "# anelab: default sidecar export and verification",
         "",
-        f"checkpoint: {checkpoint}",
+        f"checkpoint: {checkpoint.path}",
         f"chunk {chunk}, histories {histories}",
         "",
     ]

@@ -272,7 +272,7 @@ class Design:
     option_names: frozenset[str]  # options beyond chunk / histories / weights this design takes
     builder: Callable[[AttentionGeometry, AttentionWeights, SidecarOptions, int], object]
     drive_prompt: Callable  # (saved, meta, hidden [P, D] fp16, fp16) -> attn_out [P, D]
-    verify: Callable  # (package, checkpoint_dir, seed=, fp16=, functions=, precision=, evaluator=) -> VerifyReport
+    verify: Callable  # (package, the opened checkpoint or None, seed=, fp16=, functions=, precision=, evaluator=) -> VerifyReport
     # (metadata, geometry) -> the negative controls its verification declares, (function label, case):
     # a report passes only when each of them ran and failed as it must
     controls: Callable[[SidecarMetadata, AttentionGeometry], list[tuple[str, str]]]
@@ -467,19 +467,17 @@ def _stateful_tiled_call(heads, chunk, capacity, key_tile, query_tile):
     return kt, qt, score_bytes(heads, qt, kt)
 
 
-def _verify_stateful(package, checkpoint_dir, *, seed, fp16, functions, precision, evaluator, progress=True):
+def _verify_stateful(package, checkpoint, *, seed, fp16, functions, precision, evaluator, progress=True):
     """A stateful package verifies over one whole prompt through its state (fp64 reference): no subset."""
     _refuse_function_subset(functions)
     return stateful_cases.verify_stateful_package(
-        package, checkpoint_dir, seed=seed, fp16=fp16, evaluator=evaluator, progress=progress
+        package, checkpoint, seed=seed, fp16=fp16, evaluator=evaluator, progress=progress
     )
 
 
-def _verify_stateful_tiled(package, checkpoint_dir, *, seed, fp16, functions, precision, evaluator, progress=True):
+def _verify_stateful_tiled(package, checkpoint, *, seed, fp16, functions, precision, evaluator, progress=True):
     _refuse_function_subset(functions)
-    return stateful_cases.verify_stateful_tiled_package(
-        package, checkpoint_dir, seed=seed, fp16=fp16, progress=progress
-    )
+    return stateful_cases.verify_stateful_tiled_package(package, checkpoint, seed=seed, fp16=fp16, progress=progress)
 
 
 def _refuse_function_subset(functions) -> None:

@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from anelab import __version__
-from anelab.checkpoints.checkpoint import load_checkpoint
+from anelab.checkpoints.checkpoint import Checkpoint, load_checkpoint
 from anelab.core.errors import AnelabInputError
 from anelab.core.fp16 import FP16_MAX
 from anelab.core.geometry import AttentionGeometry
@@ -367,7 +367,7 @@ def convert_variants(
 
 
 def export_sidecars(
-    checkpoint_dir,
+    checkpoint: Checkpoint,
     out_dir: str | os.PathLike,
     chunk: int,
     histories: list[int] | None,
@@ -382,11 +382,11 @@ def export_sidecars(
     """``export_request`` with the request spelt as arguments: ``graph`` and ``options`` as
     :class:`SidecarRequest`'s fields (key_tile, query_tile, capacity, decode, mask_mode, selection)."""
     request = SidecarRequest(chunk, histories, graph or DEFAULT_DESIGN, weights=weights_mode, **options)
-    return export_request(checkpoint_dir, out_dir, request, layers, gate=gate, jobs=jobs)
+    return export_request(checkpoint, out_dir, request, layers, gate=gate, jobs=jobs)
 
 
 def export_request(
-    checkpoint,
+    checkpoint: Checkpoint,
     out_dir: str | os.PathLike,
     request: SidecarRequest,
     layers: list[int] | None = None,
@@ -396,7 +396,7 @@ def export_request(
 ) -> list[ExportResult]:
     """Export ``layer_<L>.mlpackage`` for each requested attention layer (default: all full and
     sliding-window ones) as ``request`` asks; every option is validated before the checkpoint's weights are
-    read. ``checkpoint``: a directory or an opened ``Checkpoint``.
+    read. ``checkpoint``: the opened checkpoint (worker processes open its path again, once each).
 
     ``jobs``: layers exported at once in worker processes (default ``anelab.core.parallel.default_jobs``);
     with an ANE ``gate`` one at a time (the gate loads every variant on the device), so a ``jobs`` above 1
@@ -405,7 +405,6 @@ def export_request(
     """
     target = get_backend(request.backend)
     gate = gate if target.gated else None
-    checkpoint = load_checkpoint(checkpoint)
     design, opts = request.options_for(checkpoint.geometry)
     if design.block is not None and target.name != DEFAULT_BACKEND:
         raise AnelabInputError(

@@ -269,7 +269,7 @@ def study_width(
 ) -> WidthStudy:
     """Export the sidecar at ``chunk`` (functions h0, h<chunk>) and run every check on h<chunk>."""
     package = export_fold_sidecar(checkpoint_dir, Path(out_dir) / f"chunk{int(chunk)}", chunk)
-    case = make_case(package, checkpoint_dir, seed=seed)
+    case = make_case(package, load_checkpoint(checkpoint_dir), seed=seed)
     selection = selection_for(case, kept_blocks, compress_ratio)
     check = fold_check(case, selection)
     random_sel = selection_for(case, kept_blocks, compress_ratio, score="random", seed=seed + 1)

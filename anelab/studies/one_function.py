@@ -68,13 +68,13 @@ def export_three(
     """Export ``layer`` as each design of ``DESIGNS`` covering a ``prompt_tokens`` prompt in chunks of
     ``chunk`` (stateful capacity = calls x chunk). Returns {design: ExportResult}."""
 
-    histories = chunk_starts(prompt_tokens, chunk)
+    histories, checkpoint = chunk_starts(prompt_tokens, chunk), load_checkpoint(checkpoint_dir)
     given = {"capacity": len(histories) * chunk, "decode": decode, "key_tile": key_tile, "query_tile": query_tile}
     out = {}
     for design in DESIGNS:
         options = {k: v for k, v in given.items() if k in get_design(design).option_names}
         [out[design]] = export_sidecars(
-            checkpoint_dir, Path(out_root) / design, chunk, histories, [layer], graph=design, **options
+            checkpoint, Path(out_root) / design, chunk, histories, [layer], graph=design, **options
         )
     return out
 
@@ -108,7 +108,7 @@ def tile_error_table(
     rows = []
     for kt in tqdm(key_tiles, desc="tile-count error", unit="export"):
         [r] = export_sidecars(
-            checkpoint_dir,
+            ck,
             Path(out_root) / f"kt{kt}",
             chunk,
             None,
@@ -220,14 +220,14 @@ def windowed_model_rows(
     def largest(result) -> int:
         return max(f["largest_intermediate_bytes"] for f in inspect_package(result.package)["functions"].values())
 
-    options = {"graph": STATEFUL_TILED, "decode": decode}
+    options, checkpoint = {"graph": STATEFUL_TILED, "decode": decode}, load_checkpoint(checkpoint_dir)
     short, long = (
-        export_sidecars(checkpoint_dir, Path(out_root) / f"{n}W", chunk, None, layers, capacity=n * window, **options)
+        export_sidecars(checkpoint, Path(out_root) / f"{n}W", chunk, None, layers, capacity=n * window, **options)
         for n in (4, 16)
     )
     rows = []
     for r, r16 in tqdm(list(zip(short, long)), desc="verify layers", unit="layer"):
-        report = verify_package(r.package, checkpoint_dir)
+        report = verify_package(r.package, checkpoint)
         rows.append(
             {
                 "layer": r.metadata.layer,
@@ -249,7 +249,9 @@ def windowed_plan_rows(checkpoint_dir, prompt_tokens: int, chunk: int, family: s
     attention layers, each kind of layer priced as built (``planner.from_checkpoint.checkpoint_designs``;
     costs from ``family`` or the closest recorded dense family)."""
 
-    checkpoint_plan, by_kind = checkpoint_designs(checkpoint_dir, prompt_tokens, chunk=chunk, family=family)
+    checkpoint_plan, by_kind = checkpoint_designs(
+        load_checkpoint(checkpoint_dir), prompt_tokens, chunk=chunk, family=family
+    )
     layers = {"full": len(checkpoint_plan.full_layers), "windowed": len(checkpoint_plan.windowed_layers)}
     rows = []
     for i, design in enumerate(DESIGNS):

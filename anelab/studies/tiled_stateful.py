@@ -277,7 +277,7 @@ def export_designs(
     unknown = [d for d in designs if d not in DESIGNS]
     if unknown:
         raise AnelabInputError(f"unknown design {unknown[0]!r}; choose from {', '.join(DESIGNS)}")
-    starts = chunk_starts(prompt_tokens, chunk)
+    starts, checkpoint = chunk_starts(prompt_tokens, chunk), load_checkpoint(checkpoint_dir)
     out = {}
     given = {"key_tile": min(key_tile, chunk), "capacity": len(starts) * chunk, "decode": decode}
     for design in designs:
@@ -285,7 +285,7 @@ def export_designs(
         ends = ends_only and not get_design(design).stateful  # a stateful package has one prefill function anyway
         histories = sorted({starts[0], starts[-1]}) if ends else starts
         [result] = export_sidecars(
-            checkpoint_dir,
+            checkpoint,
             Path(out_root) / (f"{design}-{weights_mode}" + ("-ends" if ends else "")),
             chunk,
             histories,

@@ -12,6 +12,7 @@ from anelab.arms.arm_comparison import NOISE, PairComparison, compare_runs
 from anelab.arms.arm_runs import Arm, Indexer, run_arms
 from anelab.arms.real_text import run_pair
 from anelab.arms.sidecars import SidecarSet
+from anelab.checkpoints.checkpoint import Checkpoint, load_checkpoint
 from anelab.checkpoints.whole_model import ModelCheckpoint, write_random_model
 from anelab.core.errors import AnelabInputError
 from anelab.core.masks import dense_exact_window
@@ -59,7 +60,7 @@ def window_sweep(
 
 
 def greedy_proxy(
-    package: str | os.PathLike, checkpoint: str | os.PathLike, kept_blocks: int, compress_ratio: int, seed: int = 0
+    package: str | os.PathLike, checkpoint: Checkpoint, kept_blocks: int, compress_ratio: int, seed: int = 0
 ):
     """Notebook 02's stand-in for the text check on one layer (``anelab.studies.mask_fold.greedy_comparison``):
     the package's longest function under the folded vs the causal-only mask, argmax over a random projection."""
@@ -153,17 +154,17 @@ def verify_margins(
     rows [P >= 2 chunk, D], ``real_text.attention_inputs``) is given, on those real rows too."""
     from pathlib import Path
 
-    label = label or Path(checkpoint).name
+    label, opened = label or Path(checkpoint).name, load_checkpoint(checkpoint)
     rows = []
     for mode in tqdm(list(modes), desc="weight modes", unit="mode"):
-        results = export_sidecars(checkpoint, Path(out_dir) / mode, int(chunk), [0, int(chunk)], list(layers),
+        results = export_sidecars(opened, Path(out_dir) / mode, int(chunk), [0, int(chunk)], list(layers),
                                   weights_mode=mode)  # fmt: skip
         for result in results:
             layer = int(result.metadata.layer)
-            report = verify_per_history_package(result.package, checkpoint, progress=False)
+            report = verify_per_history_package(result.package, opened, progress=False)
             rows.append(margin_row(report, label, mode, "random rows"))
             if activations is not None:
-                report = verify_per_history_package(result.package, checkpoint, progress=False,
+                report = verify_per_history_package(result.package, opened, progress=False,
                                                     activations=activations[layer])  # fmt: skip
                 rows.append(margin_row(report, label, mode, "prompt activations"))
     return rows

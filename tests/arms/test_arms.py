@@ -15,6 +15,7 @@ import pytest
 from anelab.arms.arm_comparison import NOISE, compare_arms, compare_runs
 from anelab.arms.arm_runs import Arm, Indexer, Perturbation, run_arm
 from anelab.arms.sidecars import open_sidecars, runtime_runner
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.checkpoints.whole_model import load_model, write_model_checkpoint
 from anelab.cli import main
 from anelab.core.decoder import random_head_weights, random_layer_weights
@@ -48,7 +49,7 @@ def _model(path, seed=0, tied=False):
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("arms")
     checkpoint, layers, head = _model(root / "model")
-    export_sidecars(checkpoint, root / "sidecars", CHUNK, [0, CHUNK])
+    export_sidecars(load_checkpoint(checkpoint), root / "sidecars", CHUNK, [0, CHUNK])
     model = load_model(checkpoint)
     prompt = np.random.default_rng(3).integers(0, model.vocab_size, PROMPT)
     reference = run_arm(model, prompt, Arm("reference"), decode=DECODE, chunk=CHUNK)
@@ -208,15 +209,15 @@ def test_bad_sidecars_are_refused_in_one_line(setup, capsys):
     _refused(["compare-arms", *base, str(missing)], capsys, "layer_1.mlpackage is missing")
     mixed = root / "mixed"
     if not mixed.exists():
-        export_sidecars(model.path, mixed, CHUNK // 2, [0], layers=[1])
+        export_sidecars(load_checkpoint(model.path), mixed, CHUNK // 2, [0], layers=[1])
         shutil.copytree(good / "layer_0.mlpackage", mixed / "layer_0.mlpackage")
     _refused(["compare-arms", *base, str(mixed)], capsys, "chunk width differs between packages")
     other = root / "other"
     if not other.exists():
         other_ckpt, _, _ = _model(root / "other-model", seed=1)
-        export_sidecars(other_ckpt, other, CHUNK, [0], layers=[0])
+        export_sidecars(load_checkpoint(other_ckpt), other, CHUNK, [0], layers=[0])
         twin, _, _ = _model(root / "twin" / "model", seed=2)  # same geometry and directory name, other weights
-        export_sidecars(twin, root / "twin-sidecars", CHUNK, [0, CHUNK])
+        export_sidecars(load_checkpoint(twin), root / "twin-sidecars", CHUNK, [0, CHUNK])
         for layer in (0, 1):  # exported before packages recorded tensor digests: only h0's numbers can tell
             _drop_source_tensors(root / "twin-sidecars" / f"layer_{layer}.mlpackage")
     _refused(["compare-arms", *base, str(other)], capsys, "tensor model.layers.0.self_attn.k_norm.weight differs")
@@ -238,7 +239,7 @@ def test_compare_arms_without_sidecars_refuses_a_sidecar_arm(setup):
     _, model, prompt, _, _, _ = setup
     with pytest.raises(AnelabInputError, match="runs on the sidecars"):
         run_arm(model, prompt, Arm("sidecar", "sidecar"), decode=1)
-    report = compare_arms(model.path, None, PROMPT, decode=2, indexer=Indexer(1, 4), chunk=CHUNK)
+    report = compare_arms(model, None, PROMPT, decode=2, indexer=Indexer(1, 4), chunk=CHUNK)
     assert [(p.a, p.b) for p in report.pairs] == [("folded", "causal-only")]
 
 

@@ -10,6 +10,7 @@ import pytest
 from anelab.arms import compression_cost, real_text
 from anelab.arms.arm_runs import Arm, run_arms
 from anelab.arms.sidecars import open_sidecars
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.checkpoints.whole_model import load_model, write_model_checkpoint
 from anelab.core.decoder import random_head_weights, random_layer_weights
 from anelab.core.errors import AnelabInputError
@@ -35,7 +36,7 @@ def setup(tmp_path_factory):
     sidecars = {}
     for mode in ("fp16", "int4-block"):
         out = root / mode
-        export_sidecars(checkpoint, out, CHUNK, list(range(0, PROMPT, CHUNK)), weights_mode=mode)
+        export_sidecars(load_checkpoint(checkpoint), out, CHUNK, list(range(0, PROMPT, CHUNK)), weights_mode=mode)
         sidecars[mode] = open_sidecars(out, model, PROMPT)
     return model, prompt, sidecars
 

@@ -16,7 +16,7 @@ import pytest
 from anelab.arms.arm_comparison import compare_runs
 from anelab.arms.arm_runs import Arm, Perturbation, run_arm, run_arms
 from anelab.arms.sidecars import open_sidecars
-from anelab.checkpoints.checkpoint import write_checkpoint_directory
+from anelab.checkpoints.checkpoint import load_checkpoint, write_checkpoint_directory
 from anelab.checkpoints.safetensors_io import LazyTensor, MappedTensor, SafetensorsFile, to_float32, write_safetensors
 from anelab.checkpoints.whole_model import load_model, write_model_checkpoint
 from anelab.core.decoder import linear, random_head_weights, random_layer_weights
@@ -37,7 +37,7 @@ def bf16_model(tmp_path_factory):
     layers = {i: random_layer_weights(i, 32, 40, 4) for i in range(3)}
     head = random_head_weights(48, 32, 4, tied=False)
     path = write_model_checkpoint(root / "m", g, attention, layers, head, model_type="qwen3", dtype="BF16", shards=3)
-    export_sidecars(path, root / "sidecars", CHUNK, [0, CHUNK, 2 * CHUNK])
+    export_sidecars(load_checkpoint(path), root / "sidecars", CHUNK, [0, CHUNK, 2 * CHUNK])
     return root, load_model(path)
 
 

@@ -41,8 +41,8 @@ def checkpoint(tmp_path_factory):
 
 def test_the_second_notebook_is_served_from_the_cache(checkpoint, tmp_path, monkeypatch):
     monkeypatch.setattr(Checkpoint, "tokenizer", lambda self: Words())
-    first = weight_modes.real_mode_evidence(checkpoint, tmp_path, REQUEST, label="tiny")
-    second = weight_modes.real_mode_evidence(checkpoint, tmp_path, REQUEST, label="tiny")
+    first = weight_modes.real_mode_evidence(load_model(checkpoint), tmp_path, REQUEST, label="tiny")
+    second = weight_modes.real_mode_evidence(load_model(checkpoint), tmp_path, REQUEST, label="tiny")
     assert not first.use.reused and first.use.computed["activations"] == 1
     assert not second.use.computed
     assert second.use.reused == {"activations": 1, "export": 2, "verify": 8, "whole-model cost": 1}
@@ -57,7 +57,7 @@ def test_the_second_notebook_is_served_from_the_cache(checkpoint, tmp_path, monk
     table = weight_modes.cost_table(first).splitlines()
     assert table[1].startswith("fp16") and table[2].startswith("int8") and "ok" in table[2]
     # control: another prompt length is another computation
-    other = weight_modes.real_mode_evidence(checkpoint, tmp_path, weight_modes.EvidenceRequest(
+    other = weight_modes.real_mode_evidence(load_model(checkpoint), tmp_path, weight_modes.EvidenceRequest(
         prompt_tokens=16, chunk=8, decode=2, modes=("int8",)))  # fmt: skip
     assert other.use.computed["activations"] == 1 and other.use.computed["whole-model cost"] == 1
 

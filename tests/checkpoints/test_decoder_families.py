@@ -25,6 +25,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from anelab.arms.arm_runs import Arm, run_arm
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.checkpoints.whole_model import NormSlots, load_model
 from anelab.core.decoder import MlpWeights
 from anelab.sidecar.checks.comparison import relative_error
@@ -660,7 +661,7 @@ def test_sidecar_arm_serves_the_family_within_fp16_noise(tmp_path, monkeypatch, 
 
     case = next(c for c in CASES if c.name == name)
     _write(tmp_path / "m", case, seed=len(name))
-    export_sidecars(tmp_path / "m", tmp_path / "sidecars", CHUNK, [0, CHUNK, 2 * CHUNK])
+    export_sidecars(load_checkpoint(tmp_path / "m"), tmp_path / "sidecars", CHUNK, [0, CHUNK, 2 * CHUNK])
     model = load_model(tmp_path / "m")
     prompt = np.random.default_rng(5).integers(0, VOCAB, PROMPT)
     reference = run_arm(model, prompt, Arm("reference"), decode=DECODE, chunk=CHUNK)

@@ -193,7 +193,7 @@ def test_a_gguf_exports_and_verifies_and_verify_fails_when_the_permutation_is_no
     sources, tmp_path, monkeypatch
 ):
     path = write_gguf(sources["llama"], tmp_path / "m.gguf", "Q4_1")
-    export_sidecars(path, tmp_path / "sc", 8, [0, 8], layers=[1], jobs=1)
+    export_sidecars(load_checkpoint(path), tmp_path / "sc", 8, [0, 8], layers=[1], jobs=1)
     pkg = tmp_path / "sc" / "layer_1.mlpackage"
     meta = read_sidecar_metadata(pkg)
     assert meta.source == str(path.resolve())
@@ -211,13 +211,13 @@ def test_a_gguf_exports_and_verifies_and_verify_fails_when_the_permutation_is_no
 
 def test_a_package_from_a_gguf_matches_a_copy_and_refuses_another_quantization(sources, tmp_path):
     path = write_gguf(sources["llama"], tmp_path / "m.gguf", "Q8_0")
-    export_sidecars(path, tmp_path / "sc", 8, [0], layers=[0], jobs=1)
+    export_sidecars(load_checkpoint(path), tmp_path / "sc", 8, [0], layers=[0], jobs=1)
     copy = tmp_path / "copy.gguf"
     shutil.copy(path, copy)
-    assert verify_package(tmp_path / "sc" / "layer_0.mlpackage", copy, progress=False).passed
+    assert verify_package(tmp_path / "sc" / "layer_0.mlpackage", load_checkpoint(copy), progress=False).passed
     other = write_gguf(sources["llama"], tmp_path / "other.gguf", "Q4_0")
     with pytest.raises(AnelabInputError, match=r"tensor model\.layers\.0\.self_attn\.\w_proj\.weight differs"):
-        verify_package(tmp_path / "sc" / "layer_0.mlpackage", other, progress=False)
+        verify_package(tmp_path / "sc" / "layer_0.mlpackage", load_checkpoint(other), progress=False)
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ from test_decoder_families import D_HEAD, HKV, HQ, INTER, VOCAB, Conventions, _t
 from anelab.arms.arm_runs import Arm, run_arm
 from anelab.checkpoints import gguf_architectures, gguf_file
 from anelab.checkpoints.checkpoint import load_checkpoint
-from anelab.checkpoints.whole_model import load_model
+from anelab.checkpoints.whole_model import whole_model
 from anelab.cli import main
 from anelab.core.errors import AnelabInputError
 from anelab.sidecar.checks.comparison import relative_error
@@ -179,8 +179,8 @@ def written(tmp_path_factory):
     return out
 
 
-def _logits(path_or_model) -> np.ndarray:
-    model = load_model(path_or_model)
+def _logits(checkpoint) -> np.ndarray:
+    model = whole_model(checkpoint)
     return run_arm(model, PROMPT, Arm("reference"), decode=DECODE).logits
 
 
@@ -252,7 +252,7 @@ CONTROLS = {
 def test_each_convention_undone_wrongly_misses(written, monkeypatch, label):
     name, change = CONTROLS[label]
     hf, path = written[name]
-    want = _logits(hf)
+    want = _logits(load_checkpoint(hf))
     change(monkeypatch)
     assert relative_error(_logits(load_checkpoint(path)), want) > MISS, label
 

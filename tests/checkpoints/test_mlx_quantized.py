@@ -165,7 +165,7 @@ def test_the_attention_layers_are_the_fp32_source_within_the_quantizations_error
 
 def test_an_mlx_4bit_checkpoint_exports_and_verifies_with_its_controls_failing(converted, tmp_path):
     sources, dirs = converted
-    export_sidecars(dirs["q4g64"], tmp_path / "sc", 8, [0, 8], jobs=1)
+    export_sidecars(load_checkpoint(dirs["q4g64"]), tmp_path / "sc", 8, [0, 8], jobs=1)
     for layer in (0, 1):
         pkg = tmp_path / "sc" / f"layer_{layer}.mlpackage"
         meta = read_sidecar_metadata(pkg)
@@ -179,7 +179,7 @@ def test_an_mlx_4bit_checkpoint_exports_and_verifies_with_its_controls_failing(c
         controls = [c for c in report.comparisons if c.control]
         assert report.passed and not report.vacuous and controls and all(c.passed for c in controls)
     with pytest.raises(AnelabInputError, match=r"tensor model\.layers\.1\.self_attn\.\w_proj\.weight differs"):
-        verify_package(tmp_path / "sc" / "layer_1.mlpackage", sources["llama"], progress=False)
+        verify_package(tmp_path / "sc" / "layer_1.mlpackage", load_checkpoint(sources["llama"]), progress=False)
 
 
 def test_the_whole_model_runs_from_an_mlx_checkpoint(converted):

@@ -28,7 +28,7 @@ import pytest
 from anelab.arms.arm_runs import Arm, run_arm
 from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.checkpoints.default import resolve_checkpoint
-from anelab.checkpoints.whole_model import load_model
+from anelab.checkpoints.whole_model import load_model, whole_model
 from anelab.cli import main
 from anelab.core.errors import AnelabInputError
 from anelab.sidecar.checks.comparison import relative_error
@@ -128,7 +128,7 @@ def test_the_reference_arm_matches_mlx_lms_gemma3_on_a_real_prompt(gemma, real_w
     mlx_tokens, mlx_logits = _mlx_greedy(model, mx, prompt, DECODE)
     del model
     bf16_scale = float(np.float32(np.sqrt(640)).astype(ml_dtypes.bfloat16))
-    same_scale = load_model(load_checkpoint(real_windowed_gguf))
+    same_scale = whole_model(load_checkpoint(real_windowed_gguf))
     same_scale.embedding_multiplier = bf16_scale
     run = run_arm(same_scale, prompt, Arm("reference"), decode=DECODE)
     own = run_arm(gemma, prompt, Arm("reference"), decode=DECODE)

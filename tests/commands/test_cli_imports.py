@@ -13,6 +13,7 @@ import pytest
 from conftest import TINY_GEOMETRIES
 
 from anelab import cli
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.core.masks import causal
 from anelab.sidecar.export import export_sidecars
 
@@ -64,7 +65,7 @@ def evaluate_command(tiny_checkpoint, tmp_path_factory) -> str:
     """Python code running ``anelab evaluate`` on a tiny package (h8) through ``anelab.cli.main``."""
     g = TINY_GEOMETRIES["qwen3_next"]
     work = tmp_path_factory.mktemp("cli-imports")
-    [result] = export_sidecars(tiny_checkpoint("qwen3_next"), work, CHUNK, [0, 8], [3])
+    [result] = export_sidecars(load_checkpoint(tiny_checkpoint("qwen3_next")), work, CHUNK, [0, 8], [3])
     rng = np.random.default_rng(0)
     inputs = {
         "hidden": rng.standard_normal((CHUNK, g.hidden_size)).astype(np.float16),

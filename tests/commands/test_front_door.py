@@ -11,6 +11,7 @@ import stat
 import pytest
 from conftest import TINY_GEOMETRIES
 
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.cli import main
 from anelab.commands.plan_command import PLAN_EXAMPLES
 from anelab.core.paths import REPO_ROOT
@@ -150,7 +151,7 @@ def test_inspect_reports_the_arena_and_the_state_apart(tiny_checkpoint, tmp_path
     info = {}
     for capacity in (32, 128):
         [r] = export_sidecars(
-            ckpt, tmp_path / f"c{capacity}", 8, None, [layer], graph="stateful-tiled", capacity=capacity,
+            load_checkpoint(ckpt), tmp_path / f"c{capacity}", 8, None, [layer], graph="stateful-tiled", capacity=capacity,
             key_tile=8, query_tile=4,
         )  # fmt: skip
         info[capacity] = inspect_package(r.package)["functions"]["c8"]
@@ -172,7 +173,7 @@ def test_inspect_of_a_stateless_package_has_no_state(tiny_checkpoint, tmp_path):
     from anelab.sidecar.inspection import inspect_package
 
     layer = TINY_GEOMETRIES["qwen3"].full_attention_layers[0]
-    [r] = export_sidecars(tiny_checkpoint("qwen3"), tmp_path, 8, [0, 8], [layer])
+    [r] = export_sidecars(load_checkpoint(tiny_checkpoint("qwen3")), tmp_path, 8, [0, 8], [layer])
     for f in inspect_package(r.package)["functions"].values():
         assert f["state_bytes"] == 0 and f["arena_bytes"] == f["largest_intermediate_bytes"]
 

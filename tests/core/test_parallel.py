@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.cli import main
 from anelab.core import parallel
 from anelab.core.errors import AnelabInputError
@@ -140,8 +141,8 @@ def _package_bytes(pkg) -> tuple[bytes, bytes]:
 
 def test_exporting_layers_in_two_processes_writes_the_same_packages(tmp_path, tiny_checkpoint):
     ckpt = tiny_checkpoint("llama")
-    one = export_sidecars(ckpt, tmp_path / "one", CHUNK, [0, CHUNK], jobs=1)
-    two = export_sidecars(ckpt, tmp_path / "two", CHUNK, [0, CHUNK], jobs=2)
+    one = export_sidecars(load_checkpoint(ckpt), tmp_path / "one", CHUNK, [0, CHUNK], jobs=1)
+    two = export_sidecars(load_checkpoint(ckpt), tmp_path / "two", CHUNK, [0, CHUNK], jobs=2)
     assert [r.metadata.layer for r in two] == [r.metadata.layer for r in one] == [0, 1]
     for a, b in zip(one, two, strict=True):
         assert _package_bytes(a.package) == _package_bytes(b.package)
@@ -156,7 +157,7 @@ class _Gate:
 def test_jobs_with_the_ane_gate_and_past_the_cores_are_refused(tmp_path, tiny_checkpoint):
     ckpt = tiny_checkpoint("llama")
     with pytest.raises(AnelabInputError, match="one at a time; drop --jobs"):
-        export_sidecars(ckpt, tmp_path / "gated", CHUNK, [0], gate=_Gate(), jobs=2)
+        export_sidecars(load_checkpoint(ckpt), tmp_path / "gated", CHUNK, [0], gate=_Gate(), jobs=2)
     cores = parallel.available_cores()
     assert (
         main(["export", str(ckpt), "--chunk", str(CHUNK), "--out", str(tmp_path / "x"), "--jobs", str(cores + 1)]) == 2
@@ -165,7 +166,7 @@ def test_jobs_with_the_ane_gate_and_past_the_cores_are_refused(tmp_path, tiny_ch
 
 
 def test_verifying_in_two_processes_gives_the_same_reports(tmp_path, tiny_checkpoint):
-    export_sidecars(tiny_checkpoint("llama"), tmp_path / "sidecars", CHUNK, [0, CHUNK], jobs=1)
+    export_sidecars(load_checkpoint(tiny_checkpoint("llama")), tmp_path / "sidecars", CHUNK, [0, CHUNK], jobs=1)
     one = verify_export(tmp_path / "sidecars", jobs=1)
     two = verify_export(tmp_path / "sidecars", jobs=2)
     assert one.passed and two.passed and len(two.layers) == 2
@@ -178,7 +179,7 @@ def test_verifying_in_two_processes_gives_the_same_reports(tmp_path, tiny_checkp
 
 
 def test_too_many_jobs_for_verify_is_one_line_before_any_work(tmp_path, tiny_checkpoint, capsys):
-    export_sidecars(tiny_checkpoint("llama"), tmp_path / "sidecars", CHUNK, [0], jobs=1)
+    export_sidecars(load_checkpoint(tiny_checkpoint("llama")), tmp_path / "sidecars", CHUNK, [0], jobs=1)
     capsys.readouterr()
     assert main(["verify", str(tmp_path / "sidecars"), "--jobs", str(parallel.available_cores() + 1)]) == 2
     err = capsys.readouterr().err

@@ -14,6 +14,7 @@ import shutil
 import numpy as np
 import pytest
 
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.checkpoints.default import make_llama32_1b_shaped
 from anelab.cli import main
 from anelab.decide.decision import DecideConfig, decide
@@ -130,13 +131,13 @@ def test_a_zero_second_load_flag_is_refused():
 def test_the_same_arena_costs_the_same_in_every_design(model):
     # per-history h0 at chunk C and stateful c<C> with capacity C score the same heads x C x C arena
     # (4 heads x 4,096 x 4,096 x 2 B = 134 MB: above the floor of the smallest recorded load)
-    _, by_kind = checkpoint_designs(model, 4096, ["dense", "stateful"], chunk=4096)
+    _, by_kind = checkpoint_designs(load_checkpoint(model), 4096, ["dense", "stateful"], chunk=4096)
     per_history, stateful = by_kind["full"]
     assert per_history.per_call_arena_bytes == stateful.per_call_arena_bytes == 4 * 4096 * 4096 * 2
     assert per_history.load_seconds_each == pytest.approx(stateful.load_seconds_each)
     assert stateful.load_seconds_each > 0
     # negative control: a longer prompt gives the stateful function a larger arena, and a dearer load
-    _, longer = checkpoint_designs(model, 4 * 4096, ["stateful"], chunk=4096)
+    _, longer = checkpoint_designs(load_checkpoint(model), 4 * 4096, ["stateful"], chunk=4096)
     assert longer["full"][0].load_seconds_each > stateful.load_seconds_each
 
 

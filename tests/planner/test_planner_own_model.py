@@ -224,15 +224,17 @@ def test_gpu_runtime_refusals_and_listing(capsys):
 
 
 def test_a_checkpoint_is_priced_on_mlx_lm_unless_told(tmp_path, capsys):
+    from anelab.checkpoints.checkpoint import load_checkpoint
     from anelab.checkpoints.default import make_dense_checkpoint
     from anelab.planner.from_checkpoint import plan_from_checkpoint
 
-    ck = make_dense_checkpoint(tmp_path / "dense")
+    path = make_dense_checkpoint(tmp_path / "dense")
+    ck = load_checkpoint(path)
     default, tiny = plan_from_checkpoint(ck, 2048), plan_from_checkpoint(ck, 2048, gpu_runtime="tinytitan")
     assert default.parts["full"].gpu_runtime == "mlx-lm" and tiny.parts["full"].gpu_runtime == "tinytitan"
     assert "TinyTitan" in tiny.parts["full"].cost_sources["gpu_runtime"]
     assert default.gpu_prefill_seconds < tiny.gpu_prefill_seconds
-    assert main(["plan", "--checkpoint", str(ck), "--prompt-tokens", "2048"]) == 0
+    assert main(["plan", "--checkpoint", str(path), "--prompt-tokens", "2048"]) == 0
     out = capsys.readouterr().out
     assert "the GPU arm is mlx-lm's" in out and "mlx-lm on an Apple M3" in out
 

@@ -16,9 +16,11 @@ import numpy as np
 import pytest
 
 from anelab.arms.arm_comparison import NOISE, compare_arms
+from anelab.arms.mlx_engine import open_mlx_arms_model
 from anelab.arms.sidecars import open_block_sidecars
 from anelab.checkpoints.blocks import gdn_geometry, gdn_projection_weights, split_fused_qkvz
 from anelab.checkpoints.checkpoint import load_checkpoint
+from anelab.checkpoints.whole_model import load_model
 from anelab.cli import main
 from anelab.core.errors import AnelabInputError
 from anelab.runtimes.mlx.checkpoints import write_mlx_lm_checkpoint
@@ -70,7 +72,7 @@ def exported(made, tmp_path_factory):
     out = {}
     for family, design in CASES:
         out[(family, design)] = root / f"{family}-{design}"
-        export_sidecars(made[family], out[(family, design)], CHUNK, None, graph=design, jobs=1)
+        export_sidecars(load_checkpoint(made[family]), out[(family, design)], CHUNK, None, graph=design, jobs=1)
     return out
 
 
@@ -86,7 +88,7 @@ def test_each_block_exports_one_function_per_layer_and_verifies_with_its_control
     assert ops.get("linear") == (4 if design == "gdn-proj" else 3)
     if CASES[(family, design)] is not None:
         assert ops.get(CASES[(family, design)]) == 1, ops
-    report = verify_package(package, made[family], progress=False)
+    report = verify_package(package, load_checkpoint(made[family]), progress=False)
     declared = get_design(design).controls(meta, checkpoint.geometry)
     assert report.passed, report.table()
     assert report.declared_controls == declared and len(declared) == (3 if design == "mlp" else 2)
@@ -103,9 +105,9 @@ def _export_mistaken(made, tmp_path, monkeypatch, family: str, design: str, mist
         return mistake(checkpoint, design_, read(checkpoint, design_, layer))
 
     monkeypatch.setattr(export_module, "layer_weights", mistaken_weights)
-    export_sidecars(made[family], tmp_path / "out", CHUNK, None, layers=[1], graph=design, jobs=1)
+    export_sidecars(load_checkpoint(made[family]), tmp_path / "out", CHUNK, None, layers=[1], graph=design, jobs=1)
     monkeypatch.undo()
-    return verify_package(tmp_path / "out" / "layer_1.mlpackage", made[family], progress=False)
+    return verify_package(tmp_path / "out" / "layer_1.mlpackage", load_checkpoint(made[family]), progress=False)
 
 
 MISTAKES = {
@@ -127,17 +129,23 @@ def test_a_package_built_with_a_mistake_fails_verify(mistake, made, tmp_path, mo
 def test_a_graph_with_the_wrong_activation_fails_verify(made, tmp_path, monkeypatch):
     """Gemma's GELU-tanh built as SiLU (the activation table's entry swapped) is caught."""
     monkeypatch.setitem(mlp_graph.ACTIVATION_OPS, "gelu_pytorch_tanh", mlp_graph.ACTIVATION_OPS["silu"])
-    export_sidecars(made["gemma3_text"], tmp_path / "out", CHUNK, None, layers=[0], graph="mlp", jobs=1)
+    export_sidecars(
+        load_checkpoint(made["gemma3_text"]), tmp_path / "out", CHUNK, None, layers=[0], graph="mlp", jobs=1
+    )
     monkeypatch.undo()
-    report = verify_package(tmp_path / "out" / "layer_0.mlpackage", made["gemma3_text"], progress=False)
+    report = verify_package(
+        tmp_path / "out" / "layer_0.mlpackage", load_checkpoint(made["gemma3_text"]), progress=False
+    )
     assert (
         not report.passed and next(c for c in report.comparisons if c.case == "chunk").worst > RELATIVE_ERROR_THRESHOLD
     )
 
 
 def test_int8_mlp_weights_verify_against_their_own_and_the_checkpoints(made, tmp_path):
-    export_sidecars(made["llama"], tmp_path, CHUNK, None, layers=[0], graph="mlp", weights_mode="int8", jobs=1)
-    report = verify_package(tmp_path / "layer_0.mlpackage", made["llama"], progress=False)
+    export_sidecars(
+        load_checkpoint(made["llama"]), tmp_path, CHUNK, None, layers=[0], graph="mlp", weights_mode="int8", jobs=1
+    )
+    report = verify_package(tmp_path / "layer_0.mlpackage", load_checkpoint(made["llama"]), progress=False)
     assert report.passed, report.table()
     cost = next(c for c in report.comparisons if c.cost)  # issue 42: judged against its own weights, cost reported
     chunk = next(c for c in report.comparisons if c.case == "chunk")
@@ -185,17 +193,17 @@ def test_qwen3_5s_projections_are_read_as_mlx_lm_holds_them(made):
 
 def test_what_a_block_design_cannot_serve_is_refused_in_one_line(made, exported, tmp_path):
     refusals = [
-        (lambda: export_sidecars(made["llama"], tmp_path / "a", CHUNK, [0, CHUNK], graph="mlp"), "--histories applies"),
-        (lambda: export_sidecars(made["llama"], tmp_path / "b", CHUNK, None, graph="gdn-proj"), "has no layer with"),
-        (lambda: export_sidecars(made["qwen3_5"], tmp_path / "c", CHUNK, None, layers=[3], graph="gdn-proj"),
+        (lambda: export_sidecars(load_checkpoint(made["llama"]), tmp_path / "a", CHUNK, [0, CHUNK], graph="mlp"), "--histories applies"),
+        (lambda: export_sidecars(load_checkpoint(made["llama"]), tmp_path / "b", CHUNK, None, graph="gdn-proj"), "has no layer with"),
+        (lambda: export_sidecars(load_checkpoint(made["qwen3_5"]), tmp_path / "c", CHUNK, None, layers=[3], graph="gdn-proj"),
          "layer 3 has no --graph gdn-proj block; its layers: 0,1,2"),
-        (lambda: export_sidecars(made["llama"], tmp_path / "d", CHUNK, None, graph="mlp", key_tile=4), "--tile applies"),
-        (lambda: export_sidecars(made["llama"], tmp_path / "e", CHUNK, None, graph="mlp", backend="coreai"),
+        (lambda: export_sidecars(load_checkpoint(made["llama"]), tmp_path / "d", CHUNK, None, graph="mlp", key_tile=4), "--tile applies"),
+        (lambda: export_sidecars(load_checkpoint(made["llama"]), tmp_path / "e", CHUNK, None, graph="mlp", backend="coreai"),
          "Core ML package only"),
-        (lambda: export_sidecars(made["llama"], tmp_path / "f", CHUNK, None, graph="mlp", weights_mode="int4-block"),
+        (lambda: export_sidecars(load_checkpoint(made["llama"]), tmp_path / "f", CHUNK, None, graph="mlp", weights_mode="int4-block"),
          "int4-block: down_proj has 48 input columns"),
-        (lambda: compare_arms(made["llama"], exported[("llama", "mlp")], PROMPT, decode=1), "--graph mlp package"),
-        (lambda: compare_arms(made["llama"], None, PROMPT, decode=1, mlp_sidecars=exported[("qwen3", "mlp")]),
+        (lambda: compare_arms(load_model(made["llama"]), exported[("llama", "mlp")], PROMPT, decode=1), "--graph mlp package"),
+        (lambda: compare_arms(load_model(made["llama"]), None, PROMPT, decode=1, mlp_sidecars=exported[("qwen3", "mlp")]),
          "different geometry"),
         (lambda: open_block_sidecars(exported[("qwen3_5", "gdn-proj")], load_checkpoint(made["qwen3_5"])),
          "layer_0.mlpackage is a --graph gdn-proj package, not --graph mlp"),
@@ -212,15 +220,15 @@ def test_what_a_block_design_cannot_serve_is_refused_in_one_line(made, exported,
 def test_compare_arms_serves_every_mlp_or_a_chosen_few_from_their_sidecars(made, exported, tmp_path):
     from anelab.sidecar.export import export_sidecars as export_attention
 
-    export_attention(made["llama"], tmp_path / "attention", CHUNK, [0, CHUNK], jobs=1)
-    report = compare_arms(made["llama"], tmp_path / "attention", PROMPT, decode=DECODE,
+    export_attention(load_checkpoint(made["llama"]), tmp_path / "attention", CHUNK, [0, CHUNK], jobs=1)
+    report = compare_arms(load_model(made["llama"]), tmp_path / "attention", PROMPT, decode=DECODE,
                           mlp_sidecars=exported[("llama", "mlp")])  # fmt: skip
     pairs = {p.b: p for p in report.pairs}
     assert set(pairs) == {"sidecar", "mlp-sidecar", "all-sidecar"}
     for pair in pairs.values():
         assert 0 < pair.prompt_logits_diff < NOISE and pair.first_divergent_layer is None
     assert all(d > 0 for d in pairs["mlp-sidecar"].layer_diffs)  # the sidecars really served every layer
-    few = compare_arms(made["llama"], None, PROMPT, decode=DECODE, mlp_sidecars=exported[("llama", "mlp")],
+    few = compare_arms(load_model(made["llama"]), None, PROMPT, decode=DECODE, mlp_sidecars=exported[("llama", "mlp")],
                        mlp_layers=[1])  # fmt: skip
     (only,) = few.pairs
     assert only.layer_diffs[0] == 0 and 0 < only.layer_diffs[1] < NOISE  # layer 0's MLP stayed on the reference
@@ -233,7 +241,7 @@ def test_an_mlp_served_by_another_layers_package_is_caught(engine, made, exporte
     from anelab.arms.engines import run_arms_on
     from anelab.arms.sidecars import SidecarSet
 
-    _, model = open_engine_model(made["llama"], engine)
+    _, model = open_engine_model(load_checkpoint(made["llama"]), engine)
     mlp = open_block_sidecars(exported[("llama", "mlp")], model if engine == "numpy" else model.checkpoint)
     assert [read_sidecar_metadata(mlp.packages[i]).layer for i in (0, 1)] == [0, 1]
     mlp.packages[0], mlp.packages[1] = mlp.packages[1], mlp.packages[0]
@@ -250,8 +258,9 @@ def test_the_mlx_hybrid_serves_a_qwen3_5s_mlps_projections_and_attention_from_th
     """The Qwen 3.5 hybrid (mlx-lm runs its Gated DeltaNet recurrence): every MLP, every linear-attention layer's
     input projections, its attention layer, or all three on sidecars, each split within fp16 noise of mlx-lm's own
     forward."""
-    export_sidecars(made["qwen3_5"], tmp_path, CHUNK, [0, CHUNK], jobs=1)
-    report = compare_arms(made["qwen3_5"], tmp_path, PROMPT, decode=DECODE, mlp_sidecars=exported[("qwen3_5", "mlp")],
+    export_sidecars(load_checkpoint(made["qwen3_5"]), tmp_path, CHUNK, [0, CHUNK], jobs=1)
+    model = open_mlx_arms_model(load_checkpoint(made["qwen3_5"]))
+    report = compare_arms(model, tmp_path, PROMPT, decode=DECODE, mlp_sidecars=exported[("qwen3_5", "mlp")],
                           gdn_sidecars=exported[("qwen3_5", "gdn-proj")])  # fmt: skip
     assert report.engine == "mlx"
     pairs = {p.b: p for p in report.pairs}
@@ -267,9 +276,8 @@ def test_gdn_projections_served_by_another_layers_package_are_caught(made, expor
     from anelab.arms.arm_runs import Arm
     from anelab.arms.engines import run_arms_on
     from anelab.arms.sidecars import SidecarSet
-    from anelab.checkpoints.whole_model import load_model
 
-    _, model = open_engine_model(made["qwen3_5"], "mlx")
+    _, model = open_engine_model(load_checkpoint(made["qwen3_5"]), "mlx")
     gdn = open_block_sidecars(exported[("qwen3_5", "gdn-proj")], model.checkpoint, "gdn-proj")
     gdn.packages[0], gdn.packages[1], gdn.keep_open = gdn.packages[1], gdn.packages[0], 3
     gdn.calls = []
@@ -282,7 +290,7 @@ def test_gdn_projections_served_by_another_layers_package_are_caught(made, expor
     with pytest.raises(AnelabInputError, match="served on the mlx engine"):  # the NumPy forward runs no hybrid
         run_arms_on("numpy", load_model(made["llama"]), prompt, [Arm("gdn", gdn="sidecar")], decode=1)
     with pytest.raises(AnelabInputError, match="has no layer with a --graph gdn-proj block"):
-        compare_arms(made["llama"], None, PROMPT, decode=1, gdn_sidecars=exported[("qwen3_5", "gdn-proj")])
+        compare_arms(load_model(made["llama"]), None, PROMPT, decode=1, gdn_sidecars=exported[("qwen3_5", "gdn-proj")])
 
 
 def test_the_cli_exports_with_design_mlp_and_compare_arms_takes_mlp_sidecars(made, tmp_path, capsys):
@@ -301,10 +309,12 @@ def test_every_mlp_of_default_real_on_its_sidecar_stays_within_one_percent_on_re
     README (the whole model's 30 were measured for the issue's report: 0.026 % of the logits, 100 % greedy)."""
     from anelab.arms.real_text import docs_prompt
 
-    export_sidecars(real_gguf, tmp_path, 16, None, layers=[0, 29], graph="mlp", jobs=1)
-    assert verify_package(tmp_path / "layer_29.mlpackage", real_gguf, progress=False).passed
+    export_sidecars(load_checkpoint(real_gguf), tmp_path, 16, None, layers=[0, 29], graph="mlp", jobs=1)
+    assert verify_package(tmp_path / "layer_29.mlpackage", load_checkpoint(real_gguf), progress=False).passed
     prompt = docs_prompt(load_checkpoint(real_gguf).tokenizer(), 20)
-    report = compare_arms(real_gguf, None, decode=2, tokens=prompt, mlp_sidecars=tmp_path, mlp_layers=[0, 29])
+    report = compare_arms(
+        load_model(real_gguf), None, decode=2, tokens=prompt, mlp_sidecars=tmp_path, mlp_layers=[0, 29]
+    )
     (pair,) = report.pairs
     assert 0 < pair.prompt_logits_diff < NOISE and pair.greedy_agreement == 1.0
     assert pair.layer_diffs[0] > 0

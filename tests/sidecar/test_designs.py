@@ -20,6 +20,7 @@ import pytest
 from anelab.arms.arm_comparison import NOISE, compare_arms
 from anelab.arms.arm_runs import Arm, run_arm
 from anelab.arms.sidecars import open_sidecars
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.checkpoints.whole_model import load_model, write_model_checkpoint
 from anelab.core.decoder import random_head_weights, random_layer_weights
 from anelab.core.errors import AnelabInputError
@@ -133,7 +134,7 @@ def exported(model_dir, tmp_path_factory):
         design = DESIGNS[name]
         histories = None if design.stateful else [0, CHUNK]
         options = {"capacity": 2 * CHUNK} if design.stateful else {}
-        export_sidecars(model_dir, root / name, CHUNK, histories, graph=name, **options)
+        export_sidecars(load_checkpoint(model_dir), root / name, CHUNK, histories, graph=name, **options)
         out[name] = root / name
     return out
 
@@ -210,7 +211,7 @@ def test_the_arms_serve_every_design_or_refuse_it_before_anything_loads(name, ex
     monkeypatch.setattr(evaluate.SavedPackage, "__init__", lambda self, *a, **k: opened.append(a))
     runtime = FakeRuntime()
     with pytest.raises(AnelabInputError) as refused:
-        compare_arms(model_dir, exported[name], PROMPT, decode=2, compute_units="cpu_only", runtime=runtime)
+        compare_arms(load_model(model_dir), exported[name], PROMPT, decode=2, compute_units="cpu_only", runtime=runtime)
     message = str(refused.value)
     assert "\n" not in message and f"--graph {name} package" in message and "re-export with --graph dense" in message
     assert opened == [] and runtime.loads == []  # refused before any program was read or loaded
@@ -232,7 +233,7 @@ def test_verify_passes_only_when_every_declared_control_ran(name, exported, mode
 
     package = exported[name] / "layer_1.mlpackage"
     meta = read_sidecar_metadata(package)
-    report = verify_package(package, model_dir)
+    report = verify_package(package, load_checkpoint(model_dir))
     declared = get_design(name).controls(meta, Geometry.from_dict(meta.geometry))
     assert report.passed and report.declared_controls == declared, report.table()
     assert {"control: state carried" if get_design(name).stateful else "control: mask reaches graph"} <= {
@@ -240,7 +241,7 @@ def test_verify_passes_only_when_every_declared_control_ran(name, exported, mode
     }
     runners = stateful_cases if get_design(name).stateful else verify_cases  # the module that runs the controls
     monkeypatch.setattr(runners, CONTROL_RUNNERS[name], lambda *a, **k: [])
-    mutated = verify_package(package, model_dir)
+    mutated = verify_package(package, load_checkpoint(model_dir))
     assert not mutated.vacuous and all(c.passed for c in mutated.comparisons)  # nothing else is wrong ...
     assert not mutated.passed and mutated.missing_controls == [f"{f}: {c}" for f, c in declared]  # ... but this
     assert "declared controls that did not run" in mutated.table()

@@ -281,7 +281,9 @@ def exported(tmp_path_factory):
             root = tmp_path_factory.mktemp(f"{fam.name}-{graph}")
             ckpt = write_family_checkpoint(root / "ckpt", fam)
             options = {"capacity": 2 * CHUNK} if graph in ("stateful", "stateful-tiled") else {}
-            [result] = export_sidecars(ckpt, root / "out", CHUNK, HISTORIES, [fam.layer], graph=graph, **options)
+            [result] = export_sidecars(
+                load_checkpoint(ckpt), root / "out", CHUNK, HISTORIES, [fam.layer], graph=graph, **options
+            )
             cache[key] = (ckpt, result.package)
         return cache[key]
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.checkpoints.default import make_dense_checkpoint
 from anelab.cli import main
 from anelab.core import parallel
@@ -195,7 +196,9 @@ def test_coremltools_temporaries_stay_in_the_staging_folder_and_are_removed_as_e
         real(model, dest)
 
     monkeypatch.setattr(export, "save_model", counting)
-    export.export_sidecars(dense, tmp_path / "out", CHUNK, [0, CHUNK, 2 * CHUNK], layers=[0, 1], jobs=1)
+    export.export_sidecars(
+        load_checkpoint(dense), tmp_path / "out", CHUNK, [0, CHUNK, 2 * CHUNK], layers=[0, 1], jobs=1
+    )
     assert len(seen) == 2 * (3 + 1)  # three functions and the merge per layer
     assert all(in_staging for in_staging, _ in seen)
     assert max(n for _, n in seen) == 1  # the one being saved; without save_model's removal: 1, 2, 3, ...

@@ -33,7 +33,12 @@ def packages(tiny_checkpoint, tmp_path_factory):
     out = {}
     for mode in MODES:
         [r] = export_sidecars(
-            ckpt, tmp_path_factory.mktemp(f"weights-{mode}"), CHUNK, HISTORIES, [LAYER], weights_mode=mode
+            load_checkpoint(ckpt),
+            tmp_path_factory.mktemp(f"weights-{mode}"),
+            CHUNK,
+            HISTORIES,
+            [LAYER],
+            weights_mode=mode,
         )
         out[mode] = r
     return ckpt, out
@@ -42,7 +47,7 @@ def packages(tiny_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reports(packages):
     ckpt, results = packages
-    return {mode: verify_package(r.package, ckpt) for mode, r in results.items()}
+    return {mode: verify_package(r.package, load_checkpoint(ckpt)) for mode, r in results.items()}
 
 
 # ---- kernels against hand-computed values --------------------------------------------------------
@@ -210,7 +215,7 @@ def test_wrong_table_or_scale_shows_in_the_cost(packages, reports, monkeypatch, 
         return real(_It(), op)
 
     monkeypatch.setitem(kernels.KERNELS, kernel, corrupted)
-    report = verify_package(results[mode].package, ckpt)
+    report = verify_package(results[mode].package, load_checkpoint(ckpt))
     assert report.passed, report.table()
     true_cost = max(c.worst for c in reports[mode].comparisons if c.cost)
     # (a reversed LUT negates every projection: q.k and o(v) keep their sign, so attn_out alone can
@@ -230,7 +235,7 @@ def test_reference_from_other_weights_than_the_stored_fails(packages, monkeypatc
         return dataclasses.replace(deq, o_proj=deq.o_proj * np.float32(1.05))
 
     monkeypatch.setattr(quantize, "dequantized_weights", other)
-    report = verify_package(results[mode].package, ckpt)
+    report = verify_package(results[mode].package, load_checkpoint(ckpt))
     assert not report.passed and not report.vacuous, report.table()
     failed = [c for c in report.comparisons if not c.control and not c.cost and not c.passed]
     assert failed and all(c.worst > RELATIVE_ERROR_THRESHOLD for c in failed)
@@ -244,7 +249,7 @@ def test_the_uncompressed_reference_is_not_used_silently(packages, monkeypatch, 
     is measured in notebook 07.)"""
     ckpt, results = packages
     monkeypatch.setattr(quantize, "dequantized_weights", lambda saved, function, weights, mode_=None: weights)
-    report = verify_package(results[mode].package, ckpt)
+    report = verify_package(results[mode].package, load_checkpoint(ckpt))
     assert not report.passed, report.table()
 
 
@@ -258,7 +263,7 @@ def test_a_package_claiming_a_compression_it_does_not_store_is_refused(packages,
     write_package_metadata(results["fp16"].package, lying, meta)
     assert read_sidecar_metadata(lying).weights == "int8"
     with pytest.raises(AnelabInputError, match="records --weights int8 but stores q_proj as plain") as err:
-        verify_package(lying, ckpt)
+        verify_package(lying, load_checkpoint(ckpt))
     assert "\n" not in str(err.value)
     saved = SavedPackage(results["int8"].package)  # the true int8 package passes the same requirement
     w = load_checkpoint(ckpt).layer(LAYER)

@@ -297,7 +297,7 @@ def test_a_weight_the_functions_share_is_converted_once(tmp_path, tiny_checkpoin
     from anelab.sidecar.mil.evaluate import SavedPackage
 
     monkeypatch.setattr(evaluate_module, "SHARED_CONST_ELEMENTS", 16)  # the tiny model's weights are small
-    [result] = export_sidecars(tiny_checkpoint("llama"), tmp_path, 4, [0, 4], [0], jobs=1)
+    [result] = export_sidecars(load_checkpoint(tiny_checkpoint("llama")), tmp_path, 4, [0, 4], [0], jobs=1)
     saved = SavedPackage(result.package)
 
     def consts(name):

@@ -34,7 +34,9 @@ def exported(tiny_checkpoint, tmp_path_factory):
     for variant in VARIANTS:
         ckpt = tiny_checkpoint(variant)
         layer = TINY_GEOMETRIES[variant].full_attention_layers[-1]
-        [result] = export_sidecars(ckpt, tmp_path_factory.mktemp(f"sidecar-{variant}"), CHUNK, HISTORIES, [layer])
+        [result] = export_sidecars(
+            load_checkpoint(ckpt), tmp_path_factory.mktemp(f"sidecar-{variant}"), CHUNK, HISTORIES, [layer]
+        )
         out[variant] = (ckpt, result.package)
     return out
 
@@ -42,7 +44,7 @@ def exported(tiny_checkpoint, tmp_path_factory):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_saved_package_matches_reference_for_every_function(exported, variant):
     ckpt, pkg = exported[variant]
-    report = verify_package(pkg, ckpt)
+    report = verify_package(pkg, load_checkpoint(ckpt))
     assert report.passed, report.table()
     functions = {c.function for c in report.comparisons}
     assert functions == {f"h{h}" for h in HISTORIES}
@@ -70,9 +72,9 @@ def test_package_from_a_different_checkpoint_fails_verification(exported, tiny_c
         model_type="qwen3_next",
     )
     with pytest.raises(AnelabInputError, match=r"tensor model\.layers\.\d+\.self_attn\.\S+ differs"):
-        verify_package(pkg, other)
+        verify_package(pkg, load_checkpoint(other))
     monkeypatch.setattr(compare_module, "require_same_tensors", lambda meta, checkpoint, digests=None: None)
-    report = verify_package(pkg, other)
+    report = verify_package(pkg, load_checkpoint(other))
     assert not report.passed
     assert not report.vacuous
     ordinary = [c for c in report.comparisons if not c.control]
@@ -85,7 +87,7 @@ def test_a_control_that_does_not_fail_makes_verification_vacuous(exported, monke
     monkeypatch.setattr(
         verify_module, "drop_half_mask", lambda mask, rng: mask.copy()
     )  # a control that changes nothing
-    report = verify_package(pkg, ckpt, functions=["h8"])
+    report = verify_package(pkg, load_checkpoint(ckpt), functions=["h8"])
     assert report.vacuous and not report.passed
     assert "vacuous" in report.table()
 
@@ -214,20 +216,20 @@ def test_interrupted_export_leaves_no_package(tiny_checkpoint, tmp_path, monkeyp
 
     monkeypatch.setattr(export_module, "merge_functions", boom)
     with pytest.raises(KeyboardInterrupt):
-        export_sidecars(ckpt, tmp_path, CHUNK, [0, 8], [0])
+        export_sidecars(load_checkpoint(ckpt), tmp_path, CHUNK, [0, 8], [0])
     assert list(tmp_path.iterdir()) == []  # neither a half package nor the temporary directory
 
 
 def test_export_refuses_bad_requests(tiny_checkpoint, tmp_path):
     ckpt = tiny_checkpoint("qwen3_next")
     with pytest.raises(AnelabInputError, match="not a full-attention layer"):
-        export_sidecars(ckpt, tmp_path, CHUNK, [0], [0])
+        export_sidecars(load_checkpoint(ckpt), tmp_path, CHUNK, [0], [0])
     with pytest.raises(AnelabInputError, match="positive"):
-        export_sidecars(ckpt, tmp_path, 0, [0])
+        export_sidecars(load_checkpoint(ckpt), tmp_path, 0, [0])
     with pytest.raises(AnelabInputError, match="multiple of the chunk"):
-        export_sidecars(ckpt, tmp_path, CHUNK, [0, 12])
+        export_sidecars(load_checkpoint(ckpt), tmp_path, CHUNK, [0, 12])
     with pytest.raises(AnelabInputError, match="duplicate histories"):
-        export_sidecars(ckpt, tmp_path, CHUNK, [0, 8, 8])
+        export_sidecars(load_checkpoint(ckpt), tmp_path, CHUNK, [0, 8, 8])
     assert not any(tmp_path.glob("*.mlpackage"))
 
 
@@ -253,17 +255,17 @@ def test_one_request_object_exports_what_the_keywords_export(tiny_checkpoint, tm
     ckpt = tiny_checkpoint("qwen3")
     layer = TINY_GEOMETRIES["qwen3"].full_attention_layers[-1]
     request = SidecarRequest(CHUNK, (0, CHUNK), weights="int8")
-    [a] = export_request(ckpt, tmp_path / "a", request, [layer])
-    [b] = export_sidecars(ckpt, tmp_path / "b", CHUNK, [0, CHUNK], [layer], weights_mode="int8")
+    [a] = export_request(load_checkpoint(ckpt), tmp_path / "a", request, [layer])
+    [b] = export_sidecars(load_checkpoint(ckpt), tmp_path / "b", CHUNK, [0, CHUNK], [layer], weights_mode="int8")
     assert (a.package / WEIGHTS_RELATIVE).read_bytes() == (b.package / WEIGHTS_RELATIVE).read_bytes()
     assert (
         read_sidecar_metadata(a.package).functions == read_sidecar_metadata(b.package).functions == ["h0", f"h{CHUNK}"]
     )
     assert SidecarRequest.from_dict(request.to_dict()) == request and request.to_dict()["histories"] == [0, CHUNK]
     # controls: a different request gives a different package; unknown fields and a missing chunk are refused
-    [c] = export_request(ckpt, tmp_path / "c", SidecarRequest(CHUNK, (0, CHUNK)), [layer])
+    [c] = export_request(load_checkpoint(ckpt), tmp_path / "c", SidecarRequest(CHUNK, (0, CHUNK)), [layer])
     assert (c.package / WEIGHTS_RELATIVE).read_bytes() != (a.package / WEIGHTS_RELATIVE).read_bytes()
     with pytest.raises(AnelabInputError, match="unknown fields"):
         SidecarRequest.from_dict({**request.to_dict(), "tile": 4})
     with pytest.raises(AnelabInputError, match="pass --chunk"):
-        export_request(ckpt, tmp_path / "d", SidecarRequest(None, (0,)), [layer])
+        export_request(load_checkpoint(ckpt), tmp_path / "d", SidecarRequest(None, (0,)), [layer])

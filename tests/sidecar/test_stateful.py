@@ -63,7 +63,7 @@ def test_multi_chunk_prompt_with_decode_passes_verification(package):
     )
     saved = SavedPackage(pkg)
     assert list(saved.functions) == ["c8", "c1"]
-    report = verify_package(pkg, ckpt)
+    report = verify_package(pkg, load_checkpoint(ckpt))
     assert report.passed, report.table()
     [run] = [c for c in report.comparisons if not c.control]
     assert run.rows == 2 * CHUNK + DECODE_STEPS  # two prefill chunks, then decode rows through c1
@@ -108,10 +108,10 @@ def test_second_read_state_hazard_is_caught(tiny_checkpoint, tmp_path, monkeypat
     The cache itself is still right — only the multi-chunk attn_out comparison catches it."""
     monkeypatch.setattr(graphs_common, "cache_for_attention", lambda mb, state, updated: mb.read_state(input=state))
     ckpt = tiny_checkpoint(VARIANT)
-    [r] = export_sidecars(ckpt, tmp_path, CHUNK, None, [LAYER], graph="stateful", capacity=CAPACITY)
+    [r] = export_sidecars(load_checkpoint(ckpt), tmp_path, CHUNK, None, [LAYER], graph="stateful", capacity=CAPACITY)
     fn = SavedPackage(r.package).mil_function("c8")
     assert sum(op.op_type == "read_state" for op in fn.operations) == 2  # one per state: the re-reads were merged away
-    report = verify_package(r.package, ckpt)
+    report = verify_package(r.package, load_checkpoint(ckpt))
     assert not report.passed and not report.vacuous
     [run] = [c for c in report.comparisons if not c.control]
     assert run.errors["attn_out"] > 10 * RELATIVE_ERROR_THRESHOLD
@@ -121,15 +121,15 @@ def test_second_read_state_hazard_is_caught(tiny_checkpoint, tmp_path, monkeypat
 def test_bad_stateful_requests_are_refused(package, tiny_checkpoint, tmp_path, capsys):
     ckpt, pkg = package
     with pytest.raises(AnelabInputError, match="capacity 16 is smaller than the coverage 24"):
-        export_sidecars(ckpt, tmp_path, CHUNK, [0, 8, 16], [LAYER], graph="stateful", capacity=16)
+        export_sidecars(load_checkpoint(ckpt), tmp_path, CHUNK, [0, 8, 16], [LAYER], graph="stateful", capacity=16)
     with pytest.raises(AnelabInputError, match="not a multiple of the chunk 8; use --capacity 24"):
-        export_sidecars(ckpt, tmp_path, CHUNK, None, [LAYER], graph="stateful", capacity=20)
+        export_sidecars(load_checkpoint(ckpt), tmp_path, CHUNK, None, [LAYER], graph="stateful", capacity=20)
     with pytest.raises(AnelabInputError, match="needs --capacity"):
-        export_sidecars(ckpt, tmp_path, CHUNK, None, [LAYER], graph="stateful")
+        export_sidecars(load_checkpoint(ckpt), tmp_path, CHUNK, None, [LAYER], graph="stateful")
     with pytest.raises(AnelabInputError, match="--capacity applies to --graph stateful or stateful-tiled, not dense"):
-        export_sidecars(ckpt, tmp_path, CHUNK, [0], [LAYER], capacity=24)
+        export_sidecars(load_checkpoint(ckpt), tmp_path, CHUNK, [0], [LAYER], capacity=24)
     with pytest.raises(AnelabInputError, match="exceeds 32768"):
-        export_sidecars(ckpt, tmp_path, CHUNK, None, [LAYER], graph="stateful", capacity=40000)
+        export_sidecars(load_checkpoint(ckpt), tmp_path, CHUNK, None, [LAYER], graph="stateful", capacity=40000)
     # a chunk starting past the capacity is refused before it reaches the graph
     g = TINY_GEOMETRIES[VARIANT]
     with pytest.raises(AnelabInputError, match="past the state capacity 24"):

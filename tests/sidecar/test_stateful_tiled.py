@@ -34,7 +34,7 @@ LAYER = TINY_GEOMETRIES[VARIANT].full_attention_layers[-1]
 
 def _export(ckpt, out, **kw):
     options = {"capacity": CAPACITY, "key_tile": KEY_TILE, "query_tile": QUERY_TILE, **kw}
-    [r] = export_sidecars(ckpt, out, CHUNK, None, [LAYER], graph="stateful-tiled", **options)
+    [r] = export_sidecars(load_checkpoint(ckpt), out, CHUNK, None, [LAYER], graph="stateful-tiled", **options)
     return r.package
 
 
@@ -54,7 +54,7 @@ def test_whole_prompt_and_decode_pass_with_both_controls_failing(package):
     assert (meta.graph, meta.functions, meta.key_tile, meta.query_tile) == ("stateful-tiled", ["c8", "c1"], 8, 4)
     assert read_raw_metadata(pkg)[MASK_MODE_META] == "causal"
     assert [s.name for s in SavedPackage(pkg).function("c8").inputs] == ["hidden", "start"]  # no [C, capacity] mask
-    report = verify_package(pkg, ckpt)
+    report = verify_package(pkg, load_checkpoint(ckpt))
     assert report.passed, report.table()
     [run] = [c for c in report.comparisons if not c.control]
     assert "partial" in run.case and run.rows == 3 * CHUNK + 5 + 2  # 3 full chunks, a partial one, 2 decode rows
@@ -85,7 +85,7 @@ def test_second_read_state_hazard_is_caught(tiny_checkpoint, tmp_path, monkeypat
     pkg = _export(ckpt, tmp_path)
     fn = SavedPackage(pkg).mil_function("c8")
     assert sum(op.op_type == "read_state" for op in fn.operations) == 2  # the re-reads were merged away
-    report = verify_package(pkg, ckpt)
+    report = verify_package(pkg, load_checkpoint(ckpt))
     assert not report.passed and not report.vacuous
     [run] = [c for c in report.comparisons if not c.control]
     assert run.errors["attn_out"] > 10 * RELATIVE_ERROR_THRESHOLD
@@ -143,10 +143,18 @@ def test_state_is_updated_in_place_as_an_mlstate_is(package):
 def test_additive_mask_mode_reaches_the_graph(tiny_checkpoint, tmp_path):
     ckpt = tiny_checkpoint("llama")
     [r] = export_sidecars(
-        ckpt, tmp_path, CHUNK, None, [1], graph="stateful-tiled", capacity=24, key_tile=8, mask_mode="additive"
+        load_checkpoint(ckpt),
+        tmp_path,
+        CHUNK,
+        None,
+        [1],
+        graph="stateful-tiled",
+        capacity=24,
+        key_tile=8,
+        mask_mode="additive",
     )
     assert [s.name for s in SavedPackage(r.package).function("c8").inputs] == ["hidden", "start", "mask"]
-    report = verify_package(r.package, ckpt)
+    report = verify_package(r.package, load_checkpoint(ckpt))
     assert report.passed, report.table()
     controls = {c.case: c.worst for c in report.comparisons if c.control}
     assert controls["control: mask reaches graph"] > 10 * RELATIVE_ERROR_THRESHOLD
@@ -168,7 +176,9 @@ def test_largest_working_intermediate_is_independent_of_capacity(tiny_checkpoint
     # negative control: the untiled stateful design's working set grows with the capacity
     untiled = {}
     for n in (32, 128):
-        [r] = export_sidecars(ckpt, tmp_path / f"s{n}", CHUNK, None, [LAYER], graph="stateful", capacity=n)
+        [r] = export_sidecars(
+            load_checkpoint(ckpt), tmp_path / f"s{n}", CHUNK, None, [LAYER], graph="stateful", capacity=n
+        )
         untiled[n] = intermediate_profile(r.package)["c8"]["largest_working_bytes"]
     assert untiled[128] > tiled[128]["largest_working_bytes"] and untiled[128] > untiled[32]
 
@@ -183,7 +193,15 @@ def test_capacity_65536_with_a_chunk_past_40000(tmp_path):
     w = random_attention_weights(g, 0, TINY_SEED)
     ckpt = write_checkpoint(tmp_path / "m", g, {0: w}, dtype="F32", shards=1, model_type=TINY_MODEL_TYPES["llama"])
     [r] = export_sidecars(
-        ckpt, tmp_path, CHUNK, None, [0], graph="stateful-tiled", capacity=65536, key_tile=2048, decode=True
+        load_checkpoint(ckpt),
+        tmp_path,
+        CHUNK,
+        None,
+        [0],
+        graph="stateful-tiled",
+        capacity=65536,
+        key_tile=2048,
+        decode=True,
     )
     saved = SavedPackage(r.package)
     casts = [op for op in saved.mil_function("c8").operations if op.op_type == "cast"]
@@ -213,7 +231,7 @@ def test_capacity_65536_with_a_chunk_past_40000(tmp_path):
     assert relative_error(off["attn_out"], ref.attn_out[:CHUNK]) > 10 * RELATIVE_ERROR_THRESHOLD
     # the untiled stateful graph cannot hold this capacity (its positions pass through int16)
     with pytest.raises(AnelabInputError, match="exceeds 32768.*stateful-tiled"):
-        export_sidecars(ckpt, tmp_path, CHUNK, None, [0], graph="stateful", capacity=65536)
+        export_sidecars(load_checkpoint(ckpt), tmp_path, CHUNK, None, [0], graph="stateful", capacity=65536)
 
 
 def test_online_softmax_error_stays_small_and_grows_sanely_with_tile_count(tiny_checkpoint, tmp_path):
@@ -234,10 +252,10 @@ def test_bad_requests_are_refused(tiny_checkpoint, tmp_path, capsys):
     with pytest.raises(AnelabInputError, match="unknown mask mode"):
         _export(ckpt, tmp_path, mask_mode="window")
     with pytest.raises(AnelabInputError, match="--query-tile applies to --graph stateful-tiled"):
-        export_sidecars(ckpt, tmp_path, CHUNK, [0], [LAYER], query_tile=4)
+        export_sidecars(load_checkpoint(ckpt), tmp_path, CHUNK, [0], [LAYER], query_tile=4)
     with pytest.raises(AnelabInputError, match="selection contract"):
         export_sidecars(
-            ckpt, tmp_path, CHUNK, None, [LAYER], graph="stateful-tiled", capacity=32,
+            load_checkpoint(ckpt), tmp_path, CHUNK, None, [LAYER], graph="stateful-tiled", capacity=32,
             selection={"kept_blocks": 4, "compress_ratio": 4},
         )  # fmt: skip
     code = main(["export", str(ckpt), "--chunk", "8", "--graph", "stateful-tiled", "--capacity", "32",

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from conftest import TINY_GEOMETRIES
 
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.cli import main
 from anelab.core.errors import AnelabInputError
 from anelab.core.masks import causal
@@ -59,7 +60,7 @@ def packages(tiny_checkpoint, tmp_path_factory):
     out["llama"] = (ckpt, where / f"layer_{_layer('llama')}.mlpackage")
     ckpt = tiny_checkpoint("qwen3_next")
     [r] = export_sidecars(
-        ckpt,
+        load_checkpoint(ckpt),
         tmp_path_factory.mktemp("tiled-qwen3_next"),
         CHUNK,
         HISTORIES,
@@ -69,7 +70,11 @@ def packages(tiny_checkpoint, tmp_path_factory):
     )
     out["qwen3_next"] = (ckpt, r.package)
     [r] = export_sidecars(
-        tiny_checkpoint("llama"), tmp_path_factory.mktemp("dense-llama"), CHUNK, HISTORIES, [_layer("llama")]
+        load_checkpoint(tiny_checkpoint("llama")),
+        tmp_path_factory.mktemp("dense-llama"),
+        CHUNK,
+        HISTORIES,
+        [_layer("llama")],
     )
     out["dense_llama"] = (tiny_checkpoint("llama"), r.package)
     return out
@@ -81,7 +86,7 @@ def test_tiled_package_passes_verification_from_disk(packages, variant):
     meta = read_sidecar_metadata(pkg)
     assert meta.graph == "tiled" and meta.weights == "fp16"
     assert read_raw_metadata(pkg)[KEY_TILE_META] == str(KEY_TILES[variant])
-    report = verify_package(pkg, ckpt)
+    report = verify_package(pkg, load_checkpoint(ckpt))
     assert report.passed, report.table()
     assert {c.function for c in report.comparisons} == {f"h{h}" for h in HISTORIES}
     ordinary = [c for c in report.comparisons if not c.control]
@@ -166,8 +171,8 @@ def test_tiled_graph_with_wrong_rope_fails_verification(tiny_checkpoint, tmp_pat
         lambda g, layer, chunk, history, coverage=None: real(g, layer, chunk, history + 1, coverage),
     )
     ckpt = tiny_checkpoint("llama")
-    [r] = export_sidecars(ckpt, tmp_path, CHUNK, [8], [_layer("llama")], graph="tiled", key_tile=4)
-    report = verify_package(r.package, ckpt)
+    [r] = export_sidecars(load_checkpoint(ckpt), tmp_path, CHUNK, [8], [_layer("llama")], graph="tiled", key_tile=4)
+    report = verify_package(r.package, load_checkpoint(ckpt))
     assert not report.passed
     full = [c for c in report.comparisons if c.case == "full chunk"]
     rope_control = [c for c in report.comparisons if c.case == "control: rope offset +1"]
@@ -179,13 +184,13 @@ def test_tiled_graph_with_wrong_rope_fails_verification(tiny_checkpoint, tmp_pat
 def test_bad_tile_is_refused(tiny_checkpoint, tmp_path, capsys):
     ckpt = tiny_checkpoint("llama")
     with pytest.raises(AnelabInputError, match="does not divide the chunk 8"):
-        export_sidecars(ckpt, tmp_path, CHUNK, [0], [0], graph="tiled", key_tile=3)
+        export_sidecars(load_checkpoint(ckpt), tmp_path, CHUNK, [0], [0], graph="tiled", key_tile=3)
     with pytest.raises(AnelabInputError, match="positive integer"):
-        export_sidecars(ckpt, tmp_path, CHUNK, [0], [0], graph="tiled", key_tile=0)
+        export_sidecars(load_checkpoint(ckpt), tmp_path, CHUNK, [0], [0], graph="tiled", key_tile=0)
     with pytest.raises(AnelabInputError, match="--tile applies to --graph tiled or stateful-tiled, not dense"):
-        export_sidecars(ckpt, tmp_path, CHUNK, [0], [0], graph="dense", key_tile=4)
+        export_sidecars(load_checkpoint(ckpt), tmp_path, CHUNK, [0], [0], graph="dense", key_tile=4)
     with pytest.raises(AnelabInputError, match="unknown --graph"):
-        export_sidecars(ckpt, tmp_path, CHUNK, [0], [0], graph="flash")
+        export_sidecars(load_checkpoint(ckpt), tmp_path, CHUNK, [0], [0], graph="flash")
     code = main(
         [
             "export",

@@ -37,7 +37,9 @@ def gemma3(tmp_path_factory):
     """Every attention layer of the Gemma 3-style model as one stateful-tiled function at capacity 4W."""
     root = tmp_path_factory.mktemp("gemma3")
     ckpt = _gemma3_checkpoint(root / "ckpt")
-    results = export_sidecars(ckpt, root / "out", CHUNK, None, graph="stateful-tiled", capacity=4 * WINDOW)
+    results = export_sidecars(
+        load_checkpoint(ckpt), root / "out", CHUNK, None, graph="stateful-tiled", capacity=4 * WINDOW
+    )
     return ckpt, results
 
 
@@ -62,7 +64,7 @@ def test_every_layer_is_one_function_and_verifies_a_prompt_of_four_windows(gemma
     for r in results:
         inputs = SavedPackage(r.package).function(f"c{CHUNK}").inputs  # no mask input: the window is in-graph
         assert [s.name for s in inputs] == ["hidden", "start"]
-        report = verify_package(r.package, ckpt)
+        report = verify_package(r.package, load_checkpoint(ckpt))
         assert report.passed, report.table()
         [run] = [c for c in report.comparisons if not c.control]
         assert run.rows == 4 * WINDOW - CHUNK + 3  # 4W positions: the last chunk partial (3 of 4 rows)
@@ -76,7 +78,9 @@ def test_every_layer_is_one_function_and_verifies_a_prompt_of_four_windows(gemma
 
 def test_windowed_largest_intermediate_does_not_grow_with_the_prompt(gemma3, tmp_path):
     ckpt, results = gemma3
-    long = export_sidecars(ckpt, tmp_path, CHUNK, None, [0, 5], graph="stateful-tiled", capacity=16 * WINDOW)
+    long = export_sidecars(
+        load_checkpoint(ckpt), tmp_path, CHUNK, None, [0, 5], graph="stateful-tiled", capacity=16 * WINDOW
+    )
     short = {r.metadata.layer: inspect_package(r.package)["functions"][f"c{CHUNK}"] for r in results}
     longer = {r.metadata.layer: inspect_package(r.package)["functions"][f"c{CHUNK}"] for r in long}
     # windowed layer: the same program shape at prompt lengths 4W and 16W
@@ -92,7 +96,7 @@ def windowed_decode(tmp_path_factory):
     root = tmp_path_factory.mktemp("windowed")
     ckpt = _gemma3_checkpoint(root / "ckpt", replace(GEMMA3, sliding_window=10))
     [r] = export_sidecars(
-        ckpt, root / "out", 8, None, [1], graph="stateful-tiled", capacity=48, key_tile=KEY_TILE, query_tile=4,
+        load_checkpoint(ckpt), root / "out", 8, None, [1], graph="stateful-tiled", capacity=48, key_tile=KEY_TILE, query_tile=4,
         decode=True,
     )  # fmt: skip
     return ckpt, r
@@ -101,7 +105,7 @@ def windowed_decode(tmp_path_factory):
 def test_ring_wraps_and_decodes_past_the_window(windowed_decode):
     ckpt, r = windowed_decode
     assert r.metadata.ring_slots == 20 and r.metadata.key_tile == KEY_TILE  # 10 + 8 rounded up to whole tiles
-    report = verify_package(r.package, ckpt)
+    report = verify_package(r.package, load_checkpoint(ckpt))
     assert report.passed, report.table()
     [run] = [c for c in report.comparisons if not c.control]
     assert run.rows == 5 * 8 + 5 + 2  # five whole chunks, a partial one, two decode steps: 4.7 windows
@@ -114,8 +118,10 @@ def test_a_window_limit_that_keeps_stale_slots_is_caught(tmp_path, monkeypatch):
     ckpt = _gemma3_checkpoint(tmp_path / "ckpt")
     real = stateful_tiled._window_tile_mask
     monkeypatch.setattr(stateful_tiled, "_window_tile_mask", lambda window, slots, chunk: real(10**6, slots, chunk))
-    [r] = export_sidecars(ckpt, tmp_path / "out", CHUNK, None, [0], graph="stateful-tiled", capacity=4 * WINDOW)
-    report = verify_package(r.package, ckpt)
+    [r] = export_sidecars(
+        load_checkpoint(ckpt), tmp_path / "out", CHUNK, None, [0], graph="stateful-tiled", capacity=4 * WINDOW
+    )
+    report = verify_package(r.package, load_checkpoint(ckpt))
     assert not report.passed and not report.vacuous
     [run] = [c for c in report.comparisons if not c.control]
     assert run.errors["attn_out"] > 10 * RELATIVE_ERROR_THRESHOLD
@@ -131,7 +137,9 @@ def test_positions_past_32768_in_a_windowed_ring(tmp_path):
     ck = load_checkpoint(_gemma3_checkpoint(tmp_path / "m", g))
     ckpt = ck.path
     assert ck.geometry.window_of(0) == 16
-    [r] = export_sidecars(ckpt, tmp_path, 8, None, [0], graph="stateful-tiled", capacity=65536, decode=True)
+    [r] = export_sidecars(
+        load_checkpoint(ckpt), tmp_path, 8, None, [0], graph="stateful-tiled", capacity=65536, decode=True
+    )
     assert r.metadata.ring_slots == 24
     saved = SavedPackage(r.package)
     first = 39992
@@ -152,11 +160,11 @@ def test_folded_selection_verifies_through_the_stateful_tiled_graph(tiny_checkpo
     ckpt = tiny_checkpoint("qwen3")
     selection = {"kept_blocks": 2, "compress_ratio": 4}
     [r] = export_sidecars(
-        ckpt, tmp_path, 8, None, [1], graph="stateful-tiled", capacity=64, key_tile=16, mask_mode="additive",
+        load_checkpoint(ckpt), tmp_path, 8, None, [1], graph="stateful-tiled", capacity=64, key_tile=16, mask_mode="additive",
         selection=selection,
     )  # fmt: skip
     assert read_sidecar_metadata(r.package).selection_folded
-    report = verify_package(r.package, ckpt)
+    report = verify_package(r.package, load_checkpoint(ckpt))
     assert report.passed, report.table()
     fold = {c.case: c for c in report.comparisons if "fold" in c.case or "causal-only" in c.case or "moves" in c.case}
     assert len(fold) == 3, report.table()
@@ -169,10 +177,12 @@ def test_folded_selection_verifies_through_the_stateful_tiled_graph(tiny_checkpo
 def test_windowed_and_selection_refusals(tmp_path, tiny_checkpoint):
     ckpt = _gemma3_checkpoint(tmp_path / "ckpt")
     with pytest.raises(AnelabInputError, match="--mask-mode additive is for full-attention layers"):
-        export_sidecars(ckpt, tmp_path, CHUNK, None, [0], graph="stateful-tiled", capacity=32, mask_mode="additive")
+        export_sidecars(
+            load_checkpoint(ckpt), tmp_path, CHUNK, None, [0], graph="stateful-tiled", capacity=32, mask_mode="additive"
+        )
     with pytest.raises(AnelabInputError, match="needs its mask input: add --mask-mode additive"):
         export_sidecars(
-            tiny_checkpoint("qwen3"), tmp_path, 8, None, [1], graph="stateful-tiled", capacity=32,
+            load_checkpoint(tiny_checkpoint("qwen3")), tmp_path, 8, None, [1], graph="stateful-tiled", capacity=32,
             selection={"kept_blocks": 2, "compress_ratio": 4},
         )  # fmt: skip
     g, w = GEMMA3, random_attention_weights(GEMMA3, 0, TINY_SEED)

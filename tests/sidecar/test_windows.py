@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from test_families import CHUNK, FAMILIES, WINDOW, write_family_checkpoint
 
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.core.errors import AnelabInputError
 from anelab.core.masks import MASKED, causal, fold_with_causal
 from anelab.core.selection import Selection
@@ -50,7 +51,7 @@ def test_fold_composes_with_the_window():
 def mistral(tmp_path_factory):
     root = tmp_path_factory.mktemp("mistral")
     ckpt = write_family_checkpoint(root / "ckpt", MISTRAL)
-    [result] = export_sidecars(ckpt, root / "out", CHUNK, [0, CHUNK, 2 * CHUNK], [1])
+    [result] = export_sidecars(load_checkpoint(ckpt), root / "out", CHUNK, [0, CHUNK, 2 * CHUNK], [1])
     return ckpt, result.package
 
 
@@ -92,7 +93,7 @@ def test_prompt_driver_uses_the_window(mistral):
 def test_fold_check_on_a_windowed_layer(mistral):
     ckpt, package = mistral
     history = 2 * CHUNK
-    case = foldcheck.make_case(package, ckpt, history=history, seed=0)
+    case = foldcheck.make_case(package, load_checkpoint(ckpt), history=history, seed=0)
     assert case.window == WINDOW
     # each row p keeps key 0 (outside its window: the composition drops it), p - 1 and p (inside)
     p = history + np.arange(CHUNK)
@@ -109,7 +110,9 @@ def test_fold_check_on_a_windowed_layer(mistral):
 
 def test_stateful_windowed_verify(tmp_path):
     ckpt = write_family_checkpoint(tmp_path / "ckpt", MISTRAL)
-    [result] = export_sidecars(ckpt, tmp_path / "out", CHUNK, [0, CHUNK], [0], graph="stateful", capacity=2 * CHUNK)
+    [result] = export_sidecars(
+        load_checkpoint(ckpt), tmp_path / "out", CHUNK, [0, CHUNK], [0], graph="stateful", capacity=2 * CHUNK
+    )
     report = verify_package(result.package)
     assert report.passed, report.table()
     assert any(c.case == "control: window dropped" and c.passed for c in report.comparisons)

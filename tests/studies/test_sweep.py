@@ -323,7 +323,7 @@ def test_ends_only_keeps_the_first_and_the_longest_history_at_the_same_coverage(
     for design in ("dense", "tiled"):
         assert ends[design].metadata.coverage == full[design].metadata.coverage == 24
         assert ends[design].package.parent.name == f"{design}-int8-ends"  # beside, not over, a full export
-    report = verify_package(ends["dense"].package, ckpt)
+    report = verify_package(ends["dense"].package, load_checkpoint(ckpt))
     assert report.passed and not report.vacuous
     assert {c.function for c in report.comparisons} == {"h0", "h16"}
     assert any(c.cost for c in report.comparisons)  # the int8-vs-uncompressed-weights comparison ran

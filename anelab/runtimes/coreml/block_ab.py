@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from anelab.checkpoints.checkpoint import Checkpoint
 from anelab.core.errors import AnelabInputError
 from anelab.core.masks import causal
 from anelab.core.progress import tqdm
@@ -133,7 +134,7 @@ def ab_table(records: Sequence[dict]) -> list[dict]:
 
 
 def export_gated_ab(
-    checkpoint_dir: str | os.PathLike,
+    checkpoint: Checkpoint,
     out_dir: str | os.PathLike,
     chunk: int,
     histories: Sequence[int],
@@ -153,7 +154,7 @@ def export_gated_ab(
     left, refusals = [int(h) for h in histories], []
     while left:
         try:
-            [result] = export_sidecars(checkpoint_dir, out_dir, chunk, left, [layer], gate=gate)
+            [result] = export_sidecars(checkpoint, out_dir, chunk, left, [layer], gate=gate)
             return result, refusals
         except AneGateError as e:
             refused = int(e.function[1:]) if (e.function or "").startswith("h") and e.function[1:].isdigit() else None

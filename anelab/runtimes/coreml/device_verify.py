@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 
+from anelab.checkpoints.checkpoint import Checkpoint
 from anelab.runtimes.coreml.assumptions import STATE_SHARED_BY_FUNCTIONS
 from anelab.runtimes.coreml.coreml_runtime import default_runtime
 from anelab.runtimes.interface import (
@@ -85,7 +86,7 @@ class CoreMLEvaluator:
 
 def verify_on_device(
     package: str | os.PathLike,
-    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint: Checkpoint | None = None,
     *,
     compute_units: str,
     seed: int = 0,
@@ -104,6 +105,6 @@ def verify_on_device(
     evaluator = CoreMLEvaluator(runtime, package, compute_units)
     threshold, why = device_threshold(package, compute_units)
     evaluator.name += f"; threshold {threshold:.1e}: {why}"
-    report = verify_package(package, checkpoint_dir, seed=seed, evaluator=evaluator)
+    report = verify_package(package, checkpoint, seed=seed, evaluator=evaluator)
     report.threshold = max(report.threshold, threshold)  # every comparison without its own bound is held to it
     return report

@@ -98,26 +98,27 @@ class Comparison:
 # ---- the checkpoint a package came from, and one function's inputs run both ways -----------------
 
 
-def load_matching_checkpoint(
-    meta: SidecarMetadata, checkpoint_dir: str | os.PathLike | Checkpoint | None = None, digests=None
-) -> Checkpoint:
-    """The checkpoint a package was exported from: ``checkpoint_dir`` (a directory or an opened
-    ``Checkpoint``), else the path the package records; refused (one line) when it is missing or its
-    geometry or tensors differ from the package's (``digests``: as ``require_same_tensors``)."""
-    if isinstance(checkpoint_dir, Checkpoint):
-        require_same_geometry(meta, checkpoint_dir.geometry, checkpoint_dir.path)
-        require_same_tensors(meta, checkpoint_dir, digests)
-        return checkpoint_dir
-    source = Path(checkpoint_dir) if checkpoint_dir is not None else Path(meta.source)
+def load_matching_checkpoint(meta: SidecarMetadata, checkpoint: Checkpoint | None = None, digests=None) -> Checkpoint:
+    """The checkpoint a package was exported from: ``checkpoint`` (opened), else the one at the path the package
+    records (``open_package_checkpoint``); refused (one line) when its geometry or tensors differ from the
+    package's (``digests``: as ``require_same_tensors``)."""
+    if checkpoint is None:
+        checkpoint = open_package_checkpoint(meta.source)
+    require_same_geometry(meta, checkpoint.geometry, checkpoint.path)
+    require_same_tensors(meta, checkpoint, digests)
+    return checkpoint
+
+
+def open_package_checkpoint(source: str | os.PathLike) -> Checkpoint:
+    """The checkpoint at ``source`` (the one a package records, or the user's ``--checkpoint``) opened, refused in one
+    line when it is not one anelab reads."""
+    source = Path(source)
     if not is_checkpoint(source):
         raise AnelabInputError(
             f"checkpoint {source} (recorded in the package) is not a checkpoint anelab reads (a directory with "
             f"{CONFIG_FILE}, a .gguf file); pass --checkpoint PATH"
         )
-    checkpoint = load_checkpoint(source)
-    require_same_geometry(meta, checkpoint.geometry, source)
-    require_same_tensors(meta, checkpoint, digests)
-    return checkpoint
+    return load_checkpoint(source)
 
 
 def require_same_tensors(meta: SidecarMetadata, checkpoint: Checkpoint, digests=None) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from anelab import __version__
-from anelab.checkpoints.checkpoint import Checkpoint, load_checkpoint
+from anelab.checkpoints.checkpoint import Checkpoint
 from anelab.core.records import atomic_write_text
 from anelab.sidecar.checks.comparison import Comparison
 from anelab.sidecar.checks.verify import verify_package
@@ -102,7 +102,7 @@ def _complete(entry: Path, layers: list[int]) -> list[ExportResult] | None:
 
 
 def cached_export(
-    checkpoint,
+    checkpoint: Checkpoint,
     cache_root: str | os.PathLike,
     chunk: int,
     histories: list[int] | None,
@@ -113,8 +113,7 @@ def cached_export(
 ) -> list[ExportResult]:
     """``export_sidecars(checkpoint, <entry>, chunk, histories, layers, **request)`` unless an entry with the same
     content key is complete in ``cache_root/exports`` (``request``: graph, weights_mode and the design's options).
-    ``checkpoint``: a path or an opened ``Checkpoint``; ``layers``: default every attention layer (full and sliding)."""
-    checkpoint = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint)
+    ``checkpoint``: opened; ``layers``: default every attention layer (full and sliding)."""
     g = checkpoint.geometry
     layers = [int(x) for x in (layers if layers is not None else sorted({*g.full_attention_layers, *g.sliding_layers}))]
     spelt = {"chunk": int(chunk), "histories": None if histories is None else [int(h) for h in histories], **request}
@@ -156,7 +155,7 @@ def report_from_dict(data: dict) -> VerifyReport:
 
 def cached_verify(
     package: str | os.PathLike,
-    checkpoint,
+    checkpoint: Checkpoint,
     cache_root: str | os.PathLike,
     *,
     use: CacheUse | None = None,
@@ -164,8 +163,8 @@ def cached_verify(
     **options,
 ) -> VerifyReport:
     """``verify_package(package, checkpoint, activations=..., **options)`` (no progress bar) unless the same
-    package content, checkpoint layer, options and inputs were verified before (``cache_root/verify``)."""
-    checkpoint = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint)
+    package content, checkpoint layer, options and inputs were verified before (``cache_root/verify``); ``checkpoint``:
+    opened."""
     meta = read_sidecar_metadata(package)
     options.setdefault("progress", False)
     parts = {

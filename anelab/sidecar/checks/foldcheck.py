@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from anelab.checkpoints.checkpoint import Checkpoint
 from anelab.core import reference
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import AttentionGeometry
@@ -97,7 +98,7 @@ class FoldCase:
 
 def make_case(
     package: str | os.PathLike | SavedPackage,
-    checkpoint_dir: str | os.PathLike,
+    checkpoint: Checkpoint | None,
     history: int | None = None,
     *,
     seed: int = 0,
@@ -108,7 +109,7 @@ def make_case(
     history = max(meta.histories) if history is None else int(history)
     if history not in meta.histories:
         raise AnelabInputError(f"{saved.path.name} has no function h{history}; it has {', '.join(meta.functions)}")
-    checkpoint = load_matching_checkpoint(meta, checkpoint_dir)
+    checkpoint = load_matching_checkpoint(meta, checkpoint)
     weights, geometry = checkpoint.layer(meta.layer), checkpoint.geometry
     rng = np.random.default_rng([int(seed), history, meta.chunk])
     rows = rng.standard_normal((history + meta.chunk, geometry.hidden_size)).astype(np.float16)
@@ -246,7 +247,7 @@ def fold_check(
 
 
 def stateful_tiled_fold_check(
-    saved: SavedPackage, checkpoint_dir, *, kept_blocks: int, compress_ratio: int, seed: int = 0
+    saved: SavedPackage, checkpoint: Checkpoint | None, *, kept_blocks: int, compress_ratio: int, seed: int = 0
 ) -> FoldCheck:
     """The fold check of a stateful-tiled package with an ``additive`` mask input.
 
@@ -261,7 +262,7 @@ def stateful_tiled_fold_check(
         raise AnelabInputError(
             f"{saved.path.name}: the stateful fold check needs a stateful-tiled package exported with --mask-mode additive"
         )
-    checkpoint = load_matching_checkpoint(meta, checkpoint_dir)
+    checkpoint = load_matching_checkpoint(meta, checkpoint)
     weights, geometry, C, N = checkpoint.layer(meta.layer), checkpoint.geometry, meta.chunk, meta.state_capacity
     H = N - C
     rng = np.random.default_rng([int(seed), H, C])

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from anelab.checkpoints.checkpoint import Checkpoint
 from anelab.core import reference
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import AttentionGeometry
@@ -84,11 +85,11 @@ def stateful_report(package, checkpoint, meta, fp16: bool, evaluator: Evaluator 
     return VerifyReport(str(package), str(checkpoint.path), meta.layer, RELATIVE_ERROR_THRESHOLD, how)
 
 
-def open_stateful_package(package: str | os.PathLike, checkpoint_dir: str | os.PathLike | None):
+def open_stateful_package(package: str | os.PathLike, checkpoint: Checkpoint | None):
     """A stateful package's metadata, matching checkpoint, saved program (every function checked), the
     weights its graph holds (dequantized when compressed) and the checkpoint's own weights."""
     meta = read_metadata(package)
-    checkpoint = load_matching_checkpoint(meta, checkpoint_dir)
+    checkpoint = load_matching_checkpoint(meta, checkpoint)
     saved = open_saved(package)
     for name in meta.functions:
         saved.function(name)
@@ -101,7 +102,7 @@ def open_stateful_package(package: str | os.PathLike, checkpoint_dir: str | os.P
 
 def verify_stateful_package(
     package: str | os.PathLike,
-    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint: Checkpoint | None = None,
     *,
     seed: int = 0,
     fp16: bool = True,
@@ -114,7 +115,7 @@ def verify_stateful_package(
 
     ``evaluator`` (with ``make_state`` and ``state_arrays``): the calls run through it, carrying its
     state; its attn_out and final caches are compared with the reference, beside the NumPy run."""
-    meta, checkpoint, saved, weights, checkpoint_weights = open_stateful_package(package, checkpoint_dir)
+    meta, checkpoint, saved, weights, checkpoint_weights = open_stateful_package(package, checkpoint)
     geometry, capacity = checkpoint.geometry, meta.state_capacity
     prefill, decode_steps = stateful_prompt_rows(meta)
     P = prefill + decode_steps
@@ -258,7 +259,7 @@ def stateful_tiled_prompt(meta: SidecarMetadata) -> tuple[int, int]:
 
 def verify_stateful_tiled_package(
     package: str | os.PathLike,
-    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint: Checkpoint | None = None,
     *,
     seed: int = 0,
     fp16: bool = True,
@@ -271,7 +272,7 @@ def verify_stateful_tiled_package(
     wrong position (start + 1, over the prompt's whole chunks), a fresh state per call (state not
     carried), a windowed layer's window dropped (the reference without it), with an additive mask
     input a changed mask, and the fold check when the package records a selection."""
-    meta, checkpoint, saved, weights, checkpoint_weights = open_stateful_package(package, checkpoint_dir)
+    meta, checkpoint, saved, weights, checkpoint_weights = open_stateful_package(package, checkpoint)
     geometry, capacity, C = checkpoint.geometry, meta.state_capacity, meta.chunk
     prefill, decode_steps = stateful_tiled_prompt(meta)
     P = prefill + decode_steps
@@ -313,7 +314,7 @@ def verify_stateful_tiled_package(
         steps.update()
     steps.close()
     if meta.selection_folded:
-        report.comparisons.extend(fold_comparisons(saved, checkpoint.path, meta, seed=seed))
+        report.comparisons.extend(fold_comparisons(saved, checkpoint, meta, seed=seed))
     saved.close()
     return report
 

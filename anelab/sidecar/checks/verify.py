@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from anelab.checkpoints.checkpoint import Checkpoint
 from anelab.core.errors import AnelabInputError
 from anelab.sidecar.backends import read_metadata
 from anelab.sidecar.checks.comparison import REFERENCE_PRECISION, Evaluator
@@ -43,7 +44,7 @@ __all__ = [
 
 def verify_package(
     package: str | os.PathLike,
-    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint: Checkpoint | None = None,
     *,
     seed: int = 0,
     fp16: bool = True,
@@ -53,7 +54,8 @@ def verify_package(
     progress: bool = True,
     activations=None,
 ) -> VerifyReport:
-    """Verify a saved sidecar against the reference with its design's cases and negative controls.
+    """Verify a saved sidecar against the reference with its design's cases and negative controls. ``checkpoint``:
+    the opened checkpoint the package came from (None: the one its metadata records, opened here).
 
     ``functions``: only these functions (per-history designs); ``precision``: the reference's ("fp32":
     its own error against fp64 is measured on a slice and bounded; "fp64"); ``evaluator``: runs the
@@ -75,7 +77,7 @@ def verify_package(
         real["activations"] = activations
     return design.verify(
         package,
-        checkpoint_dir,
+        checkpoint,
         seed=seed,
         fp16=fp16,
         functions=functions,

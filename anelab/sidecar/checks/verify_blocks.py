@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from anelab.checkpoints.checkpoint import Checkpoint
 from anelab.core.decoder import MlpWeights, swiglu
 from anelab.core.errors import AnelabInputError
 from anelab.core.gated_deltanet import GDN_OUTPUTS, GdnProjectionWeights, gdn_input_projections
@@ -126,7 +127,7 @@ def _errors(out: dict, ref: dict, outputs: tuple[str, ...]) -> dict[str, float]:
 
 def verify_block_package(
     package: str | os.PathLike,
-    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint: Checkpoint | None = None,
     *,
     reader,
     cases: BlockCases,
@@ -147,7 +148,7 @@ def verify_block_package(
         )
     start = time.perf_counter()
     meta = read_metadata(package)
-    checkpoint = load_matching_checkpoint(meta, checkpoint_dir, reader.digests)
+    checkpoint = load_matching_checkpoint(meta, checkpoint, reader.digests)
     saved = open_saved(package)
     function = meta.functions[0]
     if functions is not None and list(functions) != [function]:

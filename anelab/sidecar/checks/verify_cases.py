@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from anelab.checkpoints.checkpoint import Checkpoint
 from anelab.core import reference
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import AttentionGeometry
@@ -225,7 +226,7 @@ def _timed(seconds: dict[str, float], phase: str):
 
 def verify_per_history_package(
     package: str | os.PathLike,
-    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint: Checkpoint | None = None,
     *,
     seed: int = 0,
     fp16: bool = True,
@@ -248,7 +249,7 @@ def verify_per_history_package(
     """
     start = time.perf_counter()
     meta = read_metadata(package)
-    checkpoint = load_matching_checkpoint(meta, checkpoint_dir)
+    checkpoint = load_matching_checkpoint(meta, checkpoint)
     saved = open_saved(package)
     names = functions or list(meta.functions)
     for name in names:
@@ -277,7 +278,7 @@ def verify_per_history_package(
             report.comparisons += function_comparisons(run, inputs, weights, rng, compression=compression)
     if meta.selection_folded:
         with _timed(report.seconds, "fold check"):
-            report.comparisons.extend(fold_comparisons(saved, checkpoint.path, meta, seed=seed, evaluator=evaluator))
+            report.comparisons.extend(fold_comparisons(saved, checkpoint, meta, seed=seed, evaluator=evaluator))
     saved.close()
     report.seconds["total"] = time.perf_counter() - start
     return report
@@ -545,7 +546,7 @@ def cross_checks(
 
 
 def fold_comparisons(
-    saved: SavedPackage, checkpoint_dir, meta, *, seed: int = 0, evaluator: Evaluator | None = None
+    saved: SavedPackage, checkpoint: Checkpoint, meta, *, seed: int = 0, evaluator: Evaluator | None = None
 ) -> list[Comparison]:
     """The fold check a sidecar recording ``selectionFolded: true`` gets automatically.
 
@@ -562,10 +563,10 @@ def fold_comparisons(
     kept = max(1, min(int(indexer.get("kept_blocks", 1)), (history + 1) // ratio // 4))
     if meta.state_functions:  # through the state: the cache filled by the package's own calls (stateful-tiled)
         check = foldcheck.stateful_tiled_fold_check(
-            saved, checkpoint_dir, kept_blocks=kept, compress_ratio=ratio, seed=seed
+            saved, checkpoint, kept_blocks=kept, compress_ratio=ratio, seed=seed
         )
     else:
-        case = foldcheck.make_case(saved, checkpoint_dir, history=history, seed=seed)
+        case = foldcheck.make_case(saved, checkpoint, history=history, seed=seed)
         selection = foldcheck.selection_for(case, kept, ratio, seed=seed)
         check = foldcheck.fold_check(case, selection, strict=False, evaluator=evaluator)
     fn, rows = fold_label(meta), meta.chunk

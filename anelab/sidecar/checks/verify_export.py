@@ -15,20 +15,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from anelab.checkpoints.checkpoint import load_checkpoint
+from anelab.checkpoints.checkpoint import Checkpoint, load_checkpoint
 from anelab.core.errors import AnelabInputError
 from anelab.core.parallel import default_jobs, process_map, threads_per_run
 from anelab.core.progress import tqdm
 from anelab.sidecar.backends import BACKENDS, read_metadata
-from anelab.sidecar.checks.comparison import Comparison
+from anelab.sidecar.checks.comparison import Comparison, open_package_checkpoint
 from anelab.sidecar.checks.verify import VerifyReport, verify_package
 from anelab.sidecar.coremltools_import import coremltools_modules
 from anelab.sidecar.format import SidecarMetadata
 
 _PACKAGE = re.compile(r"^layer_(\d+)(" + "|".join(re.escape(b.suffix) for b in BACKENDS.values()) + r")$")
 
-# (package, checkpoint directory or None) -> its report; verify_package without its own progress bar by default
-VerifyOne = Callable[[Path, "str | os.PathLike | None"], VerifyReport]
+# (package, the opened checkpoint or None) -> its report; verify_package without its own progress bar by default
+VerifyOne = Callable[[Path, "Checkpoint | None"], VerifyReport]
 
 
 def _bound(c: Comparison, threshold: float) -> float:
@@ -144,14 +144,14 @@ def export_packages(directory: str | os.PathLike) -> list[tuple[int, Path]]:
 
 def verify_export(
     directory: str | os.PathLike,
-    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint: Checkpoint | None = None,
     *,
     fp16: bool = True,
     verify_one: VerifyOne | None = None,
     jobs: int | None = None,
     layers: list[int] | None = None,
 ) -> ExportVerifyReport:
-    """Verify every ``layer_<L>.mlpackage`` of ``directory`` against its checkpoint (``checkpoint_dir``, else
+    """Verify every ``layer_<L>.mlpackage`` of ``directory`` against its checkpoint (``checkpoint``, opened, else
     the one each package records), with one progress bar over the packages. ``verify_one`` replaces the
     NumPy verification of one package (e.g. on the device: then one package at a time, and a ``jobs``
     above 1 is refused). ``jobs``: packages verified at once in worker processes (default
@@ -166,9 +166,9 @@ def verify_export(
         jobs = default_jobs(len(packages))
     threads_per_run(jobs)  # 1..cores, else refused in one line before anything runs
     if layers is not None and packages:  # a --layers that names no attention layer is refused before any work
-        _attention_layers(checkpoint_dir or read_metadata(packages[0][1]).source, layers)
-    checkpoint = None if checkpoint_dir is None else str(checkpoint_dir)
-    work = [(str(path), checkpoint, fp16) for _, path in packages]
+        _attention_layers(checkpoint.path if checkpoint is not None else read_metadata(packages[0][1]).source, layers)
+    source = None if checkpoint is None else str(checkpoint.path)  # the workers open it again, once per package
+    work = [(str(path), source, fp16) for _, path in packages]
     with tqdm(total=len(packages), desc="verify packages", unit="pkg") as bar:
         if verify_one is None:
             coremltools_modules()  # imported before the workers fork, so they inherit it (~1.5 s each otherwise)
@@ -177,14 +177,14 @@ def verify_export(
             reports = []
             for layer, path in packages:
                 bar.set_postfix_str(f"layer {layer}")
-                reports.append(verify_one(path, checkpoint_dir))
+                reports.append(verify_one(path, checkpoint))
                 bar.update()
     verdicts, metas = [], {}
     for (layer, path), report in zip(packages, reports, strict=True):
         meta = metas[layer] = read_metadata(path)
         design = meta.graph if meta.weights == "fp16" else f"{meta.graph} {meta.weights}"
         verdicts.append(LayerVerdict(layer, str(path), design, report))
-    return ExportVerifyReport(str(directory), verdicts, set_problems(metas, checkpoint_dir, layers))
+    return ExportVerifyReport(str(directory), verdicts, set_problems(metas, source, layers))
 
 
 def _design_key(meta: SidecarMetadata) -> tuple:
@@ -249,6 +249,8 @@ def _refuse_other_layers(layers: list[int] | None, attention: set[int], source) 
 
 
 def _verify_numpy(job: tuple[str, str | None, bool]) -> VerifyReport:
-    """One package's NumPy verification (in a worker process): ``job`` = (package, checkpoint or None, fp16)."""
-    package, checkpoint, fp16 = job
+    """One package's NumPy verification (in a worker process): ``job`` = (package, checkpoint path or None: the one
+    the package records, fp16)."""
+    package, source, fp16 = job
+    checkpoint = None if source is None else open_package_checkpoint(source)
     return verify_package(package, checkpoint, fp16=fp16, progress=False)

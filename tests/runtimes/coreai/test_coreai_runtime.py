@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.core.errors import AnelabInputError
 from anelab.core.records import read_records
 from anelab.publish.measure import MeasureConfig, measure
@@ -45,7 +46,9 @@ def test_this_linux_machine_cannot_measure_core_ai():
 @pytest.fixture(scope="module")
 def asset(tiny_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("coreai-rt")
-    [result] = export_sidecars(tiny_checkpoint("llama"), root, CHUNK, [0, CHUNK], [0], backend="coreai", jobs=1)
+    [result] = export_sidecars(
+        load_checkpoint(tiny_checkpoint("llama")), root, CHUNK, [0, CHUNK], [0], backend="coreai", jobs=1
+    )
     return result.package
 
 

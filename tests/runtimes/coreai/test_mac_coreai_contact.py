@@ -11,6 +11,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.core import macos
 from anelab.core.errors import AnelabInputError
 from anelab.runtimes.coreai import coreai_timing
@@ -26,7 +27,9 @@ CHUNK = 8
 @pytest.fixture(scope="module")
 def asset(tiny_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("coreai-contact")
-    [result] = export_sidecars(tiny_checkpoint("llama"), root, CHUNK, [0, CHUNK], [0], backend="coreai", jobs=1)
+    [result] = export_sidecars(
+        load_checkpoint(tiny_checkpoint("llama")), root, CHUNK, [0, CHUNK], [0], backend="coreai", jobs=1
+    )
     return result.package
 
 

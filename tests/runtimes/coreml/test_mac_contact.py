@@ -274,7 +274,7 @@ def test_item_6_a_gate_refusal_of_one_history_is_recorded_and_the_ab_goes_on(tin
     from anelab.runtimes.coreml.gate import AneGate
 
     runtime = FakeRuntime({"h16": FakeFunction(load_stderr="ANECCompile() FAILED: the score arena\n")})
-    result, refusals = export_gated_ab(tiny_checkpoint("llama"), tmp_path / "out", 8, [0, 8, 16], 0,
+    result, refusals = export_gated_ab(load_checkpoint(tiny_checkpoint("llama")), tmp_path / "out", 8, [0, 8, 16], 0,
                                        AneGate(runtime), records_dir=tmp_path / "records")  # fmt: skip
     assert result.metadata.histories == [0, 8] and result.metadata.ane_verified
     assert [r["parameters"]["function"] for r in refusals] == ["h16"]

@@ -51,7 +51,7 @@ def made(tmp_path_factory):
     out = {}
     for dtype in ("float32", "bfloat16"):
         checkpoint = write_mlx_lm_checkpoint(root / dtype / "model", CONFIG, seed=1, dtype=dtype)
-        export_sidecars(checkpoint, root / dtype / "sidecars", CHUNK, [0, CHUNK])
+        export_sidecars(load_checkpoint(checkpoint), root / dtype / "sidecars", CHUNK, [0, CHUNK])
         out[dtype] = (checkpoint, _gated(root / dtype / "sidecars", root / dtype / "gated"))
     return out
 
@@ -199,7 +199,7 @@ def test_a_gguf_checkpoints_ab_runs_mlx_lm_on_its_fp16_copy_and_decide_asks_for_
     from anelab.runtimes.mlx.from_gguf import mlx_readable_path
 
     path = write_gguf(made["float32"][0], tmp_path / "m.gguf", "F32")
-    export_sidecars(path, tmp_path / "sidecars", CHUNK, [0, CHUNK])
+    export_sidecars(load_checkpoint(path), tmp_path / "sidecars", CHUNK, [0, CHUNK])
     with pytest.raises(AnelabInputError, match="GGUF"):  # what decide met before: mlx-lm's loader refuses the file
         run_ab(ab_request(path, tmp_path / "sidecars", [PROMPT]))
     copy = mlx_readable_path(load_checkpoint(path), tmp_path / "copies")

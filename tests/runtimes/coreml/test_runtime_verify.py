@@ -32,13 +32,13 @@ def test_off_mac_the_flag_exits_2_with_one_line(sidecar, capsys):
 def test_unknown_compute_units_are_refused(sidecar):
     pkg, ckpt = sidecar
     with pytest.raises(AnelabInputError, match="unknown compute units"):
-        verify_on_device(pkg, ckpt, compute_units="neural_engine", runtime=FakeRuntime(numerics=True))
+        verify_on_device(pkg, load_checkpoint(ckpt), compute_units="neural_engine", runtime=FakeRuntime(numerics=True))
 
 
 def test_every_case_runs_through_predict_with_three_comparisons(sidecar):
     pkg, ckpt = sidecar
     runtime = FakeRuntime(numerics=True)
-    report = verify_on_device(pkg, ckpt, compute_units="cpu_and_ne", runtime=runtime)
+    report = verify_on_device(pkg, load_checkpoint(ckpt), compute_units="cpu_and_ne", runtime=runtime)
     assert report.passed and "Core ML predict (cpu_and_ne" in report.evaluator, report.table()
     cases = [(c.function, c.case) for c in report.comparisons]
     for fn in ("h0", "h8"):
@@ -56,7 +56,7 @@ def test_every_case_runs_through_predict_with_three_comparisons(sidecar):
 def test_a_device_that_computes_something_else_fails_against_both(sidecar):
     # negative control: the "device" returns zeros (the fake without numerics)
     pkg, ckpt = sidecar
-    report = verify_on_device(pkg, ckpt, compute_units="cpu_and_ne", runtime=FakeRuntime())
+    report = verify_on_device(pkg, load_checkpoint(ckpt), compute_units="cpu_and_ne", runtime=FakeRuntime())
     assert not report.passed
     by_case = {(c.function, c.case): c for c in report.comparisons}
     assert not by_case[("h8", "full chunk")].passed
@@ -75,7 +75,7 @@ def stateful(tiny_checkpoint, tmp_path_factory):
 def test_a_stateful_sidecar_verifies_on_the_device_through_its_state(stateful):
     pkg, ckpt = stateful
     runtime = FakeRuntime(numerics=True)
-    report = verify_on_device(pkg, ckpt, compute_units="cpu_and_ne", runtime=runtime)
+    report = verify_on_device(pkg, load_checkpoint(ckpt), compute_units="cpu_and_ne", runtime=runtime)
     assert report.passed, report.table()
     cases = [c.case for c in report.comparisons]
     assert "device vs NumPy" in cases and "NumPy vs ref." in cases and "control: state carried" in cases
@@ -89,7 +89,7 @@ def test_a_device_that_drops_the_state_fails_the_stateful_check(stateful):
     runtime = FakeRuntime(numerics=True)
     real = runtime.predict
     runtime.predict = lambda handle, inputs, state=None: real(handle, inputs, state=runtime.make_state(handle))
-    report = verify_on_device(pkg, ckpt, compute_units="cpu_and_ne", runtime=runtime)
+    report = verify_on_device(pkg, load_checkpoint(ckpt), compute_units="cpu_and_ne", runtime=runtime)
     by_case = {c.case: c for c in report.comparisons}
     assert not report.passed and not by_case["device vs NumPy"].passed and by_case["NumPy vs ref."].passed
 
@@ -99,7 +99,7 @@ def test_the_device_cache_is_read_back_and_checked(stateful):
     attention is right but whose state ends empty fails on k_chunk/v_chunk."""
     pkg, ckpt = stateful
     runtime = FakeRuntime(numerics=True)
-    report = verify_on_device(pkg, ckpt, compute_units="cpu_and_ne", runtime=runtime)
+    report = verify_on_device(pkg, load_checkpoint(ckpt), compute_units="cpu_and_ne", runtime=runtime)
     first = report.comparisons[0]
     assert first.passed and {"attn_out", "k_chunk", "v_chunk"} <= set(first.errors)
     real_make_state = runtime.make_state
@@ -110,7 +110,7 @@ def test_the_device_cache_is_read_back_and_checked(stateful):
         return state
 
     runtime.make_state = make_state
-    report = verify_on_device(pkg, ckpt, compute_units="cpu_and_ne", runtime=runtime)
+    report = verify_on_device(pkg, load_checkpoint(ckpt), compute_units="cpu_and_ne", runtime=runtime)
     first = report.comparisons[0]
     assert not report.passed and first.errors["attn_out"] < 1e-2 and first.errors["k_chunk"] == 1.0
 
@@ -125,7 +125,7 @@ def test_the_fold_check_runs_on_the_device_too(tiny_checkpoint, tmp_path):
         ).package
     )
     runtime = FakeRuntime(numerics=True)
-    report = verify_on_device(pkg, ckpt, compute_units="cpu_and_ne", runtime=runtime)
+    report = verify_on_device(pkg, load_checkpoint(ckpt), compute_units="cpu_and_ne", runtime=runtime)
     fold_rows = [c for c in report.comparisons if c.case.startswith("fold:") or c.case == "control: causal-only mask"]
     assert report.passed and len(fold_rows) == 2, report.table()
     fold_predicts = [c for c in runtime.calls if c[0] == "predict" and c[2] == "h32"]
@@ -140,6 +140,6 @@ def test_the_fold_check_runs_on_the_device_too(tiny_checkpoint, tmp_path):
         return real(handle, inputs, state=state)
 
     runtime.predict = causal_only
-    report = verify_on_device(pkg, ckpt, compute_units="cpu_and_ne", runtime=runtime)
+    report = verify_on_device(pkg, load_checkpoint(ckpt), compute_units="cpu_and_ne", runtime=runtime)
     fold = next(c for c in report.comparisons if c.case.startswith("fold:"))
     assert not fold.passed and not report.passed

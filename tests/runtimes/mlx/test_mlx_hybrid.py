@@ -22,6 +22,7 @@ from anelab.arms.engines import run_arms_on
 from anelab.arms.mlx_engine import open_mlx_arms_model
 from anelab.arms.prefill_ab import ab_request, run_ab
 from anelab.arms.sidecars import SidecarSet, numpy_runner, open_sidecars
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.checkpoints.whole_model import load_model
 from anelab.cli import main
 from anelab.core.errors import AnelabInputError
@@ -64,14 +65,14 @@ def made(tmp_path_factory):
     out = {}
     for family, config in CONFIGS.items():
         checkpoint = write_mlx_lm_checkpoint(root / family / "model", config, seed=1)
-        export_sidecars(checkpoint, root / family / "sidecars", CHUNK, [0, CHUNK])
+        export_sidecars(load_checkpoint(checkpoint), root / family / "sidecars", CHUNK, [0, CHUNK])
         out[family] = (checkpoint, root / family / "sidecars")
     return out
 
 
 def _opened(made, family):
     checkpoint, directory = made[family]
-    model = open_mlx_arms_model(checkpoint)
+    model = open_mlx_arms_model(load_checkpoint(checkpoint))
     sidecars = open_sidecars(directory, model.checkpoint, PROMPT)
     sidecars.runner, sidecars.calls = numpy_runner(sidecars, keep_open=len(sidecars.packages)), []
     return model, sidecars
@@ -135,10 +136,10 @@ def test_a_layer_served_by_another_layers_package_is_refused_and_would_be_caught
 def test_a_sidecar_from_another_checkpoint_is_refused_and_would_be_caught(made, tmp_path):
     model, sidecars = _opened(made, "llama")
     other = write_mlx_lm_checkpoint(tmp_path / "other", CONFIGS["llama"], seed=2)
-    export_sidecars(other, tmp_path / "other_sidecars", CHUNK, [0, CHUNK])
+    export_sidecars(load_checkpoint(other), tmp_path / "other_sidecars", CHUNK, [0, CHUNK])
     with pytest.raises(AnelabInputError, match="differs from the checkpoint"):
         open_sidecars(tmp_path / "other_sidecars", model.checkpoint, PROMPT)
-    foreign = open_sidecars(tmp_path / "other_sidecars", open_mlx_arms_model(other).checkpoint, PROMPT)
+    foreign = open_sidecars(tmp_path / "other_sidecars", open_mlx_arms_model(load_checkpoint(other)).checkpoint, PROMPT)
     foreign.runner = numpy_runner(foreign, keep_open=2)
     assert _arms(model, foreign, Arm("sidecar", "sidecar"))["sidecar"].prompt_logits_diff > NOISE
 
@@ -148,9 +149,9 @@ def test_where_both_engines_run_they_agree(made, family):
     """anelab's NumPy forward and mlx-lm's forward are written independently: the reference arms agree to fp32
     rounding, and the sidecar arms (the same saved packages) to fp16 noise."""
     checkpoint, directory = made[family]
-    prompt = _prompt(open_mlx_arms_model(checkpoint))
+    prompt = _prompt(open_mlx_arms_model(load_checkpoint(checkpoint)))
     runs = {}
-    for engine, model in (("numpy", load_model(checkpoint)), ("mlx", open_mlx_arms_model(checkpoint))):
+    for engine, model in (("numpy", load_model(checkpoint)), ("mlx", open_mlx_arms_model(load_checkpoint(checkpoint)))):
         sidecars = open_sidecars(directory, model if engine == "numpy" else model.checkpoint, PROMPT)
         arms = [Arm("reference"), Arm("sidecar", "sidecar")]
         runs[engine] = run_arms_on(engine, model, prompt, arms, decode=DECODE, sidecars=sidecars)
@@ -169,8 +170,8 @@ def test_where_both_engines_run_they_agree(made, family):
 def test_stateful_designs_are_served_their_state_mirrored_into_mlx_lms_cache(made, tmp_path, family, design):
     checkpoint, _ = made[family]
     request = SidecarRequest(chunk=CHUNK, graph=design, capacity=2 * CHUNK, histories=(0, CHUNK))
-    export_request(checkpoint, tmp_path / design, request, None, jobs=1)
-    report = compare_arms(checkpoint, tmp_path / design, PROMPT, decode=DECODE, engine="mlx")
+    export_request(load_checkpoint(checkpoint), tmp_path / design, request, None, jobs=1)
+    report = compare_arms(open_mlx_arms_model(load_checkpoint(checkpoint)), tmp_path / design, PROMPT, decode=DECODE)
     pair = report.pairs[0]
     assert DESIGNS[design].stateful and 0 < pair.prompt_logits_diff < NOISE
     assert max(pair.step_logits_diffs) < NOISE and pair.identical_text  # decode read the mirrored K/V
@@ -194,13 +195,13 @@ def test_a_gguf_file_on_mlx_lm_is_refused_in_one_line(made, capsys):
     from anelab.checkpoints.default import resolve_checkpoint
 
     with pytest.raises(AnelabInputError, match="not GGUF files.*--engine numpy"):
-        open_engine_model(resolve_checkpoint("default-real"), "mlx")
+        open_engine_model(load_checkpoint(resolve_checkpoint("default-real")), "mlx")
     _, directory = made["llama"]
     assert main(["ab", "default-real", "--sidecars", str(directory), "--prompt-tokens", "8"]) == 2
     err = capsys.readouterr().err
     assert "not GGUF files" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     # control: the same engine on a checkpoint directory opens it
-    assert open_mlx_arms_model(made["llama"][0]).num_layers > 0
+    assert open_mlx_arms_model(load_checkpoint(made["llama"][0])).num_layers > 0
 
 
 # ---- the A/B ---------------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def _write(path, *, nudge_v1: bool = False):
 def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("content")
     original = _write(root / "models--org--m" / "snapshots" / "rev1")
-    export_sidecars(original, root / "sidecars", CHUNK, [0, CHUNK])
+    export_sidecars(load_checkpoint(original), root / "sidecars", CHUNK, [0, CHUNK])
     renamed = root / "models--org--m" / "snapshots" / "rev2"  # a new revision with the same tensors
     shutil.copytree(original, renamed)
     other = _write(root / "edited")
@@ -58,7 +58,8 @@ def test_the_package_records_the_absolute_path_and_one_digest_per_attention_tens
     names = {f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkvo"}
     assert set(meta.source_tensors) == names and len(set(meta.source_tensors.values())) == 4
     monkeypatch.chdir(original.parent)
-    export_sidecars("rev1", tmp_path / "relative", CHUNK, [0], layers=[0])  # a relative path, recorded absolute
+    relative = load_checkpoint("rev1")  # a relative path, recorded absolute
+    export_sidecars(relative, tmp_path / "relative", CHUNK, [0], layers=[0])
     assert read_sidecar_metadata(tmp_path / "relative" / "layer_0.mlpackage").source == str(original.resolve())
 
 
@@ -66,7 +67,7 @@ def test_a_renamed_copy_with_the_same_tensors_is_accepted(exported):
     root, original, renamed, *_ = exported
     sidecars = open_sidecars(root / "sidecars", load_model(renamed), prompt_tokens=2 * CHUNK)
     assert sorted(sidecars.packages) == [0, 1]
-    assert verify_package(root / "sidecars" / "layer_1.mlpackage", renamed).passed
+    assert verify_package(root / "sidecars" / "layer_1.mlpackage", load_checkpoint(renamed)).passed
 
 
 def test_the_same_geometry_with_one_tensor_changed_is_refused_naming_it(exported):
@@ -77,7 +78,7 @@ def test_the_same_geometry_with_one_tensor_changed_is_refused_naming_it(exported
         open_sidecars(root / "sidecars", load_model(changed), prompt_tokens=CHUNK)
     assert "\n" not in str(e.value)
     with pytest.raises(AnelabInputError, match=f"tensor {CHANGED} differs"):
-        verify_package(root / "sidecars" / "layer_1.mlpackage", changed)
+        verify_package(root / "sidecars" / "layer_1.mlpackage", load_checkpoint(changed))
 
 
 def test_digests_are_of_stored_bytes_not_of_the_path(exported):

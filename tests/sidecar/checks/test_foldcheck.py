@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.core import reference
 from anelab.core.errors import AnelabInputError
 from anelab.core.masks import causal
@@ -52,8 +53,8 @@ def cases(tiny_checkpoint, tmp_path_factory):
     for chunk in WIDTHS:
         # h<15 chunks> as well: a long history, where one dropped key barely moves the output
         pkg = export_fold_sidecar(ckpt, out / f"c{chunk}", chunk, histories=[0, chunk, LONG * chunk])
-        result[chunk] = make_case(pkg, ckpt, history=chunk, seed=3)
-        result["long", chunk] = make_case(pkg, ckpt, history=LONG * chunk, seed=3)
+        result[chunk] = make_case(pkg, load_checkpoint(ckpt), history=chunk, seed=3)
+        result["long", chunk] = make_case(pkg, load_checkpoint(ckpt), history=LONG * chunk, seed=3)
     return result
 
 
@@ -209,7 +210,7 @@ def test_mismatched_selection_is_refused(cases):
     with pytest.raises(AnelabInputError, match="selection is for start"):
         fold_check(case, other_start)
     with pytest.raises(AnelabInputError, match="no function h3"):
-        make_case(case.saved, case.saved.path, history=3)
+        make_case(case.saved, None, history=3)
 
 
 class _MaskIgnoringPackage:

@@ -14,6 +14,7 @@ from anelab.arms import real_text
 from anelab.arms.arm_comparison import NOISE
 from anelab.arms.arm_runs import Arm, Perturbation, run_arms
 from anelab.arms.sidecars import open_sidecars
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.checkpoints.whole_model import load_model, write_model_checkpoint
 from anelab.core import reference
 from anelab.core.decoder import finish_layer, random_head_weights, random_layer_weights
@@ -154,7 +155,7 @@ def test_verify_margins_on_real_activations_pass_and_a_perturbed_sidecar_fails(s
         return out
 
     monkeypatch.setattr(SavedPackage, "evaluate", perturbed)
-    report = verify_per_history_package(package, checkpoint, progress=False, activations=acts[0])
+    report = verify_per_history_package(package, load_checkpoint(checkpoint), progress=False, activations=acts[0])
     row = whole_model_arms.margin_row(report, "tiny", "fp16", "prompt activations")
     assert row.error > RELATIVE_ERROR_THRESHOLD and not row.passed
 
@@ -178,7 +179,7 @@ def test_fold_on_real_text_separates_the_logits_and_a_covering_budget_does_not(s
 
 def test_sidecar_on_real_text_stays_at_fp16_noise_and_a_broken_layer_does_not(setup):
     root, checkpoint, model, prompt = setup
-    export_sidecars(checkpoint, root / "sidecars", CHUNK, list(range(0, PROMPT, CHUNK)))
+    export_sidecars(load_checkpoint(checkpoint), root / "sidecars", CHUNK, list(range(0, PROMPT, CHUNK)))
     sidecars = open_sidecars(root / "sidecars", model, PROMPT)
     tok = WordTokenizer()
     pair = whole_model_arms.real_sidecar_comparison(model, prompt, sidecars, tok, decode=DECODE)
@@ -212,7 +213,7 @@ def test_verify_real_text_feeds_each_layer_its_own_real_rows(real_gguf, tmp_path
     from anelab.sidecar.checks import verify as verify_module
 
     out = tmp_path / "sidecars"
-    export_sidecars(real_gguf, out, 16, [0, 16], [0, 1], jobs=1)
+    export_sidecars(load_checkpoint(real_gguf), out, 16, [0, 16], [0, 1], jobs=1)
     fed = {}
     inner = verify_module.verify_package
 
@@ -244,8 +245,8 @@ def test_verify_real_text_refuses_what_it_cannot_feed(setup, real_gguf, tmp_path
     from anelab.sidecar.export import export_request
 
     _, checkpoint, _, _ = setup
-    export_sidecars(checkpoint, tmp_path / "tiny", CHUNK, [0, CHUNK], jobs=1)
-    export_sidecars(real_gguf, tmp_path / "real", 16, [0, 16], [0], jobs=1)
+    export_sidecars(load_checkpoint(checkpoint), tmp_path / "tiny", CHUNK, [0, CHUNK], jobs=1)
+    export_sidecars(load_checkpoint(real_gguf), tmp_path / "real", 16, [0, 16], [0], jobs=1)
     cases = [
         (["verify", str(tmp_path / "tiny"), "--real-text", "16"], "needs a checkpoint with a tokenizer"),
         (["verify", str(tmp_path / "real"), "--layers", "0", "--real-text", "32", "--jobs", "2"], "drop --jobs"),
@@ -262,6 +263,6 @@ def test_verify_real_text_refuses_what_it_cannot_feed(setup, real_gguf, tmp_path
         errors = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("anelab: error")]
         assert len(errors) == 1 and words in errors[0] and "Traceback" not in err, err
     request = SidecarRequest(CHUNK, None, "stateful", capacity=2 * CHUNK)
-    [stateful] = export_request(checkpoint, tmp_path / "stateful", request, [0], jobs=1)
+    [stateful] = export_request(load_checkpoint(checkpoint), tmp_path / "stateful", request, [0], jobs=1)
     with pytest.raises(AnelabInputError, match="per-history designs"):
-        verify_package(stateful.package, checkpoint, activations=np.zeros((2 * CHUNK, 32), np.float32))
+        verify_package(stateful.package, load_checkpoint(checkpoint), activations=np.zeros((2 * CHUNK, 32), np.float32))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.cli import main
 from anelab.core.errors import AnelabInputError
 from anelab.core.masks import dense_exact_window
@@ -21,7 +22,12 @@ CHUNK = 16
 def folded(tiny_checkpoint, tmp_path_factory):
     ckpt = tiny_checkpoint("qwen3")
     [r] = export_sidecars(
-        ckpt, tmp_path_factory.mktemp("folded"), CHUNK, [0, 32], [0], selection={"kept_blocks": 2, "compress_ratio": 4}
+        load_checkpoint(ckpt),
+        tmp_path_factory.mktemp("folded"),
+        CHUNK,
+        [0, 32],
+        [0],
+        selection={"kept_blocks": 2, "compress_ratio": 4},
     )
     return ckpt, r.package
 
@@ -36,7 +42,7 @@ def test_contract_is_recorded(folded):
 
 def test_verify_runs_the_fold_check_for_a_folded_sidecar(folded):
     ckpt, pkg = folded
-    report = verify_package(pkg, ckpt)
+    report = verify_package(pkg, load_checkpoint(ckpt))
     fold = [
         c for c in report.comparisons if c.case.startswith("fold:") or "causal-only" in c.case or "moves ref" in c.case
     ]
@@ -51,14 +57,14 @@ def test_fold_check_turns_vacuous_when_the_selection_keeps_everything(folded, mo
     real = foldcheck.selection_for
     # a selection that keeps every visible block equals the causal mask: the check must not pass
     monkeypatch.setattr(foldcheck, "selection_for", lambda case, kept, ratio, **kw: real(case, 10_000, ratio, **kw))
-    report = verify_package(pkg, ckpt, functions=["h0"])
+    report = verify_package(pkg, load_checkpoint(ckpt), functions=["h0"])
     assert not report.passed and report.vacuous
 
 
 def test_loader_refuses_sparse_model_without_contract(tiny_checkpoint, tmp_path):
     from anelab.runtimes.open import open_sidecar
 
-    [plain] = export_sidecars(tiny_checkpoint("qwen3"), tmp_path, CHUNK, [0], [0])
+    [plain] = export_sidecars(load_checkpoint(tiny_checkpoint("qwen3")), tmp_path, CHUNK, [0], [0])
     with pytest.raises(AnelabInputError, match="selectionFolded"):
         open_sidecar(plain.package, compute_units="cpu_only", chunk=CHUNK, sparse_indexed=True)
 

@@ -7,7 +7,7 @@ import shutil
 import pytest
 from conftest import TINY_GEOMETRIES
 
-from anelab.checkpoints.checkpoint import write_checkpoint
+from anelab.checkpoints.checkpoint import load_checkpoint, write_checkpoint
 from anelab.cli import main
 from anelab.core.weights import random_attention_weights
 from anelab.sidecar.export import export_sidecars
@@ -28,10 +28,10 @@ def _without_digests(package) -> None:
 def exports(tmp_path_factory, tiny_checkpoint):
     root = tmp_path_factory.mktemp("verify-dir")
     good = tiny_checkpoint("llama")
-    export_sidecars(good, root / "good", CHUNK, [0, CHUNK])
+    export_sidecars(load_checkpoint(good), root / "good", CHUNK, [0, CHUNK])
     g = TINY_GEOMETRIES["llama"]
     other = write_checkpoint(root / "other", g, {i: random_attention_weights(g, i, seed=99) for i in (0, 1)})
-    export_sidecars(other, root / "other-sidecars", CHUNK, [0], layers=[1])
+    export_sidecars(load_checkpoint(other), root / "other-sidecars", CHUNK, [0], layers=[1])
     mixed = root / "mixed"
     shutil.copytree(root / "good" / "layer_0.mlpackage", mixed / "layer_0.mlpackage")
     shutil.copytree(root / "other-sidecars" / "layer_1.mlpackage", mixed / "layer_1.mlpackage")

@@ -103,7 +103,7 @@ def test_rounding_in_blocks_is_bit_exact_across_block_edges(monkeypatch):
 
 @pytest.fixture(scope="module")
 def package(tiny_checkpoint, tmp_path_factory):
-    ckpt = tiny_checkpoint(VARIANT)
+    ckpt = load_checkpoint(tiny_checkpoint(VARIANT))  # opened once: every test here verifies against it
     layer = TINY_GEOMETRIES[VARIANT].full_attention_layers[0]
     [result] = export_sidecars(ckpt, tmp_path_factory.mktemp("verify-ref"), 8, [0, 8], [layer])
     return ckpt, result.package
@@ -242,7 +242,7 @@ def test_one_history_projection_serves_every_function(package, monkeypatch):
 
     ckpt, pkg = package
     g = TINY_GEOMETRIES[VARIANT]
-    weights = load_checkpoint(ckpt).layer(g.full_attention_layers[0])
+    weights = ckpt.layer(g.full_attention_layers[0])
     options = dict(geometry=g, seed=0, rope_coverage=None, precision="fp32")
     long, short = (
         verify_module.verify_history(16, weights, **options),

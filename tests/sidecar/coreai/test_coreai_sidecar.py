@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.checkpoints.default import default_checkpoint_dir
 from anelab.cli import main
 from anelab.core.masks import causal
@@ -41,7 +42,14 @@ def assets(tmp_path_factory, checkpoint):
         options = dict(options)
         histories = options.pop("histories")
         out[design] = export_sidecars(
-            checkpoint, root / design, CHUNK, histories, graph=design, backend="coreai", jobs=1, **options
+            load_checkpoint(checkpoint),
+            root / design,
+            CHUNK,
+            histories,
+            graph=design,
+            backend="coreai",
+            jobs=1,
+            **options,
         )
     return out
 
@@ -59,7 +67,7 @@ def test_each_design_verifies_from_disk_on_the_cpu_runtime_with_its_controls_fai
     assert [r.package.suffix for r in results] == [".aimodel", ".aimodel"]  # both full-attention layers
     meta = read_metadata(results[0].package)
     assert meta.graph == design and not meta.ane_verified and "coreai-core" in meta.ane_reason
-    report = verify_package(results[0].package, checkpoint, progress=False)
+    report = verify_package(results[0].package, load_checkpoint(checkpoint), progress=False)
     _passed_with_controls(report)
     worst = max(c.worst for c in report.comparisons if not c.control)
     assert worst < 1e-2  # measured 4.4e-3 .. 4.8e-3 (attn_out) at chunk 64
@@ -85,8 +93,10 @@ def test_an_asset_whose_graph_ignores_its_mask_fails_verification(checkpoint, tm
     monkeypatch.setattr(
         coreai_lower, "_head_mask", lambda lw, mask, b, g, C, T: lw.constant(np.zeros((C, T), np.float16))
     )
-    [result] = export_sidecars(checkpoint, tmp_path, CHUNK, [0, CHUNK], layers=[3], backend="coreai", jobs=1)
-    report = verify_package(result.package, checkpoint, progress=False)
+    [result] = export_sidecars(
+        load_checkpoint(checkpoint), tmp_path, CHUNK, [0, CHUNK], layers=[3], backend="coreai", jobs=1
+    )
+    report = verify_package(result.package, load_checkpoint(checkpoint), progress=False)
     assert not report.passed
     assert any(c.case == "full chunk" and not c.passed for c in report.comparisons)
 
@@ -105,9 +115,17 @@ def test_an_asset_that_shifts_its_start_fails_verification(checkpoint, tmp_path,
     opts = dict(DESIGNS["stateful-tiled"], histories=None)
     opts.pop("histories")
     [result] = export_sidecars(
-        checkpoint, tmp_path, CHUNK, None, layers=[3], graph="stateful-tiled", backend="coreai", jobs=1, **opts
+        load_checkpoint(checkpoint),
+        tmp_path,
+        CHUNK,
+        None,
+        layers=[3],
+        graph="stateful-tiled",
+        backend="coreai",
+        jobs=1,
+        **opts,
     )
-    report = verify_package(result.package, checkpoint, progress=False)
+    report = verify_package(result.package, load_checkpoint(checkpoint), progress=False)
     assert not report.passed
     assert any(c.case.startswith("prompt") and not c.passed for c in report.comparisons)
 
