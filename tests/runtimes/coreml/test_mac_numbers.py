@@ -53,8 +53,8 @@ def _package(tmp_path: Path, name: str = "layer_3.mlpackage") -> Path:
 @pytest.fixture(scope="module")
 def dense(tiny_checkpoint, tmp_path_factory):
     """A real (tiny) dense sidecar h0/h8, exported off-Mac: aneCompileVerified false; and its gate-passed copy."""
-    ckpt = tiny_checkpoint("llama")
-    pkg = export_layer(load_checkpoint(ckpt), 0, 8, [0, 8], tmp_path_factory.mktemp("dense")).package
+    ckpt = load_checkpoint(tiny_checkpoint("llama"))
+    pkg = export_layer(ckpt, 0, 8, [0, 8], tmp_path_factory.mktemp("dense")).package
     return pkg, as_gate_passed(pkg), ckpt
 
 
