@@ -19,8 +19,9 @@ above the threshold.
 Negative controls make the check able to fail — each must land *above* the threshold, or the
 verification reports itself vacuous and fails:
 
-- ``rope offset +1``: the reference is computed with the chunk starting one position late, so a
-  graph with the wrong RoPE positions could not pass (on the chunk's first ``CONTROL_ROWS`` rows);
+- ``rope offset +N``: the reference is computed with the chunk starting N positions late, N the fewest at which
+  the layer's median rotary pair turns a radian (``comparison.rope_control_offset``: 1 position barely moves a
+  layer of base 1e6), so a graph with the wrong RoPE positions could not pass (on the first ``CONTROL_ROWS`` rows);
 - ``mask reaches graph``: the *package* is fed a mask that drops a random half of each row's
   visible keys, so a graph that ignored its mask input could not pass.
 
@@ -65,6 +66,8 @@ from anelab.sidecar.checks.comparison import (
     random_function_inputs,
     random_history,
     reference_error,
+    rope_control_case,
+    rope_control_offset,
     run_package,
     run_reference,
 )
@@ -485,10 +488,11 @@ def negative_controls(
     controls = []
     if run.geometry.uses_rope(weights.layer):  # a NoPE layer (SmolLM3) has no positions to get wrong
         rows = min(C, CONTROL_ROWS)
-        wrong_rope = run.reference(inputs, weights, ref_mask, start=H + 1, rows=rows)
+        offset = rope_control_offset(run.geometry, weights.layer, run.rope_coverage)
+        wrong_rope = run.reference(inputs, weights, ref_mask, start=H + offset, rows=rows)
         errors = output_errors(out, wrong_rope, rows, ("attn_out", "k_chunk"))
-        controls.append(Comparison(name, "control: rope offset +1", rows, errors, control=True))
-    run.done(name, "control: rope offset +1")
+        controls.append(Comparison(name, rope_control_case(offset), rows, errors, control=True))
+    run.done(name, "control: rope offset")
     with _timed(run.seconds, "control inputs"):
         dropped_mask = drop_half_mask(mask, rng)
     dropped = run.package(inputs, dropped_mask)
@@ -605,7 +609,7 @@ def per_history_controls(
     declared = []
     for name in functions:
         if geometry.uses_rope(meta.layer):
-            declared.append((name, "control: rope offset +1"))
+            declared.append((name, rope_control_case(rope_control_offset(geometry, meta.layer, meta.coverage))))
         declared.append((name, "control: mask reaches graph"))
         if window is not None and window < history_of(name) + meta.chunk:
             declared.append((name, "control: window dropped"))
