@@ -38,6 +38,7 @@ from anelab.sidecar.format import package_content_hash, read_sidecar_metadata, w
 
 CACHE_DIR = "cache"  # under the build directory
 ENTRY_FILE = "entry.json"
+FUNCTIONS_DIR = "functions"  # converted fp16 functions, shared by every export's weight modes (sidecar.function_cache)
 
 
 @dataclass
@@ -112,7 +113,8 @@ def cached_export(
     **request,
 ) -> list[ExportResult]:
     """``export_sidecars(checkpoint, <entry>, chunk, histories, layers, **request)`` unless an entry with the same
-    content key is complete in ``cache_root/exports`` (``request``: graph, weights_mode and the design's options).
+    content key is complete in ``cache_root/exports`` (``request``: graph, weights_mode and the design's options); its
+    functions are converted once per program in ``cache_root/functions``, whatever the weight mode.
     ``checkpoint``: a path or an opened ``Checkpoint``; ``layers``: default every attention layer (full and sliding)."""
     checkpoint = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint)
     g = checkpoint.geometry
@@ -126,7 +128,9 @@ def cached_export(
             use.count("export", done is not None)
         if done is not None:
             return done
-        results = export_sidecars(checkpoint, entry, int(chunk), histories, layers, **request)
+        results = export_sidecars(
+            checkpoint, entry, int(chunk), histories, layers, function_cache=Path(cache_root) / FUNCTIONS_DIR, **request
+        )
         record = {"request": spelt, "source": str(checkpoint.path),
                   "packages": {r.package.name: package_content_hash(r.package) for r in results}}  # fmt: skip
         atomic_write_text(entry / ENTRY_FILE, json.dumps(record, indent=1, sort_keys=True))
