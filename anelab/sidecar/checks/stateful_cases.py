@@ -51,9 +51,9 @@ def stateful_prompt_rows(meta: SidecarMetadata) -> tuple[int, int]:
 
 
 def stateful_controls_declared(meta: SidecarMetadata, geometry: AttentionGeometry) -> list[tuple[str, str]]:
-    """The negative controls a stateful package declares (one label for all its functions): RoPE one
-    position late (unless NoPE), half the mask dropped, a fresh state per call, the window dropped (when
-    the model's window hides keys within the prompt)."""
+    """The negative controls a stateful package declares (one label for all its functions): RoPE
+    ``rope_control_offset`` positions late (unless NoPE), half the mask dropped, a fresh state per call, the window
+    dropped (when the model's window hides keys within the prompt)."""
     label, window = "+".join(meta.functions), geometry.window_of(meta.layer)
     offset = rope_control_offset(geometry, meta.layer, meta.state_capacity) if geometry.uses_rope(meta.layer) else 0
     cases = [rope_control_case(offset)] if offset else []
@@ -113,7 +113,7 @@ def verify_stateful_package(
 ) -> VerifyReport:
     """Verify a stateful sidecar over a multi-chunk prompt (and decode steps when it has ``c1``):
     the attn_out rows and the whole final cache against the fp64 reference over the prompt, then
-    three controls (RoPE one position late, a changed mask, a fresh state per call).
+    three controls (RoPE ``rope_control_offset`` positions late, a changed mask, a fresh state per call).
 
     ``evaluator`` (with ``make_state`` and ``state_arrays``): the calls run through it, carrying its
     state; its attn_out and final caches are compared with the reference, beside the NumPy run."""

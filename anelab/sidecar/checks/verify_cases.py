@@ -478,7 +478,7 @@ def negative_controls(
     ref: reference.BlockOutput,
     masks: tuple[np.ndarray, np.ndarray],
 ) -> list[Comparison]:
-    """The controls one function must fail: the reference one position late (``out`` against it, on
+    """The controls one function must fail: the reference ``rope_control_offset`` positions late (``out`` against it, on
     the first ``CONTROL_ROWS`` rows; not on a NoPE layer), the package under a mask with half its
     visible keys dropped, and — when the model's window hides keys here — the package without the
     window. ``out``/``ref``: the package's and the reference's full-chunk outputs; ``masks``: the
@@ -601,9 +601,9 @@ def fold_label(meta: SidecarMetadata) -> str:
 def per_history_controls(
     meta: SidecarMetadata, geometry: AttentionGeometry, functions: list[str]
 ) -> list[tuple[str, str]]:
-    """The negative controls a dense or tiled package declares, per verified function ``h<H>``: RoPE one
-    position late (unless the layer is NoPE), half the mask dropped, the window dropped (when the model's
-    window hides keys within the function); and the fold check's two on the longest history when the
+    """The negative controls a dense or tiled package declares, per verified function ``h<H>``: RoPE
+    ``rope_control_offset`` positions late (unless the layer is NoPE), half the mask dropped, the window dropped
+    (when the model's window hides keys within the function); and the fold check's two on the longest history when the
     package records ``selectionFolded``."""
     window = geometry.window_of(meta.layer)
     declared = []
