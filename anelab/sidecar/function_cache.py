@@ -41,12 +41,14 @@ def canonical_text(prog) -> str:
 
 
 def program_digest(prog) -> str:
-    """SHA-256 (32 hex digits) of a pymil program: its ``canonical_text`` (ops, shapes, dtypes, the builder's names)
-    and every constant's value in op order (dtype, shape and bytes; the text abbreviates them), with the coremltools
-    and anelab versions."""
+    """SHA-256 (32 hex digits) of a pymil program: its ``canonical_text`` (ops, shapes, dtypes, the builder's names),
+    each function's input and output names as they are, and every constant's value in op order (dtype, shape and
+    bytes; the text abbreviates them), with the coremltools and anelab versions."""
     ct, _, _ = coremltools_modules()
     digest = hashlib.sha256(f"coremltools {ct.__version__}; anelab {__version__}\n{canonical_text(prog)}".encode())
     for name, function in sorted(prog.functions.items()):
+        # the interface exactly, whatever its names look like: inputs and outputs are what a caller binds by name
+        digest.update(f"{name}({','.join(function.inputs)}) -> {','.join(v.name for v in function.outputs)}".encode())
         for op in function.find_ops(op_type="const"):
             value = np.asarray(op.outputs[0].val)
             digest.update(f"{name}:{value.dtype}{value.shape}".encode())
