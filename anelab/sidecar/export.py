@@ -45,6 +45,7 @@ from anelab.sidecar.designs import (
     get_design,
 )
 from anelab.sidecar.format import FORMAT_VERSION, SidecarMetadata, weight_bytes
+from anelab.sidecar.function_cache import converted_function
 from anelab.sidecar.out_dir import exporting, replace_directory
 from anelab.sidecar.quantize import compress_package
 
@@ -264,9 +265,11 @@ def export_design(
     gate: VariantGate | None = None,
     progress=None,
     backend: str = DEFAULT_BACKEND,
+    function_cache: str | os.PathLike | None = None,
 ) -> ExportResult:
     """Build, convert, gate, merge and write one layer's package for validated ``options``; a back-end other
-    than Core ML (``sidecar.backends``) derives its sidecar from the merged package (no Core ML gate)."""
+    than Core ML (``sidecar.backends``) derives its sidecar from the merged package (no Core ML gate).
+    ``function_cache``: a directory of converted fp16 functions (``sidecar.function_cache``) read and filled."""
     target = get_backend(backend)
     gate = gate if target.gated else None
     builds = design.builds(checkpoint.geometry, layer_weights(checkpoint, design, layer), options)
@@ -275,7 +278,7 @@ def export_design(
     dest = target.package_path(out_dir, layer)
     work = Path(tempfile.mkdtemp(prefix=f".layer_{layer}.", dir=out_dir))
     try:
-        variants = convert_variants(builds, work, options.weights, progress)
+        variants = convert_variants(builds, work, options.weights, progress, function_cache=function_cache)
         evidence = gate.check_variants(variants) if gate is not None else {}  # per variant, before the merge
         meta = package_metadata(checkpoint, layer, design, options, variants, gate, evidence)
         final = merge_functions(variants, work / "merged.mlpackage", next(iter(variants)), meta.to_strings())
@@ -351,13 +354,19 @@ def function_builds(
 
 
 def convert_variants(
-    builds: dict[str, Callable[[], object]], work: Path, weights_mode: str, progress=None
+    builds: dict[str, Callable[[], object]],
+    work: Path,
+    weights_mode: str,
+    progress=None,
+    *,
+    function_cache: str | os.PathLike | None = None,
 ) -> dict[str, Path]:
-    """Convert (and compress) each function on its own into ``work/<name>.mlpackage``."""
+    """Convert (and compress) each function on its own into ``work/<name>.mlpackage``; with a ``function_cache``
+    the fp16 conversion of a program converted before is read from there (``sidecar.function_cache``)."""
     variants: dict[str, Path] = {}
     for name, build_program in builds.items():
         raise_if_terminated()  # between functions: a SIGTERM that coremltools' code swallowed ends the export here
-        path = convert_program(build_program(), work / f"{name}.mlpackage")
+        path = converted_function(build_program(), work / f"{name}.mlpackage", function_cache, convert_program)
         if weights_mode != "fp16":  # before the merge: coremltools cannot compress a multifunction package
             path = compress_package(path, work / f"{name}.{weights_mode}.mlpackage", weights_mode)
         variants[name] = path
@@ -377,12 +386,13 @@ def export_sidecars(
     gate: VariantGate | None = None,
     jobs: int | None = None,
     weights_mode: str = "fp16",
+    function_cache: str | os.PathLike | None = None,
     **options,
 ) -> list[ExportResult]:
     """``export_request`` with the request spelt as arguments: ``graph`` and ``options`` as
     :class:`SidecarRequest`'s fields (key_tile, query_tile, capacity, decode, mask_mode, selection)."""
     request = SidecarRequest(chunk, histories, graph or DEFAULT_DESIGN, weights=weights_mode, **options)
-    return export_request(checkpoint, out_dir, request, layers, gate=gate, jobs=jobs)
+    return export_request(checkpoint, out_dir, request, layers, gate=gate, jobs=jobs, function_cache=function_cache)
 
 
 def export_request(
@@ -393,6 +403,7 @@ def export_request(
     *,
     gate: VariantGate | None = None,
     jobs: int | None = None,
+    function_cache: str | os.PathLike | None = None,
 ) -> list[ExportResult]:
     """Export ``layer_<L>.mlpackage`` for each requested attention layer (default: all full and
     sliding-window ones) as ``request`` asks; every option is validated before the checkpoint's weights are
@@ -402,6 +413,7 @@ def export_request(
     with an ANE ``gate`` one at a time (the gate loads every variant on the device), so a ``jobs`` above 1
     is refused there. The packages do not depend on ``jobs`` (a test compares them byte for byte).
     ``request.backend``: the sidecar format (``sidecar.backends``: coreml, the default, or coreai).
+    ``function_cache``: converted fp16 functions shared with other exports (``sidecar.function_cache``).
     """
     target = get_backend(request.backend)
     gate = gate if target.gated else None
@@ -421,10 +433,11 @@ def export_request(
             for layer in layers:
                 bar.set_postfix_str(f"layer {layer}")
                 results.append(export_design(checkpoint, layer, design, opts, staging.folder, gate=gate, progress=bar,
-                                             backend=target.name))  # fmt: skip
+                                             backend=target.name, function_cache=function_cache))  # fmt: skip
         else:
-            work = [(str(checkpoint.path), layer, design.name, opts, str(staging.folder), str(staging.tmp), target.name)
-                    for layer in layers]  # fmt: skip
+            cache = None if function_cache is None else str(function_cache)
+            work = [(str(checkpoint.path), layer, design.name, opts, str(staging.folder), str(staging.tmp), target.name,
+                     cache) for layer in layers]  # fmt: skip
             coremltools_modules()  # imported before the workers fork, so they inherit it (~1.5 s each otherwise)
             results = process_map(_export_in_worker, work, jobs=jobs, on_result=lambda job, _: bar.update(per_layer))
         for result, dest in zip(results, staging.commit(layers, target.suffix), strict=True):
@@ -526,13 +539,16 @@ def _export_jobs(jobs: int | None, gate: VariantGate | None, layers: int) -> int
     return jobs
 
 
-def _export_in_worker(job: tuple[str, int, str, SidecarOptions, str, str]) -> ExportResult:
+def _export_in_worker(job: tuple[str, int, str, SidecarOptions, str, str, str, str | None]) -> ExportResult:
     """One layer's package in a worker process (no gate): ``job`` = (checkpoint directory, layer, design name,
-    options, staging directory, the staging's temporary directory (where coremltools' temporaries go), back-end)."""
-    checkpoint_dir, layer, design_name, options, out_dir, tmp, backend = job
+    options, staging directory, the staging's temporary directory (where coremltools' temporaries go), back-end,
+    function cache or None)."""
+    checkpoint_dir, layer, design_name, options, out_dir, tmp, backend, function_cache = job
     tempfile.tempdir = tmp
     checkpoint = worker_checkpoint(checkpoint_dir)
-    return export_design(checkpoint, layer, get_design(design_name), options, out_dir, backend=backend)
+    return export_design(
+        checkpoint, layer, get_design(design_name), options, out_dir, backend=backend, function_cache=function_cache
+    )
 
 
 @functools.lru_cache(maxsize=1)

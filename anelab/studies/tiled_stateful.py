@@ -263,6 +263,7 @@ def export_designs(
     designs: Sequence[str] = DESIGNS,
     gate=None,
     ends_only: bool = False,
+    function_cache: str | os.PathLike | None = None,
 ) -> dict:
     """Export ``layer`` once per design, each covering a ``prompt_tokens``-token prompt in chunks of ``chunk``.
 
@@ -272,6 +273,7 @@ def export_designs(
     and the longest; the same coverage, so the same RoPE table and weight.bin) — enough to verify
     what does not depend on the history, such as a weight compression. Packages go to
     ``out_root/<design>-<weights_mode>[-ends]/layer_<L>.mlpackage``. Returns {design: ExportResult}.
+    ``function_cache``: converted fp16 functions shared across modes and designs (``sidecar.function_cache``).
     """
 
     unknown = [d for d in designs if d not in DESIGNS]
@@ -293,6 +295,7 @@ def export_designs(
             graph=design,
             weights_mode=weights_mode,
             gate=gate,
+            function_cache=function_cache,
             **extra,
         )
         out[design] = result

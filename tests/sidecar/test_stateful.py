@@ -69,7 +69,7 @@ def test_multi_chunk_prompt_with_decode_passes_verification(package):
     assert run.rows == 2 * CHUNK + DECODE_STEPS  # two prefill chunks, then decode rows through c1
     assert 1e-5 < run.worst < RELATIVE_ERROR_THRESHOLD
     controls = {c.case: c.worst for c in report.comparisons if c.control}
-    assert set(controls) == {"control: rope offset +1", "control: mask reaches graph", "control: state carried"}
+    assert set(controls) == {"control: rope offset +2", "control: mask reaches graph", "control: state carried"}
     assert all(v > 10 * RELATIVE_ERROR_THRESHOLD for v in controls.values())
 
 

@@ -12,7 +12,7 @@ from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.cli import main
 from anelab.core.errors import AnelabInputError
 from anelab.core.masks import causal
-from anelab.sidecar.checks.comparison import RELATIVE_ERROR_THRESHOLD, relative_error
+from anelab.sidecar.checks.comparison import RELATIVE_ERROR_THRESHOLD, relative_error, rope_control_offset
 from anelab.sidecar.checks.verify import verify_package
 from anelab.sidecar.export import export_sidecars
 from anelab.sidecar.format import KEY_TILE_META, read_raw_metadata, read_sidecar_metadata
@@ -161,21 +161,22 @@ def test_largest_intermediate_is_reported_per_function(packages, capsys):
 
 
 def test_tiled_graph_with_wrong_rope_fails_verification(tiny_checkpoint, tmp_path, monkeypatch):
-    """A tiled graph built with history-rotation tables one position late must fail. It fails twice:
-    its outputs miss the reference, and the 'rope offset +1' control — the reference one position
-    late — now *matches* it, so the report also calls itself vacuous."""
+    """A tiled graph built with history-rotation tables as many positions late as the RoPE control's offset
+    must fail. It fails twice: its outputs miss the reference, and the 'rope offset' control — the reference
+    that many positions late — now *matches* it, so the report also calls itself vacuous."""
     real = graph_common.rope_tables
+    offset = rope_control_offset(TINY_GEOMETRIES["llama"], _layer("llama"))
     monkeypatch.setattr(
         graph_common,
         "rope_tables",
-        lambda g, layer, chunk, history, coverage=None: real(g, layer, chunk, history + 1, coverage),
+        lambda g, layer, chunk, history, coverage=None: real(g, layer, chunk, history + offset, coverage),
     )
     ckpt = tiny_checkpoint("llama")
     [r] = export_sidecars(load_checkpoint(ckpt), tmp_path, CHUNK, [8], [_layer("llama")], graph="tiled", key_tile=4)
     report = verify_package(r.package, load_checkpoint(ckpt))
     assert not report.passed
     full = [c for c in report.comparisons if c.case == "full chunk"]
-    rope_control = [c for c in report.comparisons if c.case == "control: rope offset +1"]
+    rope_control = [c for c in report.comparisons if c.case == f"control: rope offset +{offset}"]
     assert report.vacuous and rope_control[0].worst < RELATIVE_ERROR_THRESHOLD
     assert full and full[0].errors["attn_out"] > RELATIVE_ERROR_THRESHOLD
     assert full[0].errors["k_chunk"] > RELATIVE_ERROR_THRESHOLD

@@ -43,6 +43,26 @@ REFERENCE_ERROR_BOUND = RELATIVE_ERROR_THRESHOLD / 100
 REFERENCE_BLOCK_ROWS = 512
 
 
+# The RoPE negative control moves the chunk's positions by rope_control_offset: enough positions that the layer's
+# median rotary pair turns by a radian. Pair i turns base^(-2i/d) radians per position, so one position turns the
+# median pair base^(-1/2) radians: 1e-3 on Gemma 3's global layers (base 1e6, head 256), where a +1 control on real
+# text moved the outputs 7.9e-3 (measured here), under the threshold it must clear; real q/k weigh the slow pairs.
+ROPE_CONTROL_TURN = 1.0  # radians the median rotary pair turns under the control's offset
+
+
+def rope_control_offset(geometry: AttentionGeometry, layer: int, coverage: int | None = None) -> int:
+    """Positions the RoPE control shifts the chunk by on ``layer``: the fewest at which the median pair of the
+    layer's own table (its base, rotary size, scaling; ``coverage`` as ``rope_frequencies``) turns by at least
+    ``ROPE_CONTROL_TURN`` radians (1 on a table whose median pair already turns that far)."""
+    inv_freq, _ = geometry.rope_frequencies(layer, coverage)
+    return max(1, int(np.ceil(ROPE_CONTROL_TURN / float(np.median(inv_freq)))))
+
+
+def rope_control_case(offset: int) -> str:
+    """The RoPE control's case label (the offset in positions)."""
+    return f"control: rope offset +{offset}"
+
+
 ERROR_SLAB_ELEMENTS = 1 << 20  # relative_error converts this many elements to float64 at a time
 
 

@@ -38,6 +38,7 @@ from anelab.sidecar.format import package_content_hash, read_sidecar_metadata, w
 
 CACHE_DIR = "cache"  # under the build directory
 ENTRY_FILE = "entry.json"
+FUNCTIONS_DIR = "functions"  # converted fp16 functions, shared by every export's weight modes (sidecar.function_cache)
 
 
 @dataclass
@@ -112,7 +113,8 @@ def cached_export(
     **request,
 ) -> list[ExportResult]:
     """``export_sidecars(checkpoint, <entry>, chunk, histories, layers, **request)`` unless an entry with the same
-    content key is complete in ``cache_root/exports`` (``request``: graph, weights_mode and the design's options).
+    content key is complete in ``cache_root/exports`` (``request``: graph, weights_mode and the design's options); its
+    functions are converted once per program in ``cache_root/functions``, whatever the weight mode.
     ``checkpoint``: opened; ``layers``: default every attention layer (full and sliding)."""
     g = checkpoint.geometry
     layers = [int(x) for x in (layers if layers is not None else sorted({*g.full_attention_layers, *g.sliding_layers}))]
@@ -125,7 +127,9 @@ def cached_export(
             use.count("export", done is not None)
         if done is not None:
             return done
-        results = export_sidecars(checkpoint, entry, int(chunk), histories, layers, **request)
+        results = export_sidecars(
+            checkpoint, entry, int(chunk), histories, layers, function_cache=Path(cache_root) / FUNCTIONS_DIR, **request
+        )
         record = {"request": spelt, "source": str(checkpoint.path),
                   "packages": {r.package.name: package_content_hash(r.package) for r in results}}  # fmt: skip
         atomic_write_text(entry / ENTRY_FILE, json.dumps(record, indent=1, sort_keys=True))

@@ -21,6 +21,8 @@ from anelab.sidecar.checks.comparison import (
     Evaluator,
     load_matching_checkpoint,
     relative_error,
+    rope_control_case,
+    rope_control_offset,
 )
 from anelab.sidecar.checks.verify_cases import (
     VerifyReport,
@@ -50,11 +52,12 @@ def stateful_prompt_rows(meta: SidecarMetadata) -> tuple[int, int]:
 
 
 def stateful_controls_declared(meta: SidecarMetadata, geometry: AttentionGeometry) -> list[tuple[str, str]]:
-    """The negative controls a stateful package declares (one label for all its functions): RoPE one
-    position late (unless NoPE), half the mask dropped, a fresh state per call, the window dropped (when
-    the model's window hides keys within the prompt)."""
+    """The negative controls a stateful package declares (one label for all its functions): RoPE
+    ``rope_control_offset`` positions late (unless NoPE), half the mask dropped, a fresh state per call, the window
+    dropped (when the model's window hides keys within the prompt)."""
     label, window = "+".join(meta.functions), geometry.window_of(meta.layer)
-    cases = ["control: rope offset +1"] if geometry.uses_rope(meta.layer) else []
+    offset = rope_control_offset(geometry, meta.layer, meta.state_capacity) if geometry.uses_rope(meta.layer) else 0
+    cases = [rope_control_case(offset)] if offset else []
     cases += ["control: mask reaches graph", "control: state carried"]
     if window is not None and window < sum(stateful_prompt_rows(meta)):
         cases.append("control: window dropped")
@@ -111,7 +114,7 @@ def verify_stateful_package(
 ) -> VerifyReport:
     """Verify a stateful sidecar over a multi-chunk prompt (and decode steps when it has ``c1``):
     the attn_out rows and the whole final cache against the fp64 reference over the prompt, then
-    three controls (RoPE one position late, a changed mask, a fresh state per call).
+    three controls (RoPE ``rope_control_offset`` positions late, a changed mask, a fresh state per call).
 
     ``evaluator`` (with ``make_state`` and ``state_arrays``): the calls run through it, carrying its
     state; its attn_out and final caches are compared with the reference, beside the NumPy run."""
@@ -156,7 +159,7 @@ def verify_stateful_package(
         capacity=capacity,
         window=window,
         true_window=true_window,
-        uses_rope=geometry.uses_rope(meta.layer),
+        rope_offset=rope_control_offset(geometry, meta.layer, capacity) if geometry.uses_rope(meta.layer) else 0,
         rng=rng,
     )
     steps.update(3)
@@ -199,12 +202,12 @@ def stateful_controls(
     capacity: int,
     window: int | None,
     true_window: int | None,
-    uses_rope: bool,
+    rope_offset: int,
     rng: np.random.Generator,
 ) -> list[Comparison]:
-    """The stateful run's negative controls, each of which must miss the reference: RoPE one position
-    late (not on a NoPE layer), half the visible keys dropped from the mask, a fresh state at every
-    call, and the sliding window dropped (when the model's window hides keys in this prompt).
+    """The stateful run's negative controls, each of which must miss the reference: RoPE ``rope_offset``
+    positions late (``comparison.rope_control_offset``; 0 on a NoPE layer: none), half the visible keys dropped
+    from the mask, a fresh state at every call, and the sliding window dropped (when the model's window hides keys in this prompt).
     ``run(**options)`` reruns the prompt through the package; ``truth(**options)`` the reference."""
     P = out.shape[0]
 
@@ -212,10 +215,12 @@ def stateful_controls(
         return Comparison(label, case, P, {"attn_out": relative_error(actual, ref.attn_out)}, control=True)
 
     controls = []
-    if uses_rope:  # a NoPE layer has no positions to get wrong
-        errs = stateful_errors(out, state, truth(start=1))
+    if rope_offset:  # a NoPE layer has no positions to get wrong
+        errs = stateful_errors(out, state, truth(start=rope_offset))
         controls.append(
-            Comparison(label, "control: rope offset +1", P, {k: errs[k] for k in ("attn_out", "k_chunk")}, control=True)
+            Comparison(
+                label, rope_control_case(rope_offset), P, {k: errs[k] for k in ("attn_out", "k_chunk")}, control=True
+            )
         )
     dropped, _ = run(masks=lambda rows, start: drop_half_mask(stateful_mask(rows, start, capacity, window), rng))
     controls.append(control("control: mask reaches graph", dropped))

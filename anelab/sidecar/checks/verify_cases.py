@@ -19,8 +19,9 @@ above the threshold.
 Negative controls make the check able to fail — each must land *above* the threshold, or the
 verification reports itself vacuous and fails:
 
-- ``rope offset +1``: the reference is computed with the chunk starting one position late, so a
-  graph with the wrong RoPE positions could not pass (on the chunk's first ``CONTROL_ROWS`` rows);
+- ``rope offset +N``: the reference is computed with the chunk starting N positions late, N the fewest at which
+  the layer's median rotary pair turns a radian (``comparison.rope_control_offset``: 1 position barely moves a
+  layer of base 1e6), so a graph with the wrong RoPE positions could not pass (on the first ``CONTROL_ROWS`` rows);
 - ``mask reaches graph``: the *package* is fed a mask that drops a random half of each row's
   visible keys, so a graph that ignored its mask input could not pass.
 
@@ -66,6 +67,8 @@ from anelab.sidecar.checks.comparison import (
     random_function_inputs,
     random_history,
     reference_error,
+    rope_control_case,
+    rope_control_offset,
     run_package,
     run_reference,
 )
@@ -476,7 +479,7 @@ def negative_controls(
     ref: reference.BlockOutput,
     masks: tuple[np.ndarray, np.ndarray],
 ) -> list[Comparison]:
-    """The controls one function must fail: the reference one position late (``out`` against it, on
+    """The controls one function must fail: the reference ``rope_control_offset`` positions late (``out`` against it, on
     the first ``CONTROL_ROWS`` rows; not on a NoPE layer), the package under a mask with half its
     visible keys dropped, and — when the model's window hides keys here — the package without the
     window. ``out``/``ref``: the package's and the reference's full-chunk outputs; ``masks``: the
@@ -486,10 +489,11 @@ def negative_controls(
     controls = []
     if run.geometry.uses_rope(weights.layer):  # a NoPE layer (SmolLM3) has no positions to get wrong
         rows = min(C, CONTROL_ROWS)
-        wrong_rope = run.reference(inputs, weights, ref_mask, start=H + 1, rows=rows)
+        offset = rope_control_offset(run.geometry, weights.layer, run.rope_coverage)
+        wrong_rope = run.reference(inputs, weights, ref_mask, start=H + offset, rows=rows)
         errors = output_errors(out, wrong_rope, rows, ("attn_out", "k_chunk"))
-        controls.append(Comparison(name, "control: rope offset +1", rows, errors, control=True))
-    run.done(name, "control: rope offset +1")
+        controls.append(Comparison(name, rope_control_case(offset), rows, errors, control=True))
+    run.done(name, "control: rope offset")
     with _timed(run.seconds, "control inputs"):
         dropped_mask = drop_half_mask(mask, rng)
     dropped = run.package(inputs, dropped_mask)
@@ -598,15 +602,15 @@ def fold_label(meta: SidecarMetadata) -> str:
 def per_history_controls(
     meta: SidecarMetadata, geometry: AttentionGeometry, functions: list[str]
 ) -> list[tuple[str, str]]:
-    """The negative controls a dense or tiled package declares, per verified function ``h<H>``: RoPE one
-    position late (unless the layer is NoPE), half the mask dropped, the window dropped (when the model's
-    window hides keys within the function); and the fold check's two on the longest history when the
+    """The negative controls a dense or tiled package declares, per verified function ``h<H>``: RoPE
+    ``rope_control_offset`` positions late (unless the layer is NoPE), half the mask dropped, the window dropped
+    (when the model's window hides keys within the function); and the fold check's two on the longest history when the
     package records ``selectionFolded``."""
     window = geometry.window_of(meta.layer)
     declared = []
     for name in functions:
         if geometry.uses_rope(meta.layer):
-            declared.append((name, "control: rope offset +1"))
+            declared.append((name, rope_control_case(rope_control_offset(geometry, meta.layer, meta.coverage))))
         declared.append((name, "control: mask reaches graph"))
         if window is not None and window < history_of(name) + meta.chunk:
             declared.append((name, "control: window dropped"))
