@@ -35,7 +35,7 @@ def weight_file(pkg):
 def test_modes_and_ends_share_one_conversion_per_function(tiny_checkpoint, tmp_path, monkeypatch):
     """fp16 over h0, h8, h16 converts three programs; int8 over the ends (h0, h16) converts none: its package is the
     one exported without the cache."""
-    ckpt = tiny_checkpoint("llama")
+    ckpt = load_checkpoint(tiny_checkpoint("llama"))
     cache = tmp_path / "functions"
     calls = counted_conversions(monkeypatch)
     runs = [("fp16", [0, CHUNK, 2 * CHUNK]), ("int8", [0, 2 * CHUNK])]
@@ -72,7 +72,7 @@ def test_program_digest_follows_every_constant(tiny_checkpoint):
 def test_a_cached_package_is_its_uncached_twin(tiny_checkpoint, tmp_path):
     """Read back from the cache, a layer's package stores the same weights and records the same functions as one
     exported without it."""
-    ckpt = tiny_checkpoint("llama")
+    ckpt = load_checkpoint(tiny_checkpoint("llama"))
     [a] = export_sidecars(ckpt, tmp_path / "a", CHUNK, [0, CHUNK], [LAYER], function_cache=tmp_path / "functions")
     [b] = export_sidecars(ckpt, tmp_path / "b", CHUNK, [0, CHUNK], [LAYER], function_cache=tmp_path / "functions")
     [c] = export_sidecars(ckpt, tmp_path / "c", CHUNK, [0, CHUNK], [LAYER])

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import TINY_GEOMETRIES, TINY_SEED
 
-from anelab.checkpoints.checkpoint import write_checkpoint
+from anelab.checkpoints.checkpoint import load_checkpoint, write_checkpoint
 from anelab.core.geometry import AttentionGeometry
 from anelab.core.weights import random_attention_weights
 from anelab.sidecar.checks.comparison import RELATIVE_ERROR_THRESHOLD, rope_control_offset
@@ -40,8 +40,14 @@ def slow_pairs_only(geometry: AttentionGeometry, layer: int):
 @pytest.fixture(scope="module")
 def slow_pair_checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("rope-control")
-    return write_checkpoint(
-        root / "model", GEMMA_GLOBAL_LIKE, {0: slow_pairs_only(GEMMA_GLOBAL_LIKE, 0)}, dtype="F32", model_type="llama"
+    return load_checkpoint(
+        write_checkpoint(
+            root / "model",
+            GEMMA_GLOBAL_LIKE,
+            {0: slow_pairs_only(GEMMA_GLOBAL_LIKE, 0)},
+            dtype="F32",
+            model_type="llama",
+        )
     )
 
 
@@ -61,7 +67,7 @@ def test_rope_control_fails_the_package_at_base_1e6_head_256(slow_pair_checkpoin
 
 
 def test_rope_control_still_fails_the_package_on_llama(tiny_checkpoint, tmp_path):
-    ckpt = tiny_checkpoint("llama")
+    ckpt = load_checkpoint(tiny_checkpoint("llama"))
     [r] = export_sidecars(ckpt, tmp_path, CHUNK, [0, CHUNK], [0], graph="dense")
     report = verify_package(r.package, ckpt)
     controls = rope_controls(report)
