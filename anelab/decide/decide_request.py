@@ -77,6 +77,7 @@ class Decision:
     measured: bool = False
     yours: list = field(default_factory=list)  # which numbers are the user's / measured here
     chip_map: dict = field(default_factory=dict)  # chip x prompt length -> ratio and verdict (planner.chip_map)
+    offload_split: dict = field(default_factory=dict)  # per chip, every split of prefill (planner.offload_split)
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}

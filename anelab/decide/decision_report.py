@@ -17,7 +17,7 @@ from pathlib import Path
 from anelab.arms.arm_comparison import NEAR_TIE_RULE
 from anelab.core.records import atomic_write_bytes, atomic_write_text
 from anelab.planner.gpu_runtimes import gpu_runtime_phrase
-from anelab.planner.plan_text import energy_line
+from anelab.planner.plan_text import energy_line, offload_split_lines
 from anelab.planner.verdict import thresholds_sentence
 
 TEMPLATE_DIR = Path(__file__).with_name("templates")
@@ -89,6 +89,11 @@ def _chip_lines(decision: dict) -> list[str]:
     if p.get("cold_start"):
         out.append(p["cold_start"]["sentence"])
     return out
+
+
+def offload_split_report_lines(decision: dict) -> list[str]:
+    """Which blocks go to the ANE, per chip: the best split and the runner-up (older decision.json files lack it)."""
+    return offload_split_lines(decision["offload_split"]) if decision.get("offload_split") else []
 
 
 def chip_map_rows(decision: dict) -> list[dict]:
@@ -214,6 +219,8 @@ def markdown(decision: dict, figure: str) -> str:
     ]
     out += _greedy_lines(a)
     out += chip_map_markdown(decision)
+    split = offload_split_report_lines(decision)
+    out += ["", "## Which blocks go to the ANE", "", *[f"- {line}" for line in split[1:]]] if split else []
     out += compression_lines(decision)
     if v["settle"]:
         out += ["", "## What would change the answer", ""]

@@ -383,5 +383,5 @@ def checkpoint_splits(checkpoint, prompt_tokens: int, chips, plan_for_chip) -> d
             out.append(ChipSplits(chip, offload_splits(checkpoint_split_inputs(checkpoint, planned, parts))))
         except AnelabInputError as e:
             out.append(ChipSplits(chip, [], str(e)))
-    return {"window": ADDRESS_WINDOW.to_dict(), "package_limit": PACKAGE_LIMIT.to_dict(), "absent": absent,
-            "chips": [c.to_dict() for c in out]}  # fmt: skip
+    return {"prompt_tokens": prompt_tokens, "window": ADDRESS_WINDOW.to_dict(),
+            "package_limit": PACKAGE_LIMIT.to_dict(), "absent": absent, "chips": [c.to_dict() for c in out]}  # fmt: skip
