@@ -46,6 +46,10 @@ from anelab.planner.chip_figures import Figure
 from anelab.planner.chips import CHIPS, SEED_CHIP, Chip, get_chip
 from anelab.planner.cold_start import cold_start
 from anelab.planner.fit import fit_costs
+from anelab.planner.from_checkpoint import closest_family
+from anelab.planner.gpu_model import active_parameters
+from anelab.planner.gpu_runtimes import MLX_LM
+from anelab.planner.plan import plan
 
 BYTES = 2  # fp16, as anelab's sidecars store weights and activations
 OMLX_DOC = "https://github.com/jundot/omlx/blob/main/docs/experimental/qwen35_ane_prefill.md"
@@ -385,3 +389,109 @@ def checkpoint_splits(checkpoint, prompt_tokens: int, chips, plan_for_chip) -> d
             out.append(ChipSplits(chip, [], str(e)))
     return {"prompt_tokens": prompt_tokens, "window": ADDRESS_WINDOW.to_dict(),
             "package_limit": PACKAGE_LIMIT.to_dict(), "absent": absent, "chips": [c.to_dict() for c in out]}  # fmt: skip
+
+
+# ---- a part shared by rows: the ANE and the GPU at once (oMLX's and mlx-serve's scheme) --------------------------
+def shared_split(inputs: SplitInputs, fractions: dict[str, float]) -> Split:
+    """Each named matmul part split by output rows: ``fraction`` of its weights on the ANE, the rest on the GPU, both
+    at once; the part takes the longer of the two (an MLP's slice returns a full-width partial sum, a projection's
+    its share of the channels)::
+
+        part time = max(g x (1 - fraction), a(fraction x weights)),   split time = T - sum g + sum part time
+    """
+    chip, gap = get_chip(inputs.chip), ane_efficiency_gap()
+    parts = {p.name: p for p in inputs.parts}
+    unknown = sorted(set(fractions) - set(parts))
+    if unknown:
+        raise AnelabInputError(f"this model has no {', '.join(unknown)} part to share; it has {', '.join(parts)}")
+    rows = []
+    for name, f in fractions.items():
+        if not 0.0 < f < 1.0:
+            raise AnelabInputError(f"a shared {name}'s ANE fraction must lie strictly between 0 and 1, got {f}")
+        p = parts[name]
+        out = p.out_width if name == MLP else max(1, round(f * p.out_width))
+        ane = matmul_part_cost(chip, MatmulPart(name, p.layers, f * p.weights, p.in_width, out, p.source), inputs, gap)
+        g = inputs.non_attention_seconds * p.weights * p.layers / inputs.active_weights
+        rows.append((name, f, g, ane))
+
+    def seconds(scale: float, ane_of) -> float:
+        t = inputs.gpu_seconds * scale
+        return (
+            t - sum(g * scale for _, _, g, _ in rows) + sum(max(g * scale * (1 - f), ane_of(a)) for _, f, g, a in rows)
+        )
+
+    central = seconds(1.0, lambda a: a.ane_seconds)
+    corners = [inputs.gpu_seconds * s / seconds(s, pick) for s in (1 / inputs.gpu_band, inputs.gpu_band)
+               for pick in (lambda a: a.ane_low, lambda a: a.ane_high)]  # fmt: skip
+    waits = [f"{n}@{f:.2f}: {'ANE' if a.ane_seconds > g * (1 - f) else 'GPU'} {max(a.ane_seconds, g * (1 - f)):.3g} s "
+             f"(GPU alone {g:.3g} s; ANE {a.bound}-bound)" for n, f, g, a in rows]  # fmt: skip
+    resident = sum(a.resident_bytes for *_, a in rows)
+    return Split(
+        name=" + ".join(f"{n}@{f:.2f}" for n, f, *_ in rows) + " (shared)",
+        parts=[n for n, *_ in rows],
+        seconds=central,
+        ratio=inputs.gpu_seconds / central,
+        ratio_low=min(corners),
+        ratio_high=max(corners),
+        decided_by="; ".join(waits),
+        resident_bytes=resident,
+        programs=math.ceil(resident / ADDRESS_WINDOW.value),
+        one_time_load_seconds=resident / 1e9 * fit_costs().reload_seconds_per_gb,
+        prompts_to_repay=None,
+        costs=[asdict(a) for *_, a in rows],
+    )
+
+
+# ---- a model given by its sizes (a published configuration, no checkpoint on disk) ------------------------------
+@dataclass(frozen=True)
+class ModelSizes:
+    """A model's sizes as its public config states them: ``full_attention_layers`` indices, the MLP width, and a
+    hybrid's GDN layers with their input projections' output width (0 layers: not a hybrid)."""
+
+    name: str
+    hidden: int
+    layers: int
+    full_attention_layers: tuple
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    gdn_layers: int = 0
+    gdn_out_width: int = 0
+    source: str = ""
+
+    def config(self) -> dict:
+        """config.json's keys ``gpu_model.active_parameters`` reads."""
+        return {"hidden_size": self.hidden, "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
+                "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
+                "intermediate_size": self.intermediate}  # fmt: skip
+
+    def parts(self) -> tuple[MatmulPart, ...]:
+        mlp = MatmulPart(MLP, self.layers, 3.0 * self.hidden * self.intermediate, self.hidden, self.hidden, self.source)
+        if not self.gdn_layers:
+            return (mlp,)
+        gdn = MatmulPart(PROJECTIONS, self.gdn_layers, float(self.hidden * self.gdn_out_width), self.hidden,
+                         self.gdn_out_width, self.source)  # fmt: skip
+        return mlp, gdn
+
+
+def sizes_split_inputs(model: ModelSizes, prompt_tokens: int, chunk: int, chip: str, bytes_per_weight: float = 2.0):
+    """``model``'s splits' inputs on ``chip``: its attention-only plan (``planner.plan``, costs from the closest
+    recorded dense family, mlx-lm's GPU prefill of its own FLOPs; past the family's coverage the attention stays on
+    the GPU), and its matmul parts."""
+    fam, _ = closest_family(model.heads, model.head_dim, len(model.full_attention_layers))
+    active = active_parameters(model.config())
+    planned = plan(prompt_tokens, family=fam, chunk=chunk, num_layers=model.layers,
+                   full_attention_layers=model.full_attention_layers, num_heads=model.heads,
+                   num_kv_heads=model.kv_heads, head_dim=model.head_dim, weights=(active, active * bytes_per_weight),
+                   gpu_runtime=MLX_LM, chip=chip, allow_past_coverage=True)  # fmt: skip
+    carry = planned.ane_chip or {}
+    per_layer = model.hidden * model.head_dim * (2 * model.heads + 2 * model.kv_heads)
+    attention = AttentionPart(planned.gpu_attention_seconds, planned.ane_prefill_seconds - planned.non_attention_seconds,
+                              carry.get("band", 1.0), float(per_layer * len(model.full_attention_layers)),
+                              len(model.full_attention_layers), carry.get("bound", "recorded"),
+                              "planner.plan: the attention-only plan")  # fmt: skip
+    return SplitInputs(chip=planned.chip, prompt_tokens=prompt_tokens, chunk=chunk,
+                       gpu_seconds=planned.gpu_prefill_seconds, non_attention_seconds=planned.non_attention_seconds,
+                       active_weights=active, gpu_band=planned.gpu_runtime_band or 1.0, attention=attention,
+                       parts=model.parts(), gpu_source=planned.cost_sources.get("gpu_runtime", MLX_LM))  # fmt: skip

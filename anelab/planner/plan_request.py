@@ -37,6 +37,7 @@ from anelab.planner.plan_text import (
     format_verdict,
     offload_split_lines,
 )
+from anelab.planner.published_splits import format_published, published_vs_predicted
 from anelab.planner.settle import MAC_MEASUREMENT_PLAN, settle_commands
 from anelab.planner.verdict import plan_arm_costs, verdict_for
 
@@ -83,6 +84,7 @@ class PlanOptions:
     backtest: bool = False
     gpu_runtimes: bool = False
     validate_chips: bool = False
+    published_splits: bool = False
 
     def cost_keywords(self) -> dict:
         """The keywords ``planner.plan`` and ``plan_from_checkpoint`` share: costs, loads, the user's GPU, chip,
@@ -116,6 +118,9 @@ def plan_request(options: PlanOptions) -> PlanResult:
         return PlanResult(
             {"runtimes": described, "mlx_lm": fit.to_dict()}, lambda: runtimes + "\n" + format_mlx_lm_fit(fit)
         )
+    if options.published_splits:
+        rows = published_vs_predicted()
+        return PlanResult(rows, lambda: format_published(rows))
     if options.validate_chips:
         rows = validate_chips()
         return PlanResult(rows, lambda: format_validation(rows))
