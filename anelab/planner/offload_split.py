@@ -305,7 +305,9 @@ def offload_splits(inputs: SplitInputs) -> list[Split]:
     costs = part_costs(inputs)
     ordered = sorted(costs, key=lambda n: (PART_ORDER.index(n.split("[")[0]), n))
     splits = [price_split(inputs, names, costs) for names in candidate_names(ordered)]
-    return sorted(splits, key=lambda s: (s.seconds, len(s.parts)))
+    # a part that moves nothing (e.g. attention on a prompt shorter than one chunk) ties with fewer parts: the
+    # seconds are compared to 1e-9 of the all-GPU arm, so float rounding never ranks a no-op above "none"
+    return sorted(splits, key=lambda s: (round(s.seconds / inputs.gpu_seconds, 9), len(s.parts)))
 
 
 # ---- a checkpoint's splits per chip ----------------------------------------------------------------------------

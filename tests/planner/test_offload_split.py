@@ -150,3 +150,15 @@ def test_a_qwen35_hybrid_has_mlp_and_gdn_projection_parts_sized_from_its_config(
     names = {s.name for s in offload_splits(checkpoint_split_inputs(ck, planned, parts))}
     assert names == {"none", "attention", "mlp", "projections", "attention + mlp", "attention + projections",
                      "mlp + projections", "attention + mlp + projections"}  # fmt: skip
+
+
+def test_a_prompt_shorter_than_one_chunk_keeps_attention_off_the_ane():
+    # default-real at 1,024 tokens in chunks of 2,048: no ANE chunk, so the attention split moves nothing (its seconds
+    # differ from all-GPU in the last bits only) and ties with "none", which ranks first (fewer parts)
+    from anelab.checkpoints.checkpoint import load_checkpoint
+    from anelab.checkpoints.default import resolve_checkpoint
+
+    ck = load_checkpoint(resolve_checkpoint("default-real"))
+    planned = plan_from_checkpoint(ck, 1024, chunk=2048, chip="M3")
+    splits = offload_splits(checkpoint_split_inputs(ck, planned, ()))
+    assert [s.name for s in splits] == ["none", "attention"] and splits[1].ratio == pytest.approx(1.0, rel=1e-9)
