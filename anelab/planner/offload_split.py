@@ -39,6 +39,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from anelab.checkpoints.blocks import gdn_geometry, linear_attention_layers
+from anelab.checkpoints.config import config_int
 from anelab.core.errors import AnelabInputError
 from anelab.planner.ane_chips import calibration
 from anelab.planner.catalogue import ane_score_entries, get_family
@@ -312,26 +313,39 @@ def offload_splits(inputs: SplitInputs) -> list[Split]:
 
 # ---- a checkpoint's splits per chip ----------------------------------------------------------------------------
 def checkpoint_parts(checkpoint) -> tuple[tuple[MatmulPart, ...], list[str]]:
-    """(the checkpoint's matmul parts from its config.json, why a part is absent): every layer's gated MLP
-    (``intermediate_size``; routed experts are not modelled) and a hybrid's Gated DeltaNet input projections."""
-    text, g = checkpoint.text, checkpoint.geometry
+    """(the checkpoint's matmul parts from its config.json, why a part is absent): every layer's gated MLP (gate / up /
+    down, or a fused gate_up, ``intermediate_size`` wide; routed experts and an ungated MLP have no MLP sidecar) and
+    a hybrid's Gated DeltaNet input projections. A part whose sizes the config does not state is absent, saying so."""
     parts, absent = [], []
-    if text.get("num_experts_per_tok") or text.get("moe_intermediate_size"):
-        absent.append("mlp: routed experts (an MoE MLP) are not modelled by the MLP sidecar")
-    else:
-        width = int(text.get("intermediate_size") or 4 * g.hidden_size)
-        parts.append(MatmulPart(MLP, g.num_layers, 3.0 * g.hidden_size * width, g.hidden_size, g.hidden_size,
-                                f"config.json: 3 x hidden {g.hidden_size} x intermediate {width} per layer"))  # fmt: skip
-    gdn_layers = linear_attention_layers(checkpoint)
-    if gdn_layers:
-        gg = gdn_geometry(checkpoint)
-        out = 2 * gg.key_dim + 2 * gg.value_dim + 2 * gg.value_heads  # in_proj_qkvz + in_proj_ba
-        parts.append(MatmulPart(PROJECTIONS, len(gdn_layers), float(g.hidden_size * out), g.hidden_size, out,
-                                f"config.json: hidden {g.hidden_size} x (2 x key_dim {gg.key_dim} + 2 x value_dim "
-                                f"{gg.value_dim} + 2 x value heads {gg.value_heads}) per GDN layer"))  # fmt: skip
-    else:
+    try:
+        parts.append(_mlp_part(checkpoint))
+    except AnelabInputError as e:
+        absent.append(f"mlp: {e}")
+    if not linear_attention_layers(checkpoint):
         absent.append("projections: no Gated DeltaNet layers (not a hybrid)")
+        return tuple(parts), absent
+    try:
+        gg, hidden = gdn_geometry(checkpoint), checkpoint.geometry.hidden_size
+    except AnelabInputError as e:
+        return tuple(parts), [*absent, f"projections: {e}"]
+    out = 2 * gg.key_dim + 2 * gg.value_dim + 2 * gg.value_heads  # in_proj_qkvz + in_proj_ba
+    parts.append(MatmulPart(PROJECTIONS, len(linear_attention_layers(checkpoint)), float(hidden * out), hidden, out,
+                            f"config.json: hidden {hidden} x (2 x key_dim {gg.key_dim} + 2 x value_dim {gg.value_dim} "
+                            f"+ 2 x value heads {gg.value_heads}) per GDN layer"))  # fmt: skip
     return tuple(parts), absent
+
+
+def _mlp_part(checkpoint) -> MatmulPart:
+    """Every layer's gated MLP, or a one-line refusal naming why it has no MLP sidecar."""
+    text, hidden = checkpoint.text, checkpoint.geometry.hidden_size
+    if text.get("num_experts_per_tok") or text.get("moe_intermediate_size"):
+        raise AnelabInputError("routed experts (an MoE MLP) have no MLP sidecar")
+    stem = f"{checkpoint.prefix}layers.0.mlp."
+    if not any(checkpoint.has_tensor(f"{stem}{name}.weight") for name in ("gate_proj", "gate_up_proj")):
+        raise AnelabInputError("no gate projection (an ungated MLP); the MLP sidecar is a gated gate / up / down block")
+    width = config_int(text, "intermediate_size", minimum=1)
+    return MatmulPart(MLP, checkpoint.geometry.num_layers, 3.0 * hidden * width, hidden, hidden,
+                      f"config.json: 3 x hidden {hidden} x intermediate {width} per layer")  # fmt: skip
 
 
 def checkpoint_split_inputs(checkpoint, planned, parts: tuple[MatmulPart, ...]) -> SplitInputs:
