@@ -81,8 +81,7 @@ def sweep_point(model, prompt_tokens: int, chip: str) -> SweepPoint:
 
 
 def sweep(model, chips, prompt_lengths) -> list[SweepPoint]:
-    """``sweep_point`` over chips and prompt lengths; a chip the planner cannot price is left out (its refusal is in
-    ``refused``)."""
+    """``sweep_point`` over chips and prompt lengths (chips the planner can price: ``priced_chips``)."""
     out = []
     for chip in chips:
         for n in prompt_lengths:
@@ -95,7 +94,6 @@ def priced_chips(model, chips, prompt_tokens: int) -> tuple[list[str], dict]:
     ok, refused = [], {}
     for chip in chips:
         try:
-            model_inputs(model, prompt_tokens, chip)
             part_costs(model_inputs(model, prompt_tokens, chip))
             ok.append(chip)
         except AnelabInputError as e:
