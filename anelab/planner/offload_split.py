@@ -254,7 +254,7 @@ def _ratio_interval(inputs: SplitInputs, costs: list[PartCost]) -> tuple[float, 
 
 def _decided_by(costs: list[PartCost], all_costs: dict[str, PartCost]) -> str:
     if not costs:
-        closest = min(all_costs.values(), key=lambda c: c.ane_seconds - c.gpu_seconds, default=None)
+        closest = min(all_costs.values(), key=lambda c: c.ane_seconds / max(c.gpu_seconds, 1e-30), default=None)
         if closest is None:
             return "no part of this model can go to the ANE"
         return (f"every part is slower on the ANE; the closest, {closest.name}, costs {closest.ane_seconds:.3g} s there "

@@ -164,3 +164,16 @@ def test_a_prompt_shorter_than_one_chunk_keeps_attention_off_the_ane():
     planned = plan_from_checkpoint(ck, 1024, chunk=2048, chip="M3")
     splits = offload_splits(checkpoint_split_inputs(ck, planned, ()))
     assert [s.name for s in splits] == ["none", "attention"] and splits[1].ratio == pytest.approx(1.0, rel=1e-9)
+
+
+def test_when_none_wins_the_closest_part_is_the_one_nearest_to_paying_not_the_smallest():
+    # the MLP loses on the M1 by a factor ~1.2 over many seconds; a tiny projections part loses by far more per second
+    # of GPU time but by fewer seconds: "closest" is the MLP (the ratio of its ANE to GPU seconds), not the tiny part
+    part, rows = _big_mlp(), 2048
+    m4 = 2 * part.weights * rows / (M4_GEMM * CLIFF_FACTOR) * math.sqrt(GAP)
+    m1 = 2 * part.weights * rows / (math.sqrt(2.7 * 4.3) * 1e12 * CLIFF_FACTOR) * math.sqrt(GAP)
+    non_attention = (m4 + m1) / 2 * part.layers * 1e9 / (part.weights * part.layers)
+    tiny = MatmulPart("projections", 1, 64.0 * 64, 64, 64, "test")  # dispatch-bound: ANE >> its GPU share
+    splits = offload_splits(inputs("M1", [part, tiny], gpu=20.0, non_attention=non_attention, active=1e9,
+                                   prompt=rows, chunk=rows))  # fmt: skip
+    assert splits[0].name == "none" and "the closest, mlp," in splits[0].decided_by
