@@ -73,9 +73,9 @@ PUBLISHED_SPLITS: tuple[PublishedSplit, ...] = (
     PublishedSplit(OMLX_M3_MAX, "oMLX 0.6.2", QWEN38_27B, "M3 Max", 16384, {MLP: 0.53, PROJECTIONS: 0.5},
                    258 / 212, note="212 -> 258 tok/s at 16K (fraction 0.53, GDN fraction 0.5)"),
     PublishedSplit(OMLX_M5_PRO, "oMLX (single ANE)", QWEN38_27B, "M5 Pro", 2048, {MLP: 0.35, PROJECTIONS: 0.375},
-                   (1.07 * 1.27) ** 0.5, 1.07, 1.27, note="1.07-1.27x at 2,048 tokens over MLP shares 0.15-0.45 (balance near 0.35; the range's geometric "
-                   "middle stands for it, not a published value), "
-                   "GDN share 0.375"),
+                   (1.07 * 1.27) ** 0.5, 1.07, 1.27,
+                   note="1.07-1.27x at 2,048 tokens over MLP shares 0.15-0.45 (balance near 0.35; the range's "
+                   "geometric middle stands for it, not a published value), GDN share 0.375"),
     PublishedSplit(MLX_SERVE, "mlx-serve (channel split)", QWEN38_27B, "M5 Max", 16384, {MLP: 0.45, PROJECTIONS: 0.45},
                    1 - 0.114, note="-11.4 % median at 16K (share 0.45; thermal drift between runs noted)"),
 )  # fmt: skip
