@@ -127,7 +127,9 @@ def test_plan_help_has_examples_that_run(capsys, tiny_checkpoint):
     out = capsys.readouterr().out
     assert "examples:" in out and "anelab plan --family qwen3.8-125b-a6b-4bit --prompt-tokens 4333" in out
     commands = [line.split()[2:] for line in PLAN_EXAMPLES.splitlines() if line.strip().startswith("anelab plan")]
-    assert len(commands) == 10  # with --backtest, --chip, --gpu-runtime and --gpu-runtimes (issue 30), --published-splits
+    assert (
+        len(commands) == 10
+    )  # with --backtest, --chip, --gpu-runtime and --gpu-runtimes (issue 30), --published-splits
     for argv in commands:
         if "--checkpoint" in argv:  # the example's path is the embedded default; the tiny one here
             argv = [str(tiny_checkpoint("qwen3")) if a.startswith("build/") else a for a in argv]
