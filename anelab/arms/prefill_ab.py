@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from anelab.arms.arm_comparison import random_prompt
-from anelab.arms.sidecars import CoreMLRunner, SidecarSet, numpy_runner, open_sidecars
+from anelab.arms.arm_comparison import random_prompt, with_block_sidecars
+from anelab.arms.sidecars import CoreMLRunner, SidecarSet, numpy_runner, open_block_sidecars, open_sidecars
 from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import chunk_starts
@@ -52,6 +52,8 @@ from anelab.runtimes.interface import NEURAL_ENGINE_UNITS, RuntimeLoadError, Run
 from anelab.runtimes.mlx.hybrid import Hybrid, HybridTiming, prefill
 from anelab.runtimes.mlx.mlx_model import mlx_versions, open_mlx_model, require_mlx_readable, to_numpy
 from anelab.sidecar.checks.comparison import RELATIVE_ERROR_THRESHOLD, relative_error
+from anelab.sidecar.designs import GDN_PROJ
+from anelab.sidecar.designs import MLP as MLP_DESIGN
 
 REFERENCE_NOISE_FACTOR = 2.0  # the hybrid's own bf16 layers stray from fp32 about as far as the reference does
 AB_WARMUP, AB_REPEATS = 1, 2  # the seed's protocol: one warm-up, two measured runs per arm
@@ -76,7 +78,7 @@ class AbRequest:
     on a Mac, float32 off it)."""
 
     checkpoint: Path
-    sidecars: Path
+    sidecars: Path | None  # the attention sidecars (None: only block sidecars are served)
     prompt_tokens: tuple[int, ...]
     compute_units: str = "cpu_and_ne"
     warmup: int = AB_WARMUP
@@ -87,6 +89,8 @@ class AbRequest:
     out_dir: Path | None = None
     seed: int = 0
     mlx_checkpoint: Path | None = None  # the directory mlx-lm reads (default: checkpoint; a GGUF file's fp16 copy)
+    mlp_sidecars: Path | None = None  # --graph mlp packages: every MLP on its sidecar too (off a Mac only, for now)
+    gdn_sidecars: Path | None = None  # --graph gdn-proj packages: a hybrid's GDN projections too (off a Mac only)
 
 
 @dataclass
@@ -115,9 +119,11 @@ class AbReport:
             r, gpu, ane = p.results, p.results["gpu_arm"], p.results["ane_arm"]
             parts = ", ".join(f"{k.removesuffix('_s')} {v:.3g}" for k, v in ane["components_median_s"].items())
             device = p.record["provenance"].get("mlx_device", "?")
+            split = p.record["parameters"].get("split", "attention")
+            arm = "hybrid" if split == "attention" else f"hybrid: {split} on sidecars"
             lines.append(
                 f"{p.prompt_tokens:>7} tokens: GPU arm (mlx-lm prefill, {device}) {gpu['median_s']:.4g} s "
-                f"[{gpu['min_s']:.4g} .. {gpu['max_s']:.4g}]; ANE arm (hybrid) {ane['median_s']:.4g} s "
+                f"[{gpu['min_s']:.4g} .. {gpu['max_s']:.4g}]; ANE arm ({arm}) {ane['median_s']:.4g} s "
                 f"[{ane['min_s']:.4g} .. {ane['max_s']:.4g}] = {parts} s; loads {ane['load_total_s']:.4g} s "
                 f"({len(ane['loads'])} functions, apart); logits vs mlx-lm {r['correctness']['logits_relative_difference']:.2e}"
             )
@@ -389,7 +395,7 @@ def _open(request: AbRequest) -> _Opened:
     checkpoint = load_checkpoint(request.checkpoint)
     runtime = request.runtime if request.runtime is not None else default_runtime()
     on_mac = runtime.available()
-    sidecars = open_sidecars(request.sidecars, checkpoint, max(_check_prompts(request.prompt_tokens)))
+    sidecars = _served_sidecars(request, checkpoint, on_mac)
     gpu_device = require_gpu_arm_device(on_mac)
     placements = _placements(runtime, sidecars, request.compute_units, request.clock) if on_mac else []
     mlx_model = open_mlx_model(mlx_path, dtype=request.dtype or (None if on_mac else OFF_MAC_DTYPE))
@@ -399,9 +405,42 @@ def _open(request: AbRequest) -> _Opened:
         )
     else:
         sidecars.runner = numpy_runner(sidecars, keep_open=len(sidecars.packages))
-    hybrid = Hybrid(mlx_model, sidecars, checkpoint.geometry, tuple(sidecars.packages), clock=request.clock)
+    hybrid = Hybrid(mlx_model, sidecars, checkpoint.geometry, tuple(sidecars.packages), clock=request.clock,
+                    mlp_layers=_block_layers(sidecars.mlp), gdn_layers=_block_layers(sidecars.gdn))  # fmt: skip
     return _Opened(checkpoint, sidecars, mlx_model, hybrid, {**provenance(), **mlx_versions()}, on_mac, placements,
                    gpu_device)  # fmt: skip
+
+
+def _served_sidecars(request: AbRequest, checkpoint, on_mac: bool) -> SidecarSet:
+    """The attention sidecars and any block sidecars (``with_block_sidecars``) the ANE arm serves. Block sidecars are
+    evaluated with NumPy: on a Mac they are refused (Core ML serving of them is not built, so no timing of them
+    would be the ANE's); off a Mac they run for correctness, labelled as every off-Mac run is."""
+    blocks = [(d, name) for d, name in ((request.mlp_sidecars, MLP_DESIGN), (request.gdn_sidecars, GDN_PROJ)) if d]
+    if request.sidecars is None and not blocks:
+        raise AnelabInputError("anelab ab needs sidecars to serve: --sidecars (attention), --mlp-sidecars or "
+                               "--gdn-sidecars")  # fmt: skip
+    if blocks and on_mac:
+        raise AnelabInputError("Core ML serving of block sidecars (--mlp-sidecars, --gdn-sidecars) is not built yet: "
+                               "on a Mac 'anelab ab' times attention only; run the block split off a Mac for "
+                               "correctness")  # fmt: skip
+    longest = max(_check_prompts(request.prompt_tokens))
+    sidecars = open_sidecars(request.sidecars, checkpoint, longest) if request.sidecars is not None else None
+    for directory, name in blocks:
+        block = open_block_sidecars(directory, checkpoint, name)
+        block.keep_open = len(block.packages)  # mlx-lm's order is chunk-major: keep every package open
+        sidecars = with_block_sidecars(sidecars, block)
+    return sidecars
+
+
+def _block_layers(block) -> tuple[int, ...]:
+    return tuple(sorted(block.packages)) if block is not None else ()
+
+
+def served_split(sidecars: SidecarSet) -> str:
+    """The split the ANE arm serves, in the planner's words (``planner.offload_split``'s part names)."""
+    parts = [name for name, on in (("attention", sidecars.packages), ("mlp", sidecars.mlp), ("projections",
+             sidecars.gdn)) if on]  # fmt: skip
+    return " + ".join(parts)
 
 
 def _parameters(request: AbRequest, opened: _Opened, n: int) -> dict:
@@ -412,7 +451,8 @@ def _parameters(request: AbRequest, opened: _Opened, n: int) -> dict:
         "model_type": opened.checkpoint.model_type,
         "prompt_tokens": n,
         "chunk": sidecars.chunk,
-        "design": sidecars.design(next(iter(sidecars.packages))).name,
+        "design": sidecars.design(next(iter(sidecars.packages))).name if sidecars.packages else None,
+        "split": served_split(sidecars),
         "sidecars": str(sidecars.directory),
         "layers_on_sidecars": sorted(sidecars.packages),
         "compute_units": request.compute_units if opened.on_mac else "none (NumPy evaluation of the saved programs)",
@@ -467,5 +507,8 @@ def run_ab(request: AbRequest) -> AbReport:
     return report
 
 
-def ab_request(checkpoint: str | os.PathLike, sidecars: str | os.PathLike, prompt_tokens, **options) -> AbRequest:
-    return AbRequest(Path(checkpoint), Path(sidecars), tuple(int(n) for n in prompt_tokens), **options)
+def ab_request(
+    checkpoint: str | os.PathLike, sidecars: str | os.PathLike | None, prompt_tokens, **options
+) -> AbRequest:
+    directory = Path(sidecars) if sidecars is not None else None
+    return AbRequest(Path(checkpoint), directory, tuple(int(n) for n in prompt_tokens), **options)

@@ -15,7 +15,14 @@ from anelab.core.paths import MEASURED_DIR
 
 def setup_arg_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="model directory (config.json + safetensors) mlx-lm reads")
-    p.add_argument("--sidecars", required=True, help="directory of layer_<L>.mlpackage for every full-attention layer")
+    p.add_argument("--sidecars", help="directory of layer_<L>.mlpackage for every full-attention layer")
+    p.add_argument(
+        "--mlp-sidecars",
+        help="directory of --graph mlp packages: every MLP on its sidecar too (a split; "
+        "off a Mac only for now, for correctness: Core ML serving of block sidecars is not built)",
+    )
+    p.add_argument("--gdn-sidecars", help="directory of --graph gdn-proj packages: a hybrid's GDN input projections "
+                   "on their sidecars too (off a Mac only for now, as --mlp-sidecars)")  # fmt: skip
     p.add_argument("--prompt-tokens", type=int_list, required=True, help="prompt lengths, e.g. 512,2048 (random ids)")
     p.add_argument(
         "--compute-units", default="cpu_and_ne", help="the ANE arm's Core ML compute units (cpu_and_ne | all)"
@@ -37,6 +44,8 @@ def main(args) -> int:
         resolve_checkpoint(args.checkpoint), args.sidecars, args.prompt_tokens, compute_units=args.compute_units,
         warmup=args.warmup, repeats=args.repeats, dtype=args.dtype, seed=args.seed,
         out_dir=Path(args.out) if args.out else MEASURED_DIR,
+        mlp_sidecars=Path(args.mlp_sidecars) if args.mlp_sidecars else None,
+        gdn_sidecars=Path(args.gdn_sidecars) if args.gdn_sidecars else None,
     )  # fmt: skip
     report = run_ab(request)
     if args.json:
