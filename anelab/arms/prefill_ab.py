@@ -418,14 +418,14 @@ def _open(request: AbRequest) -> _Opened:
     on_mac = runtime.available()
     sidecars = _served_sidecars(request, checkpoint, on_mac)
     gpu_device = require_gpu_arm_device(on_mac)
-    placements = _placements(runtime, sidecars, request.compute_units, request.clock) if on_mac else []
-    mlx_model = open_mlx_model(mlx_path, dtype=request.dtype or (None if on_mac else OFF_MAC_DTYPE))
-    if on_mac:
+    if on_mac:  # every package opened (an ungated one refused) before any compute plan runs a child for it
         sidecars.runner = CoreMLRunner(
             sidecars, compute_units=request.compute_units, runtime=runtime, clock=request.clock
         )
     else:
         sidecars.runner = numpy_runner(sidecars, keep_open=len(sidecars.packages))
+    placements = _placements(runtime, sidecars, request.compute_units, request.clock) if on_mac else []
+    mlx_model = open_mlx_model(mlx_path, dtype=request.dtype or (None if on_mac else OFF_MAC_DTYPE))
     hybrid = Hybrid(mlx_model, sidecars, checkpoint.geometry, tuple(sidecars.packages), clock=request.clock,
                     mlp_layers=_block_layers(sidecars.mlp), gdn_layers=_block_layers(sidecars.gdn))  # fmt: skip
     return _Opened(checkpoint, sidecars, mlx_model, hybrid, {**provenance(), **mlx_versions()}, on_mac, placements,

@@ -287,10 +287,10 @@ def test_decide_runs_a_qwen3_5_hybrid_end_to_end_on_its_own_candidate(made, tmp_
     assert arms["layer_differences"][:3] == [0.0, 0.0, 0.0]  # the Gated DeltaNet layers stay mlx-lm's
 
 
-def test_ab_runs_a_block_split_off_a_mac_for_correctness_and_refuses_it_on_a_mac(made, tmp_path, capsys):
+def test_ab_runs_a_block_split_off_a_mac_for_correctness_and_a_mac_refuses_its_ungated_packages(made, tmp_path, capsys):
     """Issue 43: ``ab --mlp-sidecars`` serves every MLP from its packages (here with no attention sidecar: the MLP
-    split alone). Off a Mac it runs labelled, its logits within the bound; a Mac refuses it in one line, since block
-    packages are not served through Core ML yet (a NumPy timing would pass for the ANE's)."""
+    split alone). Off a Mac it runs labelled, its logits within the bound; a Mac serves them through Core ML
+    (tests/arms/test_split_ab.py) and refuses, in one line, packages no ANE gate passed."""
     checkpoint, _ = made["qwen3_5"]
     mlp = tmp_path / "mlp"
     export_sidecars(checkpoint, mlp, CHUNK, None, graph="mlp", jobs=1)
@@ -302,7 +302,7 @@ def test_ab_runs_a_block_split_off_a_mac_for_correctness_and_refuses_it_on_a_mac
     assert record["parameters"]["split"] == "mlp" and record["parameters"]["design"] is None
     correctness = record["results"]["correctness"]
     assert correctness["within_bound"] and 0 < correctness["logits_relative_difference"] < NOISE
-    with pytest.raises(AnelabInputError, match="Core ML serving of block sidecars"):
+    with pytest.raises(AnelabInputError, match="not verified for the Neural Engine"):
         run_ab(ab_request(checkpoint, None, [PROMPT], mlp_sidecars=mlp, runtime=_fake_mac()[0]))
     assert main(["ab", str(checkpoint), "--prompt-tokens", str(PROMPT)]) == 2  # no sidecars at all: refused
     assert "needs sidecars to serve" in capsys.readouterr().err
