@@ -1,5 +1,7 @@
 """The whole-model prefill A/B on the user's own Mac (``anelab ab``): mlx-lm's own prefill on the GPU against the
-hybrid — every full-attention layer on its sidecar through Core ML (``cpu_and_ne``), the rest on mlx-lm.
+hybrid — every full-attention layer on its sidecar through Core ML (``cpu_and_ne``), the rest on mlx-lm; or an offload
+split: every MLP and / or a hybrid's GDN input projections on their block sidecars (through Core ML too), with or
+without attention; ``splits`` times each split named (the planner's names, ``planned``: ``arms.ab_splits``) alone.
 
 Per prompt length N (the seed's protocol: a warm-up, then two measured runs of each arm):
 
