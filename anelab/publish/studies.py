@@ -159,8 +159,7 @@ STUDIES: tuple[Study, ...] = (
         "08_offload_split",
         "which blocks of prefill belong on the ANE: attention, the MLPs, a hybrid's projections, or none?",
         "the planner's offload split per model, chip and prompt length; the published oMLX / mlx-serve splits replayed",
-        "timing each proposed split on a Mac (not built yet: anelab ab --mlp-sidecars runs a block split off a Mac, "
-        "for correctness)",
+        "each proposed split timed against the GPU prefill (anelab ab --split planned; anelab measure's split_ab)",
         ("offload_split_share", "offload_split_ratio", "offload_split_published"),
     ),
 )  # fmt: skip
