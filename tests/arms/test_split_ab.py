@@ -54,13 +54,13 @@ def made(tmp_path_factory):
     return checkpoint, root / "attention", root / "mlp", gated, root / "mac" / "compiled"
 
 
-def _fake_mac(cache_dir: Path):
+def _fake_mac(cache_dir: Path, **options):
     """A fake Mac whose every function (attention h0 / h8, the MLP's c8) loads in COLD_LOAD_S and predicts in
     PREDICT_S, computing what the saved program computes; ``cache_dir`` shared by the module's fake Macs (one Mac:
     each function's pre-flight child runs once)."""
     functions = {name: FakeFunction(cold_load_s=COLD_LOAD_S, predict_s={"cpu_and_ne": PREDICT_S})
                  for name in ("h0", f"h{CHUNK}", f"c{CHUNK}")}  # fmt: skip
-    fake = FakeRuntime(functions, numerics=True, cache_dir=cache_dir)
+    fake = FakeRuntime(functions, numerics=True, cache_dir=cache_dir, **options)
     return fake, (lambda: time.perf_counter() + fake.clock())  # MLX runs here in real time, Core ML on the fake's
 
 
@@ -175,3 +175,37 @@ def test_split_names_read_as_the_planner_writes_them():
     assert split_parts("attention+mlp[:12]") == {"attention": None, "mlp": 12}
     with pytest.raises(AnelabInputError, match="not a planner split"):
         split_parts("mlp + mlp")
+
+
+QWEN3_5 = dict(model_type="qwen3_5", architectures=["Qwen3_5ForConditionalGeneration"], tie_word_embeddings=False,
+               text_config=dict({k: v for k, v in LLAMA.items() if k not in ("model_type", "architectures",
+                                 "rope_theta", "num_hidden_layers")}, model_type="qwen3_5_text", num_hidden_layers=2,
+                                linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                                linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
+                                attn_output_gate=True, layer_types=["linear_attention", "full_attention"],
+                                rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                                 "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0]}))  # fmt: skip
+
+
+def test_ab_on_a_fake_mac_serves_a_hybrids_gdn_projections_through_core_ml(made, tmp_path):
+    """The oMLX-style split on a Qwen 3.5 hybrid: its linear-attention layer's four input projections from one Core ML
+    call per chunk, the delta rule staying mlx-lm's. Served exactly (fp32 device outputs), the logits stay within the
+    bound of mlx-lm's own forward; with the ANE's fp16 accumulation the fake models (``device_verify``: 2.3e-2 at a
+    576-wide reduction, scaled by its square root) they do not, and the record says so (``within_bound`` false)."""
+    *_, mac = made
+    checkpoint = write_mlx_lm_checkpoint(tmp_path / "qwen3_5", QWEN3_5, seed=1)
+    export_sidecars(checkpoint, tmp_path / "gdn", CHUNK, None, graph="gdn-proj", jobs=1)
+    gated = _gated(tmp_path / "gdn", tmp_path / "gated_gdn")
+    fake, clock = _fake_mac(mac, fp16_accumulation=False, noise={})
+    [result] = run_ab(ab_request(checkpoint, None, [PROMPT], gdn_sidecars=gated, runtime=fake, clock=clock)).prompts
+    ane = result.results["ane_arm"]
+    assert set(ane["loads"]) == {"0:gdn:c8"} and result.record["parameters"]["split"] == "projections"
+    assert all(run["calls"] == 2 and run["core_ml_predict_s"] == pytest.approx(2 * PREDICT_S) for run in ane["runs"])
+    assert result.results["correctness"]["within_bound"], result.results["correctness"]
+    predicted = [c for c in fake.calls if c[0] == "predict"]
+    assert {c[1] for c in predicted} == {str(gated / "layer_0.mlpackage")}
+    # the ANE's fp16 accumulation on the gates b and a: the correctness check notices, the record keeps it
+    noisy, clock = _fake_mac(mac)
+    [rounded] = run_ab(ab_request(checkpoint, None, [PROMPT], gdn_sidecars=gated, runtime=noisy, clock=clock)).prompts
+    assert not rounded.results["correctness"]["within_bound"]
+    assert rounded.results["correctness"]["against_fp32"] > result.results["correctness"]["against_fp32"]
