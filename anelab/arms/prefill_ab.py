@@ -1,5 +1,7 @@
 """The whole-model prefill A/B on the user's own Mac (``anelab ab``): mlx-lm's own prefill on the GPU against the
-hybrid — every full-attention layer on its sidecar through Core ML (``cpu_and_ne``), the rest on mlx-lm.
+hybrid — every full-attention layer on its sidecar through Core ML (``cpu_and_ne``), the rest on mlx-lm; or an offload
+split: every MLP and / or a hybrid's GDN input projections on their block sidecars (through Core ML too), with or
+without attention; ``splits`` times each split named (the planner's names, ``planned``: ``arms.ab_splits``) alone.
 
 Per prompt length N (the seed's protocol: a warm-up, then two measured runs of each arm):
 
@@ -29,13 +31,14 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from anelab.arms.arm_comparison import random_prompt
-from anelab.arms.sidecars import CoreMLRunner, SidecarSet, numpy_runner, open_sidecars
+from anelab.arms.ab_splits import PlannedSplit, planned_splits, require_packages
+from anelab.arms.arm_comparison import random_prompt, with_block_sidecars
+from anelab.arms.sidecars import CoreMLRunner, SidecarSet, numpy_runner, open_block_sidecars, open_sidecars
 from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import chunk_starts
@@ -52,6 +55,8 @@ from anelab.runtimes.interface import NEURAL_ENGINE_UNITS, RuntimeLoadError, Run
 from anelab.runtimes.mlx.hybrid import Hybrid, HybridTiming, prefill
 from anelab.runtimes.mlx.mlx_model import mlx_versions, open_mlx_model, require_mlx_readable, to_numpy
 from anelab.sidecar.checks.comparison import RELATIVE_ERROR_THRESHOLD, relative_error
+from anelab.sidecar.designs import GDN_PROJ, get_design
+from anelab.sidecar.designs import MLP as MLP_DESIGN
 
 REFERENCE_NOISE_FACTOR = 2.0  # the hybrid's own bf16 layers stray from fp32 about as far as the reference does
 AB_WARMUP, AB_REPEATS = 1, 2  # the seed's protocol: one warm-up, two measured runs per arm
@@ -76,7 +81,7 @@ class AbRequest:
     on a Mac, float32 off it)."""
 
     checkpoint: Path
-    sidecars: Path
+    sidecars: Path | None  # the attention sidecars (None: only block sidecars are served)
     prompt_tokens: tuple[int, ...]
     compute_units: str = "cpu_and_ne"
     warmup: int = AB_WARMUP
@@ -87,6 +92,11 @@ class AbRequest:
     out_dir: Path | None = None
     seed: int = 0
     mlx_checkpoint: Path | None = None  # the directory mlx-lm reads (default: checkpoint; a GGUF file's fp16 copy)
+    mlp_sidecars: Path | None = None  # --graph mlp packages: every MLP on its sidecar too
+    gdn_sidecars: Path | None = None  # --graph gdn-proj packages: a hybrid's GDN projections too
+    splits: tuple[str, ...] = ()  # planner split names or "planned" (arms.ab_splits); (): the sidecars given, together
+    chip: str | None = None  # whose plan ``planned`` reads (default: this Mac's, else the seed's M3)
+    planned: PlannedSplit | None = None  # the one split this run serves (set per split by ``run_ab``)
 
 
 @dataclass
@@ -115,12 +125,15 @@ class AbReport:
             r, gpu, ane = p.results, p.results["gpu_arm"], p.results["ane_arm"]
             parts = ", ".join(f"{k.removesuffix('_s')} {v:.3g}" for k, v in ane["components_median_s"].items())
             device = p.record["provenance"].get("mlx_device", "?")
+            split = p.record["parameters"].get("split", "attention")
+            arm = "hybrid" if split == "attention" else f"hybrid: {split} on sidecars"
             lines.append(
                 f"{p.prompt_tokens:>7} tokens: GPU arm (mlx-lm prefill, {device}) {gpu['median_s']:.4g} s "
-                f"[{gpu['min_s']:.4g} .. {gpu['max_s']:.4g}]; ANE arm (hybrid) {ane['median_s']:.4g} s "
+                f"[{gpu['min_s']:.4g} .. {gpu['max_s']:.4g}]; ANE arm ({arm}) {ane['median_s']:.4g} s "
                 f"[{ane['min_s']:.4g} .. {ane['max_s']:.4g}] = {parts} s; loads {ane['load_total_s']:.4g} s "
                 f"({len(ane['loads'])} functions, apart); logits vs mlx-lm {r['correctness']['logits_relative_difference']:.2e}"
             )
+            lines += _split_lines(p, self.on_mac)
             if p.verdict is not None:
                 lines.append(f"         verdict: {p.verdict.decision} ({p.verdict.reason})")
         if not self.on_mac:
@@ -141,6 +154,19 @@ class AbReport:
                 for p in self.prompts
             ],
         }
+
+
+def _split_lines(p: PromptAb, on_mac: bool) -> list[str]:
+    """A named split's measured ratio (GPU arm / ANE arm medians; off a Mac: not measured) beside the plan's."""
+    planned = p.record["parameters"].get("planned")
+    if not planned:
+        return []
+    gpu, ane = p.results["gpu_arm"]["median_s"], p.results["ane_arm"]["median_s"]
+    measured = f"measured {gpu / ane:.2f}x on this Mac" if on_mac else "not measured (not a Mac: correctness only)"
+    at = planned["prediction"]
+    said = (f"predicted {at['ratio']:.2f}x [{at['ratio_low']:.2f} .. {at['ratio_high']:.2f}] on {planned['chip']} "
+            f"(rank {at['rank']})") if at else f"the plan on {planned['chip']} does not list it at this length"  # fmt: skip
+    return [f"         split {p.record['parameters']['split']}: {measured}; {said}"]
 
 
 def _stats(samples: list[float]) -> dict:
@@ -240,6 +266,8 @@ def _time_ane_arm(mlx_model, sidecars: SidecarSet, hybrid, prompt: np.ndarray, r
     visited = {
         (layer, sidecars.function_for(layer, s)) for layer in sidecars.packages for s in _starts(prompt, sidecars)
     }
+    if on_mac:  # each block layer's one function, keyed by its kind (``CoreMLRunner._to_load``)
+        visited |= {(layer, f"{r.label}:{s.function_for(0)}") for r in runner.blocks for layer, s in r.opened.items()}
     loads = {f"{layer}:{name}": runner.timing.loads[(layer, name)] for layer, name in sorted(visited)} if on_mac else {}
     runs, logits = [], None
     for i in range(request.warmup + request.repeats):
@@ -311,6 +339,7 @@ def measured_arm_costs(results: dict, design: str, layers: int, machine: str, pl
         layer = key.split(":")[0]
         per_layer[layer] = per_layer.get(layer, 0.0) + seconds
     loads = list(per_layer.values()) or [0.0]
+    layers = max(len(per_layer), layers)  # every layer that loads a function (its attention's and MLP's summed)
     comp = ", ".join(f"{k} {v:.3g} s" for k, v in ane["components_median_s"].items())
     where = f"measured on this Mac ({machine})"
     return ArmCosts(
@@ -352,7 +381,7 @@ def _placements(runtime, sidecars: SidecarSet, compute_units: str, clock) -> lis
             f"anelab ab's ANE arm runs the sidecars on the Neural Engine: use --compute-units cpu_and_ne or all, not {compute_units}"
         )
     placed = []
-    for pkg in sidecars.packages.values():
+    for pkg in every_package(sidecars):
         runtime.content_hash(pkg)  # the package's hash, outside the clock (the compile cache's key)
         t0 = clock()
         runtime.compile(pkg)  # once per package content (cached): paid before the loads, recorded apart
@@ -389,19 +418,59 @@ def _open(request: AbRequest) -> _Opened:
     checkpoint = load_checkpoint(request.checkpoint)
     runtime = request.runtime if request.runtime is not None else default_runtime()
     on_mac = runtime.available()
-    sidecars = open_sidecars(request.sidecars, checkpoint, max(_check_prompts(request.prompt_tokens)))
+    sidecars = _served_sidecars(request, checkpoint, on_mac)
     gpu_device = require_gpu_arm_device(on_mac)
-    placements = _placements(runtime, sidecars, request.compute_units, request.clock) if on_mac else []
-    mlx_model = open_mlx_model(mlx_path, dtype=request.dtype or (None if on_mac else OFF_MAC_DTYPE))
-    if on_mac:
+    if on_mac:  # every package opened (an ungated one refused) before any compute plan runs a child for it
         sidecars.runner = CoreMLRunner(
             sidecars, compute_units=request.compute_units, runtime=runtime, clock=request.clock
         )
     else:
         sidecars.runner = numpy_runner(sidecars, keep_open=len(sidecars.packages))
-    hybrid = Hybrid(mlx_model, sidecars, checkpoint.geometry, tuple(sidecars.packages), clock=request.clock)
+    placements = _placements(runtime, sidecars, request.compute_units, request.clock) if on_mac else []
+    mlx_model = open_mlx_model(mlx_path, dtype=request.dtype or (None if on_mac else OFF_MAC_DTYPE))
+    hybrid = Hybrid(mlx_model, sidecars, checkpoint.geometry, tuple(sidecars.packages), clock=request.clock,
+                    mlp_layers=_block_layers(sidecars.mlp), gdn_layers=_block_layers(sidecars.gdn))  # fmt: skip
     return _Opened(checkpoint, sidecars, mlx_model, hybrid, {**provenance(), **mlx_versions()}, on_mac, placements,
                    gpu_device)  # fmt: skip
+
+
+def _served_sidecars(request: AbRequest, checkpoint, on_mac: bool) -> SidecarSet:
+    """The attention sidecars and any block sidecars (``with_block_sidecars``) the ANE arm serves (a planned split's
+    ``mlp[:k]``: the first k layers' packages). On a Mac every package is served through Core ML (``CoreMLRunner``);
+    off a Mac the saved programs are evaluated with NumPy, for correctness, labelled as every off-Mac run is."""
+    blocks = [(d, name, part) for d, name, part in ((request.mlp_sidecars, MLP_DESIGN, "mlp"),
+              (request.gdn_sidecars, GDN_PROJ, "projections")) if d]  # fmt: skip
+    if request.sidecars is None and not blocks:
+        raise AnelabInputError("anelab ab needs sidecars to serve: --sidecars (attention), --mlp-sidecars or "
+                               "--gdn-sidecars")  # fmt: skip
+    longest = max(_check_prompts(request.prompt_tokens))
+    sidecars = open_sidecars(request.sidecars, checkpoint, longest) if request.sidecars is not None else None
+    for directory, name, part in blocks:
+        first = request.planned.parts.get(part) if request.planned is not None else None
+        layers = get_design(name).block.layers(checkpoint)[:first] if first is not None else None
+        block = open_block_sidecars(directory, checkpoint, name, layers)
+        block.keep_open = len(block.packages)  # mlx-lm's order is chunk-major: keep every package open
+        sidecars = with_block_sidecars(sidecars, block)
+    return sidecars
+
+
+def _block_layers(block) -> tuple[int, ...]:
+    return tuple(sorted(block.packages)) if block is not None else ()
+
+
+def served_split(sidecars: SidecarSet, planned: PlannedSplit | None = None) -> str:
+    """The split the ANE arm serves, in the planner's words (``planner.offload_split``'s part names)."""
+    if planned is not None:
+        return planned.name
+    parts = [name for name, on in (("attention", sidecars.packages), ("mlp", sidecars.mlp), ("projections",
+             sidecars.gdn)) if on]  # fmt: skip
+    return " + ".join(parts)
+
+
+def every_package(sidecars: SidecarSet) -> list[Path]:
+    """The attention packages, then the block sidecars' (MLP, GDN projections): what the ANE arm places and loads."""
+    blocks = [b for b in (sidecars.mlp, sidecars.gdn) if b is not None]
+    return [*sidecars.packages.values(), *(pkg for b in blocks for pkg in b.packages.values())]
 
 
 def _parameters(request: AbRequest, opened: _Opened, n: int) -> dict:
@@ -412,9 +481,13 @@ def _parameters(request: AbRequest, opened: _Opened, n: int) -> dict:
         "model_type": opened.checkpoint.model_type,
         "prompt_tokens": n,
         "chunk": sidecars.chunk,
-        "design": sidecars.design(next(iter(sidecars.packages))).name,
+        "design": sidecars.design(next(iter(sidecars.packages))).name if sidecars.packages else None,
+        "split": served_split(sidecars, request.planned),
+        "planned": _planned_at(request.planned, n),
         "sidecars": str(sidecars.directory),
         "layers_on_sidecars": sorted(sidecars.packages),
+        "mlp_layers_on_sidecars": list(_block_layers(sidecars.mlp)),
+        "gdn_layers_on_sidecars": list(_block_layers(sidecars.gdn)),
         "compute_units": request.compute_units if opened.on_mac else "none (NumPy evaluation of the saved programs)",
         "mlx_dtype": opened.mlx_model.dtype,
         "gpu_prefill_step": GPU_PREFILL_STEP,
@@ -449,15 +522,19 @@ def _one_prompt(request: AbRequest, opened: _Opened, n: int) -> PromptAb:
         record = {**record, "_file": write_record(request.out_dir, record).name}
     verdict = None
     if opened.on_mac:
-        costs = measured_arm_costs(record["results"], record["parameters"]["design"], len(sidecars.packages),
-                                   machine_kind(), opened.placements)  # fmt: skip
+        design = record["parameters"]["design"] or f"split {record['parameters']['split']}"
+        costs = measured_arm_costs(record["results"], design, len(sidecars.packages), machine_kind(),
+                                   opened.placements)  # fmt: skip
         verdict = verdict_for(costs)
     return PromptAb(n, record, verdict)
 
 
 def run_ab(request: AbRequest) -> AbReport:
-    """The A/B at every prompt length of ``request`` (module docstring)."""
+    """The A/B at every prompt length of ``request`` (module docstring); with ``splits``, of each split named
+    (``arms.ab_splits``: planner names, ``planned``), one after another, in one report."""
 
+    if request.splits:
+        return _run_splits(request)
     opened = _open(request)
     machine = machine_kind()
     label = f"measured on this Mac ({machine})" if opened.on_mac else NOT_A_MAC.format(machine=machine)
@@ -467,5 +544,38 @@ def run_ab(request: AbRequest) -> AbReport:
     return report
 
 
-def ab_request(checkpoint: str | os.PathLike, sidecars: str | os.PathLike, prompt_tokens, **options) -> AbRequest:
-    return AbRequest(Path(checkpoint), Path(sidecars), tuple(int(n) for n in prompt_tokens), **options)
+def _run_splits(request: AbRequest) -> AbReport:
+    """Each split of ``request.splits`` served alone (its parts' packages, ``arms.ab_splits``), both arms timed at
+    every prompt length; every split checked against the plan and its packages before the first is run."""
+    prompts = _check_prompts(request.prompt_tokens)
+    splits = planned_splits(request.checkpoint, prompts, list(request.splits), request.chip)
+    given = {"attention": request.sidecars, "mlp": request.mlp_sidecars, "projections": request.gdn_sidecars}
+    for split in splits:
+        require_packages(split, given)
+    report = None
+    for split in splits:
+        one = run_ab(replace(request, splits=(), planned=split, **{
+            "sidecars": given["attention"] if "attention" in split.parts else None,
+            "mlp_sidecars": given["mlp"] if "mlp" in split.parts else None,
+            "gdn_sidecars": given["projections"] if "projections" in split.parts else None}))  # fmt: skip
+        if report is None:
+            report = one
+        else:
+            report.prompts += one.prompts
+    return report
+
+
+def _planned_at(planned: PlannedSplit | None, n: int) -> dict | None:
+    """The plan's prediction for the split served at ``n`` tokens (None: the split was not asked by name)."""
+    if planned is None:
+        return None
+    at = planned.predicted.get(n)
+    return {"chip": planned.chip, "chip_choice": planned.chip_choice, "parts": planned.parts,
+            "prediction": at, "source": "planner.offload_split (predicted)"}  # fmt: skip
+
+
+def ab_request(
+    checkpoint: str | os.PathLike, sidecars: str | os.PathLike | None, prompt_tokens, **options
+) -> AbRequest:
+    directory = Path(sidecars) if sidecars is not None else None
+    return AbRequest(Path(checkpoint), directory, tuple(int(n) for n in prompt_tokens), **options)

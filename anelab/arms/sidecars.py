@@ -109,8 +109,8 @@ class SidecarSet:
 class BlockSidecars:
     """One non-attention block's saved packages (the MLP's: ``--graph mlp``), one per served layer, checked against
     one checkpoint. ``serve`` runs one chunk of one layer's rows through its function ``c<C>`` (rows independent, no
-    history), evaluated from disk with NumPy; ``calls``: when a list, every served chunk is appended as
-    (layer, rows)."""
+    history), evaluated from disk with NumPy, or by ``runner`` (``CoreMLBlockRunner``: Core ML on a Mac) when one is
+    set; ``calls``: when a list, every served chunk is appended as (layer, rows)."""
 
     directory: Path
     design: Design
@@ -119,6 +119,7 @@ class BlockSidecars:
     metadata: dict[int, SidecarMetadata] = field(default_factory=dict)
     calls: list | None = None
     keep_open: int = 2
+    runner: Callable[[int, np.ndarray], dict] | None = None  # (layer, hidden [C, D] fp16) -> outputs; None: NumPy
     _opened: dict = field(default_factory=dict, repr=False)
 
     def serve(self, layer: int, rows: np.ndarray) -> np.ndarray:
@@ -134,14 +135,16 @@ class BlockSidecars:
             raise AnelabInputError(f"a block sidecar call takes 1..{width} rows, got {r}")
         hidden = np.zeros((width, rows.shape[1]), np.float16)
         hidden[:r] = rows
-        if layer not in self._opened:
-            while len(self._opened) >= max(1, self.keep_open):
-                self._opened.pop(next(iter(self._opened)))
-            self._opened[layer] = SavedPackage(self.packages[layer])
         if self.calls is not None:
             self.calls.append((int(layer), int(r)))
-        function = self.metadata[layer].functions[0]
-        out = self._opened[layer].evaluate(function, {"hidden": hidden})
+        if self.runner is not None:
+            out = self.runner(int(layer), hidden)
+        else:
+            if layer not in self._opened:
+                while len(self._opened) >= max(1, self.keep_open):
+                    self._opened.pop(next(iter(self._opened)))
+                self._opened[layer] = SavedPackage(self.packages[layer])
+            out = self._opened[layer].evaluate(self.metadata[layer].functions[0], {"hidden": hidden})
         return {name: np.asarray(out[name], np.float32).reshape(width, -1)[:r] for name in self.design.block.outputs}
 
 
@@ -369,10 +372,36 @@ class CoreMLTiming:
         return sum(self.predict_wall_s) - self.predict_s + self.state_read_s
 
 
+class CoreMLBlockRunner:
+    """Serve a block's chunks (``BlockSidecars.runner``) through Core ML: one opened sidecar per layer, its one function
+    ``c<C>`` fed hidden [C, D] (fp16, handed to Core ML as a new writable fp32 array: ``prepare_inputs``) -> every
+    output of the block [C, n] float32; each call timed on ``clock`` into ``timing`` (shared with the attention's
+    runner, so a run's Core ML seconds are one sum). ``label``: the loads' prefix (``mlp:c8``)."""
+
+    def __init__(self, block: BlockSidecars, *, compute_units: str, runtime, clock, timing: CoreMLTiming):
+        self.block, self.clock, self.timing, self.label = block, clock, timing, block.design.block.kind
+        self.opened = {
+            layer: open_sidecar(pkg, compute_units=compute_units, chunk=block.chunk, runtime=runtime)
+            for layer, pkg in block.packages.items()
+        }
+
+    def __call__(self, layer: int, hidden: np.ndarray) -> dict:
+        sidecar = self.opened[layer]
+        t0 = self.clock()
+        out = sidecar.predict(0, {"hidden": hidden})  # a block's one function: the start-0 (history-free) call
+        self.timing.predict_wall_s.append(self.clock() - t0)
+        self.timing.core_ml_predict_s.append(sidecar.runtime.predict_duration_s(sidecar.handle_for(0)))
+        missing = [name for name in self.block.design.block.outputs if name not in out]
+        if missing:
+            raise AnelabInputError(f"{sidecar.package}: Core ML returned no output {missing[0]!r}; re-export it")
+        return out
+
+
 class CoreMLRunner:
     """Serve sidecar calls through Core ML (``anelab.runtimes``): one opened sidecar per layer, each function
     loaded on first use (``load_all`` pays those loads up front, timed), a stateful layer's state kept between
-    its calls and read back; every call timed on ``clock`` (``timing``)."""
+    its calls and read back; every call timed on ``clock`` (``timing``). The set's block sidecars (``mlp``, ``gdn``)
+    are served through Core ML too (``CoreMLBlockRunner``, installed as their runner), timed on the same clock."""
 
     def __init__(self, sidecars: SidecarSet, *, compute_units: str = "cpu_and_ne", runtime=None, clock=None):
 
@@ -381,8 +410,16 @@ class CoreMLRunner:
             layer: open_sidecar(pkg, compute_units=compute_units, chunk=sidecars.chunk, runtime=runtime)
             for layer, pkg in sidecars.packages.items()
         }
+        self.blocks = []
+        for block in (sidecars.mlp, sidecars.gdn):
+            if block is not None:
+                block.runner = CoreMLBlockRunner(block, compute_units=compute_units, runtime=runtime,
+                                                 clock=self.clock, timing=self.timing)  # fmt: skip
+                self.blocks.append(block.runner)
 
     def _to_load(self, prompt_tokens: int) -> list[tuple[int, object, int, str]]:
+        """(layer, sidecar, start, load key) of every function a prompt visits not loaded yet; a block's key is
+        prefixed by its kind (``mlp:c8``): its layer's attention may be stateful, whose function is ``c8`` too."""
         starts = chunk_starts(int(prompt_tokens), self.sidecars.chunk)
         wanted = []
         for layer, sidecar in self.opened.items():
@@ -390,15 +427,22 @@ class CoreMLRunner:
                 name = sidecar.function_for(start)
                 if (layer, name) not in self.timing.loads and name not in sidecar.loaded:
                     wanted.append((layer, sidecar, start, name))
+        for runner in self.blocks:
+            for layer, sidecar in runner.opened.items():
+                name = sidecar.function_for(0)
+                if (layer, f"{runner.label}:{name}") not in self.timing.loads and name not in sidecar.loaded:
+                    wanted.append((layer, sidecar, 0, f"{runner.label}:{name}"))
         return list({(layer, name): (layer, s, start, name) for layer, s, start, name in wanted}.values())
 
     def prepare(self, prompt_tokens: int) -> None:
         """What ``load_all`` needs done before its clocks, paid here: the process's Core ML first use, and each
         function's Neural Engine compile survived once in a child (``CoreMLRuntime.preflight``, a subprocess)."""
 
-        for runtime, units in {(s.runtime, s.compute_units) for s in self.opened.values()}:
+        every = [*self.opened.values(), *(s for runner in self.blocks for s in runner.opened.values())]
+        for runtime, units in {(s.runtime, s.compute_units) for s in every}:
             runtime.prepare_process(units)
-        for _, sidecar, _, name in self._to_load(prompt_tokens):
+        for _, sidecar, start, _ in self._to_load(prompt_tokens):
+            name = sidecar.function_for(start)
             runtime, units = sidecar.runtime, sidecar.compute_units
             if units in NEURAL_ENGINE_UNITS and not runtime.is_child:
                 runtime.preflight(sidecar.package, name, units, PREFLIGHT_LOAD_STEPS)

@@ -11,7 +11,7 @@ from anelab.commands.arguments import CHECKPOINT_HELP, add_chip, add_gpu_runtime
 from anelab.core.errors import AnelabInputError
 from anelab.core.limits import MAX_POSITIONS, require_at_most
 from anelab.decide.decision import DecideConfig, decide
-from anelab.decide.decision_report import verdict_lines
+from anelab.decide.decision_report import offload_split_report_lines, verdict_lines
 from anelab.planner.chips import bound_sentence, get_chip, plan_bounds
 from anelab.planner.gpu_runtimes import default_gpu_runtime, require_gpu_runtime
 from anelab.planner.plan import check_user_gpu
@@ -68,7 +68,7 @@ def main(args) -> int:
     if args.json:
         print_json(decision.verdict.to_dict())
         return 0
-    print("\n".join(verdict_lines(decision)))
+    print("\n".join(verdict_lines(decision) + offload_split_report_lines(decision)))
     if args.chip is not None:
         print(bound_sentence(plan_bounds(decision.plan.to_dict(), args.chip)))
     print(f"report: {out / 'report.html'} (also report.md, decision.json)")

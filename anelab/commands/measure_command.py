@@ -1,5 +1,6 @@
 """``anelab measure``: on a Mac, everything fresh in one command — doctor, export with the ANE gate, verify on the
-device, load timings, block A/B, probe timing (``--dry-run`` lists the steps anywhere)."""
+device, load timings, block A/B, the planned offload splits' A/B on the real model, probe timing (``--dry-run``
+lists the steps anywhere)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ def setup_arg_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--records", default=None, help="where records go (default data/measured)")
     p.add_argument("--again", action="store_true", help="measure again what is already recorded here")
     p.add_argument("--dry-run", action="store_true", help="list the steps and exit (runs anywhere)")
+    p.add_argument("--split-models", default="default-real", help="the split_ab step's models, comma-separated "
+                   "(default default-real; '' skips the step): each split the plan proposes, timed by 'anelab ab'")  # fmt: skip
+    p.add_argument("--split-prompt-tokens", type=int_list, default=(256,), help="the split_ab step's prompt "
+                   "lengths (default 256)")  # fmt: skip
 
 
 def main(args) -> int:
@@ -27,6 +32,7 @@ def main(args) -> int:
     config = MeasureConfig(
         checkpoint=checkpoint, layer=args.layer, chunk=args.chunk, histories=args.histories,
         repeats=args.repeats, again=args.again,
+        split_models=tuple(m for m in args.split_models.split(",") if m), split_prompt_tokens=tuple(args.split_prompt_tokens),
     )  # fmt: skip
     if args.build:
         config.build = args.build

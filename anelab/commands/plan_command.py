@@ -35,7 +35,9 @@ PLAN_EXAMPLES = """examples:
   anelab plan --family qwen3.5-2b-4bit --prompt-tokens 4333 --gpu-runtime mlx-lm --chip m4-max
       the same ANE arm against mlx-lm's prefill on an M4 Max instead of the seed's GPU path
   anelab plan --gpu-runtimes
-      the GPU runtimes a plan can price and the public mlx-lm records behind mlx-lm's"""
+      the GPU runtimes a plan can price and the public mlx-lm records behind mlx-lm's
+  anelab plan --published-splits
+      oMLX's and mlx-serve's published MLP / GDN-projection splits beside the planner's prediction"""
 
 
 def setup_arg_parser(p: argparse.ArgumentParser) -> None:
@@ -82,6 +84,8 @@ def setup_arg_parser(p: argparse.ArgumentParser) -> None:
     add_gpu_runtime(p)
     p.add_argument("--validate-chips", action="store_true", help="the per-chip model's predicted ANE-vs-GPU ratio "
                    "against every public measurement on other chips (inside its interval or not)")  # fmt: skip
+    p.add_argument("--published-splits", action="store_true", help="the published oMLX and mlx-serve ANE/GPU splits "
+                   "beside the offload split's prediction for each (or why it has none)")  # fmt: skip
     p.add_argument(
         "--gpu-runtimes",
         action="store_true",

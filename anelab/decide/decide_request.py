@@ -264,6 +264,7 @@ class Decision:
     chip_map: dict = field(
         default_factory=dict
     )  # chip x prompt length -> ratio and verdict (planner.chip_map's record)
+    offload_split: dict = field(default_factory=dict)  # per chip, every split of prefill (planner.offload_split)
 
     @property
     def measured(self) -> bool:
@@ -284,4 +285,5 @@ class Decision:
             "measured": self.measured,
             "yours": list(self.yours),
             "chip_map": self.chip_map,
+            "offload_split": self.offload_split,
         }

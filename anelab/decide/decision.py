@@ -58,9 +58,11 @@ from anelab.decide.decision_report import write_report
 from anelab.decide.evidence import EvidenceFile, reverify_when_the_arms_disagree, verify_summary
 from anelab.planner import from_checkpoint  # from_checkpoint.plan_from_checkpoint read at call time (tests spy)
 from anelab.planner.chip_map import verdict_map
+from anelab.planner.chips import CHIPS
 from anelab.planner.design_plans import DesignPlan
 from anelab.planner.envelope import MEASURED, YOURS, Cost
 from anelab.planner.from_checkpoint import CheckpointPlan, checkpoint_designs
+from anelab.planner.offload_split import checkpoint_splits
 from anelab.planner.plan import PrefillPlan
 from anelab.planner.settle import MAC_MEASUREMENT_DECIDE, settle_commands
 from anelab.planner.verdict import ArmCosts, Verdict, plan_arm_costs, verdict_for
@@ -600,28 +602,34 @@ def _decided(config: DecideConfig, opened: Opened) -> Decision:
             final = verdict_for(costs, commands)
             bar.update(1)
         bar.set_postfix_str("sweep prompt lengths and chips")
-        rows, chips = sweep(config, plans, candidate, measured), checkpoint_chip_map(config, opened, plan.full.chip)
+        plan_on = checkpoint_plan_on(config, opened)  # the chip map and the offload split share each plan
+        rows, chips = sweep(config, plans, candidate, measured), checkpoint_chip_map(config, opened, plan.full.chip,
+                                                                                     plan_on)  # fmt: skip
+        splits = checkpoint_splits(opened.checkpoint, config.prompt_tokens, list(CHIPS),
+                                   lambda chip: plan_on(chip, config.prompt_tokens))  # fmt: skip
         bar.update(1)
     evidence = DecisionEvidence({k: LayerVerification(**v) for k, v in verified.items()}, arms, compression, measured)
     decision = Decision(config=config, checkpoint=CheckpointSummary.of(opened.checkpoint), candidate=candidate.design,
                         verdicts=verdicts, verdict=final, designs=plan.designs, plan=plan.full,
                         cost_family=plan.checkpoint_plan.cost_family, evidence=evidence, sweep=tuple(rows),
-                        yours=_yours(config, final), chip_map=chips)  # fmt: skip
+                        yours=_yours(config, final), chip_map=chips, offload_split=splits)  # fmt: skip
     write_report(decision, config.out)
     return decision
 
 
-def checkpoint_chip_map(config: DecideConfig, opened: Opened, chip: str) -> dict:
+def checkpoint_plan_on(config: DecideConfig, opened: Opened):
+    """(chip, prompt tokens) -> the checkpoint's plan on that chip, each planned once; the user's own GPU number is
+    theirs, so it is left out."""
+    return from_checkpoint.plans_on_chips(opened.checkpoint, family=config.family, chunk=config.chunk,
+                                          gpu_runtime=config.gpu_runtime, objective=config.objective)  # fmt: skip
+
+
+def checkpoint_chip_map(config: DecideConfig, opened: Opened, chip: str, plan_on=None) -> dict:
     """The verdict map of the user's checkpoint (its full-attention layers' plan on every chip at a few prompt
-    lengths around theirs), their chip's row marked; the user's own GPU number is theirs, so it is left out."""
-
-    def plan_at(chip_name: str, n: int):
-        return from_checkpoint.plan_from_checkpoint(opened.checkpoint, n, family=config.family, chunk=config.chunk,
-                                    gpu_runtime=config.gpu_runtime, chip=chip_name,
-                                    objective=config.objective).parts["full"]  # fmt: skip
-
+    lengths around theirs), their chip's row marked (``plan_on``: :func:`checkpoint_plan_on`'s, shared)."""
+    plan_on = plan_on or checkpoint_plan_on(config, opened)
     lengths = sorted({1024, 4096, 16384, config.prompt_tokens})
-    return verdict_map(plan_at, lengths, mark=chip)
+    return verdict_map(lambda chip_name, n: plan_on(chip_name, n).parts["full"], lengths, mark=chip)
 
 
 def _yours(config: DecideConfig, verdict: Verdict) -> tuple[str, ...]:

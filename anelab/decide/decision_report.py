@@ -18,7 +18,7 @@ from anelab.arms.arm_comparison import NEAR_TIE_RULE
 from anelab.core.records import atomic_write_bytes, atomic_write_text
 from anelab.decide.decide_request import ArmsSummary, CheckpointSummary, Decision
 from anelab.planner.gpu_runtimes import gpu_runtime_phrase
-from anelab.planner.plan_text import energy_line
+from anelab.planner.plan_text import energy_line, offload_split_lines
 from anelab.planner.verdict import thresholds_sentence
 
 TEMPLATE_DIR = Path(__file__).with_name("templates")
@@ -90,6 +90,11 @@ def _chip_lines(decision: Decision) -> list[str]:
     if p.cold_start:
         out.append(p.cold_start["sentence"])
     return out
+
+
+def offload_split_report_lines(decision: Decision) -> list[str]:
+    """Which blocks go to the ANE, per chip: the best split and the runner-up (none when it was not priced)."""
+    return offload_split_lines(decision.offload_split) if decision.offload_split else []
 
 
 def chip_map_rows(decision: Decision) -> list[dict]:
@@ -218,6 +223,8 @@ def markdown(decision: Decision, figure: str) -> str:
     ]
     out += _greedy_lines(a)
     out += chip_map_markdown(decision)
+    split = offload_split_report_lines(decision)
+    out += ["", "## Which blocks go to the ANE", "", *[f"- {line}" for line in split[1:]]] if split else []
     out += compression_lines(decision)
     if v.settle:
         out += ["", "## What would change the answer", ""]

@@ -24,6 +24,7 @@ overrides; ``cost_family`` / ``cost_family_reason`` say which family.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -158,6 +159,26 @@ def plan_from_checkpoint(
                 chip=chip,
             )
     return _combine(checkpoint, g, full, windowed, family if not all_costs else None, reason, parts)
+
+
+def plans_on_chips(checkpoint, **keywords):
+    """(chip, prompt tokens) -> :func:`plan_from_checkpoint` of ``checkpoint`` on that chip with ``keywords``, each
+    planned once (a refusal too, raised again): the verdict map and the offload split share them."""
+
+    @functools.cache
+    def planned(chip: str, n: int):
+        try:
+            return plan_from_checkpoint(checkpoint, n, chip=chip, **keywords)
+        except AnelabInputError as e:
+            return e
+
+    def plan_on(chip: str, n: int) -> CheckpointPlan:
+        result = planned(chip, n)
+        if isinstance(result, AnelabInputError):
+            raise result
+        return result
+
+    return plan_on
 
 
 _COST_FLAGS = ("load_seconds", "gpu_attention_seconds", "ane_attention_seconds", "non_attention_seconds")

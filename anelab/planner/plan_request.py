@@ -17,7 +17,7 @@ from anelab.core.errors import AnelabInputError
 from anelab.planner.backtest import backtest, format_backtest
 from anelab.planner.catalogue import FAMILIES, REFERENCE_CHUNK, family_table
 from anelab.planner.chip_validation import format_validation, validate_chips
-from anelab.planner.chips import bound_sentence, plan_bounds, resolve_chip
+from anelab.planner.chips import CHIPS, bound_sentence, plan_bounds, resolve_chip
 from anelab.planner.coreai_loads import MISSING
 from anelab.planner.design_plans import DESIGNS, compare_designs
 from anelab.planner.fit import fit_costs, load_fit_report
@@ -26,6 +26,7 @@ from anelab.planner.gpu_runtimes import gpu_runtime_phrase, runtime_descriptions
 from anelab.planner.load_flip import flip_sentence
 from anelab.planner.loads import DEFAULT_PROTOCOL, DEFAULT_RELOAD_POLICY
 from anelab.planner.mlx_lm_rates import fit_mlx_lm, format_mlx_lm_fit
+from anelab.planner.offload_split import checkpoint_splits
 from anelab.planner.plan import PrefillPlan, plan, predicted_vs_recorded
 from anelab.planner.plan_text import (
     format_checkpoint_plan,
@@ -34,7 +35,9 @@ from anelab.planner.plan_text import (
     format_fit_report,
     format_plan,
     format_verdict,
+    offload_split_lines,
 )
+from anelab.planner.published_splits import format_published, published_vs_predicted
 from anelab.planner.settle import MAC_MEASUREMENT_PLAN, settle_commands
 from anelab.planner.verdict import plan_arm_costs, verdict_for
 
@@ -81,6 +84,7 @@ class PlanOptions:
     backtest: bool = False
     gpu_runtimes: bool = False
     validate_chips: bool = False
+    published_splits: bool = False
 
     def cost_keywords(self) -> dict:
         """The keywords ``planner.plan`` and ``plan_from_checkpoint`` share: costs, loads, the user's GPU, chip,
@@ -114,6 +118,9 @@ def plan_request(options: PlanOptions) -> PlanResult:
         return PlanResult(
             {"runtimes": described, "mlx_lm": fit.to_dict()}, lambda: runtimes + "\n" + format_mlx_lm_fit(fit)
         )
+    if options.published_splits:
+        rows = published_vs_predicted()
+        return PlanResult(rows, lambda: format_published(rows))
     if options.validate_chips:
         rows = validate_chips()
         return PlanResult(rows, lambda: format_validation(rows))
@@ -175,14 +182,15 @@ def checkpoint_plan(options: PlanOptions) -> PlanResult:
     given = [f"--{name.replace('_', '-')}" for name in GEOMETRY_OPTIONS if getattr(options, name) is not None]
     if given:
         raise AnelabInputError(f"--checkpoint supplies the geometry; drop {', '.join(given)}")
-    planned = plan_from_checkpoint(
-        load_checkpoint(resolve_checkpoint(options.checkpoint)),
-        options.prompt_tokens,
-        gpu_runtime=options.gpu_runtime,
-        **options.cost_keywords(),
-    )
+    checkpoint = load_checkpoint(resolve_checkpoint(options.checkpoint))
+    keywords = {**options.cost_keywords(), "gpu_runtime": options.gpu_runtime}
+    planned = plan_from_checkpoint(checkpoint, options.prompt_tokens, **keywords)
     result = planned.to_dict()
-    return with_verdicts(options, result, format_checkpoint_plan(result), list(planned.parts.values()))
+    splits = checkpoint_splits(checkpoint, options.prompt_tokens, list(CHIPS),
+                               lambda chip: plan_from_checkpoint(checkpoint, options.prompt_tokens,
+                                                                 **{**keywords, "chip": chip}))  # fmt: skip
+    text = format_checkpoint_plan(result) + "\n" + "\n".join(offload_split_lines(splits))
+    return with_verdicts(options, {**result, "offload_split": splits}, text, list(planned.parts.values()))
 
 
 def with_verdicts(options: PlanOptions, result: dict, text: str, parts: list[PrefillPlan]) -> PlanResult:

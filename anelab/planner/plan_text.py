@@ -193,3 +193,27 @@ def chip_lines(d: dict) -> list[str]:
         out.append(d["cold_start"]["sentence"])
     out.append(f"objective: {d['objective']} (decision on seconds: {d['time_decision']})")
     return out
+
+
+def offload_split_lines(d: dict) -> list[str]:
+    """The best offload split and the runner-up per chip (``planner.offload_split.checkpoint_splits``): each with
+    its ratio to all-GPU, its interval and the part that decides it; a chip that cannot be priced says why."""
+
+    def one(s: dict) -> str:
+        programs = f"; {s['programs']} ANE program(s) of ~4 GiB" if s["programs"] else ""
+        return (f"{s['name']} {s['ratio']:.2f}x [{s['ratio_low']:.2f} .. {s['ratio_high']:.2f}]{programs}")  # fmt: skip
+
+    w = d["window"]
+    out = [
+        f"--- offload split per chip (prompt {d['prompt_tokens']:,} tokens; ratio = all-GPU / split, predicted) ---",
+        f"ANE program window {w['value'] / 2**30:.0f} GiB ({w['source']}); package size limit: {d['package_limit']['kind']}"
+        + "".join(f"; {a}" for a in d["absent"]),
+    ]
+    for c in d["chips"]:
+        if c["refused"]:
+            out.append(f"{c['chip']}: cannot be priced — {c['refused']}")
+            continue
+        best, *rest = c["splits"]
+        runner = f"; runner-up {one(rest[0])}" if rest else ""
+        out.append(f"{c['chip']}: best {one(best)}{runner} — {best['decided_by']}")
+    return out

@@ -4,7 +4,8 @@ Steps (``STEPS``), in order: doctor -> probe (every Core ML assumption, recorded
 that rely on a failed one refuse naming it) -> export with the ANE gate -> verify on the device -> load
 timings (cold/warm per function, package compositions, memory vs functions) -> Core AI's specialization and
 predictions of the same layer on macOS 27 (``publish.measure_coreai``; elsewhere one line says why not) -> the attention
-block's A/B per compute units over the histories -> gather probe timing. Every result is written to
+block's A/B per compute units over the histories -> each offload split the plan proposes for the real model(s),
+timed against mlx-lm's GPU prefill (``publish.measure_splits``) -> gather probe timing. Every result is written to
 ``data/measured/`` as a record whose provenance names the chip, the OS and coremltools, and whose
 ``parameters.measure`` names the step and the SHA-256 of the package measured. A step already
 recorded for the same package on the same machine is skipped unless ``again``. ``plan_text``
@@ -29,6 +30,8 @@ from anelab.core.progress import tqdm
 from anelab.core.records import machine_description, make_record, read_records, write_record
 from anelab.publish import measure_coreai  # measure_coreai.coreai_records: read at call time (tests stand in)
 from anelab.publish.measure_coreai import STEP as COREAI_STEP
+from anelab.publish.measure_splits import STEP as SPLIT_STEP
+from anelab.publish.measure_splits import models_key, split_records
 from anelab.runtimes.coreai.coreai_runtime import default_coreai_runtime
 from anelab.runtimes.coreml.block_ab import time_attention_ab
 from anelab.runtimes.coreml.coreml_runtime import default_runtime
@@ -53,6 +56,7 @@ STEPS: tuple[tuple[str, str], ...] = (
     ("load", "load timings: cold and warm per function, compositions (alone / beside h<C>), memory vs functions"),
     COREAI_STEP,
     ("block_ab", "the attention block's predict per compute units over the histories (A/B)"),
+    SPLIT_STEP,
     (
         "gather_probe",
         "gather probe: ANE operation counts, load and predict timing of the full-scores and gather probes",
@@ -75,6 +79,8 @@ class MeasureConfig:
     repeats: int = 3
     probe_chunk: int = 32
     again: bool = False
+    split_models: tuple[str, ...] = ("default-real",)  # the real model(s) whose planned splits are timed
+    split_prompt_tokens: tuple[int, ...] = (256,)
 
     def resolved_histories(self) -> list[int]:
         return list(self.histories) if self.histories else [0, self.chunk, 2 * self.chunk]
@@ -91,6 +97,9 @@ def plan_text(config: MeasureConfig) -> str:
     ]
     lines += [f"  {i}. {name:<12} {what}" for i, (name, what) in enumerate(STEPS, 1)]
     lines.append(f"     verify units: {', '.join(config.verify_units)}; A/B units: {', '.join(config.ab_units)}")
+    lines.append(f"     split_ab: models {', '.join(config.split_models) or 'none'}, prompt tokens "
+                 f"{','.join(map(str, config.split_prompt_tokens))}, chunk {config.chunk}; the best split and the "
+                 "runner-up the plan proposes on this Mac's chip")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -285,6 +294,8 @@ def measure(
     steps.update()
     _step(run, "block_ab", key, lambda: _block_ab(run, pkg, checkpoint), echo)
     steps.update()
+    _splits(run, echo)
+    steps.update()
     probe_key, probe_records = _gather_probe(run)
     if probe_records:
         run.keep("gather_probe", probe_key, probe_records)
@@ -322,6 +333,19 @@ def _coreai(
     except (RuntimeError, AnelabInputError) as e:
         run.unavailable["coreai"] = f"failed: {' '.join(str(e).split())}"
         echo(f"coreai: not measured — {run.unavailable['coreai']}")
+
+
+def _splits(run: MeasureRun, echo) -> None:
+    """The ``split_ab`` step (``publish.measure_splits``) for ``split_models``; none given: one line says so."""
+    cfg = run.config
+    if not cfg.split_models:
+        run.unavailable["split_ab"] = "no model given (--split-models)"
+        echo(f"split_ab: not measured — {run.unavailable['split_ab']}")
+        return
+    key = models_key(cfg.split_models, cfg.split_prompt_tokens, cfg.chunk)
+    _step(run, "split_ab", key, lambda: split_records(run.runtime, cfg.split_models, cfg.split_prompt_tokens,
+          cfg.chunk, Path(cfg.build), run.staged("split_ab"), repeats=cfg.repeats, clock=run.clock,
+          again=cfg.again), echo)  # fmt: skip
 
 
 def _step(run: MeasureRun, name: str, key: str, work: Callable[[], list[dict]], echo) -> None:

@@ -155,6 +155,13 @@ STUDIES: tuple[Study, ...] = (
         "Core ML numerics of the same arms (anelab compare-arms --compute-units)",
         ("arms_per_layer_difference", "arms_logits_vs_greedy", "arms_real_text", "arms_verify_margin"),
     ),
+    Study(
+        "08_offload_split",
+        "which blocks of prefill belong on the ANE: attention, the MLPs, a hybrid's projections, or none?",
+        "the planner's offload split per model, chip and prompt length; the published oMLX / mlx-serve splits replayed",
+        "each proposed split timed against the GPU prefill (anelab ab --split planned; anelab measure's split_ab)",
+        ("offload_split_share", "offload_split_ratio", "offload_split_published"),
+    ),
 )  # fmt: skip
 
 

@@ -28,10 +28,10 @@ STUDIES_DIR = REPO_ROOT / "anelab" / "studies"
 
 def test_doctor_table_lists_every_notebook():
     names = [p.name for p in notebooks.discover_notebooks()]
-    assert len(names) == 7
+    assert len(names) == 8
     assert notebooks_without_a_row(names) == []
     # negative control: the next notebook, without a row, is caught
-    assert notebooks_without_a_row([*names, "08_next_study.ipynb"]) == ["08_next_study.ipynb"]
+    assert notebooks_without_a_row([*names, "09_next_study.ipynb"]) == ["09_next_study.ipynb"]
 
 
 def notebook_study_imports(path) -> set[str]:
@@ -128,7 +128,9 @@ def test_plan_help_has_examples_that_run(capsys, tiny_checkpoint):
     out = capsys.readouterr().out
     assert "examples:" in out and "anelab plan --family qwen3.8-125b-a6b-4bit --prompt-tokens 4333" in out
     commands = [line.split()[2:] for line in PLAN_EXAMPLES.splitlines() if line.strip().startswith("anelab plan")]
-    assert len(commands) == 9  # with --backtest, --chip, --gpu-runtime and --gpu-runtimes (issue 30)
+    assert (
+        len(commands) == 10
+    )  # with --backtest, --chip, --gpu-runtime and --gpu-runtimes (issue 30), --published-splits
     for argv in commands:
         if "--checkpoint" in argv:  # the example's path is the embedded default; the tiny one here
             argv = [str(tiny_checkpoint("qwen3")) if a.startswith("build/") else a for a in argv]

@@ -181,6 +181,22 @@ def test_decide_labels_extrapolated_costs_and_says_depends(decided):
     assert d["plan"]["gpu_runtime"] == "tinytitan" and "TinyTitan's GPU path" in (out / "report.md").read_text()
 
 
+def test_decide_reports_the_offload_split_per_chip(decided):
+    """Issue 43: decide.json, report.md and decide's printed lines carry the best split and the runner-up per chip."""
+    from anelab.decide.decision_report import offload_split_report_lines
+    from anelab.planner.chips import CHIPS
+
+    decision, out = decided
+    d = json.loads((out / "decision.json").read_text())
+    split = d["offload_split"]
+    assert [c["chip"] for c in split["chips"]] == list(CHIPS) and split["prompt_tokens"] == PROMPT
+    lines = offload_split_report_lines(d)
+    priced = [c for c in split["chips"] if not c["refused"]]
+    assert priced and all(f"{c['chip']}: best {c['splits'][0]['name']} " in "\n".join(lines) for c in priced)
+    assert "## Which blocks go to the ANE" in (out / "report.md").read_text()
+    assert offload_split_report_lines({**d, "offload_split": {}}) == []  # control: an older decision.json has none
+
+
 def test_decide_evidence_verify_and_arms(decided):
     decision, _ = decided
     verify = decision.evidence.verify

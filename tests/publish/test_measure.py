@@ -44,8 +44,8 @@ def measured(tiny_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("measure")
     config = MeasureConfig(
         checkpoint=tiny_checkpoint("llama"), chunk=8, histories=[0, 8], repeats=1, probe_chunk=8,
-        build=root / "build", records=root / "records",
-    )  # fmt: skip
+        build=root / "build", records=root / "records", split_models=(),
+    )  # fmt: skip  # split_ab (no model given here): tests/publish/test_measure_splits.py
     runtime = FakeRuntime(numerics=True, default=FakeFunction(cold_load_s=2.0, warm_load_s=0.5))
     first = measure(config, runtime=runtime, clock=runtime.clock, echo=lambda _: None)
     return config, runtime, first
@@ -83,7 +83,7 @@ def test_a_second_run_skips_what_is_recorded_and_again_measures_again(measured):
     before = len(read_records(config.records))
     second = measure(config, runtime=runtime, clock=runtime.clock, echo=lambda _: None)
     # the probe is first contact: never skipped; a step this machine cannot run (Core AI off macOS 27) is neither
-    assert set(second["unavailable"]) == {"coreai"}
+    assert set(second["unavailable"]) == {"coreai", "split_ab"}
     assert second["skipped"] == [name for name, _ in STEPS[2:] if name not in second["unavailable"]]
     assert [Path(p).name.split("-")[0] for p in second["written"]] == ["core_ml_probe"]
     assert len(read_records(config.records)) == before + 1

@@ -286,3 +286,24 @@ def test_decide_runs_a_qwen3_5_hybrid_end_to_end_on_its_own_candidate(made, tmp_
     assert arms.engine == "mlx" and arms.served_by == decision.candidate and arms.note == ""
     assert 0 < arms.logits_relative_difference < NOISE and arms.identical_text
     assert arms.layer_differences[:3] == (0.0, 0.0, 0.0)  # the Gated DeltaNet layers stay mlx-lm's
+
+
+def test_ab_runs_a_block_split_off_a_mac_for_correctness_and_a_mac_refuses_its_ungated_packages(made, tmp_path, capsys):
+    """Issue 43: ``ab --mlp-sidecars`` serves every MLP from its packages (here with no attention sidecar: the MLP
+    split alone). Off a Mac it runs labelled, its logits within the bound; a Mac serves them through Core ML
+    (tests/arms/test_split_ab.py) and refuses, in one line, packages no ANE gate passed."""
+    checkpoint, _ = made["qwen3_5"]
+    mlp = tmp_path / "mlp"
+    export_sidecars(load_checkpoint(checkpoint), mlp, CHUNK, None, graph="mlp", jobs=1)
+    argv = ["ab", str(checkpoint), "--mlp-sidecars", str(mlp), "--prompt-tokens", str(PROMPT)]
+    assert main([*argv, "--out", str(tmp_path / "rec")]) == 0
+    out = capsys.readouterr().out
+    assert "ANE arm (hybrid: mlp on sidecars)" in out and "not a Mac's timings" in out
+    [record] = read_records(tmp_path / "rec", "whole_model_ab")
+    assert record["parameters"]["split"] == "mlp" and record["parameters"]["design"] is None
+    correctness = record["results"]["correctness"]
+    assert correctness["within_bound"] and 0 < correctness["logits_relative_difference"] < NOISE
+    with pytest.raises(AnelabInputError, match="not verified for the Neural Engine"):
+        run_ab(ab_request(checkpoint, None, [PROMPT], mlp_sidecars=mlp, runtime=_fake_mac()[0]))
+    assert main(["ab", str(checkpoint), "--prompt-tokens", str(PROMPT)]) == 2  # no sidecars at all: refused
+    assert "needs sidecars to serve" in capsys.readouterr().err
