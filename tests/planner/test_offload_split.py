@@ -12,6 +12,7 @@ import math
 
 import pytest
 
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.core.errors import AnelabInputError
 from anelab.planner.from_checkpoint import plan_from_checkpoint
 from anelab.planner.offload_split import (
@@ -117,13 +118,10 @@ def test_a_chip_without_an_ane_figure_is_refused():
 
 def test_the_attention_split_is_the_attention_only_plan(tiny_checkpoint):
     # cost flags make attention pay on the ANE; the split "attention" must give the checkpoint plan's own ratio
-    path = tiny_checkpoint("llama")
-    planned = plan_from_checkpoint(path, 64, chunk=32, load_seconds=0.001, gpu_attention_seconds=1.0,
+    ck = load_checkpoint(tiny_checkpoint("llama"))
+    planned = plan_from_checkpoint(ck, 64, chunk=32, load_seconds=0.001, gpu_attention_seconds=1.0,
                                    ane_attention_seconds=0.1, non_attention_seconds=2.0)  # fmt: skip
     assert planned.offloaded == ["full"]
-    from anelab.checkpoints.checkpoint import load_checkpoint
-
-    ck = load_checkpoint(path)
     parts, absent = checkpoint_parts(ck)
     splits = by_name(offload_splits(checkpoint_split_inputs(ck, planned, parts)))
     assert splits["attention"].ratio == pytest.approx(planned.predicted_ratio, rel=1e-12)
@@ -132,7 +130,7 @@ def test_the_attention_split_is_the_attention_only_plan(tiny_checkpoint):
     assert parts == () and [a.split(":")[0] for a in absent] == ["mlp", "projections"]
     assert "no gate projection" in absent[0]
     # control: with the ANE attention 40x slower the attention split loses
-    slow = plan_from_checkpoint(path, 64, chunk=32, load_seconds=0.001, gpu_attention_seconds=1.0,
+    slow = plan_from_checkpoint(ck, 64, chunk=32, load_seconds=0.001, gpu_attention_seconds=1.0,
                                 ane_attention_seconds=4.0, non_attention_seconds=2.0)  # fmt: skip
     assert by_name(offload_splits(checkpoint_split_inputs(ck, slow, parts)))["attention"].ratio < 1.0
 
