@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from anelab.core.errors import AnelabInputError
+from anelab.core.matmul import matmul
 from anelab.core.reference import rms_norm
 
 DTYPE = np.float32
@@ -193,7 +194,7 @@ def _activation(name: str):
 
 def _linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
     """x [T, in] @ weight [out, in].T (+ bias [out]) -> [T, out]."""
-    y = x @ weight.T
+    y = matmul(x, weight.T)
     if bias is not None:
         y += bias
     return y
@@ -212,7 +213,7 @@ def plain_mlp(x: np.ndarray, mlp: PlainMlpWeights) -> np.ndarray:
 
 def route(x: np.ndarray, moe: MoeWeights) -> tuple[np.ndarray, np.ndarray]:
     """Router: x [T, D] -> (experts int [T, k] by descending probability, weights float32 [T, k])."""
-    logits = (x @ moe.router.T).astype(np.float64)  # [T, E]
+    logits = matmul(x, moe.router.T).astype(np.float64)  # [T, E]
     logits -= logits.max(axis=-1, keepdims=True)
     probs = np.exp(logits)
     probs /= probs.sum(axis=-1, keepdims=True)
@@ -280,14 +281,14 @@ def linear_each(xs: list[np.ndarray], weight, block_bytes: int = LINEAR_BLOCK_BY
     """``[linear(x, weight) for x in xs]`` reading a file-backed ``weight`` once: each row block is converted
     once and every x [T_i, K] multiplied by it on its own (the same products as separate calls)."""
     if isinstance(weight, np.ndarray):
-        return [x @ weight.T for x in xs]
+        return [matmul(x, weight.T) for x in xs]
     n, k = weight.shape
     rows = max(1, block_bytes // (4 * k))
     outs = [np.empty((x.shape[0], n), DTYPE) for x in xs]
     for r0 in range(0, n, rows):
         block = np.asarray(weight[r0 : r0 + rows], DTYPE)
         for x, out in zip(xs, outs, strict=True):
-            out[:, r0 : r0 + rows] = x @ block.T
+            matmul(x, block.T, out=out[:, r0 : r0 + rows])
     return outs
 
 
