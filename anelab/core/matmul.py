@@ -19,16 +19,13 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
     """``a @ b`` (NumPy's broadcasting: a [..., M, K], b [..., K, N] -> [..., M, N]) accumulated in float64.
 
     The result has NumPy's dtype for ``a @ b`` (float32 operands: float32; either float64: float64), the float64
-    product rounded once to it. ``out`` (the result's shape) receives the result, rounded to its own dtype.
+    product rounded once to it (past float32's range: inf). ``out`` (the result's shape) receives the result,
+    rounded to its own dtype.
     """
     a, b = np.asarray(a), np.asarray(b)
-    product = np.matmul(a.astype(np.float64, copy=False), b.astype(np.float64, copy=False))
-    if out is not None:
-        out[...] = product
-        return out
-    return product.astype(np.result_type(a.dtype, b.dtype), copy=False)
-
-
-def linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """x [..., K] @ weight [N, K].T -> [..., N] (``matmul``'s accumulation and rounding)."""
-    return matmul(x, np.asarray(weight).T)
+    with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN pass silently, as through a float32 GEMM
+        product = np.matmul(a.astype(np.float64, copy=False), b.astype(np.float64, copy=False))
+        if out is not None:
+            out[...] = product
+            return out
+        return product.astype(np.result_type(a.dtype, b.dtype), copy=False)

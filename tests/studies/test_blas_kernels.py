@@ -6,8 +6,9 @@ and notebook 06's tile-error figure (a stateful-tiled package against the float6
 difference of two computations, and that difference's own digits moved with OpenBLAS's kernel: a float32 GEMM's
 last bits flip fp16 roundings in the sidecar arm and move the difference in its third digit. Here the same study
 functions run on a small random-weight checkpoint (packages exported once, in this process) in two processes,
-each with OpenBLAS pinned to another core type, and every number they return must be the same to the last bit.
-The control: a plain float32 GEMM of the same shapes gives other bits under the two kernels.
+each with OpenBLAS pinned to another core type and thread count, and every number they return must be the same:
+float32-derived ones to the last bit, relative errors against a float64 reference to that reference's own
+last bits (``_same``). The control: a plain float32 GEMM of the same shapes gives other bits under the two kernels.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from anelab.core.weights import random_attention_weights
 from anelab.sidecar.export import export_sidecars
 from anelab.studies.one_function import tile_error_exports
 
-# two OpenBLAS kernels every x86-64 CPU with AVX2 runs, and whose float32 GEMMs round differently
-CORE_TYPES = ("Haswell", "Sandybridge")
+# two OpenBLAS kernels every x86-64 CPU with AVX2 runs, and whose float32 GEMMs round differently; each with
+# another number of BLAS threads
+RUNS = (("Haswell", 1), ("Sandybridge", 2))
 CHUNK, PROMPT, DECODE, COMPRESS = 16, 40, 4, 4  # chunk starts 0, 16, 32 (the last partial)
 FLOAT64_NOISE = 1e-11  # relative: what a float64 result's kernel-dependent last bits can move a number by
 KEPT_BLOCKS = (3, 6)  # dense-exact windows of 15 and 27 keys: below the prompt, the arms differ
@@ -118,8 +120,8 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _study_numbers(core_type: str, root) -> dict:
-    env = {**os.environ, "OPENBLAS_CORETYPE": core_type, "OPENBLAS_NUM_THREADS": "1"}
+def _study_numbers(core_type: str, threads: int, root) -> dict:
+    env = {**os.environ, "OPENBLAS_CORETYPE": core_type, "OPENBLAS_NUM_THREADS": str(threads)}
     args = json.dumps([str(root), CHUNK, PROMPT, DECODE, COMPRESS, list(KEPT_BLOCKS), CAPACITY, list(KEY_TILES)])
     done = subprocess.run([sys.executable, "-c", COMPUTE, args], capture_output=True, text=True, env=env,
                           timeout=300)  # fmt: skip
@@ -129,7 +131,7 @@ def _study_numbers(core_type: str, root) -> dict:
 
 @pytest.mark.blas_exact
 def test_the_study_figures_numbers_are_the_same_under_another_blas_kernel(exported):
-    first, second = (_study_numbers(core, exported) for core in CORE_TYPES)
+    first, second = (_study_numbers(core, threads, exported) for core, threads in RUNS)
     assert first.pop("control") != second.pop("control")  # control: the kernels compute other float32 bits
     assert min(first["arms_sidecar_vs_reference"][0]) > 0  # the difference is the modelled fp16 one, not 0
     assert max(first["arms_window_sweep"][0][0]) > 0.01  # the mask arms separate below the window
