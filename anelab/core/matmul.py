@@ -4,10 +4,12 @@ A float32 GEMM through OpenBLAS sums its products in an order its kernel picks (
 number of threads each choose their own blocking), so its last bits differ from one CPU to another. Where anelab
 rounds such a result to fp16 (a sidecar's stored intermediates) one value in a few thousand then lands on the
 other side of an fp16 rounding boundary, and a difference between two arms moves in its third digit: enough to
-move a figure's point. ``matmul`` accumulates in float64 and rounds once: the float32 result is the correctly
-rounded exact product except where the float64 sum's own error (~1e-16 of it) straddles a float32 rounding
-boundary, one element in ~1e7 — and there the neighbours it feeds differ by a float32 last bit, never by an fp16
-step. Products of float64 operands stay float64 (their last bits, ~1e-16, are far below anything drawn).
+move a figure's point. ``matmul`` accumulates in float64 and rounds once, so the float32 result is the exact
+product correctly rounded. The one exception: an exact product within the float64 sum's own error (~1e-16 of
+it, times the square root of the inner dimension) of a float32 rounding boundary, about one element in 1e7 for
+the studies' shapes; that element differs by one float32 last bit, which reaches an fp16 rounding only about
+once in 8,000 such elements. Products of float64 operands stay float64 (their last bits, ~1e-16 of a value,
+are far below anything drawn).
 """
 
 from __future__ import annotations
