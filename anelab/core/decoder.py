@@ -41,7 +41,7 @@ from anelab.core.reference import rms_norm
 
 DTYPE = np.float32
 NORM_KINDS = ("rms", "layer")
-LINEAR_BLOCK_BYTES = 32 * 2**20  # float32 rows of a file-backed weight (the LM head) converted at a time
+LINEAR_BLOCK_BYTES = 32 * 2**20  # rows of a weight (the LM head) converted at a time, in their float64 bytes
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -271,19 +271,18 @@ def linear(x: np.ndarray, weight, block_bytes: int = LINEAR_BLOCK_BYTES) -> np.n
     """x [T, K] @ weight [N, K].T -> float32 [T, N].
 
     ``weight``: a float32 array, or a tensor left in its file (``anelab.checkpoints.safetensors_io.MappedTensor``:
-    ``weight[r0:r1]`` returns those rows as float32), read in row blocks of at most ``block_bytes`` so it
-    is never held whole in float32.
+    ``weight[r0:r1]`` returns those rows as float32), read in row blocks of at most ``block_bytes`` (in float64,
+    as ``core.matmul`` widens them) so it is never held whole in float32 or float64.
     """
     return linear_each([x], weight, block_bytes)[0]
 
 
 def linear_each(xs: list[np.ndarray], weight, block_bytes: int = LINEAR_BLOCK_BYTES) -> list[np.ndarray]:
-    """``[linear(x, weight) for x in xs]`` reading a file-backed ``weight`` once: each row block is converted
-    once and every x [T_i, K] multiplied by it on its own (the same products as separate calls)."""
-    if isinstance(weight, np.ndarray):
-        return [matmul(x, weight.T) for x in xs]
+    """``[linear(x, weight) for x in xs]`` reading ``weight`` once, in row blocks: each block is converted once
+    and every x [T_i, K] multiplied by it on its own (the same products as separate calls). The blocks bound the
+    float64 copy ``core.matmul`` makes of the weight, in memory too (``block_bytes`` of it at a time)."""
     n, k = weight.shape
-    rows = max(1, block_bytes // (4 * k))
+    rows = max(1, block_bytes // (np.dtype(np.float64).itemsize * k))
     outs = [np.empty((x.shape[0], n), DTYPE) for x in xs]
     for r0 in range(0, n, rows):
         block = np.asarray(weight[r0 : r0 + rows], DTYPE)
