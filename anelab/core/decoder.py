@@ -36,11 +36,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from anelab.core.errors import AnelabInputError
+from anelab.core.matmul import matmul
 from anelab.core.reference import rms_norm
 
 DTYPE = np.float32
 NORM_KINDS = ("rms", "layer")
-LINEAR_BLOCK_BYTES = 32 * 2**20  # float32 rows of a file-backed weight (the LM head) converted at a time
+LINEAR_BLOCK_BYTES = 32 * 2**20  # rows of a weight (the LM head) converted at a time, in their float64 bytes
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -193,7 +194,7 @@ def _activation(name: str):
 
 def _linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
     """x [T, in] @ weight [out, in].T (+ bias [out]) -> [T, out]."""
-    y = x @ weight.T
+    y = matmul(x, weight.T)
     if bias is not None:
         y += bias
     return y
@@ -212,7 +213,7 @@ def plain_mlp(x: np.ndarray, mlp: PlainMlpWeights) -> np.ndarray:
 
 def route(x: np.ndarray, moe: MoeWeights) -> tuple[np.ndarray, np.ndarray]:
     """Router: x [T, D] -> (experts int [T, k] by descending probability, weights float32 [T, k])."""
-    logits = (x @ moe.router.T).astype(np.float64)  # [T, E]
+    logits = matmul(x, moe.router.T).astype(np.float64)  # [T, E]
     logits -= logits.max(axis=-1, keepdims=True)
     probs = np.exp(logits)
     probs /= probs.sum(axis=-1, keepdims=True)
@@ -270,24 +271,23 @@ def linear(x: np.ndarray, weight, block_bytes: int = LINEAR_BLOCK_BYTES) -> np.n
     """x [T, K] @ weight [N, K].T -> float32 [T, N].
 
     ``weight``: a float32 array, or a tensor left in its file (``anelab.checkpoints.safetensors_io.MappedTensor``:
-    ``weight[r0:r1]`` returns those rows as float32), read in row blocks of at most ``block_bytes`` so it
-    is never held whole in float32.
+    ``weight[r0:r1]`` returns those rows as float32), read in row blocks of at most ``block_bytes`` (in float64,
+    as ``core.matmul`` widens them) so it is never held whole in float32 or float64.
     """
     return linear_each([x], weight, block_bytes)[0]
 
 
 def linear_each(xs: list[np.ndarray], weight, block_bytes: int = LINEAR_BLOCK_BYTES) -> list[np.ndarray]:
-    """``[linear(x, weight) for x in xs]`` reading a file-backed ``weight`` once: each row block is converted
-    once and every x [T_i, K] multiplied by it on its own (the same products as separate calls)."""
-    if isinstance(weight, np.ndarray):
-        return [x @ weight.T for x in xs]
+    """``[linear(x, weight) for x in xs]`` reading ``weight`` once, in row blocks: each block is converted once
+    and every x [T_i, K] multiplied by it on its own (the same products as separate calls). The blocks bound the
+    float64 copy ``core.matmul`` makes of the weight, in memory too (``block_bytes`` of it at a time)."""
     n, k = weight.shape
-    rows = max(1, block_bytes // (4 * k))
+    rows = max(1, block_bytes // (np.dtype(np.float64).itemsize * k))
     outs = [np.empty((x.shape[0], n), DTYPE) for x in xs]
     for r0 in range(0, n, rows):
         block = np.asarray(weight[r0 : r0 + rows], DTYPE)
         for x, out in zip(xs, outs, strict=True):
-            out[:, r0 : r0 + rows] = x @ block.T
+            matmul(x, block.T, out=out[:, r0 : r0 + rows])
     return outs
 
 

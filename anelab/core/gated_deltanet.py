@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from anelab.core.errors import AnelabInputError
+from anelab.core.matmul import matmul
 
 GDN_OUTPUTS = ("qkv", "z", "b", "a")
 
@@ -84,4 +85,4 @@ def gdn_input_projections(x: np.ndarray, weights: GdnProjectionWeights) -> dict[
     x = np.asarray(x)
     dtype = x.dtype if x.dtype.kind == "f" and x.dtype.itemsize >= 4 else np.float32
     x = x.astype(dtype, copy=False)
-    return {name: x @ np.asarray(w, dtype).T for name, w in weights.matrices().items()}
+    return {name: matmul(x, np.asarray(w, dtype).T) for name, w in weights.matrices().items()}

@@ -17,6 +17,7 @@ import numpy as np
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import AttentionGeometry
 from anelab.core.masks import MASKED
+from anelab.core.matmul import matmul
 from anelab.core.rope import interleaved_to_half
 from anelab.core.weights import WEIGHT_FIELDS, AttentionWeights
 
@@ -179,7 +180,7 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 
 def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, dtype) -> np.ndarray:
     """x [T, in] @ w[out, in].T (+ b) -> [T, out] in dtype."""
-    y = x @ w.astype(dtype, copy=False).T
+    y = matmul(x, w.astype(dtype, copy=False).T)
     if b is not None:
         y += b.astype(dtype, copy=False)
     return y
@@ -362,7 +363,7 @@ def _scores(q_rows: np.ndarray, k_all: np.ndarray, k0: int, k1: int, buffer: np.
     """
     hkv, group, rows, d = q_rows.shape
     s = buffer[: hkv * group * rows * (k1 - k0)].reshape(hkv, group * rows, k1 - k0)
-    np.matmul(np.ascontiguousarray(q_rows).reshape(hkv, group * rows, d), k_all[:, k0:k1].transpose(0, 2, 1), out=s)
+    matmul(np.ascontiguousarray(q_rows).reshape(hkv, group * rows, d), k_all[:, k0:k1].transpose(0, 2, 1), out=s)
     return s
 
 
@@ -464,7 +465,7 @@ def attention_block(
         s -= s.max(axis=-1, keepdims=True)
         np.exp(s, out=s)
         row_sum = s.sum(axis=-1, keepdims=True)
-        rows_out = np.matmul(s, p.v_all)  # [Hkv, group*rows, d]
+        rows_out = matmul(s, p.v_all)  # [Hkv, group*rows, d]
         rows_out /= row_sum
         out[:, :, c0:c1] = rows_out.reshape(g.num_kv_heads, g.group_size, c1 - c0, g.head_dim)
     del buffer, qg
@@ -534,7 +535,7 @@ def attention_block_tiled(
             l *= alpha
             l += s.sum(axis=-1, keepdims=True)
             acc *= alpha
-            acc += np.matmul(s, p.v_all[:, k0:k1])
+            acc += matmul(s, p.v_all[:, k0:k1])
             m = m_new
         acc /= l
         per_head = _ungroup(acc.reshape(g.num_kv_heads, g.group_size, rows, g.head_dim), g)

@@ -32,6 +32,7 @@ import numpy as np
 
 from anelab.core.errors import AnelabInputError
 from anelab.core.masks import dense_exact_window, fold_with_causal
+from anelab.core.matmul import matmul
 
 SCORES = ("qk", "random")
 INDEXER_NAME = "qsa_block_topk"
@@ -125,7 +126,7 @@ def block_scores_qk(q: np.ndarray, k: np.ndarray, compress_ratio: int) -> np.nda
     # query heads of one KV group share its key, so summing q over the group first is exact
     q_group = q.astype(np.float32).reshape(chunk, kv_heads, group, head_dim).sum(axis=2)  # [C, Hkv, d]
     k_block = k[: n_blocks * ratio].astype(np.float32).reshape(n_blocks, ratio, kv_heads, head_dim).mean(axis=1)
-    return q_group.reshape(chunk, kv_heads * head_dim) @ k_block.reshape(n_blocks, kv_heads * head_dim).T
+    return matmul(q_group.reshape(chunk, kv_heads * head_dim), k_block.reshape(n_blocks, kv_heads * head_dim).T)
 
 
 def block_scores_random(chunk: int, n_blocks: int, seed: int) -> np.ndarray:

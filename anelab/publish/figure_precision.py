@@ -12,6 +12,11 @@ Rounding makes a kernel's difference vanish unless a value lies within that diff
 float32 noise of ~1e-5 of a value and a grid of 1/``AXIS_STEPS`` of the span, about one value in a thousand;
 ``tests/publish/test_figure_precision.py`` redraws a BLAS-computed figure under two OpenBLAS core types and compares
 bytes. Scales other than linear and log (symlog, logit) and the words of a text are left as drawn.
+
+Rounding cannot hold a figure that draws the *difference* of two float32 computations (a sidecar arm against the
+reference): there a kernel's last bits flip fp16 roundings and move the difference in its third digit. The studies'
+float32 products therefore go through ``anelab.core.matmul`` (float64 accumulation, one rounding), which takes the
+kernel out of the numbers themselves (``tests/studies/test_blas_kernels.py``).
 """
 
 from __future__ import annotations

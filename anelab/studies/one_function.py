@@ -95,18 +95,13 @@ def prefill_times(exports: dict, hidden: np.ndarray, weights, geometry, *, repea
     return out
 
 
-def tile_error_table(
-    checkpoint_dir, out_root, *, layer: int, chunk: int, capacity: int, key_tiles, query_tile: int | None = None, seed=0
-) -> list[dict]:
-    """fp16 error of the online softmax against the number of key tiles: one stateful-tiled export per
-    key tile, a prompt filling the capacity, attn_out against the fp64 reference."""
+def tile_error_exports(
+    checkpoint_dir, out_root, *, layer: int, chunk: int, capacity: int, key_tiles, query_tile: int | None = None
+) -> dict[int, Path]:
+    """One stateful-tiled export of ``layer`` per key tile, ``capacity`` cache slots each -> {key tile: package}."""
 
-    ck = load_checkpoint(checkpoint_dir)
-    g, w = ck.geometry, ck.layer(layer)
-    hidden = np.random.default_rng(seed).standard_normal((capacity, g.hidden_size)).astype(np.float16)
-    ref = prompt_reference(hidden, w, g).attn_out
-    rows = []
-    for kt in tqdm(key_tiles, desc="tile-count error", unit="export"):
+    packages = {}
+    for kt in tqdm(key_tiles, desc="tile-count exports", unit="export"):
         [r] = export_sidecars(
             ck,
             Path(out_root) / f"kt{kt}",
@@ -118,9 +113,34 @@ def tile_error_table(
             key_tile=kt,
             query_tile=query_tile,
         )
-        out = prefill_prompt(r.package, hidden)
+        packages[int(kt)] = r.package
+    return packages
+
+
+def tile_errors(checkpoint_dir, packages: dict[int, Path], *, layer: int, capacity: int, seed=0) -> list[dict]:
+    """fp16 error of the online softmax per key tile: a prompt of random fp16 rows [capacity, D] filling each
+    package (``tile_error_exports``) prefilled, attn_out against the fp64 reference."""
+
+    ck = load_checkpoint(checkpoint_dir)
+    g, w = ck.geometry, ck.layer(layer)
+    hidden = np.random.default_rng(seed).standard_normal((capacity, g.hidden_size)).astype(np.float16)
+    ref = prompt_reference(hidden, w, g).attn_out
+    rows = []
+    for kt, package in packages.items():
+        out = prefill_prompt(package, hidden)
         rows.append({"key_tile": kt, "tiles": capacity // kt, "attn_out_error": float(relative_error(out, ref))})
     return rows
+
+
+def tile_error_table(
+    checkpoint_dir, out_root, *, layer: int, chunk: int, capacity: int, key_tiles, query_tile: int | None = None, seed=0
+) -> list[dict]:
+    """fp16 error of the online softmax against the number of key tiles: one stateful-tiled export per
+    key tile (``tile_error_exports``), a prompt filling the capacity, attn_out against the fp64 reference."""
+
+    packages = tile_error_exports(checkpoint_dir, out_root, layer=layer, chunk=chunk, capacity=capacity,
+                                  key_tiles=key_tiles, query_tile=query_tile)  # fmt: skip
+    return tile_errors(checkpoint_dir, packages, layer=layer, capacity=capacity, seed=seed)
 
 
 def prediction_rows(family: str, prompt_tokens: int, chunks, *, key_tile=None, query_tile=None) -> list[dict]:

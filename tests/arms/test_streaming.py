@@ -117,7 +117,7 @@ def test_the_head_stays_in_its_file_and_reads_rows_and_blocks(bf16_model):
     exact = stored.astype(np.float32)  # ml_dtypes' own cast: independent of the bit copy in to_float32
     assert np.array_equal(head.lm_head[[5, 1]], exact[[5, 1]]) and np.array_equal(np.asarray(head.lm_head), exact)
     x = np.random.default_rng(0).standard_normal((2, 32)).astype(np.float32)
-    blocked = linear(x, head.lm_head, block_bytes=5 * 32 * 4)  # 5 vocabulary rows at a time, the last block short
+    blocked = linear(x, head.lm_head, block_bytes=5 * 32 * 8)  # 5 rows (their float64 bytes) at a time, the last short
     want = x.astype(np.float64) @ exact.T.astype(np.float64)
     assert np.abs(blocked - want).max() < 1e-5 * np.abs(want).max()
     wrong = stored.view(np.uint16).astype(np.float32)  # negative control: the raw bits read as numbers

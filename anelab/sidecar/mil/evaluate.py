@@ -35,6 +35,7 @@ from threadpoolctl import threadpool_limits
 
 from anelab.core.errors import AnelabInputError
 from anelab.core.fp16 import ROUNDING_BLOCK, clip_overflow, round_to_fp16
+from anelab.core.matmul import matmul
 from anelab.core.reference import score_bound, scored_widths
 from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools
 from anelab.sidecar.format import load_package_spec, require_package
@@ -537,7 +538,7 @@ def _attention_core(it: Interpreter, core: _AttentionCore) -> np.ndarray:
         r1 = min(C, r0 + tile)
         V = min(T, -(-V // KEY_BLOCK) * KEY_BLOCK)  # whole blocks: the block sums must not depend on V
         h = local.head[: (r1 - r0) * V].reshape(r1 - r0, V)  # the scored columns, contiguous
-        np.matmul(q[b, g * C + r0 : g * C + r1], k_t[b][:, :V], out=h)
+        matmul(q[b, g * C + r0 : g * C + r1], k_t[b][:, :V], out=h)
         np.add(h, mask_full[b, g, r0:r1, :V], out=h)
         if rounding:
             round_to_fp16(h, local.scratch)
@@ -558,9 +559,9 @@ def _attention_core(it: Interpreter, core: _AttentionCore) -> np.ndarray:
             round_to_fp16(h, local.scratch)
         vb = v_b[b, g] if v_b.ndim == 4 else v_b[b]
         target = out[b, g, r0:r1]
-        np.matmul(h[:, blocks[0]], vb[blocks[0]], out=target)
+        matmul(h[:, blocks[0]], vb[blocks[0]], out=target)
         for blk in blocks[1:]:
-            target += h[:, blk] @ vb[blk]
+            target += matmul(h[:, blk], vb[blk])
         return True
 
     def run(item) -> None:  # (not recursive: a self-referencing closure would keep this frame's arrays alive)

@@ -8,6 +8,7 @@ import os
 import numpy as np
 
 from anelab.core.errors import AnelabInputError
+from anelab.core.matmul import matmul
 from anelab.core.parallel import THREAD_CAP_VARIABLES
 
 # A GEMM below this many FLOPs runs on one BLAS thread: waking OpenBLAS's other threads costs more than
@@ -45,7 +46,7 @@ def _k_linear(it, op):
     x = it.value(op.inputs["x"])
     w = it.value(op.inputs["weight"])
     with _blas_threads(2.0 * x.size * w.shape[0]):
-        y = x @ w.T
+        y = matmul(x, w.T)
     if "bias" in op.inputs:
         y += it.value(op.inputs["bias"])
     return y
@@ -61,7 +62,7 @@ def _k_matmul(it, op):
         np.prod(np.broadcast_shapes(x.shape[:-2], y.shape[:-2]), dtype=np.float64) if x.ndim > 2 or y.ndim > 2 else 1
     )
     with _blas_threads(2.0 * batch * x.shape[-2] * x.shape[-1] * y.shape[-1]):
-        return np.matmul(x, y)
+        return matmul(x, y)
 
 
 def _binary(fn):

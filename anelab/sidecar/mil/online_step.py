@@ -27,6 +27,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from anelab.core.fp16 import ROUNDING_BLOCK
+from anelab.core.matmul import matmul
 from anelab.core.reference import score_bound
 from anelab.sidecar.mil.kernels import worker_count
 
@@ -211,7 +212,7 @@ def run_online_step(it, step: OnlineStep) -> list[tuple[object, np.ndarray]]:
             m_new[b] = m[b]
             skipped.append(b)
             return
-        s = np.matmul(q[b], k_b.T)  # [R, T]
+        s = matmul(q[b], k_b.T)  # [R, T]
         scratch = np.empty(min(s.size, ROUNDING_BLOCK), np.int32)
         it.round_stored(step.qk.outputs[0], s, scratch)
         for (add, _), mk in zip(step.masks, masks):
@@ -224,7 +225,7 @@ def run_online_step(it, step: OnlineStep) -> list[tuple[object, np.ndarray]]:
         np.exp(s, out=s)
         it.round_stored(step.exp.outputs[0], s, scratch)
         p_sum[b] = it.round_stored(step.p_sum.outputs[0], s.sum(axis=1, keepdims=True))
-        pv[b] = it.round_stored(step.pv.outputs[0], s @ v_b)
+        pv[b] = it.round_stored(step.pv.outputs[0], matmul(s, v_b))
 
     workers = worker_count(B)
     if workers <= 1:
