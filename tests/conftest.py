@@ -17,6 +17,7 @@ import pytest
 from anelab.checkpoints.checkpoint import write_checkpoint
 from anelab.core.geometry import AttentionGeometry
 from anelab.core.weights import random_attention_weights
+from anelab.sidecar.format import META, read_raw_metadata, write_package_metadata
 
 # tests/ mirrors the package's folders; a test module may import helpers from one in another folder (test_decide
 # from test_decoder_families), as it did when the folder was flat: every folder of tests/ is importable by name
@@ -137,3 +138,12 @@ def real_windowed_gguf():
     from anelab.checkpoints.real_windowed import windowed_checkpoint_path
 
     return windowed_checkpoint_path()
+
+
+def gated_copy(directory: Path, dest: Path) -> Path:
+    """A copy of an export directory whose packages record a passed ANE gate (as an export on a Mac writes it)."""
+    dest.mkdir()
+    for pkg in sorted(directory.glob("layer_*.mlpackage")):
+        meta = {**read_raw_metadata(pkg), META["ane_verified"]: "true", META["ane_reason"]: "set by a test"}
+        write_package_metadata(pkg, dest / pkg.name, meta)
+    return dest

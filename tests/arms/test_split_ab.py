@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import gated_copy
 
 from anelab.arms.ab_splits import planned_splits, split_parts
 from anelab.arms.prefill_ab import ab_request, run_ab
@@ -24,7 +25,6 @@ from anelab.runtimes.interface import RuntimePredictError
 from anelab.runtimes.mlx.checkpoints import write_mlx_lm_checkpoint
 from anelab.sidecar.checks.comparison import RELATIVE_ERROR_THRESHOLD, relative_error
 from anelab.sidecar.export import export_sidecars
-from anelab.sidecar.format import META, read_raw_metadata, write_package_metadata
 
 CHUNK, PROMPT = 8, 13  # chunk starts 0 and 8; the second chunk partial (5 rows)
 LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=1, rope_theta=5e5,
@@ -32,15 +32,6 @@ LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_
              rms_norm_eps=1e-6, vocab_size=96, max_position_embeddings=4096, tie_word_embeddings=False)  # fmt: skip
 PREDICT_S, COLD_LOAD_S = 0.04, 0.5
 NOISE = 0.02  # fp16 sidecars against mlx-lm's fp32 forward
-
-
-def _gated(directory: Path, dest: Path) -> Path:
-    """A copy of an export directory whose packages record a passed ANE gate (as an export on a Mac writes it)."""
-    dest.mkdir()
-    for pkg in sorted(directory.glob("layer_*.mlpackage")):
-        meta = {**read_raw_metadata(pkg), META["ane_verified"]: "true", META["ane_reason"]: "set by a test"}
-        write_package_metadata(pkg, dest / pkg.name, meta)
-    return dest
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +42,7 @@ def made(tmp_path_factory):
     opened = load_checkpoint(checkpoint)
     export_sidecars(opened, root / "attention", CHUNK, [0, CHUNK])
     export_sidecars(opened, root / "mlp", CHUNK, None, graph="mlp", jobs=1)
-    gated = {name: _gated(root / name, root / f"gated_{name}") for name in ("attention", "mlp")}
+    gated = {name: gated_copy(root / name, root / f"gated_{name}") for name in ("attention", "mlp")}
     return checkpoint, root / "attention", root / "mlp", gated, root / "mac" / "compiled"
 
 
@@ -196,7 +187,7 @@ def test_ab_on_a_fake_mac_serves_a_hybrids_gdn_projections_through_core_ml(made,
     *_, mac = made
     checkpoint = write_mlx_lm_checkpoint(tmp_path / "qwen3_5", QWEN3_5, seed=1)
     export_sidecars(load_checkpoint(checkpoint), tmp_path / "gdn", CHUNK, None, graph="gdn-proj", jobs=1)
-    gated = _gated(tmp_path / "gdn", tmp_path / "gated_gdn")
+    gated = gated_copy(tmp_path / "gdn", tmp_path / "gated_gdn")
     fake, clock = _fake_mac(mac, fp16_accumulation=False, noise={})
     [result] = run_ab(ab_request(checkpoint, None, [PROMPT], gdn_sidecars=gated, runtime=fake, clock=clock)).prompts
     ane = result.results["ane_arm"]

@@ -11,10 +11,10 @@ import importlib
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import gated_copy
 
 from anelab.arms import prefill_ab
 from anelab.arms.prefill_ab import ab_request, correctness_bound, judge_correctness, run_ab
@@ -27,21 +27,11 @@ from anelab.runtimes.coreml.coreml_fake import FakeFunction, FakeRuntime
 from anelab.runtimes.mlx.checkpoints import write_mlx_lm_checkpoint
 from anelab.sidecar.checks.comparison import RELATIVE_ERROR_THRESHOLD
 from anelab.sidecar.export import export_sidecars
-from anelab.sidecar.format import META, read_raw_metadata, write_package_metadata
 
 CHUNK, PROMPT = 8, 13
 CONFIG = dict(model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=2, rope_theta=5e5,
               hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               rms_norm_eps=1e-6, vocab_size=96, max_position_embeddings=4096, tie_word_embeddings=False)  # fmt: skip
-
-
-def _gated(directory: Path, dest: Path) -> Path:
-    """A copy of an export directory whose packages record a passed ANE gate (as an export on a Mac writes it)."""
-    dest.mkdir()
-    for pkg in sorted(directory.glob("layer_*.mlpackage")):
-        meta = {**read_raw_metadata(pkg), META["ane_verified"]: "true", META["ane_reason"]: "set by a test"}
-        write_package_metadata(pkg, dest / pkg.name, meta)
-    return dest
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +42,7 @@ def made(tmp_path_factory):
     for dtype in ("float32", "bfloat16"):
         checkpoint = write_mlx_lm_checkpoint(root / dtype / "model", CONFIG, seed=1, dtype=dtype)
         export_sidecars(load_checkpoint(checkpoint), root / dtype / "sidecars", CHUNK, [0, CHUNK])
-        out[dtype] = (checkpoint, _gated(root / dtype / "sidecars", root / dtype / "gated"))
+        out[dtype] = (checkpoint, gated_copy(root / dtype / "sidecars", root / dtype / "gated"))
     return out
 
 

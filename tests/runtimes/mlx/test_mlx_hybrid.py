@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import shutil
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import gated_copy
 
 from anelab.arms.arm_comparison import NOISE, compare_arms, compare_runs
 from anelab.arms.arm_runs import Arm, Perturbation
@@ -32,7 +32,6 @@ from anelab.runtimes.mlx.checkpoints import write_mlx_lm_checkpoint
 from anelab.sidecar.checks.comparison import relative_error
 from anelab.sidecar.designs import DESIGNS, SidecarRequest
 from anelab.sidecar.export import export_request, export_sidecars
-from anelab.sidecar.format import META, read_raw_metadata, write_package_metadata
 
 CHUNK, PROMPT, DECODE = 8, 13, 3  # chunk starts 0 and 8; the second chunk partial (5 rows)
 BASE = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -220,15 +219,6 @@ def test_ab_off_a_mac_gives_both_arms_labelled_and_prices_nothing(made, tmp_path
     assert "lacks function h16" in capsys.readouterr().err
 
 
-def _gated(directory: Path, dest: Path) -> Path:
-    """A copy of an export directory whose packages record a passed ANE gate (as an export on a Mac writes it)."""
-    dest.mkdir()
-    for pkg in sorted(directory.glob("layer_*.mlpackage")):
-        meta = {**read_raw_metadata(pkg), META["ane_verified"]: "true", META["ane_reason"]: "set by a test"}
-        write_package_metadata(pkg, dest / pkg.name, meta)
-    return dest
-
-
 PREDICT_S, COLD_LOAD_S = 0.04, 0.5
 
 
@@ -242,7 +232,7 @@ def _fake_mac(**kwargs):
 def test_ab_on_a_fake_mac_measures_both_arms_and_its_components_add_up(made, tmp_path):
     checkpoint, directory = made["llama"]
     fake, clock = _fake_mac()
-    report = run_ab(ab_request(checkpoint, _gated(directory, tmp_path / "gated"), [PROMPT], runtime=fake, clock=clock,
+    report = run_ab(ab_request(checkpoint, gated_copy(directory, tmp_path / "gated"), [PROMPT], runtime=fake, clock=clock,
                                out_dir=tmp_path / "rec"))  # fmt: skip
     [result] = report.prompts
     ane = result.results["ane_arm"]
@@ -264,7 +254,7 @@ def test_ab_on_a_fake_mac_measures_both_arms_and_its_components_add_up(made, tmp
 
 def test_ab_refuses_a_mac_without_a_neural_engine_or_ane_placement_or_working_predicts(made, tmp_path):
     checkpoint, directory = made["llama"]
-    gated = _gated(directory, tmp_path / "gated")
+    gated = gated_copy(directory, tmp_path / "gated")
     no_ane = FakeRuntime(neural_engine=False)
     with pytest.raises(AnelabInputError, match="no Neural Engine"):
         run_ab(ab_request(checkpoint, gated, [PROMPT], runtime=no_ane))
