@@ -99,7 +99,7 @@ def tile_error_exports(
     checkpoint_dir, out_root, *, layer: int, chunk: int, capacity: int, key_tiles, query_tile: int | None = None
 ) -> dict[int, Path]:
     """One stateful-tiled export of ``layer`` per key tile, ``capacity`` cache slots each -> {key tile: package}."""
-
+    ck = load_checkpoint(checkpoint_dir)
     packages = {}
     for kt in tqdm(key_tiles, desc="tile-count exports", unit="export"):
         [r] = export_sidecars(
