@@ -4,7 +4,10 @@ Every notebook runs through ``anelab run NN`` in its own process, into its own s
 directory, figures and records there: nothing in the repository is written, and the shared evidence cache starts
 cold, as on a fresh clone). Printed per notebook: wall time, CPU time (the run's processes, user + system) and its three longest
 cells (papermill's durations); then the sum, and the wall time two lanes would take packing the notebooks longest
-first (``reproduce`` runs two at a time off a Mac; goal <= 180 s). The load average is printed with each row: on a
+first (``reproduce`` runs two at a time off a Mac; goal <= 180 s). Each kernel gets the BLAS threads ``reproduce``
+gives it (cores // lanes: one on 2 cores; ``--threads`` to change): on a shared machine a second BLAS thread
+waiting for a busy core spins, and a whole-model run of default-real then costs ~3x the CPU (7 s against 2.7 s,
+measured here beside one other job). The load average is printed with each row: on a
 shared machine compare CPU times, not wall times. Notebooks 05 and 07 share their real-model evidence through the
 build directory's cache in ``reproduce``; run alone, each computes it (the sum counts it twice).
 
@@ -22,6 +25,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from anelab.core.parallel import available_cores, threads_per_run
 
 REPO = Path(__file__).resolve().parents[1]
 REPRODUCE_GOAL_SECONDS = 180.0
@@ -46,11 +51,12 @@ def longest_cells(executed: Path, count: int = 3) -> list[tuple[float, int]]:
     return sorted(durations, reverse=True)[:count]
 
 
-def run_alone(study: str, scratch: Path, quick: bool) -> tuple[float, float, int, Path]:
-    """``anelab run <study>`` into ``scratch/run-<study>`` (the run directory holds its build directory, figures and
-    records): (wall s, CPU s, exit code, the executed notebook)."""
+def run_alone(study: str, scratch: Path, quick: bool, threads: int) -> tuple[float, float, int, Path]:
+    """``anelab run <study> --threads <threads>`` into ``scratch/run-<study>`` (the run directory holds its build
+    directory, figures and records): (wall s, CPU s, exit code, the executed notebook)."""
     out = scratch / f"run-{study}"
-    command = [sys.executable, "-m", "anelab", "run", study, "--out", str(out), "-p", "quick", str(quick)]
+    command = [sys.executable, "-m", "anelab", "run", study, "--out", str(out), "-p", "quick", str(quick),
+               "--threads", str(threads)]  # fmt: skip
     cpu, start = _children_cpu(), time.perf_counter()
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     wall, cpu = time.perf_counter() - start, _children_cpu() - cpu
@@ -70,7 +76,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated study numbers (default: every study)")
     parser.add_argument("--quick", action="store_true", help="the notebooks' quick parameters (what the tests run)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="BLAS threads of each kernel (default: what reproduce gives each of its lanes)")  # fmt: skip
     args = parser.parse_args(argv)
+    threads = args.threads or threads_per_run(min(LANES, available_cores()))
     studies = (
         args.only.split(",")
         if args.only
@@ -80,12 +89,11 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="anelab-notebooks-") as tmp:
         scratch = Path(tmp)
         for study in studies:
-            wall, cpu, code, executed = run_alone(study, scratch, args.quick)
+            wall, cpu, code, executed = run_alone(study, scratch, args.quick, threads)
             walls.append(wall)
             cells = ", ".join(f"cell {i} {d:.0f} s" for d, i in longest_cells(executed)) if executed.exists() else "-"
-            print(
-                f"{study}: {wall:.0f} s wall, {cpu:.0f} s CPU (exit {code}); longest: {cells}  [{_load()}]", flush=True
-            )
+            print(f"{study}: {wall:.0f} s wall, {cpu:.0f} s CPU, {threads} BLAS thread(s) (exit {code}); "
+                  f"longest: {cells}  [{_load()}]", flush=True)  # fmt: skip
     packed = two_lane_wall(walls)
     print(
         f"sum {sum(walls):.0f} s; {LANES} lanes longest first: {packed:.0f} s; goal <= {REPRODUCE_GOAL_SECONDS:.0f} s "

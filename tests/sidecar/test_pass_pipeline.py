@@ -148,3 +148,48 @@ def test_another_coremltools_runs_its_own_pipeline(monkeypatch):
     monkeypatch.setattr(ct, "__version__", "9.1")
     with coremltools_import.pipelines_validated_at_cleanups():
         assert PassPipelineManager.apply_pipeline is own
+
+
+def _compress_with_coremltools_own(src, dest, mode):
+    """What ``quantize.compress_package`` does, through coremltools' own pipeline (a validation after every pass)."""
+    from anelab.sidecar.quantize import _optimization
+
+    ct, _, _ = coremltools_modules()
+    fn, config = _optimization(mode)
+    with quiet_coremltools():
+        save_model(fn(ct.models.MLModel(str(src), skip_model_load=True), config), dest)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def dense_function(tmp_path_factory):
+    """One fp16 dense function of the default checkpoint, converted (what an export compresses)."""
+    [build, *_] = _builds(DENSE).values()
+    return convert_program(build(), tmp_path_factory.mktemp("fp16") / "function.mlpackage")
+
+
+@pytest.mark.parametrize("mode", ["int8", "palettize4", "int4-block"])
+def test_a_compression_writes_what_coremltools_own_pipeline_writes(tmp_path, dense_function, mode):
+    """``compress_package`` runs the pipeline validated at its cleanups: the same spec and weights, byte for byte,
+    as coremltools' own; control: another mode's package differs."""
+    from anelab.sidecar.quantize import compress_package
+
+    ours = compress_package(dense_function, tmp_path / "ours.mlpackage", mode)
+    theirs = _compress_with_coremltools_own(dense_function, tmp_path / "theirs.mlpackage", mode)
+    assert _package_bytes(ours) == _package_bytes(theirs)
+    other = "int8" if mode != "int8" else "int4-block"
+    assert _package_bytes(compress_package(dense_function, tmp_path / "other.mlpackage", other)) != _package_bytes(ours)
+
+
+def test_a_compression_validates_after_its_cleanups_not_after_every_pass(tmp_path, monkeypatch, dense_function):
+    """The hot spot of a real model's weight-mode evidence (~120 compressions): coremltools' own pipeline validates the
+    program after each of its ~95 passes; ``compress_package`` after its cleanups only."""
+    from anelab.sidecar.quantize import compress_package
+
+    ours = _count_validations(monkeypatch, lambda: compress_package(dense_function, tmp_path / "a.mlpackage", "int8"))
+    theirs = _count_validations(
+        monkeypatch, lambda: _compress_with_coremltools_own(dense_function, tmp_path / "b.mlpackage", "int8")
+    )
+    ct, _, _ = coremltools_modules()
+    assert theirs > len(ct.PassPipeline.DEFAULT.passes)  # the control: coremltools' own, after every pass
+    assert ours < 20
