@@ -23,6 +23,7 @@ import sys
 import numpy as np
 import pytest
 
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.checkpoints.whole_model import write_model_checkpoint
 from anelab.core.decoder import random_head_weights, random_layer_weights
 from anelab.core.geometry import AttentionGeometry, chunk_starts
@@ -54,6 +55,7 @@ import numpy as np
 from anelab.arms.arm_comparison import compare_runs, random_prompt
 from anelab.arms.arm_runs import Arm, run_arm
 from anelab.arms.sidecars import open_sidecars
+from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.checkpoints.whole_model import load_model
 from anelab.sidecar.checks.verify import verify_package
 from anelab.studies import mask_fold, one_function, whole_model_arms
@@ -83,7 +85,7 @@ pair = whole_model_arms.real_sidecar_comparison(model, prompt, sidecars, Words()
 out["arms_real_text"] = numbers(pair.comparison) + [pair.margins]
 pair = mask_fold.real_fold_comparison(model, prompt, Words(), kept[0], compress, decode=decode, chunk=chunk)
 out["mask_fold_real_text"] = numbers(pair.comparison) + [pair.margins, pair.tokens_b]
-report = verify_package(sidecars.packages[0], root / "model")
+report = verify_package(sidecars.packages[0], load_checkpoint(root / "model"))
 out["arms_verify_margin"] = [[c.case, c.worst] for c in report.comparisons]
 packages = {kt: root / "tiles" / f"kt{kt}" / "layer_0.mlpackage" for kt in key_tiles}
 rows = one_function.tile_errors(root / "model", packages, layer=0, capacity=capacity)
@@ -101,7 +103,7 @@ def exported(tmp_path_factory):
     layers = {i: random_layer_weights(i, g.hidden_size, 384, 0) for i in range(g.num_layers)}
     checkpoint = write_model_checkpoint(root / "model", g, attention, layers, random_head_weights(512, g.hidden_size, 0,
                                        tied=False), model_type="qwen3")  # fmt: skip
-    export_sidecars(checkpoint, root / "sidecars", CHUNK, chunk_starts(PROMPT, CHUNK))
+    export_sidecars(load_checkpoint(checkpoint), root / "sidecars", CHUNK, chunk_starts(PROMPT, CHUNK))
     packages = tile_error_exports(
         checkpoint, root / "tiles", layer=0, chunk=CHUNK, capacity=CAPACITY, key_tiles=KEY_TILES
     )
