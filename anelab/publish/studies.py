@@ -153,7 +153,8 @@ STUDIES: tuple[Study, ...] = (
         "check would notice a wrong mask?",
         "the whole dense model on its sidecars: chunked prefill, greedy decode, per-layer and logits differences",
         "Core ML numerics of the same arms (anelab compare-arms --compute-units)",
-        ("arms_per_layer_difference", "arms_logits_vs_greedy", "arms_real_text", "arms_verify_margin"),
+        ("arms_per_layer_difference", "arms_logits_vs_greedy", "arms_real_text", "arms_verify_margin",
+         "arms_real_windowed"),
     ),
     Study(
         "08_offload_split",

@@ -199,3 +199,20 @@ def random_twin(model: ModelCheckpoint, directory, layers: int, *, vocab: int = 
     if (directory / "config.json").is_file():
         return directory
     return write_random_model(directory, g, vocab=vocab, intermediate=model.intermediate, seed=seed, tied=model.tied)
+
+
+def layer_kind_summary(geometry, layer_diffs) -> dict[str, dict]:
+    """The per-layer differences (``PairComparison.layer_diffs``, one float per decoder layer [L]) split by the
+    layer's attention kind in ``geometry`` (``core.geometry.AttentionGeometry``): "sliding" (its
+    ``sliding_layers``, window ``sliding_window``) and "global" (every other attention layer) -> per kind its
+    layers, the largest and the median difference; a kind with no layer is left out."""
+    diffs = [float(d) for d in layer_diffs]
+    if len(diffs) != geometry.num_layers:
+        raise AnelabInputError(f"{len(diffs)} layer differences for a model of {geometry.num_layers} layers")
+    sliding = set(geometry.sliding_layers)
+    kinds = {"sliding": sorted(sliding), "global": sorted(set(geometry.full_attention_layers) - sliding)}
+    return {
+        kind: {"layers": layers, "max": max(diffs[i] for i in layers),
+               "median": float(np.median([diffs[i] for i in layers]))}
+        for kind, layers in kinds.items() if layers
+    }  # fmt: skip

@@ -90,6 +90,22 @@ def test_top2_margins_is_the_gap_between_the_two_largest_logits():
     assert real_text.top2_margins(np.array([[1.0, 3.0, 2.5], [0.0, 0.0, 0.0]])) == [0.5, 0.0]
 
 
+def test_layer_kind_summary_tells_sliding_layers_from_global_ones():
+    """By hand on a 6-layer Gemma 3-like geometry (layers 0-4 slide, 5 is global); controls: a wrong count of
+    differences is refused, and a geometry with no sliding layer puts every layer under "global"."""
+    windowed = AttentionGeometry(variant="qwen3", hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                                 num_layers=6, full_attention_layers=tuple(range(6)), sliding_window=8,
+                                 sliding_layers=(0, 1, 2, 3, 4))  # fmt: skip
+    diffs = [1e-4, 3e-4, 2e-4, 5e-4, 4e-4, 9e-3]
+    summary = whole_model_arms.layer_kind_summary(windowed, diffs)
+    assert summary == {"sliding": {"layers": [0, 1, 2, 3, 4], "max": 5e-4, "median": 3e-4},
+                       "global": {"layers": [5], "max": 9e-3, "median": 9e-3}}  # fmt: skip
+    with pytest.raises(AnelabInputError, match="6 layers"):
+        whole_model_arms.layer_kind_summary(windowed, diffs[:5])
+    dense = whole_model_arms.layer_kind_summary(GEOMETRY, [1e-4, 2e-4])
+    assert list(dense) == ["global"] and dense["global"]["max"] == 2e-4
+
+
 # ---- real attention inputs --------------------------------------------------------------------------------------
 def test_attention_inputs_are_what_each_layer_attends_to(setup):
     """Layer 1's inputs through its attention and MLP give the reference arm's hidden state after layer 1;
