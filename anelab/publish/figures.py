@@ -314,9 +314,9 @@ def text_problems(name: str, entry: dict) -> list[str]:
 
 
 STATED_NUMBER = re.compile(
-    r"(?<![\w.,])(?<!Qwen )(?<!notebook )\d+(?:,\d{3})*(?:\.\d+)?(?:e-?\d+)?(?![\w.]|,\d|-bit)|\bthresholds?\b",
+    r"(?<![\w.,])(?<!Qwen )(?<!Gemma )(?<!notebook )\d+(?:,\d{3})*(?:\.\d+)?(?:e-?\d+)?(?![\w.]|,\d|-bit)|\bthresholds?\b",
     re.IGNORECASE,
-)  # a number in a text, not one inside a name (fp16, h0, M3, Qwen 3.8, notebook 02, 4-bit), or "threshold"
+)  # a number in a text, not one inside a name (fp16, h0, M3, Qwen 3.8, Gemma 3, notebook 02, 4-bit), or "threshold"
 
 
 def unclaimed_statements(entry: dict) -> list[str]:
