@@ -47,6 +47,7 @@ from anelab.core.output_paths import require_output_dir
 from anelab.core.progress import tqdm
 from anelab.core.records import machine_kind, make_record, provenance, write_record
 from anelab.planner.envelope import MEASURED, Cost
+from anelab.planner.offload_split import ATTENTION, MLP, PROJECTIONS
 from anelab.planner.verdict import ArmCosts, Verdict, verdict_for
 from anelab.runtimes.coreml.ane_placement import require_ane_placement
 from anelab.runtimes.coreml.coreml_runtime import default_runtime
@@ -125,8 +126,8 @@ class AbReport:
             r, gpu, ane = p.results, p.results["gpu_arm"], p.results["ane_arm"]
             parts = ", ".join(f"{k.removesuffix('_s')} {v:.3g}" for k, v in ane["components_median_s"].items())
             device = p.record["provenance"].get("mlx_device", "?")
-            split = p.record["parameters"].get("split", "attention")
-            arm = "hybrid" if split == "attention" else f"hybrid: {split} on sidecars"
+            split = p.record["parameters"].get("split", ATTENTION)
+            arm = "hybrid" if split == ATTENTION else f"hybrid: {split} on sidecars"
             lines.append(
                 f"{p.prompt_tokens:>7} tokens: GPU arm (mlx-lm prefill, {device}) {gpu['median_s']:.4g} s "
                 f"[{gpu['min_s']:.4g} .. {gpu['max_s']:.4g}]; ANE arm ({arm}) {ane['median_s']:.4g} s "
@@ -438,8 +439,8 @@ def _served_sidecars(request: AbRequest, checkpoint, on_mac: bool) -> SidecarSet
     """The attention sidecars and any block sidecars (``with_block_sidecars``) the ANE arm serves (a planned split's
     ``mlp[:k]``: the first k layers' packages). On a Mac every package is served through Core ML (``CoreMLRunner``);
     off a Mac the saved programs are evaluated with NumPy, for correctness, labelled as every off-Mac run is."""
-    blocks = [(d, name, part) for d, name, part in ((request.mlp_sidecars, MLP_DESIGN, "mlp"),
-              (request.gdn_sidecars, GDN_PROJ, "projections")) if d]  # fmt: skip
+    blocks = [(d, name, part) for d, name, part in ((request.mlp_sidecars, MLP_DESIGN, MLP),
+              (request.gdn_sidecars, GDN_PROJ, PROJECTIONS)) if d]  # fmt: skip
     if request.sidecars is None and not blocks:
         raise AnelabInputError("anelab ab needs sidecars to serve: --sidecars (attention), --mlp-sidecars or "
                                "--gdn-sidecars")  # fmt: skip
@@ -462,7 +463,7 @@ def served_split(sidecars: SidecarSet, planned: PlannedSplit | None = None) -> s
     """The split the ANE arm serves, in the planner's words (``planner.offload_split``'s part names)."""
     if planned is not None:
         return planned.name
-    parts = [name for name, on in (("attention", sidecars.packages), ("mlp", sidecars.mlp), ("projections",
+    parts = [name for name, on in ((ATTENTION, sidecars.packages), (MLP, sidecars.mlp), (PROJECTIONS,
              sidecars.gdn)) if on]  # fmt: skip
     return " + ".join(parts)
 
@@ -549,15 +550,15 @@ def _run_splits(request: AbRequest) -> AbReport:
     every prompt length; every split checked against the plan and its packages before the first is run."""
     prompts = _check_prompts(request.prompt_tokens)
     splits = planned_splits(request.checkpoint, prompts, list(request.splits), request.chip)
-    given = {"attention": request.sidecars, "mlp": request.mlp_sidecars, "projections": request.gdn_sidecars}
+    given = {ATTENTION: request.sidecars, MLP: request.mlp_sidecars, PROJECTIONS: request.gdn_sidecars}
     for split in splits:
         require_packages(split, given)
     report = None
     for split in splits:
         one = run_ab(replace(request, splits=(), planned=split, **{
-            "sidecars": given["attention"] if "attention" in split.parts else None,
-            "mlp_sidecars": given["mlp"] if "mlp" in split.parts else None,
-            "gdn_sidecars": given["projections"] if "projections" in split.parts else None}))  # fmt: skip
+            "sidecars": given[ATTENTION] if ATTENTION in split.parts else None,
+            "mlp_sidecars": given[MLP] if MLP in split.parts else None,
+            "gdn_sidecars": given[PROJECTIONS] if PROJECTIONS in split.parts else None}))  # fmt: skip
         if report is None:
             report = one
         else:

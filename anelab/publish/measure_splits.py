@@ -21,6 +21,8 @@ from anelab.checkpoints.default import resolve_checkpoint
 from anelab.core.geometry import chunk_starts
 from anelab.core.records import read_records
 from anelab.planner.chips import chip_from_brand
+from anelab.planner.offload_split import ATTENTION, PROJECTIONS
+from anelab.planner.offload_split import MLP as MLP_PART  # the part; MLP is the design
 from anelab.runtimes.coreml.gate import AneGate
 from anelab.runtimes.mlx.from_gguf import mlx_readable_path
 from anelab.sidecar.designs import GDN_PROJ, MLP
@@ -29,7 +31,7 @@ from anelab.sidecar.format import read_sidecar_metadata
 
 STEP = ("split_ab", "each offload split the plan proposes for the real model(s), timed against mlx-lm's GPU prefill "
         "(anelab ab --split planned)")  # fmt: skip
-PART_GRAPHS = {"attention": None, "mlp": MLP, "projections": GDN_PROJ}  # None: the default attention design
+PART_GRAPHS = {ATTENTION: None, MLP_PART: MLP, PROJECTIONS: GDN_PROJ}  # None: the default attention design
 
 
 def models_key(models, prompt_tokens, chunk: int) -> str:
@@ -69,8 +71,8 @@ def split_records(runtime, models, prompt_tokens, chunk: int, build: Path, stagi
         directories = {part: _gated_export(runtime, checkpoint, where / part, chunk, PART_GRAPHS[part], histories, again)
                        for part in sorted(parts)}  # fmt: skip
         request = ab_request(
-            path, directories.get("attention"), prompt_tokens, mlp_sidecars=directories.get("mlp"),
-            gdn_sidecars=directories.get("projections"), splits=("planned",), chip=chip, runtime=runtime,
+            path, directories.get(ATTENTION), prompt_tokens, mlp_sidecars=directories.get(MLP_PART),
+            gdn_sidecars=directories.get(PROJECTIONS), splits=("planned",), chip=chip, runtime=runtime,
             clock=clock, out_dir=staging, repeats=repeats, mlx_checkpoint=mlx_readable_path(checkpoint),
         )  # fmt: skip
         run_ab(request)

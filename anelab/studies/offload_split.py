@@ -16,6 +16,8 @@ from anelab.core.errors import AnelabInputError
 from anelab.planner.from_checkpoint import plan_from_checkpoint
 from anelab.planner.offload_split import (
     ATTENTION,
+    MLP,
+    PROJECTIONS,
     ModelSizes,
     SplitInputs,
     checkpoint_parts,
@@ -27,7 +29,7 @@ from anelab.planner.offload_split import (
 from anelab.planner.published_splits import ANE_SHAPE, published_vs_predicted
 
 # the splits a figure draws (every other candidate is a union of these or a window's layers)
-DRAWN = ("attention", "mlp", "projections", "mlp + projections", "attention + mlp + projections")
+DRAWN = (ATTENTION, MLP, PROJECTIONS, f"{MLP} + {PROJECTIONS}", f"{ATTENTION} + {MLP} + {PROJECTIONS}")
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,8 @@ def model_name(model) -> str:
 def layer_shares(model) -> dict:
     """Each part's layers over all layers (the seed's 'offload share' counted in layers)."""
     if isinstance(model, ModelSizes):
-        return {ATTENTION: len(model.full_attention_layers) / model.layers, "mlp": 1.0,
-                "projections": model.gdn_layers / model.layers}  # fmt: skip
+        return {ATTENTION: len(model.full_attention_layers) / model.layers, MLP: 1.0,
+                PROJECTIONS: model.gdn_layers / model.layers}  # fmt: skip
     g = model.geometry
     parts = {p.name: p.layers / g.num_layers for p in checkpoint_parts(model)[0]}
     return {ATTENTION: len(g.full_attention_layers) / g.num_layers, **parts}

@@ -40,8 +40,9 @@ NAMES = set(DESIGNS) | set(RENAMED)
 # rename call it (sidecar.graphs.probe_graphs.RECORDED_PROBE_NAMES) — a record's word, read under the new name, not a design
 # and the MLP's name in other code: the decoder layer's norm slot (checkpoints.whole_model.NormSlots.mlp) and mlx-lm's
 # decoder layer attribute the hybrid swaps (runtimes.mlx.hybrid) — a tensor slot's and a module's name, not a design
+# and the offload split's part names (planner.offload_split: ATTENTION, MLP, PROJECTIONS), a block kind a split moves
 RECORD_WORDS = {("anelab/sidecar/graphs/probe_graphs.py", "dense"), ("anelab/checkpoints/whole_model.py", "mlp"),
-                ("anelab/runtimes/mlx/hybrid.py", "mlp")}  # fmt: skip
+                ("anelab/runtimes/mlx/hybrid.py", "mlp"), ("anelab/planner/offload_split.py", "mlp")}  # fmt: skip
 CHUNK, PROMPT = 8, 13  # two chunk starts (0, 8); the second chunk is partial (5 rows)
 GEOMETRY = AttentionGeometry(
     variant="qwen3", hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, num_layers=2,

@@ -142,7 +142,7 @@ def measured(tiny_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("measure-coreai")
     config = MeasureConfig(
         checkpoint=tiny_checkpoint("llama"), chunk=CHUNK, histories=[0, CHUNK], repeats=1, probe_chunk=8,
-        build=root / "build", records=root / "records",
+        build=root / "build", records=root / "records", split_models=(),  # the real model's splits: not this test's
     )  # fmt: skip
     runtime = FakeRuntime(numerics=True, default=FakeFunction(cold_load_s=2.0, warm_load_s=0.5))
     coreai = FakeCoreAIRuntime(clock=runtime.clock)
@@ -173,13 +173,14 @@ def test_measure_records_core_ai_beside_core_mls_loads_of_the_same_layer(measure
         r["parameters"]["entrypoints"]: r["results"]["median_s"] for r in core_ai if "sweep" in r["parameters"]
     }
     assert per_count[9] > per_count[3] > per_count[1]  # the fake charges per entrypoint
-    assert cold["results"]["cold_not_above_warm"] is False and result["unavailable"] == {}
+    assert cold["results"]["cold_not_above_warm"] is False
+    assert result["unavailable"] == {"split_ab": "no model given (--split-models)"}  # the fixture gives none
 
 
 def test_measure_off_macos_27_leaves_core_ai_out_in_one_line(tiny_checkpoint, tmp_path):
     config = MeasureConfig(
         checkpoint=tiny_checkpoint("llama"), chunk=CHUNK, histories=[0], repeats=1, probe_chunk=8,
-        build=tmp_path / "build", records=tmp_path / "records",
+        build=tmp_path / "build", records=tmp_path / "records", split_models=(),
     )  # fmt: skip
     runtime = FakeRuntime(numerics=True, default=FakeFunction(cold_load_s=2.0, warm_load_s=0.5))
     lines = []
