@@ -27,6 +27,7 @@ from anelab.runtimes.interface import COMPUTE_UNITS, RuntimeUnavailableError, ca
 ALL_UNITS = ["all", "cpu_and_gpu", "cpu_and_ne", "cpu_only"]
 STUDY_NAMES = [
     "dense_offload", "mask_fold", "gather_sizing", "setup_cost", "tiled_stateful", "one_function", "whole_model_arms",
+    "offload_split",
 ]  # fmt: skip
 
 
