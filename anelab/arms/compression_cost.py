@@ -29,12 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
-from anelab import __version__
 from anelab.arms.arm_comparison import PairComparison, compare_runs
 from anelab.arms.arm_runs import Arm, ArmRun, run_arms
 from anelab.arms.resident import weights_for_run
 from anelab.arms.sidecars import SidecarSet
 from anelab.checkpoints.whole_model import ModelCheckpoint
+from anelab.core.code_identity import code_identity
 from anelab.core.decoder import lm_logits
 from anelab.core.errors import AnelabInputError
 from anelab.core.records import atomic_write_text
@@ -281,7 +281,7 @@ def cached_costs(model, prompt, evidence: dict[str, ModeEvidence], cache_root, *
     """``stored_weights_costs`` of every mode in ``evidence``, unless the same packages (content), prompt, decode
     and chunk were costed before (``cache_root/costs``)."""
     parts = {
-        "anelab": __version__,
+        "code": code_identity(),
         "packages": {m: {str(k): package_content_hash(p) for k, p in e.packages.items()} for m, e in evidence.items()},
         "prompt": cache.activations_digest(np.asarray(prompt, np.int64)),
         "decode": int(decode),

@@ -21,6 +21,7 @@ from anelab.arms.compression_cost import ModeCost, ModeEvidence, compression_cos
 from anelab.arms.resident import weights_for_run
 from anelab.arms.sidecars import open_sidecars
 from anelab.checkpoints.whole_model import ModelCheckpoint
+from anelab.core.code_identity import code_identity
 from anelab.core.geometry import chunk_starts
 from anelab.core.records import atomic_write_bytes
 from anelab.sidecar.checks.evidence_cache import (
@@ -115,7 +116,7 @@ def cached_attention_inputs(model, prompt: np.ndarray, layers: list[int], chunk:
     """``real_text.attention_inputs`` (layer -> post-norm rows float32 [P, D]) unless the same model (the digests of
     all its stored tensors), prompt, layers and chunk were run before (``cache_root/activations/<key>.npz``)."""
     tensors = model.checkpoint.tensors
-    parts = {"model": {name: tensors.digest(name) for name in sorted(tensors.names())},
+    parts = {"code": code_identity(), "model": {name: tensors.digest(name) for name in sorted(tensors.names())},
              "prompt": activations_digest(np.asarray(prompt, np.int64)), "layers": list(layers), "chunk": int(chunk)}  # fmt: skip
     path = Path(cache_root) / "activations" / f"{content_key(parts)}.npz"
     with entry_lock(path.with_suffix(".lock")):

@@ -9,8 +9,8 @@ in ``decide.decision_report``). Each prompt length is planned once.
 
 Resumable: ``DIR/evidence.json`` keeps each package's content hash, its verification (sealed by the run that
 verified it: ``decide.evidence``) and the arms' summary. A package with the same hash, request, checkpoint
-(``checkpoint_identity``) and anelab version is reused (verified again if its arms diverge), and so are the arms
-when the checkpoint, the served packages' hashes, the prompt, chunk, decode length, engine and anelab version
+(``checkpoint_identity``) and code (``core.code_identity``) is reused (verified again if its arms diverge), and so are the arms
+when the checkpoint, the served packages' hashes, the prompt, chunk, decode length, engine and code
 are all the same (``arms_key``): a rerun with the same inputs repeats none of it, a changed input what depends on it.
 """
 
@@ -24,7 +24,6 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from anelab import __version__
 from anelab.arms import (  # their functions read at call time (tests stand in for them)
     arm_comparison,
     prefill_ab,
@@ -36,6 +35,7 @@ from anelab.arms.compression_cost import stored_attention, stored_weights_costs
 from anelab.arms.prefill_ab import measured_arm_costs
 from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.core import parallel  # parallel.default_jobs read at call time (tests run decide inline)
+from anelab.core.code_identity import code_identity
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import chunk_starts
 from anelab.core.output_paths import no_empty_dirs_left, require_output_dir
@@ -366,7 +366,7 @@ def _arms_summary(record: dict | None, *, reused: bool) -> ArmsSummary | None:
 
 def arms_key(config: DecideConfig, opened: Opened, served_by: str, chunk: int, verified: dict) -> dict:
     """What the arms' results depend on: the checkpoint, the served packages' content hashes, the prompt length
-    (its seeded ids), the chunk, the decode length, the engine and the anelab version."""
+    (its seeded ids), the chunk, the decode length, the engine and the code (``core.code_identity``)."""
     return {
         "checkpoint": opened.identity,
         "served_by": served_by,
@@ -375,7 +375,7 @@ def arms_key(config: DecideConfig, opened: Opened, served_by: str, chunk: int, v
         "chunk": int(chunk),
         "decode": int(config.decode),
         "engine": opened.engine,
-        "anelab": __version__,
+        "code": code_identity(),
     }
 
 

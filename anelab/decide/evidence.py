@@ -2,7 +2,7 @@
 
 A layer's entry holds its package's content hash and its verification summary, written by the process that ran
 ``verify_package`` on those very bytes, and a ``seal``: an HMAC-SHA256 of the entry and its context (design,
-request, checkpoint, anelab version, layer) under this checkout's evidence key (``core.paths.EVIDENCE_KEY_FILE``,
+request, checkpoint, code (``core.code_identity``), layer) under this checkout's evidence key (``core.paths.EVIDENCE_KEY_FILE``,
 made once, readable by its owner only). decide reuses a package only when its bytes hash to the entry's hash and
 the seal checks out: a note in ``evidence.json`` — a hash written there by hand or by a tool, an entry copied
 from another layer — is not a verification, so that package is set aside and exported and verified again.
@@ -18,7 +18,7 @@ import os
 import secrets
 from pathlib import Path
 
-from anelab import __version__
+from anelab.core.code_identity import code_identity
 from anelab.core.errors import AnelabInputError
 from anelab.core.paths import EVIDENCE_KEY_FILE
 from anelab.core.records import atomic_write_text
@@ -74,10 +74,10 @@ class EvidenceFile:
             raise AnelabInputError(f"{path} is not a JSON object; remove it to start the evidence afresh")
 
     def _wanted(self, request, gated: bool) -> dict:
-        return {"request": request.to_dict(), "anelab": __version__, "gated": gated, "checkpoint": self.checkpoint}
+        return {"request": request.to_dict(), "code": code_identity(), "gated": gated, "checkpoint": self.checkpoint}
 
     def layers(self, design: str, request, gated: bool = False) -> dict:
-        """The layers kept for ``design`` exported as ``request`` by this anelab version, through the ANE gate or
+        """The layers kept for ``design`` exported as ``request`` by this code (``core.code_identity``), through the ANE gate or
         not (``gated``; a new request: none)."""
         kept = self.data.get(design)
         wanted = self._wanted(request, gated)

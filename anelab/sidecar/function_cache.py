@@ -3,7 +3,7 @@ every weight mode and every package that holds the same function.
 
 An export converts each function's MIL program to an fp16 package, then compresses that package when a weight
 mode asks (``sidecar.quantize.compress_package``, before the merge). The conversion depends only on the program
-(its ops, shapes and constant values), the coremltools version and how anelab converts (``anelab.__version__``):
+(its ops, shapes and constant values) and the code that converts it (``core.code_identity``: anelab's source, coremltools):
 ``program_digest`` hashes exactly those, and ``converted_function`` converts a program once per digest into
 ``<cache>/<digest>.mlpackage``. Four modes of one layer then cost one conversion and three compressions, and the
 ``h0`` and ``h<P-C>`` of a package holding only its two ends are the full package's own (same coverage, same
@@ -23,8 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from anelab import __version__
-from anelab.sidecar.coremltools_import import coremltools_modules
+from anelab.core.code_identity import code_identity
 
 # pymil numbers the names it makes up (``q_proj_weight_0``, ``reshape_3``, ``block0``) from counters that run on
 # across the programs one process builds: the same program built twice differs only there
@@ -43,9 +42,8 @@ def canonical_text(prog) -> str:
 def program_digest(prog) -> str:
     """SHA-256 (32 hex digits) of a pymil program: its ``canonical_text`` (ops, shapes, dtypes, the builder's names),
     each function's input and output names as they are, and every constant's value in op order (dtype, shape and
-    bytes; the text abbreviates them), with the coremltools and anelab versions."""
-    ct, _, _ = coremltools_modules()
-    digest = hashlib.sha256(f"coremltools {ct.__version__}; anelab {__version__}\n{canonical_text(prog)}".encode())
+    bytes; the text abbreviates them), with the code that converts it (``core.code_identity``)."""
+    digest = hashlib.sha256(f"{code_identity()}\n{canonical_text(prog)}".encode())
     for name, function in sorted(prog.functions.items()):
         # the interface exactly, whatever its names look like: inputs and outputs are what a caller binds by name
         digest.update(f"{name}({','.join(function.inputs)}) -> {','.join(v.name for v in function.outputs)}".encode())

@@ -73,3 +73,22 @@ def test_a_verification_is_reused_and_keyed_by_its_inputs(cache):
     real = evidence_cache.cached_verify(r.package, load_checkpoint(ckpt), root, use=use, activations=rows)
     assert use.computed == {"verify": 3} and real.inputs.startswith("real attention inputs")
     assert evidence_cache.activations_digest(rows) != evidence_cache.activations_digest(rows[::-1])
+
+
+def test_results_cached_by_other_code_are_computed_again(cache, monkeypatch):
+    """The same inputs under a changed anelab source (or NumPy / coremltools) are not the same results: an export
+    and a verification cached by other code are made again (a figure once drew verifications an older reference had
+    computed). Control: the same code reuses both."""
+    ckpt, root = cache
+    [r] = evidence_cache.cached_export(load_checkpoint(ckpt), root, 8, [0], [LAYER], weights_mode="fp16")
+    evidence_cache.cached_verify(r.package, load_checkpoint(ckpt), root)
+    use = evidence_cache.CacheUse()
+    [same] = evidence_cache.cached_export(load_checkpoint(ckpt), root, 8, [0], [LAYER], weights_mode="fp16", use=use)
+    evidence_cache.cached_verify(same.package, load_checkpoint(ckpt), root, use=use)
+    assert use.reused == {"export": 1, "verify": 1} and use.computed == {}  # control: same code, reused
+    monkeypatch.setattr(evidence_cache, "code_identity", lambda: "anelab 0.1.0 (source 0123456789abcdef)")
+    use = evidence_cache.CacheUse()
+    [fresh] = evidence_cache.cached_export(load_checkpoint(ckpt), root, 8, [0], [LAYER], weights_mode="fp16", use=use)
+    evidence_cache.cached_verify(fresh.package, load_checkpoint(ckpt), root, use=use)
+    assert use.computed == {"export": 1, "verify": 1} and use.reused == {}
+    assert fresh.package.parent != r.package.parent

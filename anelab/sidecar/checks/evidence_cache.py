@@ -3,7 +3,7 @@ content.
 
 An export is keyed by what its packages depend on: the geometry, the digests of every exported layer's attention
 tensors (``Checkpoint.attention_digests``: the stored bytes, under any path), the export request (design, chunk,
-histories, weight mode, options) and the anelab version. Its packages live in ``<cache>/exports/<key>/`` with an
+histories, weight mode, options) and the code (``core.code_identity``). Its packages live in ``<cache>/exports/<key>/`` with an
 ``entry.json`` written last (the entry is complete only then) that records each package's content hash; an entry
 whose packages no longer hash to it is exported again. A verification is keyed by the package's content hash, the
 checkpoint's digests of its layer, the verify options (seed, precision, fp16, functions) and the digest of its real
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from anelab import __version__
 from anelab.checkpoints.checkpoint import Checkpoint
+from anelab.core.code_identity import code_identity
 from anelab.core.records import atomic_write_text
 from anelab.sidecar.checks.comparison import Comparison
 from anelab.sidecar.checks.verify import verify_package
@@ -78,7 +78,7 @@ def entry_lock(path: Path):
 def export_key(checkpoint: Checkpoint, layers: list[int], request: dict) -> dict:
     """What an export's packages depend on (see the module docstring)."""
     return {
-        "anelab": __version__,
+        "code": code_identity(),
         "geometry": dataclasses.asdict(checkpoint.geometry),
         "layers": {str(layer): checkpoint.attention_digests(layer) for layer in layers},
         "request": request,
@@ -172,7 +172,7 @@ def cached_verify(
     meta = read_sidecar_metadata(package)
     options.setdefault("progress", False)
     parts = {
-        "anelab": __version__,
+        "code": code_identity(),
         "package": package_content_hash(package),
         "checkpoint": checkpoint.attention_digests(meta.layer),
         "options": {k: v for k, v in options.items() if k != "progress"},
