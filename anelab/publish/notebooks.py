@@ -55,7 +55,7 @@ from anelab.core.paths import FIGURES_DIR, MEASURED_DIR, NOTEBOOK_DIR, REPO_ROOT
 from anelab.core.progress import HEADLESS_VARIABLE, tqdm
 from anelab.core.records import atomic_write_text, machine_description, read_json_file
 from anelab.publish.docs_site import TEMPLATE_DIR
-from anelab.publish.studies import study_notebooks
+from anelab.publish.studies import STUDIES, study_notebooks
 from anelab.publish.widget_manager import RENDERER_URL
 
 ANELAB_KERNEL = "anelab"  # the Makefile installs it into the venv (ipykernel --sys-prefix)
@@ -368,10 +368,12 @@ def previous_seconds(build: str | os.PathLike, notebook: str | os.PathLike) -> f
 
 
 def longest_first(notebooks: list[Path], build: str | os.PathLike) -> list[Path]:
-    """``notebooks`` in the order a pool of workers should start them: those with no previous run in
-    ``build`` first (file order), then the rest by their previous duration, longest first — so the
-    longest study starts at once and the short ones fill the other workers around it."""
-    known = {nb: previous_seconds(build, nb) for nb in notebooks}
+    """``notebooks`` in the order a pool of workers should start them, longest first — so the longest study starts
+    at once and the short ones fill the other workers around it. A notebook's length is its previous duration in
+    ``build``, else its study's ``typical_seconds`` (a fresh checkout); notebooks with neither start first, in file
+    order."""
+    typical = {Path(s.notebook).name: s.typical_seconds for s in STUDIES}
+    known = {nb: previous_seconds(build, nb) or typical.get(Path(nb).name) for nb in notebooks}
     fresh = [nb for nb in notebooks if known[nb] is None]
     return fresh + sorted((nb for nb in notebooks if known[nb] is not None), key=lambda nb: -known[nb])
 

@@ -39,6 +39,9 @@ class Study:
     figures: tuple[str, ...]  # figure names (captions in captions.toml)
     headlines: tuple[Headline, ...] = ()
     summary_plot: tuple[str, str] | None = None  # (grid parameter on x, headline on y) of a batch's figure
+    # the default run's seconds in ``reproduce`` (2 cores, beside another study; measured here 2026-12-07): orders a
+    # fresh checkout's notebooks longest first, as a previous run's durations order a later one (``longest_first``)
+    typical_seconds: float | None = None
 
     @property
     def name(self) -> str:
@@ -69,6 +72,7 @@ STUDIES: tuple[Study, ...] = (
         (Headline("gpu_over_ane", "GPU / Neural Engine predict time (Core ML's own durations) at the largest history "
                   "(Mac only)", "x",
                   "predict_timing", ane_over_gpu_at_largest_history),),
+        typical_seconds=9,
     ),
     Study(
         "02_mask_fold",
@@ -88,6 +92,7 @@ STUDIES: tuple[Study, ...] = (
                      lambda rs: (w := widest(rs)) and w["control"]["fold_error"]),
         ),
         ("compress_ratio", "fold_error"),
+        typical_seconds=28,
     ),
     Study(
         "03_gather_sizing",
@@ -102,6 +107,7 @@ STUDIES: tuple[Study, ...] = (
                      "gather_probe_numpy", probe_ratio("numpy_eval_median_s")),
         ),
         ("head_dim", "gather_over_dense_intermediate"),
+        typical_seconds=7,
     ),
     Study(
         "04_setup_cost",
@@ -120,6 +126,7 @@ STUDIES: tuple[Study, ...] = (
                      program_bytes_per_function),
         ),
         ("export_chunk", "program_bytes_per_function"),
+        typical_seconds=17,
     ),
     Study(
         "05_tiled_stateful",
@@ -139,6 +146,7 @@ STUDIES: tuple[Study, ...] = (
                      "design_comparison", worst_graph_error),
         ),
         ("export_chunk", "largest_intermediate_dense"),
+        typical_seconds=150,
     ),
     Study(
         "06_one_function",
@@ -146,6 +154,7 @@ STUDIES: tuple[Study, ...] = (
         "planner per design, saved packages' op counts and intermediates, verification, NumPy prefill",
         "cold loads and predictions (through the state) of c<C> against h<H>",
         ("one_function_prediction", "one_function_intermediate", "one_function_tile_error"),
+        typical_seconds=39,
     ),
     Study(
         "07_whole_model_arms",
@@ -155,6 +164,7 @@ STUDIES: tuple[Study, ...] = (
         "Core ML numerics of the same arms (anelab compare-arms --compute-units)",
         ("arms_per_layer_difference", "arms_logits_vs_greedy", "arms_real_text", "arms_verify_margin",
          "arms_real_windowed"),
+        typical_seconds=120,
     ),
     Study(
         "08_offload_split",
@@ -162,6 +172,7 @@ STUDIES: tuple[Study, ...] = (
         "the planner's offload split per model, chip and prompt length; the published oMLX / mlx-serve splits replayed",
         "each proposed split timed against the GPU prefill (anelab ab --split planned; anelab measure's split_ab)",
         ("offload_split_share", "offload_split_ratio", "offload_split_published"),
+        typical_seconds=7,
     ),
 )  # fmt: skip
 

@@ -33,7 +33,7 @@ from anelab.core.weights import AttentionWeights
 from anelab.sidecar.backends import DEFAULT_BACKEND, get_backend
 from anelab.sidecar.coremltools_import import (
     coremltools_modules,
-    pipelines_validated_at_cleanups,
+    fast_conversions,
     quiet_coremltools,
     save_model,
 )
@@ -83,9 +83,9 @@ def convert_program(prog, dest: Path) -> Path:
     tried here (10 of 95, 1.4x faster) missed ``merge_consecutive_reshapes``, which only a stateful-tiled
     graph with query tiles narrower than its chunk needs. The pipeline shapes the graph the ANE gets,
     so it is not trimmed on evidence from the shapes tried; the program is validated after its cleanups
-    rather than after every pass (``pipelines_validated_at_cleanups``: the same package, a third less CPU)."""
+    rather than after every pass (``fast_conversions``: the same package, a third less CPU)."""
     ct, _, _ = coremltools_modules()
-    with quiet_coremltools(), pipelines_validated_at_cleanups():
+    with quiet_coremltools(), fast_conversions():
         model = ct.convert(
             prog,
             convert_to="mlprogram",
@@ -116,7 +116,7 @@ def merge_functions(
     from coremltools.converters.mil.mil import Program
 
     merged, functions, version = Program(), [], _SPECIFICATION_VERSION_IOS_18
-    with quiet_coremltools(), pipelines_validated_at_cleanups():
+    with quiet_coremltools(), fast_conversions():
         for name, path in variants.items():
             spec = ct.utils.load_spec(str(path))
             version = max(version, spec.specificationVersion)

@@ -34,7 +34,7 @@ from anelab.core.geometry import AttentionGeometry
 from anelab.core.weights import AttentionWeights
 from anelab.sidecar.coremltools_import import (
     coremltools_modules,
-    pipelines_validated_at_cleanups,
+    fast_conversions,
     quiet_coremltools,
     save_model,
 )
@@ -173,11 +173,11 @@ def compress_package(src: str | os.PathLike, dest: str | os.PathLike, mode: str)
     """Compress the projection weights of a single-function package ``src`` into ``dest``.
 
     coremltools converts the compressed program back through its pass pipeline; that pipeline runs validated after
-    its cleanups (``pipelines_validated_at_cleanups``: the same package as coremltools' own, a third less CPU on
+    its cleanups (``fast_conversions``: the same package as coremltools' own, a third less CPU on
     each of the ~120 compressions of a real model's weight-mode evidence)."""
     ct, _, _ = coremltools_modules()
     fn, config = _optimization(mode)
-    with quiet_coremltools(), pipelines_validated_at_cleanups():
+    with quiet_coremltools(), fast_conversions():
         model = ct.models.MLModel(str(src), skip_model_load=True)
         compressed = fn(model, config)
         save_model(compressed, dest)

@@ -355,3 +355,24 @@ def test_run_resume_skips_a_finished_run_and_reruns_a_failed_one(tmp_path, capsy
     assert code == 0 and notebooks.read_result(out_dir)["status"] == "ok"  # the failed run ran again
     code, out, _ = _run_cli(["run", nb, "-p", "n", "1", "--out", out_dir, "--resume"], capsys)
     assert code == 0 and "skipped (--resume)" in out
+
+
+def test_a_fresh_checkout_starts_the_studies_longest_first(tmp_path):
+    """With no previous run, the studies' ``typical_seconds`` order them: the two real-model studies (05, 07) start at
+    once, the short ones fill in around them; a notebook no study names keeps the front, a previous run's duration
+    overrides the table (the control: 07 made short)."""
+    from anelab.publish.studies import STUDIES
+
+    nbs = [Path(s.notebook) for s in STUDIES]
+    order = [nb.stem for nb in notebooks.longest_first(nbs, tmp_path / "build")]
+    assert order[:2] == ["05_tiled_stateful", "07_whole_model_arms"]
+    assert [s.typical_seconds for s in sorted(STUDIES, key=lambda s: order.index(s.stem))] == sorted(
+        (s.typical_seconds for s in STUDIES), reverse=True
+    )
+    stray = tmp_path / "09_new.ipynb"
+    assert notebooks.longest_first([*nbs, stray], tmp_path / "build")[0] == stray
+    (tmp_path / "build" / "notebooks").mkdir(parents=True)
+    (tmp_path / "build" / "notebooks" / "07_whole_model_arms.ipynb").write_text(
+        json.dumps({"metadata": {"papermill": {"duration": 1.0}}})
+    )
+    assert notebooks.longest_first(nbs, tmp_path / "build")[-1].stem == "07_whole_model_arms"

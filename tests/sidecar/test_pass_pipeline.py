@@ -142,11 +142,11 @@ def test_another_coremltools_runs_its_own_pipeline(monkeypatch):
     from coremltools.converters.mil.mil.passes.pass_pipeline import PassPipelineManager
 
     own = PassPipelineManager.apply_pipeline
-    with coremltools_import.pipelines_validated_at_cleanups():
+    with coremltools_import.fast_conversions():
         assert PassPipelineManager.apply_pipeline is coremltools_import.apply_pipeline_validated_at_cleanups
     assert PassPipelineManager.apply_pipeline is own  # restored on leaving
     monkeypatch.setattr(ct, "__version__", "9.1")
-    with coremltools_import.pipelines_validated_at_cleanups():
+    with coremltools_import.fast_conversions():
         assert PassPipelineManager.apply_pipeline is own
 
 
@@ -193,3 +193,69 @@ def test_a_compression_validates_after_its_cleanups_not_after_every_pass(tmp_pat
     ct, _, _ = coremltools_modules()
     assert theirs > len(ct.PassPipeline.DEFAULT.passes)  # the control: coremltools' own, after every pass
     assert ours < 20
+
+
+def _count_own_propagations(monkeypatch, convert) -> int:
+    """How many times coremltools' own ``Block._propagate_nonreplaceable_vars`` walked a block during ``convert``."""
+    from coremltools.converters.mil.mil.block import Block
+
+    calls = []
+    own = Block._propagate_nonreplaceable_vars  # outside ``fast_conversions``: coremltools' own
+
+    def counted(block):
+        calls.append(block)
+        return own(block)
+
+    monkeypatch.setattr(coremltools_import, "_COREMLTOOLS_PROPAGATE", [counted])
+    convert()
+    return len(calls)
+
+
+def test_an_fp16_conversion_empties_the_sets_without_coremltools_walk(tmp_path, monkeypatch, dense_function):
+    """A program with no ``constexpr_*`` op never needs coremltools' walk (its packages are the same bytes, above);
+    a compression, whose ``constexpr_*`` ops start non-empty sets, goes through it every time (the control)."""
+    from anelab.sidecar.quantize import compress_package
+
+    [build, *_] = _builds(DENSE).values()
+    assert _count_own_propagations(monkeypatch, lambda: convert_program(build(), tmp_path / "a.mlpackage")) == 0
+    walks = _count_own_propagations(
+        monkeypatch, lambda: compress_package(dense_function, tmp_path / "b.mlpackage", "int8")
+    )
+    assert walks > 0
+
+
+def test_the_shortcut_leaves_every_set_as_coremltools_walk_does():
+    """The sets ``propagate_nonreplaceable_vars`` leaves are the ones coremltools' own walk leaves: on a program
+    without a ``constexpr_*`` op (all empty, even where a stale set was left on a var) and on one with (the shortcut
+    defers; the linear downstream of the constexpr carries it: the control that the sets are not trivially empty)."""
+    import numpy as np
+    from coremltools.converters.mil.mil import types
+    from coremltools.converters.mil.mil.block import Block
+
+    ct, mb, _ = coremltools_modules()
+    own = Block._propagate_nonreplaceable_vars  # outside ``fast_conversions``: coremltools' own
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=(2, 4), dtype=types.fp32)])
+    def plain(x):
+        return mb.relu(x=mb.add(x=x, y=np.ones((2, 4), np.float32)))
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=(2, 4), dtype=types.fp16)], opset_version=ct.target.iOS18)
+    def compressed(x):
+        weight = mb.constexpr_blockwise_shift_scale(
+            data=np.ones((4, 4), np.int8), scale=np.ones((4, 1), np.float16), offset=None
+        )
+        return mb.linear(x=x, weight=weight)
+
+    def sets_after(fn, propagate) -> dict[str, set[str]]:
+        first = next(iter(fn.operations)).outputs[0]
+        first.nonreplaceable_vars_upstream = {first}  # stale: a set coremltools' walk resets
+        propagate(fn)
+        return {o.name: {v.name for v in o.nonreplaceable_vars_upstream} for op in fn.operations for o in op.outputs}
+
+    for program in (plain, compressed):
+        fn = program.functions["main"]
+        theirs = sets_after(fn, own)
+        ours = sets_after(fn, coremltools_import.propagate_nonreplaceable_vars)
+        assert ours == theirs
+    assert not any(sets_after(plain.functions["main"], own).values())
+    assert any(theirs.values())  # the compressed program: the linear carries its constexpr weight
