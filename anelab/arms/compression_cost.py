@@ -23,6 +23,7 @@ holds each package to the reference with those same stored weights, so the two a
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -143,15 +144,17 @@ def stored_attention(packages: dict[int, str], model: ModelCheckpoint) -> dict[i
 
 def stored_weights_costs(
     model: ModelCheckpoint, prompt: np.ndarray, stored: dict[str, dict[int, AttentionWeights]], *, decode: int,
-    chunk: int, partial: bool = False,
+    chunk: int, partial: bool = False, reference: ArmRun | None = None,
 ) -> dict[str, ModeCost]:  # fmt: skip
     """Per mode (``stored``: mode -> layer -> the projections its packages store), the stored-weights arm against
-    the reference arm on ``prompt`` (int [P]), both prefilled in chunks of ``chunk``. A mode missing a layer is
-    refused unless ``partial`` (then only its layers carry the mode, and its ``ModeCost.layers`` names them)."""
+    the reference arm on ``prompt`` (int [P]), both prefilled in chunks of ``chunk`` (``reference``: that arm's run
+    when the caller has it, hidden states kept). A mode missing a layer is refused unless ``partial`` (then only its
+    layers carry the mode, and its ``ModeCost.layers`` names them)."""
     if not stored:
         raise AnelabInputError("no weight mode to cost: pass at least one mode's stored weights")
     model, _ = weights_for_run(model)  # read (and, when they fit, kept) once for every mode's run
-    reference = run_arms(model, prompt, [Arm("reference")], decode=decode, chunk=chunk)["reference"]
+    if reference is None:
+        reference = run_arms(model, prompt, [Arm("reference")], decode=decode, chunk=chunk)["reference"]
     costs = {}
     for mode, attention in stored.items():
         g = model.geometry
@@ -253,51 +256,81 @@ def weight_mode_evidence(
     ``chunk``, ``histories``), the ``verified`` layers verified once on random rows and, with ``activations``
     (layer -> post-norm rows), on real ones (``cached_verify``), and the stored-weights arm against the reference
     on ``prompt`` (int [P], real text; prefill in chunks of ``chunk``), cached by the packages' content. ``layers``:
-    only these carry the mode (the tests' quick runs; the cost then says so), default every attention layer."""
-    evidence = {}
-    for mode in modes:
-        results = cache.cached_export(
-            model.checkpoint, cache_root, chunk, histories, layers, weights_mode=mode, use=use
-        )
-        packages = {int(r.metadata.layer): str(r.package) for r in results}
-        reports = {
-            layer: cache.cached_verify(packages[layer], model.checkpoint, cache_root, use=use) for layer in verified
-        }
-        real = {}
-        for layer in verified if activations is not None else []:
-            real[layer] = cache.cached_verify(packages[layer], model.checkpoint, cache_root, use=use,
-                                              activations=activations[layer])  # fmt: skip
-        evidence[mode] = ModeEvidence(mode, packages, reports, real)
-    costs = cached_costs(
-        model, prompt, evidence, cache_root, decode=decode, chunk=chunk, use=use, partial=layers is not None
-    )
-    for mode, cost in costs.items():
-        evidence[mode].cost = cost
-    return evidence
+    only these carry the mode (the tests' quick runs; the cost then says so), default every attention layer.
+
+    Each mode is one unit of work under its own lock (``evidence_cache.each_when_free``): a second study asking the
+    same modes meanwhile takes the modes the first has not started, and reuses the rest when they are done."""
+    reference = _ReferenceRun(model, prompt, decode, chunk)
+    request = {"chunk": int(chunk), "histories": [int(h) for h in histories], "verified": [int(v) for v in verified],
+               "decode": int(decode), "layers": layers, "prompt": cache.activations_digest(np.asarray(prompt, np.int64)),
+               "activations": None if activations is None else {str(k): cache.activations_digest(v)
+                                                                for k, v in sorted(activations.items())}}  # fmt: skip
+
+    def one_mode(mode: str, wait: bool) -> ModeEvidence | None:
+        unit = {"code": code_identity(), "checkpoint": str(model.checkpoint.path), "mode": mode, **request}
+        with cache.entry_lock(Path(cache_root) / "modes" / f"{cache.content_key(unit)}.lock", wait=wait) as held:
+            if not held:
+                return None
+            results = cache.cached_export(model.checkpoint, cache_root, chunk, histories, layers, weights_mode=mode,
+                                          use=use)  # fmt: skip
+            packages = {int(r.metadata.layer): str(r.package) for r in results}
+            reports = {layer: cache.cached_verify(packages[layer], model.checkpoint, cache_root, use=use)
+                       for layer in verified}  # fmt: skip
+            real = {layer: cache.cached_verify(packages[layer], model.checkpoint, cache_root, use=use,
+                                               activations=activations[layer])
+                    for layer in (verified if activations is not None else [])}  # fmt: skip
+            evidence = ModeEvidence(mode, packages, reports, real)
+            evidence.cost = cached_mode_cost(model, prompt, mode, packages, cache_root, reference=reference,
+                                             decode=decode, chunk=chunk, use=use, partial=layers is not None)  # fmt: skip
+            return evidence
+
+    return cache.each_when_free(list(modes), one_mode)
 
 
-def cached_costs(model, prompt, evidence: dict[str, ModeEvidence], cache_root, *, decode: int, chunk: int,
-                 use=None, partial: bool = False) -> dict[str, ModeCost]:  # fmt: skip
-    """``stored_weights_costs`` of every mode in ``evidence``, unless the same packages (content), prompt, decode
-    and chunk were costed before (``cache_root/costs``)."""
+class _ReferenceRun:
+    """The reference arm of ``prompt`` (hidden states kept), run the first time a mode's cost asks for it."""
+
+    def __init__(self, model: ModelCheckpoint, prompt: np.ndarray, decode: int, chunk: int):
+        self.model, self.prompt, self.decode, self.chunk = model, prompt, decode, chunk
+        self._run: ArmRun | None = None
+
+    def __call__(self) -> ArmRun:
+        if self._run is None:
+            model, _ = weights_for_run(self.model)
+            self._run = run_arms(model, self.prompt, [Arm("reference")], decode=self.decode, chunk=self.chunk)[
+                "reference"
+            ]
+        return self._run
+
+
+def cached_mode_cost(model, prompt, mode: str, packages: dict[int, str], cache_root, *, reference, decode: int,
+                     chunk: int, use=None, partial: bool = False) -> ModeCost:  # fmt: skip
+    """``mode``'s stored-weights arm (the projections ``packages`` store: layer -> package) against the reference
+    arm (``reference()``: an ``ArmRun`` of ``prompt`` with hidden states, asked only when this is computed) ->
+    ``ModeCost``, unless the same packages (content), prompt, decode and chunk were costed before
+    (``cache_root/costs``). ``partial``: the packages may cover only some attention layers (the cost says which)."""
     parts = {
         "code": code_identity(),
-        "packages": {m: {str(k): package_content_hash(p) for k, p in e.packages.items()} for m, e in evidence.items()},
+        "mode": mode,
+        "packages": {str(k): package_content_hash(p) for k, p in sorted(packages.items())},
         "prompt": cache.activations_digest(np.asarray(prompt, np.int64)),
         "decode": int(decode),
         "chunk": int(chunk),
+        "partial": bool(partial),
     }
     path = Path(cache_root) / "costs" / f"{cache.content_key(parts)}.json"
     with cache.entry_lock(path.with_suffix(".lock")):
         if path.is_file():
-            stored = json.loads(path.read_text())
-            if use is not None:
-                use.count("whole-model cost", True)
-            fields = set(ModeCost.__dataclass_fields__)
-            return {m: ModeCost(**{k: v for k, v in c.items() if k in fields}) for m, c in stored.items()}
-        weights = {mode: stored_attention(e.packages, model) for mode, e in evidence.items()}
-        costs = stored_weights_costs(model, prompt, weights, decode=decode, chunk=chunk, partial=partial)
-        atomic_write_text(path, json.dumps({m: c.to_dict() for m, c in costs.items()}, indent=1))
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                stored = json.loads(path.read_text())
+                fields = set(ModeCost.__dataclass_fields__)
+                cost = ModeCost(**{k: v for k, v in stored.items() if k in fields})
+                if use is not None:
+                    use.count("whole-model cost", True)
+                return cost
+        cost = stored_weights_costs(model, prompt, {mode: stored_attention(packages, model)}, decode=decode,
+                                    chunk=chunk, partial=partial, reference=reference())[mode]  # fmt: skip
+        atomic_write_text(path, json.dumps(cost.to_dict(), indent=1))
     if use is not None:
         use.count("whole-model cost", False)
-    return costs
+    return cost

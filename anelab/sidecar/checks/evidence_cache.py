@@ -64,15 +64,38 @@ def content_key(parts: dict) -> str:
 
 
 @contextlib.contextmanager
-def entry_lock(path: Path):
-    """An exclusive ``flock`` on ``path`` (created), held for the block: one writer of an entry at a time."""
+def entry_lock(path: Path, wait: bool = True):
+    """An exclusive ``flock`` on ``path`` (created), held for the block: one writer of an entry at a time. Yields
+    True once held; with ``wait=False`` it yields False at once when another process holds it (nothing held)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            yield
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def each_when_free(items: list, attempt) -> dict:
+    """``{item: attempt(item, wait)}`` for every item, taking first the ones no other process is working on:
+    ``attempt(item, wait=False)`` returns None when another process holds the item's lock, and that item is
+    tried again after the others; only when every remaining item is held elsewhere does it wait for the first
+    (``wait=True``). Two studies asking the same items at once then share the work instead of queueing behind
+    each other (and the second reuses what the first finished)."""
+    done: dict = {}
+    while len(done) < len(items):
+        progressed = False
+        for item in items:
+            if item not in done and (result := attempt(item, wait=False)) is not None:
+                done[item], progressed = result, True
+        if not progressed:
+            first = next(item for item in items if item not in done)
+            done[first] = attempt(first, wait=True)
+    return {item: done[item] for item in items}
 
 
 def export_key(checkpoint: Checkpoint, layers: list[int], request: dict) -> dict:
