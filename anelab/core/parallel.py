@@ -49,9 +49,25 @@ def threads_per_run(jobs: int, cores: int | None = None) -> int:
     return cores // jobs
 
 
+CORE_BUDGET_VARIABLE = "ANELAB_CORES"  # cores a run may fill with its own workers (set for each of reproduce's runs)
+
+
+def core_budget() -> int:
+    """The cores this run's own worker pools may fill: ``available_cores``, or fewer where the run was given a share
+    of them (``CORE_BUDGET_VARIABLE``: ``reproduce`` runs two notebooks at once on two cores, one core each, so a
+    notebook's export does not fork workers onto the other's core). An unreadable value is ignored."""
+    cores = available_cores()
+    try:
+        share = int(os.environ.get(CORE_BUDGET_VARIABLE, ""))
+    except ValueError:
+        return cores
+    return max(1, min(cores, share))
+
+
 def default_jobs(items: int, cores: int | None = None) -> int:
-    """Workers for ``items`` independent per-layer jobs: at most the cores, the items and ``DEFAULT_MAX_JOBS``."""
-    cores = available_cores() if cores is None else cores
+    """Workers for ``items`` independent per-layer jobs: at most the run's cores (``core_budget``), the items and
+    ``DEFAULT_MAX_JOBS``."""
+    cores = core_budget() if cores is None else cores
     return max(1, min(cores, items, DEFAULT_MAX_JOBS))
 
 

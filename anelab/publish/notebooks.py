@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from anelab.core.errors import AnelabInputError
-from anelab.core.parallel import threads_per_run
+from anelab.core.parallel import CORE_BUDGET_VARIABLE, threads_per_run
 from anelab.core.paths import FIGURES_DIR, MEASURED_DIR, NOTEBOOK_DIR, REPO_ROOT, RUNS_DIR
 from anelab.core.progress import HEADLESS_VARIABLE, tqdm
 from anelab.core.records import atomic_write_text, machine_description, read_json_file
@@ -587,7 +587,9 @@ def thread_limits(threads: int | None):
     if threads is None:
         yield
         return
-    with kernel_environment({k: str(int(threads)) for k in THREAD_VARIABLES}):
+    with kernel_environment(
+        {**{k: str(int(threads)) for k in THREAD_VARIABLES}, CORE_BUDGET_VARIABLE: str(int(threads))}
+    ):
         yield
 
 
