@@ -38,6 +38,8 @@ from anelab.checkpoints.whole_model import ModelCheckpoint
 from anelab.core.code_identity import code_identity
 from anelab.core.decoder import lm_logits
 from anelab.core.errors import AnelabInputError
+from anelab.core.files import entry_lock
+from anelab.core.parallel import each_when_free
 from anelab.core.records import atomic_write_text
 from anelab.core.weights import AttentionWeights
 from anelab.sidecar import quantize
@@ -258,7 +260,7 @@ def weight_mode_evidence(
     on ``prompt`` (int [P], real text; prefill in chunks of ``chunk``), cached by the packages' content. ``layers``:
     only these carry the mode (the tests' quick runs; the cost then says so), default every attention layer.
 
-    Each mode is one unit of work under its own lock (``evidence_cache.each_when_free``): a second study asking the
+    Each mode is one unit of work under its own lock (``core.parallel.each_when_free``): a second study asking the
     same modes meanwhile takes the modes the first has not started, and reuses the rest when they are done."""
     reference = _ReferenceRun(model, prompt, decode, chunk)
     request = {"chunk": int(chunk), "histories": [int(h) for h in histories], "verified": [int(v) for v in verified],
@@ -268,7 +270,7 @@ def weight_mode_evidence(
 
     def one_mode(mode: str, wait: bool) -> ModeEvidence | None:
         unit = {"code": code_identity(), "checkpoint": str(model.checkpoint.path), "mode": mode, **request}
-        with cache.entry_lock(Path(cache_root) / "modes" / f"{cache.content_key(unit)}.lock", wait=wait) as held:
+        with entry_lock(Path(cache_root) / "modes" / f"{cache.content_key(unit)}.lock", wait=wait) as held:
             if not held:
                 return None
             results = cache.cached_export(model.checkpoint, cache_root, chunk, histories, layers, weights_mode=mode,
@@ -284,7 +286,7 @@ def weight_mode_evidence(
                                              decode=decode, chunk=chunk, use=use, partial=layers is not None)  # fmt: skip
             return evidence
 
-    return cache.each_when_free(list(modes), one_mode)
+    return each_when_free(list(modes), one_mode)
 
 
 class _ReferenceRun:
@@ -319,7 +321,7 @@ def cached_mode_cost(model, prompt, mode: str, packages: dict[int, str], cache_r
         "partial": bool(partial),
     }
     path = Path(cache_root) / "costs" / f"{cache.content_key(parts)}.json"
-    with cache.entry_lock(path.with_suffix(".lock")):
+    with entry_lock(path.with_suffix(".lock")):
         if path.is_file():
             with contextlib.suppress(OSError, ValueError, TypeError):
                 stored = json.loads(path.read_text())

@@ -22,6 +22,7 @@ from anelab.arms.resident import weights_for_run
 from anelab.arms.sidecars import open_sidecars
 from anelab.checkpoints.whole_model import ModelCheckpoint
 from anelab.core.code_identity import code_identity
+from anelab.core.files import entry_lock
 from anelab.core.geometry import chunk_starts
 from anelab.core.records import atomic_write_bytes
 from anelab.sidecar.checks.evidence_cache import (
@@ -30,7 +31,6 @@ from anelab.sidecar.checks.evidence_cache import (
     activations_digest,
     cached_export,
     content_key,
-    entry_lock,
 )
 from anelab.sidecar.quantize import WEIGHT_MODES
 

@@ -10,6 +10,7 @@ what Python's parser can recurse through is refused in one line, never echoing t
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -111,3 +112,20 @@ def confined(path: str | os.PathLike, root: str | os.PathLike, what: str, *, als
         if resolved == allowed or resolved.is_relative_to(allowed):
             return resolved
     raise AnelabInputError(f"{what} {path} leads to {resolved}, outside {root}; a checkpoint's files stay inside it")
+
+
+@contextlib.contextmanager
+def entry_lock(path: Path, wait: bool = True):
+    """An exclusive ``flock`` on ``path`` (created), held for the block: one writer of an entry at a time. Yields
+    True once held; with ``wait=False`` it yields False at once when another process holds it (nothing held)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

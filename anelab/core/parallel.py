@@ -265,3 +265,21 @@ def start_method(platform: str | None = None) -> str:
     if (platform or sys.platform) == "darwin" or "fork" not in _start_methods():
         return "spawn"
     return "fork"
+
+
+def each_when_free(items: list, attempt) -> dict:
+    """``{item: attempt(item, wait)}`` for every item, taking first the ones no other process is working on:
+    ``attempt(item, wait=False)`` returns None when another process holds the item's lock, and that item is
+    tried again after the others; only when every remaining item is held elsewhere does it wait for the first
+    (``wait=True``). Two studies asking the same items at once then share the work instead of queueing behind
+    each other (and the second reuses what the first finished)."""
+    done: dict = {}
+    while len(done) < len(items):
+        progressed = False
+        for item in items:
+            if item not in done and (result := attempt(item, wait=False)) is not None:
+                done[item], progressed = result, True
+        if not progressed:
+            first = next(item for item in items if item not in done)
+            done[first] = attempt(first, wait=True)
+    return {item: done[item] for item in items}

@@ -7,8 +7,8 @@ mode asks (``sidecar.quantize.compress_package``, before the merge). The convers
 ``program_digest`` hashes exactly those, and ``converted_function`` converts a program once per digest into
 ``<cache>/<digest>.mlpackage``. Four modes of one layer then cost one conversion and three compressions, and the
 ``h0`` and ``h<P-C>`` of a package holding only its two ends are the full package's own (same coverage, same
-RoPE table). An entry appears by a rename of a finished conversion: a reader never sees half of one, and two
-processes converting the same program at once keep the first.
+RoPE table). An entry appears by a rename of a finished conversion: a reader never sees half of one; a process
+asking for a program another is converting waits for it (a lock per program) instead of converting it again.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from anelab.core.code_identity import code_identity
+from anelab.core.files import entry_lock
 
 # pymil numbers the names it makes up (``q_proj_weight_0``, ``reshape_3``, ``block0``) from counters that run on
 # across the programs one process builds: the same program built twice differs only there
@@ -67,14 +68,17 @@ def converted_function(
     entry = cache / f"{program_digest(prog)}.mlpackage"
     if entry.is_dir():
         return entry
-    staging = Path(tempfile.mkdtemp(prefix=".convert.", dir=cache))
-    try:
-        convert(prog, staging / "function.mlpackage")
+    with entry_lock(entry.with_suffix(".lock")):  # one conversion per program: a second process waits, then reads it
+        if entry.is_dir():
+            return entry
+        staging = Path(tempfile.mkdtemp(prefix=".convert.", dir=cache))
         try:
-            os.rename(staging / "function.mlpackage", entry)
-        except OSError:  # another process stored the same program first: its package is the same
-            if not entry.is_dir():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+            convert(prog, staging / "function.mlpackage")
+            try:
+                os.rename(staging / "function.mlpackage", entry)
+            except OSError:  # stored meanwhile by a process that took no lock: its package is the same
+                if not entry.is_dir():
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return entry

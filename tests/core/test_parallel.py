@@ -9,6 +9,7 @@ from anelab.checkpoints.checkpoint import load_checkpoint
 from anelab.cli import main
 from anelab.core import parallel
 from anelab.core.errors import AnelabInputError
+from anelab.core.files import entry_lock
 from anelab.sidecar.checks.verify_export import verify_export
 from anelab.sidecar.coremltools_import import coremltools_modules
 from anelab.sidecar.export import export_sidecars
@@ -131,6 +132,18 @@ def test_jobs_are_bounded_by_the_cores():
     assert parallel.default_jobs(1, cores=8) == 1 and parallel.default_jobs(16, cores=1) == 1
 
 
+def test_a_run_given_a_share_of_the_cores_keeps_its_pools_within_it(monkeypatch):
+    """``ANELAB_CORES`` (what ``reproduce`` gives each of its two notebooks) bounds the workers a run forks by itself;
+    it never raises the machine's cores, and a value that is not a number is ignored. Control: unset, the cores."""
+    monkeypatch.setattr(parallel, "available_cores", lambda: 2)
+    monkeypatch.delenv(parallel.CORE_BUDGET_VARIABLE, raising=False)
+    assert parallel.core_budget() == 2 and parallel.default_jobs(30) == 2  # control: the machine's cores
+    for value, budget in (("1", 1), ("8", 2), ("0", 1), ("many", 2), ("", 2)):
+        monkeypatch.setenv(parallel.CORE_BUDGET_VARIABLE, value)
+        assert parallel.core_budget() == budget, value
+        assert parallel.default_jobs(30) == budget, value
+
+
 def _package_bytes(pkg) -> tuple[bytes, bytes]:
     """(the spec without its export time, the weights) of a saved package."""
     ct, _, _ = coremltools_modules()
@@ -184,3 +197,35 @@ def test_too_many_jobs_for_verify_is_one_line_before_any_work(tmp_path, tiny_che
     assert main(["verify", str(tmp_path / "sidecars"), "--jobs", str(parallel.available_cores() + 1)]) == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines() == [err.strip()] and "--jobs" in err and "verify packages" not in err
+
+
+def test_each_when_free_takes_the_free_items_first_and_waits_only_for_held_ones(tmp_path):
+    """Another worker holds item a's lock: b and c are done meanwhile, then a once it is released; the results come
+    back in the items' order. Control: with nothing held, every item is done at its first try, in order."""
+    import threading
+
+    tries = []
+
+    def attempt(item, wait):
+        with entry_lock(tmp_path / f"{item}.lock", wait=wait) as held:
+            tries.append((item, held))
+            return item.upper() if held else None
+
+    assert parallel.each_when_free(["a", "b", "c"], attempt) == {"a": "A", "b": "B", "c": "C"}
+    assert tries == [("a", True), ("b", True), ("c", True)]  # control: nothing held, nothing deferred
+    tries.clear()
+    holding, release = threading.Event(), threading.Event()
+
+    def other_worker():  # another open file description: flock keeps it apart even within this process
+        with entry_lock(tmp_path / "a.lock"):
+            holding.set()
+            release.wait(30)
+
+    worker = threading.Thread(target=other_worker)
+    worker.start()
+    assert holding.wait(30)
+    threading.Timer(0.3, release.set).start()
+    result = parallel.each_when_free(["a", "b", "c"], attempt)
+    worker.join()
+    assert list(result.items()) == [("a", "A"), ("b", "B"), ("c", "C")]
+    assert tries[:3] == [("a", False), ("b", True), ("c", True)] and tries[-1] == ("a", True)

@@ -376,3 +376,14 @@ def test_a_fresh_checkout_starts_the_studies_longest_first(tmp_path):
         json.dumps({"metadata": {"papermill": {"duration": 1.0}}})
     )
     assert notebooks.longest_first(nbs, tmp_path / "build")[-1].stem == "07_whole_model_arms"
+
+
+def test_reproduce_gives_each_notebook_kernel_its_share(monkeypatch):
+    import os
+
+    from anelab.core import parallel
+
+    monkeypatch.delenv(parallel.CORE_BUDGET_VARIABLE, raising=False)
+    with notebooks.thread_limits(1):
+        assert os.environ[parallel.CORE_BUDGET_VARIABLE] == "1" and os.environ["OPENBLAS_NUM_THREADS"] == "1"
+    assert parallel.CORE_BUDGET_VARIABLE not in os.environ  # restored on leaving

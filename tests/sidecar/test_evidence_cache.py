@@ -92,35 +92,3 @@ def test_results_cached_by_other_code_are_computed_again(cache, monkeypatch):
     evidence_cache.cached_verify(fresh.package, load_checkpoint(ckpt), root, use=use)
     assert use.computed == {"export": 1, "verify": 1} and use.reused == {}
     assert fresh.package.parent != r.package.parent
-
-
-def test_each_when_free_takes_the_free_items_first_and_waits_only_for_held_ones(tmp_path):
-    """Another worker holds item a's lock: b and c are done meanwhile, then a once it is released; the results come
-    back in the items' order. Control: with nothing held, every item is done at its first try, in order."""
-    import threading
-
-    tries = []
-
-    def attempt(item, wait):
-        with evidence_cache.entry_lock(tmp_path / f"{item}.lock", wait=wait) as held:
-            tries.append((item, held))
-            return item.upper() if held else None
-
-    assert evidence_cache.each_when_free(["a", "b", "c"], attempt) == {"a": "A", "b": "B", "c": "C"}
-    assert tries == [("a", True), ("b", True), ("c", True)]  # control: nothing held, nothing deferred
-    tries.clear()
-    holding, release = threading.Event(), threading.Event()
-
-    def other_worker():  # another open file description: flock keeps it apart even within this process
-        with evidence_cache.entry_lock(tmp_path / "a.lock"):
-            holding.set()
-            release.wait(30)
-
-    worker = threading.Thread(target=other_worker)
-    worker.start()
-    assert holding.wait(30)
-    threading.Timer(0.3, release.set).start()
-    result = evidence_cache.each_when_free(["a", "b", "c"], attempt)
-    worker.join()
-    assert list(result.items()) == [("a", "A"), ("b", "B"), ("c", "C")]
-    assert tries[:3] == [("a", False), ("b", True), ("c", True)] and tries[-1] == ("a", True)

@@ -79,3 +79,44 @@ def test_a_cached_package_is_its_uncached_twin(tiny_checkpoint, tmp_path):
     assert weight_file(a.package) == weight_file(b.package) == weight_file(c.package)
     metas = [read_sidecar_metadata(r.package) for r in (a, b, c)]
     assert all(m.functions == metas[2].functions and m.coverage == metas[2].coverage for m in metas)
+
+
+def test_a_program_another_process_is_converting_is_waited_for_not_converted_again(tiny_checkpoint, tmp_path):
+    """Another worker holds the program's lock while it converts: this one waits and reads its package; the converter
+    is not called here. Control: with the lock free, the program is converted here."""
+    import threading
+    import time
+
+    from anelab.core.files import entry_lock
+    from anelab.sidecar.function_cache import converted_function
+
+    ckpt = load_checkpoint(tiny_checkpoint("llama"))
+    [build, *_] = function_builds(ckpt.geometry, ckpt.layer(LAYER), "dense", CHUNK, [0]).values()
+    cache = tmp_path / "functions"
+    entry = cache / f"{program_digest(build())}.mlpackage"
+    calls = []
+
+    def convert(prog, dest):
+        calls.append(dest)
+        return export_module.convert_program(prog, dest)
+
+    holding, done = threading.Event(), threading.Event()
+    cache.mkdir()
+    theirs = export_module.convert_program(build(), tmp_path / "theirs.mlpackage")  # here: coremltools is one thread's
+
+    def other_worker():  # stores its conversion under the lock, as a second process would
+        with entry_lock(entry.with_suffix(".lock")):
+            holding.set()
+            time.sleep(0.3)
+            theirs.rename(entry)
+        done.set()
+
+    worker = threading.Thread(target=other_worker)
+    worker.start()
+    assert holding.wait(60)
+    assert converted_function(build(), tmp_path / "mine.mlpackage", cache, convert) == entry
+    worker.join()
+    assert done.is_set() and calls == []  # waited for theirs, converted nothing
+    other = function_builds(ckpt.geometry, ckpt.layer(LAYER), "dense", CHUNK, [0, CHUNK])["h8"]
+    converted_function(other(), tmp_path / "other.mlpackage", cache, convert)
+    assert len(calls) == 1  # control: a program nobody holds is converted here

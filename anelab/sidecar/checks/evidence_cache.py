@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
@@ -29,6 +28,7 @@ import numpy as np
 
 from anelab.checkpoints.checkpoint import Checkpoint
 from anelab.core.code_identity import code_identity
+from anelab.core.files import entry_lock
 from anelab.core.records import atomic_write_text
 from anelab.sidecar.checks.comparison import Comparison
 from anelab.sidecar.checks.verify import verify_package
@@ -61,41 +61,6 @@ def content_key(parts: dict) -> str:
     """SHA-256 (24 hex digits) of ``parts`` as sorted JSON (any value JSON cannot spell is written with str)."""
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
-
-
-@contextlib.contextmanager
-def entry_lock(path: Path, wait: bool = True):
-    """An exclusive ``flock`` on ``path`` (created), held for the block: one writer of an entry at a time. Yields
-    True once held; with ``wait=False`` it yields False at once when another process holds it (nothing held)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def each_when_free(items: list, attempt) -> dict:
-    """``{item: attempt(item, wait)}`` for every item, taking first the ones no other process is working on:
-    ``attempt(item, wait=False)`` returns None when another process holds the item's lock, and that item is
-    tried again after the others; only when every remaining item is held elsewhere does it wait for the first
-    (``wait=True``). Two studies asking the same items at once then share the work instead of queueing behind
-    each other (and the second reuses what the first finished)."""
-    done: dict = {}
-    while len(done) < len(items):
-        progressed = False
-        for item in items:
-            if item not in done and (result := attempt(item, wait=False)) is not None:
-                done[item], progressed = result, True
-        if not progressed:
-            first = next(item for item in items if item not in done)
-            done[first] = attempt(first, wait=True)
-    return {item: done[item] for item in items}
 
 
 def export_key(checkpoint: Checkpoint, layers: list[int], request: dict) -> dict:
