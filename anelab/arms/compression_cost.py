@@ -101,17 +101,20 @@ def perplexity(nll: np.ndarray) -> float:
     return float(np.exp(np.mean(nll)))
 
 
-def mode_cost(model: ModelCheckpoint, prompt: np.ndarray, reference: ArmRun, run: ArmRun, mode: str) -> ModeCost:
+def mode_cost(model: ModelCheckpoint, prompt: np.ndarray, reference: ArmRun, run: ArmRun, mode: str,
+              reference_perplexity: float | None = None) -> ModeCost:  # fmt: skip
     """``run`` (the sidecar arm on ``mode``'s packages) against ``reference`` (the reference arm of the same
-    ``prompt`` int [P], both with their hidden states kept) -> ``ModeCost``."""
+    ``prompt`` int [P], both with their hidden states kept) -> ``ModeCost``; ``reference_perplexity``: the
+    reference's, when the caller computed it for an earlier mode."""
     if reference.hidden is None or run.hidden is None:
         raise AnelabInputError("the compression cost needs both runs' hidden states (run_arms keep_hidden=True)")
     pair: PairComparison = compare_runs(reference, run)
+    if reference_perplexity is None:
+        reference_perplexity = perplexity(prompt_nll(model, prompt, reference.hidden[-1]))
     return ModeCost(
         mode, int(np.size(prompt)), int(run.tokens.size), pair.prompt_logits_diff, max(pair.step_logits_diffs),
         pair.greedy_agreement, pair.agreement_excluding_near_ties, pair.near_ties, pair.greedy_summary(),
-        perplexity(prompt_nll(model, prompt, run.hidden[-1])), perplexity(prompt_nll(model, prompt, reference.hidden[-1])),
-        max(pair.layer_diffs),
+        perplexity(prompt_nll(model, prompt, run.hidden[-1])), reference_perplexity, max(pair.layer_diffs),
     )  # fmt: skip
 
 
@@ -146,17 +149,21 @@ def stored_attention(packages: dict[int, str], model: ModelCheckpoint) -> dict[i
 
 def stored_weights_costs(
     model: ModelCheckpoint, prompt: np.ndarray, stored: dict[str, dict[int, AttentionWeights]], *, decode: int,
-    chunk: int, partial: bool = False, reference: ArmRun | None = None,
+    chunk: int, partial: bool = False, reference: ArmRun | None = None, reference_perplexity: float | None = None,
 ) -> dict[str, ModeCost]:  # fmt: skip
     """Per mode (``stored``: mode -> layer -> the projections its packages store), the stored-weights arm against
     the reference arm on ``prompt`` (int [P]), both prefilled in chunks of ``chunk`` (``reference``: that arm's run
-    when the caller has it, hidden states kept). A mode missing a layer is refused unless ``partial`` (then only its
-    layers carry the mode, and its ``ModeCost.layers`` names them)."""
+    when the caller has it, hidden states kept; ``reference_perplexity``: its perplexity, likewise). A mode missing a
+    layer is refused unless ``partial`` (then only its layers carry the mode, and its ``ModeCost.layers`` names
+    them)."""
     if not stored:
         raise AnelabInputError("no weight mode to cost: pass at least one mode's stored weights")
     model, _ = weights_for_run(model)  # read (and, when they fit, kept) once for every mode's run
     if reference is None:
         reference = run_arms(model, prompt, [Arm("reference")], decode=decode, chunk=chunk)["reference"]
+    reference_ppl = reference_perplexity  # computed once for every mode
+    if reference_ppl is None:
+        reference_ppl = perplexity(prompt_nll(model, prompt, reference.hidden[-1]))
     costs = {}
     for mode, attention in stored.items():
         g = model.geometry
@@ -165,7 +172,7 @@ def stored_weights_costs(
             raise AnelabInputError(f"{mode}: no stored weights for layer {missing[0]}; export every attention layer")
         arm = Arm(f"stored {mode}")
         run = run_arms(StoredWeightsModel(model, attention), prompt, [arm], decode=decode, chunk=chunk)[arm.name]
-        costs[mode] = mode_cost(model, prompt, reference, run, mode)
+        costs[mode] = mode_cost(model, prompt, reference, run, mode, reference_ppl)
         costs[mode].layers = sorted(attention) if missing else None
     return costs
 
@@ -253,16 +260,18 @@ def weight_mode_evidence(
     activations: dict[int, np.ndarray] | None = None,
     use=None,
     layers: list[int] | None = None,
+    reference: ReferenceRun | None = None,
 ) -> dict[str, ModeEvidence]:
     """Per mode: every attention layer of the opened whole ``model`` exported once (``evidence_cache.cached_export``:
     ``chunk``, ``histories``), the ``verified`` layers verified once on random rows and, with ``activations``
     (layer -> post-norm rows), on real ones (``cached_verify``), and the stored-weights arm against the reference
     on ``prompt`` (int [P], real text; prefill in chunks of ``chunk``), cached by the packages' content. ``layers``:
     only these carry the mode (the tests' quick runs; the cost then says so), default every attention layer.
+    ``reference``: the reference arm's ``ReferenceRun`` of the same prompt, decode and chunk when the caller shares it.
 
     Each mode is one unit of work under its own lock (``core.parallel.each_when_free``): a second study asking the
     same modes meanwhile takes the modes the first has not started, and reuses the rest when they are done."""
-    reference = _ReferenceRun(model, prompt, decode, chunk)
+    reference = reference if reference is not None else ReferenceRun(model, prompt, decode, chunk)
     request = {"chunk": int(chunk), "histories": [int(h) for h in histories], "verified": [int(v) for v in verified],
                "decode": int(decode), "layers": layers, "prompt": cache.activations_digest(np.asarray(prompt, np.int64)),
                "activations": None if activations is None else {str(k): cache.activations_digest(v)
@@ -289,12 +298,20 @@ def weight_mode_evidence(
     return each_when_free(list(modes), one_mode)
 
 
-class _ReferenceRun:
-    """The reference arm of ``prompt`` (hidden states kept), run the first time a mode's cost asks for it."""
+class ReferenceRun:
+    """The reference arm of ``prompt`` int [P] (``decode`` greedy tokens, prefill in chunks of ``chunk``, hidden
+    states kept), run the first time it is called — by a mode's cost or the real attention inputs — then kept."""
 
     def __init__(self, model: ModelCheckpoint, prompt: np.ndarray, decode: int, chunk: int):
         self.model, self.prompt, self.decode, self.chunk = model, prompt, decode, chunk
         self._run: ArmRun | None = None
+        self._perplexity: float | None = None
+
+    def perplexity(self) -> float:
+        """The reference arm's perplexity of the prompt's own next tokens (computed once)."""
+        if self._perplexity is None:
+            self._perplexity = perplexity(prompt_nll(self.model, self.prompt, self().hidden[-1]))
+        return self._perplexity
 
     def __call__(self) -> ArmRun:
         if self._run is None:
@@ -331,7 +348,8 @@ def cached_mode_cost(model, prompt, mode: str, packages: dict[int, str], cache_r
                     use.count("whole-model cost", True)
                 return cost
         cost = stored_weights_costs(model, prompt, {mode: stored_attention(packages, model)}, decode=decode,
-                                    chunk=chunk, partial=partial, reference=reference())[mode]  # fmt: skip
+                                    chunk=chunk, partial=partial, reference=reference(),
+                                    reference_perplexity=reference.perplexity())[mode]  # fmt: skip
         atomic_write_text(path, json.dumps(cost.to_dict(), indent=1))
     if use is not None:
         use.count("whole-model cost", False)

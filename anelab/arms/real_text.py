@@ -89,12 +89,17 @@ def run_pair(model: ModelCheckpoint, prompt: np.ndarray, arms: tuple[Arm, Arm], 
     return text_pair(runs[a.name], runs[b.name], tokenizer)
 
 
-def attention_inputs(model: ModelCheckpoint, prompt: np.ndarray, layers: list[int], *, chunk: int = 64) -> dict:
+def attention_inputs(
+    model: ModelCheckpoint, prompt: np.ndarray, layers: list[int], *, chunk: int = 64, run=None
+) -> dict:
     """The real attention inputs of ``prompt`` (int [P]): layer -> the post-norm rows float32 [P, D] that layer's
-    attention takes, from the reference arm's prefill (fp32 ``core.reference`` attention, causal mask)."""
+    attention takes, from the reference arm's prefill (fp32 ``core.reference`` attention, causal mask) in chunks of
+    ``chunk`` — or from ``run``, that arm's ``ArmRun`` of the same prompt and chunk (hidden states kept), when the
+    caller has it (its prefill is the same whatever it decoded after)."""
     if not layers or any(not 0 <= int(layer) < model.num_layers for layer in layers):
         raise AnelabInputError(f"layers must be within 0 .. {model.num_layers - 1}, got {layers}")
-    run = run_arms(model, prompt, [Arm("reference")], decode=1, chunk=chunk)["reference"]
+    if run is None:
+        run = run_arms(model, prompt, [Arm("reference")], decode=1, chunk=chunk)["reference"]
     out = {}
     for layer in sorted({int(x) for x in layers}):
         before = embed(np.asarray(prompt), model.head()) if layer == 0 else run.hidden[layer - 1]

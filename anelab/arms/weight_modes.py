@@ -17,7 +17,13 @@ from pathlib import Path
 import numpy as np
 
 from anelab.arms import real_text
-from anelab.arms.compression_cost import ModeCost, ModeEvidence, compression_costs, weight_mode_evidence
+from anelab.arms.compression_cost import (
+    ModeCost,
+    ModeEvidence,
+    ReferenceRun,
+    compression_costs,
+    weight_mode_evidence,
+)
 from anelab.arms.resident import weights_for_run
 from anelab.arms.sidecars import open_sidecars
 from anelab.checkpoints.whole_model import ModelCheckpoint
@@ -103,18 +109,23 @@ def real_mode_evidence(
     layers = list(range(model.num_layers)) if request.full else sampled_layers(model.num_layers)
     layers = layers[-1:] if request.last_layer_only else layers
     use = CacheUse()
-    activations = cached_attention_inputs(model, prompt, layers, request.chunk, Path(build_dir) / CACHE_DIR, use)
+    reference = ReferenceRun(model, prompt, request.decode, request.chunk)  # one prefill for the inputs and the costs
+    activations = cached_attention_inputs(model, prompt, layers, request.chunk, Path(build_dir) / CACHE_DIR, use,
+                                          reference=reference)  # fmt: skip
     evidence = weight_mode_evidence(
         model, Path(build_dir) / CACHE_DIR, list(request.modes), prompt, chunk=request.chunk,
         histories=request.histories, verified=layers, decode=request.decode, activations=activations, use=use,
-        layers=layers if request.last_layer_only else None,
+        layers=layers if request.last_layer_only else None, reference=reference,
     )  # fmt: skip
     return RealEvidence(label or Path(model.path).name, request, prompt, layers, evidence, use, activations)
 
 
-def cached_attention_inputs(model, prompt: np.ndarray, layers: list[int], chunk: int, cache_root, use=None) -> dict:
+def cached_attention_inputs(model, prompt: np.ndarray, layers: list[int], chunk: int, cache_root, use=None,
+                            reference=None) -> dict:  # fmt: skip
     """``real_text.attention_inputs`` (layer -> post-norm rows float32 [P, D]) unless the same model (the digests of
-    all its stored tensors), prompt, layers and chunk were run before (``cache_root/activations/<key>.npz``)."""
+    all its stored tensors), prompt, layers and chunk were run before (``cache_root/activations/<key>.npz``);
+    ``reference``: a ``compression_cost.ReferenceRun`` of the same prompt and chunk, whose prefill they are read from
+    when they are computed."""
     tensors = model.checkpoint.tensors
     parts = {"code": code_identity(), "model": {name: tensors.digest(name) for name in sorted(tensors.names())},
              "prompt": activations_digest(np.asarray(prompt, np.int64)), "layers": list(layers), "chunk": int(chunk)}  # fmt: skip
@@ -125,7 +136,8 @@ def cached_attention_inputs(model, prompt: np.ndarray, layers: list[int], chunk:
                 if use is not None:
                     use.count("activations", True)
                 return {int(name.removeprefix("layer_")): stored[name] for name in stored.files}
-        inputs = real_text.attention_inputs(model, prompt, layers, chunk=chunk)
+        run = None if reference is None else reference()
+        inputs = real_text.attention_inputs(model, prompt, layers, chunk=chunk, run=run)
         buffer = io.BytesIO()
         np.savez(buffer, **{f"layer_{layer}": rows for layer, rows in inputs.items()})
         atomic_write_bytes(path, buffer.getvalue())

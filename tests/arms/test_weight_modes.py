@@ -45,7 +45,7 @@ def test_the_second_notebook_is_served_from_the_cache(checkpoint, tmp_path, monk
     second = weight_modes.real_mode_evidence(load_model(checkpoint), tmp_path, REQUEST, label="tiny")
     assert not first.use.reused and first.use.computed["activations"] == 1
     assert not second.use.computed
-    assert second.use.reused == {"activations": 1, "export": 2, "verify": 8, "whole-model cost": 1}
+    assert second.use.reused == {"activations": 1, "export": 2, "verify": 8, "whole-model cost": 2}
     assert second.to_dict() == first.to_dict() and first.layers == [0, 1] and (tmp_path / CACHE_DIR).is_dir()
     model = load_model(checkpoint)
     fresh = real_text.attention_inputs(model, first.prompt, [0, 1], chunk=REQUEST.chunk)
