@@ -216,3 +216,23 @@ def test_docs_cli_names_every_command_and_option_of_the_parser():
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     sub.choices["plan"].add_argument("--no-such-option")
     assert undocumented_options(parser, page) == ["plan --no-such-option"]
+
+
+COUNT_WORDS = ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve")
+
+
+def readme_study_count(text: str) -> int | None:
+    """The number the README's "<N> study notebooks" names (a word or digits), or None."""
+    found = re.search(r"\b(\w+) study notebooks\b", text, re.IGNORECASE)
+    if found is None:
+        return None
+    word = found.group(1).lower()
+    return int(word) if word.isdigit() else (COUNT_WORDS.index(word) + 1 if word in COUNT_WORDS else None)
+
+
+def test_the_readme_counts_the_studies_of_the_table():
+    from anelab.publish.studies import STUDIES
+
+    assert readme_study_count(README.read_text()) == len(STUDIES)
+    assert readme_study_count("Seven study notebooks reproduce it.") == 7  # control: a stale count is read as such
+    assert readme_study_count("no count here") is None
