@@ -72,7 +72,7 @@ STUDIES: tuple[Study, ...] = (
         (Headline("gpu_over_ane", "GPU / Neural Engine predict time (Core ML's own durations) at the largest history "
                   "(Mac only)", "x",
                   "predict_timing", ane_over_gpu_at_largest_history),),
-        typical_seconds=9,
+        typical_seconds=8,
     ),
     Study(
         "02_mask_fold",
@@ -92,7 +92,7 @@ STUDIES: tuple[Study, ...] = (
                      lambda rs: (w := widest(rs)) and w["control"]["fold_error"]),
         ),
         ("compress_ratio", "fold_error"),
-        typical_seconds=28,
+        typical_seconds=29,
     ),
     Study(
         "03_gather_sizing",
@@ -126,7 +126,7 @@ STUDIES: tuple[Study, ...] = (
                      program_bytes_per_function),
         ),
         ("export_chunk", "program_bytes_per_function"),
-        typical_seconds=17,
+        typical_seconds=12,
     ),
     Study(
         "05_tiled_stateful",
@@ -146,7 +146,7 @@ STUDIES: tuple[Study, ...] = (
                      "design_comparison", worst_graph_error),
         ),
         ("export_chunk", "largest_intermediate_dense"),
-        typical_seconds=150,
+        typical_seconds=113,
     ),
     Study(
         "06_one_function",
@@ -154,7 +154,7 @@ STUDIES: tuple[Study, ...] = (
         "planner per design, saved packages' op counts and intermediates, verification, NumPy prefill",
         "cold loads and predictions (through the state) of c<C> against h<H>",
         ("one_function_prediction", "one_function_intermediate", "one_function_tile_error"),
-        typical_seconds=39,
+        typical_seconds=36,
     ),
     Study(
         "07_whole_model_arms",
@@ -164,7 +164,7 @@ STUDIES: tuple[Study, ...] = (
         "Core ML numerics of the same arms (anelab compare-arms --compute-units)",
         ("arms_per_layer_difference", "arms_logits_vs_greedy", "arms_real_text", "arms_verify_margin",
          "arms_real_windowed"),
-        typical_seconds=120,
+        typical_seconds=118,
     ),
     Study(
         "08_offload_split",
@@ -172,7 +172,7 @@ STUDIES: tuple[Study, ...] = (
         "the planner's offload split per model, chip and prompt length; the published oMLX / mlx-serve splits replayed",
         "each proposed split timed against the GPU prefill (anelab ab --split planned; anelab measure's split_ab)",
         ("offload_split_share", "offload_split_ratio", "offload_split_published"),
-        typical_seconds=7,
+        typical_seconds=6,
     ),
 )  # fmt: skip
 

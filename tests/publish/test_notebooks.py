@@ -365,7 +365,7 @@ def test_a_fresh_checkout_starts_the_studies_longest_first(tmp_path):
 
     nbs = [Path(s.notebook) for s in STUDIES]
     order = [nb.stem for nb in notebooks.longest_first(nbs, tmp_path / "build")]
-    assert order[:2] == ["05_tiled_stateful", "07_whole_model_arms"]
+    assert set(order[:2]) == {"05_tiled_stateful", "07_whole_model_arms"}
     assert [s.typical_seconds for s in sorted(STUDIES, key=lambda s: order.index(s.stem))] == sorted(
         (s.typical_seconds for s in STUDIES), reverse=True
     )
