@@ -92,10 +92,28 @@ MEASURED_COLOUR = "#1f4e79"
 
 
 def use_style() -> None:
-    """Apply ``STYLE`` to matplotlib's rcParams (notebooks call this once, before drawing)."""
+    """Apply ``STYLE`` to matplotlib's rcParams (notebooks call this once, before drawing), and in a notebook show
+    figures as they are saved (``show_as_saved``)."""
     import matplotlib as mpl
 
     mpl.rcParams.update(STYLE)
+    show_as_saved()
+
+
+def show_as_saved() -> bool:
+    """In an IPython kernel with matplotlib's inline backend: show each figure at its own size, as ``save_figure``
+    writes it, not cropped to a "tight" box. The inline backend crops by default, and that crop moves the panels
+    down onto the provenance footer (which sits below the layout, outside the box it computes), so the notebooks'
+    HTML showed the footer over the x-axis labels while the saved files were right. True when it applied."""
+    try:
+        from IPython import get_ipython
+        from matplotlib_inline.backend_inline import set_matplotlib_formats
+    except ImportError:
+        return False
+    if get_ipython() is None:
+        return False
+    set_matplotlib_formats("png", bbox_inches=None)
+    return True
 
 
 def _metadata(fmt: str) -> dict:

@@ -387,3 +387,53 @@ def test_reproduce_gives_each_notebook_kernel_its_share(monkeypatch):
     with notebooks.thread_limits(1):
         assert os.environ[parallel.CORE_BUDGET_VARIABLE] == "1" and os.environ["OPENBLAS_NUM_THREADS"] == "1"
     assert parallel.CORE_BUDGET_VARIABLE not in os.environ  # restored on leaving
+
+
+SHOWN_FIGURE = """
+import io
+import matplotlib.pyplot as plt
+from PIL import Image
+from anelab.publish import figures
+figures.use_style()
+{setup}
+fig, axes = plt.subplots(1, 2, figsize=(9.4, 3.6))
+for ax in axes:
+    ax.plot([1, 2, 3], [1, 2, 3]); ax.set_xlabel("prompt tokens")
+figures.label_provenance(axes[-1], "a provenance note as long as a real one, predicted by the planner", recorded=False)
+saved = Image.open(io.BytesIO(figures.figure_bytes(fig, "png"))).size
+plt.show()
+print("saved", saved)
+"""
+
+
+def _shown_and_saved(tmp_path, setup: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    import base64
+    import io
+
+    import papermill
+    from PIL import Image
+
+    path = _tiny_notebook(tmp_path / "shown.ipynb", SHOWN_FIGURE.format(setup=setup), parameters=None)
+    out = tmp_path / "shown.out.ipynb"
+    papermill.execute_notebook(str(path), str(out), kernel_name=notebooks.kernel_name(), progress_bar=False)
+    outputs = nbformat.read(str(out), as_version=4).cells[0].outputs
+    png = next(o.data["image/png"] for o in outputs if "image/png" in o.get("data", {}))
+    saved = next(o.text for o in outputs if o.get("name") == "stdout").split("saved ", 1)[1].strip()
+    return Image.open(io.BytesIO(base64.b64decode(png))).size, tuple(int(v) for v in saved.strip("()").split(","))
+
+
+def test_a_notebook_shows_a_figure_as_it_is_saved_footer_and_all(tmp_path):
+    """The inline backend's default "tight" crop moved the panels onto the provenance footer in the notebooks' HTML;
+    ``figures.use_style`` has figures shown at their saved size. Control: with the crop put back, the shown image
+    is another size than the saved one."""
+    shown, saved = _shown_and_saved(tmp_path, setup="")
+    assert shown == saved
+    cropped, saved = _shown_and_saved(
+        tmp_path,
+        setup="from matplotlib_inline.backend_inline import set_matplotlib_formats\n"
+        "set_matplotlib_formats('png', bbox_inches='tight')",
+    )
+    assert cropped != saved
+    from anelab.publish import figures
+
+    assert figures.show_as_saved() is False  # outside a kernel (here): nothing to set
