@@ -147,3 +147,16 @@ def gated_copy(directory: Path, dest: Path) -> Path:
         meta = {**read_raw_metadata(pkg), META["ane_verified"]: "true", META["ane_reason"]: "set by a test"}
         write_package_metadata(pkg, dest / pkg.name, meta)
     return dest
+
+
+def random_whole_model(dest: Path, geometry: AttentionGeometry, *, intermediate: int, vocab: int) -> Path:
+    """A whole Qwen3 checkpoint in the Hugging Face layout at ``dest`` with random weights (seed 0): every attention
+    layer of ``geometry``, SwiGLU MLPs of width ``intermediate``, an untied head of ``vocab`` rows."""
+    from anelab.checkpoints.whole_model import write_model_checkpoint
+    from anelab.core.decoder import random_head_weights, random_layer_weights
+
+    g = geometry
+    attention = {i: random_attention_weights(g, i, 0) for i in g.full_attention_layers}
+    layers = {i: random_layer_weights(i, g.hidden_size, intermediate, 0) for i in range(g.num_layers)}
+    head = random_head_weights(vocab, g.hidden_size, 0, tied=False)
+    return write_model_checkpoint(dest, g, attention, layers, head, model_type="qwen3")

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import random_whole_model
 
 from anelab.arms import compression_cost, real_text
 from anelab.arms.arm_runs import Arm, run_arms
 from anelab.arms.sidecars import open_sidecars
 from anelab.checkpoints.checkpoint import load_checkpoint
-from anelab.checkpoints.whole_model import load_model, write_model_checkpoint
-from anelab.core.decoder import random_head_weights, random_layer_weights
+from anelab.checkpoints.whole_model import load_model
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import AttentionGeometry
-from anelab.core.weights import random_attention_weights
 from anelab.sidecar.export import export_sidecars
 
 CHUNK, PROMPT, DECODE, VOCAB = 8, 24, 3, 64
@@ -26,11 +25,7 @@ GEOMETRY = AttentionGeometry(variant="qwen3", hidden_size=32, num_heads=2, num_k
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("compression_cost")
-    g = GEOMETRY
-    attention = {i: random_attention_weights(g, i, 0) for i in g.full_attention_layers}
-    layers = {i: random_layer_weights(i, g.hidden_size, 48, 0) for i in range(g.num_layers)}
-    checkpoint = write_model_checkpoint(root / "model", g, attention, layers,
-                                        random_head_weights(VOCAB, 32, 0, tied=False), model_type="qwen3")  # fmt: skip
+    checkpoint = random_whole_model(root / "model", GEOMETRY, intermediate=48, vocab=VOCAB)
     model = load_model(checkpoint)
     prompt = np.random.default_rng(3).integers(0, VOCAB, PROMPT)
     sidecars = {}

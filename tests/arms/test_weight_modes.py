@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import random_whole_model
 
 from anelab.arms import real_text, weight_modes
 from anelab.checkpoints.checkpoint import Checkpoint
-from anelab.checkpoints.whole_model import load_model, write_model_checkpoint
-from anelab.core.decoder import random_head_weights, random_layer_weights
+from anelab.checkpoints.whole_model import load_model
 from anelab.core.geometry import AttentionGeometry
-from anelab.core.weights import random_attention_weights
 from anelab.sidecar.checks.evidence_cache import CACHE_DIR
 
 VOCAB = 64
@@ -32,11 +31,7 @@ class Words:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    g = GEOMETRY
-    attention = {i: random_attention_weights(g, i, 0) for i in g.full_attention_layers}
-    layers = {i: random_layer_weights(i, g.hidden_size, 48, 0) for i in range(g.num_layers)}
-    return write_model_checkpoint(tmp_path_factory.mktemp("weight_modes") / "model", g, attention, layers,
-                                  random_head_weights(VOCAB, 32, 0, tied=False), model_type="qwen3")  # fmt: skip
+    return random_whole_model(tmp_path_factory.mktemp("weight_modes") / "model", GEOMETRY, intermediate=48, vocab=VOCAB)
 
 
 def test_the_second_notebook_is_served_from_the_cache(checkpoint, tmp_path, monkeypatch):

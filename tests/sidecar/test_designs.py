@@ -16,16 +16,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import random_whole_model
 
 from anelab.arms.arm_comparison import NOISE, compare_arms
 from anelab.arms.arm_runs import Arm, run_arm
 from anelab.arms.sidecars import open_sidecars
 from anelab.checkpoints.checkpoint import load_checkpoint
-from anelab.checkpoints.whole_model import load_model, write_model_checkpoint
-from anelab.core.decoder import random_head_weights, random_layer_weights
+from anelab.checkpoints.whole_model import load_model
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import AttentionGeometry
-from anelab.core.weights import random_attention_weights
 from anelab.runtimes.coreml.coreml_fake import FakeRuntime
 from anelab.runtimes.open import open_sidecar
 from anelab.sidecar.checks.comparison import RELATIVE_ERROR_THRESHOLD, relative_error
@@ -118,12 +117,7 @@ def test_an_option_the_design_does_not_take_is_refused_even_when_falsy():
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("designs")
-    g = GEOMETRY
-    attention = {i: random_attention_weights(g, i, 0) for i in g.full_attention_layers}
-    layers = {i: random_layer_weights(i, g.hidden_size, 48, 0) for i in range(g.num_layers)}
-    return write_model_checkpoint(
-        root / "model", g, attention, layers, random_head_weights(64, g.hidden_size, 0, tied=False), model_type="qwen3"
-    )
+    return random_whole_model(root / "model", GEOMETRY, intermediate=48, vocab=64)
 
 
 @pytest.fixture(scope="module")

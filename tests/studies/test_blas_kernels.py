@@ -22,12 +22,10 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import random_whole_model
 
 from anelab.checkpoints.checkpoint import load_checkpoint
-from anelab.checkpoints.whole_model import write_model_checkpoint
-from anelab.core.decoder import random_head_weights, random_layer_weights
 from anelab.core.geometry import AttentionGeometry, chunk_starts
-from anelab.core.weights import random_attention_weights
 from anelab.sidecar.export import export_sidecars
 from anelab.studies.one_function import tile_error_exports
 
@@ -98,11 +96,7 @@ print(json.dumps(out, default=lambda x: x.tolist() if hasattr(x, "tolist") else 
 def exported(tmp_path_factory):
     """A 2-layer random-weight Qwen3 checkpoint, its arm sidecars and notebook 06's stateful-tiled packages."""
     root = tmp_path_factory.mktemp("blas_kernels")
-    g = GEOMETRY
-    attention = {i: random_attention_weights(g, i, 0) for i in g.full_attention_layers}
-    layers = {i: random_layer_weights(i, g.hidden_size, 384, 0) for i in range(g.num_layers)}
-    checkpoint = write_model_checkpoint(root / "model", g, attention, layers, random_head_weights(512, g.hidden_size, 0,
-                                       tied=False), model_type="qwen3")  # fmt: skip
+    checkpoint = random_whole_model(root / "model", GEOMETRY, intermediate=384, vocab=512)
     export_sidecars(load_checkpoint(checkpoint), root / "sidecars", CHUNK, chunk_starts(PROMPT, CHUNK))
     packages = tile_error_exports(
         checkpoint, root / "tiles", layer=0, chunk=CHUNK, capacity=CAPACITY, key_tiles=KEY_TILES

@@ -9,19 +9,19 @@ import hashlib
 
 import numpy as np
 import pytest
+from conftest import random_whole_model
 
 from anelab.arms import real_text
 from anelab.arms.arm_comparison import NOISE
 from anelab.arms.arm_runs import Arm, Perturbation, run_arms
 from anelab.arms.sidecars import open_sidecars
 from anelab.checkpoints.checkpoint import load_checkpoint
-from anelab.checkpoints.whole_model import load_model, write_model_checkpoint
+from anelab.checkpoints.whole_model import load_model
 from anelab.core import reference
-from anelab.core.decoder import finish_layer, random_head_weights, random_layer_weights
+from anelab.core.decoder import finish_layer
 from anelab.core.errors import AnelabInputError
 from anelab.core.geometry import AttentionGeometry
 from anelab.core.paths import REPO_ROOT
-from anelab.core.weights import random_attention_weights
 from anelab.sidecar.checks.comparison import RELATIVE_ERROR_THRESHOLD
 from anelab.sidecar.checks.verify_cases import activation_inputs, check_activations, verify_per_history_package
 from anelab.sidecar.drivers import prompt_reference
@@ -48,11 +48,7 @@ class WordTokenizer:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("real_text")
-    g = GEOMETRY
-    attention = {i: random_attention_weights(g, i, 0) for i in g.full_attention_layers}
-    layers = {i: random_layer_weights(i, g.hidden_size, 48, 0) for i in range(g.num_layers)}
-    checkpoint = write_model_checkpoint(root / "model", g, attention, layers, random_head_weights(64, 32, 0, tied=False),
-                                        model_type="qwen3")  # fmt: skip
+    checkpoint = random_whole_model(root / "model", GEOMETRY, intermediate=48, vocab=64)
     model = load_model(checkpoint)
     prompt = real_text.docs_prompt(WordTokenizer(), PROMPT)
     return root, checkpoint, model, prompt
