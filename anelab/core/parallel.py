@@ -55,13 +55,17 @@ CORE_BUDGET_VARIABLE = "ANELAB_CORES"  # cores a run may fill with its own worke
 def core_budget() -> int:
     """The cores this run's own worker pools may fill: ``available_cores``, or fewer where the run was given a share
     of them (``CORE_BUDGET_VARIABLE``: ``reproduce`` runs two notebooks at once on two cores, one core each, so a
-    notebook's export does not fork workers onto the other's core). An unreadable value is ignored."""
+    notebook's export does not fork workers onto the other's core). Unset or empty: every core; a share above the
+    cores is the cores; anything but a whole number >= 1 is refused in one line."""
     cores = available_cores()
-    try:
-        share = int(os.environ.get(CORE_BUDGET_VARIABLE, ""))
-    except ValueError:
+    value = os.environ.get(CORE_BUDGET_VARIABLE, "").strip()
+    if not value:
         return cores
-    return max(1, min(cores, share))
+    if not value.isdigit() or int(value) < 1:
+        raise AnelabInputError(
+            f"{CORE_BUDGET_VARIABLE}={value!r} is not a number of cores; set it to 1..{cores} or unset it"
+        )
+    return min(cores, int(value))
 
 
 def default_jobs(items: int, cores: int | None = None) -> int:

@@ -134,14 +134,19 @@ def test_jobs_are_bounded_by_the_cores():
 
 def test_a_run_given_a_share_of_the_cores_keeps_its_pools_within_it(monkeypatch):
     """``ANELAB_CORES`` (what ``reproduce`` gives each of its two notebooks) bounds the workers a run forks by itself;
-    it never raises the machine's cores, and a value that is not a number is ignored. Control: unset, the cores."""
+    it never raises the machine's cores, and a value that is not a number of cores is refused in one line naming it.
+    Control: unset, the cores."""
     monkeypatch.setattr(parallel, "available_cores", lambda: 2)
     monkeypatch.delenv(parallel.CORE_BUDGET_VARIABLE, raising=False)
     assert parallel.core_budget() == 2 and parallel.default_jobs(30) == 2  # control: the machine's cores
-    for value, budget in (("1", 1), ("8", 2), ("0", 1), ("many", 2), ("", 2)):
+    for value, budget in (("1", 1), ("8", 2), (" 1 ", 1), ("", 2)):
         monkeypatch.setenv(parallel.CORE_BUDGET_VARIABLE, value)
         assert parallel.core_budget() == budget, value
         assert parallel.default_jobs(30) == budget, value
+    for value in ("0", "many", "-1", "1.5"):
+        monkeypatch.setenv(parallel.CORE_BUDGET_VARIABLE, value)
+        with pytest.raises(AnelabInputError, match="ANELAB_CORES=.* is not a number of cores; set it to 1..2"):
+            parallel.default_jobs(30)
 
 
 def _package_bytes(pkg) -> tuple[bytes, bytes]:
